@@ -1,0 +1,440 @@
+"""The client: `RLPool`, what a training loop holds.
+
+    RLPool --CALL frames over a socketpair--> worker process (boltzlabs.worker)
+    RLPool <--REPLY/ERROR/PROGRESS frames---- worker process
+
+The client validates every argument before a byte is sent, turns the
+worker's replies into numpy arrays, keeps each lane's latest observation (so
+a partial reset can splice) and owns the worker's life: `close()`, the
+context manager, garbage collection and interpreter exit all end it, and a
+call interrupted by Ctrl-C kills it rather than leave it half way.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from boltzlabs import wire
+from boltzlabs.cgroups import remove_pool_dir
+from boltzlabs.errors import EnvStartError, PoolClosedError, WorkerError
+from boltzlabs.sandbox import find_bwrap, parse_size
+
+__all__ = ["RLPool", "Timing", "MemoryReport"]
+
+_PROGRESS_MIN_ENVS = 64
+
+
+@dataclass
+class Timing:
+    """Timing of the latest `step()` or `reset()`.
+
+    worker_ms: the batch as measured on the worker (fan-out, env code,
+    gather); roundtrip_ms: this process's wall clock around the whole call;
+    stragglers: lanes that missed their deadline in that call.
+    """
+
+    worker_ms: float = 0.0
+    roundtrip_ms: float = 0.0
+    stragglers: list = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return (f"worker {self.worker_ms:.2f} ms, roundtrip {self.roundtrip_ms:.2f} ms, "
+                f"{len(self.stragglers)} straggler(s)")
+
+
+@dataclass
+class MemoryReport:
+    """Memory of each env in bytes, and where the figures came from."""
+
+    per_env: list
+    source: str
+    note: str = ""
+
+    @property
+    def total(self) -> int:
+        return int(sum(self.per_env))
+
+    @property
+    def mean(self) -> float:
+        return self.total / max(1, len(self.per_env))
+
+
+def _resolve_source(source) -> Path:
+    if not isinstance(source, (str, os.PathLike)):
+        raise TypeError(f"source must be a path to an env directory, not {type(source).__name__}")
+    path = Path(source).expanduser()
+    if path.is_file() and path.name == "env.py":
+        path = path.parent
+    if not path.is_dir():
+        raise ValueError(f"env source {str(source)!r} is not a directory; give the directory that holds env.py")
+    if not (path / "env.py").is_file():
+        raise ValueError(f"env source {str(source)!r} has no env.py; an env directory holds an env.py "
+                         "that ends with boltzlabs.env.serve(reset=..., step=...)")
+    return path.resolve()
+
+
+def _positive(name: str, value, allow_none: bool = True):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+    return float(value)
+
+
+class RLPool:
+    """n live envs, each in its own bubblewrap sandbox, behind one batched step.
+
+        with RLPool("./my_env", 1000) as pool:
+            obs = pool.reset(seed=0)
+            obs, rewards, dones, infos = pool.step(actions)
+            obs = pool.reset(where=dones)
+
+    Parameters:
+      source: directory holding env.py (which calls boltzlabs.env.serve).
+      n: number of envs.
+      step_timeout: seconds an env has to answer a step or reset; one that
+        misses it is a straggler (done, reward 0, info["straggler"]). None
+        takes the policy default (sandbox/policy.toml). With
+        serialize_measurement it bounds each env's turn at the gate.
+      serialize_measurement: at most one env's step code runs at any instant.
+      memory_limit: per-env memory limit (bytes or '512M'); an env over it is
+        killed by the kernel and reported on its lane. Needs a memory cgroup.
+      workspace_size: size of each env's private tmpfs workspace.
+      start_timeout: seconds each env has to complete its handshake.
+      progress: show a progress bar while starting (default: on a terminal,
+        for 64 envs or more).
+    """
+
+    def __init__(self, source, n: int, *, step_timeout=None, serialize_measurement: bool = False,
+                 memory_limit=None, workspace_size="64M", start_timeout=None, progress=None):
+        self._closed = True
+        source_dir = _resolve_source(source)
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+            raise ValueError(f"n must be a whole number of envs, at least 1; got {n!r}")
+        self.n = n = int(n)
+        config = {
+            "source_dir": str(source_dir),
+            "n": n,
+            "step_timeout": _positive("step_timeout", step_timeout),
+            "start_timeout": _positive("start_timeout", start_timeout),
+            "serialize_measurement": bool(serialize_measurement),
+            "memory_limit": parse_size(memory_limit) if memory_limit is not None else None,
+            "workspace_size": parse_size(workspace_size),
+        }
+        find_bwrap()  # fail here, with the install command, not inside the worker
+        self.source = str(source)
+        self.timing = Timing()
+        self.reset_infos: list = [None] * n
+        self._obs: list = [None] * n
+        self._seq = 0
+        self._reader = wire.FrameReader(wire.Limits(1 << 30))
+        self._inbox: list = []
+        self._start_worker()
+        if progress is None:
+            progress = n >= _PROGRESS_MIN_ENVS and sys.stderr.isatty()
+        try:
+            ready = self._open(config, progress)
+        except BaseException:
+            self._shutdown()
+            raise
+        self.memory_source = ready["memory_source"]
+        self.hello = ready["hello"]
+        self.step_timeout = ready["step_timeout"]
+        self._cgroup = ready["cgroup"]
+        self._finalizer.detach()
+        self._finalizer = weakref.finalize(self, _shutdown_worker, self._proc, self._conn, self._stderr,
+                                           self._cgroup)
+        if ready["memory_note"]:
+            import warnings
+
+            warnings.warn(ready["memory_note"], RuntimeWarning, stacklevel=2)
+
+    # -- worker life --------------------------------------------------------------
+
+    def _start_worker(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._stderr = tempfile.TemporaryFile()  # unlinked at once: nothing left behind
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "boltzlabs.worker", "--fd", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=self._stderr,
+                stderr=self._stderr, start_new_session=True,  # Ctrl-C reaches us, not the worker
+                env=_worker_environment())
+        finally:
+            theirs.close()
+        self._conn = ours
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _shutdown_worker, self._proc, self._conn, self._stderr, None)
+
+    def _open(self, config: dict, progress: bool) -> dict:
+        self._conn.sendall(wire.encode([wire.OPEN, config]))
+        bar = None
+        try:
+            while True:
+                message = self._receive()
+                code = message[0]
+                if code == wire.PROGRESS:
+                    if progress:
+                        if bar is None:
+                            from tqdm import tqdm
+
+                            bar = tqdm(total=message[2], desc="starting envs", unit="env", leave=False)
+                        bar.update(message[1] - bar.n)
+                elif code == wire.READY:
+                    return message[1]
+                elif code == wire.ERROR:
+                    _, _, kind, text, detail = message
+                    if kind == "start":
+                        others = detail["failed"] - 1
+                        more = f" ({others} other env(s) failed too)" if others > 0 else ""
+                        raise EnvStartError(
+                            f"{text}{more}.\n--- the tail of env {detail['env']}'s output ---\n{detail['log']}\n"
+                            f"--- end ---\nFix the error in {config['source_dir']}/env.py (its traceback is above).",
+                            env_index=detail["env"], log=detail["log"])
+                    if kind in ("ValueError", "TypeError"):
+                        raise ValueError(text)
+                    raise WorkerError(f"the worker could not start the pool: {kind}: {text}")
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def _receive(self) -> list:
+        """Next message from the worker; never blocks past the worker's death."""
+        while not self._inbox:
+            self._conn.settimeout(1.0)
+            try:
+                data = self._conn.recv(1 << 20)
+            except socket.timeout:
+                if self._proc.poll() is not None:
+                    raise self._worker_died()
+                continue
+            if not data:
+                self._proc.wait(timeout=10)
+                raise self._worker_died()
+            self._inbox.extend(self._reader.feed(data))
+        return self._inbox.pop(0)
+
+    def _worker_died(self) -> WorkerError:
+        self._closed = True
+        self._stderr.seek(0)
+        tail = self._stderr.read()[-4000:].decode("utf-8", "replace")
+        code = self._proc.poll()
+        return WorkerError(f"the boltzlabs worker (pid {self._proc.pid}) exited with code {code}; "
+                           f"its output:\n{tail or '(none)'}")
+
+    def _call(self, name: str, *args):
+        if self._closed:
+            raise PoolClosedError("this RLPool is closed; create a new one")
+        self._seq += 1
+        seq = self._seq
+        try:
+            frame = wire.encode([wire.CALL, seq, name, list(args)])
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise TypeError(f"{name}() arguments cannot be serialized: {exc}") from None
+        started = time.perf_counter()
+        try:
+            self._conn.sendall(frame)
+            while True:
+                message = self._receive()
+                if message[0] == wire.REPLY and message[1] == seq:
+                    self.timing.roundtrip_ms = (time.perf_counter() - started) * 1000.0
+                    self.timing.worker_ms = message[2]
+                    return message[3]
+                if message[0] == wire.ERROR:
+                    _, _, kind, text, _ = message
+                    if kind in ("ValueError", "TypeError", "IndexError", "KeyError"):
+                        raise ValueError(text)
+                    raise WorkerError(f"{kind}: {text}")
+        except (ValueError, WorkerError):
+            raise
+        except BaseException:
+            # Interrupted half way (Ctrl-C): the stream is out of step; end it.
+            self._shutdown()
+            raise
+
+    def _shutdown(self) -> None:
+        self._closed = True
+        self._finalizer()
+
+    def close(self) -> None:
+        """Stop every env and the worker; remove every cgroup. Idempotent."""
+        self._closed = True
+        if hasattr(self, "_finalizer"):
+            self._finalizer()
+
+    def __enter__(self) -> "RLPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"RLPool({self.source!r}, {self.n}, {state})"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- the API --------------------------------------------------------------------
+
+    def step(self, actions):
+        """Step every env with its action. ONE request to the worker.
+
+        `actions`: a length-n sequence of msgpack-able values, or an array
+        whose first dimension is n. Returns (obs: list, rewards: float32[n],
+        dones: bool[n], infos: list). A lane that failed (exception, death,
+        bad frame, missed deadline) comes back done with reward 0, obs None
+        and `info["error"]` saying why (`info["straggler"]` for a missed
+        deadline). `self.terminated` and `self.truncated` keep the two kinds
+        of `done` apart (failures count as truncated).
+        """
+        n = self.n
+        if isinstance(actions, np.ndarray):
+            if actions.ndim == 0 or actions.shape[0] != n:
+                raise ValueError(f"step() needs {n} actions (an array whose first dimension is {n}); "
+                                 f"got an array of shape {actions.shape}")
+            actions = actions.tolist()
+        else:
+            try:
+                count = len(actions)
+            except TypeError:
+                raise TypeError(f"step() needs a sequence of {n} actions, not {type(actions).__name__}") from None
+            if count != n:
+                raise ValueError(f"step() needs {n} actions, one per env; got {count}")
+            actions = list(actions)
+        try:
+            wire.encode(actions)
+        except (TypeError, ValueError, OverflowError):
+            self._raise_unserializable(actions)
+        obs, rewards, terminated, truncated, infos, stragglers = self._call("step", actions)
+        # Hot path: the arrays come as raw bytes, one copy each.
+        self.terminated = np.frombuffer(terminated, dtype=np.bool_).copy()
+        self.truncated = np.frombuffer(truncated, dtype=np.bool_).copy()
+        self.timing.stragglers = stragglers
+        self._obs = obs
+        return obs, np.frombuffer(rewards, dtype=np.float32).copy(), self.terminated | self.truncated, infos
+
+    @staticmethod
+    def _raise_unserializable(actions):
+        for i, action in enumerate(actions):
+            try:
+                wire.encode(action)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise TypeError(f"the action for env {i} cannot be sent ({exc}); actions must be msgpack-able "
+                                "values (numbers, str, bytes, lists, dicts, None) or numpy arrays") from None
+
+    def _lanes(self, where) -> list:
+        n = self.n
+        if where is None:
+            return list(range(n))
+        mask = np.asarray(where)
+        if mask.dtype == np.bool_:
+            if mask.shape != (n,):
+                raise ValueError(f"reset(where=...) as a mask needs {n} booleans; got shape {mask.shape}")
+            return np.flatnonzero(mask).tolist()
+        if mask.ndim != 1 or (mask.size and not np.issubdtype(mask.dtype, np.integer)):
+            raise ValueError("reset(where=...) takes a boolean mask of length n or a list of env indices")
+        lanes = sorted(set(int(i) for i in mask))
+        if lanes and (lanes[0] < 0 or lanes[-1] >= n):
+            raise ValueError(f"reset(where=...) has an env index outside [0, {n})")
+        return lanes
+
+    def reset(self, seed=None, where=None, hard: bool = False, options=None) -> list:
+        """Reset envs and return all n observations.
+
+        seed: an int gives env i the seed `seed + i`; a list gives one per env
+        (length n); None lets each env choose. where: a bool mask or a list of
+        indices; only those lanes reset, the others' latest observations are
+        spliced in place. hard=True kills and respawns the selected sandboxes
+        on a fresh workspace before resetting them (byte-identical starts).
+        A lane whose reset failed gets obs None and `reset_infos[i]["error"]`.
+        """
+        lanes = self._lanes(where)
+        if seed is None:
+            seeds = None
+        elif isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+            seeds = [int(seed) + i for i in lanes]
+        elif isinstance(seed, (list, tuple, np.ndarray)):
+            if len(seed) != self.n:
+                raise ValueError(f"reset(seed=[...]) needs one seed per env ({self.n}); got {len(seed)}")
+            seeds = [None if seed[i] is None else int(seed[i]) for i in lanes]
+        else:
+            raise TypeError(f"seed must be an int, a list of n ints or None, not {type(seed).__name__}")
+        if not lanes:
+            return list(self._obs)
+        _, obs, infos = self._call("reset", lanes, seeds, bool(hard), options)
+        self.timing.stragglers = [i for i, info in zip(lanes, infos) if info.get("straggler")]
+        for i, o, info in zip(lanes, obs, infos):
+            self._obs[i] = o
+            self.reset_infos[i] = info
+        return list(self._obs)
+
+    def memory(self) -> MemoryReport:
+        """Each env's memory in bytes (kernel accounting) and its source."""
+        report = self._call("memory")
+        return MemoryReport(report["per_env"], report["source"], report["note"])
+
+    def envs_per_gb(self) -> float:
+        """Envs per GiB: 2**30 / (pool memory / n), from the kernel's accounting."""
+        report = self.memory()
+        return (1 << 30) / max(1.0, report.total / self.n)
+
+    def log(self, index: int) -> str:
+        """The tail of env `index`'s stdout and stderr (bounded; see policy log_tail)."""
+        if not isinstance(index, (int, np.integer)) or not 0 <= index < self.n:
+            raise ValueError(f"env index must be in [0, {self.n}); got {index!r}")
+        return self._call("log", int(index))
+
+    def states(self) -> list:
+        """Each lane's state: 'idle', 'busy' (a straggler), 'starting' or 'dead'."""
+        return self._call("states")
+
+    def pids(self) -> list:
+        """Host pid of each env's sandbox (its bwrap process), -1 when dead."""
+        return self._call("pids")
+
+
+def _worker_environment() -> dict:
+    env = dict(os.environ)
+    # The worker must import this very boltzlabs, installed or not.
+    root = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def _shutdown_worker(proc: subprocess.Popen, conn: socket.socket, stderr, cgroup: str | None) -> None:
+    """End the worker: ask, then insist. Runs once, from close(), GC or exit."""
+    try:
+        if proc.poll() is None:
+            try:
+                conn.settimeout(5.0)
+                conn.sendall(wire.encode([wire.CLOSE]))
+                proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the worker and every bwrap it started
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            if cgroup:
+                remove_pool_dir(cgroup)
+    finally:
+        conn.close()
+        stderr.close()

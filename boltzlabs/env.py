@@ -1,0 +1,135 @@
+"""The env side: `serve(reset=, step=)`, run inside every sandbox.
+
+    worker --STEP/RESET/GO frames--> [fd $BOLTZLABS_FD] serve() --> your reset/step
+    worker <--STEPPED/RESET_DONE/FAILED frames-- serve()
+
+The worker starts the sandbox with the channel on its own file descriptor and
+stdout/stderr on a separate log pipe, so `print`, `sys.stdout.write` and
+`os.write(1, ...)` (at import, in reset or in step) land in the env's log and
+can never corrupt the channel. Frames are written with `os.write`, unbuffered.
+An exception in reset or step is reported with its traceback and the env
+keeps serving.
+
+Imports only the standard library and msgpack: every env pays for what this
+module imports.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+
+from boltzlabs import wire
+
+__all__ = ["serve"]
+
+_FD_VARIABLE = "BOLTZLABS_FD"
+
+
+class _Channel:
+    """Blocking frame I/O on the env's end of its channel."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        # The worker is trusted more than an env, but a cap still costs nothing.
+        self.reader = wire.FrameReader(wire.Limits(1 << 30))
+        self.inbox = []
+
+    def write(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view):]
+
+    def receive(self):
+        while not self.inbox:
+            data = os.read(self.fd, 1 << 20)
+            if not data:
+                raise EOFError
+            self.inbox.extend(self.reader.feed(data))
+        return self.inbox.pop(0)
+
+
+def _failure(seq, phase: str, exc: BaseException):
+    text = "".join(traceback.format_exception(exc))
+    return [wire.FAILED, seq, phase, f"{type(exc).__name__}: {exc}", text]
+
+
+def _step_reply(seq, result):
+    if not isinstance(result, tuple) or len(result) not in (4, 5):
+        raise TypeError(
+            f"step() returned {type(result).__name__}"
+            f"{f' of length {len(result)}' if isinstance(result, tuple) else ''}; expected "
+            "(obs, reward, done, info) or (obs, reward, terminated, truncated, info)")
+    if len(result) == 4:
+        obs, reward, terminated, info = result
+        truncated = False
+    else:
+        obs, reward, terminated, truncated, info = result
+    if info is None:
+        info = {}
+    if not isinstance(info, dict):
+        raise TypeError(f"step() returned info of type {type(info).__name__}; expected a dict")
+    return [wire.STEPPED, seq, obs, float(reward), bool(terminated), bool(truncated), info]
+
+
+def _reset_reply(seq, result):
+    if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
+        obs, info = result
+    else:
+        obs, info = result, {}
+    return [wire.RESET_DONE, seq, obs, info]
+
+
+def _reply(channel: _Channel, seq, phase: str, build, call):
+    try:
+        reply = build(seq, call())
+        data = wire.encode(reply)
+    except Exception as exc:  # the env's bug: report it, keep serving
+        data = wire.encode(_failure(seq, phase, exc))
+    channel.write(data)
+
+
+def serve(reset, step, *, observation_space=None, action_space=None, metadata=None):
+    """Serve this env to the boltzlabs worker that started it. Never returns.
+
+    Call it once, at the end of your `env.py`:
+
+        serve(reset=reset, step=step)
+
+    `reset(seed)` (or `reset(seed, options=...)` when options are given)
+    returns `obs` or `(obs, info)`. `step(action)` returns
+    `(obs, reward, done, info)` or `(obs, reward, terminated, truncated, info)`.
+    Values must be msgpack-serializable (dict, list, str, int, float, bool,
+    None, bytes; numpy values are converted to lists). `observation_space`,
+    `action_space` and `metadata` are passed to the pool in the handshake.
+    """
+    fd = os.environ.pop(_FD_VARIABLE, None)
+    if fd is None:
+        raise RuntimeError(
+            "serve() talks to a boltzlabs worker and only runs inside a pool; "
+            "start this env with boltzlabs.RLPool('path/to/env_dir', n)")
+    channel = _Channel(int(fd))
+    info = {"pid": os.getpid(), "python": sys.version.split()[0], "metadata": metadata or {}}
+    channel.write(wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, info]))
+    try:
+        while True:
+            message = channel.receive()
+            code = message[0]
+            if code == wire.STEP:
+                _, seq, action, gated = message
+                if gated:
+                    # serialize_measurement: decoded already, now wait for our turn.
+                    while channel.receive()[:2] != [wire.GO, seq]:
+                        pass
+                _reply(channel, seq, "step", _step_reply, lambda: step(action))
+            elif code == wire.RESET:
+                _, seq, seed, options = message
+                call = (lambda: reset(seed)) if options is None else (lambda: reset(seed, options=options))
+                _reply(channel, seq, "reset", _reset_reply, call)
+            else:
+                raise wire.ProtocolError(f"unexpected message code {code}")
+    except EOFError:
+        pass  # the worker closed the channel: the pool is done with us
+    sys.stdout.flush()
+    os._exit(0)

@@ -1,0 +1,186 @@
+"""The sandbox builder: policy data in, one bubblewrap command line out.
+
+    sandbox/policy.toml + mounts/*.toml --load_policy()--> Policy
+    Policy + env dir --SandboxSpec--> argv for `bwrap ... python env.py`
+
+The policy files are the reviewable part (what an env may see and do); this
+module only expands their placeholders and orders the operations. bubblewrap
+applies its arguments in order, so binds come first and the workspace tmpfs is
+mounted on a path that is no parent of any bind (a tmpfs on a parent would
+hide what was bound below it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import site
+import sys
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from boltzlabs.errors import SandboxUnavailable
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+MOUNT_PROFILES = ("system", "interpreter", "runtime", "env")
+_NAMESPACE_FLAGS = {
+    "user": "--unshare-user", "pid": "--unshare-pid", "net": "--unshare-net",
+    "ipc": "--unshare-ipc", "uts": "--unshare-uts", "cgroup": "--unshare-cgroup",
+}
+
+
+def _data_dir(name: str) -> Path:
+    # Installed wheels carry sandbox/ and mounts/ inside the package; a source
+    # checkout has them beside it.
+    for candidate in (PACKAGE_DIR / "_data" / name, PACKAGE_DIR.parent / name):
+        if candidate.is_dir():
+            return candidate
+    raise SandboxUnavailable(f"the boltzlabs installation is missing its {name}/ policy data; reinstall boltzlabs")
+
+
+def parse_size(value) -> int:
+    """'64M' -> 67108864. Accepts ints and K/M/G/T suffixes (powers of 1024)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str) and value.strip():
+        text = value.strip().upper().removesuffix("B").removesuffix("I")
+        scale = 1
+        if text and text[-1] in "KMGT":
+            scale = 1024 ** ("KMGT".index(text[-1]) + 1)
+            text = text[:-1]
+        try:
+            size = int(float(text) * scale)
+        except ValueError:
+            raise ValueError(f"cannot read {value!r} as a size; write e.g. 64M, 1G or a number of bytes") from None
+    else:
+        raise TypeError(f"a size must be an int or a string like '64M', not {type(value).__name__}")
+    if size <= 0:
+        raise ValueError(f"size {value!r} must be positive")
+    return size
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The sandbox policy: sandbox/policy.toml plus the mount profiles."""
+
+    sandbox: dict
+    mounts: dict  # profile name -> list of mount entries
+
+    @property
+    def limits(self) -> dict:
+        return self.sandbox["limits"]
+
+
+def load_policy() -> Policy:
+    """Read the policy shipped with this installation."""
+    with open(_data_dir("sandbox") / "policy.toml", "rb") as f:
+        sandbox = tomllib.load(f)
+    mounts = {}
+    for profile in MOUNT_PROFILES:
+        with open(_data_dir("mounts") / f"{profile}.toml", "rb") as f:
+            mounts[profile] = tomllib.load(f)
+    return Policy(sandbox, mounts)
+
+
+def find_bwrap() -> str:
+    path = shutil.which("bwrap")
+    if path is None:
+        raise SandboxUnavailable(
+            "bubblewrap (bwrap) is not installed; on Debian/Ubuntu run: sudo apt-get install -y bubblewrap")
+    return path
+
+
+class SandboxSpec:
+    """Everything needed to start sandboxes for one env source.
+
+    The argv is built once per pool; per-env parts (the channel fd number,
+    the env index) are appended by `argv()`.
+    """
+
+    def __init__(self, policy: Policy, source_dir: Path, workspace_size: int):
+        self.policy = policy
+        self.source_dir = Path(source_dir).resolve()
+        process = policy.sandbox["process"]
+        workspace = policy.sandbox["workspace"]
+        self.workspace = workspace["path"]
+        self.values = {
+            "base_prefix": sys.base_prefix,
+            "prefix": sys.prefix,
+            "site_packages": [p for p in site.getsitepackages()
+                              if not p.startswith((sys.prefix + os.sep, sys.base_prefix + os.sep))],
+            "source_dir": str(self.source_dir),
+            "env_dir": process["env_dir"],
+            "runtime_dir": process["runtime_dir"],
+            "package_dir": str(PACKAGE_DIR),
+            "workspace": self.workspace,
+        }
+        self._head = self._build_head(find_bwrap(), workspace_size)
+
+    def _expand(self, text: str) -> list[str]:
+        key = text[1:-1] if text.startswith("{") and text.endswith("}") else None
+        if key is not None and isinstance(self.values.get(key), list):
+            return list(self.values[key])
+        return [text.format(**self.values)]
+
+    def _mount_ops(self) -> list[tuple]:
+        """(flag, [source,] dest) operations from the mount profiles, in order."""
+        ops, seen = [], set()
+        for profile in MOUNT_PROFILES:
+            for entry in self.policy.mounts[profile].get("mount", []):
+                for source in self._expand(entry["source"]):
+                    dest = self._expand(entry.get("dest", source))[0] if "dest" in entry else source
+                    if dest in seen:
+                        continue
+                    if not os.path.lexists(source):
+                        if entry.get("optional"):
+                            continue
+                        raise SandboxUnavailable(f"mount profile {profile!r} needs {source}, which does not exist")
+                    seen.add(dest)
+                    if os.path.islink(source):
+                        ops.append(("--symlink", os.readlink(source), dest))
+                    else:
+                        flag = "--ro-bind" if entry.get("mode", "ro") == "ro" else "--bind"
+                        ops.append((flag, source, dest))
+            for special in self.policy.mounts[profile].get("special", []):
+                ops.append((f"--{special['kind']}", special["dest"]))
+        return ops
+
+    def _build_head(self, bwrap: str, workspace_size: int) -> list[str]:
+        sandbox = self.policy.sandbox
+        process = sandbox["process"]
+        args = [bwrap]
+        for ns in sandbox["namespaces"]["unshare"]:
+            args.append(_NAMESPACE_FLAGS[ns])
+        if process.get("die_with_parent"):
+            args.append("--die-with-parent")
+        if process.get("new_session"):
+            args.append("--new-session")
+        for cap in process.get("cap_drop", []):
+            args += ["--cap-drop", cap]
+        args += ["--hostname", process["hostname"]]
+        # tmpfs first, binds after: a tmpfs mounted over a parent of a bind hides it.
+        args += ["--size", str(workspace_size), "--tmpfs", self.workspace]
+        ops = self._mount_ops()
+        tmp = sandbox["workspace"].get("tmp_link")
+        if tmp:
+            if any(op[-1] == tmp or op[-1].startswith(tmp + "/") for op in ops):
+                # Something is bound below /tmp (say a venv in /tmp): /tmp cannot
+                # be a symlink, so it gets a capped tmpfs of its own.
+                args += ["--size", str(workspace_size), "--tmpfs", tmp]
+            else:
+                args += ["--symlink", self.workspace, tmp]
+        args += [arg for op in ops for arg in op]
+        args += ["--chdir", self.workspace, "--clearenv"]
+        for name, value in sandbox["environment"].items():
+            args += ["--setenv", name, str(value).format(**self.values)]
+        return args
+
+    def argv(self, channel_fd: int, env_index: int) -> list[str]:
+        """The full command line of one env's sandbox."""
+        env_script = f"{self.values['env_dir']}/env.py"
+        return self._head + [
+            "--setenv", "BOLTZLABS_FD", str(channel_fd),
+            "--setenv", "BOLTZLABS_ENV_INDEX", str(env_index),
+            "--", sys.executable, "-s", "-B", env_script,
+        ]

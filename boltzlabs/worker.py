@@ -1,0 +1,753 @@
+"""The worker: one process that owns every sandbox of a pool.
+
+    RLPool (client) ==one frame per call==> Worker --one frame per env--> sandboxes
+                                             |  epoll over every env's channel,
+                                             |  log pipe and pidfd
+    RLPool (client) <==one frame per call== Worker <--one frame per env-- sandboxes
+
+`python -m boltzlabs.worker --fd N` talks to its client over the socket on fd
+N. The client sends OPEN, then CALLs (step, reset, memory, log, close) one at
+a time; the worker answers each with one REPLY or ERROR frame.
+
+Everything an env writes is untrusted: frames are capped and decoded with
+limits, replies are checked for shape, logs keep a bounded tail, and an env
+that breaks any rule is killed and reported on its lane. The client's socket
+stays in the epoll set during every wait, so a client that dies tears the pool
+down even in the middle of a step; bubblewrap's --die-with-parent does the
+same if the worker itself dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import os
+import resource
+import select
+import signal
+import socket
+import sys
+import time
+import traceback
+
+import msgpack
+
+from boltzlabs import wire
+from boltzlabs.cgroups import CgroupPool, CgroupUnavailable
+from boltzlabs.sandbox import SandboxSpec, load_policy
+
+# Env lane states. A lane is in exactly one.
+STARTING, IDLE, BUSY, DEAD = "starting", "idle", "busy", "dead"
+
+_ABANDONED = "start-up abandoned after another env failed"
+CHANNEL_FD = 3  # where an env finds its channel (policy: BOLTZLABS_FD)
+_READ_SIZE = 1 << 16
+
+
+def describe_exit(status: int) -> str:
+    """Plain words for a waitpid status of a bwrap process."""
+    if os.WIFSIGNALED(status):
+        return f"was killed by signal {signal.Signals(os.WTERMSIG(status)).name}"
+    code = os.waitstatus_to_exitcode(status)
+    if code > 128 and code - 128 in signal.valid_signals():
+        # bwrap reports a sandboxed process killed by signal S as exit 128+S.
+        return f"was killed by signal {signal.Signals(code - 128).name} (exit code {code})"
+    return f"exited with code {code}"
+
+
+class Env:
+    """One lane: its sandbox process, channel, log and state."""
+
+    __slots__ = ("index", "state", "pid", "pidfd", "chan", "logfd", "reader", "log", "seq",
+                 "out", "cause", "hello", "started", "oom_base", "straggling", "generation")
+
+    def __init__(self, index: int, limits: wire.Limits):
+        self.index = index
+        self.state = DEAD
+        self.pid = self.pidfd = self.chan = self.logfd = -1
+        self.reader = wire.FrameReader(limits)
+        self.log = bytearray()
+        self.seq = -1
+        self.out = b""
+        self.cause = "not started"
+        self.hello = None
+        self.started = 0.0
+        self.oom_base = 0
+        self.straggling = False
+        self.generation = 0
+
+
+class Op:
+    """A request in progress: which lanes it waits for and what came back."""
+
+    __slots__ = ("seq", "waiting", "results", "kind")
+
+    def __init__(self, seq: int, kind: str):
+        self.seq = seq
+        self.kind = kind
+        self.waiting: set[int] = set()
+        self.results: dict[int, list] = {}
+
+
+class ClientGone(Exception):
+    """The client closed its end: tear everything down."""
+
+
+class Worker:
+    """Owns the sandboxes of one pool and serves one client."""
+
+    def __init__(self, conn: socket.socket):
+        self.conn = conn
+        self.client_reader = wire.FrameReader(wire.Limits(1 << 30))
+        self.client_inbox: list = []
+        self.epoll = select.epoll()
+        self.handlers: dict[int, tuple] = {}
+        self.epoll.register(conn.fileno(), select.EPOLLIN)
+        self.handlers[conn.fileno()] = ("client", None)
+        self.envs: list[Env] = []
+        self.reaping: dict[int, int] = {}  # pidfd -> pid of a killed sandbox not yet reaped
+        self.op: Op | None = None
+        self.cgroups: CgroupPool | None = None
+        self.memory_note = ""
+        self._seq = 0
+        self._packer = msgpack.Packer(use_bin_type=True)
+
+    # -- configuration and start-up -------------------------------------------------
+
+    def open(self, config: dict) -> dict:
+        self.policy = load_policy()
+        limits = self.policy.limits
+        self.env_limits = wire.Limits(limits["max_frame"], limits["max_str_len"], limits["max_bin_len"],
+                                      limits["max_array_len"], limits["max_map_len"])
+        self.log_tail = int(limits["log_tail"])
+        self.start_timeout = float(config.get("start_timeout") or limits["start_timeout"])
+        self.step_timeout = float(config.get("step_timeout") or limits["step_timeout"])
+        self.gated = bool(config.get("serialize_measurement"))
+        self.memory_limit = config.get("memory_limit")
+        self.spec = SandboxSpec(self.policy, config["source_dir"], int(config["workspace_size"]))
+        n = int(config["n"])
+        _raise_fd_limit(n)
+        try:
+            self.cgroups = CgroupPool(self.memory_limit)
+            self.memory_source = f"cgroup {self.cgroups.version} working set (usage - inactive file), kernel memory included"
+        except CgroupUnavailable as exc:
+            self.cgroups = None
+            self.memory_source = "psutil PSS of each sandbox's processes (no writable memory cgroup)"
+            self.memory_note = f"no cgroup memory accounting: {exc}; envs_per_gb() uses PSS instead"
+            if self.memory_limit:
+                raise ValueError(f"memory_limit needs a writable memory cgroup, and this host has none ({exc})")
+        self.envs = [Env(i, self.env_limits) for i in range(n)]
+        self._start(self.envs, progress=True)
+        failed = [e for e in self.envs if e.state != IDLE]
+        if failed:
+            first = min(failed, key=lambda e: e.cause == _ABANDONED)
+            raise _StartFailure(first.index, f"env {first.index} failed to start: {first.cause}",
+                                _tail(first.log), len(failed))
+        return {
+            "n": n,
+            "memory_source": self.memory_source,
+            "memory_note": self.memory_note,
+            "cgroup": str(self.cgroups.path) if self.cgroups else None,
+            "hello": self.envs[0].hello,
+            "step_timeout": self.step_timeout,
+        }
+
+    def _spawn(self, env: Env) -> None:
+        """Start env's sandbox. Its fds are registered; it is STARTING."""
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        log_r, log_w = os.pipe()
+        try:
+            actions = [
+                (os.POSIX_SPAWN_DUP2, child.fileno(), CHANNEL_FD),
+                (os.POSIX_SPAWN_DUP2, log_w, 1),
+                (os.POSIX_SPAWN_DUP2, log_w, 2),
+                (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+            ]
+            argv = self.spec.argv(CHANNEL_FD, env.index)
+            if self.cgroups is not None:
+                env.oom_base = self.cgroups.oom_kills(env.index)
+                with self.cgroups.spawning(env.index):
+                    pid = os.posix_spawn(argv[0], argv, {}, file_actions=actions)
+            else:
+                pid = os.posix_spawn(argv[0], argv, {}, file_actions=actions)
+        except BaseException:
+            parent.close()
+            os.close(log_r)
+            raise
+        finally:
+            child.close()
+            os.close(log_w)
+        parent.setblocking(False)
+        env.chan = parent.detach()
+        env.logfd = log_r
+        os.set_blocking(log_r, False)
+        env.pid = pid
+        env.pidfd = os.pidfd_open(pid)
+        env.state = STARTING
+        env.seq = -1
+        env.out = b""
+        env.straggling = False
+        env.hello = None
+        env.reader = wire.FrameReader(self.env_limits)
+        env.started = time.monotonic()
+        env.generation += 1
+        for fd, kind in ((env.chan, "chan"), (env.logfd, "log"), (env.pidfd, "pid")):
+            self.epoll.register(fd, select.EPOLLIN)
+            self.handlers[fd] = (kind, env)
+
+    def _start(self, envs: list[Env], progress: bool = False) -> None:
+        """Spawn envs, overlapping spawns with handshakes, until all are IDLE or DEAD."""
+        deadline_of = lambda env: env.started + self.start_timeout  # noqa: E731
+        last_report = 0.0
+        for env in envs:
+            if env.state != DEAD:
+                self._kill(env, "restarted")
+            try:
+                self._spawn(env)
+            except OSError as exc:
+                env.state = DEAD
+                env.cause = f"could not spawn its sandbox: {exc}"
+            self._poll(0)
+            if progress and time.monotonic() - last_report > 0.1:
+                last_report = time.monotonic()
+                self._progress(envs)
+        while True:
+            starting = [e for e in envs if e.state == STARTING]
+            if not starting:
+                break
+            now = time.monotonic()
+            for env in starting:
+                if now >= deadline_of(env):
+                    self._kill(env, f"did not complete its handshake within {self.start_timeout:g} s")
+            earliest = min((deadline_of(e) for e in starting if e.state == STARTING), default=now)
+            self._poll(max(0.0, min(earliest - now, 0.1)))
+            if progress and time.monotonic() - last_report > 0.1:
+                last_report = time.monotonic()
+                self._progress(envs)
+            if progress and any(e.state == DEAD for e in envs):
+                # Fail fast: at pool start-up one broken env fails the pool.
+                for env in envs:
+                    if env.state == STARTING:
+                        self._kill(env, _ABANDONED)
+        if progress:
+            self._progress(envs)
+
+    def _progress(self, envs: list[Env]) -> None:
+        ready = sum(e.state == IDLE for e in envs)
+        self._send([wire.PROGRESS, ready, len(envs)])
+
+    # -- the event loop -------------------------------------------------------------
+
+    def _poll(self, timeout: float) -> None:
+        """One round of epoll: read every ready fd, handle what arrived."""
+        for fd, events in self.epoll.poll(timeout):
+            kind, env = self.handlers.get(fd, (None, None))
+            if kind == "chan":
+                if events & select.EPOLLOUT:
+                    self._flush(env)
+                if events & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
+                    self._read_channel(env)
+            elif kind == "log":
+                self._read_log(env)
+            elif kind == "pid":
+                self._reap(env)
+            elif kind == "reap":
+                self._reap_orphan(fd)
+            elif kind == "client":
+                self._read_client()
+
+    def _read_client(self) -> None:
+        try:
+            data = self.conn.recv(1 << 20)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            raise ClientGone
+        self.client_inbox.extend(self.client_reader.feed(data))
+
+    def _read_channel(self, env: Env) -> None:
+        try:
+            data = os.read(env.chan, _READ_SIZE)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close_channel(env)
+            return
+        try:
+            messages = env.reader.feed(data)
+        except wire.ProtocolError as exc:
+            self._kill(env, f"sent an invalid frame ({exc}) and was killed")
+            return
+        for message in messages:
+            self._on_message(env, message)
+            if env.state == DEAD:
+                return
+
+    def _on_message(self, env: Env, message: list) -> None:
+        code = message[0]
+        if env.state == STARTING:
+            if code == wire.HELLO and len(message) == 3 and message[1] == wire.PROTOCOL_VERSION:
+                env.state = IDLE
+                env.hello = message[2] if isinstance(message[2], dict) else {}
+                return
+            self._kill(env, f"sent {_describe(message)} instead of its handshake (protocol {wire.PROTOCOL_VERSION})")
+            return
+        if env.state != BUSY or len(message) < 2 or message[1] != env.seq:
+            if env.state == BUSY and len(message) >= 2 and isinstance(message[1], int) and message[1] < env.seq:
+                return  # impossible in order, ignore
+            self._kill(env, f"sent {_describe(message)} when no reply was due")
+            return
+        result = _check_reply(message)
+        if result is None:
+            self._kill(env, f"sent a malformed reply {_describe(message)}")
+            return
+        env.state = IDLE
+        env.straggling = False  # a late reply frees a straggler; the reply itself is dropped
+        op = self.op
+        if op is not None and message[1] == op.seq and env.index in op.waiting:
+            op.waiting.discard(env.index)
+            op.results[env.index] = result
+
+    def _read_log(self, env: Env) -> None:
+        try:
+            data = os.read(env.logfd, _READ_SIZE)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._unregister(env.logfd)
+            os.close(env.logfd)
+            env.logfd = -1
+            return
+        log = env.log
+        log += data
+        if len(log) > self.log_tail:
+            del log[:len(log) - self.log_tail]
+
+    def _drain_log(self, env: Env) -> None:
+        for _ in range(64):  # at most 4 MiB: the tail is what matters
+            if env.logfd < 0:
+                return
+            before = len(env.log), env.logfd
+            self._read_log(env)
+            if (len(env.log), env.logfd) == before:
+                return
+
+    def _close_channel(self, env: Env) -> None:
+        if env.chan >= 0:
+            self._unregister(env.chan)
+            os.close(env.chan)
+            env.chan = -1
+
+    def _unregister(self, fd: int) -> None:
+        self.handlers.pop(fd, None)
+        try:
+            self.epoll.unregister(fd)
+        except (OSError, ValueError):
+            pass
+
+    def _reap(self, env: Env) -> None:
+        """env's bwrap exited on its own: record why, free its fds."""
+        try:
+            _, status = os.waitpid(env.pid, os.WNOHANG)
+        except ChildProcessError:
+            status = 0
+        self._drain_log(env)
+        cause = describe_exit(status)
+        if self.cgroups is not None and self.cgroups.oom_kills(env.index) > env.oom_base:
+            cause = f"was killed by the kernel's OOM killer (over memory_limit={self.memory_limit} bytes); {cause}"
+        self._release(env, f"died: {cause}")
+
+    def _release(self, env: Env, cause: str) -> None:
+        """Mark env DEAD with `cause`; close its fds; the op stops waiting for it."""
+        self._close_channel(env)
+        if env.pidfd >= 0:
+            self._unregister(env.pidfd)
+            os.close(env.pidfd)
+            env.pidfd = -1
+        if env.logfd >= 0:
+            self._unregister(env.logfd)
+            os.close(env.logfd)
+            env.logfd = -1
+        env.pid = -1
+        env.state = DEAD
+        env.cause = cause
+        op = self.op
+        if op is not None and env.index in op.waiting:
+            op.waiting.discard(env.index)
+            op.results[env.index] = None  # failure: see env.cause
+
+    def _kill(self, env: Env, cause: str) -> None:
+        """Kill env's sandbox now (its whole tree); reap it in the background."""
+        if env.state == DEAD:
+            return
+        if env.pid > 0:
+            try:
+                os.kill(env.pid, signal.SIGKILL)  # bwrap; --die-with-parent takes the rest
+            except ProcessLookupError:
+                pass
+            if self.cgroups is not None:
+                self.cgroups.kill(env.index)
+            self._drain_log(env)
+            # Keep the pidfd to reap the zombie when it is ready.
+            self._unregister(env.pidfd)
+            self.reaping[env.pidfd] = env.pid
+            self.epoll.register(env.pidfd, select.EPOLLIN)
+            self.handlers[env.pidfd] = ("reap", None)
+            env.pidfd = -1
+        self._release(env, cause)
+
+    def _reap_orphan(self, pidfd: int) -> None:
+        pid = self.reaping.pop(pidfd)
+        self._unregister(pidfd)
+        os.close(pidfd)
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+    # -- writing to envs --------------------------------------------------------------
+
+    def _write(self, env: Env, data: bytes) -> None:
+        if env.out:
+            env.out += data
+            return
+        try:
+            sent = os.write(env.chan, data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            return  # the channel is gone; EOF or the pidfd will tell why
+        if sent < len(data):
+            env.out = data[sent:]
+            self.epoll.modify(env.chan, select.EPOLLIN | select.EPOLLOUT)
+
+    def _flush(self, env: Env) -> None:
+        try:
+            sent = os.write(env.chan, env.out)
+        except BlockingIOError:
+            return
+        except OSError:
+            env.out = b""
+            return
+        env.out = env.out[sent:]
+        if not env.out:
+            self.epoll.modify(env.chan, select.EPOLLIN)
+
+    # -- requests -------------------------------------------------------------------
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _wait(self, op: Op, deadline: float) -> None:
+        while op.waiting:
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            self._poll(deadline - now)
+
+    def step(self, actions: list) -> list:
+        n = len(self.envs)
+        if not isinstance(actions, list) or len(actions) != n:
+            raise ValueError(f"step() needs {n} actions, one per env; got {len(actions) if isinstance(actions, list) else type(actions).__name__}")
+        seq = self._next_seq()
+        op = Op(seq, "step")
+        self.op = op
+        pack = self._packer.pack
+        header = wire.HEADER.pack
+        gated = self.gated
+        immediate: dict[int, str] = {}
+        # Hot path: one frame per idle env, written straight to its channel.
+        for env, action in zip(self.envs, actions):
+            if env.state == IDLE:
+                body = pack([wire.STEP, seq, action, gated])
+                env.seq = seq
+                env.state = BUSY
+                op.waiting.add(env.index)
+                self._write(env, header(len(body)) + body)
+            elif env.state == BUSY:
+                immediate[env.index] = "straggler"
+            else:
+                immediate[env.index] = "dead"
+        stragglers = []
+        if gated:
+            for index in sorted(op.waiting):
+                env = self.envs[index]
+                if index not in op.waiting:
+                    continue
+                self._write(env, wire.encode([wire.GO, seq]))
+                self._wait_one(op, index, time.monotonic() + self.step_timeout)
+                if index in op.waiting:
+                    # The gate promises one env's code at a time, so a holder
+                    # that overruns is killed before the next one goes.
+                    self._kill(env, f"missed the step deadline of {self.step_timeout:g} s while holding the "
+                                    "serialize_measurement gate, and was killed")
+                    stragglers.append(index)
+        else:
+            self._wait(op, time.monotonic() + self.step_timeout)
+            for index in op.waiting:
+                env = self.envs[index]
+                env.straggling = True
+                stragglers.append(index)
+        self.op = None
+        rewards = array.array("f", bytes(4 * n))
+        terminated = bytearray(n)
+        truncated = bytearray(n)
+        obs = [None] * n
+        infos = [None] * n
+        results = op.results
+        for env in self.envs:
+            i = env.index
+            result = results.get(i, False)
+            if result:
+                kind = result[0]
+                if kind == wire.STEPPED:
+                    obs[i] = result[2]
+                    rewards[i] = result[3]
+                    terminated[i] = result[4]
+                    truncated[i] = result[5]
+                    infos[i] = result[6]
+                    continue
+                infos[i] = {"error": result[4] or result[3]}  # the env's exception, with traceback
+            elif i in stragglers and env.state != DEAD:
+                infos[i] = {"straggler": True, "error": f"missed the step deadline of {self.step_timeout:g} s"}
+            elif i in stragglers:
+                infos[i] = {"straggler": True, "error": env.cause}
+            elif immediate.get(i) == "straggler":
+                infos[i] = {"straggler": True, "error": "still busy with an earlier step it has not answered; "
+                                                        "reset it (it will be killed and respawned)"}
+            elif immediate.get(i) == "dead":
+                infos[i] = {"error": f"env is dead ({env.cause}); reset it to respawn"}
+            else:
+                infos[i] = {"error": env.cause}
+            truncated[i] = 1
+        return [obs, rewards.tobytes(), bytes(terminated), bytes(truncated), infos, stragglers]
+
+    def _wait_one(self, op: Op, index: int, deadline: float) -> None:
+        while index in op.waiting:
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            self._poll(deadline - now)
+
+    def reset(self, indices, seeds, hard: bool, options=None) -> list:
+        n = len(self.envs)
+        if indices is None:
+            indices = list(range(n))
+        if not isinstance(indices, list) or any(not isinstance(i, int) or not 0 <= i < n for i in indices):
+            raise ValueError(f"reset() lanes must be indices in [0, {n})")
+        if seeds is not None and (not isinstance(seeds, list) or len(seeds) != len(indices)):
+            raise ValueError("reset() needs one seed per selected env")
+        envs = [self.envs[i] for i in indices]
+        respawn = [e for e in envs if hard or e.state in (DEAD, BUSY)]
+        for env in respawn:
+            if env.state != DEAD:
+                self._kill(env, "killed for a hard reset" if hard else "killed at reset: it had not answered its last step")
+            env.log += b"\n--- boltzlabs: sandbox respawned ---\n"
+        if respawn:
+            self._start(respawn)
+        seq = self._next_seq()
+        op = Op(seq, "reset")
+        self.op = op
+        for env, seed in zip(envs, seeds or [None] * len(envs)):
+            if env.state != IDLE:
+                continue
+            env.seq = seq
+            env.state = BUSY
+            op.waiting.add(env.index)
+            self._write(env, wire.encode([wire.RESET, seq, seed, options]))
+        self._wait(op, time.monotonic() + self.step_timeout)
+        for index in op.waiting:
+            self.envs[index].straggling = True
+        self.op = None
+        obs, infos = [], []
+        for env in envs:
+            result = op.results.get(env.index)
+            if result and result[0] == wire.RESET_DONE:
+                obs.append(result[2])
+                infos.append(result[3])
+                continue
+            obs.append(None)
+            if result:
+                infos.append({"error": result[4] or result[3]})
+            elif env.index in op.waiting:
+                infos.append({"straggler": True, "error": f"missed the reset deadline of {self.step_timeout:g} s"})
+            else:
+                infos.append({"error": f"could not be reset: {env.cause}", "log": _tail(env.log)})
+        return [indices, obs, infos]
+
+    def memory(self) -> dict:
+        if self.cgroups is not None:
+            per_env = [self.cgroups.usage(e.index) if e.state != DEAD else 0 for e in self.envs]
+        else:
+            per_env = [_pss_tree(e.pid) if e.pid > 0 else 0 for e in self.envs]
+        return {"per_env": per_env, "source": self.memory_source, "note": self.memory_note}
+
+    def log(self, index: int) -> str:
+        env = self.envs[index]
+        self._drain_log(env)
+        return bytes(env.log).decode("utf-8", "replace")
+
+    def states(self) -> list:
+        return [e.state for e in self.envs]
+
+    def pids(self) -> list:
+        return [e.pid for e in self.envs]
+
+    # -- teardown -------------------------------------------------------------------
+
+    def close(self) -> None:
+        for env in self.envs:
+            self._kill(env, "pool closed")
+        deadline = time.monotonic() + 5.0
+        while self.reaping and time.monotonic() < deadline:
+            for fd, _ in self.epoll.poll(0.05):
+                if fd in self.reaping:
+                    self._reap_orphan(fd)
+        for pidfd, pid in list(self.reaping.items()):
+            try:
+                os.waitpid(pid, 0)  # SIGKILLed: returns at once
+            except ChildProcessError:
+                pass
+            os.close(pidfd)
+        self.reaping.clear()
+        if self.cgroups is not None:
+            self.cgroups.close(time.monotonic() + 5.0)
+            self.cgroups = None
+
+    # -- the client connection ------------------------------------------------------
+
+    def _send(self, message) -> None:
+        self.conn.sendall(wire.encode(message))
+
+    def _next_request(self) -> list:
+        while not self.client_inbox:
+            self._poll(None)
+        return self.client_inbox.pop(0)
+
+    def serve(self) -> None:
+        message = self._next_request()
+        if message[0] != wire.OPEN:
+            return
+        try:
+            ready = self.open(message[1])
+        except _StartFailure as exc:
+            self._send([wire.ERROR, 0, "start", str(exc), {"env": exc.index, "log": exc.log, "failed": exc.count}])
+            return
+        except (ValueError, OSError, Exception) as exc:  # noqa: B014
+            self._send([wire.ERROR, 0, type(exc).__name__, str(exc), {}])
+            return
+        self._send([wire.READY, ready])
+        calls = {"step": self.step, "reset": self.reset, "memory": self.memory, "log": self.log,
+                 "states": self.states, "pids": self.pids}
+        while True:
+            message = self._next_request()
+            if message[0] == wire.CLOSE:
+                return
+            if message[0] != wire.CALL or len(message) != 4:
+                self._send([wire.ERROR, 0, "ProtocolError", f"unexpected message {_describe(message)}", {}])
+                continue
+            _, seq, name, args = message
+            started = time.perf_counter()
+            try:
+                result = calls[name](*args)
+            except (ValueError, TypeError, KeyError, IndexError) as exc:
+                self._send([wire.ERROR, seq, type(exc).__name__, str(exc), {}])
+                continue
+            worker_ms = (time.perf_counter() - started) * 1000.0
+            self._send([wire.REPLY, seq, worker_ms, result])
+
+
+class _StartFailure(Exception):
+    def __init__(self, index: int, message: str, log: str, count: int):
+        super().__init__(message)
+        self.index, self.log, self.count = index, log, count
+
+
+def _check_reply(message: list):
+    """The reply if it has a valid shape, else None. Hostile envs send anything."""
+    code = message[0]
+    if code == wire.STEPPED:
+        if (len(message) == 7 and type(message[3]) in (float, int) and type(message[4]) is bool
+                and type(message[5]) is bool and type(message[6]) is dict):
+            return message
+    elif code == wire.RESET_DONE:
+        if len(message) == 4 and type(message[3]) is dict:
+            return message
+    elif code == wire.FAILED:
+        if len(message) == 5 and all(type(x) is str for x in message[2:]):
+            return message
+    return None
+
+
+def _describe(message) -> str:
+    text = repr(message)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _tail(log: bytearray, size: int = 4000) -> str:
+    return bytes(log[-size:]).decode("utf-8", "replace")
+
+
+def _pss_tree(pid: int) -> int:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        total = 0
+        for proc in [root] + root.children(recursive=True):
+            try:
+                total += proc.memory_full_info().pss
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        return total
+    except psutil.NoSuchProcess:
+        return 0
+
+
+def _raise_fd_limit(n: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 4 * n + 256  # channel, log pipe and pidfd per env, plus slack
+    if soft < want and soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard == resource.RLIM_INFINITY else min(hard, max(want, soft)), hard))
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < want:
+        raise ValueError(f"a pool of {n} envs needs about {want} file descriptors and the limit is {soft}; "
+                         f"raise it (ulimit -n {want}) or use fewer envs")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="boltzlabs worker (started by RLPool)")
+    parser.add_argument("--fd", type=int, required=True, help="socket to the client")
+    args = parser.parse_args(argv)
+    conn = socket.socket(fileno=args.fd)
+    worker = Worker(conn)
+    code = 0
+    try:
+        worker.serve()
+    except ClientGone:
+        code = 0
+    except BaseException:
+        code = 1
+        try:
+            worker._send([wire.ERROR, -1, "WorkerError", "the worker failed:\n" + traceback.format_exc(), {}])
+        except OSError:
+            pass
+    finally:
+        worker.close()
+        try:
+            worker._send([wire.CLOSE])
+        except OSError:
+            pass
+        conn.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
