@@ -217,8 +217,10 @@ class RLPool:
                 data = self._conn.recv(1 << 20)
             except socket.timeout:
                 if self._proc.poll() is not None:
-                    raise self._worker_died()
+                    raise self._worker_died() from None
                 continue
+            except OSError:
+                data = b""
             if not data:
                 self._proc.wait(timeout=10)
                 raise self._worker_died()
@@ -244,7 +246,11 @@ class RLPool:
             raise TypeError(f"{name}() arguments cannot be serialized: {exc}") from None
         started = time.perf_counter()
         try:
-            self._conn.sendall(frame)
+            try:
+                self._conn.sendall(frame)
+            except OSError:
+                self._proc.wait(timeout=10)
+                raise self._worker_died() from None
             while True:
                 message = self._receive()
                 if message[0] == wire.REPLY and message[1] == seq:

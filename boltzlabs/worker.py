@@ -265,7 +265,10 @@ class Worker:
             data = b""
         if not data:
             raise ClientGone
-        self.client_inbox.extend(self.client_reader.feed(data))
+        messages = self.client_reader.feed(data)
+        if any(m[0] == wire.CLOSE for m in messages):
+            raise ClientGone  # close wins, even in the middle of a step
+        self.client_inbox.extend(messages)
 
     def _read_channel(self, env: Env) -> None:
         try:
@@ -648,8 +651,6 @@ class Worker:
                  "states": self.states, "pids": self.pids}
         while True:
             message = self._next_request()
-            if message[0] == wire.CLOSE:
-                return
             if message[0] != wire.CALL or len(message) != 4:
                 self._send([wire.ERROR, 0, "ProtocolError", f"unexpected message {_describe(message)}", {}])
                 continue

@@ -1,0 +1,48 @@
+"""Shared fixtures: real pools over real sandboxes; nothing is mocked."""
+
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from boltzlabs import RLPool
+
+TESTS = Path(__file__).resolve().parent
+PROBE = TESTS / "envs" / "probe"
+COUNTER = TESTS.parent / "examples" / "counter"
+
+
+@pytest.fixture
+def probe_pool():
+    """A factory of probe pools, every one closed at the end of the test."""
+    pools = []
+
+    def make(n=2, **kwargs):
+        kwargs.setdefault("step_timeout", 5.0)
+        pool = RLPool(PROBE, n, **kwargs)
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+@pytest.fixture
+def env_dir(tmp_path):
+    """Write an env.py from source text; returns its directory."""
+    counter = [0]
+
+    def make(source: str) -> Path:
+        counter[0] += 1
+        directory = tmp_path / f"env{counter[0]}"
+        directory.mkdir()
+        (directory / "env.py").write_text(textwrap.dedent(source))
+        return directory
+
+    return make
+
+
+def open_fds() -> set:
+    return set(os.listdir("/proc/self/fd"))
