@@ -171,6 +171,11 @@ class SandboxSpec:
             else:
                 args += ["--symlink", self.workspace, tmp]
         args += [arg for op in ops for arg in op]
+        finish = sandbox.get("finish", {})
+        if finish.get("shm"):
+            args += ["--size", str(workspace_size), "--tmpfs", finish["shm"]]
+        for path in finish.get("remount_ro", []):
+            args += ["--remount-ro", path]
         args += ["--chdir", self.workspace, "--clearenv"]
         for name, value in sandbox["environment"].items():
             args += ["--setenv", name, str(value).format(**self.values)]

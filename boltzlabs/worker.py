@@ -727,6 +727,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="boltzlabs worker (started by RLPool)")
     parser.add_argument("--fd", type=int, required=True, help="socket to the client")
     args = parser.parse_args(argv)
+    # The client passed this fd inheritable; left so, every sandbox spawned
+    # below would hold a socket to the client and could forge its replies.
+    os.set_inheritable(args.fd, False)
     conn = socket.socket(fileno=args.fd)
     worker = Worker(conn)
     code = 0
