@@ -45,8 +45,6 @@ REPLY = 26
 ERROR = 27
 CLOSE = 28
 
-ARRAY_EXT = 1  # msgpack ext type of a numpy array: [dtype, shape, data]
-
 
 class ProtocolError(Exception):
     """A peer sent bytes that are not a valid frame."""
@@ -58,6 +56,8 @@ def _default(obj):
     tolist = getattr(obj, "tolist", None)
     if tolist is not None and type(obj).__module__ == "numpy":
         return tolist()
+    if isinstance(obj, int):
+        raise TypeError(f"integer {obj} is out of msgpack's 64-bit range")
     raise TypeError(f"cannot serialize object of type {type(obj).__name__}")
 
 
@@ -79,25 +79,38 @@ class Limits:
                  max_array_len: int = None, max_map_len: int = None):
         self.max_frame = int(max_frame)
         cap = self.max_frame
+
+        def clamp(limit):  # None: only the frame cap applies
+            return cap if limit is None else min(int(limit), cap)
+
         self.kwargs = dict(
             raw=False,
             strict_map_key=False,
-            max_str_len=min(max_str_len or cap, cap),
-            max_bin_len=min(max_bin_len or cap, cap),
-            max_array_len=min(max_array_len or cap, cap),
-            max_map_len=min(max_map_len or cap, cap),
+            max_str_len=clamp(max_str_len),
+            max_bin_len=clamp(max_bin_len),
+            max_array_len=clamp(max_array_len),
+            max_map_len=clamp(max_map_len),
             max_ext_len=cap,
         )
 
 
 def decode(body, limits: Limits):
     """Decode one frame body (bytes or memoryview) under `limits`."""
+    message = None
     try:
         message = msgpack.unpackb(body, **limits.kwargs)
     except Exception as exc:  # msgpack raises several types for bad input
-        raise ProtocolError(f"malformed frame ({type(exc).__name__}: {exc})") from None
-    if type(message) is not list or not message or type(message[0]) is not int:
-        raise ProtocolError("frame is not a message (an array led by an integer code)")
+        error = f"malformed frame ({type(exc).__name__}: {exc})"
+    else:
+        error = None
+        if type(message) is not list or not message or type(message[0]) is not int:
+            error = "frame is not a message (an array led by an integer code)"
+    if error is not None:
+        # Raised outside the except block with the view released, so the
+        # traceback pins no export of the caller's buffer (it could not grow).
+        if isinstance(body, memoryview):
+            body.release()
+        raise ProtocolError(error)
     return message
 
 
@@ -129,7 +142,8 @@ class FrameReader:
             if length + 4 == len(data):
                 if length > self.limits.max_frame:
                     self._too_big(length)
-                return [decode(memoryview(data)[4:], self.limits)]
+                with memoryview(data) as view:
+                    return [decode(view[4:], self.limits)]
         buf += data
         out = []
         start = 0
