@@ -114,6 +114,7 @@ class SandboxSpec:
             "runtime_dir": process["runtime_dir"],
             "package_dir": str(PACKAGE_DIR),
             "workspace": self.workspace,
+            "site_path": ":".join(p for p in site.getsitepackages() if os.path.isdir(p)),
         }
         self._head = self._build_head(find_bwrap(), workspace_size)
 
@@ -177,9 +178,14 @@ class SandboxSpec:
         for path in finish.get("remount_ro", []):
             args += ["--remount-ro", path]
         args += ["--chdir", self.workspace, "--clearenv"]
-        for name, value in sandbox["environment"].items():
-            args += ["--setenv", name, str(value).format(**self.values)]
+        for name, value in self.environment().items():
+            args += ["--setenv", name, value]
         return args
+
+    def environment(self) -> dict:
+        """The variables an env sees (besides BOLTZLABS_FD and BOLTZLABS_ENV_INDEX)."""
+        return {name: str(value).format(**self.values)
+                for name, value in self.policy.sandbox["environment"].items()}
 
     def argv(self, channel_fd: int, env_index: int) -> list[str]:
         """The full command line of one env's sandbox."""
@@ -187,5 +193,5 @@ class SandboxSpec:
         return self._head + [
             "--setenv", "BOLTZLABS_FD", str(channel_fd),
             "--setenv", "BOLTZLABS_ENV_INDEX", str(env_index),
-            "--", sys.executable, "-s", "-B", env_script,
+            "--", sys.executable, *self.policy.sandbox["interpreter"]["flags"], env_script,
         ]

@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from boltzlabs import RLPool
-from boltzlabs.sandbox import load_policy
+from boltzlabs.sandbox import SandboxSpec, load_policy
 
 PROBE = Path(__file__).resolve().parent / "envs" / "probe"
 ENV_DIR = "/env"
@@ -85,10 +85,7 @@ def expected_root_entries() -> set[str]:
 
 
 def policy_environment() -> dict:
-    policy = load_policy()
-    values = {"workspace": policy.sandbox["workspace"]["path"],
-              "runtime_dir": policy.sandbox["process"]["runtime_dir"]}
-    return {name: str(value).format(**values) for name, value in policy.sandbox["environment"].items()}
+    return SandboxSpec(load_policy(), PROBE, 1 << 20).environment()
 
 
 class TokenServer:
