@@ -238,31 +238,43 @@ class CgroupPool:
     def version(self) -> str:
         return self.backend.version
 
-    def group(self, index: int) -> Path:
-        """Env `index`'s cgroup, created (with its limit) on first use."""
-        group = self._groups.get(index)
+    def group(self, key) -> Path:
+        """The cgroup of env `key` (an int) or of a pool part (a name), made on first use.
+
+        Only envs get `memory_limit`.
+        """
+        group = self._groups.get(key)
         if group is None:
-            group = self.path / f"env-{index}"
+            group = self.path / (f"env-{key}" if isinstance(key, int) else key)
             group.mkdir(exist_ok=True)
-            if self.memory_limit:
+            if self.memory_limit and isinstance(key, int):
                 self.backend.set_limit(group, self.memory_limit)
-            self._groups[index] = group
+            self._groups[key] = group
         return group
 
     @contextmanager
-    def spawning(self, index: int):
-        """Run the body (a spawn) with this process inside env `index`'s cgroup."""
-        (self.group(index) / "cgroup.procs").write_text("0")
+    def spawning(self, key):
+        """Run the body (a spawn) with this process inside `key`'s cgroup."""
+        with self.moving(0, key, None):
+            yield
+
+    @contextmanager
+    def moving(self, pid: int, key, home):
+        """Run the body with process `pid` (0: this one) in `key`'s cgroup, then
+        put it back in `home`'s (None: the worker's own cgroup)."""
+        (self.group(key) / "cgroup.procs").write_text(str(pid))
         try:
             yield
         finally:
-            self._home_procs.write_text("0")
+            procs = self._home_procs if home is None else self.group(home) / "cgroup.procs"
+            procs.write_text(str(pid))
 
-    def usage(self, index: int) -> int:
-        return self.backend.usage(self.group(index))
+    def usage(self, key) -> int:
+        return self.backend.usage(self.group(key))
 
     def total(self) -> int:
-        return sum(self.usage(i) for i in self._groups)
+        """Every env and pool part (the template's shared pages are the pool's)."""
+        return sum(self.usage(key) for key in self._groups)
 
     def oom_kills(self, index: int) -> int:
         try:

@@ -55,15 +55,22 @@ class Timing:
 
 @dataclass
 class MemoryReport:
-    """Memory of each env in bytes, and where the figures came from."""
+    """Memory in bytes: each env's own, what the pool shares, and the source.
+
+    per_env: each env's charge (its cgroup: its processes, the pages they
+    wrote, its kernel objects). shared: what the pool itself holds (the warm
+    template and every page it imported, shared by all envs). total and
+    mean include both: mean is what one env costs, the number on the bill.
+    """
 
     per_env: list
     source: str
     note: str = ""
+    shared: int = 0
 
     @property
     def total(self) -> int:
-        return int(sum(self.per_env))
+        return int(sum(self.per_env)) + self.shared
 
     @property
     def mean(self) -> float:
@@ -111,13 +118,19 @@ class RLPool:
       memory_limit: per-env memory limit (bytes or '512M'); an env over it is
         killed by the kernel and reported on its lane. Needs a memory cgroup.
       workspace_size: size of each env's private tmpfs workspace.
+      spawn: "template" (default) forks every env from one warm template
+        that has already imported env.py: a fraction of the memory and
+        start-up time. "exec" starts one interpreter per env. An env that
+        cannot be forked safely (threads or sockets at import) falls back
+        to "exec" with a warning; `pool.spawn` says which is in use.
       start_timeout: seconds each env has to complete its handshake.
       progress: show a progress bar while starting (default: on a terminal,
         for 64 envs or more).
     """
 
     def __init__(self, source, n: int, *, step_timeout=None, serialize_measurement: bool = False,
-                 memory_limit=None, workspace_size="64M", start_timeout=None, progress=None):
+                 memory_limit=None, workspace_size="64M", spawn: str = "template", start_timeout=None,
+                 progress=None):
         self._closed = True
         source_dir = _resolve_source(source)
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
@@ -131,7 +144,10 @@ class RLPool:
             "serialize_measurement": bool(serialize_measurement),
             "memory_limit": parse_size(memory_limit) if memory_limit is not None else None,
             "workspace_size": parse_size(workspace_size),
+            "spawn": spawn,
         }
+        if spawn not in ("template", "exec"):
+            raise ValueError(f"spawn must be 'template' or 'exec', not {spawn!r}")
         find_bwrap()  # fail here, with the install command, not inside the worker
         self.source = str(source)
         self.timing = Timing()
@@ -152,13 +168,15 @@ class RLPool:
         self.hello = ready["hello"]
         self.step_timeout = ready["step_timeout"]
         self._cgroup = ready["cgroup"]
+        self.spawn = ready["spawn"]
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _shutdown_worker, self._proc, self._conn, self._stderr,
                                            self._cgroup)
-        if ready["memory_note"]:
-            import warnings
+        for note in (ready["memory_note"], ready["warning"]):
+            if note:
+                import warnings
 
-            warnings.warn(ready["memory_note"], RuntimeWarning, stacklevel=2)
+                warnings.warn(note, RuntimeWarning, stacklevel=2)
 
     # -- worker life --------------------------------------------------------------
 
@@ -393,12 +411,14 @@ class RLPool:
     def memory(self) -> MemoryReport:
         """Each env's memory in bytes (kernel accounting) and its source."""
         report = self._call("memory")
-        return MemoryReport(report["per_env"], report["source"], report["note"])
+        return MemoryReport(report["per_env"], report["source"], report["note"], report["shared"])
 
     def envs_per_gb(self) -> float:
-        """Envs per GiB: 2**30 / (pool memory / n), from the kernel's accounting."""
-        report = self.memory()
-        return (1 << 30) / max(1.0, report.total / self.n)
+        """Envs per GiB: 2**30 / (pool memory / n), from the kernel's accounting.
+
+        Pool memory is every env's charge plus what they share (the template).
+        """
+        return (1 << 30) / max(1.0, self.memory().mean)
 
     def log(self, index: int) -> str:
         """The tail of env `index`'s stdout and stderr (bounded; see policy log_tail)."""

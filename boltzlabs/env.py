@@ -101,17 +101,34 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
     returns `obs` or `(obs, info)`. `step(action)` returns
     `(obs, reward, done, info)` or `(obs, reward, terminated, truncated, info)`.
     Values must be msgpack-serializable (dict, list, str, int, float, bool,
-    None, bytes; numpy values are converted to lists). `observation_space`,
-    `action_space` and `metadata` are passed to the pool in the handshake.
+    None, bytes; numpy values are converted to lists). `metadata` is passed to
+    the pool in the handshake.
+
+    In a pool with spawn="template" this process is the template: serve()
+    becomes a fork server and each env is a forked child that runs the loop.
     """
     fd = os.environ.pop(_FD_VARIABLE, None)
     if fd is None:
         raise RuntimeError(
             "serve() talks to a boltzlabs worker and only runs inside a pool; "
             "start this env with boltzlabs.RLPool('path/to/env_dir', n)")
-    channel = _Channel(int(fd))
-    info = {"pid": os.getpid(), "python": sys.version.split()[0], "metadata": metadata or {}}
-    channel.write(wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, info]))
+    info = {"python": sys.version.split()[0], "metadata": metadata or {}}
+
+    def run(channel_fd: int) -> None:
+        _serve_loop(_Channel(channel_fd), reset, step, info)
+
+    if os.environ.pop("BOLTZLABS_TEMPLATE", None):
+        from boltzlabs import template
+
+        template.fork_server(run, int(fd))  # never returns
+    run(int(fd))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _serve_loop(channel: _Channel, reset, step, info: dict) -> None:
+    """Answer the worker's requests until it closes the channel."""
+    channel.write(wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, dict(info, pid=os.getpid())]))
     try:
         while True:
             message = channel.receive()
@@ -131,5 +148,3 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
                 raise wire.ProtocolError(f"unexpected message code {code}")
     except EOFError:
         pass  # the worker closed the channel: the pool is done with us
-    sys.stdout.flush()
-    os._exit(0)

@@ -116,7 +116,10 @@ class SandboxSpec:
             "workspace": self.workspace,
             "site_path": ":".join(p for p in site.getsitepackages() if os.path.isdir(p)),
         }
-        self._head = self._build_head(find_bwrap(), workspace_size)
+        self.workspace_size = workspace_size
+        bwrap = find_bwrap()
+        self._head = self._build_head(bwrap, workspace_size, template=False)
+        self._template_head = self._build_head(bwrap, workspace_size, template=True)
 
     def _expand(self, text: str) -> list[str]:
         key = text[1:-1] if text.startswith("{") and text.endswith("}") else None
@@ -147,7 +150,7 @@ class SandboxSpec:
                 ops.append((f"--{special['kind']}", special["dest"]))
         return ops
 
-    def _build_head(self, bwrap: str, workspace_size: int) -> list[str]:
+    def _build_head(self, bwrap: str, workspace_size: int, template: bool) -> list[str]:
         sandbox = self.policy.sandbox
         process = sandbox["process"]
         args = [bwrap]
@@ -157,12 +160,19 @@ class SandboxSpec:
             args.append("--die-with-parent")
         if process.get("new_session"):
             args.append("--new-session")
+        if process.get("disable_userns") and not template:  # template children: template.py does it
+            args.append("--disable-userns")
         for cap in process.get("cap_drop", []):
             args += ["--cap-drop", cap]
+        if template:
+            for cap in sandbox["template"].get("cap_add", []):
+                args += ["--cap-add", cap]
         args += ["--hostname", process["hostname"]]
         # tmpfs first, binds after: a tmpfs mounted over a parent of a bind hides it.
         args += ["--size", str(workspace_size), "--tmpfs", self.workspace]
         ops = self._mount_ops()
+        if template:  # a mount point for the fully visible proc (template.py says why)
+            ops.append(("--dir", sandbox["template"]["hidden_proc"]))
         tmp = sandbox["workspace"].get("tmp_link")
         if tmp:
             if any(op[-1] == tmp or op[-1].startswith(tmp + "/") for op in ops):
@@ -176,7 +186,8 @@ class SandboxSpec:
         if finish.get("shm"):
             args += ["--size", str(workspace_size), "--tmpfs", finish["shm"]]
         for path in finish.get("remount_ro", []):
-            args += ["--remount-ro", path]
+            if not (template and path == "/proc"):  # template.py binds /proc/sys ro itself
+                args += ["--remount-ro", path]
         args += ["--chdir", self.workspace, "--clearenv"]
         for name, value in self.environment().items():
             args += ["--setenv", name, value]
@@ -186,6 +197,19 @@ class SandboxSpec:
         """The variables an env sees (besides BOLTZLABS_FD and BOLTZLABS_ENV_INDEX)."""
         return {name: str(value).format(**self.values)
                 for name, value in self.policy.sandbox["environment"].items()}
+
+    def template_argv(self, channel_fd: int) -> list[str]:
+        """The command line of the warm template (spawn="template")."""
+        return self._template_head + [
+            "--setenv", "BOLTZLABS_FD", str(channel_fd),
+            "--setenv", "BOLTZLABS_WORKSPACE", self.workspace,
+            "--setenv", "BOLTZLABS_WORKSPACE_SIZE", str(self.workspace_size),
+            "--setenv", "BOLTZLABS_HOSTNAME", self.policy.sandbox["process"]["hostname"],
+            "--setenv", "BOLTZLABS_HIDDEN_PROC", self.policy.sandbox["template"]["hidden_proc"],
+            "--setenv", "BOLTZLABS_TEMPLATE_ID", "{uid}:{gid}".format(**self.policy.sandbox["template"]),
+            "--", sys.executable, *self.policy.sandbox["interpreter"]["flags"],
+            "-m", "boltzlabs.template", f"{self.values['env_dir']}/env.py",
+        ]
 
     def argv(self, channel_fd: int, env_index: int) -> list[str]:
         """The full command line of one env's sandbox."""

@@ -35,12 +35,12 @@ import msgpack
 from boltzlabs import wire
 from boltzlabs.cgroups import CgroupPool, CgroupUnavailable
 from boltzlabs.sandbox import SandboxSpec, load_policy
+from boltzlabs.spawn import TEMPLATE_LANE, ExecSpawner, TemplateSpawner, TemplateUnavailable, receive_hello
 
 # Env lane states. A lane is in exactly one.
 STARTING, IDLE, BUSY, DEAD = "starting", "idle", "busy", "dead"
 
 _ABANDONED = "start-up abandoned after another env failed"
-CHANNEL_FD = 3  # where an env finds its channel (policy: BOLTZLABS_FD)
 _READ_SIZE = 1 << 16
 
 
@@ -58,13 +58,13 @@ def describe_exit(status: int) -> str:
 class Env:
     """One lane: its sandbox process, channel, log and state."""
 
-    __slots__ = ("index", "state", "pid", "pidfd", "chan", "logfd", "reader", "log", "seq",
+    __slots__ = ("index", "state", "pid", "chan", "logfd", "reader", "log", "seq",
                  "out", "cause", "hello", "started", "oom_base", "straggling", "generation")
 
     def __init__(self, index: int, limits: wire.Limits):
         self.index = index
         self.state = DEAD
-        self.pid = self.pidfd = self.chan = self.logfd = -1
+        self.pid = self.chan = self.logfd = -1
         self.reader = wire.FrameReader(limits)
         self.log = bytearray()
         self.seq = -1
@@ -105,7 +105,8 @@ class Worker:
         self.epoll.register(conn.fileno(), select.EPOLLIN)
         self.handlers[conn.fileno()] = ("client", None)
         self.envs: list[Env] = []
-        self.reaping: dict[int, int] = {}  # pidfd -> pid of a killed sandbox not yet reaped
+        self.spawner = None
+        self.warning = ""
         self.op: Op | None = None
         self.cgroups: CgroupPool | None = None
         self.memory_note = ""
@@ -137,6 +138,13 @@ class Worker:
             if self.memory_limit:
                 raise ValueError(f"memory_limit needs a writable memory cgroup, and this host has none ({exc})")
         self.envs = [Env(i, self.env_limits) for i in range(n)]
+        self.spawner = ExecSpawner(self)
+        if config.get("spawn", "template") == "template":
+            try:
+                self.spawner = TemplateSpawner(self)
+            except TemplateUnavailable as exc:
+                self.warning = (f"spawn='template' is not possible for this env, so every env runs its own "
+                                f"interpreter (spawn='exec'), which costs more memory and start-up time: {exc}")
         self._start(self.envs, progress=True)
         failed = [e for e in self.envs if e.state != IDLE]
         if failed:
@@ -150,39 +158,20 @@ class Worker:
             "cgroup": str(self.cgroups.path) if self.cgroups else None,
             "hello": self.envs[0].hello,
             "step_timeout": self.step_timeout,
+            "spawn": self.spawner.kind,
+            "warning": self.warning,
         }
 
     def _spawn(self, env: Env) -> None:
         """Start env's sandbox. Its fds are registered; it is STARTING."""
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        log_r, log_w = os.pipe()
-        try:
-            actions = [
-                (os.POSIX_SPAWN_DUP2, child.fileno(), CHANNEL_FD),
-                (os.POSIX_SPAWN_DUP2, log_w, 1),
-                (os.POSIX_SPAWN_DUP2, log_w, 2),
-                (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-            ]
-            argv = self.spec.argv(CHANNEL_FD, env.index)
-            if self.cgroups is not None:
-                env.oom_base = self.cgroups.oom_kills(env.index)
-                with self.cgroups.spawning(env.index):
-                    pid = os.posix_spawn(argv[0], argv, {}, file_actions=actions)
-            else:
-                pid = os.posix_spawn(argv[0], argv, {}, file_actions=actions)
-        except BaseException:
-            parent.close()
-            os.close(log_r)
-            raise
-        finally:
-            child.close()
-            os.close(log_w)
-        parent.setblocking(False)
-        env.chan = parent.detach()
-        env.logfd = log_r
-        os.set_blocking(log_r, False)
-        env.pid = pid
-        env.pidfd = os.pidfd_open(pid)
+        if self.spawner.kind == "template" and not self.spawner.alive():
+            self.spawner = TemplateSpawner(self)  # the last one died; a new one for respawns
+        env.generation += 1
+        if self.cgroups is not None:
+            env.oom_base = self.cgroups.oom_kills(env.index)
+        self.spawner.spawn(env)  # sets env.chan, env.logfd (and env.pid when known)
+        os.set_blocking(env.chan, False)
+        os.set_blocking(env.logfd, False)
         env.state = STARTING
         env.seq = -1
         env.out = b""
@@ -190,10 +179,17 @@ class Worker:
         env.hello = None
         env.reader = wire.FrameReader(self.env_limits)
         env.started = time.monotonic()
-        env.generation += 1
-        for fd, kind in ((env.chan, "chan"), (env.logfd, "log"), (env.pidfd, "pid")):
+        for fd, kind in ((env.chan, "chan"), (env.logfd, "log")):
             self.epoll.register(fd, select.EPOLLIN)
             self.handlers[fd] = (kind, env)
+
+    def watch(self, fd: int, callback, arg) -> None:
+        """Call `callback(arg)` whenever fd is readable (for the spawners)."""
+        self.epoll.register(fd, select.EPOLLIN)
+        self.handlers[fd] = ("call", (callback, arg))
+
+    def unwatch(self, fd: int) -> None:
+        self._unregister(fd)
 
     def _start(self, envs: list[Env], progress: bool = False) -> None:
         """Spawn envs, overlapping spawns with handshakes, until all are IDLE or DEAD."""
@@ -204,7 +200,7 @@ class Worker:
                 self._kill(env, "restarted")
             try:
                 self._spawn(env)
-            except OSError as exc:
+            except (OSError, TemplateUnavailable) as exc:
                 env.state = DEAD
                 env.cause = f"could not spawn its sandbox: {exc}"
             self._poll(0)
@@ -249,10 +245,8 @@ class Worker:
                     self._read_channel(env)
             elif kind == "log":
                 self._read_log(env)
-            elif kind == "pid":
-                self._reap(env)
-            elif kind == "reap":
-                self._reap_orphan(fd)
+            elif kind == "call":
+                env[0](env[1])
             elif kind == "client":
                 self._read_client()
 
@@ -272,7 +266,10 @@ class Worker:
 
     def _read_channel(self, env: Env) -> None:
         try:
-            data = os.read(env.chan, _READ_SIZE)
+            if env.pid < 0 and self.spawner.wants_credentials:
+                data, env.pid = receive_hello(env.chan)  # a forked env: its host pid
+            else:
+                data = os.read(env.chan, _READ_SIZE)
         except BlockingIOError:
             return
         except OSError:
@@ -354,25 +351,20 @@ class Worker:
         except (OSError, ValueError):
             pass
 
-    def _reap(self, env: Env) -> None:
-        """env's bwrap exited on its own: record why, free its fds."""
-        try:
-            _, status = os.waitpid(env.pid, os.WNOHANG)
-        except ChildProcessError:
-            status = 0
+    def on_exit(self, env: Env, status, cause: str = "") -> None:
+        """env's process is gone (the spawner reaped it): record why."""
+        if env.state == DEAD:
+            return
         self._drain_log(env)
-        cause = describe_exit(status)
-        if self.cgroups is not None and self.cgroups.oom_kills(env.index) > env.oom_base:
-            cause = f"was killed by the kernel's OOM killer (over memory_limit={self.memory_limit} bytes); {cause}"
+        if not cause:
+            cause = describe_exit(status)
+            if self.cgroups is not None and self.cgroups.oom_kills(env.index) > env.oom_base:
+                cause = f"was killed by the kernel's OOM killer (over memory_limit={self.memory_limit} bytes); {cause}"
         self._release(env, f"died: {cause}")
 
     def _release(self, env: Env, cause: str) -> None:
         """Mark env DEAD with `cause`; close its fds; the op stops waiting for it."""
         self._close_channel(env)
-        if env.pidfd >= 0:
-            self._unregister(env.pidfd)
-            os.close(env.pidfd)
-            env.pidfd = -1
         if env.logfd >= 0:
             self._unregister(env.logfd)
             os.close(env.logfd)
@@ -386,33 +378,14 @@ class Worker:
             op.results[env.index] = None  # failure: see env.cause
 
     def _kill(self, env: Env, cause: str) -> None:
-        """Kill env's sandbox now (its whole tree); reap it in the background."""
+        """Kill env's sandbox now, its whole tree; the spawner reaps it."""
         if env.state == DEAD:
             return
-        if env.pid > 0:
-            try:
-                os.kill(env.pid, signal.SIGKILL)  # bwrap; --die-with-parent takes the rest
-            except ProcessLookupError:
-                pass
-            if self.cgroups is not None:
-                self.cgroups.kill(env.index)
-            self._drain_log(env)
-            # Keep the pidfd to reap the zombie when it is ready.
-            self._unregister(env.pidfd)
-            self.reaping[env.pidfd] = env.pid
-            self.epoll.register(env.pidfd, select.EPOLLIN)
-            self.handlers[env.pidfd] = ("reap", None)
-            env.pidfd = -1
+        self.spawner.kill(env)
+        if self.cgroups is not None:
+            self.cgroups.kill(env.index)
+        self._drain_log(env)
         self._release(env, cause)
-
-    def _reap_orphan(self, pidfd: int) -> None:
-        pid = self.reaping.pop(pidfd)
-        self._unregister(pidfd)
-        os.close(pidfd)
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
 
     # -- writing to envs --------------------------------------------------------------
 
@@ -586,16 +559,26 @@ class Worker:
         return [indices, obs, infos]
 
     def memory(self) -> dict:
+        shared = 0
         if self.cgroups is not None:
             per_env = [self.cgroups.usage(e.index) if e.state != DEAD else 0 for e in self.envs]
+            if self.spawner.kind == "template":
+                shared = self.cgroups.usage(TEMPLATE_LANE)
         else:
             per_env = [_pss_tree(e.pid) if e.pid > 0 else 0 for e in self.envs]
-        return {"per_env": per_env, "source": self.memory_source, "note": self.memory_note}
+            if self.spawner.kind == "template" and self.spawner.alive():
+                shared = _pss_tree(self.spawner.bwrap_pid)
+        return {"per_env": per_env, "shared": shared, "source": self.memory_source, "note": self.memory_note}
 
     def log(self, index: int) -> str:
         env = self.envs[index]
         self._drain_log(env)
-        return bytes(env.log).decode("utf-8", "replace")
+        text = bytes(env.log).decode("utf-8", "replace")
+        if self.spawner.kind == "template":
+            # What env.py printed at import, it printed once, in the template.
+            shared = bytes(self.spawner.log).decode("utf-8", "replace")
+            text = f"--- the template's output (env.py at import) ---\n{shared}--- env {index} ---\n{text}"
+        return text
 
     def states(self) -> list:
         return [e.state for e in self.envs]
@@ -609,19 +592,10 @@ class Worker:
         for env in self.envs:
             self._kill(env, "pool closed")
         deadline = time.monotonic() + 5.0
-        while self.reaping and time.monotonic() < deadline:
-            for fd, _ in self.epoll.poll(0.05):
-                if fd in self.reaping:
-                    self._reap_orphan(fd)
-        for pidfd, pid in list(self.reaping.items()):
-            try:
-                os.waitpid(pid, 0)  # SIGKILLed: returns at once
-            except ChildProcessError:
-                pass
-            os.close(pidfd)
-        self.reaping.clear()
+        if self.spawner is not None:
+            self.spawner.close(deadline)
         if self.cgroups is not None:
-            self.cgroups.close(time.monotonic() + 5.0)
+            self.cgroups.close(deadline)
             self.cgroups = None
 
     # -- the client connection ------------------------------------------------------
@@ -714,7 +688,7 @@ def _pss_tree(pid: int) -> int:
 
 def _raise_fd_limit(n: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 4 * n + 256  # channel, log pipe and pidfd per env, plus slack
+    want = 4 * n + 256  # channel, log pipe and (exec) pidfd per env, plus slack
     if soft < want and soft != hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard == resource.RLIM_INFINITY else min(hard, max(want, soft)), hard))
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -13,13 +13,20 @@ PROBE = TESTS / "envs" / "probe"
 COUNTER = TESTS.parent / "examples" / "counter"
 
 
+@pytest.fixture(params=["template", "exec"])
+def spawn(request):
+    """Both ways of making sandboxes: every test that takes it runs in each."""
+    return request.param
+
+
 @pytest.fixture
-def probe_pool():
+def probe_pool(spawn):
     """A factory of probe pools, every one closed at the end of the test."""
     pools = []
 
     def make(n=2, **kwargs):
         kwargs.setdefault("step_timeout", 5.0)
+        kwargs.setdefault("spawn", spawn)
         pool = RLPool(PROBE, n, **kwargs)
         pools.append(pool)
         return pool

@@ -73,9 +73,11 @@ def interpreter_paths() -> list[str]:
     return sorted(paths)
 
 
-def expected_root_entries() -> set[str]:
+def expected_root_entries(spawn: str) -> set[str]:
     """What '/' may hold inside: the policy's mounts, nothing else."""
     entries = {"dev", "proc", "env", "opt", "usr", "workspace", "tmp"}
+    if spawn == "template":  # the template's fully visible proc, covered in every env
+        entries.add(Path(load_policy().sandbox["template"]["hidden_proc"]).parts[1])
     entries |= {name for name in ("bin", "lib", "lib64", "sbin") if os.path.lexists("/" + name)}
     if any(os.path.lexists(f"/etc/{name}") for name in
            ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "alternatives")):
@@ -215,13 +217,14 @@ serve(reset=reset, step=step)
 
 
 @pytest.fixture
-def hostile_pool(env_dir):
+def hostile_pool(env_dir, spawn):
     """A factory of pools over HOSTILE_ENV, every one closed at the end of the test."""
     pools = []
     source = env_dir(HOSTILE_ENV)
 
     def make(n=2, **kwargs):
         kwargs.setdefault("step_timeout", 10.0)
+        kwargs.setdefault("spawn", spawn)
         pool = RLPool(source, n, **kwargs)
         pools.append(pool)
         return pool
@@ -296,7 +299,12 @@ def test_host_secret_files_are_not_visible(probe_pool):
 
 def test_root_holds_only_the_policys_mounts(probe_pool):
     pool = probe_pool(2)
-    expected = expected_root_entries()
+    expected = expected_root_entries(pool.spawn)
+    if pool.spawn == "template":
+        hidden = load_policy().sandbox["template"]["hidden_proc"]
+        for path in (os.path.dirname(hidden), hidden, hidden + "/1/environ", hidden + "/sys/kernel/core_pattern"):
+            for out in run(pool, {"op": "listdir" if "environ" not in path else "read", "path": path}):
+                assert_denied(out, errno.EACCES)
     for out in run(pool, {"op": "listdir", "path": "/"}):
         assert set(out["ok"]) == expected, f"unexpected top-level entries: {set(out['ok']) ^ expected}"
         # (a venv under /work or /home puts that top-level dir on the way to the interpreter)
@@ -436,14 +444,16 @@ def test_host_processes_are_not_visible(probe_pool):
         assert not (set(pids) & {p for p in host_pids if p > 3})
     for ident in run(pool, {"op": "identity"}):
         assert ident["pid"] <= 3
-    # /proc/1 is the sandbox's own init, not the host's.
+    # /proc/1 is the sandbox's own init (bwrap's, or in template mode the env itself), not the host's.
     for out in run(pool, {"op": "read", "path": "/proc/1/cmdline"}):
-        assert "bwrap" in out["ok"]
+        assert "bwrap" in out["ok"] or ("boltzlabs.template" in out["ok"] and pool.spawn == "template")
     assert_healthy(pool)
 
 
-def _sandbox_processes(bwrap_pid: int) -> list[psutil.Process]:
-    return psutil.Process(bwrap_pid).children(recursive=True)
+def _sandbox_processes(pid: int) -> list[psutil.Process]:
+    """The env's processes from the host: under its bwrap (exec), or itself (template)."""
+    process = psutil.Process(pid)
+    return [process] + process.children(recursive=True)
 
 
 def _namespaces(pid: int) -> dict:
@@ -455,9 +465,9 @@ def test_each_env_has_namespaces_of_its_own(probe_pool):
     pool = probe_pool(2)
     host = _namespaces(os.getpid())
     seen = []
-    for bwrap_pid in pool.pids():
-        inner = [p for p in _sandbox_processes(bwrap_pid) if "python" in p.name()]
-        assert inner, f"no env process under bwrap {bwrap_pid}"
+    for pid in pool.pids():
+        inner = [p for p in _sandbox_processes(pid) if "python" in p.name()]
+        assert inner, f"no env process at or under {pid}"
         ns = _namespaces(inner[-1].pid)
         for kind, ident in ns.items():
             assert ident != host[kind], f"env shares the host's {kind} namespace"

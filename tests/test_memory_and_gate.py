@@ -48,9 +48,9 @@ def overlaps(spans):
     return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
 
 
-def test_serialize_measurement_gate():
+def test_serialize_measurement_gate(spawn):
     n = 4
-    with RLPool(PROBE, n, serialize_measurement=True, step_timeout=5) as pool:
+    with RLPool(PROBE, n, serialize_measurement=True, step_timeout=5, spawn=spawn) as pool:
         pool.reset(seed=0)
         obs, rewards, dones, infos = pool.step([{"op": "interval", "s": 0.05}] * n)
         spans = intervals(obs)
@@ -59,14 +59,14 @@ def test_serialize_measurement_gate():
         # Resets and normal steps still work behind the gate.
         pool.reset(where=[1], seed=3)
         assert pool.step([1] * n)[1].tolist() == [1.0] * n
-    with RLPool(PROBE, n, step_timeout=5) as pool:
+    with RLPool(PROBE, n, step_timeout=5, spawn=spawn) as pool:
         pool.reset(seed=0)
         obs, *_ = pool.step([{"op": "interval", "s": 0.2}] * n)
         assert overlaps(intervals(obs))
 
 
-def test_gate_holder_that_overruns_is_killed_so_the_gate_holds():
-    with RLPool(PROBE, 3, serialize_measurement=True, step_timeout=0.5) as pool:
+def test_gate_holder_that_overruns_is_killed_so_the_gate_holds(spawn):
+    with RLPool(PROBE, 3, serialize_measurement=True, step_timeout=0.5, spawn=spawn) as pool:
         pool.reset(seed=0)
         obs, rewards, dones, infos = pool.step([{"op": "interval", "s": 0.05}, {"op": "loop"},
                                                 {"op": "interval", "s": 0.05}])
@@ -84,7 +84,7 @@ sys.path.insert(0, {root!r})
 from boltzlabs import RLPool
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    pool = RLPool({probe!r}, 2)
+    pool = RLPool({probe!r}, 2, spawn={spawn!r})
 pool.reset(seed=0)
 before = pool.memory()
 pool.step([{{"op": "alloc", "mb": 64}}, 1])
@@ -101,13 +101,13 @@ pool.close()
 """
 
 
-def test_without_a_writable_cgroup_memory_falls_back_to_pss():
+def test_without_a_writable_cgroup_memory_falls_back_to_pss(spawn):
     # A private mount namespace where the memory cgroup is read-only: the
     # kernel, not a mock, refuses the writes.
     import subprocess
     import sys
 
-    code = FALLBACK.format(root=str(Path(__file__).parent.parent), probe=str(PROBE))
+    code = FALLBACK.format(root=str(Path(__file__).parent.parent), probe=str(PROBE), spawn=spawn)
     script = ("mount --make-rprivate / && mount -o remount,bind,ro /sys/fs/cgroup/memory && "
               f"exec {sys.executable} -c \"$0\"")
     out = subprocess.run(["unshare", "-m", "sh", "-c", script, code], capture_output=True, text=True, timeout=120)

@@ -15,8 +15,9 @@ from boltzlabs import EnvStartError, PoolClosedError, RLPool
 from conftest import COUNTER, PROBE, open_fds
 
 
-def test_the_product_page_loop():
-    with RLPool(COUNTER, 8) as pool:
+def test_the_product_page_loop(spawn):
+    with RLPool(COUNTER, 8, spawn=spawn) as pool:
+        assert pool.spawn == spawn
         assert len(pool) == 8
         obs = pool.reset(seed=0)
         assert obs == [{"t": 0}] * 8
@@ -150,11 +151,11 @@ def test_use_after_close(probe_pool):
     ("import os, time\nfrom boltzlabs import wire\nos.write(3, wire.encode([99]))\ntime.sleep(5)\n",
      "sent [99] instead of its handshake"),
 ])
-def test_start_up_failure_names_env_and_shows_its_output(env_dir, source, expected):
+def test_start_up_failure_names_env_and_shows_its_output(env_dir, spawn, source, expected):
     directory = env_dir(source)
     started = time.monotonic()
     with pytest.raises(EnvStartError) as caught:
-        RLPool(directory, 3, start_timeout=2)
+        RLPool(directory, 3, start_timeout=2, spawn=spawn)
     assert time.monotonic() - started < 20
     assert expected in str(caught.value)
     assert caught.value.env_index in (0, 1, 2)
@@ -174,9 +175,9 @@ def _our_cgroups():
     return {p.name for p in home.glob("boltzlabs-*")}
 
 
-def test_close_leaves_nothing_behind():
+def test_close_leaves_nothing_behind(spawn):
     fds, children, groups = open_fds(), _descendants(), _our_cgroups()
-    pool = RLPool(PROBE, 4, step_timeout=0.5)
+    pool = RLPool(PROBE, 4, step_timeout=0.5, spawn=spawn)
     pool.reset(seed=0)
     pool.step([1, {"op": "sleep", "s": 60}, 1, 1])  # a busy env at close too
     assert len(_descendants()) > len(children)
@@ -187,9 +188,9 @@ def test_close_leaves_nothing_behind():
     assert _our_cgroups() == groups
 
 
-def test_interrupted_call_and_dropped_pool_leave_nothing_behind():
+def test_interrupted_call_and_dropped_pool_leave_nothing_behind(spawn):
     fds, children, groups = open_fds(), _descendants(), _our_cgroups()
-    pool = RLPool(PROBE, 2, step_timeout=30)
+    pool = RLPool(PROBE, 2, step_timeout=30, spawn=spawn)
     pool.reset(seed=0)
     signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     signal.setitimer(signal.ITIMER_REAL, 0.3)
@@ -201,7 +202,7 @@ def test_interrupted_call_and_dropped_pool_leave_nothing_behind():
     assert pool.closed
     with pytest.raises(PoolClosedError):
         pool.step([1, 1])
-    pool2 = RLPool(PROBE, 2)
+    pool2 = RLPool(PROBE, 2, spawn=spawn)
     del pool2  # garbage collection closes it
     assert _descendants() == children
     assert open_fds() == fds
@@ -212,7 +213,7 @@ CLIENT = """
 import sys, time
 sys.path.insert(0, {root!r})
 from boltzlabs import RLPool
-pool = RLPool({probe!r}, 3)
+pool = RLPool({probe!r}, 3, spawn={spawn!r})
 pool.reset(seed=0)
 print(pool.pids(), flush=True)
 {ending}
@@ -220,9 +221,9 @@ print(pool.pids(), flush=True)
 
 
 @pytest.mark.parametrize("ending", ["pass  # interpreter exit", "import os; os.kill(os.getpid(), 9)"])
-def test_client_exit_or_death_leaves_no_sandbox(ending):
+def test_client_exit_or_death_leaves_no_sandbox(spawn, ending):
     groups = _our_cgroups()
-    code = CLIENT.format(root=str(Path(__file__).parent.parent), probe=str(PROBE), ending=ending)
+    code = CLIENT.format(root=str(Path(__file__).parent.parent), probe=str(PROBE), ending=ending, spawn=spawn)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     pids = eval(out.stdout.strip().splitlines()[0])
     deadline = time.monotonic() + 10
@@ -234,8 +235,8 @@ def test_client_exit_or_death_leaves_no_sandbox(ending):
     assert _our_cgroups() == groups
 
 
-def test_worker_death_is_a_clear_error_and_kills_every_sandbox():
-    pool = RLPool(PROBE, 2)
+def test_worker_death_is_a_clear_error_and_kills_every_sandbox(spawn):
+    pool = RLPool(PROBE, 2, spawn=spawn)
     pool.reset(seed=0)
     pids = pool.pids()
     os.kill(pool._proc.pid, signal.SIGKILL)

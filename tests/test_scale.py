@@ -9,10 +9,10 @@ from conftest import COUNTER, open_fds
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_thousand_envs():
+def test_a_thousand_envs(spawn):
     n = 1000
     fds = open_fds()
-    with RLPool(COUNTER, n, step_timeout=60) as pool:
+    with RLPool(COUNTER, n, step_timeout=60, spawn=spawn) as pool:
         assert pool.states() == ["idle"] * n
         assert len(set(pool.pids())) == n
         obs = pool.reset(seed=0)
@@ -30,4 +30,8 @@ def test_a_thousand_envs():
         memory = pool.memory()
         assert len(memory.per_env) == n and all(m > 0 for m in memory.per_env)
         assert pool.envs_per_gb() > 50
+        pids = pool.pids()
+        pool.reset(hard=True, seed=0)
+        assert not set(pids) & set(pool.pids())
+        assert pool.step(actions)[0] == [{"t": 1}] * n
     assert open_fds() == fds

@@ -1,0 +1,365 @@
+"""How the worker makes sandboxes: one interpreter per env, or forks of a template.
+
+    Worker --spawn(env)--> ExecSpawner:     posix_spawn(bwrap ... python env.py), per env
+                       \-> TemplateSpawner: [FORK] to one warm template (boltzlabs.template)
+    Worker <--on_exit(env, status)-- either, when an env's process is gone
+
+Both hand the env its channel (a socketpair end, as fd 3) and its log pipe
+(fds 1 and 2), start it inside its own cgroup, and report its exit status.
+The worker owns everything else (the channel protocol, deadlines, state).
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import select
+import signal
+import socket
+import struct
+import time
+
+from boltzlabs import template, wire
+from boltzlabs.errors import BoltzLabsError
+
+CHANNEL_FD = 3  # where an env (and the template) finds its channel
+TEMPLATE_LANE = "template"  # the template's cgroup name
+
+
+class TemplateUnavailable(BoltzLabsError):
+    """The env cannot be forked from a template; the message says why."""
+
+
+def _pipe_and_socket():
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    log_r, log_w = os.pipe()
+    return parent, child, log_r, log_w
+
+
+def _posix_spawn(argv, channel_fd: int, log_w: int) -> int:
+    actions = [
+        (os.POSIX_SPAWN_DUP2, channel_fd, CHANNEL_FD),
+        (os.POSIX_SPAWN_DUP2, log_w, 1),
+        (os.POSIX_SPAWN_DUP2, log_w, 2),
+        (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+    ]
+    return os.posix_spawn(argv[0], argv, {}, file_actions=actions)
+
+
+class ExecSpawner:
+    """spawn="exec": each env is its own bubblewrap sandbox and interpreter."""
+
+    kind = "exec"
+    wants_credentials = False
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.pidfds: dict[int, int] = {}  # lane -> pidfd of its bwrap
+        self.reaping: dict[int, int] = {}  # pidfd -> pid of a killed bwrap not yet reaped
+
+    def spawn(self, env) -> None:
+        worker = self.worker
+        parent, child, log_r, log_w = _pipe_and_socket()
+        try:
+            argv = worker.spec.argv(CHANNEL_FD, env.index)
+            if worker.cgroups is not None:
+                with worker.cgroups.spawning(env.index):
+                    pid = _posix_spawn(argv, child.fileno(), log_w)
+            else:
+                pid = _posix_spawn(argv, child.fileno(), log_w)
+        except BaseException:
+            parent.close()
+            os.close(log_r)
+            raise
+        finally:
+            child.close()
+            os.close(log_w)
+        env.pid = pid
+        env.chan = parent.detach()
+        env.logfd = log_r
+        pidfd = os.pidfd_open(pid)
+        self.pidfds[env.index] = pidfd
+        worker.watch(pidfd, self._exited, env)
+
+    def _exited(self, env) -> None:
+        pidfd = self.pidfds.pop(env.index)
+        self.worker.unwatch(pidfd)
+        os.close(pidfd)
+        try:
+            _, status = os.waitpid(env.pid, os.WNOHANG)
+        except ChildProcessError:
+            status = 0
+        self.worker.on_exit(env, status)
+
+    def kill(self, env) -> None:
+        pidfd = self.pidfds.pop(env.index, None)
+        if pidfd is None:
+            return
+        try:
+            os.kill(env.pid, signal.SIGKILL)  # bwrap; --die-with-parent takes the rest
+        except ProcessLookupError:
+            pass
+        # Keep the pidfd to reap the zombie when it is ready.
+        self.worker.unwatch(pidfd)
+        self.reaping[pidfd] = env.pid
+        self.worker.watch(pidfd, self._reap, pidfd)
+
+    def _reap(self, pidfd: int) -> None:
+        pid = self.reaping.pop(pidfd)
+        self.worker.unwatch(pidfd)
+        os.close(pidfd)
+        try:
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+
+    def close(self, deadline: float) -> None:
+        for pidfd, pid in list(self.reaping.items()):
+            remaining = max(0.0, deadline - time.monotonic())
+            if select.select([pidfd], [], [], remaining)[0]:
+                self._reap(pidfd)
+        for pidfd, pid in self.reaping.items():
+            os.close(pidfd)  # a zombie we could not wait for: init will
+        self.reaping.clear()
+
+
+class TemplateSpawner:
+    """spawn="template": one warm template under bubblewrap forks every env.
+
+    The template (and everything it imported) is charged to the pool's
+    "template" cgroup. For each fork the worker moves the template into the
+    env's cgroup and back, so the child, its namespaces and every page it
+    copies are charged to the env from its first instant.
+    """
+
+    kind = "template"
+    wants_credentials = True
+
+    def __init__(self, worker):
+        self.worker = worker
+        self.reader = wire.FrameReader(wire.Limits(1 << 16))
+        self.pending: list = []
+        self.lanes: dict[tuple, object] = {}  # (lane, generation) -> env
+        self.control = None
+        self.bwrap_pid = -1
+        self.log = bytearray()
+        self._start()
+
+    def _start(self) -> None:
+        worker = self.worker
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        log_r, log_w = os.pipe()
+        os.set_blocking(log_r, False)
+        parent.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        try:
+            argv = worker.spec.template_argv(CHANNEL_FD)
+            if worker.cgroups is not None:
+                with worker.cgroups.spawning(TEMPLATE_LANE):
+                    self.bwrap_pid = _posix_spawn(argv, child.fileno(), log_w)
+            else:
+                self.bwrap_pid = _posix_spawn(argv, child.fileno(), log_w)
+        finally:
+            child.close()
+            os.close(log_w)
+        # Sends to the template never block for long: a template that stops
+        # reading is treated as dead, not waited for.
+        parent.settimeout(10.0)
+        self.control = parent
+        self.logfd = log_r
+        self.pidfd = os.pidfd_open(self.bwrap_pid)
+        try:
+            hello, self.pid = self._handshake(time.monotonic() + worker.start_timeout)
+        except BaseException:
+            self.close(time.monotonic() + 5)
+            raise
+        if not hello.get("forkable"):
+            self.close(time.monotonic() + 5)
+            raise TemplateUnavailable(hello.get("reason") or "the template refused to fork")
+        worker.watch(self.control.fileno(), self._on_control, None)
+        worker.watch(self.logfd, self._on_log, None)
+
+    def _handshake(self, deadline: float):
+        """Wait for the template's HELLO; returns (info, host pid of the template)."""
+        while True:
+            remaining = deadline - time.monotonic()
+            ready = select.select([self.control, self.pidfd], [], [], max(0.0, remaining))[0]
+            if self.control in ready:
+                data, ancillary, _, _ = self.control.recvmsg(1 << 16, socket.CMSG_SPACE(12))
+                pid = _sender_pid(ancillary)
+                try:
+                    messages = self.reader.feed(data) if data else []
+                except wire.ProtocolError:
+                    messages = []
+                if messages and messages[0][0] == wire.HELLO and len(messages[0]) == 3 \
+                        and isinstance(messages[0][2], dict) and pid:
+                    return messages[0][2], pid
+                select.select([self.pidfd], [], [], max(0.0, deadline - time.monotonic()))
+                ready = [self.pidfd]  # EOF or anything but a HELLO: it is done for
+            if self.pidfd in ready or remaining <= 0:
+                self.log += _drain(self.logfd)
+                what = "exited" if self.pidfd in ready else f"did not start within {self.worker.start_timeout:g} s"
+                raise TemplateUnavailable(f"the template {what}; its output:\n"
+                                          + bytes(self.log[-4000:]).decode("utf-8", "replace"))
+
+    def alive(self) -> bool:
+        return self.control is not None
+
+    def spawn(self, env) -> None:
+        worker = self.worker
+        if self.control is None:
+            raise OSError("the template is gone")
+        parent, child, log_r, log_w = _pipe_and_socket()
+        parent.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        try:
+            frame = wire.encode([template.FORK, env.index, env.generation])
+            fds = array.array("i", [child.fileno(), log_w]).tobytes()
+            if worker.cgroups is not None:
+                with worker.cgroups.moving(self.pid, env.index, TEMPLATE_LANE):
+                    self.control.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+                    self._wait_forked(env)
+            else:
+                self.control.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+                self._wait_forked(env)
+        except OSError:
+            parent.close()
+            os.close(log_r)
+            self._lost()
+            raise
+        except BaseException:
+            parent.close()
+            os.close(log_r)
+            raise
+        finally:
+            child.close()
+            os.close(log_w)
+        self.lanes[(env.index, env.generation)] = env
+        env.pid = -1  # known at its HELLO (SO_PASSCRED gives the host pid)
+        env.chan = parent.detach()
+        env.logfd = log_r
+
+    def _wait_forked(self, env) -> None:
+        deadline = time.monotonic() + self.worker.start_timeout
+        while True:
+            for message in self.pending:
+                if message[0] == template.FORKED and message[1:] == [env.index, env.generation]:
+                    self.pending.remove(message)
+                    return
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not select.select([self.control], [], [], remaining)[0]:
+                raise OSError("the template did not answer a fork request in time")
+            if not self._read_control():
+                raise OSError("the template is gone")
+
+    def _read_control(self) -> bool:
+        try:
+            data = self.control.recv(1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            data = b""
+        if not data:
+            return False
+        try:
+            self.pending.extend(self.reader.feed(data))
+        except wire.ProtocolError:
+            return False
+        return True
+
+    def _on_control(self, _) -> None:
+        if not self._read_control():
+            self._lost()
+            return
+        keep = []
+        for message in self.pending:
+            if message[0] == template.EXITED and len(message) == 4:
+                env = self.lanes.pop((message[1], message[2]), None)
+                if env is not None and isinstance(message[3], int):
+                    self.worker.on_exit(env, message[3])
+            else:
+                keep.append(message)
+        self.pending = keep
+
+    def _on_log(self, _) -> None:
+        try:
+            data = os.read(self.logfd, 1 << 16)
+        except BlockingIOError:
+            return
+        if not data:
+            self.worker.unwatch(self.logfd)  # the template is gone; _on_control will say so
+            return
+        self.log += data
+        del self.log[:-65536]
+
+    def _lost(self) -> None:
+        """The template died: so did every child (its pid namespace went)."""
+        if self.control is None:
+            return
+        self.log += _drain(self.logfd)
+        lanes, self.lanes = self.lanes, {}
+        self.close(time.monotonic() + 5)
+        tail = bytes(self.log[-2000:]).decode("utf-8", "replace")
+        for env in lanes.values():
+            self.worker.on_exit(env, None, f"died with its template (the template's output: {tail!r})")
+
+    def kill(self, env) -> None:
+        if self.lanes.pop((env.index, env.generation), None) is None or self.control is None:
+            return
+        if env.pid > 0:
+            try:
+                os.kill(env.pid, signal.SIGKILL)  # pid 1 of its namespace: the whole tree goes
+                return
+            except ProcessLookupError:
+                pass
+        try:  # no handshake yet, so no host pid: the template knows it
+            self.control.sendall(wire.encode([template.KILL, env.index, env.generation]))
+        except OSError:
+            self._lost()
+
+    def close(self, deadline: float) -> None:
+        if self.control is None:
+            return
+        self.worker.unwatch(self.control.fileno())
+        self.worker.unwatch(self.logfd)
+        self.control.close()
+        self.control = None
+        try:
+            os.kill(self.bwrap_pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        select.select([self.pidfd], [], [], max(0.0, deadline - time.monotonic()))
+        try:
+            os.waitpid(self.bwrap_pid, os.WNOHANG)
+        except ChildProcessError:
+            pass
+        os.close(self.pidfd)
+        os.close(self.logfd)
+
+
+def _sender_pid(ancillary) -> int:
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= 12:
+            return struct.unpack("3i", payload[:12])[0]
+    return 0
+
+
+def receive_hello(fd: int):
+    """Read from an env's channel with its sender's host pid (SO_PASSCRED)."""
+    sock = socket.socket(fileno=fd)
+    try:
+        data, ancillary, _, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(12))
+    finally:
+        sock.detach()
+    return data, _sender_pid(ancillary)
+
+
+def _drain(fd: int) -> bytes:
+    out = bytearray()
+    for _ in range(64):
+        try:
+            data = os.read(fd, 1 << 16)
+        except (BlockingIOError, OSError):
+            break
+        if not data:
+            break
+        out += data
+    return bytes(out[-65536:])

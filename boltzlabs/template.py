@@ -1,0 +1,368 @@
+"""The warm template: one pre-imported env that forks every env of the pool.
+
+    worker ==control socket (SOCK_SEQPACKET, fds by SCM_RIGHTS)==> template
+        [FORK, lane, generation] + (channel fd, log fd)   --> fork a child
+        [KILL, lane, generation]                          --> kill that child
+    worker <== [FORKED, lane, generation] / [EXITED, lane, generation, status]
+
+`python -m boltzlabs.template /env/env.py` runs inside a bubblewrap sandbox
+that keeps CAP_SYS_ADMIN and CAP_SETPCAP (and nothing else) only for the
+template's own set-up: it mounts a second, fully visible proc at a hidden
+path, drops every capability, sets no_new_privs, and only then runs env.py. env.py's `serve()` sees
+BOLTZLABS_TEMPLATE and turns into the fork server (`fork_server`). The
+template never runs reset or step, so each child starts from the same
+pristine state: a hard reset is "kill the child, fork another".
+
+Each child becomes its own sandbox before any env code runs in it:
+
+    template --fork--> intermediate: unshare(USER), uid/gid maps,
+                       unshare(NS|PID|NET|IPC|UTS|CGROUP)
+                   --fork--> child: pid 1 of its pid namespace; mounts its
+                       own tmpfs workspace, /dev/shm and /proc, lo up,
+                       hostname, no more user namespaces, every capability
+                       dropped; then serves on its channel
+    the intermediate exits; the template, a child subreaper, reaps the child.
+
+Kernel facts this depends on:
+- A nested user namespace may mount a fresh proc only if its mount namespace
+  already holds a *fully visible* proc: one with no locked mount over a
+  non-empty directory. bwrap's --proc adds read-only overmounts (/proc/sys,
+  ...), which become locked in a child's namespace. So the template mounts
+  a plain proc (BOLTZLABS_HIDDEN_PROC) before it drops its capabilities and
+  covers its parent directory with an empty tmpfs: the kernel's check reads
+  the mount table, not paths, so children may mount their own /proc while
+  nobody can reach the template's.
+- sysctl writes are checked against the writer's uid, not its capabilities,
+  so each child's /proc/sys is bound read-only.
+- unshare(CLONE_NEWPID) moves only the caller's future children into the
+  new pid namespace, hence the second fork.
+- When the template dies, bwrap's init exits and the kernel kills its whole
+  pid namespace, nested ones included: no child outlives its template.
+
+Standard library only: every env pays for what the template imports.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import errno
+import fcntl
+import gc
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+
+from boltzlabs import wire
+
+FORK, KILL, FORKED, EXITED = 30, 31, 32, 33
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_CLONE_NEWNS, _CLONE_NEWCGROUP, _CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
+_CLONE_NEWIPC, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x08000000, 0x10000000, 0x20000000, 0x40000000
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
+_PR_SET_NO_NEW_PRIVS, _PR_CAPBSET_DROP, _PR_SET_CHILD_SUBREAPER = 38, 24, 36
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP, _IFF_RUNNING = 0x8913, 0x8914, 0x1, 0x40
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _mount(source, target, fstype, flags, data=None) -> None:
+    _check(_libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(),
+                       ctypes.c_ulong(flags), data and data.encode()), f"mount {target}")
+
+
+def drop_capabilities() -> None:
+    """No capabilities now or after any execve, and no way to gain privileges."""
+    _check(_libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+    with open("/proc/sys/kernel/cap_last_cap") as f:
+        last = int(f.read())
+    for cap in range(last + 1):
+        if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != errno.EINVAL:
+            _check(-1, f"drop capability {cap} from the bounding set")
+    _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+    data = (_CapData * 2)()
+    _check(_libc.capset(ctypes.byref(header), data), "capset")
+
+
+def _loopback_up() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        request = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(s, _SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP | _IFF_RUNNING))
+
+
+def _enter_user_namespace(inside: tuple, outside: tuple) -> None:
+    """unshare(CLONE_NEWUSER), mapping uid/gid `inside` to `outside` (ours)."""
+    _check(_libc.unshare(_CLONE_NEWUSER), "unshare user namespace")
+    with open("/proc/self/setgroups", "w") as f:
+        f.write("deny")
+    with open("/proc/self/uid_map", "w") as f:
+        f.write(f"{inside[0]} {outside[0]} 1")
+    with open("/proc/self/gid_map", "w") as f:
+        f.write(f"{inside[1]} {outside[1]} 1")
+
+
+def _become_sandbox(workspace: str, size: int, hostname: str) -> None:
+    """In the intermediate: new user namespace, then every other namespace."""
+    _enter_user_namespace((0, 0), (os.geteuid(), os.getegid()))  # root inside, the template outside
+    _check(_libc.unshare(_CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS
+                         | _CLONE_NEWCGROUP), "unshare namespaces")
+    del workspace, size, hostname
+
+
+def _finish_sandbox(workspace: str, size: int, hostname: str) -> None:
+    """In the child, pid 1 of its namespace: its own mounts, then no privileges."""
+    flags = _MS_NOSUID | _MS_NODEV
+    _mount("tmpfs", workspace, "tmpfs", flags, f"size={size},mode=0755")
+    _mount("tmpfs", "/dev/shm", "tmpfs", flags, f"size={size},mode=1777")
+    _mount("proc", "/proc", "proc", flags | _MS_NOEXEC)
+    # No user namespace below this one (the limit counts per namespace).
+    with open("/proc/sys/user/max_user_namespaces", "w") as f:
+        f.write("0")
+    # sysctl writes are checked against the uid, not capabilities: read-only.
+    _mount("/proc/sys", "/proc/sys", None, _MS_BIND)
+    _mount(None, "/proc/sys", None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags | _MS_NOEXEC)
+    socket.sethostname(hostname)
+    _loopback_up()
+    os.chdir(workspace)
+    drop_capabilities()
+
+
+def _unsafe_to_fork(channel_fd: int) -> str:
+    """Why this process cannot be forked safely, or '' if it can."""
+    threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    if threads:
+        return f"env.py started threads at import ({', '.join(threads)}); forked children would lack them"
+    sockets = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd in (0, 1, 2, channel_fd):
+            continue
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            sockets.append(fd)
+    if sockets:
+        return f"env.py holds open sockets at import (fds {sockets}); forked children would share them"
+    return ""
+
+
+def fork_server(serve_child, channel_fd: int) -> None:
+    """serve()'s template mode: fork a child per request. Never returns.
+
+    `serve_child(channel_fd)` is what a child runs once it is a sandbox: the
+    ordinary serve loop on its own channel.
+    """
+    control = socket.socket(fileno=channel_fd)
+    reason = _unsafe_to_fork(channel_fd)
+    hello = {"pid": os.getpid(), "forkable": not reason, "reason": reason}
+    control.sendall(wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, hello]))
+    if reason:
+        os._exit(0)
+    # The template's own settings: popped, so a child's environment is an
+    # exec-mode env's environment exactly.
+    workspace = os.environ.pop("BOLTZLABS_WORKSPACE", "/workspace")
+    size = int(os.environ.pop("BOLTZLABS_WORKSPACE_SIZE", str(64 << 20)))
+    hostname = os.environ.pop("BOLTZLABS_HOSTNAME", "boltzlabs")
+    _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "child subreaper")
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    children: dict[int, tuple] = {}  # pid (our namespace) -> (lane, generation)
+    lanes: dict[tuple, int] = {}
+    # Everything imported so far is shared, copy-on-write, by every child;
+    # freezing keeps the collector from writing to (and so copying) it.
+    gc.collect()
+    gc.freeze()
+    # Replies queue here and go out only when the socket takes them: the
+    # template must never block on a send while the worker is blocked
+    # sending to it (1000 kills answered by 1000 exits would deadlock).
+    outbox = bytearray()
+    control.setblocking(False)
+    poller = select.poll()
+    poller.register(wake_r, select.POLLIN)
+    reader = wire.FrameReader(wire.Limits(1 << 16))
+    while True:
+        poller.register(control.fileno(), select.POLLIN | (select.POLLOUT if outbox else 0))
+        for fd, events in poller.poll():
+            if fd == wake_r:
+                try:
+                    os.read(wake_r, 4096)
+                except BlockingIOError:
+                    pass
+                continue
+            if events & select.POLLOUT:
+                _flush(control, outbox)
+            if not events & (select.POLLIN | select.POLLHUP | select.POLLERR):
+                continue
+            try:
+                data, fds = _receive(control)
+            except BlockingIOError:
+                continue
+            if not data:
+                os._exit(0)  # the worker is gone
+            for message in reader.feed(data):
+                if message[0] == FORK and len(fds) == 2:
+                    _, lane, generation = message
+                    pid, status = _fork_child(serve_child, lane, fds, (workspace, size, hostname))
+                    fds = []  # closed by _fork_child
+                    outbox += wire.encode([FORKED, lane, generation])
+                    if pid is None:
+                        outbox += wire.encode([EXITED, lane, generation, status])
+                    else:
+                        children[pid] = (lane, generation)
+                        lanes[(lane, generation)] = pid
+                elif message[0] == KILL:
+                    pid = lanes.get((message[1], message[2]))
+                    if pid is not None:
+                        _kill(pid)
+                for fd_ in fds:
+                    os.close(fd_)
+                fds = []
+        while True:  # reap: we are the subreaper of every child
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            key = children.pop(pid, None)
+            if key is not None:
+                lanes.pop(key, None)
+                outbox += wire.encode([EXITED, key[0], key[1], status])
+        _flush(control, outbox)
+
+
+def _flush(control: socket.socket, outbox: bytearray) -> None:
+    """Send what the socket takes now; one packet may hold many frames."""
+    while outbox:
+        try:
+            sent = control.send(outbox[:1 << 15])
+        except (BlockingIOError, InterruptedError):
+            return
+        del outbox[:sent]
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _receive(control: socket.socket):
+    fds = array.array("i")
+    data, ancillary, _, _ = control.recvmsg(1 << 16, socket.CMSG_SPACE(4 * fds.itemsize))
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    return data, list(fds)
+
+
+def _fork_child(serve_child, lane, fds, sandbox):
+    """Fork the intermediate; return (the child's pid in our pid namespace, 0),
+    or (None, the intermediate's wait status) when it could not make one."""
+    pid_r, pid_w = os.pipe()
+    intermediate = os.fork()
+    if intermediate == 0:
+        code = 1
+        try:
+            os.close(pid_r)
+            _become_sandbox(*sandbox)
+            child = os.fork()
+            if child == 0:
+                os.close(pid_w)
+                _child(serve_child, lane, fds, sandbox)
+            os.write(pid_w, struct.pack("i", child))
+            code = 0
+        except BaseException as exc:  # report, never return into the template's loop
+            os.write(2, f"boltzlabs: could not make the env's sandbox: {exc!r}\n".encode())
+        finally:
+            os._exit(code)
+    os.close(pid_w)
+    data = os.read(pid_r, 4)
+    os.close(pid_r)
+    _, status = os.waitpid(intermediate, 0)
+    for fd in fds:
+        os.close(fd)
+    if len(data) != 4:
+        return None, status  # no child: the intermediate's status says why
+    return struct.unpack("i", data)[0], 0
+
+
+def _child(serve_child, lane, fds, sandbox) -> None:
+    """The env process. Becomes a sandbox, then serves. Never returns."""
+    code = 1
+    try:
+        os.environ["BOLTZLABS_ENV_INDEX"] = str(lane)
+        channel, log = fds
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.dup2(channel, 3)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.closerange(4, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") < 1 << 20 else 1 << 16)
+        _finish_sandbox(*sandbox)
+        gc.unfreeze()
+        serve_child(3)
+        code = 0
+    except BaseException as exc:
+        try:
+            os.write(2, f"boltzlabs: env child failed before serving: {exc!r}\n".encode())
+        except OSError:
+            pass
+    finally:
+        os._exit(code)
+
+
+def main(argv=None) -> None:
+    """Template entry point: set up, drop privileges, run env.py as __main__."""
+    import runpy
+
+    argv = sys.argv[1:] if argv is None else argv
+    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    hidden = os.environ.pop("BOLTZLABS_HIDDEN_PROC")
+    _mount("proc", hidden, "proc", flags)
+    # Cover its parent: the proc stays in the mount table, no path reaches it.
+    _mount("tmpfs", os.path.dirname(hidden), "tmpfs", flags | _MS_RDONLY, "size=4k,mode=0000")
+    # /proc stays writable here (children write their uid maps through it),
+    # but not the sysctls: they are checked against the uid, not capabilities.
+    for path in ("/proc/sys", "/proc/sysrq-trigger"):
+        if os.path.exists(path):
+            _mount(path, path, None, _MS_BIND)
+            _mount(None, path, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags)
+    # A non-zero uid of our own, so that children may map their root to it
+    # without CAP_SETFCAP (see sandbox/policy.toml, [template]).
+    uid, gid = (int(x) for x in os.environ.pop("BOLTZLABS_TEMPLATE_ID", "1000:1000").split(":"))
+    _enter_user_namespace((uid, gid), (os.geteuid(), os.getegid()))
+    drop_capabilities()
+    os.environ["BOLTZLABS_TEMPLATE"] = "1"
+    sys.argv = argv
+    sys.path.insert(0, os.path.dirname(argv[0]))
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""spawn="template": envs forked from one warm template, each its own sandbox."""
+
+import errno
+import os
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from boltzlabs import RLPool
+from conftest import COUNTER, PROBE
+
+IMPORT_PROBE = """
+import ctypes, os, errno
+from boltzlabs.env import serve
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+def unshare_user():
+    if libc.unshare(0x10000000) != 0:  # CLONE_NEWUSER
+        raise OSError(ctypes.get_errno(), "unshare")
+
+def attempt(fn):
+    try:
+        fn()
+        return "allowed"
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+
+# Run at import, in the template (or, in exec mode, in the env itself).
+AT_IMPORT = {
+    "hidden": attempt(lambda: os.listdir("/.template/proc")),
+    "sysctl": attempt(lambda: open("/proc/sys/kernel/hostname", "w").close()),
+    "core_pattern": attempt(lambda: open("/proc/sys/kernel/core_pattern", "w").close()),
+    "mount": attempt(lambda: os.listdir("/.template")),
+    "caps": open("/proc/self/status").read().split("CapEff:")[1].split()[0],
+    "no_new_privs": open("/proc/self/status").read().split("NoNewPrivs:")[1].split()[0],
+}
+
+def reset(seed):
+    return AT_IMPORT
+
+def step(action):
+    status = open("/proc/self/status").read()
+    return {
+        "caps": status.split("CapEff:")[1].split()[0],
+        "bounding": status.split("CapBnd:")[1].split()[0],
+        "no_new_privs": status.split("NoNewPrivs:")[1].split()[0],
+        "userns": attempt(unshare_user),
+        "cgroup": open("/proc/self/cgroup").read(),
+    }, 0.0, False, {}
+
+serve(reset=reset, step=step)
+"""
+
+
+def test_no_privilege_before_env_code_runs(env_dir, spawn):
+    directory = env_dir(IMPORT_PROBE)
+    with RLPool(directory, 2, spawn=spawn) as pool:
+        assert pool.spawn == spawn
+        at_import = pool.reset(seed=0)[0]
+        assert at_import["caps"] == "0000000000000000"
+        if spawn == "template":  # bwrap sets no_new_privs only on the env's own exec
+            assert at_import["no_new_privs"] == "1"
+            assert at_import["mount"] == "EACCES"
+        assert at_import["hidden"] in ("EACCES", "ENOENT")
+        assert at_import["sysctl"] in ("EROFS", "EACCES", "EPERM")
+        assert at_import["core_pattern"] in ("EROFS", "EACCES", "EPERM")
+        obs, *_ = pool.step([0, 0])
+        for o in obs:
+            assert o["caps"] == o["bounding"] == "0000000000000000"
+            assert o["no_new_privs"] == "1" or spawn == "exec"
+            assert o["userns"] in ("ENOSPC", "EPERM", "EACCES"), o["userns"]  # no further user namespaces
+
+
+def test_each_child_is_born_in_its_own_cgroup():
+    with RLPool(PROBE, 3, spawn="template") as pool:
+        check_cgroups(pool)
+
+
+def check_cgroups(pool):
+    pool.reset(seed=0)
+    for i, pid in enumerate(pool.pids()):
+        line = next(l for l in Path(f"/proc/{pid}/cgroup").read_text().splitlines() if ":memory:" in l)
+        assert line.endswith(f"/env-{i}"), line
+    report = pool.memory()
+    # The template's imported pages are the pool's, not env 0's.
+    assert report.shared > 0
+    assert max(report.per_env) < 2 * min(report.per_env) + (1 << 20)
+
+
+def test_hard_reset_forks_a_fresh_child_from_the_pristine_template():
+    with RLPool(PROBE, 2, spawn="template") as pool:
+        check_hard_reset(pool)
+
+
+def check_hard_reset(pool):
+    pool.reset(seed=1)
+    pool.step([{"op": "ws_write"}] * 2)
+    pids = pool.pids()
+    first = pool.reset(hard=True, seed=1)
+    assert not set(pids) & set(pool.pids())
+    assert first[0]["episodes"] == 1  # the template never ran reset: a fresh count
+    obs, *_ = pool.step([{"op": "ws_read"}] * 2)
+    assert "FileNotFoundError" in obs[0]["out"]["denied"]
+
+
+@pytest.mark.parametrize("source, reason", [
+    ("import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n",
+     "started threads at import"),
+    ("import socket\nheld = socket.socketpair()\n", "holds open sockets at import"),
+])
+def test_unforkable_env_falls_back_to_exec_with_a_warning(env_dir, source, reason):
+    directory = env_dir(source + "from boltzlabs.env import serve\n"
+                        "serve(reset=lambda seed: 0, step=lambda a: (0, 1.0, False, {}))\n")
+    with pytest.warns(RuntimeWarning, match=reason):
+        pool = RLPool(directory, 2, spawn="template")
+    with pool:
+        assert pool.spawn == "exec"
+        pool.reset(seed=0)
+        assert pool.step([0, 0])[1].tolist() == [1.0, 1.0]
+
+
+def test_killing_the_template_fails_lanes_cleanly_and_reset_recovers():
+    import psutil
+
+    with RLPool(PROBE, 2, spawn="template", step_timeout=5) as pool:
+        pool.reset(seed=0)
+        worker = psutil.Process(pool._proc.pid)
+        bwraps = [p for p in worker.children() if p.name() == "bwrap"]
+        assert len(bwraps) == 1
+        bwraps[0].kill()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and pool.states() != ["dead", "dead"]:
+            time.sleep(0.05)
+        _, rewards, dones, infos = pool.step([1, 1])
+        assert dones.all() and "template" in infos[0]["error"]
+        pool.reset(seed=0)  # a new template, new children
+        assert pool.step([1, 1])[1].tolist() == [1.0, 1.0]
+
+
+def test_exec_and_template_give_the_same_episodes():
+    import msgpack
+
+    episodes = []
+    for spawn in ("exec", "template"):
+        with RLPool(PROBE, 2, spawn=spawn) as pool:
+            frames = [pool.reset(seed=7)]
+            for _ in range(5):
+                obs, rewards, dones, _ = pool.step([1, 2])
+                frames.append([obs, rewards.tolist(), dones.tolist()])
+            episodes.append(msgpack.packb(frames))
+    assert episodes[0] == episodes[1]
