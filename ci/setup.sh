@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Set up a fresh Debian/Ubuntu machine for boltzlabs: bubblewrap from apt,
+# a virtualenv in .venv with boltzlabs and its test extras. Idempotent.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
+
+need=()
+command -v bwrap >/dev/null || need+=(bubblewrap)
+command -v unshare >/dev/null || need+=(util-linux)
+PYTHON=${PYTHON:-python3}
+command -v "$PYTHON" >/dev/null || need+=(python3)
+"$PYTHON" -c "import venv, ensurepip" 2>/dev/null || need+=(python3-venv)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "installing ${need[*]} with apt-get"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/python -m pip install -q -e ".[test]"
+echo "boltzlabs is set up in .venv ($(.venv/bin/python --version), $(bwrap --version))"
