@@ -16,15 +16,26 @@ module imports.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import traceback
 
 from boltzlabs import wire
 
-__all__ = ["serve"]
+__all__ = ["serve", "params"]
 
 _FD_VARIABLE = "BOLTZLABS_FD"
+_PARAMS_VARIABLE = "BOLTZLABS_PARAMS"
+
+
+def params() -> dict:
+    """The construction params given to the pool: `RLPool(source, n, **params)`.
+
+    They arrive as JSON in the environment, so values are JSON types (a tuple
+    given to the pool arrives as a list).
+    """
+    return json.loads(os.environ.get(_PARAMS_VARIABLE) or "{}")
 
 
 class _Channel:
@@ -81,6 +92,10 @@ def _reset_reply(seq, result):
     return [wire.RESET_DONE, seq, obs, info]
 
 
+def _render_reply(seq, frame):
+    return [wire.RENDERED, seq, frame]
+
+
 def _reply(channel: _Channel, seq, phase: str, build, call):
     try:
         reply = build(seq, call())
@@ -90,7 +105,8 @@ def _reply(channel: _Channel, seq, phase: str, build, call):
     channel.write(data)
 
 
-def serve(reset, step, *, observation_space=None, action_space=None, metadata=None):
+def serve(reset, step, *, observation_space=None, action_space=None, metadata=None, render=None,
+          render_mode=None):
     """Serve this env to the boltzlabs worker that started it. Never returns.
 
     Call it once, at the end of your `env.py`:
@@ -101,8 +117,13 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
     returns `obs` or `(obs, info)`. `step(action)` returns
     `(obs, reward, done, info)` or `(obs, reward, terminated, truncated, info)`.
     Values must be msgpack-serializable (dict, list, str, int, float, bool,
-    None, bytes; numpy values are converted to lists). `observation_space`,
-    `action_space` and `metadata` are passed to the pool in the handshake.
+    None, bytes, numpy arrays; numpy scalars arrive as Python scalars, and
+    arrays received are read-only views of the frame).
+
+    `observation_space` and `action_space` (Gymnasium spaces), `metadata` (a
+    msgpack-able dict) and `render_mode` travel to the pool in the handshake
+    (`pool.env_contract`). `render()`, when given, answers `pool.render()`
+    with a frame (e.g. an RGB array); without it, frames are None.
     """
     fd = os.environ.pop(_FD_VARIABLE, None)
     if fd is None:
@@ -110,7 +131,13 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
             "serve() talks to a boltzlabs worker and only runs inside a pool; "
             "start this env with boltzlabs.RLPool('path/to/env_dir', n)")
     channel = _Channel(int(fd))
-    info = {"pid": os.getpid(), "python": sys.version.split()[0], "metadata": metadata or {}}
+    info = {"pid": os.getpid(), "python": sys.version.split()[0], "metadata": metadata or {},
+            "render_mode": render_mode}
+    if observation_space is not None or action_space is not None:
+        from boltzlabs.spaces import to_spec
+
+        info["observation_space"] = to_spec(observation_space)
+        info["action_space"] = to_spec(action_space)
     channel.write(wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, info]))
     try:
         while True:
@@ -127,6 +154,9 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
                 _, seq, seed, options = message
                 call = (lambda: reset(seed)) if options is None else (lambda: reset(seed, options=options))
                 _reply(channel, seq, "reset", _reset_reply, call)
+            elif code == wire.RENDER:
+                seq = message[1]
+                _reply(channel, seq, "render", _render_reply, render if render is not None else lambda: None)
             else:
                 raise wire.ProtocolError(f"unexpected message code {code}")
     except EOFError:
