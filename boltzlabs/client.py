@@ -456,9 +456,13 @@ class RLPool:
             return list(self._obs)
         _, obs, infos = self._call("reset", lanes, seeds, bool(hard), options)
         self.timing.stragglers = [i for i, info in zip(lanes, infos) if info.get("straggler")]
+        # New list and arrays, not in-place writes: what step() returned stays as it was.
+        self._obs = list(self._obs)
         for i, o, info in zip(lanes, obs, infos):
             self._obs[i] = o
             self.reset_infos[i] = info
+        self.terminated = self.terminated.copy()
+        self.truncated = self.truncated.copy()
         self.terminated[lanes] = False
         self.truncated[lanes] = False
         self._begin_episodes(lanes, seeds)
