@@ -16,7 +16,6 @@ module imports.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import traceback
@@ -35,6 +34,8 @@ def params() -> dict:
     They arrive as JSON in the environment, so values are JSON types (a tuple
     given to the pool arrives as a list).
     """
+    import json  # here, not at the top: an env that takes no params does not pay for it
+
     return json.loads(os.environ.get(_PARAMS_VARIABLE) or "{}")
 
 

@@ -63,7 +63,7 @@ class Env:
     """One lane: its sandbox process, channel, log and state."""
 
     __slots__ = ("index", "state", "pid", "pidfd", "chan", "logfd", "reader", "log", "seq",
-                 "out", "cause", "hello", "started", "oom_base", "straggling", "generation")
+                 "out", "cause", "hello", "started", "oom_base", "straggling", "generation", "expect")
 
     def __init__(self, index: int, limits: wire.Limits):
         self.index = index
@@ -79,6 +79,7 @@ class Env:
         self.oom_base = 0
         self.straggling = False
         self.generation = 0
+        self.expect = None  # the reply code due for the request in flight
 
 
 class Op:
@@ -310,7 +311,7 @@ class Worker:
             self._kill(env, f"sent {_describe(message)} when no reply was due")
             return
         result = _check_reply(message)
-        if result is None:
+        if result is None or result[0] not in (env.expect, wire.FAILED):
             self._kill(env, f"sent a malformed reply {_describe(message)}")
             return
         env.state = IDLE
@@ -482,8 +483,10 @@ class Worker:
             if env.state == IDLE:
                 if resets and env.index in resets:
                     body = pack([wire.RESET, seq, None, None])
+                    env.expect = wire.RESET_DONE
                 else:
                     body = pack([wire.STEP, seq, action, gated])
+                    env.expect = wire.STEPPED
                 env.seq = seq
                 env.state = BUSY
                 op.waiting.add(env.index)
@@ -590,6 +593,7 @@ class Worker:
                 continue
             env.seq = seq
             env.state = BUSY
+            env.expect = wire.RESET_DONE
             op.waiting.add(env.index)
             self._write(env, wire.encode([wire.RESET, seq, seed, options]))
         self._wait(op, time.monotonic() + self.step_timeout)
@@ -623,6 +627,7 @@ class Worker:
             if env.state == IDLE:
                 env.seq = seq
                 env.state = BUSY
+                env.expect = wire.RENDERED
                 op.waiting.add(index)
                 self._write(env, wire.encode([wire.RENDER, seq]))
         self._wait(op, time.monotonic() + self.step_timeout)
@@ -636,7 +641,7 @@ class Worker:
                 frames.append(result[2])
                 continue
             frames.append(None)
-            if result:
+            if result:  # FAILED: the env's exception, with its traceback
                 errors[index] = result[4] or result[3]
             elif index in op.waiting:
                 errors[index] = f"missed the render deadline of {self.step_timeout:g} s"

@@ -417,3 +417,58 @@ def test_reset_mask_is_checked_like_sync_vector_env_and_options_are_not_mutated(
         envs.reset(seed=[1, 2])
     with pytest.raises(ValueError, match="needs 3 actions"):
         envs.step(np.array([0, 1]))
+
+
+RENDER_FAULTS = """
+    import os, time
+    import boltzlabs.env as runtime
+    from boltzlabs import wire
+    from boltzlabs.env import serve
+    state = {"mode": "ok", "t": 0}
+    def render():
+        mode = state["mode"]
+        if mode == "raise":
+            raise RuntimeError("render failed on purpose")
+        if mode == "exit":
+            os._exit(3)
+        if mode == "hang":
+            time.sleep(60)
+        return [state["t"]]
+    def step(action):
+        state["t"] += 1
+        if action == "wrong_kind":  # answer a STEP with a RESET_DONE of the right seq
+            runtime._step_reply = lambda seq, result: [wire.RESET_DONE, seq, None, {}]
+        else:
+            state["mode"] = action
+        return state["t"], 1.0, False, False, {}
+    serve(reset=lambda seed, options=None: 0, step=step, render=render)
+"""
+
+
+@pytest.mark.parametrize("fault, error", [
+    ("raise", "(?s)env 0 could not render: Traceback.*RuntimeError: render failed on purpose"),
+    ("exit", "env 0 could not render: env is dead .*exited with code 3"),
+    ("hang", "env 0 could not render: missed the render deadline of 1 s"),
+])
+def test_render_faults_are_typed_and_leave_other_envs_alone(env_dir, fault, error):
+    with RLPool(env_dir(RENDER_FAULTS), 2, step_timeout=1.0) as pool:
+        pool.reset()
+        pool.step([fault, "ok"])
+        with pytest.raises(EnvError, match=error) as caught:
+            pool._render([0, 1])
+        assert caught.value.env_index == 0
+        assert pool.render(1) == [1]
+        _, _, dones, infos = pool.step(["ok", "ok"])
+        assert dones[0] == (fault != "raise") and not dones[1], infos
+        pool.reset(where=[0])  # a dead or stuck env is respawned
+        pool.step(["ok", "ok"])
+        assert pool.render(0) == [1]
+
+
+def test_a_reply_of_the_wrong_kind_kills_only_that_env(env_dir):
+    with RLPool(env_dir(RENDER_FAULTS), 2, step_timeout=5.0) as pool:
+        pool.reset()
+        pool.step(["wrong_kind", "ok"])  # from now on env 0 answers steps with RESET_DONE
+        obs, _, dones, infos = pool.step(["ok", "ok"])
+        assert dones.tolist() == [True, False] and "sent a malformed reply" in infos[0]["error"]
+        assert obs[1] == 2 and pool.states()[0] == "dead"
