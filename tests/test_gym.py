@@ -441,7 +441,10 @@ RENDER_FAULTS = """
         else:
             state["mode"] = action
         return state["t"], 1.0, False, False, {}
-    serve(reset=lambda seed, options=None: 0, step=step, render=render)
+    def reset(seed, options=None):
+        state["t"] = 0
+        return 0
+    serve(reset=reset, step=step, render=render)
 """
 
 
