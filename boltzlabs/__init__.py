@@ -16,6 +16,7 @@ _LAZY = {
     "Timing": "boltzlabs.client",
     "MemoryReport": "boltzlabs.client",
     "EnvContract": "boltzlabs.client",
+    "BoltzLabsVecEnv": "boltzlabs.gym",  # needs gymnasium (boltzlabs[gym])
     "EnvError": "boltzlabs.errors",
     "BoltzLabsError": "boltzlabs.errors",
     "EnvStartError": "boltzlabs.errors",
