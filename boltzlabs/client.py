@@ -137,6 +137,7 @@ class RLPool:
         self._closed = True
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"n must be a whole number of envs, at least 1; got {n!r}")
+        _warn_pool_option_typos(params)
         resolved = sources.resolve(source, params)
         self.n = n = int(n)
         config = {
@@ -506,6 +507,23 @@ class RLPool:
     def pids(self) -> list:
         """Host pid of each env's sandbox (its bwrap process), -1 when dead."""
         return self._call("pids")
+
+
+_POOL_OPTIONS = ("step_timeout", "serialize_measurement", "memory_limit", "workspace_size", "start_timeout",
+                 "progress")
+
+
+def _warn_pool_option_typos(params: dict) -> None:
+    # Env params share RLPool's keywords, so a misspelt pool option would reach
+    # an env directory (which nobody checks) as a param, silently.
+    import difflib
+    import warnings
+
+    for name in params:
+        close = difflib.get_close_matches(name, _POOL_OPTIONS, n=1, cutoff=0.8)
+        if close:
+            warnings.warn(f"{name!r} is passed to the env as a param; did you mean the pool option {close[0]!r}?",
+                          UserWarning, stacklevel=3)
 
 
 def _worker_environment() -> dict:

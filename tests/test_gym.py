@@ -220,6 +220,17 @@ def test_good_params_pass_the_check(no_sandbox):
             RLPool(source, 1, **params)
 
 
+def test_params_reach_an_env_directory_and_pool_option_typos_warn(env_dir):
+    source = env_dir("""
+        from boltzlabs.env import params, serve
+        serve(reset=lambda seed, options=None: params(), step=lambda a: (0, 0.0, False, {}))
+    """)
+    with pytest.warns(UserWarning, match="did you mean the pool option 'step_timeout'"):
+        pool = RLPool(source, 1, step_timout=5, size=(3, 4), name="x")
+    with pool:
+        assert pool.reset() == [{"step_timout": 5, "size": [3, 4], "name": "x"}]  # JSON: tuples arrive as lists
+
+
 def test_a_path_that_exists_wins_over_a_gym_id(tmp_path, monkeypatch):
     (tmp_path / "CartPole-v1").mkdir()
     (tmp_path / "CartPole-v1" / "env.py").write_text("")
