@@ -2,6 +2,7 @@
 
     from boltzlabs import RLPool            # the client (imports numpy)
     from boltzlabs.env import serve         # inside an env (stdlib + msgpack only)
+    from boltzlabs.gym import BoltzLabsVecEnv   # the Gymnasium adapter (boltzlabs[gym])
 
 Names are imported lazily: an env that does `from boltzlabs.env import serve`
 must not pay for numpy or the client, since every env of a pool pays for
@@ -14,6 +15,9 @@ _LAZY = {
     "RLPool": "boltzlabs.client",
     "Timing": "boltzlabs.client",
     "MemoryReport": "boltzlabs.client",
+    "EnvContract": "boltzlabs.client",
+    "BoltzLabsVecEnv": "boltzlabs.gym",  # needs gymnasium (boltzlabs[gym])
+    "EnvError": "boltzlabs.errors",
     "BoltzLabsError": "boltzlabs.errors",
     "EnvStartError": "boltzlabs.errors",
     "PoolClosedError": "boltzlabs.errors",

@@ -3,11 +3,13 @@
     RLPool --CALL frames over a socketpair--> worker process (boltzlabs.worker)
     RLPool <--REPLY/ERROR/PROGRESS frames---- worker process
 
-The client validates every argument before a byte is sent, turns the
-worker's replies into numpy arrays, keeps each lane's latest observation (so
-a partial reset can splice) and owns the worker's life: `close()`, the
-context manager, garbage collection and interpreter exit all end it, and a
-call interrupted by Ctrl-C kills it rather than leave it half way.
+The client validates every argument before a byte is sent (a Gymnasium
+source's id and params included, see sources.py), turns the worker's replies
+into numpy arrays, keeps each lane's latest observation (so a partial reset
+can splice) and each lane's episode (id, seed, length, return), and owns the
+worker's life: `close()`, the context manager, garbage collection and
+interpreter exit all end it, and a call interrupted by Ctrl-C kills it
+rather than leave it half way.
 """
 
 from __future__ import annotations
@@ -25,12 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
-from boltzlabs import wire
+from boltzlabs import sources, wire
 from boltzlabs.cgroups import remove_pool_dir
-from boltzlabs.errors import EnvStartError, PoolClosedError, WorkerError
+from boltzlabs.errors import EnvError, EnvStartError, PoolClosedError, WorkerError
+from boltzlabs.ids import uuid7
 from boltzlabs.sandbox import find_bwrap, parse_size
 
-__all__ = ["RLPool", "Timing", "MemoryReport"]
+__all__ = ["RLPool", "Timing", "MemoryReport", "EnvContract"]
 
 _PROGRESS_MIN_ENVS = 64
 
@@ -77,18 +80,20 @@ class MemoryReport:
         return self.total / max(1, len(self.per_env))
 
 
-def _resolve_source(source) -> Path:
-    if not isinstance(source, (str, os.PathLike)):
-        raise TypeError(f"source must be a path to an env directory, not {type(source).__name__}")
-    path = Path(source).expanduser()
-    if path.is_file() and path.name == "env.py":
-        path = path.parent
-    if not path.is_dir():
-        raise ValueError(f"env source {str(source)!r} is not a directory; give the directory that holds env.py")
-    if not (path / "env.py").is_file():
-        raise ValueError(f"env source {str(source)!r} has no env.py; an env directory holds an env.py "
-                         "that ends with boltzlabs.env.serve(reset=..., step=...)")
-    return path.resolve()
+@dataclass(frozen=True)
+class EnvContract:
+    """What the env declared in its handshake (env 0's; every env runs the same code).
+
+    observation_space and action_space are space specs (boltzlabs.spaces;
+    `from_spec` rebuilds the Gymnasium space), None when the env declared none.
+    """
+
+    id: str
+    protocol_version: int
+    observation_space: dict | None
+    action_space: dict | None
+    metadata: dict
+    render_mode: str | None
 
 
 def _positive(name: str, value, allow_none: bool = True):
@@ -126,18 +131,31 @@ class RLPool:
       start_timeout: seconds each env has to complete its handshake.
       progress: show a progress bar while starting (default: on a terminal,
         for 64 envs or more).
+      **params: construction params. A Gymnasium source passes them to
+        gymnasium.make(id, **params), checked against the env's constructor
+        here; an env directory reads them with boltzlabs.env.params().
+
+    `source` is a directory holding env.py, "gym://<id>" for a Gymnasium env,
+    or a bare Gymnasium id ("CartPole-v1") when no such path exists.
+
+    Episodes: every reset mints a UUIDv7 episode id per lane
+    (`episode_ids`); `finished_episodes` lists the episodes the latest step
+    ended (lane, id, seed, length, return, terminated). `env_id` is this
+    pool's UUIDv7, `env_contract` the env's handshake.
     """
 
     def __init__(self, source, n: int, *, step_timeout=None, serialize_measurement: bool = False,
                  memory_limit=None, workspace_size="64M", spawn: str = "template", start_timeout=None,
-                 progress=None):
+                 progress=None, **params):
         self._closed = True
-        source_dir = _resolve_source(source)
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"n must be a whole number of envs, at least 1; got {n!r}")
+        _warn_pool_option_typos(params)
+        resolved = sources.resolve(source, params)
         self.n = n = int(n)
         config = {
-            "source_dir": str(source_dir),
+            "source_dir": str(resolved.env_dir),
+            "params": resolved.params,
             "n": n,
             "step_timeout": _positive("step_timeout", step_timeout),
             "start_timeout": _positive("start_timeout", start_timeout),
@@ -150,9 +168,20 @@ class RLPool:
             raise ValueError(f"spawn must be 'template' or 'exec', not {spawn!r}")
         find_bwrap()  # fail here, with the install command, not inside the worker
         self.source = str(source)
+        self._resolved = resolved
+        self.env_id = uuid7()
         self.timing = Timing()
         self.reset_infos: list = [None] * n
         self._obs: list = [None] * n
+        self.terminated = np.zeros(n, dtype=np.bool_)
+        self.truncated = np.zeros(n, dtype=np.bool_)
+        self.rewards = np.zeros(n, dtype=np.float64)  # the latest step's, exactly as the envs returned them
+        self.episode_ids: list = [None] * n
+        self.finished_episodes: list = []
+        self._episode_seeds: list = [None] * n
+        self._episode_lengths = np.zeros(n, dtype=np.int64)
+        self._episode_returns = np.zeros(n, dtype=np.float64)
+        self._episode_open = np.zeros(n, dtype=np.bool_)
         self._seq = 0
         self._reader = wire.FrameReader(wire.Limits(1 << 30))
         self._inbox: list = []
@@ -165,7 +194,11 @@ class RLPool:
             self._shutdown()
             raise
         self.memory_source = ready["memory_source"]
-        self.hello = ready["hello"]
+        self.hello = hello = ready["hello"] or {}
+        self.env_contract = EnvContract(
+            id=resolved.name, protocol_version=wire.PROTOCOL_VERSION,
+            observation_space=hello.get("observation_space"), action_space=hello.get("action_space"),
+            metadata=hello.get("metadata") or {}, render_mode=hello.get("render_mode"))
         self.step_timeout = ready["step_timeout"]
         self._cgroup = ready["cgroup"]
         self.spawn = ready["spawn"]
@@ -216,9 +249,13 @@ class RLPool:
                     if kind == "start":
                         others = detail["failed"] - 1
                         more = f" ({others} other env(s) failed too)" if others > 0 else ""
+                        gym_id = self._resolved.gym_id
+                        fix = (f"gymnasium.make({gym_id!r}, **{config['params']['kwargs']!r}) failed inside the "
+                               "sandbox (its traceback is above)." if gym_id else
+                               f"Fix the error in {config['source_dir']}/env.py (its traceback is above).")
                         raise EnvStartError(
                             f"{text}{more}.\n--- the tail of env {detail['env']}'s output ---\n{detail['log']}\n"
-                            f"--- end ---\nFix the error in {config['source_dir']}/env.py (its traceback is above).",
+                            f"--- end ---\n{fix}",
                             env_index=detail["env"], log=detail["log"])
                     if kind in ("ValueError", "TypeError"):
                         raise ValueError(text)
@@ -253,15 +290,17 @@ class RLPool:
         return WorkerError(f"the boltzlabs worker (pid {self._proc.pid}) exited with code {code}; "
                            f"its output:\n{tail or '(none)'}")
 
-    def _call(self, name: str, *args):
+    def _call(self, name: str, *args, diagnose=None):
         if self._closed:
             raise PoolClosedError("this RLPool is closed; create a new one")
+        try:
+            frame = wire.encode([wire.CALL, self._seq + 1, name, list(args)])
+        except (TypeError, ValueError, OverflowError) as exc:
+            if diagnose is not None:
+                diagnose()  # raises, naming the culprit
+            raise TypeError(f"{name}() arguments cannot be serialized: {exc}") from None
         self._seq += 1
         seq = self._seq
-        try:
-            frame = wire.encode([wire.CALL, seq, name, list(args)])
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise TypeError(f"{name}() arguments cannot be serialized: {exc}") from None
         started = time.perf_counter()
         try:
             try:
@@ -319,20 +358,29 @@ class RLPool:
     def step(self, actions):
         """Step every env with its action. ONE request to the worker.
 
-        `actions`: a length-n sequence of msgpack-able values, or an array
-        whose first dimension is n. Returns (obs: list, rewards: float32[n],
-        dones: bool[n], infos: list). A lane that failed (exception, death,
-        bad frame, missed deadline) comes back done with reward 0, obs None
-        and `info["error"]` saying why (`info["straggler"]` for a missed
+        `actions`: a length-n sequence of msgpack-able values or numpy
+        arrays, or an array whose first dimension is n (a 1-d array gives
+        each env a Python scalar, an (n, ...) array each env its row as an
+        array). Returns (obs: list, rewards: float32[n], dones: bool[n],
+        infos: list). A lane that failed (exception, death, bad frame, missed
+        deadline) comes back done with reward 0, obs None and
+        `info["error"]` saying why (`info["straggler"]` for a missed
         deadline). `self.terminated` and `self.truncated` keep the two kinds
-        of `done` apart (failures count as truncated).
+        of `done` apart (failures count as truncated); `self.rewards` holds
+        the rewards as float64, exactly as the envs returned them.
         """
+        obs, rewards, terminated, truncated, infos = self._step(actions)
+        return obs, rewards.astype(np.float32), terminated | truncated, infos
+
+    def _step(self, actions, resets=None):
+        """step() with exact float64 rewards; the lanes in `resets` (indices)
+        are reset instead of stepped, in the same request (next-step autoreset)."""
         n = self.n
         if isinstance(actions, np.ndarray):
             if actions.ndim == 0 or actions.shape[0] != n:
                 raise ValueError(f"step() needs {n} actions (an array whose first dimension is {n}); "
                                  f"got an array of shape {actions.shape}")
-            actions = actions.tolist()
+            actions = actions.tolist() if actions.ndim == 1 else list(actions)
         else:
             try:
                 count = len(actions)
@@ -341,17 +389,41 @@ class RLPool:
             if count != n:
                 raise ValueError(f"step() needs {n} actions, one per env; got {count}")
             actions = list(actions)
-        try:
-            wire.encode(actions)
-        except (TypeError, ValueError, OverflowError):
-            self._raise_unserializable(actions)
-        obs, rewards, terminated, truncated, infos, stragglers = self._call("step", actions)
+        resets = list(resets) if resets is not None and len(resets) else None
+        obs, rewards, terminated, truncated, infos, stragglers = self._call(
+            "step", actions, resets, diagnose=lambda: self._raise_unserializable(actions))
         # Hot path: the arrays come as raw bytes, one copy each.
         self.terminated = np.frombuffer(terminated, dtype=np.bool_).copy()
         self.truncated = np.frombuffer(truncated, dtype=np.bool_).copy()
+        self.rewards = np.frombuffer(rewards, dtype=np.float64).copy()
         self.timing.stragglers = stragglers
         self._obs = obs
-        return obs, np.frombuffer(rewards, dtype=np.float32).copy(), self.terminated | self.truncated, infos
+        self._count_episodes(resets)
+        return obs, self.rewards, self.terminated, self.truncated, infos
+
+    def _count_episodes(self, resets) -> None:
+        """Episode bookkeeping after a step: lengths, returns, finished episodes."""
+        stepped = self._episode_open.copy()
+        if resets:
+            stepped[resets] = False
+            self._begin_episodes(resets, None)
+        self._episode_lengths[stepped] += 1
+        self._episode_returns[stepped] += self.rewards[stepped]
+        ended = stepped & (self.terminated | self.truncated)
+        self._episode_open[ended] = False
+        self.finished_episodes = [
+            {"env": i, "id": self.episode_ids[i], "seed": self._episode_seeds[i],
+             "length": int(self._episode_lengths[i]), "return": float(self._episode_returns[i]),
+             "terminated": bool(self.terminated[i])}
+            for i in np.flatnonzero(ended).tolist()]
+
+    def _begin_episodes(self, lanes, seeds) -> None:
+        for k, i in enumerate(lanes):
+            self.episode_ids[i] = uuid7()
+            self._episode_seeds[i] = None if seeds is None else seeds[k]
+        self._episode_lengths[lanes] = 0
+        self._episode_returns[lanes] = 0.0
+        self._episode_open[lanes] = True
 
     @staticmethod
     def _raise_unserializable(actions):
@@ -403,10 +475,32 @@ class RLPool:
             return list(self._obs)
         _, obs, infos = self._call("reset", lanes, seeds, bool(hard), options)
         self.timing.stragglers = [i for i, info in zip(lanes, infos) if info.get("straggler")]
+        # New list and arrays, not in-place writes: what step() returned stays as it was.
+        self._obs = list(self._obs)
         for i, o, info in zip(lanes, obs, infos):
             self._obs[i] = o
             self.reset_infos[i] = info
+        self.terminated = self.terminated.copy()
+        self.truncated = self.truncated.copy()
+        self.terminated[lanes] = False
+        self.truncated[lanes] = False
+        self._begin_episodes(lanes, seeds)
         return list(self._obs)
+
+    def render(self, env_index: int = 0):
+        """The frame of env `env_index` (from its `serve(render=...)`; for a
+        gym source, `env.render()` with the pool's render_mode), or None when
+        the env has no frame. Raises EnvError if the env could not render."""
+        if isinstance(env_index, bool) or not isinstance(env_index, (int, np.integer)) or not 0 <= env_index < self.n:
+            raise ValueError(f"env index must be in [0, {self.n}); got {env_index!r}")
+        return self._render([int(env_index)])[0]
+
+    def _render(self, lanes: list) -> list:
+        frames, errors = self._call("render", lanes)
+        if errors:
+            index, error = min((int(k), v) for k, v in errors.items())
+            raise EnvError(f"env {index} could not render: {error}", env_index=index)
+        return frames
 
     def memory(self) -> MemoryReport:
         """Each env's memory in bytes (kernel accounting) and its source."""
@@ -433,6 +527,23 @@ class RLPool:
     def pids(self) -> list:
         """Host pid of each env's sandbox (its bwrap process), -1 when dead."""
         return self._call("pids")
+
+
+_POOL_OPTIONS = ("step_timeout", "serialize_measurement", "memory_limit", "workspace_size", "start_timeout",
+                 "progress")
+
+
+def _warn_pool_option_typos(params: dict) -> None:
+    # Env params share RLPool's keywords, so a misspelt pool option would reach
+    # an env directory (which nobody checks) as a param, silently.
+    import difflib
+    import warnings
+
+    for name in params:
+        close = difflib.get_close_matches(name, _POOL_OPTIONS, n=1, cutoff=0.8)
+        if close:
+            warnings.warn(f"{name!r} is passed to the env as a param; did you mean the pool option {close[0]!r}?",
+                          UserWarning, stacklevel=3)
 
 
 def _worker_environment() -> dict:

@@ -22,9 +22,21 @@ import traceback
 
 from boltzlabs import wire
 
-__all__ = ["serve"]
+__all__ = ["serve", "params"]
 
 _FD_VARIABLE = "BOLTZLABS_FD"
+_PARAMS_VARIABLE = "BOLTZLABS_PARAMS"
+
+
+def params() -> dict:
+    """The construction params given to the pool: `RLPool(source, n, **params)`.
+
+    They arrive as JSON in the environment, so values are JSON types (a tuple
+    given to the pool arrives as a list).
+    """
+    import json  # here, not at the top: an env that takes no params does not pay for it
+
+    return json.loads(os.environ.get(_PARAMS_VARIABLE) or "{}")
 
 
 class _Channel:
@@ -81,6 +93,10 @@ def _reset_reply(seq, result):
     return [wire.RESET_DONE, seq, obs, info]
 
 
+def _render_reply(seq, frame):
+    return [wire.RENDERED, seq, frame]
+
+
 def _reply(channel: _Channel, seq, phase: str, build, call):
     try:
         reply = build(seq, call())
@@ -90,7 +106,8 @@ def _reply(channel: _Channel, seq, phase: str, build, call):
     channel.write(data)
 
 
-def serve(reset, step, *, observation_space=None, action_space=None, metadata=None):
+def serve(reset, step, *, observation_space=None, action_space=None, metadata=None, render=None,
+          render_mode=None):
     """Serve this env to the boltzlabs worker that started it. Never returns.
 
     Call it once, at the end of your `env.py`:
@@ -101,8 +118,13 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
     returns `obs` or `(obs, info)`. `step(action)` returns
     `(obs, reward, done, info)` or `(obs, reward, terminated, truncated, info)`.
     Values must be msgpack-serializable (dict, list, str, int, float, bool,
-    None, bytes; numpy values are converted to lists). `metadata` is passed to
-    the pool in the handshake.
+    None, bytes, numpy arrays; numpy scalars arrive as Python scalars, and
+    arrays received are read-only views of the frame).
+
+    `observation_space` and `action_space` (Gymnasium spaces), `metadata` (a
+    msgpack-able dict) and `render_mode` travel to the pool in the handshake
+    (`pool.env_contract`). `render()`, when given, answers `pool.render()`
+    with a frame (e.g. an RGB array); without it, frames are None.
 
     In a pool with spawn="template" this process is the template: serve()
     becomes a fork server and each env is a forked child that runs the loop.
@@ -112,10 +134,15 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
         raise RuntimeError(
             "serve() talks to a boltzlabs worker and only runs inside a pool; "
             "start this env with boltzlabs.RLPool('path/to/env_dir', n)")
-    info = {"python": sys.version.split()[0], "metadata": metadata or {}}
+    info = {"python": sys.version.split()[0], "metadata": metadata or {}, "render_mode": render_mode}
+    if observation_space is not None or action_space is not None:
+        from boltzlabs.spaces import to_spec
+
+        info["observation_space"] = to_spec(observation_space)
+        info["action_space"] = to_spec(action_space)
 
     def run(channel_fd: int) -> None:
-        _serve_loop(_Channel(channel_fd), reset, step, info)
+        _serve_loop(_Channel(channel_fd), reset, step, render, info)
 
     if os.environ.pop("BOLTZLABS_TEMPLATE", None):
         from boltzlabs import template
@@ -126,7 +153,7 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
     os._exit(0)
 
 
-def _serve_loop(channel: _Channel, reset, step, info: dict) -> None:
+def _serve_loop(channel: _Channel, reset, step, render, info: dict) -> None:
     """Answer the worker's requests until it closes the channel."""
     channel.write(wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, dict(info, pid=os.getpid())]))
     try:
@@ -144,6 +171,9 @@ def _serve_loop(channel: _Channel, reset, step, info: dict) -> None:
                 _, seq, seed, options = message
                 call = (lambda: reset(seed)) if options is None else (lambda: reset(seed, options=options))
                 _reply(channel, seq, "reset", _reset_reply, call)
+            elif code == wire.RENDER:
+                seq = message[1]
+                _reply(channel, seq, "render", _render_reply, render if render is not None else lambda: None)
             else:
                 raise wire.ProtocolError(f"unexpected message code {code}")
     except EOFError:

@@ -3,6 +3,7 @@
     BoltzLabsError
     ├── PoolClosedError      the pool was closed; make a new one
     ├── EnvStartError        an env never completed its handshake (start-up log attached)
+    ├── EnvError             an env failed a request that has no lane to report on (render)
     ├── WorkerError          the worker process failed or died (its cause attached)
     └── SandboxUnavailable   this host cannot build the sandbox (what to install)
 
@@ -31,6 +32,15 @@ class EnvStartError(BoltzLabsError):
         super().__init__(message)
         self.env_index = env_index
         self.log = log
+
+
+class EnvError(BoltzLabsError):
+    """An env failed a request whose answer has no lane to carry the error
+    (render). `env_index` is the env; the message holds its traceback."""
+
+    def __init__(self, message: str, env_index: int = None):
+        super().__init__(message)
+        self.env_index = env_index
 
 
 class WorkerError(BoltzLabsError):

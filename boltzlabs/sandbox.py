@@ -12,6 +12,7 @@ hide what was bound below it).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import site
@@ -98,8 +99,10 @@ class SandboxSpec:
     the env index) are appended by `argv()`.
     """
 
-    def __init__(self, policy: Policy, source_dir: Path, workspace_size: int):
+    def __init__(self, policy: Policy, source_dir: Path, workspace_size: int, params: dict | None = None):
         self.policy = policy
+        # RLPool(source, n, **params), read in the env by boltzlabs.env.params().
+        self.params_json = json.dumps(params or {}, sort_keys=True)
         self.source_dir = Path(source_dir).resolve()
         process = policy.sandbox["process"]
         workspace = policy.sandbox["workspace"]
@@ -191,10 +194,11 @@ class SandboxSpec:
         args += ["--chdir", self.workspace, "--clearenv"]
         for name, value in self.environment().items():
             args += ["--setenv", name, value]
+        args += ["--setenv", "BOLTZLABS_PARAMS", self.params_json]
         return args
 
     def environment(self) -> dict:
-        """The variables an env sees (besides BOLTZLABS_FD and BOLTZLABS_ENV_INDEX)."""
+        """The variables an env sees (besides BOLTZLABS_FD, BOLTZLABS_ENV_INDEX and BOLTZLABS_PARAMS)."""
         return {name: str(value).format(**self.values)
                 for name, value in self.policy.sandbox["environment"].items()}
 

@@ -11,17 +11,26 @@ Everything a peer sends may be hostile: `FrameReader` caps the frame size and
 decodes with msgpack's length limits, and a malformed frame raises
 `ProtocolError` for its caller to attribute to the peer that sent it.
 
+NumPy arrays travel as a msgpack extension (`ARRAY_EXT`): a short header
+(dtype string and shape) and the raw bytes. The worker never decodes them: it
+checks the header (`check_array_header`) and passes the ExtType on as is; the
+client and the env decode them lazily into read-only arrays over the frame's
+bytes (no copy).
+
 This module imports only the standard library and msgpack: it runs inside
-every env, and what an env imports every env pays for.
+every env, and what an env imports every env pays for. NumPy is imported by
+the ext hook only when an array arrives, and an env that receives or sends
+one has imported NumPy already.
 """
 
 from __future__ import annotations
 
 import struct
+import sys
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: arrays as ARRAY_EXT, spaces in HELLO, RENDER
 
 HEADER = struct.Struct("<I")
 
@@ -34,6 +43,9 @@ FAILED = 3  # [FAILED, seq, phase, message, traceback]
 STEP = 10  # [STEP, seq, action, gated]
 RESET = 11  # [RESET, seq, seed, options]
 GO = 12  # [GO, seq]: the serialize_measurement gate is yours
+RENDER = 13  # [RENDER, seq]
+# env -> worker, answering RENDER
+RENDERED = 4  # [RENDERED, seq, frame]
 # client <-> worker
 OPEN = 20
 PROGRESS = 21
@@ -50,12 +62,100 @@ class ProtocolError(Exception):
     """A peer sent bytes that are not a valid frame."""
 
 
+# --- arrays ---------------------------------------------------------------------
+#
+# ARRAY_EXT payload: u16 little-endian header length h, then h bytes of ASCII
+# "<dtype.str>:<dim>,<dim>,..." padded with spaces so that the raw bytes start
+# at a multiple of 16 (the payload is a fresh bytes object, itself 16-aligned
+# by CPython's allocator, so frombuffer gets an aligned array), then the
+# C-order bytes. Only plain numeric and bool dtypes travel this way; any other
+# array (object, str, datetime) is sent as nested lists, as before.
+
+ARRAY_EXT = 1
+_HEAD = struct.Struct("<H")
+_MAX_NDIM = 32
+_NUMERIC = frozenset([("b", 1)] + [(k, s) for k in "iu" for s in (1, 2, 4, 8)]
+                     + [("f", s) for s in (2, 4, 8, 16)] + [("c", s) for s in (8, 16, 32)])
+
+
+def _array_ext(array):
+    dtype = array.dtype
+    if (dtype.kind, dtype.itemsize) not in _NUMERIC or dtype.fields is not None:
+        return None
+    text = f"{dtype.str}:{','.join(map(str, array.shape))}".encode("ascii")
+    pad = -(_HEAD.size + len(text)) % 16
+    head = _HEAD.pack(len(text) + pad) + text + b" " * pad
+    # C-contiguous arrays are joined straight from their buffer: one copy.
+    raw = array.data if array.flags.c_contiguous else array.tobytes()
+    return msgpack.ExtType(ARRAY_EXT, b"".join((head, raw)))
+
+
+def check_array_header(data: bytes):
+    """(dtype str, shape, offset of the raw bytes) of an ARRAY_EXT payload.
+
+    Raises ValueError unless the header is well formed, the dtype is a plain
+    numeric one and the raw bytes are exactly shape x itemsize long. Needs no
+    NumPy: the worker runs it on every array an env sends.
+    """
+    if len(data) < _HEAD.size:
+        raise ValueError("array ext shorter than its header")
+    (length,) = _HEAD.unpack_from(data)
+    start = _HEAD.size + length
+    if start > len(data):
+        raise ValueError("array ext header runs past the payload")
+    try:
+        text = bytes(data[_HEAD.size:start]).decode("ascii").rstrip(" ")
+    except UnicodeDecodeError:
+        raise ValueError("array ext header is not ASCII") from None
+    dtype, colon, dims = text.partition(":")
+    if (not colon or len(dtype) < 3 or dtype[0] not in "<>|" or not dtype[2:].isdigit()
+            or (dtype[1], int(dtype[2:])) not in _NUMERIC):
+        raise ValueError(f"array ext has an unsupported dtype {dtype!r}")
+    parts = dims.split(",") if dims else []
+    if len(parts) > _MAX_NDIM or not all(p.isdigit() and p.isascii() and len(p) <= 19 for p in parts):
+        raise ValueError(f"array ext has a bad shape {dims!r}")
+    shape = tuple(int(p) for p in parts)
+    count = 1
+    for dim in shape:
+        count *= dim
+    if count * int(dtype[2:]) != len(data) - start:
+        raise ValueError(f"array ext of shape {shape} and dtype {dtype} does not match its {len(data) - start} bytes")
+    return dtype, shape, start
+
+
+def _decode_ext(code: int, data: bytes):
+    if code != ARRAY_EXT:
+        return msgpack.ExtType(code, data)
+    dtype, shape, start = check_array_header(data)
+    np = sys.modules.get("numpy")
+    if np is None:
+        import numpy as np
+    # Zero-copy: a read-only view of the payload's bytes.
+    return np.frombuffer(data, dtype=np.dtype(dtype), offset=start).reshape(shape)
+
+
+def _check_ext(code: int, data: bytes):
+    if code != ARRAY_EXT:
+        raise ValueError(f"unknown msgpack extension type {code}")
+    check_array_header(data)
+    return msgpack.ExtType(code, data)
+
+
+_EXT_HOOKS = {"decode": _decode_ext, "check": _check_ext, "pass": None}
+
+
 def _default(obj):
     # numpy values are converted only when they appear, so numpy is never
     # imported here: an env that does not use it does not pay for it.
-    tolist = getattr(obj, "tolist", None)
-    if tolist is not None and type(obj).__module__ == "numpy":
-        return tolist()
+    cls = type(obj)
+    if cls.__module__ == "numpy":
+        if cls.__name__ == "ndarray":
+            ext = _array_ext(obj)
+            if ext is not None:
+                return ext
+        tolist = getattr(obj, "tolist", None)
+        if tolist is not None:
+            return tolist()  # numpy scalars become Python scalars; odd arrays nested lists
     if isinstance(obj, int):
         raise TypeError(f"integer {obj} is out of msgpack's 64-bit range")
     raise TypeError(f"cannot serialize object of type {type(obj).__name__}")
@@ -71,12 +171,18 @@ def encode(message) -> bytes:
 
 
 class Limits:
-    """Caps applied to what a peer sends: frame size and msgpack lengths."""
+    """Caps applied to what a peer sends: frame size and msgpack lengths.
+
+    `arrays` says what happens to ARRAY_EXT values: "decode" (client, env:
+    read-only numpy arrays), "check" (worker, from an env: validate the
+    header, keep the ExtType; any other extension is malformed) or "pass"
+    (worker, from the client: keep every ExtType as is).
+    """
 
     __slots__ = ("max_frame", "kwargs")
 
     def __init__(self, max_frame: int, max_str_len: int = None, max_bin_len: int = None,
-                 max_array_len: int = None, max_map_len: int = None):
+                 max_array_len: int = None, max_map_len: int = None, arrays: str = "decode"):
         self.max_frame = int(max_frame)
         cap = self.max_frame
 
@@ -92,6 +198,9 @@ class Limits:
             max_map_len=clamp(max_map_len),
             max_ext_len=cap,
         )
+        hook = _EXT_HOOKS[arrays]
+        if hook is not None:
+            self.kwargs["ext_hook"] = hook
 
 
 def decode(body, limits: Limits):

@@ -6,8 +6,12 @@
     RLPool (client) <==one frame per call== Worker <--one frame per env-- sandboxes
 
 `python -m boltzlabs.worker --fd N` talks to its client over the socket on fd
-N. The client sends OPEN, then CALLs (step, reset, memory, log, close) one at
-a time; the worker answers each with one REPLY or ERROR frame.
+N. The client sends OPEN, then CALLs (step, reset, render, memory, log, close)
+one at a time; the worker answers each with one REPLY or ERROR frame.
+
+Observations and actions are passed through, never decoded: an array is a
+msgpack ExtType whose header the worker checks (wire "check" limits) and
+re-packs as is.
 
 Everything an env writes is untrusted: frames are capped and decoded with
 limits, replies are checked for shape, logs keep a bounded tail, and an env
@@ -59,7 +63,7 @@ class Env:
     """One lane: its sandbox process, channel, log and state."""
 
     __slots__ = ("index", "state", "pid", "chan", "logfd", "reader", "log", "seq",
-                 "out", "cause", "hello", "started", "oom_base", "straggling", "generation")
+                 "out", "cause", "hello", "started", "oom_base", "straggling", "generation", "expect")
 
     def __init__(self, index: int, limits: wire.Limits):
         self.index = index
@@ -75,6 +79,7 @@ class Env:
         self.oom_base = 0
         self.straggling = False
         self.generation = 0
+        self.expect = None  # the reply code due for the request in flight
 
 
 class Op:
@@ -98,7 +103,7 @@ class Worker:
 
     def __init__(self, conn: socket.socket):
         self.conn = conn
-        self.client_reader = wire.FrameReader(wire.Limits(1 << 30))
+        self.client_reader = wire.FrameReader(wire.Limits(1 << 30, arrays="pass"))
         self.client_inbox: list = []
         self.epoll = select.epoll()
         self.handlers: dict[int, tuple] = {}
@@ -119,13 +124,14 @@ class Worker:
         self.policy = load_policy()
         limits = self.policy.limits
         self.env_limits = wire.Limits(limits["max_frame"], limits["max_str_len"], limits["max_bin_len"],
-                                      limits["max_array_len"], limits["max_map_len"])
+                                      limits["max_array_len"], limits["max_map_len"], arrays="check")
         self.log_tail = int(limits["log_tail"])
         self.start_timeout = float(config.get("start_timeout") or limits["start_timeout"])
         self.step_timeout = float(config.get("step_timeout") or limits["step_timeout"])
         self.gated = bool(config.get("serialize_measurement"))
         self.memory_limit = config.get("memory_limit")
-        self.spec = SandboxSpec(self.policy, config["source_dir"], int(config["workspace_size"]))
+        self.spec = SandboxSpec(self.policy, config["source_dir"], int(config["workspace_size"]),
+                                config.get("params") or {})
         n = int(config["n"])
         _raise_fd_limit(n)
         try:
@@ -302,7 +308,7 @@ class Worker:
             self._kill(env, f"sent {_describe(message)} when no reply was due")
             return
         result = _check_reply(message)
-        if result is None:
+        if result is None or result[0] not in (env.expect, wire.FAILED):
             self._kill(env, f"sent a malformed reply {_describe(message)}")
             return
         env.state = IDLE
@@ -428,10 +434,16 @@ class Worker:
                 return
             self._poll(deadline - now)
 
-    def step(self, actions: list) -> list:
+    def step(self, actions: list, resets=None) -> list:
+        """Step every env; the lanes in `resets` are reset (seed and options
+        None) instead, their actions ignored: Gymnasium's next-step autoreset
+        in the same round trip."""
         n = len(self.envs)
         if not isinstance(actions, list) or len(actions) != n:
             raise ValueError(f"step() needs {n} actions, one per env; got {len(actions) if isinstance(actions, list) else type(actions).__name__}")
+        resets = set(self._check_lanes(resets or []))
+        if resets:
+            self._respawn([self.envs[i] for i in sorted(resets)], hard=False)
         seq = self._next_seq()
         op = Op(seq, "step")
         self.op = op
@@ -442,7 +454,12 @@ class Worker:
         # Hot path: one frame per idle env, written straight to its channel.
         for env, action in zip(self.envs, actions):
             if env.state == IDLE:
-                body = pack([wire.STEP, seq, action, gated])
+                if resets and env.index in resets:
+                    body = pack([wire.RESET, seq, None, None])
+                    env.expect = wire.RESET_DONE
+                else:
+                    body = pack([wire.STEP, seq, action, gated])
+                    env.expect = wire.STEPPED
                 env.seq = seq
                 env.state = BUSY
                 op.waiting.add(env.index)
@@ -453,7 +470,7 @@ class Worker:
                 immediate[env.index] = "dead"
         stragglers = []
         if gated:
-            for index in sorted(op.waiting):
+            for index in sorted(op.waiting - resets):
                 env = self.envs[index]
                 if index not in op.waiting:
                     continue
@@ -465,14 +482,14 @@ class Worker:
                     self._kill(env, f"missed the step deadline of {self.step_timeout:g} s while holding the "
                                     "serialize_measurement gate, and was killed")
                     stragglers.append(index)
-        else:
+        if op.waiting:  # ungated steps, and resets (which the gate does not serialize)
             self._wait(op, time.monotonic() + self.step_timeout)
             for index in op.waiting:
                 env = self.envs[index]
                 env.straggling = True
                 stragglers.append(index)
         self.op = None
-        rewards = array.array("f", bytes(4 * n))
+        rewards = array.array("d", bytes(8 * n))
         terminated = bytearray(n)
         truncated = bytearray(n)
         obs = [None] * n
@@ -489,6 +506,10 @@ class Worker:
                     terminated[i] = result[4]
                     truncated[i] = result[5]
                     infos[i] = result[6]
+                    continue
+                if kind == wire.RESET_DONE:  # an autoreset lane: reward 0, not done
+                    obs[i] = result[2]
+                    infos[i] = result[3]
                     continue
                 infos[i] = {"error": result[4] or result[3]}  # the env's exception, with traceback
             elif i in stragglers and env.state != DEAD:
@@ -512,15 +533,17 @@ class Worker:
                 return
             self._poll(deadline - now)
 
-    def reset(self, indices, seeds, hard: bool, options=None) -> list:
+    def _check_lanes(self, indices) -> list:
         n = len(self.envs)
         if indices is None:
-            indices = list(range(n))
+            return list(range(n))
         if not isinstance(indices, list) or any(not isinstance(i, int) or not 0 <= i < n for i in indices):
-            raise ValueError(f"reset() lanes must be indices in [0, {n})")
-        if seeds is not None and (not isinstance(seeds, list) or len(seeds) != len(indices)):
-            raise ValueError("reset() needs one seed per selected env")
-        envs = [self.envs[i] for i in indices]
+            raise ValueError(f"lanes must be indices in [0, {n})")
+        return indices
+
+    def _respawn(self, envs: list[Env], hard: bool) -> None:
+        """Respawn those of envs that need it before a reset: all when hard,
+        else the dead and those still busy with an unanswered step."""
         respawn = [e for e in envs if hard or e.state in (DEAD, BUSY)]
         for env in respawn:
             if env.state != DEAD:
@@ -528,6 +551,13 @@ class Worker:
             env.log += b"\n--- boltzlabs: sandbox respawned ---\n"
         if respawn:
             self._start(respawn)
+
+    def reset(self, indices, seeds, hard: bool, options=None) -> list:
+        indices = self._check_lanes(indices)
+        if seeds is not None and (not isinstance(seeds, list) or len(seeds) != len(indices)):
+            raise ValueError("reset() needs one seed per selected env")
+        envs = [self.envs[i] for i in indices]
+        self._respawn(envs, hard)
         seq = self._next_seq()
         op = Op(seq, "reset")
         self.op = op
@@ -536,6 +566,7 @@ class Worker:
                 continue
             env.seq = seq
             env.state = BUSY
+            env.expect = wire.RESET_DONE
             op.waiting.add(env.index)
             self._write(env, wire.encode([wire.RESET, seq, seed, options]))
         self._wait(op, time.monotonic() + self.step_timeout)
@@ -557,6 +588,39 @@ class Worker:
             else:
                 infos.append({"error": f"could not be reset: {env.cause}", "log": _tail(env.log)})
         return [indices, obs, infos]
+
+    def render(self, indices) -> list:
+        """One frame per lane in `indices` (None for a lane that has none)."""
+        indices = self._check_lanes(indices)
+        seq = self._next_seq()
+        op = Op(seq, "render")
+        self.op = op
+        for index in indices:
+            env = self.envs[index]
+            if env.state == IDLE:
+                env.seq = seq
+                env.state = BUSY
+                env.expect = wire.RENDERED
+                op.waiting.add(index)
+                self._write(env, wire.encode([wire.RENDER, seq]))
+        self._wait(op, time.monotonic() + self.step_timeout)
+        for index in op.waiting:
+            self.envs[index].straggling = True
+        self.op = None
+        frames, errors = [], {}
+        for index in indices:
+            result = op.results.get(index)
+            if result and result[0] == wire.RENDERED:
+                frames.append(result[2])
+                continue
+            frames.append(None)
+            if result:  # FAILED: the env's exception, with its traceback
+                errors[index] = result[4] or result[3]
+            elif index in op.waiting:
+                errors[index] = f"missed the render deadline of {self.step_timeout:g} s"
+            else:
+                errors[index] = f"env is {self.envs[index].state} ({self.envs[index].cause})"
+        return [frames, errors]
 
     def memory(self) -> dict:
         shared = 0
@@ -621,7 +685,7 @@ class Worker:
             self._send([wire.ERROR, 0, type(exc).__name__, str(exc), {}])
             return
         self._send([wire.READY, ready])
-        calls = {"step": self.step, "reset": self.reset, "memory": self.memory, "log": self.log,
+        calls = {"step": self.step, "reset": self.reset, "render": self.render, "memory": self.memory, "log": self.log,
                  "states": self.states, "pids": self.pids}
         while True:
             message = self._next_request()
@@ -654,6 +718,9 @@ def _check_reply(message: list):
             return message
     elif code == wire.RESET_DONE:
         if len(message) == 4 and type(message[3]) is dict:
+            return message
+    elif code == wire.RENDERED:
+        if len(message) == 3:
             return message
     elif code == wire.FAILED:
         if len(message) == 5 and all(type(x) is str for x in message[2:]):

@@ -1,0 +1,35 @@
+"""The env directory of every Gymnasium source: `RLPool("gym://CartPole-v1", n)`.
+
+Shipped read-only with the runtime. The client resolved the id and checked
+the params (boltzlabs/sources.py); they arrive here as
+{"id": ..., "kwargs": {...}} through boltzlabs.env.params().
+"""
+
+import gymnasium
+
+from boltzlabs.env import params, serve
+
+spec = params()
+env = gymnasium.make(spec["id"], **spec["kwargs"])
+
+
+def reset(seed, options=None):
+    return env.reset(seed=seed, options=options)
+
+
+def _metadata(metadata):
+    # Metadata may hold anything (a class, a function): keep what can travel.
+    from boltzlabs import wire
+
+    kept = {}
+    for key, value in dict(metadata).items():
+        try:
+            wire.encode(value)
+        except (TypeError, ValueError, OverflowError):
+            continue
+        kept[str(key)] = value
+    return kept
+
+
+serve(reset=reset, step=env.step, observation_space=env.observation_space, action_space=env.action_space,
+      metadata=_metadata(env.metadata), render=env.render, render_mode=env.render_mode)

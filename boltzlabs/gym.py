@@ -1,0 +1,263 @@
+"""The Gymnasium adapter: an RLPool as a `gymnasium.vector.VectorEnv`.
+
+    training loop / Gymnasium wrappers
+        | reset(seed=, options=) / step(actions) / render()
+    BoltzLabsVecEnv --iterate(action_space)--> RLPool --one request--> worker
+        | <--concatenate(observation_space)-- per-lane obs as the envs sent them
+
+The adapter follows SyncVectorEnv (Gymnasium 1.x) step for step, so a seed
+and an action sequence give the same arrays in every autoreset mode:
+NEXT_STEP resets the lanes that finished at the previous step in the same
+request as stepping the others, SAME_STEP resets the finished lanes right
+after the step (the finished episode's obs and info in infos["final_obs"] and
+infos["final_info"]), DISABLED leaves resets to you (options["reset_mask"]).
+
+Besides the envs' own keys, infos carry three keys of the runtime's (an env
+key of the same name wins; the shadowing is logged once):
+  episode_ids         the UUIDv7 episode id of every lane (object array)
+  completed_episodes  how many episodes ended on this step (an int, 0 when none)
+  episode_record      for each lane whose episode ended on this step: its
+                      "id", "seed" (None unless the reset that began it was
+                      seeded), "length" and "return"; `_episode_record` masks them
+A lane whose env failed (exception, death, missed deadline) comes back
+truncated with infos["error"] and its last observation; autoreset respawns it.
+"""
+
+from __future__ import annotations
+
+import copy as _copy
+import logging
+
+import gymnasium
+import numpy as np
+from gymnasium.vector import AutoresetMode, VectorEnv
+from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
+
+from boltzlabs.client import RLPool
+from boltzlabs.errors import EnvError
+from boltzlabs.spaces import from_spec
+
+__all__ = ["BoltzLabsVecEnv"]
+
+logger = logging.getLogger("boltzlabs")
+_RUNTIME_KEYS = ("episode_ids", "completed_episodes", "episode_record")
+
+
+class BoltzLabsVecEnv(VectorEnv):
+    """A Gymnasium vector env over an RLPool; each env in its own sandbox.
+
+        envs = BoltzLabsVecEnv.make("CartPole-v1", num_envs=8)
+        obs, infos = envs.reset(seed=42)
+        obs, rewards, terminations, truncations, infos = envs.step(envs.action_space.sample())
+
+    `pool`: an open RLPool whose env declared its spaces in serve() (gym
+    sources always do); the adapter owns it from now on and close() closes
+    it. `observation_space` / `action_space` override the declared ones.
+    `copy`: return copies of the batched observations (as SyncVectorEnv).
+    """
+
+    def __init__(self, pool: RLPool, *, autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
+                 observation_space: gymnasium.Space | None = None, action_space: gymnasium.Space | None = None,
+                 copy: bool = True):
+        if not isinstance(pool, RLPool):
+            raise TypeError(f"BoltzLabsVecEnv wraps an RLPool, not {type(pool).__name__}")
+        self.pool = pool
+        self.autoreset_mode = AutoresetMode(autoreset_mode)
+        contract = pool.env_contract
+        self.single_observation_space = observation_space or _space(contract.observation_space, "observation_space")
+        self.single_action_space = action_space or _space(contract.action_space, "action_space")
+        self.num_envs = pool.n
+        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+        self.action_space = batch_space(self.single_action_space, self.num_envs)
+        self.metadata = dict(contract.metadata)
+        self.metadata["autoreset_mode"] = self.autoreset_mode
+        self.render_mode = contract.render_mode
+        self.copy = copy
+        self._observations = create_empty_array(self.single_observation_space, n=self.num_envs, fn=np.zeros)
+        self._env_obs = [None] * self.num_envs
+        self._autoreset = np.zeros(self.num_envs, dtype=np.bool_)
+        self._shadowed: set = set()
+
+    @classmethod
+    def make(cls, source: str, num_envs: int = 1, *, autoreset_mode=AutoresetMode.NEXT_STEP, copy: bool = True,
+             **kwargs) -> "BoltzLabsVecEnv":
+        """A pool of `num_envs` sandboxes of `source` ("CartPole-v1",
+        "gym://Pendulum-v1" or an env directory) behind the adapter. `kwargs`
+        are RLPool's options (step_timeout, memory_limit, ...) and the env's
+        params (render_mode="rgb_array", ...), checked before any sandbox starts."""
+        pool = RLPool(source, num_envs, **kwargs)
+        try:
+            return cls(pool, autoreset_mode=autoreset_mode, copy=copy)
+        except BaseException:
+            pool.close()
+            raise
+
+    # -- what rlmesh's SandboxVectorEnv exposes --------------------------------------
+
+    @property
+    def source(self) -> str:
+        return self.pool.source
+
+    @property
+    def env_id(self) -> str:
+        """This pool's UUIDv7."""
+        return self.pool.env_id
+
+    @property
+    def env_contract(self):
+        return self.pool.env_contract
+
+    @property
+    def observation_space_spec(self) -> dict:
+        return self.pool.env_contract.observation_space
+
+    @property
+    def action_space_spec(self) -> dict:
+        return self.pool.env_contract.action_space
+
+    # -- the VectorEnv API --------------------------------------------------------------
+
+    def reset(self, *, seed: int | list | None = None, options: dict | None = None):
+        n = self.num_envs
+        if seed is None:
+            seeds = [None] * n
+        elif isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
+            seeds = [int(seed) + i for i in range(n)]
+        else:
+            seeds = list(seed)
+            if len(seeds) != n:
+                raise ValueError(f"If seeds are passed as a list the length must match num_envs={n} "
+                                 f"but got length={len(seeds)}.")
+        lanes = list(range(n))
+        if options is not None and "reset_mask" in options:
+            options = dict(options)  # the caller's dict is left as it was (SyncVectorEnv pops from it)
+            mask = _check_reset_mask(options.pop("reset_mask"), n)
+            lanes = np.flatnonzero(mask).tolist()
+        self.pool.reset(seed=seeds, where=lanes, options=options)
+        infos: dict = {}
+        failed = []
+        for i in lanes:
+            info = self.pool.reset_infos[i]
+            if self.pool._obs[i] is None and "error" in info:
+                failed.append(i)
+                continue
+            self._env_obs[i] = self.pool._obs[i]
+            infos = self._add_info(infos, info, i)
+        if failed:
+            raise EnvError(f"env {failed[0]} could not be reset: {self.pool.reset_infos[failed[0]]['error']}",
+                           env_index=failed[0])
+        self._autoreset[lanes] = False
+        self._add_runtime_info(infos, completed=None)
+        return self._batch(), infos
+
+    def step(self, actions):
+        pool = self.pool
+        n = self.num_envs
+        mode = self.autoreset_mode
+        items = list(iterate(self.action_space, actions))
+        if len(items) != n:
+            raise ValueError(f"step() needs {n} actions, one per env; got {len(items)}")
+        resets = None
+        if mode == AutoresetMode.NEXT_STEP:
+            resets = np.flatnonzero(self._autoreset).tolist()
+        elif mode == AutoresetMode.DISABLED and self._autoreset.any():
+            lanes = np.flatnonzero(self._autoreset).tolist()
+            raise ValueError(f"envs {lanes} finished their episodes and autoreset is DISABLED: reset them first "
+                             "with reset(options={'reset_mask': mask})")
+        obs, rewards, terminated, truncated, env_infos = pool._step(items, resets)
+        finished = pool.finished_episodes
+        rewards, terminated, truncated = rewards.copy(), terminated.copy(), truncated.copy()
+        infos: dict = {}
+        if mode == AutoresetMode.SAME_STEP:
+            done = np.flatnonzero(terminated | truncated).tolist()
+            if done:
+                pool.reset(where=done)
+            for i in range(n):
+                if i in done:
+                    final = obs[i] if obs[i] is not None else self._env_obs[i]
+                    infos = self._add_info(infos, {"final_obs": final, "final_info": env_infos[i]}, i)
+                    self._env_obs[i] = pool._obs[i] if pool._obs[i] is not None else final
+                    infos = self._add_info(infos, pool.reset_infos[i], i)
+                else:
+                    self._lane_obs(i, obs[i])
+                    infos = self._add_info(infos, env_infos[i], i)
+        else:
+            # Hot path: one obs and info per lane, batched below.
+            for i in range(n):
+                self._lane_obs(i, obs[i])
+                infos = self._add_info(infos, env_infos[i], i)
+        self._autoreset = terminated | truncated
+        self._add_runtime_info(infos, completed=finished)
+        return self._batch(), rewards, terminated, truncated, infos
+
+    def render(self):
+        """One frame per env, as SyncVectorEnv.render() (None for each when render_mode is None)."""
+        return tuple(self.pool._render(list(range(self.num_envs))))
+
+    def close_extras(self, **kwargs) -> None:
+        self.pool.close()
+
+    def __repr__(self) -> str:
+        return f"BoltzLabsVecEnv({self.pool.source!r}, num_envs={self.num_envs})"
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _lane_obs(self, i: int, obs) -> None:
+        # A failed lane has no observation: it keeps its last one (it is truncated
+        # and carries infos["error"]).
+        if obs is not None:
+            self._env_obs[i] = obs
+
+    def _batch(self):
+        missing = [i for i, o in enumerate(self._env_obs) if o is None]
+        if missing:
+            raise EnvError(f"env {missing[0]} has no observation yet; reset it first", env_index=missing[0])
+        self._observations = concatenate(self.single_observation_space, self._env_obs, self._observations)
+        return _copy.deepcopy(self._observations) if self.copy else self._observations
+
+    def _add_runtime_info(self, infos: dict, completed) -> None:
+        n = self.num_envs
+        runtime = {"episode_ids": (np.array(self.pool.episode_ids, dtype=object), np.ones(n, dtype=np.bool_))}
+        if completed is not None:
+            runtime["completed_episodes"] = (len(completed), None)
+            if completed:
+                mask = np.zeros(n, dtype=np.bool_)
+                record = {"id": np.full(n, None, dtype=object), "seed": np.full(n, None, dtype=object),
+                          "length": np.zeros(n, dtype=np.int64), "return": np.zeros(n, dtype=np.float64)}
+                for episode in completed:
+                    i = episode["env"]
+                    mask[i] = True
+                    for key in record:
+                        record[key][i] = episode[key]
+                runtime["episode_record"] = (record, mask)
+        for key, (value, mask) in runtime.items():
+            if key in infos:
+                if key not in self._shadowed:
+                    self._shadowed.add(key)
+                    logger.warning("the env's info key %r shadows boltzlabs' own %r (the env's value is kept)",
+                                   key, key)
+                continue
+            infos[key] = value
+            if mask is not None:
+                infos[f"_{key}"] = mask
+
+
+def _space(spec, what: str) -> gymnasium.Space:
+    if spec is None:
+        raise ValueError(f"the env declared no {what}; pass it to serve(..., {what}=...) in its env.py, "
+                         f"or to BoltzLabsVecEnv(pool, {what}=...)")
+    return from_spec(spec)
+
+
+def _check_reset_mask(mask, n: int) -> np.ndarray:
+    # The checks and messages of SyncVectorEnv, so code written for it behaves the same.
+    if not isinstance(mask, np.ndarray):
+        raise TypeError(f"`options['reset_mask']` must be a numpy array, got {type(mask)}")
+    if mask.shape != (n,):
+        raise ValueError(f"`options['reset_mask']` must have shape `({n},)`, got {mask.shape}")
+    if mask.dtype != np.bool_:
+        raise TypeError(f"`options['reset_mask']` must have `dtype=np.bool_`, got {mask.dtype}")
+    if not np.any(mask):
+        raise ValueError(f"`options['reset_mask']` must contain a boolean array with at least one True value, "
+                         f"got reset_mask={mask}")
+    return mask
