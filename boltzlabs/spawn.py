@@ -307,10 +307,11 @@ class TemplateSpawner:
         if env.pid > 0:
             try:
                 os.kill(env.pid, signal.SIGKILL)  # pid 1 of its namespace: the whole tree goes
-                return
             except ProcessLookupError:
                 pass
-        try:  # no handshake yet, so no host pid: the template knows it
+        # And through the template, which knows the child's pid 1 for sure (the
+        # HELLO could have come from another process of the env, or not at all).
+        try:
             self.control.sendall(wire.encode([template.KILL, env.index, env.generation]))
         except OSError:
             self._lost()

@@ -754,14 +754,22 @@ def _pss_tree(pid: int) -> int:
 
 
 def _raise_fd_limit(n: int) -> None:
+    """Make room for 3 fds per env (channel, log pipe, exec's pidfd) and slack."""
+    want = 3 * n + 256
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = 4 * n + 256  # channel, log pipe and (exec) pidfd per env, plus slack
-    if soft < want and soft != hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard == resource.RLIM_INFINITY else min(hard, max(want, soft)), hard))
+    if soft >= want or soft == resource.RLIM_INFINITY:
+        return
+    if hard != resource.RLIM_INFINITY and hard < want:
+        try:  # only with CAP_SYS_RESOURCE (root): raise the hard limit too
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
+            return
+        except (ValueError, OSError):
+            pass
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard) if hard != resource.RLIM_INFINITY else want, hard))
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < want:
         raise ValueError(f"a pool of {n} envs needs about {want} file descriptors and the limit is {soft}; "
-                         f"raise it (ulimit -n {want}) or use fewer envs")
+                         f"raise it (ulimit -n {want}, or LimitNOFILE= for a service) or use fewer envs")
 
 
 def main(argv=None) -> int:
