@@ -117,12 +117,27 @@ class SandboxSpec:
             "runtime_dir": process["runtime_dir"],
             "package_dir": str(PACKAGE_DIR),
             "workspace": self.workspace,
-            "site_path": ":".join(p for p in site.getsitepackages() if os.path.isdir(p)),
+            "site_path": ":".join(self.inside(p) for p in site.getsitepackages() if os.path.isdir(p)),
         }
         self.workspace_size = workspace_size
         bwrap = find_bwrap()
         self._head = self._build_head(bwrap, workspace_size, template=False)
         self._template_head = self._build_head(bwrap, workspace_size, template=True)
+
+    def inside(self, path: str) -> str:
+        """Where a host path is bound inside the sandbox: the same path, except
+        below /tmp, which inside is the env's workspace. A host path there (a
+        venv in /tmp, say) is bound below `relocate_tmp` instead."""
+        tmp = self.policy.sandbox["workspace"].get("tmp_link")
+        if tmp and (path == tmp or path.startswith(tmp + "/")):
+            return self.policy.sandbox["workspace"]["relocate_tmp"] + path[len(tmp):]
+        return path
+
+    @property
+    def executable(self) -> str:
+        """The interpreter, as seen inside (a venv's bin/python finds its
+        pyvenv.cfg beside it, so a relocated venv still works)."""
+        return self.inside(sys.executable)
 
     def _expand(self, text: str) -> list[str]:
         key = text[1:-1] if text.startswith("{") and text.endswith("}") else None
@@ -136,7 +151,7 @@ class SandboxSpec:
         for profile in MOUNT_PROFILES:
             for entry in self.policy.mounts[profile].get("mount", []):
                 for source in self._expand(entry["source"]):
-                    dest = self._expand(entry.get("dest", source))[0] if "dest" in entry else source
+                    dest = self._expand(entry["dest"])[0] if "dest" in entry else self.inside(source)
                     if dest in seen:
                         continue
                     if not os.path.lexists(source):
@@ -177,13 +192,8 @@ class SandboxSpec:
         if template:  # a mount point for the fully visible proc (template.py says why)
             ops.append(("--dir", sandbox["template"]["hidden_proc"]))
         tmp = sandbox["workspace"].get("tmp_link")
-        if tmp:
-            if any(op[-1] == tmp or op[-1].startswith(tmp + "/") for op in ops):
-                # Something is bound below /tmp (say a venv in /tmp): /tmp cannot
-                # be a symlink, so it gets a capped tmpfs of its own.
-                args += ["--size", str(workspace_size), "--tmpfs", tmp]
-            else:
-                args += ["--symlink", self.workspace, tmp]
+        if tmp:  # nothing is ever bound below it (see inside())
+            args += ["--symlink", self.workspace, tmp]
         args += [arg for op in ops for arg in op]
         finish = sandbox.get("finish", {})
         if finish.get("shm"):
@@ -211,7 +221,7 @@ class SandboxSpec:
             "--setenv", "BOLTZLABS_HOSTNAME", self.policy.sandbox["process"]["hostname"],
             "--setenv", "BOLTZLABS_HIDDEN_PROC", self.policy.sandbox["template"]["hidden_proc"],
             "--setenv", "BOLTZLABS_TEMPLATE_ID", "{uid}:{gid}".format(**self.policy.sandbox["template"]),
-            "--", sys.executable, *self.policy.sandbox["interpreter"]["flags"],
+            "--", self.executable, *self.policy.sandbox["interpreter"]["flags"],
             "-m", "boltzlabs.template", f"{self.values['env_dir']}/env.py",
         ]
 
@@ -221,5 +231,5 @@ class SandboxSpec:
         return self._head + [
             "--setenv", "BOLTZLABS_FD", str(channel_fd),
             "--setenv", "BOLTZLABS_ENV_INDEX", str(env_index),
-            "--", sys.executable, *self.policy.sandbox["interpreter"]["flags"], env_script,
+            "--", self.executable, *self.policy.sandbox["interpreter"]["flags"], env_script,
         ]

@@ -67,10 +67,11 @@ def assert_denied(out: dict, *errnos: int) -> str:
 
 
 def interpreter_paths() -> list[str]:
-    """The host paths the interpreter profile binds (mounts/interpreter.toml)."""
+    """Where the interpreter profile (mounts/interpreter.toml) binds, inside."""
+    spec = SandboxSpec(load_policy(), PROBE, 1 << 20)
     paths = {sys.base_prefix, sys.prefix}
     paths |= {p for p in site.getsitepackages() if os.path.exists(p)}
-    return sorted(paths)
+    return sorted(spec.inside(p) for p in paths)
 
 
 def expected_root_entries(spawn: str) -> set[str]:
