@@ -55,7 +55,7 @@ class _Channel:
 
     def receive(self):
         while not self.inbox:
-            data = os.read(self.fd, 1 << 20)
+            data = os.read(self.fd, 1 << 16)  # small: a 1 MiB read buffer costs every env heap pages
             if not data:
                 raise EOFError
             self.inbox.extend(self.reader.feed(data))

@@ -325,7 +325,6 @@ def _child(serve_child, lane, fds, sandbox) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.closerange(4, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") < 1 << 20 else 1 << 16)
         _finish_sandbox(*sandbox)
-        gc.unfreeze()
         serve_child(3)
         code = 0
     except BaseException as exc:
