@@ -11,8 +11,9 @@ For each n, in one run:
   * gymnasium.vector.AsyncVectorEnv (fork, shared memory, SAME_STEP
     autoreset) over an equivalent gymnasium.Env: start-up, env-steps/s over
     the same S steps, USS per worker process.
-A markdown table goes to stdout, progress to stderr, and every figure to
-benchmarks/results/pool.json.
+Both stay open at one n and take turns in --rounds chunks of the S steps, so
+other work on a shared machine slows both alike. A markdown table goes to
+stdout, progress to stderr, and every figure to benchmarks/results/pool.json.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ class CounterEnv(gym.Env):
 
 def uss_of_tree(pid: int) -> int:
     """USS of a process and all its descendants, in bytes (0 if it is gone)."""
+    if pid <= 0:
+        return 0
     try:
         root = psutil.Process(pid)
         procs = [root] + root.children(recursive=True)
@@ -93,122 +96,280 @@ def uss_of_tree(pid: int) -> int:
     return total
 
 
-def pick_steps(per_step_s: float, target_s: float, lo: int = 200, hi: int = 100_000) -> int:
+def _runtime_ns(pid: int) -> int | None:
+    """CPU time of every thread of pid, in ns, from the scheduler's own counter.
+
+    /proc/PID/task/TID/sched (se.sum_exec_runtime) is exact to the ns, where
+    utime/stime are sampled at the timer tick (10 ms): too coarse for loops of
+    a few seconds spread over hundreds of processes. None when unavailable.
+    """
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/sched") as f:
+                for line in f:
+                    if line.startswith("se.sum_exec_runtime"):
+                        total += int(float(line.split(":", 1)[1]) * 1e6)
+                        break
+                else:
+                    return None
+        except FileNotFoundError:
+            continue  # the thread ended
+        except OSError:
+            return None
+    return total
+
+
+def cpu_seconds(procs: list, self_last: bool) -> float:
+    """CPU seconds of this process and of `procs` (psutil.Process objects).
+
+    CPU time moves less than wall time when other work shares the machine.
+    Read this process last before a loop and first after it, so the reading
+    itself is left out.
+    """
+    me = psutil.Process()
+    total = 0.0
+    for proc in (procs + [me]) if self_last else ([me] + procs):
+        runtime = _runtime_ns(proc.pid)
+        if runtime is not None:
+            total += runtime / 1e9
+            continue
+        try:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total
+
+
+def pick_steps(per_step_s: float, target_s: float, lo: int = HORIZON, hi: int = 100_000) -> int:
     """Steps that make a timed loop last about target_s, rounded to whole episodes."""
     steps = int(target_s / max(per_step_s, 1e-6))
     steps = max(lo, min(hi, steps))
     return max(HORIZON, round(steps / HORIZON) * HORIZON)
 
 
-# -- boltzlabs -------------------------------------------------------------------------------
+def check(label: str, n: int, steps: int, reward: float, episodes: int) -> None:
+    """Every env must have stepped every time: reward 1 per env-step, one episode end per 100 steps."""
+    want_episodes = n * (steps // HORIZON)
+    if reward != n * steps or episodes != want_episodes:
+        log(f"WARNING [{label}]: total reward {reward:g} (expected {n * steps}), episodes ended {episodes} "
+            f"(expected {want_episodes}): some env-steps did not happen as they should")
 
 
-def pool_loop(pool: RLPool, actions: list, steps: int, record: bool):
-    """S steps with reset(where=dones); returns (seconds, worker_ms list, roundtrip_ms list)."""
-    worker, roundtrip = [], []
-    started = time.perf_counter()
-    for _ in range(steps):
-        _, _, dones, _ = pool.step(actions)
-        if record:
-            worker.append(pool.timing.worker_ms)
-            roundtrip.append(pool.timing.roundtrip_ms)
-        if dones.any():
-            pool.reset(where=dones)
-    return time.perf_counter() - started, worker, roundtrip
+class Side:
+    """One contender: a vector of n counters that steps in chunks and keeps score.
+
+    Both sides stay open for the whole measurement at one n and take turns,
+    chunk by chunk, so a burst of other work on the machine hits both alike.
+    """
+
+    name = ""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.seconds = 0.0
+        self.cpu = 0.0
+        self.steps = 0
+        self.reward = 0.0
+        self.episodes = 0
+        self.procs: list = []  # psutil.Process objects whose CPU counts for this side
+
+    def loop(self, steps: int, record: bool = False) -> tuple:
+        """Run `steps` steps; returns (total reward, episodes ended)."""
+        raise NotImplementedError
+
+    def timed(self, steps: int) -> None:
+        cpu = cpu_seconds(self.procs, self_last=True)
+        started = time.perf_counter()
+        reward, episodes = self.loop(steps, record=True)
+        self.seconds += time.perf_counter() - started
+        self.cpu += cpu_seconds(self.procs, self_last=False) - cpu
+        self.steps += steps
+        self.reward += reward
+        self.episodes += episodes
+
+    def figures(self) -> dict:
+        n, steps = self.n, self.steps
+        check(f"{self.name} n={n}", n, steps, self.reward, self.episodes)
+        return {
+            "steps": steps,
+            "seconds": self.seconds,
+            "env_steps_per_s": n * steps / self.seconds,
+            "ms_per_step": 1000.0 * self.seconds / steps,
+            "cpu_us_per_env_step": 1e6 * self.cpu / (n * steps),
+            "total_reward": self.reward,
+            "episodes_ended": self.episodes,
+        }
 
 
-def bench_pool(n: int, steps: int | None, target_s: float) -> dict:
-    log(f"[boltzlabs n={n}] starting pool")
-    gc.collect()
-    started = time.perf_counter()
-    pool = RLPool(COUNTER, n, progress=False)
-    startup = time.perf_counter() - started
-    try:
-        pool.reset(seed=0)
-        reset_ms = pool.timing.roundtrip_ms
-        actions = [1] * n
-        pool_loop(pool, actions, WARMUP_STEPS, record=False)
-        if steps is None:
-            probe_s, _, _ = pool_loop(pool, actions, 50, record=False)
-            steps = pick_steps(probe_s / 50, target_s)
-        pool.reset(seed=0)
-        log(f"[boltzlabs n={n}] start-up {startup:.2f} s; timing {steps} steps")
-        seconds, worker, roundtrip = pool_loop(pool, actions, steps, record=True)
+class Ours(Side):
+    """RLPool over examples/counter: step all ones, reset(where=dones) when any is done."""
+
+    name = "boltzlabs"
+
+    def __init__(self, n: int, spawn: str | None):
+        super().__init__(n)
+        options = {"spawn": spawn} if spawn else {}  # else the library's default
+        started = time.perf_counter()
+        self.pool = RLPool(COUNTER, n, progress=False, **options)
+        self.startup = time.perf_counter() - started
+        self.actions = [1] * n
+        self.worker_ms: list = []
+        self.roundtrip_ms: list = []
+
+    def reset(self) -> None:
+        self.pool.reset(seed=0)
+
+    def loop(self, steps: int, record: bool = False) -> tuple:
+        pool, actions = self.pool, self.actions
+        reward = 0.0
+        episodes = 0
+        for _ in range(steps):
+            _, rewards, dones, _ = pool.step(actions)
+            reward += float(rewards.sum())
+            if record:
+                self.worker_ms.append(pool.timing.worker_ms)
+                self.roundtrip_ms.append(pool.timing.roundtrip_ms)
+            if dones.any():
+                episodes += int(dones.sum())
+                pool.reset(where=dones)
+        return reward, episodes
+
+    def figures(self) -> dict:
+        pool = self.pool
         report = pool.memory()
-        per_gb = pool.envs_per_gb()
-        uss = [uss_of_tree(pid) for pid in pool.pids()]
-        stragglers = sum(s != "idle" for s in pool.states())
-    finally:
-        pool.close()
-    result = {
-        "startup_s": startup,
-        "steps": steps,
-        "seconds": seconds,
-        "env_steps_per_s": n * steps / seconds,
-        "ms_per_step": 1000.0 * seconds / steps,
-        "worker_ms_mean": float(np.mean(worker)),
-        "roundtrip_ms_mean": float(np.mean(roundtrip)),
-        "worker_ms_median": float(np.median(worker)),
-        "roundtrip_ms_median": float(np.median(roundtrip)),
-        "first_reset_ms": reset_ms,
-        "memory_per_env_mib": report.mean / MIB,
-        "memory_source": report.source,
-        "memory_note": report.note,
-        "envs_per_gb": per_gb,
-        "uss_per_env_mib": float(np.mean(uss)) / MIB,
-        "lanes_not_idle_after": stragglers,
-    }
-    log(f"[boltzlabs n={n}] {result['env_steps_per_s']:,.0f} env-steps/s, "
-        f"worker {result['worker_ms_mean']:.2f} ms, roundtrip {result['roundtrip_ms_mean']:.2f} ms, "
-        f"{result['memory_per_env_mib']:.2f} MiB/env")
-    return result
+        uss = [uss_of_tree(pid) for pid in pool.pids() if pid > 0]
+        return {
+            "startup_s": self.startup,
+            **super().figures(),
+            "worker_ms_mean": float(np.mean(self.worker_ms)),
+            "roundtrip_ms_mean": float(np.mean(self.roundtrip_ms)),
+            "worker_ms_median": float(np.median(self.worker_ms)),
+            "roundtrip_ms_median": float(np.median(self.roundtrip_ms)),
+            "spawn": getattr(pool, "spawn", None),
+            "memory_per_env_mib": report.mean / MIB,
+            "memory_shared_mib": getattr(report, "shared", 0) / MIB,
+            "memory_source": report.source,
+            "memory_note": report.note,
+            "envs_per_gb": pool.envs_per_gb(),
+            "uss_per_env_mib": float(np.mean(uss)) / MIB if uss else None,
+            "lanes_not_idle_after": sum(state != "idle" for state in pool.states()),
+        }
+
+    def close(self) -> None:
+        self.pool.close()
 
 
-# -- gymnasium ------------------------------------------------------------------------------
+class Async(Side):
+    """gymnasium AsyncVectorEnv (fork, shared memory, SAME_STEP autoreset) over CounterEnv."""
+
+    name = "async"
+
+    def __init__(self, n: int):
+        super().__init__(n)
+        started = time.perf_counter()
+        self.envs = AsyncVectorEnv([CounterEnv] * n, context="fork", autoreset_mode=AutoresetMode.SAME_STEP)
+        self.startup = time.perf_counter() - started
+        self.actions = np.ones(n, dtype=np.int64)
+
+    def reset(self) -> None:
+        self.envs.reset(seed=0)
+
+    def loop(self, steps: int, record: bool = False) -> tuple:
+        envs, actions = self.envs, self.actions
+        reward = 0.0
+        episodes = 0
+        for _ in range(steps):
+            # SAME_STEP autoreset: a done env is reset inside the step that ended it.
+            _, rewards, terminated, truncated, _ = envs.step(actions)
+            reward += float(rewards.sum())
+            episodes += int(np.count_nonzero(terminated | truncated))
+        return reward, episodes
+
+    def figures(self) -> dict:
+        uss = [uss_of_tree(p.pid) for p in self.envs.processes]
+        return {
+            "startup_s": self.startup,
+            **super().figures(),
+            "uss_per_env_mib": float(np.mean(uss)) / MIB,
+        }
+
+    def close(self) -> None:
+        self.envs.close()
 
 
-def async_loop(envs: AsyncVectorEnv, actions: np.ndarray, steps: int) -> float:
-    started = time.perf_counter()
-    for _ in range(steps):
-        envs.step(actions)  # SAME_STEP autoreset: done envs are reset inside this call
-    return time.perf_counter() - started
-
-
-def bench_async(n: int, steps: int) -> dict:
-    log(f"[async n={n}] starting AsyncVectorEnv")
+def bench(n: int, steps: int | None, target_s: float, spawn: str | None, rounds: int) -> tuple:
+    """Both sides at one n: (ours figures, async figures)."""
     gc.collect()
-    started = time.perf_counter()
-    envs = AsyncVectorEnv([CounterEnv] * n, context="fork", autoreset_mode=AutoresetMode.SAME_STEP)
-    startup = time.perf_counter() - started
+    # AsyncVectorEnv first: its forked workers must not inherit the pool's socket.
+    log(f"[n={n}] starting AsyncVectorEnv")
+    theirs = Async(n)
+    ours = None
     try:
-        envs.reset(seed=0)
-        actions = np.ones(n, dtype=np.int64)
-        async_loop(envs, actions, WARMUP_STEPS)
-        envs.reset(seed=0)
-        log(f"[async n={n}] start-up {startup:.2f} s; timing {steps} steps")
-        seconds = async_loop(envs, actions, steps)
-        uss = [uss_of_tree(p.pid) for p in envs.processes]
+        log(f"[n={n}] async start-up {theirs.startup:.2f} s; starting RLPool")
+        ours = Ours(n, spawn)
+        log(f"[n={n}] boltzlabs start-up {ours.startup:.2f} s")
+        mine = {p.pid for p in theirs.envs.processes}
+        everything = psutil.Process().children(recursive=True)
+        theirs.procs = [p for p in everything if p.pid in mine]
+        ours.procs = [p for p in everything if p.pid not in mine]  # the worker, template and sandboxes
+        for side in (ours, theirs):
+            side.reset()
+            side.loop(WARMUP_STEPS)
+        if steps is None:
+            started = time.perf_counter()
+            ours.loop(50)
+            steps = pick_steps((time.perf_counter() - started) / 50, target_s)
+        for side in (ours, theirs):
+            side.reset()
+        rounds = max(1, min(rounds, steps // 10))
+        chunks = [steps // rounds + (i < steps % rounds) for i in range(rounds)]
+        log(f"[n={n}] timing {steps} steps each, in {rounds} alternating chunks")
+        for i, chunk in enumerate(chunks):
+            for side in ((ours, theirs) if i % 2 == 0 else (theirs, ours)):
+                side.timed(chunk)
+        results = ours.figures(), theirs.figures()
     finally:
-        envs.close()
-    result = {
-        "startup_s": startup,
-        "steps": steps,
-        "seconds": seconds,
-        "env_steps_per_s": n * steps / seconds,
-        "ms_per_step": 1000.0 * seconds / steps,
-        "uss_per_env_mib": float(np.mean(uss)) / MIB,
-    }
-    log(f"[async n={n}] {result['env_steps_per_s']:,.0f} env-steps/s, {result['uss_per_env_mib']:.2f} MiB USS/env")
-    return result
+        if ours is not None:
+            ours.close()
+        theirs.close()
+    o, a = results
+    log(f"[n={n}] boltzlabs {o['env_steps_per_s']:,.0f} env-steps/s (worker {o['worker_ms_mean']:.2f} ms, "
+        f"roundtrip {o['roundtrip_ms_mean']:.2f} ms), {o['memory_per_env_mib']:.2f} MiB/env; "
+        f"async {a['env_steps_per_s']:,.0f} env-steps/s, {a['uss_per_env_mib']:.2f} MiB USS/env")
+    return results
+
+
+def git_state() -> dict:
+    """The commit measured, and whether boltzlabs/ had uncommitted changes."""
+    import subprocess
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": git("rev-parse", "HEAD") or None,
+            "dirty": bool(git("status", "--porcelain", "--", "boltzlabs", "sandbox", "mounts", "examples"))}
 
 
 # -- report ------------------------------------------------------------------------------------
 
 
+def _num(value) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
+
+
 def table(rows: list) -> str:
     head = ["n", "steps", "ours start (s)", "async start (s)", "ours env-steps/s", "async env-steps/s",
-            "speed ours/async", "worker ms", "roundtrip ms", "ours MiB/env", "ours USS MiB/env",
-            "async USS MiB/env", "mem ours/async", "envs/GiB"]
+            "speed ours/async", "ours CPU us/env-step", "async CPU us/env-step", "worker ms", "roundtrip ms",
+            "ours MiB/env", "ours USS MiB/env", "async USS MiB/env", "mem ours/async", "envs/GiB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         o, a = row["boltzlabs"], row["async"]
@@ -217,8 +378,9 @@ def table(rows: list) -> str:
             f"{o['startup_s']:.2f}", f"{a['startup_s']:.2f}",
             f"{o['env_steps_per_s']:,.0f}", f"{a['env_steps_per_s']:,.0f}",
             f"{row['speed_ratio']:.2f}x",
+            f"{o['cpu_us_per_env_step']:.1f}", f"{a['cpu_us_per_env_step']:.1f}",
             f"{o['worker_ms_mean']:.2f}", f"{o['roundtrip_ms_mean']:.2f}",
-            f"{o['memory_per_env_mib']:.2f}", f"{o['uss_per_env_mib']:.2f}", f"{a['uss_per_env_mib']:.2f}",
+            f"{o['memory_per_env_mib']:.2f}", _num(o["uss_per_env_mib"]), _num(a["uss_per_env_mib"]),
             f"{row['memory_ratio']:.2f}x",
             f"{o['envs_per_gb']:.0f}",
         ]
@@ -233,30 +395,43 @@ def main(argv=None) -> int:
                         help="timed steps per measurement (default: adapted so each boltzlabs loop takes ~--target s)")
     parser.add_argument("--target", type=float, default=5.0,
                         help="seconds a boltzlabs timed loop should take when --steps is not given (default 5)")
+    parser.add_argument("--rounds", type=int, default=10,
+                        help="chunks the timed steps are split into, the two sides taking turns (default 10)")
+    parser.add_argument("--spawn", choices=["template", "exec"], default=None,
+                        help="RLPool(spawn=...) (default: the library's default)")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON output (default {RESULTS.relative_to(ROOT)})")
     args = parser.parse_args(argv)
-    if any(n < 1 for n in args.n) or (args.steps is not None and args.steps < 1):
-        parser.error("--n and --steps must be positive")
+    if any(n < 1 for n in args.n) or (args.steps is not None and args.steps < 1) or args.rounds < 1:
+        parser.error("--n, --steps and --rounds must be positive")
 
+    load_before = os.getloadavg()
+    if load_before[0] > 1.5:
+        log(f"warning: load average is {load_before[0]:.1f} before the run; other work on this machine "
+            "will slow both sides (compare the ratios and the CPU columns, not absolute rates)")
     run_started = time.perf_counter()
     rows = []
     for n in args.n:
-        ours = bench_pool(n, args.steps, args.target)
-        theirs = bench_async(n, ours["steps"])  # same n, same steps
+        ours, theirs = bench(n, args.steps, args.target, args.spawn, args.rounds)  # same n, same steps
         rows.append({
             "n": n,
             "boltzlabs": ours,
             "async": theirs,
             "speed_ratio": ours["env_steps_per_s"] / theirs["env_steps_per_s"],
             "memory_ratio": ours["memory_per_env_mib"] / theirs["uss_per_env_mib"],
-            "uss_ratio": ours["uss_per_env_mib"] / theirs["uss_per_env_mib"],
+            "uss_ratio": (ours["uss_per_env_mib"] / theirs["uss_per_env_mib"]
+                          if ours["uss_per_env_mib"] is not None else None),
         })
     total = time.perf_counter() - run_started
+    load_after = os.getloadavg()
 
     print(table(rows))
     print()
     print(f"speed ours/async: env-steps/s ratio (higher is better for boltzlabs). mem ours/async: "
-          f"pool.memory().mean / AsyncVectorEnv worker USS (lower is better). Total run {total:.0f} s.")
+          f"pool.memory().mean / AsyncVectorEnv worker USS (lower is better). Total run {total:.0f} s; "
+          f"1-min load average {load_before[0]:.2f} before, {load_after[0]:.2f} after.")
+    if rows:
+        spawn = rows[0]["boltzlabs"]["spawn"]
+        print(f"boltzlabs spawn mode: {spawn or 'n/a'}; memory source: {rows[0]['boltzlabs']['memory_source']}.")
     note = rows[0]["boltzlabs"]["memory_note"] if rows else ""
     if note:
         print(f"note: {note}")
@@ -266,14 +441,18 @@ def main(argv=None) -> int:
         "command": " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else list(argv))),
         "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "total_s": total,
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
         "machine": {
             "python": platform.python_version(),
             "platform": platform.platform(),
             "cpus": os.cpu_count(),
             "memory_gib": psutil.virtual_memory().total / (1 << 30),
         },
+        "git": git_state(),
         "versions": {"boltzlabs": boltzlabs.__version__, "gymnasium": gym.__version__, "numpy": np.__version__},
         "settings": {"warmup_steps": WARMUP_STEPS, "target_s": args.target, "steps": args.steps,
+                     "rounds": args.rounds, "spawn": args.spawn,
                      "async": {"context": "fork", "shared_memory": True, "autoreset_mode": "SameStep"}},
         "results": rows,
     }

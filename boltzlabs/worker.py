@@ -258,7 +258,7 @@ class Worker:
 
     def _read_client(self) -> None:
         try:
-            data = self.conn.recv(1 << 20)
+            data = self.conn.recv(_READ_SIZE)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
