@@ -205,6 +205,8 @@ class Worker:
         for fd, kind in ((env.chan, "chan"), (env.logfd, "log")):
             self.epoll.register(fd, select.EPOLLIN)
             self.handlers[fd] = (kind, env)
+        if self.spawner.kind == "template":
+            self.spawner.deliver_exits()  # exits read while waiting for the fork
 
     def watch(self, fd: int, callback, arg) -> None:
         """Call `callback(arg)` whenever fd is readable (for the spawners)."""
