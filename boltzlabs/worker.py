@@ -134,6 +134,11 @@ class Worker:
         self.finished: collections.deque[int] = collections.deque()
         self.gate_queue: collections.deque[int] = collections.deque()
         self.gate_holder = -1
+        # (deadline, lane, seq) in the order set. Every deadline is "now +
+        # step_timeout" when set (at send, or at GO for a gated lane), so the
+        # deque is sorted and the earliest is at its head: O(1) per poll, not
+        # O(lanes in flight). Entries of lanes that finished are dropped lazily.
+        self.deadlines: collections.deque[tuple] = collections.deque()
 
     # -- configuration and start-up -------------------------------------------------
 
@@ -601,6 +606,7 @@ class Worker:
                 body = pack([wire.RESET, seq, None, None])
                 env.expect = wire.RESET_DONE
                 env.deadline = deadline
+                self.deadlines.append((deadline, index, seq))
             else:
                 body = pack([wire.STEP, seq, action, gated])
                 env.expect = wire.STEPPED
@@ -609,6 +615,7 @@ class Worker:
                     self.gate_queue.append(index)
                 else:
                     env.deadline = deadline
+                    self.deadlines.append((deadline, index, seq))
             env.seq = seq
             env.state = BUSY
             self._write(env, header(len(body)) + body)
@@ -636,7 +643,7 @@ class Worker:
             now = time.monotonic()
             if now >= give_up:
                 break
-            wake = min(give_up, min((self.envs[i].deadline for i in self.flying), default=give_up))
+            wake = min(give_up, self._next_deadline())
             self._poll(max(0.0, min(wake - now, 1.0)))
             self._expire()
         wait_ms = (time.monotonic() - started) * 1000.0
@@ -702,16 +709,23 @@ class Worker:
             self.gate_holder = -1
             self._advance_gate()
 
+    def _next_deadline(self) -> float:
+        """The earliest deadline of a FLYING lane (inf when none)."""
+        deadlines = self.deadlines
+        while deadlines:
+            deadline, index, seq = deadlines[0]
+            env = self.envs[index]
+            if env.flight == FLYING and env.seq == seq and env.deadline == deadline:
+                return deadline
+            deadlines.popleft()  # finished since
+        return float("inf")
+
     def _expire(self) -> None:
         """Lanes FLYING past their deadline become straggler results."""
-        if not self.flying:
-            return
         now = time.monotonic()
-        late = [i for i in self.flying if self.envs[i].deadline <= now]
-        for index in sorted(late):
+        while self._next_deadline() <= now:
+            index = self.deadlines.popleft()[1]
             env = self.envs[index]
-            if env.flight != FLYING:
-                continue
             if index == self.gate_holder:
                 # The gate promises one env's code at a time: kill the holder before the next one goes.
                 self._kill(env, f"missed the step deadline of {self.step_timeout:g} s while holding the "
@@ -731,6 +745,7 @@ class Worker:
                 continue  # died while queued: already finished
             self.gate_holder = index
             env.deadline = time.monotonic() + self.step_timeout
+            self.deadlines.append((env.deadline, index, env.seq))
             self._write(env, wire.encode([wire.GO, env.seq]))
 
     def _pump(self) -> None:
@@ -886,8 +901,8 @@ class Worker:
         while not self.client_inbox:
             # Between calls the loop still runs: async results are taken as they
             # come, the gate moves on, and deadlines are kept.
-            wake = min((self.envs[i].deadline for i in self.flying), default=None)
-            self._poll(None if wake is None else max(0.0, min(wake - time.monotonic(), 1.0)))
+            wake = self._next_deadline()
+            self._poll(None if wake == float("inf") else max(0.0, wake - time.monotonic()))
             self._expire()
         return self.client_inbox.pop(0)
 
