@@ -426,3 +426,79 @@ def test_nothing_lost_across_random_interleavings(spawn):
         assert sum(calls.values()) - calls["results"] >= 1000, calls  # thousands of calls, with lane_states
     finally:
         pool.close()
+
+
+# -- 6. Gymnasium: step_async / step_wait ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["NEXT_STEP", "SAME_STEP", "DISABLED"])
+def test_gym_step_async_wait_equals_step(mode):
+    pytest.importorskip("gymnasium")
+    from gymnasium.vector import AutoresetMode
+
+    from boltzlabs.gym import BoltzLabsVecEnv
+
+    mode = AutoresetMode[mode]
+    a = BoltzLabsVecEnv.make("CartPole-v1", num_envs=3, autoreset_mode=mode)
+    b = BoltzLabsVecEnv.make("CartPole-v1", num_envs=3, autoreset_mode=mode)
+    try:
+        for envs in (a, b):
+            envs.reset(seed=1)
+        rng = np.random.default_rng(0)
+        completed = 0
+        for t in range(80):
+            actions = rng.integers(0, 2, 3)
+            if mode == AutoresetMode.DISABLED and a._autoreset.any():
+                mask = a._autoreset.copy()
+                for envs in (a, b):
+                    envs.reset(options={"reset_mask": mask})
+            want = a.step(actions)
+            b.step_async(actions)
+            got = b.step_wait()
+            for x, y in zip(want[:4], got[:4]):
+                np.testing.assert_array_equal(x, y)
+            assert want[4]["completed_episodes"] == got[4]["completed_episodes"]
+            completed += want[4]["completed_episodes"]
+        assert completed > 0
+        with pytest.raises(ValueError, match="without a step_async"):
+            b.step_wait()
+        b.step_async(rng.integers(0, 2, 3))
+        with pytest.raises(ValueError, match="waiting for its step_wait"):
+            b.step_async(rng.integers(0, 2, 3))
+        b.step_wait()
+    finally:
+        a.close()
+        b.close()
+
+
+SLOW_GYM = """
+import time
+import gymnasium
+from boltzlabs.env import serve
+
+def reset(seed):
+    return 0
+
+def step(action):
+    time.sleep(1.5 if action == 1 else 0.0)
+    return 0, float(action), False, False, {}
+
+serve(reset=reset, step=step, observation_space=gymnasium.spaces.Discrete(2),
+      action_space=gymnasium.spaces.Discrete(2))
+"""
+
+
+def test_gym_step_wait_timeout_keeps_what_came(env_dir):
+    pytest.importorskip("gymnasium")
+    from boltzlabs.gym import BoltzLabsVecEnv
+
+    envs = BoltzLabsVecEnv.make(str(env_dir(SLOW_GYM)), num_envs=2, step_timeout=10)
+    try:
+        envs.reset(seed=0)
+        envs.step_async(np.array([0, 1]))
+        with pytest.raises(TimeoutError, match="1 env"):
+            envs.step_wait(timeout=0.2)
+        obs, rewards, terminations, truncations, infos = envs.step_wait()
+        assert rewards.tolist() == [0.0, 1.0] and not truncations.any()
+    finally:
+        envs.close()
