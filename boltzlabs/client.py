@@ -452,7 +452,7 @@ class RLPool:
         bool[k], infos: list), aligned with env_ids, in the order the envs
         finished. batch_size defaults to the pool's batch_size, else every
         env in flight or finished. k < batch_size only when `timeout`
-        (seconds) passes first. An env that missed its deadline (counted from
+        (seconds; 0 takes only what has finished) passes first. An env that missed its deadline (counted from
         its send) or failed comes back as in step(): done, reward 0, obs
         None, info["error"] (and info["straggler"]). Refused (ValueError)
         when batch_size is more than can come.
@@ -468,7 +468,10 @@ class RLPool:
                                        or not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
             raise ValueError(f"recv() batch_size must be a whole number >= 1, not {batch_size!r}")
         if timeout is not None:
-            timeout = _positive("timeout", timeout)
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+                raise ValueError(f"recv() timeout must be a number of seconds >= 0 (0: only what has finished), "
+                                 f"not {timeout!r}")
+            timeout = float(timeout)
         lanes, obs, rewards, terminated, truncated, infos, stragglers, wait_ms, queued_ms = self._call(
             "recv", None if batch_size is None else int(batch_size), timeout)
         env_ids = np.array(lanes, dtype=np.int64)

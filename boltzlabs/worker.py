@@ -654,6 +654,7 @@ class Worker:
         indices, obs, infos, stragglers = [0] * k, [None] * k, [None] * k, []
         now = time.monotonic()
         queued = 0.0
+        # Hot path: the results were shaped when they arrived; here they are only copied out.
         for j in range(k):
             index = self.finished.popleft()
             env = self.envs[index]

@@ -85,6 +85,9 @@ def test_recv_timeout_returns_what_finished(probe_pool):
     ids, obs, rewards, dones, infos = pool.recv(2, timeout=0.5)
     assert ids.tolist() == [0]
     assert pool.lane_states() == ["idle", "in_flight"]
+    assert pool.recv(1, timeout=0)[0].tolist() == []  # 0: only what has finished
+    with pytest.raises(ValueError, match="timeout"):
+        pool.recv(1, timeout=-1)
     assert pool.recv(1)[0].tolist() == [1]
 
 
