@@ -6,8 +6,10 @@
     RLPool (client) <==one frame per call== Worker <--one frame per env-- sandboxes
 
 `python -m boltzlabs.worker --fd N` talks to its client over the socket on fd
-N. The client sends OPEN, then CALLs (step, reset, render, memory, log, close)
-one at a time; the worker answers each with one REPLY or ERROR frame.
+N. The client sends OPEN, then CALLs (step, reset, send, recv, render, memory,
+log, close) one at a time; the worker answers each with one REPLY or ERROR
+frame. `send` returns before the envs answer: their replies are taken by the
+event loop, which also runs between calls, and held until a `recv`.
 
 Observations and actions are passed through, never decoded: an array is a
 msgpack ExtType whose header the worker checks (wire "check" limits) and

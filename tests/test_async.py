@@ -514,3 +514,20 @@ def test_gym_step_wait_timeout_keeps_what_came(env_dir):
         assert rewards.tolist() == [0.0, 1.0] and not truncations.any()
     finally:
         envs.close()
+
+
+def test_close_with_envs_in_flight_leaves_nothing(spawn):
+    from conftest import open_fds
+
+    before = open_fds()
+    pool = RLPool(PROBE, 3, step_timeout=5, spawn=spawn)
+    pool.reset(seed=0)
+    pool.send([sleep(10.0), 1, sleep(10.0)])
+    proc = pool._proc
+    started = time.monotonic()
+    pool.close()
+    assert time.monotonic() - started < 20  # close does not wait for the envs' steps
+    assert proc.poll() is not None
+    assert open_fds() == before
+    with pytest.raises(Exception, match="closed"):
+        pool.recv(1)
