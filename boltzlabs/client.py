@@ -43,20 +43,34 @@ _RECV_SIZE = 1 << 16
 
 @dataclass
 class Timing:
-    """Timing of the latest `step()` or `reset()`.
+    """Timing of the latest call (`step()`, `reset()`, `send()`, `recv()`, ...).
 
-    worker_ms: the batch as measured on the worker (fan-out, env code,
+    worker_ms: the call as measured on the worker (fan-out, env code,
     gather); roundtrip_ms: this process's wall clock around the whole call;
-    stragglers: lanes that missed their deadline in that call.
+    stragglers: lanes that missed their deadline in that call (for recv(),
+    the received lanes that did).
+
+    For asynchronous stepping, set by each recv() (0 after other calls):
+    wait_ms: how long recv() blocked waiting for envs to finish (0 when
+    batch_size results were already there). High: the trainer waits for
+    envs; a smaller batch_size (or more envs) keeps it busy.
+    queued_ms: the mean time the received results had been sitting
+    finished in the worker before this recv() took them. High: envs wait
+    for the trainer; a larger batch_size (or fewer envs) keeps them busy.
     """
 
     worker_ms: float = 0.0
     roundtrip_ms: float = 0.0
     stragglers: list = field(default_factory=list)
+    wait_ms: float = 0.0
+    queued_ms: float = 0.0
 
     def __str__(self) -> str:
-        return (f"worker {self.worker_ms:.2f} ms, roundtrip {self.roundtrip_ms:.2f} ms, "
+        text = (f"worker {self.worker_ms:.2f} ms, roundtrip {self.roundtrip_ms:.2f} ms, "
                 f"{len(self.stragglers)} straggler(s)")
+        if self.wait_ms or self.queued_ms:
+            text += f", waited {self.wait_ms:.2f} ms, results queued {self.queued_ms:.2f} ms"
+        return text
 
 
 @dataclass
@@ -132,6 +146,8 @@ class RLPool:
         cannot be forked safely (threads or sockets at import) falls back
         to "exec" with a warning; `pool.spawn` says which is in use.
       start_timeout: seconds each env has to complete its handshake.
+      batch_size: the default batch_size of recv() (asynchronous stepping:
+        send() actions, recv() the first batch_size envs to finish).
       progress: show a progress bar while starting (default: on a terminal,
         for 64 envs or more).
       **params: construction params. A Gymnasium source passes them to
@@ -149,10 +165,14 @@ class RLPool:
 
     def __init__(self, source, n: int, *, step_timeout=None, serialize_measurement: bool = False,
                  memory_limit=None, workspace_size="64M", spawn: str = "template", start_timeout=None,
-                 progress=None, **params):
+                 progress=None, batch_size=None, **params):
         self._closed = True
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"n must be a whole number of envs, at least 1; got {n!r}")
+        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
+                                       or not 1 <= batch_size <= n):
+            raise ValueError(f"batch_size must be a whole number in [1, n={n}], or None; got {batch_size!r}")
+        self.batch_size = None if batch_size is None else int(batch_size)
         _warn_pool_option_typos(params)
         resolved = sources.resolve(source, params)
         self.n = n = int(n)
@@ -185,6 +205,7 @@ class RLPool:
         self._episode_lengths = np.zeros(n, dtype=np.int64)
         self._episode_returns = np.zeros(n, dtype=np.float64)
         self._episode_open = np.zeros(n, dtype=np.bool_)
+        self._pending_resets: set = set()  # lanes sent as autoresets, not yet received
         self._seq = 0
         self._reader = wire.FrameReader(wire.Limits(1 << 30))
         self._inbox: list = []
@@ -316,6 +337,7 @@ class RLPool:
                 if message[0] == wire.REPLY and message[1] == seq:
                     self.timing.roundtrip_ms = (time.perf_counter() - started) * 1000.0
                     self.timing.worker_ms = message[2]
+                    self.timing.wait_ms = self.timing.queued_ms = 0.0
                     return message[3]
                 if message[0] == wire.ERROR:
                     _, _, kind, text, _ = message
@@ -404,9 +426,118 @@ class RLPool:
         self._count_episodes(resets)
         return obs, self.rewards, self.terminated, self.truncated, infos
 
-    def _count_episodes(self, resets) -> None:
-        """Episode bookkeeping after a step: lengths, returns, finished episodes."""
+    # -- asynchronous stepping ----------------------------------------------------------
+
+    def send(self, actions, env_ids=None) -> None:
+        """Hand `actions` to the envs `env_ids` (all when None) and return at once.
+
+        `actions` is aligned with `env_ids` (a sequence or an array whose first
+        dimension is len(env_ids)). Each env then runs its step; `recv()`
+        collects the results. Refused (ValueError, nothing sent) when an env
+        is in flight or has a result not yet received. A dead env, or a
+        straggler still busy, gets a failure result at once (as in step()).
+        """
+        self._send(actions, env_ids)
+
+    def _send(self, actions, env_ids=None, resets=None) -> None:
+        lanes = list(range(self.n)) if env_ids is None else self._env_ids(env_ids)
+        actions = self._actions(actions, len(lanes), "send()")
+        resets = list(resets) if resets is not None and len(resets) else None
+        self._call("send", actions, lanes, resets, diagnose=lambda: self._raise_unserializable(actions))
+        if resets:
+            self._begin_episodes(resets, None)
+            self._pending_resets.update(resets)
+
+    def recv(self, batch_size=None, timeout=None):
+        """The first `batch_size` envs to finish since their send().
+
+        Returns (env_ids: int64[k], obs: list, rewards: float32[k], dones:
+        bool[k], infos: list), aligned with env_ids, in the order the envs
+        finished. batch_size defaults to the pool's batch_size, else every
+        env in flight or finished. k < batch_size only when `timeout`
+        (seconds; 0 takes only what has finished) passes first. An env that missed its deadline (counted from
+        its send) or failed comes back as in step(): done, reward 0, obs
+        None, info["error"] (and info["straggler"]). Refused (ValueError)
+        when batch_size is more than can come.
+        """
+        env_ids, obs, rewards, terminated, truncated, infos = self._recv(batch_size, timeout)
+        return env_ids, obs, rewards.astype(np.float32), terminated | truncated, infos
+
+    def _recv(self, batch_size=None, timeout=None):
+        """recv() with float64 rewards and terminated/truncated apart."""
+        if batch_size is None:
+            batch_size = self.batch_size
+        if batch_size is not None and (isinstance(batch_size, bool)
+                                       or not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
+            raise ValueError(f"recv() batch_size must be a whole number >= 1, not {batch_size!r}")
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+                raise ValueError(f"recv() timeout must be a number of seconds >= 0 (0: only what has finished), "
+                                 f"not {timeout!r}")
+            timeout = float(timeout)
+        lanes, obs, rewards, terminated, truncated, infos, stragglers, wait_ms, queued_ms = self._call(
+            "recv", None if batch_size is None else int(batch_size), timeout)
+        env_ids = np.array(lanes, dtype=np.int64)
+        rewards = np.frombuffer(rewards, dtype=np.float64).copy()
+        terminated = np.frombuffer(terminated, dtype=np.bool_).copy()
+        truncated = np.frombuffer(truncated, dtype=np.bool_).copy()
+        self.timing.wait_ms, self.timing.queued_ms, self.timing.stragglers = wait_ms, queued_ms, stragglers
+        # New arrays and list, not in-place writes: what earlier calls returned stays as it was.
+        self._obs = list(self._obs)
+        for i, o in zip(lanes, obs):
+            if o is not None:
+                self._obs[i] = o
+        self.rewards = self.rewards.copy()
+        self.terminated = self.terminated.copy()
+        self.truncated = self.truncated.copy()
+        self.rewards[env_ids] = rewards
+        self.terminated[env_ids] = terminated
+        self.truncated[env_ids] = truncated
+        # Autoreset lanes (sent with resets) began their episode at send: not a step.
+        stepped = [i for i in lanes if i not in self._pending_resets]
+        self._pending_resets.difference_update(lanes)
+        self._count_episodes(None, stepped)
+        return env_ids, obs, rewards, terminated, truncated, infos
+
+    def lane_states(self) -> list:
+        """Each env's one state: 'idle', 'in_flight' (sent, not finished),
+        'finished' (a result waiting for recv), 'straggler' (its result was
+        given, it is still busy; reset it) or 'dead' (reset it to respawn)."""
+        return self._call("lane_states")
+
+    def _env_ids(self, env_ids) -> list:
+        ids = np.asarray(env_ids)
+        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)) or ids.dtype == np.bool_:
+            raise ValueError("env_ids must be a sequence of env indices")
+        lanes = [int(i) for i in ids]
+        if any(not 0 <= i < self.n for i in lanes):
+            raise ValueError(f"env_ids has an env index outside [0, {self.n})")
+        if len(set(lanes)) != len(lanes):
+            raise ValueError("env_ids has an env index twice")
+        return lanes
+
+    def _actions(self, actions, count: int, what: str) -> list:
+        if isinstance(actions, np.ndarray):
+            if actions.ndim == 0 or actions.shape[0] != count:
+                raise ValueError(f"{what} needs {count} actions (an array whose first dimension is {count}); "
+                                 f"got an array of shape {actions.shape}")
+            return actions.tolist() if actions.ndim == 1 else list(actions)
+        try:
+            got = len(actions)
+        except TypeError:
+            raise TypeError(f"{what} needs a sequence of {count} actions, not {type(actions).__name__}") from None
+        if got != count:
+            raise ValueError(f"{what} needs {count} actions, one per env; got {got}")
+        return list(actions)
+
+    def _count_episodes(self, resets, lanes=None) -> None:
+        """Episode bookkeeping after a step (of `lanes` only, when given):
+        lengths, returns, finished episodes."""
         stepped = self._episode_open.copy()
+        if lanes is not None:
+            received = np.zeros(self.n, dtype=np.bool_)
+            received[lanes] = True
+            stepped &= received
         if resets:
             stepped[resets] = False
             self._begin_episodes(resets, None)
@@ -533,7 +664,7 @@ class RLPool:
 
 
 _POOL_OPTIONS = ("step_timeout", "serialize_measurement", "memory_limit", "workspace_size", "start_timeout",
-                 "progress")
+                 "progress", "batch_size")
 
 
 def _warn_pool_option_typos(params: dict) -> None:

@@ -77,6 +77,9 @@ class BoltzLabsVecEnv(VectorEnv):
         self._env_obs = [None] * self.num_envs
         self._autoreset = np.zeros(self.num_envs, dtype=np.bool_)
         self._shadowed: set = set()
+        self._waiting = False  # a step_async() awaits its step_wait()
+        self._waited: dict = {}  # lane -> its result, gathered by step_wait()
+        self._episodes_ended: list = []
 
     @classmethod
     def make(cls, source: str, num_envs: int = 1, *, autoreset_mode=AutoresetMode.NEXT_STEP, copy: bool = True,
@@ -151,9 +154,47 @@ class BoltzLabsVecEnv(VectorEnv):
         return self._batch(), infos
 
     def step(self, actions):
+        items, resets = self._prepare(actions)
+        return self._stepped(*self.pool._step(items, resets))
+
+    def step_async(self, actions) -> None:
+        """Send every env its action and return at once (the first half of
+        step(), as Gymnasium 0.x's VectorEnv had it); step_wait() gives the
+        step's results. Between the two the trainer is free to work."""
+        items, resets = self._prepare(actions)
+        self.pool._send(items, None, resets)
+        self._waiting = True
+
+    def step_wait(self, timeout=None):
+        """The results of the step_async() before, exactly as step() returns
+        them. `timeout` (seconds) bounds the wait; it raises TimeoutError when
+        it passes (the results stay in flight: call step_wait() again)."""
+        if not self._waiting:
+            raise ValueError("step_wait() without a step_async() before it")
         pool = self.pool
         n = self.num_envs
+        # Results come in the order envs finish; put them back in lane order.
+        outstanding = n - len(self._waited)
+        env_ids, obs, rewards, terminated, truncated, infos = pool._recv(outstanding, timeout)
+        self._episodes_ended.extend(pool.finished_episodes)
+        for k, i in enumerate(env_ids.tolist()):
+            self._waited[i] = (obs[k], rewards[k], terminated[k], truncated[k], infos[k])
+        if len(self._waited) < n:
+            raise TimeoutError(f"step_wait(): {n - len(self._waited)} env(s) had not finished within {timeout} s")
+        lanes = [self._waited[i] for i in range(n)]
+        self._waited = {}
+        self._waiting = False
+        finished = sorted(self._episodes_ended, key=lambda e: e["env"])
+        self._episodes_ended = []
+        return self._stepped([x[0] for x in lanes], np.array([x[1] for x in lanes], dtype=np.float64),
+                             np.array([x[2] for x in lanes], dtype=np.bool_),
+                             np.array([x[3] for x in lanes], dtype=np.bool_), [x[4] for x in lanes], finished)
+
+    def _prepare(self, actions):
+        n = self.num_envs
         mode = self.autoreset_mode
+        if self._waiting:
+            raise ValueError("a step_async() is waiting for its step_wait()")
         items = list(iterate(self.action_space, actions))
         if len(items) != n:
             raise ValueError(f"step() needs {n} actions, one per env; got {len(items)}")
@@ -164,8 +205,15 @@ class BoltzLabsVecEnv(VectorEnv):
             lanes = np.flatnonzero(self._autoreset).tolist()
             raise ValueError(f"envs {lanes} finished their episodes and autoreset is DISABLED: reset them first "
                              "with reset(options={'reset_mask': mask})")
-        obs, rewards, terminated, truncated, env_infos = pool._step(items, resets)
-        finished = pool.finished_episodes
+        return items, resets
+
+    def _stepped(self, obs, rewards, terminated, truncated, env_infos, finished=None):
+        """The VectorEnv step results from every lane's (obs, reward, terminated, truncated, info)."""
+        pool = self.pool
+        n = self.num_envs
+        mode = self.autoreset_mode
+        if finished is None:
+            finished = pool.finished_episodes
         rewards, terminated, truncated = rewards.copy(), terminated.copy(), truncated.copy()
         infos: dict = {}
         if mode == AutoresetMode.SAME_STEP:

@@ -269,6 +269,13 @@ class TemplateSpawner:
         if not self._read_control():
             self._lost()
             return
+        self.deliver_exits()
+
+    def deliver_exits(self) -> None:
+        """Report the EXITED messages read so far. _wait_forked reads the
+        control socket too, and an exit it read must not wait there for the
+        next message (with async stepping, other envs run during a respawn).
+        The worker calls this once the env just spawned is registered."""
         keep = []
         for message in self.pending:
             if message[0] == template.EXITED and len(message) == 4:

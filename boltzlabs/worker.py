@@ -6,8 +6,10 @@
     RLPool (client) <==one frame per call== Worker <--one frame per env-- sandboxes
 
 `python -m boltzlabs.worker --fd N` talks to its client over the socket on fd
-N. The client sends OPEN, then CALLs (step, reset, render, memory, log, close)
-one at a time; the worker answers each with one REPLY or ERROR frame.
+N. The client sends OPEN, then CALLs (step, reset, send, recv, render, memory,
+log, close) one at a time; the worker answers each with one REPLY or ERROR
+frame. `send` returns before the envs answer: their replies are taken by the
+event loop, which also runs between calls, and held until a `recv`.
 
 Observations and actions are passed through, never decoded: an array is a
 msgpack ExtType whose header the worker checks (wire "check" limits) and
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import array
+import collections
 import os
 import resource
 import select
@@ -41,8 +44,13 @@ from boltzlabs.cgroups import CgroupPool, CgroupUnavailable
 from boltzlabs.sandbox import SandboxSpec, load_policy
 from boltzlabs.spawn import TEMPLATE_LANE, ExecSpawner, TemplateSpawner, TemplateUnavailable, receive_hello
 
-# Env lane states. A lane is in exactly one.
+# Env lane states (the sandbox's side). A lane is in exactly one.
 STARTING, IDLE, BUSY, DEAD = "starting", "idle", "busy", "dead"
+
+# Asynchronous stepping (send/recv), a second axis per lane: no async action
+# outstanding, an action sent and not answered, or a result held for recv.
+# Every action sent ends in exactly one result, so FLYING always ends FINISHED.
+NONE, FLYING, FINISHED = 0, 1, 2
 
 _ABANDONED = "start-up abandoned after another env failed"
 _READ_SIZE = 1 << 16
@@ -63,7 +71,8 @@ class Env:
     """One lane: its sandbox process, channel, log and state."""
 
     __slots__ = ("index", "state", "pid", "chan", "logfd", "reader", "log", "seq",
-                 "out", "cause", "hello", "started", "oom_base", "straggling", "generation", "expect")
+                 "out", "cause", "hello", "started", "oom_base", "straggling", "generation", "expect",
+                 "flight", "result", "deadline", "done_at")
 
     def __init__(self, index: int, limits: wire.Limits):
         self.index = index
@@ -80,6 +89,10 @@ class Env:
         self.straggling = False
         self.generation = 0
         self.expect = None  # the reply code due for the request in flight
+        self.flight = NONE  # the async axis: NONE, FLYING or FINISHED
+        self.result = None  # FINISHED: (obs, reward, terminated, truncated, info)
+        self.deadline = 0.0  # FLYING: when it becomes a straggler (inf while queued at the gate)
+        self.done_at = 0.0  # FINISHED: when the result was ready (for queued_ms)
 
 
 class Op:
@@ -117,6 +130,17 @@ class Worker:
         self.memory_note = ""
         self._seq = 0
         self._packer = msgpack.Packer(use_bin_type=True)
+        # Async stepping: lanes FLYING, lanes FINISHED in the order they
+        # finished (recv hands out the first ones), and the gate's queue.
+        self.flying: set[int] = set()
+        self.finished: collections.deque[int] = collections.deque()
+        self.gate_queue: collections.deque[int] = collections.deque()
+        self.gate_holder = -1
+        # (deadline, lane, seq) in the order set. Every deadline is "now +
+        # step_timeout" when set (at send, or at GO for a gated lane), so the
+        # deque is sorted and the earliest is at its head: O(1) per poll, not
+        # O(lanes in flight). Entries of lanes that finished are dropped lazily.
+        self.deadlines: collections.deque[tuple] = collections.deque()
 
     # -- configuration and start-up -------------------------------------------------
 
@@ -188,6 +212,8 @@ class Worker:
         for fd, kind in ((env.chan, "chan"), (env.logfd, "log")):
             self.epoll.register(fd, select.EPOLLIN)
             self.handlers[fd] = (kind, env)
+        if self.spawner.kind == "template":
+            self.spawner.deliver_exits()  # exits read while waiting for the fork
 
     def watch(self, fd: int, callback, arg) -> None:
         """Call `callback(arg)` whenever fd is readable (for the spawners)."""
@@ -313,6 +339,9 @@ class Worker:
             return
         env.state = IDLE
         env.straggling = False  # a late reply frees a straggler; the reply itself is dropped
+        if env.flight == FLYING and message[1] == env.seq:
+            self._finish(env, _outcome(result, env.cause))
+            return
         op = self.op
         if op is not None and message[1] == op.seq and env.index in op.waiting:
             op.waiting.discard(env.index)
@@ -378,6 +407,8 @@ class Worker:
         env.pid = -1
         env.state = DEAD
         env.cause = cause
+        if env.flight == FLYING:
+            self._finish(env, _outcome(None, cause))
         op = self.op
         if op is not None and env.index in op.waiting:
             op.waiting.discard(env.index)
@@ -442,6 +473,7 @@ class Worker:
         if not isinstance(actions, list) or len(actions) != n:
             raise ValueError(f"step() needs {n} actions, one per env; got {len(actions) if isinstance(actions, list) else type(actions).__name__}")
         resets = set(self._check_lanes(resets or []))
+        self._refuse_async("step() cannot run")
         if resets:
             self._respawn([self.envs[i] for i in sorted(resets)], hard=False)
         seq = self._next_seq()
@@ -526,6 +558,204 @@ class Worker:
             truncated[i] = 1
         return [obs, rewards.tobytes(), bytes(terminated), bytes(truncated), infos, stragglers]
 
+    # -- asynchronous stepping (send / recv) ---------------------------------------------
+    #
+    # send() writes one frame per lane and returns; the lane is FLYING with a
+    # deadline counted from its send. Replies are taken by _on_message whenever
+    # the event loop runs: inside any call, and between calls too (the worker
+    # idles in epoll, see _next_request), so a result waits in the worker, not
+    # in a socket. A lane whose deadline passes, or that dies, is FINISHED with
+    # a failure result, exactly as step() reports it. recv() hands out FINISHED
+    # lanes in the order they finished.
+    #
+    # serialize_measurement: the STEP frames of a send carry gated=True and the
+    # lanes queue; the gate goes (GO) to one FLYING lane at a time, the next as
+    # soon as the holder answers or dies, and the holder's deadline counts from
+    # its GO (as in step()). A holder that overruns is killed, so the gate holds.
+
+    def send(self, actions: list, indices: list, resets=None) -> list:
+        """Hand actions to the lanes in `indices` (resets: lanes reset instead);
+        returns at once. Everything is checked before the first byte is written."""
+        if not isinstance(indices, list) or len(set(indices)) != len(indices):
+            raise ValueError("send() env_ids must be distinct env indices")
+        indices = self._check_lanes(indices)
+        if not isinstance(actions, list) or len(actions) != len(indices):
+            raise ValueError(f"send() needs one action per env id ({len(indices)}); "
+                             f"got {len(actions) if isinstance(actions, list) else type(actions).__name__}")
+        resets = set(self._check_lanes(resets or []))
+        if not resets <= set(indices):
+            raise ValueError("send() can only autoreset lanes it sends to")
+        self._pump()
+        for index in indices:
+            self._refuse_outstanding(index, "send to")
+        if resets:
+            self._respawn([self.envs[i] for i in sorted(resets)], hard=False)
+        seq = self._next_seq()
+        now = time.monotonic()
+        pack = self._packer.pack
+        header = wire.HEADER.pack
+        gated = self.gated
+        deadline = now + self.step_timeout
+        # Hot path: one frame per lane, written straight to its channel.
+        for index, action in zip(indices, actions):
+            env = self.envs[index]
+            env.flight = FLYING
+            self.flying.add(index)
+            if env.state != IDLE:  # dead, or a straggler still busy: a failure result at once, as in step()
+                self._finish(env, (None, 0.0, False, True, _unavailable(env)))
+                continue
+            if index in resets:
+                body = pack([wire.RESET, seq, None, None])
+                env.expect = wire.RESET_DONE
+                env.deadline = deadline
+                self.deadlines.append((deadline, index, seq))
+            else:
+                body = pack([wire.STEP, seq, action, gated])
+                env.expect = wire.STEPPED
+                if gated:
+                    env.deadline = float("inf")  # until its turn at the gate
+                    self.gate_queue.append(index)
+                else:
+                    env.deadline = deadline
+                    self.deadlines.append((deadline, index, seq))
+            env.seq = seq
+            env.state = BUSY
+            self._write(env, header(len(body)) + body)
+        self._advance_gate()
+        return [len(self.flying), len(self.finished)]
+
+    def recv(self, batch_size, timeout) -> list:
+        """The first `batch_size` lanes to finish (fewer if `timeout` passes):
+        [indices, obs, rewards f64 bytes, terminated, truncated, infos, stragglers,
+        wait_ms, queued_ms]."""
+        self._pump()
+        can_come = len(self.flying) + len(self.finished)
+        if batch_size is None:
+            batch_size = can_come
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
+            raise ValueError(f"recv() batch_size must be a whole number, not {batch_size!r}")
+        if batch_size > can_come:
+            raise ValueError(f"recv(batch_size={batch_size}) would wait forever: only {can_come} result(s) can come "
+                             f"({len(self.flying)} env(s) in flight, {len(self.finished)} finished and not received)")
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
+            raise ValueError(f"recv() timeout must be a number of seconds >= 0 or None, not {timeout!r}")
+        started = time.monotonic()
+        give_up = float("inf") if timeout is None else started + timeout
+        while len(self.finished) < batch_size:
+            now = time.monotonic()
+            if now >= give_up:
+                break
+            wake = min(give_up, self._next_deadline())
+            self._poll(max(0.0, min(wake - now, 1.0)))
+            self._expire()
+        wait_ms = (time.monotonic() - started) * 1000.0
+        k = min(batch_size, len(self.finished))
+        rewards = array.array("d", bytes(8 * k))
+        terminated = bytearray(k)
+        truncated = bytearray(k)
+        indices, obs, infos, stragglers = [0] * k, [None] * k, [None] * k, []
+        now = time.monotonic()
+        queued = 0.0
+        # Hot path: the results were shaped when they arrived; here they are only copied out.
+        for j in range(k):
+            index = self.finished.popleft()
+            env = self.envs[index]
+            indices[j] = index
+            obs[j], rewards[j], terminated[j], truncated[j], infos[j] = env.result
+            if infos[j].get("straggler") is True and "error" in infos[j] and obs[j] is None:
+                stragglers.append(index)
+            queued += now - env.done_at
+            env.flight = NONE
+            env.result = None
+        queued_ms = queued * 1000.0 / k if k else 0.0
+        return [indices, obs, rewards.tobytes(), bytes(terminated), bytes(truncated), infos, stragglers,
+                wait_ms, queued_ms]
+
+    def lane_states(self) -> list:
+        """Each lane's one state: idle, in_flight, finished (a result waiting for
+        recv), straggler (busy past its deadline, result already given), dead."""
+        self._pump()
+        out = []
+        for env in self.envs:
+            if env.flight == FLYING:
+                out.append("in_flight")
+            elif env.flight == FINISHED:
+                out.append("finished")
+            elif env.state == BUSY:
+                out.append("straggler")
+            else:
+                out.append(env.state)  # idle, dead (starting never outlives a call)
+        return out
+
+    def _refuse_outstanding(self, index: int, what: str) -> None:
+        env = self.envs[index]
+        if env.flight == FLYING:
+            raise ValueError(f"cannot {what} env {index}: it is in flight (an action was sent and its result has "
+                             "not been received); recv it first")
+        if env.flight == FINISHED:
+            raise ValueError(f"cannot {what} env {index}: it has finished and its result has not been received; "
+                             "recv it first")
+
+    def _refuse_async(self, what: str) -> None:
+        if self.flying or self.finished:
+            raise ValueError(f"{what} while {len(self.flying)} env(s) are in flight and {len(self.finished)} "
+                             "finished but not received: recv them first (send/recv and step() do not mix)")
+
+    def _finish(self, env: Env, outcome: tuple) -> None:
+        """env's async action has its one result: hold it for recv."""
+        env.flight = FINISHED
+        env.result = outcome
+        env.done_at = time.monotonic()
+        self.flying.discard(env.index)
+        self.finished.append(env.index)
+        if env.index == self.gate_holder:
+            self.gate_holder = -1
+            self._advance_gate()
+
+    def _next_deadline(self) -> float:
+        """The earliest deadline of a FLYING lane (inf when none)."""
+        deadlines = self.deadlines
+        while deadlines:
+            deadline, index, seq = deadlines[0]
+            env = self.envs[index]
+            if env.flight == FLYING and env.seq == seq and env.deadline == deadline:
+                return deadline
+            deadlines.popleft()  # finished since
+        return float("inf")
+
+    def _expire(self) -> None:
+        """Lanes FLYING past their deadline become straggler results."""
+        now = time.monotonic()
+        while self._next_deadline() <= now:
+            index = self.deadlines.popleft()[1]
+            env = self.envs[index]
+            if index == self.gate_holder:
+                # The gate promises one env's code at a time: kill the holder before the next one goes.
+                self._kill(env, f"missed the step deadline of {self.step_timeout:g} s while holding the "
+                                "serialize_measurement gate, and was killed")
+                env.result = (None, 0.0, False, True, {"straggler": True, "error": env.cause})
+                continue
+            env.straggling = True
+            self._finish(env, (None, 0.0, False, True,
+                               {"straggler": True, "error": f"missed the step deadline of {self.step_timeout:g} s"}))
+
+    def _advance_gate(self) -> None:
+        """Give the gate to the next queued lane when nobody holds it."""
+        while self.gate_holder < 0 and self.gate_queue:
+            index = self.gate_queue.popleft()
+            env = self.envs[index]
+            if env.flight != FLYING or env.state != BUSY:
+                continue  # died while queued: already finished
+            self.gate_holder = index
+            env.deadline = time.monotonic() + self.step_timeout
+            self.deadlines.append((env.deadline, index, env.seq))
+            self._write(env, wire.encode([wire.GO, env.seq]))
+
+    def _pump(self) -> None:
+        """Take whatever arrived and apply deadlines, without waiting."""
+        self._poll(0)
+        self._expire()
+
     def _wait_one(self, op: Op, index: int, deadline: float) -> None:
         while index in op.waiting:
             now = time.monotonic()
@@ -556,6 +786,9 @@ class Worker:
         indices = self._check_lanes(indices)
         if seeds is not None and (not isinstance(seeds, list) or len(seeds) != len(indices)):
             raise ValueError("reset() needs one seed per selected env")
+        self._pump()
+        for index in indices:
+            self._refuse_outstanding(index, "reset")
         envs = [self.envs[i] for i in indices]
         self._respawn(envs, hard)
         seq = self._next_seq()
@@ -669,7 +902,11 @@ class Worker:
 
     def _next_request(self) -> list:
         while not self.client_inbox:
-            self._poll(None)
+            # Between calls the loop still runs: async results are taken as they
+            # come, the gate moves on, and deadlines are kept.
+            wake = self._next_deadline()
+            self._poll(None if wake == float("inf") else max(0.0, wake - time.monotonic()))
+            self._expire()
         return self.client_inbox.pop(0)
 
     def serve(self) -> None:
@@ -686,7 +923,8 @@ class Worker:
             return
         self._send([wire.READY, ready])
         calls = {"step": self.step, "reset": self.reset, "render": self.render, "memory": self.memory, "log": self.log,
-                 "states": self.states, "pids": self.pids}
+                 "states": self.states, "pids": self.pids, "send": self.send, "recv": self.recv,
+                 "lane_states": self.lane_states}
         while True:
             message = self._next_request()
             if message[0] != wire.CALL or len(message) != 4:
@@ -726,6 +964,26 @@ def _check_reply(message: list):
         if len(message) == 5 and all(type(x) is str for x in message[2:]):
             return message
     return None
+
+
+def _outcome(result, cause: str) -> tuple:
+    """An async lane's result as (obs, reward, terminated, truncated, info);
+    failures as step() reports them: truncated, reward 0, info["error"]."""
+    if result is None:
+        return (None, 0.0, False, True, {"error": cause})
+    code = result[0]
+    if code == wire.STEPPED:
+        return (result[2], float(result[3]), result[4], result[5], result[6])
+    if code == wire.RESET_DONE:  # an autoreset lane: reward 0, not done
+        return (result[2], 0.0, False, False, result[3])
+    return (None, 0.0, False, True, {"error": result[4] or result[3]})  # FAILED, with the traceback
+
+
+def _unavailable(env) -> dict:
+    if env.state == DEAD:
+        return {"error": f"env is dead ({env.cause}); reset it to respawn"}
+    return {"straggler": True, "error": "still busy with an earlier step it has not answered; "
+                                        "reset it (it will be killed and respawned)"}
 
 
 def _describe(message) -> str:
