@@ -79,6 +79,7 @@ import psutil
 from gymnasium.vector import AsyncVectorEnv
 
 import boltzlabs
+from bench_pool import uss_of_tree  # benchmarks/ is sys.path[0] when run as a script
 from boltzlabs import RLPool
 
 NUMPY_ENV = ROOT / "benchmarks" / "envs" / "numpy_env"
@@ -126,24 +127,6 @@ class NumpyEnv(gym.Env):
 
 
 # -- helpers -------------------------------------------------------------------------------
-
-
-def uss_of_tree(pid: int) -> int:
-    """USS of a process and all its descendants, in bytes (0 if it is gone)."""
-    if pid <= 0:
-        return 0
-    try:
-        root = psutil.Process(pid)
-        procs = [root] + root.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return 0
-    total = 0
-    for proc in procs:
-        try:
-            total += proc.memory_full_info().uss
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return total
 
 
 def sampled_uss(pids: list, sample: int) -> float:

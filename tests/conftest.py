@@ -53,3 +53,13 @@ def env_dir(tmp_path):
 
 def open_fds() -> set:
     return set(os.listdir("/proc/self/fd"))
+
+
+def intervals(obs) -> list:
+    """(start, end) of each probe {"op": "interval"} result, sorted by start."""
+    return sorted((o["out"]["start"], o["out"]["end"]) for o in obs)
+
+
+def overlaps(spans) -> bool:
+    """Whether any two of the sorted intervals overlap."""
+    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from boltzlabs import RLPool
-from conftest import PROBE
+from conftest import PROBE, intervals, overlaps
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -249,14 +249,6 @@ def test_autoreset_lanes_in_a_send(probe_pool):
 
 
 # -- 4. the serialize_measurement gate --------------------------------------------------------
-
-
-def intervals(obs):
-    return sorted((o["out"]["start"], o["out"]["end"]) for o in obs)
-
-
-def overlaps(spans):
-    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
 
 
 def test_serialize_gate_holds_under_async(spawn):

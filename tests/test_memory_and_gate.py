@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from boltzlabs import RLPool
-from conftest import PROBE
+from conftest import PROBE, intervals, overlaps
 
 MiB = 1 << 20
 
@@ -38,14 +38,6 @@ def test_memory_limit_kills_and_reports_oom(probe_pool):
     pool.reset(where=[0], seed=0)
     obs, rewards, dones, infos = pool.step([{"op": "alloc", "mb": 16}, 1])
     assert obs[0]["out"] == {"held_mb": 16}
-
-
-def intervals(infos_or_obs):
-    return sorted((o["out"]["start"], o["out"]["end"]) for o in infos_or_obs)
-
-
-def overlaps(spans):
-    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
 
 
 def test_serialize_measurement_gate(spawn):
