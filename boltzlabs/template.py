@@ -192,6 +192,9 @@ def fork_server(serve_child, channel_fd: int) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: dict[int, tuple] = {}  # pid (our namespace) -> (lane, generation)
     lanes: dict[tuple, int] = {}
+    intermediates: dict[int, tuple] = {}  # pid -> (lane, generation), until reaped
+    pid_pipes: dict[int, tuple] = {}  # read end -> (lane, generation), until the child's pid comes
+    doomed: set = set()  # killed before their pid came
     # Everything imported so far is shared, copy-on-write, by every child;
     # freezing keeps the collector from writing to (and so copying) it.
     gc.collect()
@@ -213,6 +216,19 @@ def fork_server(serve_child, channel_fd: int) -> None:
                 except BlockingIOError:
                     pass
                 continue
+            if fd in pid_pipes:  # an intermediate says which pid its child has
+                key = pid_pipes.pop(fd)
+                poller.unregister(fd)
+                data = os.read(fd, 4)
+                os.close(fd)
+                if len(data) == 4:
+                    pid = struct.unpack("i", data)[0]
+                    children[pid] = key
+                    lanes[key] = pid
+                    if key in doomed:
+                        doomed.discard(key)
+                        _kill(pid)
+                continue  # no pid: the intermediate failed; reaping it reports why
             if events & select.POLLOUT:
                 _flush(control, outbox)
             if not events & (select.POLLIN | select.POLLHUP | select.POLLERR):
@@ -226,18 +242,19 @@ def fork_server(serve_child, channel_fd: int) -> None:
             for message in reader.feed(data):
                 if message[0] == FORK and len(fds) == 2:
                     _, lane, generation = message
-                    pid, status = _fork_child(serve_child, lane, fds, (workspace, size, hostname))
+                    intermediate, pid_r = _fork_child(serve_child, lane, fds, (workspace, size, hostname))
                     fds = []  # closed by _fork_child
                     outbox += wire.encode([FORKED, lane, generation])
-                    if pid is None:
-                        outbox += wire.encode([EXITED, lane, generation, status])
-                    else:
-                        children[pid] = (lane, generation)
-                        lanes[(lane, generation)] = pid
+                    intermediates[intermediate] = (lane, generation)
+                    pid_pipes[pid_r] = (lane, generation)
+                    poller.register(pid_r, select.POLLIN)
                 elif message[0] == KILL:
-                    pid = lanes.get((message[1], message[2]))
+                    key = (message[1], message[2])
+                    pid = lanes.get(key)
                     if pid is not None:
                         _kill(pid)
+                    elif key in pid_pipes.values():
+                        doomed.add(key)  # killed as soon as its pid is known
                 for fd_ in fds:
                     os.close(fd_)
                 fds = []
@@ -248,6 +265,12 @@ def fork_server(serve_child, channel_fd: int) -> None:
                 break
             if pid == 0:
                 break
+            key = intermediates.pop(pid, None)
+            if key is not None:
+                if status != 0:  # it made no child: its status says why
+                    doomed.discard(key)
+                    outbox += wire.encode([EXITED, key[0], key[1], status])
+                continue
             key = children.pop(pid, None)
             if key is not None:
                 lanes.pop(key, None)
@@ -282,8 +305,11 @@ def _receive(control: socket.socket):
 
 
 def _fork_child(serve_child, lane, fds, sandbox):
-    """Fork the intermediate; return (the child's pid in our pid namespace, 0),
-    or (None, the intermediate's wait status) when it could not make one."""
+    """Fork the intermediate and return at once: (its pid, a pipe on which it
+    writes the child's pid, in our pid namespace, or closes on failure).
+
+    The namespaces are made in the intermediate, in parallel with the next
+    forks; it is already in the env's cgroup, so they are charged there."""
     pid_r, pid_w = os.pipe()
     intermediate = os.fork()
     if intermediate == 0:
@@ -302,14 +328,9 @@ def _fork_child(serve_child, lane, fds, sandbox):
         finally:
             os._exit(code)
     os.close(pid_w)
-    data = os.read(pid_r, 4)
-    os.close(pid_r)
-    _, status = os.waitpid(intermediate, 0)
     for fd in fds:
         os.close(fd)
-    if len(data) != 4:
-        return None, status  # no child: the intermediate's status says why
-    return struct.unpack("i", data)[0], 0
+    return intermediate, pid_r
 
 
 def _child(serve_child, lane, fds, sandbox) -> None:

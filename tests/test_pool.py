@@ -181,11 +181,11 @@ def test_close_leaves_nothing_behind(spawn):
     pool.reset(seed=0)
     pool.step([1, {"op": "sleep", "s": 60}, 1, 1])  # a busy env at close too
     assert len(_descendants()) > len(children)
-    assert len(_our_cgroups()) == len(groups) + 1
+    assert len(_our_cgroups() - groups) == 1  # the pool made one cgroup
     pool.close()
     assert _descendants() == children
     assert open_fds() == fds
-    assert _our_cgroups() == groups
+    assert not _our_cgroups() - groups  # none of ours left (a stale one from elsewhere may be swept)
 
 
 def test_interrupted_call_and_dropped_pool_leave_nothing_behind(spawn):
@@ -206,7 +206,7 @@ def test_interrupted_call_and_dropped_pool_leave_nothing_behind(spawn):
     del pool2  # garbage collection closes it
     assert _descendants() == children
     assert open_fds() == fds
-    assert _our_cgroups() == groups
+    assert not _our_cgroups() - groups  # none of ours left (a stale one from elsewhere may be swept)
 
 
 CLIENT = """
@@ -230,9 +230,9 @@ def test_client_exit_or_death_leaves_no_sandbox(spawn, ending):
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.05)
     assert not any(psutil.pid_exists(p) for p in pids)
-    while time.monotonic() < deadline and _our_cgroups() != groups:
+    while time.monotonic() < deadline and _our_cgroups() - groups:
         time.sleep(0.05)
-    assert _our_cgroups() == groups
+    assert not _our_cgroups() - groups  # none of ours left (a stale one from elsewhere may be swept)
 
 
 def test_worker_death_is_a_clear_error_and_kills_every_sandbox(spawn):
