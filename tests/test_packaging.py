@@ -1,0 +1,32 @@
+"""The wheel carries the policy data, and an installed (non-editable) copy uses it."""
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(300)
+def test_wheel_ships_the_policy_and_uses_it_when_installed(tmp_path):
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(ROOT)],
+                   check=True, capture_output=True, cwd=tmp_path)
+    (wheel,) = wheels.glob("boltzlabs-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for name in ("boltzlabs/_data/sandbox/policy.toml", "boltzlabs/_data/mounts/system.toml",
+                 "boltzlabs/_data/mounts/interpreter.toml", "boltzlabs/_data/mounts/runtime.toml",
+                 "boltzlabs/_data/mounts/env.toml", "boltzlabs/_gym_env/env.py", "boltzlabs/template.py"):
+        assert name in names, name
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True)
+    code = ("import boltzlabs.sandbox as s; p = s.load_policy(); "
+            "print(s._data_dir('sandbox')); print(p.sandbox['workspace']['path'])")
+    out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, cwd=tmp_path, check=True).stdout.split()
+    assert out[0] == str(site / "boltzlabs" / "_data" / "sandbox")
+    assert out[1] == "/workspace"
