@@ -248,3 +248,44 @@ def test_worker_death_is_a_clear_error_and_kills_every_sandbox(spawn):
         time.sleep(0.05)
     assert not any(psutil.pid_exists(p) for p in pids)
     pool.close()
+
+
+PROGRESS = """
+import sys
+sys.path.insert(0, {root!r})
+from boltzlabs import RLPool
+with RLPool({counter!r}, 64, spawn="exec") as pool:
+    pass
+print("done", file=sys.stderr)
+"""
+
+
+def test_start_up_shows_progress_on_a_terminal():
+    import pty
+
+    import fcntl
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    # A terminal of 24 x 80 (a bare pty has 0 columns, where tqdm draws nothing).
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    code = PROGRESS.format(root=str(Path(__file__).parent.parent), counter=str(COUNTER))
+    proc = subprocess.Popen([sys.executable, "-c", code], stderr=slave, stdout=subprocess.DEVNULL)
+    os.close(slave)
+    out = b""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+        if b"done" in out:
+            break
+    proc.wait(timeout=30)
+    os.close(master)
+    text = out.decode("utf-8", "replace")
+    assert "starting envs" in text and "/64" in text, repr(text[:300])
