@@ -79,7 +79,7 @@ import psutil
 from gymnasium.vector import AsyncVectorEnv
 
 import boltzlabs
-from bench_pool import uss_of_tree  # benchmarks/ is sys.path[0] when run as a script
+from bench_pool import git_state, uss_of_tree  # benchmarks/ is sys.path[0] when run as a script
 from boltzlabs import RLPool
 
 NUMPY_ENV = ROOT / "benchmarks" / "envs" / "numpy_env"
@@ -367,19 +367,6 @@ def counter_line(c: dict) -> str:
             f"(worker {c['worker_ms_mean']:.1f} ms, roundtrip {c['roundtrip_ms_mean']:.1f} ms per step), "
             f"hard reset {c['hard_reset_s']:.2f} s ({c['hard_reset_failures']} lane(s) failed), "
             f"{c['envs_per_gib']:,.0f} envs/GiB ({c['mem_per_env_mib']:.2f} MiB/env), close {c['close_s']:.2f} s")
-
-
-def git_state() -> dict:
-    import subprocess
-
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    return {"commit": git("rev-parse", "HEAD") or None,
-            "dirty": bool(git("status", "--porcelain", "--", "boltzlabs", "sandbox", "mounts", "examples"))}
 
 
 def main(argv=None) -> int:

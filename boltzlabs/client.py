@@ -401,19 +401,7 @@ class RLPool:
         """step() with exact float64 rewards; the lanes in `resets` (indices)
         are reset instead of stepped, in the same request (next-step autoreset)."""
         n = self.n
-        if isinstance(actions, np.ndarray):
-            if actions.ndim == 0 or actions.shape[0] != n:
-                raise ValueError(f"step() needs {n} actions (an array whose first dimension is {n}); "
-                                 f"got an array of shape {actions.shape}")
-            actions = actions.tolist() if actions.ndim == 1 else list(actions)
-        else:
-            try:
-                count = len(actions)
-            except TypeError:
-                raise TypeError(f"step() needs a sequence of {n} actions, not {type(actions).__name__}") from None
-            if count != n:
-                raise ValueError(f"step() needs {n} actions, one per env; got {count}")
-            actions = list(actions)
+        actions = self._actions(actions, n, "step()")
         resets = list(resets) if resets is not None and len(resets) else None
         obs, rewards, terminated, truncated, infos, stragglers = self._call(
             "step", actions, resets, diagnose=lambda: self._raise_unserializable(actions))
