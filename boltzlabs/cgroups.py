@@ -11,7 +11,7 @@ remove what we created.
 Kernel facts this depends on:
 - A process is charged for the pages it touches first, and a forked child
   starts in its parent's cgroup. So the worker moves itself into an env's
-  cgroup just around the spawn (`spawning()`), and the whole sandbox tree is
+  cgroup just around the spawn (`moving()`), and the whole sandbox tree is
   born there. Pages shared with the host (the interpreter's files in page
   cache) stay charged to whoever read them first.
 - cgroup v1 (this project's CI machine): the memory controller is its own
@@ -217,7 +217,7 @@ def _rmdir(path: Path, deadline: float = 0.0) -> bool:
 class CgroupPool:
     """A pool cgroup with one child cgroup per env.
 
-    `spawning(i)` is the context in which env i's sandbox must be started.
+    `moving(0, i, None)` is the context in which env i's sandbox must be started.
     Everything is removed by `close()`.
     """
 
@@ -251,12 +251,6 @@ class CgroupPool:
                 self.backend.set_limit(group, self.memory_limit)
             self._groups[key] = group
         return group
-
-    @contextmanager
-    def spawning(self, key):
-        """Run the body (a spawn) with this process inside `key`'s cgroup."""
-        with self.moving(0, key, None):
-            yield
 
     @contextmanager
     def moving(self, pid: int, key, home):

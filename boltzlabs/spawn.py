@@ -12,6 +12,7 @@ The worker owns everything else (the channel protocol, deadlines, state).
 from __future__ import annotations
 
 import array
+import contextlib
 import os
 import select
 import signal
@@ -30,10 +31,35 @@ class TemplateUnavailable(BoltzLabsError):
     """The env cannot be forked from a template; the message says why."""
 
 
-def _pipe_and_socket():
-    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+def _open_channel(start, kind=socket.SOCK_STREAM, passcred=False):
+    """Make a sandbox's channel and log pipe, and run `start(channel_fd, log_w)`
+    with the sandbox's ends. Returns ours: (socket, log pipe read end).
+
+    The sandbox's ends are closed once `start` returns; ours too if it raises.
+    `passcred`: receive the sender's host pid with each message (SO_PASSCRED).
+    """
+    parent, child = socket.socketpair(socket.AF_UNIX, kind)
     log_r, log_w = os.pipe()
-    return parent, child, log_r, log_w
+    try:
+        if passcred:
+            parent.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        start(child.fileno(), log_w)
+    except BaseException:
+        parent.close()
+        os.close(log_r)
+        raise
+    finally:
+        child.close()
+        os.close(log_w)
+    return parent, log_r
+
+
+def _charged_to(worker, key, pid: int = 0, home=None):
+    """Context in which process `pid` (0: the worker) sits in `key`'s cgroup, if
+    there are cgroups: what it forks meanwhile is born there."""
+    if worker.cgroups is None:
+        return contextlib.nullcontext()
+    return worker.cgroups.moving(pid, key, home)
 
 
 def _posix_spawn(argv, channel_fd: int, log_w: int) -> int:
@@ -59,25 +85,15 @@ class ExecSpawner:
 
     def spawn(self, env) -> None:
         worker = self.worker
-        parent, child, log_r, log_w = _pipe_and_socket()
-        try:
-            argv = worker.spec.argv(CHANNEL_FD, env.index)
-            if worker.cgroups is not None:
-                with worker.cgroups.spawning(env.index):
-                    pid = _posix_spawn(argv, child.fileno(), log_w)
-            else:
-                pid = _posix_spawn(argv, child.fileno(), log_w)
-        except BaseException:
-            parent.close()
-            os.close(log_r)
-            raise
-        finally:
-            child.close()
-            os.close(log_w)
-        env.pid = pid
+        argv = worker.spec.argv(CHANNEL_FD, env.index)
+
+        def start(channel_fd: int, log_w: int) -> None:
+            with _charged_to(worker, env.index):
+                env.pid = _posix_spawn(argv, channel_fd, log_w)
+
+        parent, env.logfd = _open_channel(start)
         env.chan = parent.detach()
-        env.logfd = log_r
-        pidfd = os.pidfd_open(pid)
+        pidfd = os.pidfd_open(env.pid)
         self.pidfds[env.index] = pidfd
         worker.watch(pidfd, self._exited, env)
 
@@ -147,20 +163,14 @@ class TemplateSpawner:
 
     def _start(self) -> None:
         worker = self.worker
-        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        log_r, log_w = os.pipe()
+        argv = worker.spec.template_argv(CHANNEL_FD)
+
+        def start(channel_fd: int, log_w: int) -> None:
+            with _charged_to(worker, TEMPLATE_LANE):
+                self.bwrap_pid = _posix_spawn(argv, channel_fd, log_w)
+
+        parent, log_r = _open_channel(start, socket.SOCK_SEQPACKET, passcred=True)
         os.set_blocking(log_r, False)
-        parent.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        try:
-            argv = worker.spec.template_argv(CHANNEL_FD)
-            if worker.cgroups is not None:
-                with worker.cgroups.spawning(TEMPLATE_LANE):
-                    self.bwrap_pid = _posix_spawn(argv, child.fileno(), log_w)
-            else:
-                self.bwrap_pid = _posix_spawn(argv, child.fileno(), log_w)
-        finally:
-            child.close()
-            os.close(log_w)
         # Sends to the template never block for long: a template that stops
         # reading is treated as dead, not waited for.
         parent.settimeout(10.0)
@@ -208,34 +218,22 @@ class TemplateSpawner:
         worker = self.worker
         if self.control is None:
             raise OSError("the template is gone")
-        parent, child, log_r, log_w = _pipe_and_socket()
-        parent.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        try:
-            frame = wire.encode([template.FORK, env.index, env.generation])
-            fds = array.array("i", [child.fileno(), log_w]).tobytes()
-            if worker.cgroups is not None:
-                with worker.cgroups.moving(self.pid, env.index, TEMPLATE_LANE):
-                    self.control.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
-                    self._wait_forked(env)
-            else:
+        frame = wire.encode([template.FORK, env.index, env.generation])
+
+        def start(channel_fd: int, log_w: int) -> None:
+            fds = array.array("i", [channel_fd, log_w]).tobytes()
+            with _charged_to(worker, env.index, self.pid, TEMPLATE_LANE):
                 self.control.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
                 self._wait_forked(env)
+
+        try:
+            parent, env.logfd = _open_channel(start, passcred=True)
         except OSError:
-            parent.close()
-            os.close(log_r)
             self._lost()
             raise
-        except BaseException:
-            parent.close()
-            os.close(log_r)
-            raise
-        finally:
-            child.close()
-            os.close(log_w)
         self.lanes[(env.index, env.generation)] = env
         env.pid = -1  # known at its HELLO (SO_PASSCRED gives the host pid)
         env.chan = parent.detach()
-        env.logfd = log_r
 
     def _wait_forked(self, env) -> None:
         deadline = time.monotonic() + self.worker.start_timeout
