@@ -20,20 +20,27 @@ def spawn(request):
 
 
 @pytest.fixture
-def probe_pool(spawn):
-    """A factory of probe pools, every one closed at the end of the test."""
-    pools = []
+def pool_factory(spawn):
+    """`pool_factory(source, n, **kwargs)` makes a pool in this test's spawn mode
+    (5 s step_timeout unless given); every one is closed at the end of the test."""
+    made = []
 
-    def make(n=2, **kwargs):
+    def make(source, n=2, **kwargs):
         kwargs.setdefault("step_timeout", 5.0)
         kwargs.setdefault("spawn", spawn)
-        pool = RLPool(PROBE, n, **kwargs)
-        pools.append(pool)
+        pool = RLPool(source, n, **kwargs)
+        made.append(pool)
         return pool
 
     yield make
-    for pool in pools:
+    for pool in made:
         pool.close()
+
+
+@pytest.fixture
+def probe_pool(pool_factory):
+    """A factory of probe pools, every one closed at the end of the test."""
+    return lambda n=2, **kwargs: pool_factory(PROBE, n, **kwargs)
 
 
 @pytest.fixture

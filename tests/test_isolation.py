@@ -218,21 +218,10 @@ serve(reset=reset, step=step)
 
 
 @pytest.fixture
-def hostile_pool(env_dir, spawn):
+def hostile_pool(env_dir, pool_factory):
     """A factory of pools over HOSTILE_ENV, every one closed at the end of the test."""
-    pools = []
     source = env_dir(HOSTILE_ENV)
-
-    def make(n=2, **kwargs):
-        kwargs.setdefault("step_timeout", 10.0)
-        kwargs.setdefault("spawn", spawn)
-        pool = RLPool(source, n, **kwargs)
-        pools.append(pool)
-        return pool
-
-    yield make
-    for pool in pools:
-        pool.close()
+    return lambda n=2, step_timeout=10.0, **kwargs: pool_factory(source, n, step_timeout=step_timeout, **kwargs)
 
 
 def hostile(pool: RLPool, action):
