@@ -71,7 +71,7 @@ class Env:
     """One lane: its sandbox process, channel, log and state."""
 
     __slots__ = ("index", "state", "pid", "chan", "logfd", "reader", "log", "seq",
-                 "out", "cause", "hello", "started", "oom_base", "straggling", "generation", "expect",
+                 "out", "cause", "hello", "started", "oom_base", "generation", "expect",
                  "flight", "result", "deadline", "done_at")
 
     def __init__(self, index: int, limits: wire.Limits):
@@ -86,7 +86,6 @@ class Env:
         self.hello = None
         self.started = 0.0
         self.oom_base = 0
-        self.straggling = False
         self.generation = 0
         self.expect = None  # the reply code due for the request in flight
         self.flight = NONE  # the async axis: NONE, FLYING or FINISHED
@@ -98,11 +97,10 @@ class Env:
 class Op:
     """A request in progress: which lanes it waits for and what came back."""
 
-    __slots__ = ("seq", "waiting", "results", "kind")
+    __slots__ = ("seq", "waiting", "results")
 
-    def __init__(self, seq: int, kind: str):
+    def __init__(self, seq: int):
         self.seq = seq
-        self.kind = kind
         self.waiting: set[int] = set()
         self.results: dict[int, list] = {}
 
@@ -205,7 +203,6 @@ class Worker:
         env.state = STARTING
         env.seq = -1
         env.out = b""
-        env.straggling = False
         env.hello = None
         env.reader = wire.FrameReader(self.env_limits)
         env.started = time.monotonic()
@@ -337,8 +334,7 @@ class Worker:
         if result is None or result[0] not in (env.expect, wire.FAILED):
             self._kill(env, f"sent a malformed reply {_describe(message)}")
             return
-        env.state = IDLE
-        env.straggling = False  # a late reply frees a straggler; the reply itself is dropped
+        env.state = IDLE  # a late reply frees a straggler; the reply itself is dropped below
         if env.flight == FLYING and message[1] == env.seq:
             self._finish(env, _outcome(result, env.cause))
             return
@@ -477,7 +473,7 @@ class Worker:
         if resets:
             self._respawn([self.envs[i] for i in sorted(resets)], hard=False)
         seq = self._next_seq()
-        op = Op(seq, "step")
+        op = Op(seq)
         self.op = op
         pack = self._packer.pack
         header = wire.HEADER.pack
@@ -516,10 +512,7 @@ class Worker:
                     stragglers.append(index)
         if op.waiting:  # ungated steps, and resets (which the gate does not serialize)
             self._wait(op, time.monotonic() + self.step_timeout)
-            for index in op.waiting:
-                env = self.envs[index]
-                env.straggling = True
-                stragglers.append(index)
+            stragglers.extend(op.waiting)
         self.op = None
         rewards = array.array("d", bytes(8 * n))
         terminated = bytearray(n)
@@ -735,7 +728,6 @@ class Worker:
                                 "serialize_measurement gate, and was killed")
                 env.result = (None, 0.0, False, True, {"straggler": True, "error": env.cause})
                 continue
-            env.straggling = True
             self._finish(env, (None, 0.0, False, True,
                                {"straggler": True, "error": f"missed the step deadline of {self.step_timeout:g} s"}))
 
@@ -792,7 +784,7 @@ class Worker:
         envs = [self.envs[i] for i in indices]
         self._respawn(envs, hard)
         seq = self._next_seq()
-        op = Op(seq, "reset")
+        op = Op(seq)
         self.op = op
         for env, seed in zip(envs, seeds or [None] * len(envs)):
             if env.state != IDLE:
@@ -803,8 +795,6 @@ class Worker:
             op.waiting.add(env.index)
             self._write(env, wire.encode([wire.RESET, seq, seed, options]))
         self._wait(op, time.monotonic() + self.step_timeout)
-        for index in op.waiting:
-            self.envs[index].straggling = True
         self.op = None
         obs, infos = [], []
         for env in envs:
@@ -826,7 +816,7 @@ class Worker:
         """One frame per lane in `indices` (None for a lane that has none)."""
         indices = self._check_lanes(indices)
         seq = self._next_seq()
-        op = Op(seq, "render")
+        op = Op(seq)
         self.op = op
         for index in indices:
             env = self.envs[index]
@@ -837,8 +827,6 @@ class Worker:
                 op.waiting.add(index)
                 self._write(env, wire.encode([wire.RENDER, seq]))
         self._wait(op, time.monotonic() + self.step_timeout)
-        for index in op.waiting:
-            self.envs[index].straggling = True
         self.op = None
         frames, errors = [], {}
         for index in indices:
