@@ -150,6 +150,13 @@ class RLPool:
         send() actions, recv() the first batch_size envs to finish).
       progress: show a progress bar while starting (default: on a terminal,
         for 64 envs or more).
+      worker: None runs the pool here, in a worker process of this machine.
+        "tcp://host:port" (or "tls://host:port") runs it on a remote
+        `boltzlabs worker --listen`: the env directory is shipped there
+        (content-addressed, cached), and every call keeps its meaning;
+        timing.worker_ms is measured there, roundtrip_ms here.
+      token: the remote worker's token (default: $BOLTZLABS_TOKEN).
+      tls_ca: for tls://, the worker's certificate or its CA (PEM) to verify it.
       **params: construction params. A Gymnasium source passes them to
         gymnasium.make(id, **params), checked against the env's constructor
         here; an env directory reads them with boltzlabs.env.params().
@@ -165,8 +172,9 @@ class RLPool:
 
     def __init__(self, source, n: int, *, step_timeout=None, serialize_measurement: bool = False,
                  memory_limit=None, workspace_size="64M", spawn: str = "template", start_timeout=None,
-                 progress=None, batch_size=None, **params):
+                 progress=None, batch_size=None, worker=None, token=None, tls_ca=None, **params):
         self._closed = True
+        self._closed_reason = None
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
             raise ValueError(f"n must be a whole number of envs, at least 1; got {n!r}")
         if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
@@ -189,7 +197,10 @@ class RLPool:
         }
         if spawn not in ("template", "exec"):
             raise ValueError(f"spawn must be 'template' or 'exec', not {spawn!r}")
-        find_bwrap()  # fail here, with the install command, not inside the worker
+        if worker is None:
+            find_bwrap()  # fail here, with the install command, not inside the worker
+        elif not isinstance(worker, str):
+            raise TypeError(f"worker must be an address like 'tcp://host:port', not {type(worker).__name__}")
         self.source = str(source)
         self._resolved = resolved
         self.env_id = uuid7()
@@ -209,7 +220,7 @@ class RLPool:
         self._seq = 0
         self._reader = wire.FrameReader(wire.Limits(1 << 30))
         self._inbox: list = []
-        self._start_worker()
+        self._start_worker(worker, token, tls_ca, resolved)
         if progress is None:
             progress = n >= _PROGRESS_MIN_ENVS and sys.stderr.isatty()
         try:
@@ -227,8 +238,7 @@ class RLPool:
         self._cgroup = ready["cgroup"]
         self.spawn = ready["spawn"]
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, _shutdown_worker, self._proc, self._conn, self._stderr,
-                                           self._cgroup)
+        self._finalizer = weakref.finalize(self, self._link.shutdown, self._cgroup)
         for note in (ready["memory_note"], ready["warning"]):
             if note:
                 import warnings
@@ -237,21 +247,19 @@ class RLPool:
 
     # -- worker life --------------------------------------------------------------
 
-    def _start_worker(self) -> None:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._stderr = tempfile.TemporaryFile()  # unlinked at once: nothing left behind
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "boltzlabs.worker", "--fd", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=self._stderr,
-                stderr=self._stderr, start_new_session=True,  # Ctrl-C reaches us, not the worker
-                env=_worker_environment())
-        finally:
-            theirs.close()
-        ours.settimeout(1.0)  # _receive wakes each second to check that the worker lives
-        self._conn = ours
+    def _start_worker(self, worker, token, tls_ca, resolved) -> None:
+        if worker is None:
+            self._link = _LocalLink()
+            self._proc = self._link.proc
+        else:
+            from boltzlabs.remote import connect
+
+            self._link = connect(worker, token, resolved, tls_ca)
+        self.worker = worker or "local"
+        self._conn = self._link.conn
+        self._conn.settimeout(1.0)  # _receive wakes each second to check that the worker lives
         self._closed = False
-        self._finalizer = weakref.finalize(self, _shutdown_worker, self._proc, self._conn, self._stderr, None)
+        self._finalizer = weakref.finalize(self, self._link.shutdown, None)
 
     def _open(self, config: dict, progress: bool) -> dict:
         self._conn.sendall(wire.encode([wire.OPEN, config]))
@@ -295,27 +303,25 @@ class RLPool:
             try:
                 data = self._conn.recv(_RECV_SIZE)
             except socket.timeout:
-                if self._proc.poll() is not None:
+                if not self._link.alive():
                     raise self._worker_died() from None
                 continue
             except OSError:
                 data = b""
             if not data:
-                self._proc.wait(timeout=10)
+                self._link.wait_dead()
                 raise self._worker_died()
             self._inbox.extend(self._reader.feed(data))
         return self._inbox.pop(0)
 
     def _worker_died(self) -> WorkerError:
         self._closed = True
-        self._stderr.seek(0)
-        tail = self._stderr.read()[-4000:].decode("utf-8", "replace")
-        code = self._proc.poll()
-        return WorkerError(f"the boltzlabs worker (pid {self._proc.pid}) exited with code {code}; "
-                           f"its output:\n{tail or '(none)'}")
+        return self._link.died()
 
     def _call(self, name: str, *args, diagnose=None):
         if self._closed:
+            if self._closed_reason is not None:
+                raise PoolClosedError(f"this RLPool was shut down ({self._closed_reason}); create a new one")
             raise PoolClosedError("this RLPool is closed; create a new one")
         try:
             frame = wire.encode([wire.CALL, self._seq + 1, name, list(args)])
@@ -330,7 +336,7 @@ class RLPool:
             try:
                 self._conn.sendall(frame)
             except OSError:
-                self._proc.wait(timeout=10)
+                self._link.wait_dead()
                 raise self._worker_died() from None
             while True:
                 message = self._receive()
@@ -354,6 +360,23 @@ class RLPool:
     def _shutdown(self) -> None:
         self._closed = True
         self._finalizer()
+
+    def shutdown(self, reason: str = "owner shutdown") -> bool:
+        """Ask the worker to stop this pool now, saying why (the worker logs it).
+
+        Every sandbox ends; the pool is closed, and later calls raise
+        PoolClosedError naming `reason`. True when the worker confirmed it,
+        False when the pool was already closed or the worker was gone.
+        """
+        if self._closed:
+            return False
+        try:
+            confirmed = bool(self._call("shutdown", str(reason)))
+        except (WorkerError, PoolClosedError):
+            confirmed = False
+        self._closed_reason = str(reason)
+        self._shutdown()
+        return confirmed
 
     def close(self) -> None:
         """Stop every env and the worker; remove every cgroup. Idempotent."""
@@ -652,7 +675,7 @@ class RLPool:
 
 
 _POOL_OPTIONS = ("step_timeout", "serialize_measurement", "memory_limit", "workspace_size", "start_timeout",
-                 "progress", "batch_size")
+                 "progress", "batch_size", "worker", "token", "tls_ca")
 
 
 def _warn_pool_option_typos(params: dict) -> None:
@@ -676,24 +699,60 @@ def _worker_environment() -> dict:
     return env
 
 
-def _shutdown_worker(proc: subprocess.Popen, conn: socket.socket, stderr, cgroup: str | None) -> None:
-    """End the worker: ask, then insist. Runs once, from close(), GC or exit."""
-    try:
-        if proc.poll() is None:
-            try:
-                conn.settimeout(5.0)
-                conn.sendall(wire.encode([wire.CLOSE]))
-                proc.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # the worker and every bwrap it started
-            except ProcessLookupError:
-                pass
-            proc.wait()
-            if cgroup:
-                remove_pool_dir(cgroup)
-    finally:
-        conn.close()
-        stderr.close()
+class _LocalLink:
+    """The worker as our child process, over a socketpair (RLPool without worker=)."""
+
+    kind = "local"
+
+    def __init__(self):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.stderr = tempfile.TemporaryFile()  # unlinked at once: nothing left behind
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "boltzlabs.worker", "--fd", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=self.stderr,
+                stderr=self.stderr, start_new_session=True,  # Ctrl-C reaches us, not the worker
+                env=_worker_environment())
+        except BaseException:
+            ours.close()
+            self.stderr.close()
+            raise
+        finally:
+            theirs.close()
+        self.conn = ours
+        self.pid = self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_dead(self) -> None:
+        self.proc.wait(timeout=10)
+
+    def died(self) -> WorkerError:
+        self.stderr.seek(0)
+        tail = self.stderr.read()[-4000:].decode("utf-8", "replace")
+        return WorkerError(f"the boltzlabs worker (pid {self.proc.pid}) exited with code {self.proc.poll()}; "
+                           f"its output:\n{tail or '(none)'}")
+
+    def shutdown(self, cgroup: str | None) -> None:
+        """End the worker: ask, then insist. Runs once, from close(), GC or exit."""
+        proc, conn = self.proc, self.conn
+        try:
+            if proc.poll() is None:
+                try:
+                    conn.settimeout(5.0)
+                    conn.sendall(wire.encode([wire.CLOSE]))
+                    proc.wait(timeout=10)
+                except (OSError, subprocess.TimeoutExpired):
+                    pass
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the worker and every bwrap it started
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+                if cgroup:
+                    remove_pool_dir(cgroup)
+        finally:
+            conn.close()
+            self.stderr.close()

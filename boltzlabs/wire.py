@@ -55,6 +55,15 @@ REPLY = 26
 ERROR = 27
 CLOSE = 28
 
+# A remote client's handshake with `boltzlabs worker --listen` (remote.py),
+# before the connection is handed to a worker and OPEN/CALL begin.
+CHALLENGE = 30  # [CHALLENGE, protocol, nonce]
+AUTH = 31  # [AUTH, HMAC-SHA256(token, nonce)]
+SOURCE = 32  # [SOURCE, {"kind": "dir", "sha256": hex, "size": n} or {"kind": "gym"}]
+NEED = 33  # [NEED, bool]: send the env directory's bytes
+BLOB = 34  # [BLOB, tar bytes]
+ACCEPTED = 35  # [ACCEPTED, {"pid": worker pid}]
+
 
 class ProtocolError(Exception):
     """A peer sent bytes that are not a valid frame."""

@@ -112,9 +112,15 @@ class ClientGone(Exception):
 class Worker:
     """Owns the sandboxes of one pool and serves one client."""
 
-    def __init__(self, conn: socket.socket):
+    def __init__(self, conn: socket.socket, remote: dict | None = None):
         self.conn = conn
-        self.client_reader = wire.FrameReader(wire.Limits(1 << 30, arrays="pass"))
+        # A remote pool (remote.py): the listener chose the env directory (a
+        # client never names a path on this host) and caps what it may ask for.
+        self.remote = remote
+        max_frame = remote["max_frame"] if remote else 1 << 30
+        self.client_reader = wire.FrameReader(wire.Limits(max_frame, max_array_len=1 << 24, max_map_len=1 << 20,
+                                                          arrays="pass"))
+        self.shutdown_reason = None
         self.client_inbox: list = []
         self.epoll = select.epoll()
         self.handlers: dict[int, tuple] = {}
@@ -143,6 +149,13 @@ class Worker:
     # -- configuration and start-up -------------------------------------------------
 
     def open(self, config: dict) -> dict:
+        if not isinstance(config, dict):
+            raise ValueError("OPEN needs the pool's configuration")
+        if self.remote:
+            config = dict(config, source_dir=self.remote["source_dir"])
+            if not isinstance(config.get("n"), int) or not 1 <= config["n"] <= self.remote["max_envs"]:
+                raise ValueError(f"this worker serves pools of 1 to {self.remote['max_envs']} envs (its --max-envs); "
+                                 f"asked for {config.get('n')!r}")
         self.policy = load_policy()
         limits = self.policy.limits
         self.env_limits = wire.Limits(limits["max_frame"], limits["max_str_len"], limits["max_bin_len"],
@@ -288,7 +301,15 @@ class Worker:
             data = b""
         if not data:
             raise ClientGone
-        messages = self.client_reader.feed(data)
+        try:
+            messages = self.client_reader.feed(data)
+        except wire.ProtocolError as exc:
+            # The stream's frame boundaries are lost: say why, then end the pool.
+            try:
+                self._send([wire.ERROR, 0, "ProtocolError", f"the client sent a bad frame: {exc}", {}])
+            except OSError:
+                pass
+            raise ClientGone from None
         if any(m[0] == wire.CLOSE for m in messages):
             raise ClientGone  # close wins, even in the middle of a step
         self.client_inbox.extend(messages)
@@ -873,6 +894,14 @@ class Worker:
 
     # -- teardown -------------------------------------------------------------------
 
+    def shutdown(self, reason) -> bool:
+        """The owner's request to stop the pool now: every sandbox ends, the
+        client is told, and the worker exits once the client closes."""
+        self.shutdown_reason = str(reason)[:1000]
+        print(f"boltzlabs worker: pool shut down by its owner: {self.shutdown_reason}", file=sys.stderr, flush=True)
+        self.close()
+        return True
+
     def close(self) -> None:
         for env in self.envs:
             self._kill(env, "pool closed")
@@ -899,7 +928,8 @@ class Worker:
 
     def serve(self) -> None:
         message = self._next_request()
-        if message[0] != wire.OPEN:
+        if message[0] != wire.OPEN or len(message) != 2:
+            self._send([wire.ERROR, 0, "ProtocolError", f"expected OPEN first, got {_describe(message)}", {}])
             return
         try:
             ready = self.open(message[1])
@@ -912,7 +942,7 @@ class Worker:
         self._send([wire.READY, ready])
         calls = {"step": self.step, "reset": self.reset, "render": self.render, "memory": self.memory, "log": self.log,
                  "states": self.states, "pids": self.pids, "send": self.send, "recv": self.recv,
-                 "lane_states": self.lane_states}
+                 "lane_states": self.lane_states, "shutdown": self.shutdown}
         while True:
             message = self._next_request()
             if message[0] != wire.CALL or len(message) != 4:
@@ -920,6 +950,9 @@ class Worker:
                 continue
             _, seq, name, args = message
             started = time.perf_counter()
+            if name not in calls or not isinstance(args, list):
+                self._send([wire.ERROR, seq, "ProtocolError", f"no call {_describe(name)} with those arguments", {}])
+                continue
             try:
                 result = calls[name](*args)
             except (ValueError, TypeError, KeyError, IndexError) as exc:
@@ -1018,15 +1051,40 @@ def _raise_fd_limit(n: int) -> None:
                          f"raise it (ulimit -n {want}, or LimitNOFILE= for a service) or use fewer envs")
 
 
+def _terminate(signum, frame):
+    raise ClientGone
+
+
+def _die_with(parent: int) -> None:
+    """SIGKILL us if `parent` dies (then bwrap's --die-with-parent ends every sandbox)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if parent and os.getppid() != parent:  # it died before the prctl
+        os._exit(1)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="boltzlabs worker (started by RLPool)")
     parser.add_argument("--fd", type=int, required=True, help="socket to the client")
+    parser.add_argument("--remote", action="store_true", help="serve a remote client (started by remote.Listener)")
+    parser.add_argument("--source-dir", help="remote: the env directory, whatever the client says")
+    parser.add_argument("--max-envs", type=int, default=4096, help="remote: the largest pool")
+    parser.add_argument("--max-frame", type=int, default=64 << 20, help="remote: the largest frame from the client")
+    parser.add_argument("--parent", type=int, default=0, help="remote: die with this process (the listener)")
     args = parser.parse_args(argv)
     # The client passed this fd inheritable; left so, every sandbox spawned
     # below would hold a socket to the client and could forge its replies.
     os.set_inheritable(args.fd, False)
     conn = socket.socket(fileno=args.fd)
-    worker = Worker(conn)
+    remote = None
+    if args.remote:
+        remote = {"source_dir": args.source_dir, "max_envs": args.max_envs, "max_frame": args.max_frame}
+        _die_with(args.parent)
+    # SIGTERM (the listener stopping, a service manager) ends the pool cleanly.
+    signal.signal(signal.SIGTERM, _terminate)
+    worker = Worker(conn, remote)
     code = 0
     try:
         worker.serve()
@@ -1039,6 +1097,7 @@ def main(argv=None) -> int:
         except OSError:
             pass
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # already ending: let close() finish
         worker.close()
         try:
             worker._send([wire.CLOSE])

@@ -1,0 +1,630 @@
+"""Remote workers: a pool on another host, reached over TCP.
+
+    trainer                                   training node
+    RLPool(worker="tcp://node:7733") ==TCP==> Listener (boltzlabs worker --listen)
+      1.                      <-- [CHALLENGE, protocol, nonce]
+      2. [AUTH, HMAC-SHA256(token, nonce)] -->  compared in constant time
+      3. [SOURCE, {kind, sha256, size}]    -->
+                              <-- [NEED, bool]      (the env dir is cached by content)
+         [BLOB, tar bytes]                 -->  (only when needed; capped, verified)
+      4.                      <-- [ACCEPTED, {...}]
+      5. the connection is handed to its own worker process
+         (python -m boltzlabs.worker --fd N --remote ...): OPEN, CALL, REPLY
+         exactly as a local pool, on the same framed msgpack (wire.py).
+
+The listener does everything before the hand-off in a thread of its own, with
+a deadline for the whole handshake, small frame caps before authentication,
+and a cap on handshakes in progress: a client that sends garbage, too much,
+or nothing at all (slowloris) is dropped without touching anyone else. After
+the hand-off each pool is a separate process with its own sandboxes and
+cgroups, so clients are isolated from each other as pools are; a client that
+disconnects (or whose host vanishes: TCP keepalive and a user timeout) has
+its pool torn down by its worker.
+
+The token never crosses the network: the client proves it knows it with an
+HMAC of a fresh nonce. Without TLS the session after that is not encrypted or
+integrity-protected: use --tls-cert/--tls-key (the client verifies the
+worker's certificate) anywhere but loopback or a trusted network.
+
+The env directory is shipped as an uncompressed tar (so its size on the wire
+bounds its size on disk: no decompression bomb), named by its SHA-256, checked
+on arrival, unpacked with tarfile's "data" filter (no absolute paths, no
+links out, no devices, no set-uid bits) and cached on the worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import hmac
+import io
+import os
+import secrets
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from boltzlabs import wire
+from boltzlabs.errors import WorkerError
+
+__all__ = ["Listener", "RemoteLink", "connect", "pack_env_dir", "main"]
+
+DEFAULT_PORT = 7733
+_PRE_AUTH_FRAME = 4096  # nothing before authentication needs more
+_HANDSHAKE_TIMEOUT = 10.0
+_SKIP = {"__pycache__", ".git", ".hg", ".svn", ".venv", ".mypy_cache", ".pytest_cache"}
+
+
+# -- both ends -------------------------------------------------------------------------
+
+def parse_url(url: str) -> tuple[str, str, int]:
+    """("tcp" or "tls", host, port) from "tcp://host:port" / "tls://host:port"."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("tcp", "tls") or not parts.hostname:
+        raise ValueError(f"worker address {url!r} must look like tcp://host:port or tls://host:port")
+    try:
+        port = parts.port or DEFAULT_PORT
+    except ValueError:
+        raise ValueError(f"worker address {url!r} has a bad port") from None
+    return parts.scheme, parts.hostname, port
+
+
+def _tune(sock: socket.socket) -> None:
+    """No Nagle (a step is one small frame each way); notice a vanished peer
+    within about half a minute, even mid-send."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", 30000)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
+def _proof(token: str, nonce: bytes) -> bytes:
+    return hmac.new(token.encode(), nonce, hashlib.sha256).digest()
+
+
+class _Peer:
+    """Frames from a socket with one deadline for the whole exchange."""
+
+    def __init__(self, sock, max_frame: int, deadline: float):
+        self.sock = sock
+        self.reader = wire.FrameReader(wire.Limits(max_frame))
+        self.inbox: list = []
+        self.deadline = deadline
+
+    def limit(self, max_frame: int) -> None:
+        self.reader.limits = wire.Limits(max_frame)
+
+    def send(self, message) -> None:
+        self._arm()
+        self.sock.sendall(wire.encode(message))
+
+    def receive(self) -> list:
+        while not self.inbox:
+            self._arm()
+            data = self.sock.recv(1 << 16)
+            if not data:
+                raise ConnectionError("the peer closed the connection")
+            self.inbox.extend(self.reader.feed(data))
+        return self.inbox.pop(0)
+
+    def _arm(self) -> None:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the handshake took too long")
+        self.sock.settimeout(left)
+
+
+# -- the client side -------------------------------------------------------------------
+
+def pack_env_dir(env_dir: Path, max_size: int | None = None) -> bytes:
+    """The env directory as a deterministic, uncompressed tar (same tree, same bytes).
+
+    Caches, VCS and virtualenv directories are left out; ownership and times
+    are zeroed so the SHA-256 names the content only.
+    """
+    env_dir = Path(env_dir)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for root, dirs, files in os.walk(env_dir):
+            dirs[:] = sorted(d for d in dirs if d not in _SKIP)
+            for name in sorted(dirs) + sorted(f for f in files if not f.endswith(".pyc")):
+                path = Path(root, name)
+                info = tar.gettarinfo(str(path), arcname=str(path.relative_to(env_dir)))
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                info.mtime = 0
+                if info.isreg():
+                    info.mode = 0o755 if info.mode & 0o111 else 0o644
+                    with open(path, "rb") as f:
+                        tar.addfile(info, f)
+                else:
+                    info.mode = 0o755 if info.isdir() else info.mode
+                    tar.addfile(info)
+                if max_size is not None and buffer.tell() > max_size:
+                    raise ValueError(f"the env directory {env_dir} is over the worker's cap of {max_size} bytes "
+                                     "once packed; keep large data out of it (load it at run time from a path the "
+                                     "worker mounts) or start the worker with a larger --max-code-size")
+    return buffer.getvalue()
+
+
+class RemoteLink:
+    """The client's connection to a remote worker, handshake done.
+
+    Same surface as the local link in client.py: `conn`, `alive()`,
+    `died()`, `shutdown()`.
+    """
+
+    kind = "remote"
+
+    def __init__(self, url: str, conn: socket.socket, accepted: dict):
+        self.url = url
+        self.conn = conn
+        self.accepted = accepted
+        self.pid = accepted.get("pid")
+
+    def alive(self) -> bool:
+        return True  # a remote worker's death shows as the connection closing
+
+    def wait_dead(self) -> None:
+        pass
+
+    def died(self) -> WorkerError:
+        return WorkerError(f"the boltzlabs worker at {self.url} closed the connection (it stopped, or the network "
+                           "failed); the pool is gone: create a new RLPool")
+
+    def shutdown(self, cgroup=None) -> None:
+        """Ask the worker to end the pool, wait a little for it, close."""
+        try:
+            self.conn.settimeout(5.0)
+            self.conn.sendall(wire.encode([wire.CLOSE]))
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline and self.conn.recv(1 << 16):
+                pass  # drained until the worker closes its end: the pool is down
+        except OSError:
+            pass
+        finally:
+            self.conn.close()
+
+
+def connect(url: str, token: str | None, source, tls_ca=None, timeout: float = 30.0) -> RemoteLink:
+    """Connect, authenticate and ship `source` (a sources.Source) to the worker at `url`."""
+    from boltzlabs.sources import GYM_ENV_DIR
+
+    scheme, host, port = parse_url(url)
+    token = token if token is not None else os.environ.get("BOLTZLABS_TOKEN")
+    if not token:
+        raise ValueError(f"a remote worker needs its token: RLPool(..., worker={url!r}, token=...) "
+                         "or BOLTZLABS_TOKEN in the environment (the worker printed it, or was given --token)")
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise WorkerError(f"cannot reach the boltzlabs worker at {url}: {exc}; is `boltzlabs worker --listen "
+                          f"{host}:{port}` running there?") from None
+    try:
+        _tune(sock)
+        if scheme == "tls":
+            context = ssl.create_default_context(cafile=tls_ca)
+            try:
+                sock = context.wrap_socket(sock, server_hostname=host)
+            except ssl.SSLError as exc:
+                raise WorkerError(f"TLS with the worker at {url} failed: {exc}; give the worker's certificate "
+                                  "(or its CA) as tls_ca=") from None
+        peer = _Peer(sock, 1 << 20, time.monotonic() + timeout)
+        message = peer.receive()
+        if message[0] == wire.ERROR:
+            raise WorkerError(f"the worker at {url} refused the connection: {message[3]}")
+        if message[0] != wire.CHALLENGE or len(message) != 3 or message[1] != wire.PROTOCOL_VERSION:
+            raise WorkerError(f"{url} did not answer as a boltzlabs worker of protocol {wire.PROTOCOL_VERSION} "
+                              f"(got {str(message)[:60]}); upgrade the older side")
+        peer.send([wire.AUTH, _proof(token, message[2])])
+        if source.env_dir == GYM_ENV_DIR:
+            peer.send([wire.SOURCE, {"kind": "gym"}])
+            blob = None
+        else:
+            blob = pack_env_dir(source.env_dir)
+            peer.send([wire.SOURCE, {"kind": "dir", "sha256": hashlib.sha256(blob).hexdigest(), "size": len(blob)}])
+        while True:
+            message = peer.receive()
+            if message[0] == wire.NEED and len(message) == 2 and message[1] is True and blob is not None:
+                peer.deadline = time.monotonic() + timeout + len(blob) / 1e6  # a MB/s floor for the upload
+                peer.send([wire.BLOB, blob])
+                blob = None
+            elif message[0] == wire.NEED and len(message) == 2 and message[1] is False:
+                blob = None  # the worker has this code cached
+            elif message[0] == wire.ACCEPTED and len(message) == 2 and isinstance(message[1], dict):
+                sock.settimeout(None)
+                return RemoteLink(url, sock, message[1])
+            elif message[0] == wire.ERROR:
+                raise WorkerError(f"the worker at {url} refused: {message[3]}")
+            else:
+                raise WorkerError(f"the worker at {url} sent an unexpected message {str(message)[:60]}")
+    except (OSError, wire.ProtocolError, ValueError, WorkerError) as exc:
+        sock.close()
+        if isinstance(exc, (WorkerError, ValueError)):
+            raise
+        raise WorkerError(f"the handshake with the worker at {url} failed: {exc}") from None
+
+
+# -- the worker side -------------------------------------------------------------------
+
+class _Refused(Exception):
+    """The handshake ends here; the message goes to the client."""
+
+
+class Listener:
+    """`boltzlabs worker --listen`: authenticates clients, caches their env
+    code, and gives each pool a worker process of its own."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, token: str,
+                 cache_dir: Path, max_clients: int = 16, max_envs: int = 4096, max_code_size: int = 64 << 20,
+                 cache_size: int = 1 << 30, tls: ssl.SSLContext | None = None,
+                 handshake_timeout: float = _HANDSHAKE_TIMEOUT, log=sys.stderr):
+        if not token:
+            raise ValueError("a worker needs a token")
+        self.token = token
+        self.cache_dir = Path(cache_dir)
+        self.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+        self.max_clients, self.max_envs = max_clients, max_envs
+        self.max_code_size, self.cache_size = max_code_size, cache_size
+        self.tls = tls
+        self.handshake_timeout = handshake_timeout
+        self.log = log
+        self.sock = socket.create_server((host, port), backlog=128)
+        self.address = self.sock.getsockname()[:2]
+        self._lock = threading.Lock()
+        self._handshakes = 0
+        self._pools: dict[int, subprocess.Popen] = {}  # pid -> worker process
+        self._in_use: dict[str, int] = {}  # cache key -> pools using it
+        self._stopping = threading.Event()
+
+    @property
+    def url(self) -> str:
+        return f"{'tls' if self.tls else 'tcp'}://{self.address[0]}:{self.address[1]}"
+
+    def _say(self, text: str) -> None:
+        print(f"[boltzlabs worker] {text}", file=self.log, flush=True)
+
+    def serve_forever(self) -> None:
+        """Accept clients until stop() (or SIGTERM/SIGINT through main())."""
+        self.sock.settimeout(0.5)
+        while not self._stopping.is_set():
+            try:
+                conn, addr = self.sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if self._stopping.is_set():
+                    break
+                raise
+            with self._lock:
+                busy = self._handshakes >= 2 * self.max_clients
+                if not busy:
+                    self._handshakes += 1
+            if busy:  # a flood of half-open connections: drop, don't queue
+                conn.close()
+                continue
+            threading.Thread(target=self._client, args=(conn, addr), daemon=True).start()
+
+    def stop(self) -> None:
+        """Stop accepting and end every pool (each worker tears its sandboxes down)."""
+        self._stopping.set()
+        self.sock.close()
+        with self._lock:
+            procs = list(self._pools.values())
+        for proc in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    # -- one client ----------------------------------------------------------------
+
+    def _client(self, conn: socket.socket, addr) -> None:
+        where = f"{addr[0]}:{addr[1]}"
+        handed_off = False
+        try:
+            _tune(conn)
+            peer = _Peer(conn, _PRE_AUTH_FRAME, time.monotonic() + self.handshake_timeout)
+            if self.tls is not None:
+                conn.settimeout(self.handshake_timeout)
+                conn = peer.sock = self.tls.wrap_socket(conn, server_side=True)
+            source_dir, key = self._handshake(peer, where)
+        except _Refused as exc:
+            self._say(f"refused {where}: {exc}")
+            try:
+                peer.send([wire.ERROR, 0, "refused", str(exc), {}])
+            except (OSError, TimeoutError):
+                pass
+            conn.close()
+            return
+        except (OSError, TimeoutError, wire.ProtocolError, ssl.SSLError, ConnectionError) as exc:
+            self._say(f"dropped {where}: {exc}")
+            conn.close()
+            return
+        finally:
+            with self._lock:
+                self._handshakes -= 1
+        try:
+            handed_off = True
+            self._run_pool(conn, peer, source_dir, key, where)
+        finally:
+            if handed_off:
+                with self._lock:
+                    if key:
+                        self._in_use[key] -= 1
+
+    def _handshake(self, peer: _Peer, where: str) -> tuple[str, str | None]:
+        from boltzlabs.sources import GYM_ENV_DIR
+
+        nonce = secrets.token_bytes(32)
+        peer.send([wire.CHALLENGE, wire.PROTOCOL_VERSION, nonce])
+        message = peer.receive()
+        if (message[0] != wire.AUTH or len(message) != 2 or not isinstance(message[1], bytes)
+                or not hmac.compare_digest(message[1], _proof(self.token, nonce))):
+            raise _Refused("wrong or missing token; give the worker's token as RLPool(..., token=...) "
+                           "or BOLTZLABS_TOKEN")
+        peer.limit(self.max_code_size + _PRE_AUTH_FRAME)
+        message = peer.receive()
+        if message[0] != wire.SOURCE or len(message) != 2 or not isinstance(message[1], dict):
+            raise _Refused("expected the pool's source after authentication")
+        with self._lock:
+            if len(self._pools) >= self.max_clients:
+                raise _Refused(f"this worker already serves {len(self._pools)} pools (its --max-clients); "
+                               "try again later or start another worker")
+        offer = message[1]
+        if offer.get("kind") == "gym":
+            return str(GYM_ENV_DIR), None
+        key, size = offer.get("sha256"), offer.get("size")
+        if not (isinstance(key, str) and len(key) == 64 and all(c in "0123456789abcdef" for c in key)
+                and isinstance(size, int) and 0 < size):
+            raise _Refused("the source offer is malformed")
+        if size > self.max_code_size:
+            raise _Refused(f"the env directory is {size} bytes packed, over this worker's cap of "
+                           f"{self.max_code_size} (--max-code-size)")
+        with self._lock:
+            self._in_use[key] = self._in_use.get(key, 0) + 1
+        try:
+            path = self.cache_dir / key
+            if path.is_dir():
+                os.utime(path)  # most recently used
+                peer.send([wire.NEED, False])
+                self._say(f"{where}: env code {key[:12]} from the cache")
+            else:
+                peer.send([wire.NEED, True])
+                peer.deadline = time.monotonic() + self.handshake_timeout + size / 1e6
+                message = peer.receive()
+                if message[0] != wire.BLOB or len(message) != 2 or not isinstance(message[1], bytes):
+                    raise _Refused("expected the env directory's bytes")
+                blob = message[1]
+                if len(blob) != size or hashlib.sha256(blob).hexdigest() != key:
+                    raise _Refused("the env directory's bytes do not match their SHA-256")
+                self._unpack(blob, path)
+                self._say(f"{where}: env code {key[:12]} received ({size} bytes)")
+                self._evict()
+        except BaseException:
+            with self._lock:
+                self._in_use[key] -= 1
+            raise
+        return str(path), key
+
+    def _unpack(self, blob: bytes, path: Path) -> None:
+        staging = Path(tempfile.mkdtemp(dir=self.cache_dir, prefix=".incoming-"))
+        try:
+            with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
+                try:
+                    tar.extractall(staging, filter="data")
+                except (tarfile.TarError, OSError) as exc:
+                    raise _Refused(f"the env directory could not be unpacked safely: {exc}") from None
+            if not (staging / "env.py").is_file():
+                raise _Refused("the env directory has no env.py")
+            staging.chmod(0o755)  # mkdtemp's 0700 would hide it from an unprivileged sandbox
+            try:
+                staging.rename(path)
+            except OSError:  # another client shipped the same code meanwhile
+                if not path.is_dir():
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def _evict(self) -> None:
+        """Remove the least recently used env dirs no pool uses, past --cache-size."""
+        entries = []
+        for entry in self.cache_dir.iterdir():
+            if entry.name.startswith("."):
+                continue
+            size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
+            entries.append((entry.stat().st_mtime, size, entry))
+        total = sum(size for _, size, _ in entries)
+        for _, size, entry in sorted(entries):
+            if total <= self.cache_size:
+                break
+            with self._lock:
+                if self._in_use.get(entry.name):
+                    continue
+                shutil.rmtree(entry, ignore_errors=True)
+            total -= size
+
+    def _run_pool(self, conn, peer: _Peer, source_dir: str, key, where: str) -> None:
+        """Hand the connection to a worker process of its own; wait for it."""
+        if peer.reader.pending or peer.inbox:
+            self._say(f"dropped {where}: it sent the pool's requests before the handshake ended")
+            conn.close()
+            return
+        tls = isinstance(conn, ssl.SSLSocket)
+        if tls:  # TLS state lives in this process: relay plain bytes to the worker
+            ours, theirs = socket.socketpair()
+        else:
+            ours, theirs = None, conn
+        argv = [sys.executable, "-m", "boltzlabs.worker", "--fd", str(theirs.fileno()), "--remote",
+                "--source-dir", source_dir, "--max-envs", str(self.max_envs), "--max-frame",
+                str(max(self.max_code_size, 64 << 20)), "--parent", str(os.getpid())]
+        try:
+            proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env=_worker_environment())
+        except OSError as exc:
+            self._say(f"could not start a worker for {where}: {exc}")
+            conn.close()
+            return
+        with self._lock:
+            self._pools[proc.pid] = proc
+        peer.sock.settimeout(None)
+        try:
+            peer.send([wire.ACCEPTED, {"pid": proc.pid}])
+        except (OSError, TimeoutError):
+            pass
+        self._say(f"{where}: pool started (worker pid {proc.pid})")
+        try:
+            if tls:
+                theirs.close()
+                _relay(conn, ours, proc)
+            else:
+                conn.close()  # the worker holds the connection now
+                proc.wait()
+        finally:
+            if tls:
+                ours.close()
+                conn.close()
+            proc.wait()
+            with self._lock:
+                self._pools.pop(proc.pid, None)
+            self._say(f"{where}: pool ended (worker exit code {proc.returncode})")
+
+
+def _relay(tls: ssl.SSLSocket, plain: socket.socket, proc) -> None:
+    """Pump bytes between the client's TLS socket and the worker's socket until either closes."""
+    import selectors
+
+    selector = selectors.DefaultSelector()
+    selector.register(tls, selectors.EVENT_READ)
+    selector.register(plain, selectors.EVENT_READ)
+    tls.settimeout(30.0)
+    try:
+        while True:
+            for key, _ in selector.select(timeout=1.0):
+                try:
+                    if key.fileobj is tls:
+                        data = tls.recv(1 << 16)
+                        while data and tls.pending():  # decrypted bytes epoll cannot see
+                            data += tls.recv(tls.pending())
+                        if not data:
+                            return
+                        plain.sendall(data)
+                    else:
+                        data = plain.recv(1 << 16)
+                        if not data:
+                            return
+                        tls.sendall(data)
+                except ssl.SSLWantReadError:
+                    continue
+                except (OSError, ssl.SSLError):
+                    return
+            if proc.poll() is not None:
+                return
+    finally:
+        selector.close()
+
+
+def _worker_environment() -> dict:
+    from boltzlabs.client import _worker_environment as local
+
+    return local()
+
+
+# -- boltzlabs worker ------------------------------------------------------------------
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `boltzlabs worker`."""
+    parser.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT",
+                        help="address to listen on (default 127.0.0.1:%(default)s; loopback unless told otherwise; "
+                             "port 0 picks a free one)")
+    parser.add_argument("--token", default=None,
+                        help="the clients' token (default: $BOLTZLABS_TOKEN, else --token-file, else a new one "
+                             "is made and printed)")
+    parser.add_argument("--token-file", default=None, help="read the token from this file")
+    parser.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM)")
+    parser.add_argument("--tls-key", default=None, help="the certificate's private key (PEM)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="where shipped env code is cached (default ~/.cache/boltzlabs/envs)")
+    parser.add_argument("--cache-size", default="1G", help="cache size before the least recently used code "
+                                                            "is removed (default %(default)s)")
+    parser.add_argument("--max-code-size", default="64M", help="largest env directory a client may ship "
+                                                               "(default %(default)s)")
+    parser.add_argument("--max-clients", type=int, default=16, help="pools served at once (default %(default)s)")
+    parser.add_argument("--max-envs", type=int, default=4096, help="largest pool a client may open "
+                                                                   "(default %(default)s)")
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Run `boltzlabs worker` until SIGTERM or Ctrl-C; 0 on a clean stop."""
+    from boltzlabs.sandbox import parse_size
+
+    host, _, port = args.listen.rpartition(":")
+    if not host or not port.isdigit():
+        print(f"boltzlabs worker: --listen {args.listen!r} must be HOST:PORT", file=sys.stderr)
+        return 2
+    token = args.token or os.environ.get("BOLTZLABS_TOKEN")
+    if not token and args.token_file:
+        token = Path(args.token_file).read_text().strip()
+    made = not token
+    if made:
+        token = secrets.token_urlsafe(24)
+    tls = None
+    if args.tls_cert or args.tls_key:
+        if not (args.tls_cert and args.tls_key):
+            print("boltzlabs worker: TLS needs both --tls-cert and --tls-key", file=sys.stderr)
+            return 2
+        tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        tls.minimum_version = ssl.TLSVersion.TLSv1_2
+        tls.load_cert_chain(args.tls_cert, args.tls_key)
+    cache = Path(args.cache_dir) if args.cache_dir else Path.home() / ".cache" / "boltzlabs" / "envs"
+    try:
+        listener = Listener(host.strip("[]"), int(port), token=token, cache_dir=cache,
+                            max_clients=args.max_clients, max_envs=args.max_envs,
+                            max_code_size=parse_size(args.max_code_size), cache_size=parse_size(args.cache_size),
+                            tls=tls)
+    except OSError as exc:
+        print(f"boltzlabs worker: cannot listen on {args.listen}: {exc}", file=sys.stderr)
+        return 1
+    if host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
+        listener._say(f"listening on {host}, not loopback: anyone who can reach it and knows the token can run "
+                      f"code here{'' if tls else '; and without TLS the session is not encrypted'}")
+    print(f"listening on {listener.url}", flush=True)
+    if made:
+        print(f"token: {token}", flush=True)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        listener.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        listener.stop()
+    return 0
+
+
+def main(argv=None) -> int:
+    """`python -m boltzlabs.remote`: the same as `boltzlabs worker`."""
+    parser = argparse.ArgumentParser(prog="boltzlabs worker", description="serve RLPools to remote clients")
+    add_worker_arguments(parser)
+    return run_worker(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
