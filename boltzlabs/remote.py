@@ -120,7 +120,7 @@ class _Peer:
     def _arm(self) -> None:
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError("the handshake took too long")
+            raise TimeoutError("the handshake took too long")  # a slow upload, or a slowloris
         self.sock.settimeout(left)
 
 
@@ -352,7 +352,8 @@ class Listener:
             conn.close()
             return
         except (OSError, TimeoutError, wire.ProtocolError, ssl.SSLError, ConnectionError) as exc:
-            self._say(f"dropped {where}: {exc}")
+            why = f"no complete handshake within {self.handshake_timeout:g} s" if isinstance(exc, TimeoutError) else exc
+            self._say(f"dropped {where}: {why}")
             conn.close()
             return
         finally:
@@ -461,7 +462,12 @@ class Listener:
     def _run_pool(self, conn, peer: _Peer, source_dir: str, key, where: str) -> None:
         """Hand the connection to a worker process of its own; wait for it."""
         if peer.reader.pending or peer.inbox:
-            self._say(f"dropped {where}: it sent the pool's requests before the handshake ended")
+            why = "requests sent before the handshake ended (wait for ACCEPTED)"
+            self._say(f"refused {where}: {why}")
+            try:
+                peer.send([wire.ERROR, 0, "refused", why, {}])
+            except (OSError, TimeoutError):
+                pass
             conn.close()
             return
         tls = isinstance(conn, ssl.SSLSocket)
@@ -566,6 +572,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-clients", type=int, default=16, help="pools served at once (default %(default)s)")
     parser.add_argument("--max-envs", type=int, default=4096, help="largest pool a client may open "
                                                                    "(default %(default)s)")
+    parser.add_argument("--handshake-timeout", type=float, default=_HANDSHAKE_TIMEOUT,
+                        help="seconds a client has to authenticate and ship its code (default %(default)s)")
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -595,7 +603,7 @@ def run_worker(args: argparse.Namespace) -> int:
         listener = Listener(host.strip("[]"), int(port), token=token, cache_dir=cache,
                             max_clients=args.max_clients, max_envs=args.max_envs,
                             max_code_size=parse_size(args.max_code_size), cache_size=parse_size(args.cache_size),
-                            tls=tls)
+                            tls=tls, handshake_timeout=args.handshake_timeout)
     except OSError as exc:
         print(f"boltzlabs worker: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return 1
