@@ -393,7 +393,7 @@ def test_malformed_handshakes_after_authentication_are_refused(worker, frames):
     data = closed_by_worker(peer.sock)
     peer.sock.close()
     messages = wire.FrameReader(wire.Limits(1 << 20)).feed(data)
-    assert messages[-1][0] == wire.ERROR, messages
+    assert any(m[0] == wire.ERROR for m in messages), messages
     # A pipelined OPEN may race past the listener's check to the worker,
     # which refuses the incomplete config: either way no pool opens.
     assert all(m[0] not in (wire.ACCEPTED, wire.READY) for m in messages) or frames[-1][0] == wire.OPEN
