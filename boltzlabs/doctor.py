@@ -336,9 +336,11 @@ def _fd_limit(n: int) -> list[Finding]:
     if os.geteuid() == 0 and nr_open >= want:
         return [Finding("fd limit", OK, detail + f"; as root the worker raises the hard limit itself "
                         f"(fs.nr_open = {nr_open}: room for {most(nr_open)} envs)")]
-    return [Finding("fd limit", FAIL, detail + f"; this hard limit allows {most(hard)} envs",
-                    f"ulimit -Hn {want} && ulimit -n {want}   # as root; for a service: LimitNOFILE={want}; "
-                    f"persist in /etc/security/limits.conf: '* hard nofile {want}'")]
+    fix = (f"ulimit -Hn {want} && ulimit -n {want}   # as root; for a service: LimitNOFILE={want}; "
+           f"persist in /etc/security/limits.conf: '* hard nofile {want}'")
+    if nr_open and want > nr_open:  # no process may have more than fs.nr_open
+        fix = f"sudo sysctl -w fs.nr_open={want} && " + fix
+    return [Finding("fd limit", FAIL, detail + f"; this hard limit allows {most(hard)} envs", fix)]
 
 
 # -- versions --------------------------------------------------------------------------------
