@@ -68,6 +68,14 @@ class _Episode:
         self.records.append(self._encode([obs, reward, terminated, truncated]))
         self.values.append((obs, reward, terminated, truncated))
 
+    @property
+    def steps(self) -> int:
+        return len(self.records) - 1
+
+    @property
+    def ended(self) -> bool:
+        return self.steps > 0 and (self.values[-1][2] or self.values[-1][3])
+
     def first_difference(self, other: "_Episode") -> str | None:
         """Where two episodes part, in words; None when byte-identical."""
         for t, (a, b) in enumerate(zip(self.records, other.records)):
@@ -93,7 +101,7 @@ def check_env(source, *, actions=None, steps: int = 10, spawn: str = "template",
     ValueError/TypeError for a bad source or params (nothing started).
     """
     from boltzlabs import RLPool, sources
-    from boltzlabs.errors import EnvStartError
+    from boltzlabs.errors import BoltzLabsError, EnvStartError
 
     sources.resolve(source, params or {})  # a bad source is the caller's mistake: raise, start nothing
     started = time.perf_counter()
@@ -111,7 +119,10 @@ def check_env(source, *, actions=None, steps: int = 10, spawn: str = "template",
         yield Finding("start", OK, f"1 env ready in {time.perf_counter() - started:.2f} s (spawn={pool.spawn})")
         for warning in caught:
             yield Finding("start", WARN, str(warning.message))
-        yield from _stages(pool, actions, steps, seed)
+        try:
+            yield from _stages(pool, actions, steps, seed)
+        except BoltzLabsError as exc:  # the worker died: the pool is gone, the command is not
+            yield Finding("pool", FAIL, f"the pool broke during the check: {type(exc).__name__}: {exc}")
 
 
 def _stages(pool, actions, steps: int, seed: int):
@@ -128,21 +139,15 @@ def _stages(pool, actions, steps: int, seed: int):
         how = "given"
         actions = [actions[t % len(actions)] for t in range(steps)]
 
-    # reset
     episode = yield from _reset(pool, seed, hard=False, stage="reset", obs_space=obs_space)
     if episode is None:
         return
-    # steps
-    ok = yield from _play(pool, episode, actions, "steps", obs_space)
-    if not ok:
+    if not (yield from _play(pool, episode, actions, "steps", obs_space)):
         return
-    ended = episode.values[-1][2] or episode.values[-1][3] if len(episode.records) > 1 else False
-    yield Finding("steps", OK, f"{len(episode.records) - 1} step(s) answered, actions {how}"
-                  + (" (the episode ended)" if ended else ""))
-    # exception path
-    played = actions[:len(episode.records) - 1]
+    yield Finding("steps", OK, f"{episode.steps} step(s) answered, actions {how}"
+                  + (" (the episode ended)" if episode.ended else ""))
+    played = actions[:episode.steps]
     yield from _exception_path(pool, seed, played[:1])
-    # replay
     replay = yield from _reset(pool, seed, hard=True, stage="replay", obs_space=None)
     if replay is None:
         return
