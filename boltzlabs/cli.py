@@ -1,0 +1,343 @@
+"""The `boltzlabs` command (also `python -m boltzlabs`).
+
+    boltzlabs check PATH|gym://ID     does one env keep the pool's contract?   (boltzlabs.check)
+    boltzlabs bench PATH|gym://ID -n  what a pool costs and delivers, per n    (boltzlabs.bench)
+    boltzlabs doctor                  can this host run pools?                 (boltzlabs.doctor)
+
+Each command is a registration in COMMANDS: a function that adds its
+subparser to the `subparsers` object and sets `run` (parsed args -> exit
+code). A new command is one more entry there. The work is done by the
+modules named above; this one parses arguments and formats what they return.
+
+Exit codes: 0 all is well (warnings allowed), 1 a problem was found (a check
+failed, an env would not start, a lane failed), 2 the command line was wrong
+(bad arguments, a source that is not an env, a missing optional dependency).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+__all__ = ["main", "build_parser", "COMMANDS", "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE"]
+
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
+EXIT_CODES = """\
+exit codes:
+  0  all is well (warnings allowed)
+  1  a problem was found (see the FAIL lines)
+  2  usage error: bad arguments, a source that is not an env, a missing optional dependency"""
+_LABELS = {"ok": "PASS", "warn": "WARN", "fail": "FAIL"}
+
+
+class UsageError(Exception):
+    """The command line asks for something that cannot be done (exit 2)."""
+
+
+# -- argument types ----------------------------------------------------------------------------
+
+
+def _param(text: str) -> tuple:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"a param is NAME=VALUE, not {text!r}")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value  # not JSON: the string itself
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, not {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, not {text!r}")
+    return value
+
+
+def _actions(text: str) -> list:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--actions is not JSON ({exc})") from None
+    if not isinstance(value, list) or not value:
+        raise argparse.ArgumentTypeError("--actions must be a non-empty JSON list of actions, e.g. '[0, 1, 1]'")
+    return value
+
+
+def _add_source(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", metavar="PATH|gym://ID",
+                        help="an env directory (holding env.py) or a Gymnasium id such as gym://CartPole-v1")
+    parser.add_argument("--spawn", choices=("template", "exec"), default="template",
+                        help="fork envs from one warm template (default) or start one interpreter per env")
+    parser.add_argument("--param", type=_param, action="append", default=[], metavar="NAME=VALUE",
+                        help="a construction param (repeatable); VALUE is read as JSON when it parses, "
+                             "else as a string: gymnasium.make(id, NAME=VALUE), or boltzlabs.env.params()")
+
+
+def _subparser(subparsers, name: str, summary: str, description: str) -> argparse.ArgumentParser:
+    return subparsers.add_parser(name, help=summary, description=description, epilog=EXIT_CODES,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+# -- output ----------------------------------------------------------------------------------
+
+
+def print_findings(findings, width: int = 10, out=None) -> dict:
+    """Print each finding as it comes, as a PASS/WARN/FAIL line (its fix below
+    it), names padded to `width`; return the counts by status."""
+    out = out or sys.stdout
+    counts = {"ok": 0, "warn": 0, "fail": 0}
+    indent = " " * (width + 7)
+    for finding in findings:
+        counts[finding.status] += 1
+        first, *rest = str(finding.detail).splitlines() or [""]
+        print(f"{_LABELS[finding.status]:<5} {finding.name:<{width}} {first}", file=out)
+        for line in rest:
+            print(indent + line, file=out)
+        if finding.fix:
+            print(f"{indent}fix: {finding.fix}", file=out)
+        out.flush()
+    return counts
+
+
+def _summary(counts: dict) -> str:
+    return f"{counts['ok']} passed, {counts['warn']} warning(s), {counts['fail']} failed"
+
+
+# -- check -----------------------------------------------------------------------------------
+
+
+def _register_check(subparsers) -> None:
+    parser = _subparser(subparsers, "check", "check that one env keeps the pool's contract", """\
+Start one env in a real sandbox and check, printing one line per finding:
+  start      it completes its handshake (else its start-up output is shown)
+  handshake  it declares observation and action spaces
+  reset      reset(seed) answers, inside the declared observation space
+  steps      K steps answer (actions sampled from its action space, or --actions)
+  exception  a step that raises is reported on its lane (info["error"]), not
+             raised, and the env then resets and steps normally; the env is
+             made to raise by sending an action outside every action space
+  replay     a hard reset with the same seed and actions gives a byte-identical
+             episode (obs, rewards, terminated, truncated)""")
+    _add_source(parser)
+    parser.add_argument("--actions", type=_actions, metavar="JSON",
+                        help="the actions to step with, a JSON list cycled over the steps (default: sampled "
+                             "from the env's action space, else 0)")
+    parser.add_argument("--steps", type=_positive_int, default=10, metavar="K",
+                        help="steps to take (fewer if the episode ends first; default 10)")
+    parser.add_argument("--seed", type=int, default=0, help="the reset seed (default 0)")
+    parser.add_argument("--timeout", type=_positive_float, default=10.0, metavar="SECONDS",
+                        help="how long the env has to answer each step or reset (default 10)")
+    parser.set_defaults(run=_run_check)
+
+
+def _resolve(args) -> dict:
+    """The params of args.param; UsageError when the source is no env."""
+    from boltzlabs import sources
+
+    params = dict(args.param)
+    try:
+        sources.resolve(args.source, params)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
+    return params
+
+
+def _run_check(args) -> int:
+    from boltzlabs.check import check_env
+
+    params = _resolve(args)
+    print(f"boltzlabs check {args.source} (spawn={args.spawn}, {args.steps} step(s), seed {args.seed})", flush=True)
+    findings = check_env(args.source, actions=args.actions, steps=args.steps, spawn=args.spawn,
+                         params=params, step_timeout=args.timeout, seed=args.seed)
+    counts = print_findings(findings)
+    print(_summary(counts))
+    return EXIT_PROBLEM if counts["fail"] else EXIT_OK
+
+
+# -- bench -----------------------------------------------------------------------------------
+
+
+def _register_bench(subparsers) -> None:
+    parser = _subparser(subparsers, "bench", "measure a pool's throughput, latency, start-up and memory", """\
+For each n: start a pool of n envs (start-up time), step it --steps times
+(resetting finished envs inside the timed loop) and report env-steps/s, the
+mean worker_ms (the step as measured in the worker) against roundtrip_ms (as
+measured here), memory per env and envs_per_gb() from the kernel's cgroup
+accounting. A progress bar goes to stderr on a terminal, a table to stdout.""")
+    _add_source(parser)
+    parser.add_argument("-n", type=_positive_int, nargs="+", required=True, metavar="N", dest="ns",
+                        help="pool sizes to measure, one pool each")
+    parser.add_argument("--steps", type=_positive_int, default=1000, metavar="S",
+                        help="timed batched steps per pool (default 1000)")
+    parser.add_argument("--actions", type=_actions, metavar="JSON",
+                        help="actions to cycle through, each sent to every env (default: sampled from the "
+                             "env's action space, else 0)")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON only, no table")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw env-steps/s and memory per env against n (needs matplotlib: "
+                             "pip install 'boltzlabs[plot]')")
+    parser.set_defaults(run=_run_bench)
+
+
+def _run_bench(args) -> int:
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib, which is not installed: "
+                             "pip install 'boltzlabs[plot]' (or pip install matplotlib)") from None
+    params = _resolve(args)
+    from tqdm import tqdm
+
+    from boltzlabs.bench import measure
+    from boltzlabs.errors import BoltzLabsError
+
+    results = []
+    with tqdm(total=len(args.ns) * args.steps, unit="step", file=sys.stderr,
+              disable=not sys.stderr.isatty()) as bar:
+        for n in args.ns:
+            bar.set_description(f"n={n}")
+            try:
+                results.append(measure(args.source, n, args.steps, spawn=args.spawn, actions=args.actions,
+                                       params=params, bar=bar))
+            except (BoltzLabsError, ValueError) as exc:
+                bar.close()
+                print(f"boltzlabs bench: a pool of {n} envs failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                return EXIT_PROBLEM
+    if args.json:
+        import boltzlabs
+
+        print(json.dumps({"source": args.source, "spawn": args.spawn, "steps": args.steps,
+                          "boltzlabs": boltzlabs.__version__, "results": results}, indent=2))
+    else:
+        print(_bench_table(results))
+    if args.plot:
+        _plot(results, args.plot, f"{args.source} (spawn={args.spawn}, {args.steps} steps)")
+        if not args.json:
+            print(f"plot: {args.plot}")
+    failed = [r for r in results if r["failed_steps"]]
+    for r in failed:
+        print(f"boltzlabs bench: {r['failed_steps']} lane step(s) failed at n={r['n']}; the first: "
+              f"{r['first_error']}", file=sys.stderr)
+    return EXIT_PROBLEM if failed else EXIT_OK
+
+
+_COLUMNS = (("n", "n", "{}"), ("start (s)", "start_s", "{:.2f}"), ("env-steps/s", "env_steps_per_s", "{:,.0f}"),
+            ("worker ms", "worker_ms", "{:.2f}"), ("roundtrip ms", "roundtrip_ms", "{:.2f}"),
+            ("MiB/env", "mib_per_env", "{:.2f}"), ("envs/GiB", "envs_per_gb", "{:,.0f}"), ("spawn", "spawn", "{}"))
+
+
+def _bench_table(results: list) -> str:
+    rows = [[label for label, _, _ in _COLUMNS]]
+    rows += [[fmt.format(r[key]) for _, key, fmt in _COLUMNS] for r in results]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    lines = ["| " + " | ".join(cell.rjust(w) for cell, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
+    sources = sorted({r["memory_source"] for r in results})
+    lines.append("")
+    lines.append("worker ms / roundtrip ms: mean per step, measured in the worker / here; "
+                 f"memory: {'; '.join(sources)}")
+    return "\n".join(lines)
+
+
+def _plot(results: list, path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # a file, never a window
+    import matplotlib.pyplot as plt
+
+    ns = [r["n"] for r in results]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(ns, [r["env_steps_per_s"] for r in results], marker="o")
+    left.set(xlabel="envs (n)", ylabel="env-steps/s", title="throughput")
+    right.plot(ns, [r["mib_per_env"] for r in results], marker="o", color="tab:orange")
+    right.set(xlabel="envs (n)", ylabel="MiB per env (its share of the template included)", title="memory per env")
+    for axes in (left, right):
+        axes.set_ylim(bottom=0)
+        if len(ns) > 1 and max(ns) / min(ns) >= 10:
+            axes.set_xscale("log")
+        axes.set_xticks(ns, [str(n) for n in ns])
+        axes.grid(alpha=0.3)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+# -- doctor ----------------------------------------------------------------------------------
+
+
+def _register_doctor(subparsers) -> None:
+    parser = _subparser(subparsers, "doctor", "check that this host can run sandboxed pools", """\
+Check this host: bubblewrap (present, version, setuid or not), user namespaces
+(and the sysctls that restrict them), a real sandbox and a one-env pool in
+each spawn mode, the cgroup version, writable memory and pids cgroups, the
+open-file limit for a pool of -n envs, and Python and package versions.
+Each problem comes with the exact command that fixes it.""")
+    parser.add_argument("--json", action="store_true", help="print machine-readable JSON only")
+    parser.add_argument("-n", type=_positive_int, default=1000, metavar="N",
+                        help="the pool size to plan the fd limit for (default 1000)")
+    parser.set_defaults(run=_run_doctor)
+
+
+def _run_doctor(args) -> int:
+    from boltzlabs.doctor import run_checks
+
+    findings = run_checks(args.n)
+    failed = any(f.status == "fail" for f in findings)
+    if args.json:
+        print(json.dumps({"ok": not failed, "findings": [f.to_dict() for f in findings]}, indent=2))
+    else:
+        print(_summary(print_findings(findings, width=max(len(f.name) for f in findings))))
+    return EXIT_PROBLEM if failed else EXIT_OK
+
+
+# -- the command -----------------------------------------------------------------------------
+
+COMMANDS = [_register_check, _register_bench, _register_doctor]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `boltzlabs` parser, one subcommand per entry of COMMANDS."""
+    import boltzlabs
+
+    parser = argparse.ArgumentParser(
+        prog="boltzlabs", description="Thousands of sandboxed RL environments behind one batched step().",
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"boltzlabs {boltzlabs.__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for register in COMMANDS:
+        register(subparsers)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Run the `boltzlabs` command line; returns its exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    try:
+        return args.run(args)
+    except UsageError as exc:
+        print(f"boltzlabs {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"boltzlabs {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,377 @@
+"""`boltzlabs doctor`: can this host run pools, and what to change if not.
+
+    run_checks(n) --> [Finding(name, status, detail, fix), ...] --cli--> text or JSON
+
+Each check looks at one thing the sandbox or the worker depends on and says,
+when it is not right, the exact command that fixes it. `run_checks()` returns
+plain data (`Finding.to_dict()` is JSON-able), so it can run on a remote
+node and be printed elsewhere. It starts real sandboxes and creates (and
+removes at once) real cgroups below this process's own: it proves, it does
+not guess.
+
+Kernel and bubblewrap facts behind the checks:
+- Unprivileged user namespaces are gated by `user.max_user_namespaces` (0
+  forbids them), on older Debian kernels by `kernel.unprivileged_userns_clone`,
+  and on Ubuntu 23.10+ by AppArmor (`kernel.apparmor_restrict_unprivileged_userns`).
+  Root is not affected by the last two.
+- A setuid bwrap run by a non-root user refuses `--size` ("not permitted in
+  setuid mode"), which the policy uses to cap each workspace tmpfs.
+- The worker needs about 3 fds per env (worker._raise_fd_limit); only a
+  process with CAP_SYS_RESOURCE may raise its hard limit, up to `fs.nr_open`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import resource
+import secrets
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+
+__all__ = ["Finding", "run_checks", "OK", "WARN", "FAIL"]
+
+OK, WARN, FAIL = "ok", "warn", "fail"
+MIN_BWRAP = (0, 5, 0)  # --size
+_PACKAGES = ("msgpack", "numpy", "psutil", "tqdm")
+_OPTIONAL = {"gymnasium": "gym:// sources: pip install 'boltzlabs[gym]'",
+             "matplotlib": "boltzlabs bench --plot: pip install 'boltzlabs[plot]'"}
+_PROBE_ENV = """\
+from boltzlabs.env import serve
+
+serve(reset=lambda seed: 0, step=lambda action: (1, 1.0, False, {}))
+"""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One check's outcome. status: "ok", "warn" or "fail"; fix: the exact
+    command (or action) that makes it right, "" when nothing is to change."""
+
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+    def to_dict(self) -> dict:
+        """The finding as JSON-able data."""
+        return asdict(self)
+
+
+def run_checks(n: int = 1000) -> list[Finding]:
+    """Every host check, in order; `n` is the pool size the fd check plans for."""
+    findings = []
+    bwrap = shutil.which("bwrap")
+    checks = (("bwrap", lambda: _bwrap(bwrap)), ("user namespaces", _userns), ("sandbox", lambda: _sandbox(bwrap)),
+              ("cgroup version", _cgroup_version), ("memory cgroup", _memory_cgroup),
+              ("pids cgroup", _pids_cgroup), ("fd limit", lambda: _fd_limit(n)), ("versions", _versions))
+    for name, check in checks:
+        try:
+            findings.extend(check())
+        except Exception as exc:  # a check that cannot run is a finding, never a crash
+            findings.append(Finding(name, FAIL, f"the check itself failed: {type(exc).__name__}: {exc}"))
+    return findings
+
+
+# -- bubblewrap ------------------------------------------------------------------------------
+
+
+def _bwrap(bwrap: str | None) -> list[Finding]:
+    if bwrap is None:
+        return [Finding("bwrap", FAIL, "bubblewrap (bwrap) is not on PATH; every env runs inside it",
+                        "sudo apt-get install -y bubblewrap   # Fedora: sudo dnf install bubblewrap")]
+    out = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=10)
+    match = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", out.stdout)
+    version = tuple(int(x or 0) for x in match.groups()) if match else None
+    text = ".".join(map(str, version)) if version else f"unknown ({out.stdout.strip() or out.stderr.strip()})"
+    findings = []
+    if version is None or version < MIN_BWRAP:
+        findings.append(Finding("bwrap version", FAIL, f"{bwrap} is version {text}; boltzlabs needs >= 0.5 "
+                                "(--size caps each workspace)", "sudo apt-get install -y --only-upgrade bubblewrap"))
+    else:
+        findings.append(Finding("bwrap version", OK, f"{bwrap}: bubblewrap {text}"))
+    setuid = bool(os.stat(bwrap).st_mode & stat.S_ISUID)
+    if not setuid:
+        findings.append(Finding("bwrap mode", OK, "not setuid: sandboxes are built from user namespaces"))
+    elif os.geteuid() == 0:
+        findings.append(Finding("bwrap mode", WARN, "setuid root; run by root it behaves as unprivileged bwrap, "
+                                "but any other user gets setuid mode, which refuses --size",
+                                f"sudo chmod u-s {bwrap}   # once user namespaces are allowed (below)"))
+    else:
+        findings.append(Finding("bwrap mode", FAIL, "setuid root: in setuid mode bwrap refuses --size, which the "
+                                "policy uses to cap each workspace", f"sudo chmod u-s {bwrap}   # and allow "
+                                "unprivileged user namespaces (below)"))
+    return findings
+
+
+# -- user namespaces -------------------------------------------------------------------------
+
+
+def _sysctl(name: str) -> str | None:
+    try:
+        return Path("/proc/sys", name.replace(".", "/")).read_text().strip()
+    except OSError:
+        return None
+
+
+def _persist(name: str, value) -> str:
+    return (f"sudo sysctl -w {name}={value} && "
+            f"echo '{name} = {value}' | sudo tee /etc/sysctl.d/60-boltzlabs.conf")
+
+
+def _userns() -> list[Finding]:
+    root = os.geteuid() == 0
+    findings = []
+    limit = _sysctl("user.max_user_namespaces")
+    if limit is None:
+        findings.append(Finding("user namespaces", FAIL, "this kernel has no user namespaces "
+                                "(/proc/sys/user/max_user_namespaces is missing)",
+                                "use a kernel built with CONFIG_USER_NS=y"))
+    elif int(limit) == 0:
+        findings.append(Finding("user namespaces", FAIL, "user.max_user_namespaces is 0: no user namespace can "
+                                "be made, and every sandbox needs one", _persist("user.max_user_namespaces", 65536)))
+    else:
+        findings.append(Finding("user namespaces", OK, f"user.max_user_namespaces = {limit}"))
+    # Neither of these two gates applies to root; both stop an ordinary user.
+    gates = (("kernel.unprivileged_userns_clone", "0", "1",
+              "Debian's switch for unprivileged user namespaces is off"),
+             ("kernel.apparmor_restrict_unprivileged_userns", "1", "0",
+              "AppArmor (Ubuntu 23.10+) forbids unprivileged user namespaces to programs without a profile"))
+    for name, bad, good, why in gates:
+        value = _sysctl(name)
+        if value is None:
+            continue  # this kernel has no such switch: nothing restricts
+        if value != bad:
+            findings.append(Finding(name, OK, f"{name} = {value}"))
+            continue
+        fix = _persist(name, good)
+        if name.startswith("kernel.apparmor"):
+            fix += "   # or give bwrap an AppArmor profile that allows userns"
+        findings.append(Finding(name, WARN if root else FAIL,
+                                f"{name} = {value}: {why}" + ("; root is exempt, other users are not" if root else ""),
+                                fix))
+    return findings
+
+
+# -- a real sandbox --------------------------------------------------------------------------
+
+
+def _env_dir(root: Path, name: str, source: str) -> Path:
+    directory = root / name
+    directory.mkdir()
+    (directory / "env.py").write_text(source)
+    # Readable by whatever uid the sandbox runs as.
+    directory.chmod(0o755)
+    (directory / "env.py").chmod(0o644)
+    return directory
+
+
+def _sandbox(bwrap: str | None) -> list[Finding]:
+    if bwrap is None:
+        return [Finding("sandbox", FAIL, "not tried: bwrap is missing (above)")]
+    from boltzlabs.sandbox import SandboxSpec, load_policy
+
+    marker = f"boltzlabs-doctor-{secrets.token_hex(4)}"
+    findings = []
+    root = Path(tempfile.mkdtemp(prefix="boltzlabs-doctor-"))
+    root.chmod(0o755)
+    try:
+        bare = _env_dir(root, "bare", f"print({marker!r})\n")
+        argv = SandboxSpec(load_policy(), bare, 16 << 20).argv(3, 0)
+        try:
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+            said = (out.stderr.strip() or out.stdout.strip())[-2000:]
+            ok = out.returncode == 0 and marker in out.stdout
+        except subprocess.TimeoutExpired:
+            ok, said, out = False, "no answer within 60 s", None
+        if ok:
+            findings.append(Finding("bwrap sandbox", OK, "bwrap runs Python under boltzlabs' policy"))
+        else:
+            code = f"exit code {out.returncode}: " if out is not None else ""
+            findings.append(Finding("bwrap sandbox", FAIL, f"bwrap could not run Python under boltzlabs' policy "
+                                    f"({code}{said or 'no output'})",
+                                    "fix the user-namespace and bwrap findings above; then run: "
+                                    + " ".join(argv[:1]) + " --unshare-user --ro-bind / / true"))
+            return findings
+        findings.extend(_pool(_env_dir(root, "serving", _PROBE_ENV)))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return findings
+
+
+def _pool(env_dir: Path) -> list[Finding]:
+    """A one-env pool per spawn mode: reset and one step, the whole stack."""
+    import warnings
+
+    from boltzlabs import RLPool
+
+    findings = []
+    for spawn in ("template", "exec"):
+        name = f"pool (spawn={spawn})"
+        started = time.perf_counter()
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                with RLPool(env_dir, 1, spawn=spawn, step_timeout=30, start_timeout=60) as pool:
+                    pool.reset(seed=0)
+                    _, _, _, infos = pool.step([0])
+                    used = pool.spawn
+            seconds = time.perf_counter() - started
+        except Exception as exc:
+            findings.append(Finding(name, FAIL, f"a pool of one env failed: {type(exc).__name__}: {exc}",
+                                    "fix the findings above; the message says what failed"))
+            continue
+        if infos[0].get("error"):
+            findings.append(Finding(name, FAIL, f"the env's step failed: {infos[0]['error']}"))
+        elif used != spawn:
+            why = "; ".join(str(w.message) for w in caught) or "no reason given"
+            findings.append(Finding(name, WARN, f"fell back to spawn={used}: {why}"))
+        else:
+            findings.append(Finding(name, OK, f"one env started, reset and stepped in {seconds:.2f} s"))
+    return findings
+
+
+# -- cgroups ---------------------------------------------------------------------------------
+
+
+def _cgroup_mounts() -> tuple[list, list]:
+    from boltzlabs.cgroups import _mounts
+
+    v1 = [(point, options) for point, fstype, options in _mounts() if fstype == "cgroup"]
+    v2 = [point for point, fstype, _ in _mounts() if fstype == "cgroup2"]
+    return v1, v2
+
+
+def _cgroup_version() -> list[Finding]:
+    v1, v2 = _cgroup_mounts()
+    if v1:
+        hybrid = f"; cgroup2 is also mounted at {', '.join(v2)} (hybrid)" if v2 else ""
+        controllers = sorted({o for _, options in v1 for o in options if o not in ("rw", "ro")
+                              and not o.startswith("name=")})
+        return [Finding("cgroup version", OK, f"cgroup v1 (controllers: {', '.join(controllers)}){hybrid}")]
+    if v2:
+        return [Finding("cgroup version", OK, f"cgroup v2 (unified, at {v2[0]})")]
+    return [Finding("cgroup version", WARN, "no cgroup filesystem is mounted: no memory accounting or limits",
+                    "sudo mount -t cgroup2 none /sys/fs/cgroup")]
+
+
+def _memory_cgroup() -> list[Finding]:
+    from boltzlabs.cgroups import CgroupPool, CgroupUnavailable
+
+    try:
+        pool = CgroupPool(None)
+    except CgroupUnavailable as exc:
+        fix = ("run the worker as root, or in a cgroup delegated to you: "
+               "systemd-run --user --scope -p Delegate=yes python train.py")
+        return [Finding("memory cgroup", WARN, f"no writable memory cgroup ({exc}): envs_per_gb() falls back to "
+                        "PSS and memory_limit is refused", fix)]
+    try:
+        pool.group(0)
+        where = f"{pool.backend.version} at {pool.backend.home}"
+    finally:
+        removed = pool.close(time.monotonic() + 5)
+    if not removed:
+        return [Finding("memory cgroup", WARN, f"created a test cgroup under {where} but could not remove it",
+                        f"sudo rmdir {pool.path}/* {pool.path}")]
+    return [Finding("memory cgroup", OK, f"writable ({where}): per-env accounting and memory_limit work")]
+
+
+def _pids_home() -> tuple[Path | None, str]:
+    from boltzlabs.cgroups import _own_cgroups
+
+    own = _own_cgroups()
+    v1, v2 = _cgroup_mounts()
+    if "pids" in own:
+        for point, options in v1:
+            if "pids" in options:
+                return Path(point) / own["pids"].lstrip("/"), "v1"
+    if "" in own:
+        for point in v2:
+            home = Path(point) / own[""].lstrip("/")
+            controllers = home / "cgroup.controllers"
+            if controllers.exists() and "pids" in controllers.read_text().split():
+                return home, "v2"
+    return None, ""
+
+
+def _pids_cgroup() -> list[Finding]:
+    home, version = _pids_home()
+    if home is None:
+        return [Finding("pids cgroup", WARN, "no pids controller for this process: a fork bomb cannot be "
+                        "capped per env", "enable the pids controller (cgroup v2: echo +pids | "
+                        "sudo tee <parent>/cgroup.subtree_control)")]
+    probe = home / f"boltzlabs-doctor-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as exc:
+        return [Finding("pids cgroup", WARN, f"the pids cgroup {home} ({version}) is not writable: {exc}",
+                        "run the worker as root, or in a delegated cgroup: "
+                        "systemd-run --user --scope -p Delegate=yes python train.py")]
+    return [Finding("pids cgroup", OK, f"writable ({version} at {home})")]
+
+
+# -- file descriptors ------------------------------------------------------------------------
+
+
+def _fd_limit(n: int) -> list[Finding]:
+    want = 3 * n + 256  # worker._raise_fd_limit's figure
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    nr_open = int(_sysctl("fs.nr_open") or 0)
+    show = lambda v: "unlimited" if v == resource.RLIM_INFINITY else str(v)  # noqa: E731
+    most = lambda limit: "any number of" if limit == resource.RLIM_INFINITY else str(max(0, (limit - 256) // 3))  # noqa: E731
+    detail = (f"open files: soft {show(soft)}, hard {show(hard)}; a pool of {n} envs needs ~{want} "
+              f"(3 per env + 256)")
+    if hard == resource.RLIM_INFINITY or hard >= want:
+        return [Finding("fd limit", OK, detail + f"; the worker raises its soft limit itself "
+                        f"(room for {most(hard)} envs)")]
+    if os.geteuid() == 0 and nr_open >= want:
+        return [Finding("fd limit", OK, detail + f"; as root the worker raises the hard limit itself "
+                        f"(fs.nr_open = {nr_open}: room for {most(nr_open)} envs)")]
+    fix = (f"ulimit -Hn {want} && ulimit -n {want}   # as root; for a service: LimitNOFILE={want}; "
+           f"persist in /etc/security/limits.conf: '* hard nofile {want}'")
+    if nr_open and want > nr_open:  # no process may have more than fs.nr_open
+        fix = f"sudo sysctl -w fs.nr_open={want} && " + fix
+    return [Finding("fd limit", FAIL, detail + f"; this hard limit allows {most(hard)} envs", fix)]
+
+
+# -- versions --------------------------------------------------------------------------------
+
+
+def _version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _versions() -> list[Finding]:
+    import boltzlabs
+
+    python = platform.python_version()
+    findings = [Finding("python", OK if sys.version_info >= (3, 11) else FAIL,
+                        f"Python {python} ({sys.executable})",
+                        "" if sys.version_info >= (3, 11) else "install Python >= 3.11"),
+                Finding("kernel", OK, f"Linux {platform.release()} ({platform.machine()})")]
+    versions = [f"boltzlabs {boltzlabs.__version__}"]
+    missing = []
+    for name in _PACKAGES:
+        version = _version(name)
+        versions.append(f"{name} {version}" if version else f"{name} MISSING")
+        if version is None:
+            missing.append(name)
+    findings.append(Finding("packages", FAIL if missing else OK, ", ".join(versions),
+                            f"pip install {' '.join(missing)}" if missing else ""))
+    for name, why in _OPTIONAL.items():
+        version = _version(name)
+        findings.append(Finding(name, OK, f"{name} {version}") if version else
+                        Finding(name, WARN, f"{name} is not installed (optional)", why.split(": ", 1)[1]))
+    return findings

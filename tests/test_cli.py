@@ -1,0 +1,242 @@
+"""The `boltzlabs` command through subprocess: output words and exit codes.
+
+Every run is a real command over real sandboxes; the broken envs live in
+tests/envs/ (nondeterministic, import_error, reset_crash).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import COUNTER, PROBE, TESTS
+
+ENVS = TESTS / "envs"
+HANG = 120  # seconds: only to catch a hang
+
+
+def boltzlabs(*args, env=None, command=None):
+    """Run the command; returns (exit code, stdout, stderr)."""
+    argv = (command or [sys.executable, "-m", "boltzlabs"]) + [str(a) for a in args]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=HANG, env=env, stdin=subprocess.DEVNULL)
+    return out.returncode, out.stdout, out.stderr
+
+
+def assert_no_traceback_of_ours(stderr: str) -> None:
+    assert "Traceback" not in stderr, stderr
+
+
+# -- help and usage ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", [[], ["check"], ["bench"], ["doctor"]])
+def test_help_of_each_command_names_its_exit_codes(command):
+    code, out, err = boltzlabs(*command, "--help")
+    assert code == 0, err
+    assert out.startswith("usage: boltzlabs" + "".join(" " + c for c in command))
+    assert "exit codes:" in out and "2  usage error" in out
+
+
+def test_no_command_is_a_usage_error():
+    code, _, err = boltzlabs()
+    assert code == 2 and "usage: boltzlabs" in err
+
+
+@pytest.mark.parametrize("args, words", [
+    (["check", "/no/such/env"], "is not a directory"),
+    (["check", COUNTER, "--actions", "[1, 2"], "--actions is not JSON"),
+    (["check", COUNTER, "--actions", "{}"], "non-empty JSON list"),
+    (["check", COUNTER, "--param", "novalue"], "NAME=VALUE"),
+    (["check", "gym://NoSuchEnv-v0"], "not a registered Gymnasium id"),
+    (["bench", COUNTER, "-n", "0"], "whole number >= 1"),
+    (["bench", COUNTER], "-n"),
+])
+def test_usage_errors_exit_2_with_the_cause(args, words):
+    code, out, err = boltzlabs(*args)
+    assert code == 2, (out, err)
+    assert words in err
+    assert_no_traceback_of_ours(err)
+
+
+# -- check -------------------------------------------------------------------------------------
+
+
+def test_check_passes_on_the_example_env(spawn):
+    code, out, err = boltzlabs("check", COUNTER, "--spawn", spawn)
+    assert code == 0, out + err
+    assert "FAIL" not in out
+    for stage in ("start", "reset", "steps", "exception", "replay"):
+        assert f"PASS  {stage}" in out, out
+    assert "byte-identical episode" in out
+    assert "reported on its lane" in out and "TypeError" in out  # float({...}) raised in the counter's step
+    assert "WARN  handshake" in out  # the counter declares no spaces
+    assert f"(spawn={spawn})" in out
+
+
+def test_installed_script_runs_check():
+    script = Path(sys.executable).parent / "boltzlabs"
+    assert script.exists(), "the console script is missing: pip install -e . (ci/setup.sh does)"
+    code, out, err = boltzlabs("check", COUNTER, "--actions", "[1, 2]", "--steps", "4", command=[str(script)])
+    assert code == 0, out + err
+    assert "4 step(s) answered, actions given" in out
+
+
+def test_check_samples_a_gym_env_s_action_space():
+    code, out, err = boltzlabs("check", "gym://CartPole-v1", "--steps", "5", "--param", "max_episode_steps=50")
+    assert code == 0, out + err
+    assert "action_space Discrete(2)" in out
+    assert "actions sampled from the action space (seed 0)" in out
+    assert "AssertionError" in out  # CartPole rejects the invalid action: the exception path ran
+    assert "PASS  replay" in out
+
+
+def test_check_finds_a_nondeterministic_env(spawn):
+    code, out, err = boltzlabs("check", ENVS / "nondeterministic", "--spawn", spawn)
+    assert code == 1, out + err
+    assert "FAIL  replay" in out and "different episode" in out and "the reset obs differs" in out
+    # It ignores its actions, so the invalid one does not make it raise: said, not failed.
+    assert "WARN  exception" in out and "not exercised" in out
+
+
+def test_check_shows_the_start_up_output_of_an_env_that_fails_at_import(spawn):
+    code, out, err = boltzlabs("check", ENVS / "import_error", "--spawn", spawn)
+    assert code == 1, out + err
+    assert "FAIL  start" in out
+    assert "about to import a module that does not exist" in out  # what the env printed
+    assert "ModuleNotFoundError: No module named 'boltzlabs_no_such_module'" in out
+    assert_no_traceback_of_ours(err)
+
+
+def test_check_reports_a_crashing_reset(spawn):
+    code, out, err = boltzlabs("check", ENVS / "reset_crash", "--spawn", spawn)
+    assert code == 1, out + err
+    assert "FAIL  reset" in out and "reset is broken on purpose" in out
+    assert_no_traceback_of_ours(err)
+
+
+def test_check_reports_a_step_that_raises_on_the_given_actions():
+    code, out, err = boltzlabs("check", PROBE, "--actions", '[1, {"op": "raise"}]')
+    assert code == 1, out + err
+    assert "FAIL  steps" in out and "step 2" in out and "step failed on purpose" in out
+
+
+# -- bench -------------------------------------------------------------------------------------
+
+
+def test_bench_prints_a_table():
+    code, out, err = boltzlabs("bench", COUNTER, "-n", "2", "4", "--steps", "20")
+    assert code == 0, out + err
+    lines = out.splitlines()
+    assert lines[0].split("|")[1:4] == [" n ", " start (s) ", " env-steps/s "]
+    assert [line.split("|")[1].strip() for line in lines[2:4]] == ["2", "4"]
+    assert "worker ms" in lines[0] and "roundtrip ms" in lines[0] and "envs/GiB" in lines[0]
+    assert "cgroup v1" in out  # where the memory figures come from
+
+
+def test_bench_json_and_plot(tmp_path):
+    plot = tmp_path / "bench.png"
+    code, out, err = boltzlabs("bench", COUNTER, "-n", "2", "3", "--steps", "20", "--json", "--plot", plot)
+    assert code == 0, out + err
+    report = json.loads(out)  # JSON only on stdout
+    assert [r["n"] for r in report["results"]] == [2, 3]
+    for result in report["results"]:
+        assert result["steps"] == 20 and result["failed_steps"] == 0
+        assert result["env_steps_per_s"] > 0 and result["start_s"] > 0
+        assert 0 < result["worker_ms"] <= result["roundtrip_ms"]
+        assert result["mib_per_env"] > 0 and result["envs_per_gb"] > 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_says_how_to_get_matplotlib_when_it_is_missing(tmp_path):
+    # A matplotlib package that cannot be imported, first on the path.
+    (tmp_path / "matplotlib").mkdir()
+    (tmp_path / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    code, out, err = boltzlabs("bench", COUNTER, "-n", "2", "--steps", "5", "--plot", tmp_path / "x.png", env=env)
+    assert code == 2 and out == ""
+    assert "pip install 'boltzlabs[plot]'" in err
+
+
+def test_bench_of_an_env_that_cannot_start_exits_1():
+    code, out, err = boltzlabs("bench", ENVS / "import_error", "-n", "2", "--steps", "5")
+    assert code == 1
+    assert "ModuleNotFoundError" in err and "a pool of 2 envs failed" in err
+
+
+# -- doctor ------------------------------------------------------------------------------------
+
+
+def test_doctor_passes_here_and_names_cgroup_v1():
+    code, out, err = boltzlabs("doctor")
+    assert code == 0, out + err
+    assert "FAIL" not in out
+    assert "cgroup v1" in out
+    for name in ("bwrap version", "bwrap mode", "user namespaces", "bwrap sandbox", "pool (spawn=template)",
+                 "pool (spawn=exec)", "memory cgroup", "pids cgroup", "fd limit", "python", "packages"):
+        assert f"PASS  {name}" in out, name
+
+
+def test_doctor_json():
+    code, out, err = boltzlabs("doctor", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["ok"] is True
+    names = {f["name"] for f in report["findings"]}
+    assert {"bwrap version", "cgroup version", "fd limit", "memory cgroup"} <= names
+    for finding in report["findings"]:
+        assert set(finding) == {"name", "status", "detail", "fix"}
+        assert finding["status"] in ("ok", "warn", "fail")
+    assert any("cgroup v1" in f["detail"] for f in report["findings"] if f["name"] == "cgroup version")
+
+
+def test_doctor_fails_without_bwrap_and_says_how_to_install_it():
+    code, out, err = boltzlabs("doctor", env=dict(os.environ, PATH="/nonexistent"))
+    assert code == 1, out + err
+    assert "FAIL  bwrap" in out and "apt-get install -y bubblewrap" in out
+    assert_no_traceback_of_ours(err)
+
+
+def test_doctor_fails_when_the_fd_limit_is_too_low_for_the_pool():
+    # More fds than the kernel lets any process have (fs.nr_open): no limit can be raised that far.
+    nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
+    code, out, err = boltzlabs("doctor", "-n", nr_open // 3 + 1)
+    assert code == 1, out + err
+    assert "FAIL  fd limit" in out and "ulimit -n" in out
+
+
+def test_bench_exits_1_when_lanes_fail():
+    code, out, err = boltzlabs("bench", PROBE, "-n", "2", "--steps", "3", "--actions", '[{"op": "raise"}]')
+    assert code == 1, out + err
+    assert "| 2 |" in out  # the figures are still printed
+    assert "lane step(s) failed at n=2" in err and "step failed on purpose" in err
+
+
+def test_bench_shows_a_progress_bar_on_a_terminal():
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    # A terminal of 24 x 80 (a bare pty has 0 columns, where tqdm draws nothing).
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "boltzlabs", "bench", str(COUNTER), "-n", "2", "--steps", "30"],
+                            stderr=slave, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # the command closed the terminal: it has ended
+            break
+        if not chunk:
+            break
+        out += chunk
+    table = proc.communicate(timeout=HANG)[0].decode()
+    os.close(master)
+    text = out.decode("utf-8", "replace")
+    assert "n=2" in text and "30/30" in text, repr(text[:300])
+    assert "| 2 |" in table and "n=2" not in table  # the bar on stderr, the table on stdout
