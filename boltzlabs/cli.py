@@ -3,6 +3,7 @@
     boltzlabs check PATH|gym://ID     does one env keep the pool's contract?   (boltzlabs.check)
     boltzlabs bench PATH|gym://ID -n  what a pool costs and delivers, per n    (boltzlabs.bench)
     boltzlabs doctor                  can this host run pools?                 (boltzlabs.doctor)
+    boltzlabs worker --listen H:P     serve pools to remote clients            (boltzlabs.remote)
 
 Each command is a registration in COMMANDS: a function that adds its
 subparser to the `subparsers` object and sets `run` (parsed args -> exit
@@ -307,9 +308,25 @@ def _run_doctor(args) -> int:
     return EXIT_PROBLEM if failed else EXIT_OK
 
 
+# -- worker ----------------------------------------------------------------------------------
+
+
+def _register_worker(subparsers) -> None:
+    from boltzlabs.remote import add_worker_arguments, run_worker
+
+    parser = _subparser(subparsers, "worker", "serve pools to remote clients (RLPool(worker='tcp://...'))", """Serve RLPools to clients on other hosts: RLPool(source, n, worker="tcp://HOST:PORT",
+token=...). Each client proves it knows the token, ships its env directory
+(cached here by content), and gets a worker process and sandboxes of its own.
+Listens on loopback unless told otherwise; use TLS off loopback. Prints
+"listening on tcp://HOST:PORT" (and the token, when it made one), then runs
+until SIGTERM or Ctrl-C, which end every pool.""")
+    add_worker_arguments(parser)
+    parser.set_defaults(run=run_worker)
+
+
 # -- the command -----------------------------------------------------------------------------
 
-COMMANDS = [_register_check, _register_bench, _register_doctor]
+COMMANDS = [_register_check, _register_bench, _register_doctor, _register_worker]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -27,7 +27,7 @@ from boltzlabs.remote import _Peer, _proof, pack_env_dir
 from conftest import COUNTER, PROBE
 
 TOKEN = "test-token-5f2c"
-WORKER_COMMAND = [sys.executable, "-m", "boltzlabs.remote"]
+WORKER_COMMAND = [sys.executable, "-m", "boltzlabs", "worker"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -256,13 +256,9 @@ def test_the_token_is_read_from_the_environment(worker, monkeypatch):
 
 
 def test_worker_listens_on_loopback_by_default():
-    import argparse
+    from boltzlabs.cli import build_parser
 
-    from boltzlabs.remote import add_worker_arguments
-
-    parser = argparse.ArgumentParser()
-    add_worker_arguments(parser)
-    args = parser.parse_args([])
+    args = build_parser().parse_args(["worker"])
     assert args.listen.startswith("127.0.0.1:")
 
 
