@@ -75,7 +75,7 @@ def _libseccomp():
 
     try:
         import pyseccomp
-    except ImportError as exc:
+    except (ImportError, RuntimeError, OSError) as exc:  # RuntimeError: pyseccomp found no libseccomp
         raise SandboxUnavailable(
             f"the seccomp filter needs libseccomp, which could not be loaded ({exc}); on Debian/Ubuntu run: "
             "sudo apt-get install -y libseccomp2, then pip install pyseccomp") from None
@@ -131,6 +131,10 @@ def compile_filter(rules: dict, *, template: bool = False) -> bytes:
         raise SeccompPolicyError(f"seccomp.toml [template].allow names {sorted(allowed - known)}, "
                                  "which no [[deny]] rule lists")
     program = sc.SyscallFilter(sc.ALLOW)
+    try:  # a binary tree on the syscall number: ~12 instructions per allowed call, not ~50
+        program.set_attr(sc.Attr.CTL_OPTIMIZE, 2)
+    except OSError:
+        pass  # libseccomp < 2.5.0: a linear program, slower but the same verdicts
     program.set_attr(sc.Attr.ACT_BADARCH, sc.ERRNO(_errno(rules.get("abi", {}).get("foreign", "ENOSYS"),
                                                           "seccomp.toml [abi].foreign")))
     for index, rule in enumerate(rules.get("deny", [])):

@@ -20,11 +20,13 @@ from __future__ import annotations
 import errno
 import platform
 import struct
+import sys
 from pathlib import Path
 
 import pytest
 
 from boltzlabs import RLPool, seccomp
+from boltzlabs.errors import SandboxUnavailable
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="syscall numbers and the int 0x80 stub are x86_64's")
 
@@ -36,6 +38,7 @@ import mmap
 import os
 import socket
 import struct
+import sys
 
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
@@ -446,3 +449,9 @@ def test_template_allow_must_name_a_denied_call():
     rules["template"] = {"allow": ["mount", "mkdir"]}
     with pytest.raises(seccomp.SeccompPolicyError, match=r"\['mkdir'\]"):
         seccomp.compile_filter(rules, template=True)
+
+
+def test_a_missing_libseccomp_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyseccomp", None)  # import fails, as without the library
+    with pytest.raises(SandboxUnavailable, match="apt-get install -y libseccomp2"):
+        seccomp.compile_filter(seccomp.load_rules())
