@@ -23,6 +23,7 @@ Kernel facts this depends on:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -167,28 +168,24 @@ def compile_filter(rules: dict, *, template: bool = False) -> bytes:
     return data
 
 
-class program_fd:
+@contextlib.contextmanager
+def program_fd(program: bytes):
     """`with program_fd(program) as fd:` a sealed memfd holding `program` at
     offset 0, at fd >= 10 (so that dup2 onto FILTER_FD and CHILD_FILTER_FD in
     a spawned process never overwrites a source), closed on exit."""
-
-    def __init__(self, program: bytes):
-        fd = os.memfd_create("boltzlabs-seccomp", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.write(fd, program)
-            os.lseek(fd, 0, os.SEEK_SET)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
-                        | fcntl.F_SEAL_SEAL)
-            self.fd = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
-        finally:
-            os.close(fd)
-
-    def __enter__(self) -> int:
-        return self.fd
-
-    def __exit__(self, *_) -> None:
-        os.close(self.fd)
-        self.fd = -1
+    fd = os.memfd_create("boltzlabs-seccomp", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.write(fd, program)
+        os.lseek(fd, 0, os.SEEK_SET)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
+                    | fcntl.F_SEAL_SEAL)
+        high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+    finally:
+        os.close(fd)
+    try:
+        yield high
+    finally:
+        os.close(high)
 
 
 def _read_all(fd: int) -> bytes:
