@@ -21,6 +21,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from boltzlabs import seccomp
 from boltzlabs.errors import SandboxUnavailable
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -120,6 +121,9 @@ class SandboxSpec:
             "site_path": ":".join(self.inside(p) for p in site.getsitepackages() if os.path.isdir(p)),
         }
         self.workspace_size = workspace_size
+        # sandbox/seccomp.toml, compiled here on the host; the spawners hand
+        # the programs over on seccomp.FILTER_FD (and CHILD_FILTER_FD).
+        self.filters = seccomp.compile_policy()
         bwrap = find_bwrap()
         self._head = self._build_head(bwrap, workspace_size, template=False)
         self._template_head = self._build_head(bwrap, workspace_size, template=True)
@@ -201,6 +205,9 @@ class SandboxSpec:
         for path in finish.get("remount_ro", []):
             if not (template and path == "/proc"):  # template.py binds /proc/sys ro itself
                 args += ["--remount-ro", path]
+        # The template's filter leaves out what its children's set-up needs;
+        # each child loads the env's full filter itself (template.py).
+        args += ["--seccomp", str(seccomp.FILTER_FD)]
         args += ["--chdir", self.workspace, "--clearenv"]
         for name, value in self.environment().items():
             args += ["--setenv", name, value]
@@ -221,6 +228,7 @@ class SandboxSpec:
             "--setenv", "BOLTZLABS_HOSTNAME", self.policy.sandbox["process"]["hostname"],
             "--setenv", "BOLTZLABS_HIDDEN_PROC", self.policy.sandbox["template"]["hidden_proc"],
             "--setenv", "BOLTZLABS_TEMPLATE_ID", "{uid}:{gid}".format(**self.policy.sandbox["template"]),
+            "--setenv", "BOLTZLABS_CHILD_FILTER_FD", str(seccomp.CHILD_FILTER_FD),
             "--", self.executable, *self.policy.sandbox["interpreter"]["flags"],
             "-m", "boltzlabs.template", f"{self.values['env_dir']}/env.py",
         ]

@@ -20,7 +20,7 @@ import socket
 import struct
 import time
 
-from boltzlabs import template, wire
+from boltzlabs import seccomp, template, wire
 from boltzlabs.errors import BoltzLabsError
 
 CHANNEL_FD = 3  # where an env (and the template) finds its channel
@@ -62,14 +62,18 @@ def _charged_to(worker, key, pid: int = 0, home=None):
     return worker.cgroups.moving(pid, key, home)
 
 
-def _posix_spawn(argv, channel_fd: int, log_w: int) -> int:
-    actions = [
-        (os.POSIX_SPAWN_DUP2, channel_fd, CHANNEL_FD),
-        (os.POSIX_SPAWN_DUP2, log_w, 1),
-        (os.POSIX_SPAWN_DUP2, log_w, 2),
-        (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-    ]
-    return os.posix_spawn(argv[0], argv, {}, file_actions=actions)
+def _posix_spawn(argv, channel_fd: int, log_w: int, programs: dict) -> int:
+    """Start bwrap with the channel on fd 3, the log pipe on 1 and 2, and each
+    seccomp program of `programs` ({fd number: BPF bytes}) on its fd."""
+    with contextlib.ExitStack() as stack:
+        actions = [
+            (os.POSIX_SPAWN_DUP2, channel_fd, CHANNEL_FD),
+            (os.POSIX_SPAWN_DUP2, log_w, 1),
+            (os.POSIX_SPAWN_DUP2, log_w, 2),
+            (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+        ] + [(os.POSIX_SPAWN_DUP2, stack.enter_context(seccomp.program_fd(program)), target)
+             for target, program in programs.items()]
+        return os.posix_spawn(argv[0], argv, {}, file_actions=actions)
 
 
 class ExecSpawner:
@@ -89,7 +93,7 @@ class ExecSpawner:
 
         def start(channel_fd: int, log_w: int) -> None:
             with _charged_to(worker, env.index):
-                env.pid = _posix_spawn(argv, channel_fd, log_w)
+                env.pid = _posix_spawn(argv, channel_fd, log_w, {seccomp.FILTER_FD: worker.spec.filters.env})
 
         parent, env.logfd = _open_channel(start)
         env.chan = parent.detach()
@@ -166,8 +170,10 @@ class TemplateSpawner:
         argv = worker.spec.template_argv(CHANNEL_FD)
 
         def start(channel_fd: int, log_w: int) -> None:
+            filters = worker.spec.filters
             with _charged_to(worker, TEMPLATE_LANE):
-                self.bwrap_pid = _posix_spawn(argv, channel_fd, log_w)
+                self.bwrap_pid = _posix_spawn(argv, channel_fd, log_w, {
+                    seccomp.FILTER_FD: filters.template, seccomp.CHILD_FILTER_FD: filters.env})
 
         parent, log_r = _open_channel(start, socket.SOCK_SEQPACKET, passcred=True)
         os.set_blocking(log_r, False)

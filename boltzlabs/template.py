@@ -8,7 +8,9 @@
 `python -m boltzlabs.template /env/env.py` runs inside a bubblewrap sandbox
 that keeps CAP_SYS_ADMIN and CAP_SETPCAP (and nothing else) only for the
 template's own set-up: it mounts a second, fully visible proc at a hidden
-path, drops every capability, sets no_new_privs, and only then runs env.py. env.py's `serve()` sees
+path, drops every capability, sets no_new_privs, reads the seccomp program
+its children will load (boltzlabs/seccomp.py), and only then runs env.py,
+under the template's looser filter (bwrap --seccomp). env.py's `serve()` sees
 BOLTZLABS_TEMPLATE and turns into the fork server (`fork_server`). The
 template never runs reset or step, so each child starts from the same
 pristine state: a hard reset is "kill the child, fork another".
@@ -20,7 +22,8 @@ Each child becomes its own sandbox before any env code runs in it:
                    --fork--> child: pid 1 of its pid namespace; mounts its
                        own tmpfs workspace, /dev/shm and /proc, lo up,
                        hostname, no more user namespaces, every capability
-                       dropped; then serves on its channel
+                       dropped, the env's full seccomp filter loaded; then
+                       serves on its channel
     the intermediate exits; the template, a child subreaper, reaps the child.
 
 Kernel facts this depends on:
@@ -57,7 +60,7 @@ import struct
 import sys
 import threading
 
-from boltzlabs import wire
+from boltzlabs import seccomp, wire
 
 FORK, KILL, FORKED, EXITED = 30, 31, 32, 33
 
@@ -105,7 +108,9 @@ def drop_capabilities() -> None:
 
 
 def _loopback_up() -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+    # Interface ioctls on any socket reach its net namespace's devices, Unix
+    # ones included: so the template's filter may refuse every other family.
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
         request = struct.pack("16sH14x", b"lo", 0)
         flags = struct.unpack("16sH14x", fcntl.ioctl(s, _SIOCGIFFLAGS, request))[1]
         fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP | _IFF_RUNNING))
@@ -346,6 +351,7 @@ def _child(serve_child, lane, fds, sandbox) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.closerange(4, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") < 1 << 20 else 1 << 16)
         _finish_sandbox(*sandbox)
+        seccomp.apply_child_filter()  # the env's full filter, before any env code
         serve_child(3)
         code = 0
     except BaseException as exc:
@@ -376,6 +382,7 @@ def main(argv=None) -> None:
     # A non-zero uid of our own, so that children may map their root to it
     # without CAP_SETFCAP (see sandbox/policy.toml, [template]).
     uid, gid = (int(x) for x in os.environ.pop("BOLTZLABS_TEMPLATE_ID", "1000:1000").split(":"))
+    seccomp.receive_child_filter(int(os.environ.pop("BOLTZLABS_CHILD_FILTER_FD")))
     _enter_user_namespace((uid, gid), (os.geteuid(), os.getegid()))
     drop_capabilities()
     os.environ["BOLTZLABS_TEMPLATE"] = "1"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up a fresh Debian/Ubuntu machine for boltzlabs: bubblewrap from apt,
+# Set up a fresh Debian/Ubuntu machine for boltzlabs: bubblewrap and libseccomp from apt,
 # a virtualenv in .venv with boltzlabs and its test extras. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,9 @@ command -v unshare >/dev/null || need+=(util-linux)
 PYTHON=${PYTHON:-python3}
 command -v "$PYTHON" >/dev/null || need+=(python3)
 "$PYTHON" -c "import venv, ensurepip" 2>/dev/null || need+=(python3-venv)
+# The seccomp filter is compiled with libseccomp (through pyseccomp, which finds it this way).
+"$PYTHON" -c "import ctypes.util, sys; sys.exit(not ctypes.util.find_library('seccomp'))" 2>/dev/null \
+  || need+=(libseccomp2)
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing ${need[*]} with apt-get"
   as_root apt-get update -qq
