@@ -177,6 +177,7 @@ def _env_dir(root: Path, name: str, source: str) -> Path:
 def _sandbox(bwrap: str | None) -> list[Finding]:
     if bwrap is None:
         return [Finding("sandbox", FAIL, "not tried: bwrap is missing (above)")]
+    from boltzlabs import seccomp
     from boltzlabs.sandbox import SandboxSpec, load_policy
 
     marker = f"boltzlabs-doctor-{secrets.token_hex(4)}"
@@ -185,9 +186,15 @@ def _sandbox(bwrap: str | None) -> list[Finding]:
     root.chmod(0o755)
     try:
         bare = _env_dir(root, "bare", f"print({marker!r})\n")
-        argv = SandboxSpec(load_policy(), bare, 16 << 20).argv(3, 0)
+        spec = SandboxSpec(load_policy(), bare, 16 << 20)
+        argv = spec.argv(3, 0)
         try:
-            out = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+            with seccomp.program_fd(spec.filters.env) as fd:
+                # The policy's command line reads its filter from FILTER_FD; here it is wherever fd is.
+                at = argv.index("--seccomp") + 1
+                argv[at] = str(fd)
+                out = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+                                     pass_fds=[fd])
             said = (out.stderr.strip() or out.stdout.strip())[-2000:]
             ok = out.returncode == 0 and marker in out.stdout
         except subprocess.TimeoutExpired:
