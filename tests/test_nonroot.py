@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from boltzlabs import RLPool
 from boltzlabs.errors import SandboxUnavailable
 from boltzlabs.identity import host_account, reachable
 from boltzlabs.sandbox import load_policy
@@ -208,3 +209,11 @@ def test_a_pool_started_by_an_ordinary_user_works(spawn, tmp_path):
     assert out["left"] == []
     leftovers = [p.pid for p in psutil.process_iter(["cmdline"]) if tag in " ".join(p.info["cmdline"] or [])]
     assert leftovers == []
+
+
+@as_root
+def test_env_code_the_account_cannot_read_is_a_clear_error(env_dir):
+    source = env_dir("from boltzlabs.env import serve\nserve(reset=lambda seed: 0, step=lambda a: (0, 0.0, False, {}))\n")
+    (source / "env.py").chmod(0o600)
+    with pytest.raises(SandboxUnavailable, match=r"env\.py is not readable by .*chmod -R o\+rX"):
+        RLPool(source, 1)
