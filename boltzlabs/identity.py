@@ -46,11 +46,8 @@ from boltzlabs.errors import SandboxUnavailable
 _CLONE_NEWNS = 0x00020000
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_SLAVE = 2, 4, 8, 4096, 16384, 1 << 19
 _MNT_DETACH = 2
+_libc = ctypes.CDLL(None, use_errno=True)
 _FIX = "set [identity] host_user in sandbox/policy.toml to an existing unprivileged account"
-
-
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
 
 
 def _check(result: int, what: str) -> None:
@@ -99,6 +96,7 @@ class HostAccount:
 
     @property
     def switch(self) -> bool:
+        """Whether bwrap is started as another account than the worker's."""
         return bool(self.prefix)
 
     def check_readable(self, path: str, what: str, bits: int) -> None:
@@ -122,7 +120,7 @@ class HostAccount:
                 os.mkdir(node)
             else:
                 open(node, "x").close()
-            _check(_libc().mount(path.encode(), node.encode(), None, _MS_BIND | _MS_REC, None), f"bind {path}")
+            _check(_libc.mount(path.encode(), node.encode(), None, _MS_BIND | _MS_REC, None), f"bind {path}")
             self._staged[path] = node
         return self._staged[path]
 
@@ -130,7 +128,7 @@ class HostAccount:
         """Remove the staging directory (its mounts go with the worker's namespace)."""
         if self._stage_dir is None:
             return
-        _libc().umount2(self._stage_dir.encode(), _MNT_DETACH)
+        _libc.umount2(self._stage_dir.encode(), _MNT_DETACH)
         try:
             os.rmdir(self._stage_dir)
         except OSError:
@@ -143,14 +141,13 @@ def _private_stage_dir() -> str:
     """Move the worker into a mount namespace of its own (a slave of the host's:
     nothing mounted here propagates out) and mount a small tmpfs the account
     can walk through (mode 0711: through, not list). Returns its path."""
-    libc = _libc()
-    _check(libc.unshare(_CLONE_NEWNS), "unshare a mount namespace for the worker")
-    _check(libc.mount(None, b"/", None, _MS_REC | _MS_SLAVE, None), "make / a slave mount")
+    _check(_libc.unshare(_CLONE_NEWNS), "unshare a mount namespace for the worker")
+    _check(_libc.mount(None, b"/", None, _MS_REC | _MS_SLAVE, None), "make / a slave mount")
     # An empty directory on the host (the tmpfs is only in our namespace);
     # close() removes it.
     path = tempfile.mkdtemp(prefix="boltzlabs-binds-")
-    _check(libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
-                      b"size=64k,mode=0711"), f"mount a tmpfs on {path}")
+    _check(_libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
+                       b"size=64k,mode=0711"), f"mount a tmpfs on {path}")
     return path
 
 
