@@ -32,7 +32,9 @@ Kernel facts this depends on:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import glob
 import grp
 import os
 import pwd
@@ -144,8 +146,15 @@ def _private_stage_dir() -> str:
     _check(_libc.unshare(_CLONE_NEWNS), "unshare a mount namespace for the worker")
     _check(_libc.mount(None, b"/", None, _MS_REC | _MS_SLAVE, None), "make / a slave mount")
     # An empty directory on the host (the tmpfs is only in our namespace);
-    # close() removes it.
-    path = tempfile.mkdtemp(prefix="boltzlabs-binds-")
+    # close() removes it; one left by a worker killed before it could (its pid
+    # is in the name, and gone) is swept here. A live worker's looks empty
+    # from here too: its pid is the only guard, and rmdir removes nothing else.
+    for stale in glob.glob(os.path.join(tempfile.gettempdir(), "boltzlabs-binds-*-*")):
+        pid = os.path.basename(stale).split("-")[2]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            with contextlib.suppress(OSError):
+                os.rmdir(stale)
+    path = tempfile.mkdtemp(prefix=f"boltzlabs-binds-{os.getpid()}-")
     _check(_libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
                        b"size=64k,mode=0711"), f"mount a tmpfs on {path}")
     return path

@@ -9,6 +9,7 @@ import json
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import uuid
@@ -84,17 +85,31 @@ def test_a_root_only_file_bound_in_stays_unreadable(pool_factory, tmp_path):
     assert obs[0]["out"]["denied"].startswith("PermissionError: [Errno 13]"), obs[0]["out"]
 
 
+def staging_dirs(worker: int) -> set[str]:
+    """The worker's staging tmpfs mounts (not the binds below them)."""
+    points = {line.split()[4] for line in Path(f"/proc/{worker}/mountinfo").read_text().splitlines()}
+    return {p for p in points if "/boltzlabs-binds-" in p and p.count("/") == 2}
+
+
 @as_root
 def test_the_workers_staging_is_removed_at_close(probe_pool):
     pool = probe_pool(1)
-    mounts = Path(f"/proc/{pool._proc.pid}/mountinfo").read_text().split("\n")
-    staged = {line.split()[4] for line in mounts if "/boltzlabs-binds-" in line}
-    staged = {p for p in staged if p.count("/") == 2}  # the tmpfs, not the binds below it
+    staged = staging_dirs(pool._proc.pid)
     account = pwd.getpwnam(IDENTITY["host_user"])
     needs = not all(reachable(p, account.pw_uid, account.pw_gid) for p in (sys.base_prefix, sys.prefix, str(PROBE)))
     assert len(staged) == needs, staged  # here: yes, the interpreter is under /root (0700)
     pool.close()
     assert not any(os.path.exists(p) for p in staged)
+    if not needs:
+        return
+    # A worker killed outright cannot clean up: the next pool sweeps what it left.
+    pool = probe_pool(1)
+    left = staging_dirs(pool._proc.pid)
+    os.kill(pool._proc.pid, signal.SIGKILL)
+    pool._proc.wait(timeout=10)
+    assert all(os.path.isdir(p) for p in left)
+    probe_pool(1).reset()
+    assert not any(os.path.exists(p) for p in left)
 
 
 @as_root
