@@ -29,7 +29,7 @@ import numpy as np
 
 from boltzlabs import sources, wire
 from boltzlabs.cgroups import remove_pool_dir
-from boltzlabs.errors import EnvError, EnvStartError, PoolClosedError, WorkerError
+from boltzlabs.errors import EnvError, EnvStartError, PoolClosedError, SandboxUnavailable, WorkerError
 from boltzlabs.ids import uuid7
 from boltzlabs.sandbox import find_bwrap, parse_size
 
@@ -292,6 +292,8 @@ class RLPool:
                             env_index=detail["env"], log=detail["log"])
                     if kind in ("ValueError", "TypeError"):
                         raise ValueError(text)
+                    if kind == "SandboxUnavailable":  # the host or the policy: the text says what to change
+                        raise SandboxUnavailable(text)
                     raise WorkerError(f"the worker could not start the pool: {kind}: {text}")
         finally:
             if bar is not None:

@@ -1,7 +1,7 @@
 """The sandbox builder: policy data in, one bubblewrap command line out.
 
     sandbox/policy.toml + mounts/*.toml --load_policy()--> Policy
-    Policy + env dir --SandboxSpec--> argv for `bwrap ... python env.py`
+    Policy + env dir (+ HostAccount) --SandboxSpec--> argv for `[setpriv ...] bwrap ... python env.py`
 
 The policy files are the reviewable part (what an env may see and do); this
 module only expands their placeholders and orders the operations. bubblewrap
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from boltzlabs import seccomp
 from boltzlabs.errors import SandboxUnavailable
+from boltzlabs.identity import HostAccount
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 MOUNT_PROFILES = ("system", "interpreter", "runtime", "env")
@@ -97,14 +98,22 @@ class SandboxSpec:
     """Everything needed to start sandboxes for one env source.
 
     The argv is built once per pool; per-env parts (the channel fd number,
-    the env index) are appended by `argv()`.
+    the env index) are appended by `argv()`. `account`: who bwrap runs as on
+    the host (boltzlabs.identity); None builds the command line for the
+    current user with no staging (as a description of the policy).
     """
 
-    def __init__(self, policy: Policy, source_dir: Path, workspace_size: int, params: dict | None = None):
+    def __init__(self, policy: Policy, source_dir: Path, workspace_size: int, params: dict | None = None,
+                 account: HostAccount | None = None):
         self.policy = policy
+        self.account = account
         # RLPool(source, n, **params), read in the env by boltzlabs.env.params().
         self.params_json = json.dumps(params or {}, sort_keys=True)
         self.source_dir = Path(source_dir).resolve()
+        if account is not None:
+            account.check_readable(str(self.source_dir), "the env directory", 5)
+            if (self.source_dir / "env.py").exists():
+                account.check_readable(str(self.source_dir / "env.py"), "the env's code", 4)
         process = policy.sandbox["process"]
         workspace = policy.sandbox["workspace"]
         self.workspace = workspace["path"]
@@ -167,7 +176,7 @@ class SandboxSpec:
                         ops.append(("--symlink", os.readlink(source), dest))
                     else:
                         flag = "--ro-bind" if entry.get("mode", "ro") == "ro" else "--bind"
-                        ops.append((flag, source, dest))
+                        ops.append((flag, self.account.source(source) if self.account else source, dest))
             for special in self.policy.mounts[profile].get("special", []):
                 ops.append((f"--{special['kind']}", special["dest"]))
         return ops
@@ -175,9 +184,12 @@ class SandboxSpec:
     def _build_head(self, bwrap: str, workspace_size: int, template: bool) -> list[str]:
         sandbox = self.policy.sandbox
         process = sandbox["process"]
-        args = [bwrap]
+        args = [*(self.account.prefix if self.account else ()), bwrap]
         for ns in sandbox["namespaces"]["unshare"]:
             args.append(_NAMESPACE_FLAGS[ns])
+        identity = sandbox.get("identity", {})
+        if "user" in sandbox["namespaces"]["unshare"] and "uid" in identity:
+            args += ["--uid", str(identity["uid"]), "--gid", str(identity["gid"])]
         if process.get("die_with_parent"):
             args.append("--die-with-parent")
         if process.get("new_session"):

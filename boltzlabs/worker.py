@@ -41,6 +41,7 @@ import msgpack
 
 from boltzlabs import wire
 from boltzlabs.cgroups import CgroupPool, CgroupUnavailable
+from boltzlabs.identity import host_account
 from boltzlabs.sandbox import SandboxSpec, load_policy
 from boltzlabs.spawn import TEMPLATE_LANE, ExecSpawner, TemplateSpawner, TemplateUnavailable, receive_hello
 
@@ -131,6 +132,7 @@ class Worker:
         self.warning = ""
         self.op: Op | None = None
         self.cgroups: CgroupPool | None = None
+        self.account = None
         self.memory_note = ""
         self._seq = 0
         self._packer = msgpack.Packer(use_bin_type=True)
@@ -165,8 +167,9 @@ class Worker:
         self.step_timeout = float(config.get("step_timeout") or limits["step_timeout"])
         self.gated = bool(config.get("serialize_measurement"))
         self.memory_limit = config.get("memory_limit")
+        self.account = host_account(self.policy.sandbox.get("identity", {}))
         self.spec = SandboxSpec(self.policy, config["source_dir"], int(config["workspace_size"]),
-                                config.get("params") or {})
+                                config.get("params") or {}, self.account)
         n = int(config["n"])
         _raise_fd_limit(n)
         try:
@@ -911,6 +914,8 @@ class Worker:
         if self.cgroups is not None:
             self.cgroups.close(deadline)
             self.cgroups = None
+        if self.account is not None:
+            self.account.close()
 
     # -- the client connection ------------------------------------------------------
 
