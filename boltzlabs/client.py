@@ -57,6 +57,9 @@ class Timing:
     queued_ms: the mean time the received results had been sitting
     finished in the worker before this recv() took them. High: envs wait
     for the trainer; a larger batch_size (or fewer envs) keeps them busy.
+
+    nodes: for a pool spread over a cluster (RLPool(cluster=...)), each
+    node's worker_ms in that call; worker_ms is then the slowest node's.
     """
 
     worker_ms: float = 0.0
@@ -64,6 +67,7 @@ class Timing:
     stragglers: list = field(default_factory=list)
     wait_ms: float = 0.0
     queued_ms: float = 0.0
+    nodes: dict = field(default_factory=dict)
 
     def __str__(self) -> str:
         text = (f"worker {self.worker_ms:.2f} ms, roundtrip {self.roundtrip_ms:.2f} ms, "
@@ -157,6 +161,10 @@ class RLPool:
         timing.worker_ms is measured there, roundtrip_ms here.
       token: the remote worker's token (default: $BOLTZLABS_TOKEN).
       tls_ca: for tls://, the worker's certificate or its CA (PEM) to verify it.
+      cluster: "ray" (or a Ray cluster's address) spreads the pool over the
+        cluster's nodes, one boltzlabs worker per node; the result is a
+        boltzlabs.cluster.ClusterPool with this same API (see its docstring;
+        `envs_per_node=` sizes it).
       **params: construction params. A Gymnasium source passes them to
         gymnasium.make(id, **params), checked against the env's constructor
         here; an env directory reads them with boltzlabs.env.params().
@@ -170,9 +178,16 @@ class RLPool:
     pool's UUIDv7, `env_contract` the env's handshake.
     """
 
+    def __new__(cls, *args, cluster=None, **kwargs):
+        if cluster is not None and cls is RLPool:
+            from boltzlabs.cluster import ClusterPool
+
+            return ClusterPool(*args, cluster=cluster, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, source, n: int, *, step_timeout=None, serialize_measurement: bool = False,
                  memory_limit=None, workspace_size="64M", spawn: str = "template", start_timeout=None,
-                 progress=None, batch_size=None, worker=None, token=None, tls_ca=None, **params):
+                 progress=None, batch_size=None, worker=None, token=None, tls_ca=None, cluster=None, **params):
         self._closed = True
         self._closed_reason = None
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
@@ -677,7 +692,7 @@ class RLPool:
 
 
 _POOL_OPTIONS = ("step_timeout", "serialize_measurement", "memory_limit", "workspace_size", "start_timeout",
-                 "progress", "batch_size", "worker", "token", "tls_ca")
+                 "progress", "batch_size", "worker", "token", "tls_ca", "cluster", "envs_per_node")
 
 
 def _warn_pool_option_typos(params: dict) -> None:

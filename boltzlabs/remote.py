@@ -572,6 +572,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-clients", type=int, default=16, help="pools served at once (default %(default)s)")
     parser.add_argument("--max-envs", type=int, default=4096, help="largest pool a client may open "
                                                                    "(default %(default)s)")
+    parser.add_argument("--parent", type=int, default=0, metavar="PID",
+                        help="stop (and end every pool) when process PID dies, e.g. the Ray actor that started it")
     parser.add_argument("--handshake-timeout", type=float, default=_HANDSHAKE_TIMEOUT,
                         help="seconds a client has to authenticate and ship its code (default %(default)s)")
 
@@ -613,6 +615,11 @@ def run_worker(args: argparse.Namespace) -> int:
     print(f"listening on {listener.url}", flush=True)
     if made:
         print(f"token: {token}", flush=True)
+
+    if args.parent:
+        from boltzlabs.worker import _die_with
+
+        _die_with(args.parent)  # SIGKILL: each pool's worker then dies with us, its sandboxes with it
 
     def stop(signum, frame):
         raise KeyboardInterrupt

@@ -188,7 +188,7 @@ def test_make_and_the_contract(monkeypatch):
 @pytest.fixture
 def no_sandbox(monkeypatch):
     """Fail the test if a worker (and so any sandbox) is started."""
-    def refuse(self):
+    def refuse(self, *args):
         raise AssertionError("a worker was started")
 
     monkeypatch.setattr(RLPool, "_start_worker", refuse)

@@ -1,0 +1,207 @@
+"""One pool over a real local multi-node Ray cluster (Ray's own cluster_utils):
+real raylets, real actors, real boltzlabs workers and sandboxes on each node."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+# Ray swaps a loopback address for the machine's interface address unless
+# told this is a single-host setup; every node here is 127.0.0.1.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+import ray  # noqa: E402 - after the variable above
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from boltzlabs import RLPool, wire  # noqa: E402
+from boltzlabs.cluster import ClusterPool, doctor, placement  # noqa: E402
+from boltzlabs.errors import WorkerError  # noqa: E402
+
+from conftest import COUNTER, PROBE  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+NODE = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 100 << 20}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = Cluster(initialize_head=True, head_node_args=dict(NODE, include_dashboard=False))
+    c.add_node(**NODE)
+    ray.init(address=c.address, _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def listeners() -> list:
+    """Every `boltzlabs worker --listen` process on this host."""
+    out = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if "boltzlabs" in cmd and "worker" in cmd and "--listen" in cmd:
+            out.append(proc)
+    return out
+
+
+def wait_until(predicate, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(what)
+
+
+def test_placement_splits_by_cpus_within_each_nodes_room():
+    nodes = [("a", 2.0, 8 << 30), ("b", 1.0, 8 << 30)]
+    assert placement(9, nodes) == [("a", 6), ("b", 3)]
+    assert placement(8, nodes, envs_per_node=4) == [("a", 4), ("b", 4)]
+    assert placement(3, nodes, envs_per_node=4, held={"a": 4}) == [("b", 3)]
+    with pytest.raises(ValueError, match="room for 1 more"):
+        placement(2, nodes, envs_per_node=4, held={"a": 4, "b": 3})
+
+
+def test_lanes_spread_over_two_nodes_in_the_users_order(cluster):
+    with RLPool(PROBE, 6, cluster=cluster.address, envs_per_node=3, step_timeout=10) as pool:
+        assert isinstance(pool, ClusterPool)
+        assert len(pool.nodes) == 2
+        assert sorted(pool.lane_nodes.count(node) for node in pool.nodes) == [3, 3]
+        obs = pool.reset(seed=10)
+        assert [o["seed"] for o in obs] == list(range(10, 16))
+        obs, rewards, dones, infos = pool.step([float(i) for i in range(6)])
+        assert rewards.tolist() == [float(i) for i in range(6)] and not dones.any()
+        # One request per node per call, each node's time reported.
+        assert set(pool.timing.nodes) == set(pool.nodes)
+        assert pool.timing.worker_ms == max(pool.timing.nodes.values()) <= pool.timing.roundtrip_ms
+        # A fault stays on its lane, wherever that lane lives.
+        _, rewards, dones, infos = pool.step([1.0, 1.0, 1.0, {"op": "raise"}, 1.0, 1.0])
+        assert dones.tolist() == [False, False, False, True, False, False]
+        assert "step failed on purpose" in infos[3]["error"]
+        obs = pool.reset(where=[3])
+        assert obs[3]["t"] == 0
+        report = pool.memory()
+        assert len(report.per_env) == 6 and all(m > 0 for m in report.per_env)
+        assert pool.envs_per_gb() > 0
+
+
+def test_hard_reset_and_async_stepping_across_nodes(cluster):
+    with RLPool(COUNTER, 4, cluster=cluster.address, envs_per_node=2) as pool:
+        def episode():
+            out = [pool.reset(seed=1, hard=True)]
+            for _ in range(4):
+                out.append(pool.step([1, 1, 1, 1])[0])
+            return wire.encode(out)
+
+        assert episode() == episode()
+        pool.reset()
+        pool.send([1, 1, 1, 1])
+        seen = []
+        while len(seen) < 4:
+            env_ids, obs, rewards, dones, infos = pool.recv(batch_size=2)
+            assert len(env_ids) == 2 and rewards.tolist() == [1.0, 1.0]
+            seen += env_ids.tolist()
+        assert sorted(seen) == [0, 1, 2, 3]
+        with pytest.raises(ValueError):
+            pool.recv(batch_size=1)  # nothing in flight
+
+
+def test_a_lost_node_loses_nothing_silently(cluster):
+    extra = cluster.add_node(**NODE)
+    pool = RLPool(COUNTER, 6, cluster=cluster.address, envs_per_node=3)
+    try:
+        nodes = pool.lane_nodes
+        lost_node = extra.node_id
+        lost = [lane for lane, node in enumerate(nodes) if node == lost_node]
+        assert len(lost) == 2 and len(set(nodes)) == 3
+        pool.reset()
+        cluster.remove_node(extra)
+        obs, rewards, dones, infos = pool.step([1] * 6)
+        for lane in range(6):
+            if lane in lost:
+                assert dones[lane] and rewards[lane] == 0.0 and obs[lane] is None
+                assert lost_node in infos[lane]["error"] and "lost" in infos[lane]["error"]
+            else:
+                assert rewards[lane] == 1.0 and not dones[lane]
+        # Until reset, the lanes stay failed, reported each step.
+        _, _, dones, infos = pool.step([1] * 6)
+        assert all(dones[lane] and lost_node in infos[lane]["error"] for lane in lost)
+        # Their reset places them on the two nodes left, which have room for one more each.
+        obs = pool.reset(where=lost)
+        assert all(obs[lane] == {"t": 0} for lane in lost)
+        assert lost_node not in pool.lane_nodes and len(set(pool.lane_nodes)) == 2
+        _, rewards, dones, _ = pool.step([1] * 6)
+        assert rewards[lost].tolist() == [1.0, 1.0] and not dones.any()
+    finally:
+        pool.close()
+
+
+def test_a_cluster_without_room_says_so(cluster):
+    extra = cluster.add_node(**NODE)
+    pool = RLPool(COUNTER, 6, cluster=cluster.address, envs_per_node=2)
+    try:
+        lost = [lane for lane, node in enumerate(pool.lane_nodes) if node == extra.node_id]
+        cluster.remove_node(extra)
+        pool.step([1] * 6)
+        with pytest.raises(WorkerError, match="room for 0 more env"):
+            pool.reset(where=lost)
+        _, rewards, _, _ = pool.step([1] * 6)  # the other lanes go on
+        assert sum(rewards) == 4.0
+    finally:
+        pool.close()
+
+
+def test_close_removes_every_actor_and_sandbox(cluster):
+    before = {p.pid for p in listeners()}
+    pool = RLPool(COUNTER, 4, cluster=cluster.address, envs_per_node=2)
+    pool.reset()
+    pids = pool.pids()
+    ours = [p for p in listeners() if p.pid not in before]
+    assert len(ours) == 2
+    pool.close()
+    wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), "sandboxes outlived close()")
+    wait_until(lambda: not any(p.is_running() for p in ours), "a node's worker outlived close()")
+
+
+DRIVER = textwrap.dedent("""
+    import os, sys
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+    from boltzlabs import RLPool
+    ray.init(address=sys.argv[2], _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
+    pool = RLPool(sys.argv[1], 4, cluster=sys.argv[2], envs_per_node=2)
+    pool.reset()
+    print(" ".join(map(str, pool.pids())), flush=True)
+    pool.step([{"op": "sleep", "s": 60}] * 4)
+""")
+
+
+def test_a_dead_client_leaves_nothing_on_the_cluster(cluster):
+    before = {p.pid for p in listeners()}
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(PROBE), cluster.address], stdout=subprocess.PIPE,
+                              text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]
+        assert len(pids) == 4
+        ours = [p for p in listeners() if p.pid not in before]
+        time.sleep(0.5)
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+        wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), "sandboxes outlived their client", 60)
+        wait_until(lambda: not any(p.is_running() for p in ours), "a node's worker outlived its client", 60)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        driver.stdout.close()
+
+
+def test_doctor_runs_on_every_node(cluster):
+    reports = doctor(cluster.address, n=10)
+    assert len(reports) == len([n for n in ray.nodes() if n["Alive"]]) >= 2
+    for report in reports:
+        names = {f["name"]: f["status"] for f in report["findings"]}
+        assert names["bwrap sandbox"] == "ok"
