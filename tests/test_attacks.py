@@ -1,0 +1,144 @@
+"""Attacks not covered elsewhere: UDP egress and DNS, signals to host pids and
+to sibling envs, /proc and /sys leaks. One test per attack, each asserting the
+attack is refused and the pool stays healthy; both spawn modes."""
+
+import errno
+import os
+
+import psutil
+import pytest
+
+ATTACK_ENV = r'''
+import errno
+import os
+import signal
+import socket
+
+from boltzlabs.env import serve
+
+def reset(seed, options=None):
+    return {"pid": os.getpid()}
+
+def attempt(fn):
+    try:
+        return {"ok": fn()}
+    except OSError as exc:
+        return {"errno": exc.errno}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+def udp(host, port):
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        return s.sendto(b"x", (host, port))
+
+def read(path, size=256):
+    with open(path, "rb") as f:
+        return f.read(size).decode("latin-1")
+
+def step(action):
+    if not isinstance(action, dict):
+        return {"alive": True}, float(action), False, {}
+    op = action["op"]
+    if op == "udp":
+        out = attempt(lambda: udp(action["host"], action["port"]))
+    elif op == "dns":
+        out = attempt(lambda: socket.getaddrinfo(action["name"], 80))
+    elif op == "kill":
+        out = attempt(lambda: os.kill(action["pid"], action.get("sig", signal.SIGKILL)))
+    elif op == "kill_all":  # every process this env can signal: kill(-1) spares only the caller
+        out = attempt(lambda: os.kill(-1, signal.SIGKILL))
+    elif op == "read":
+        out = attempt(lambda: read(action["path"]))
+    elif op == "listdir":
+        out = attempt(lambda: sorted(os.listdir(action["path"])))
+    elif op == "write":
+        out = attempt(lambda: open(action["path"], "w").write("1"))
+    else:
+        raise KeyError(op)
+    return {"alive": True, "out": out}, 0.0, False, {}
+
+serve(reset=reset, step=step)
+'''
+
+
+@pytest.fixture
+def attack(env_dir, pool_factory):
+    """(pool, run): run(action) runs it on lane 0 while lane 1 steps normally;
+    returns lane 0's result and checks lane 1 and then both lanes are healthy."""
+    pool = pool_factory(env_dir(ATTACK_ENV), 2, step_timeout=10.0)
+    pool.reset()
+
+    def run(action):
+        obs, rewards, dones, infos = pool.step([action, 1.0])
+        assert rewards[1] == 1.0 and not dones[1], infos[1]
+        assert "error" not in infos[0], infos[0]
+        _, rewards, dones, _ = pool.step([1.0, 1.0])
+        assert rewards.tolist() == [1.0, 1.0] and not dones.any()
+        return obs[0]["out"]
+
+    return pool, run
+
+
+@pytest.mark.parametrize("host", ["8.8.8.8", "127.0.0.1", "::1", "192.0.2.1"])
+def test_udp_egress_is_refused(attack, host):
+    _, run = attack
+    assert run({"op": "udp", "host": host, "port": 53}) == {"errno": errno.EAFNOSUPPORT}
+
+
+def test_dns_lookups_fail(attack):
+    _, run = attack
+    out = run({"op": "dns", "name": "example.com"})
+    # No resolver is reachable: no inet socket can even be made. getaddrinfo
+    # reports it as a gaierror (an OSError) whatever errno the libc picks.
+    assert "ok" not in out, out
+
+
+def test_host_pids_cannot_be_signalled(attack):
+    pool, run = attack
+    victims = [os.getpid(), pool._proc.pid] + [p for p in pool.pids() if p > 0]
+    for pid in victims:
+        if pid <= 3:
+            continue  # a small host pid can exist inside the sandbox's own pid namespace
+        assert run({"op": "kill", "pid": pid}) == {"errno": errno.ESRCH}
+    assert all(psutil.pid_exists(pid) for pid in victims)
+
+
+def test_kill_all_reaches_only_the_envs_own_processes(attack):
+    pool, _ = attack
+    before = pool.pids()
+    obs, rewards, dones, infos = pool.step([{"op": "kill_all"}, 1.0])
+    # kill(-1) in its own pid namespace: whatever happens to env 0, env 1 and
+    # the worker are out of its reach.
+    assert rewards[1] == 1.0 and not dones[1]
+    _, rewards, dones, infos = pool.step([1.0, 1.0])
+    assert rewards[1] == 1.0 and not dones[1]
+    assert psutil.pid_exists(before[1]) and pool._proc.poll() is None
+    pool.reset(where=[0])  # env 0 recovers (respawned if it took itself down)
+    _, rewards, dones, _ = pool.step([1.0, 1.0])
+    assert rewards.tolist() == [1.0, 1.0] and not dones.any()
+
+
+def test_sys_is_not_mounted(attack):
+    _, run = attack
+    out = run({"op": "listdir", "path": "/sys"})
+    assert out in ({"ok": []}, {"errno": errno.ENOENT}), out
+    assert run({"op": "read", "path": "/sys/kernel/notes"}) == {"errno": errno.ENOENT}
+
+
+@pytest.mark.parametrize("path", ["/proc/kcore", "/proc/kmsg", "/proc/1/environ"])
+def test_proc_holds_no_host_secrets(attack, path):
+    _, run = attack
+    out = run({"op": "read", "path": path})
+    if path == "/proc/1/environ":
+        # pid 1 is the sandbox's own init (or the env): never the host's environment.
+        assert "ok" not in out or "HOME=/root" not in out["ok"], out
+    else:
+        assert out.get("errno") in (errno.EACCES, errno.EPERM, errno.ENOENT), out
+
+
+@pytest.mark.parametrize("path", ["/proc/sysrq-trigger", "/proc/sys/kernel/hostname", "/proc/sys/vm/drop_caches"])
+def test_proc_writes_that_reach_the_kernel_are_refused(attack, path):
+    _, run = attack
+    out = run({"op": "write", "path": path})
+    assert out.get("errno") in (errno.EACCES, errno.EROFS, errno.EPERM), out
