@@ -137,6 +137,7 @@ class Worker:
         self.op: Op | None = None
         self.cgroups: CgroupPool | None = None
         self.memory_note = ""
+        self.limits_note = ""
         self._seq = 0
         self._packer = msgpack.Packer(use_bin_type=True)
         # Async stepping: lanes FLYING, lanes FINISHED in the order they
@@ -178,13 +179,15 @@ class Worker:
         try:
             self.cgroups = CgroupPool(self.memory_limit, self.limits.get("pids"))
             if self.limits.get("pids") and not self.cgroups.limits_pids:
-                self.memory_note = (f"no writable pids cgroup here: the per-env pids limit "
+                self.limits_note = (f"no writable pids cgroup here: the per-env pids limit "
                                     f"({self.limits['pids']} tasks) is not enforced")
             self.memory_source = f"cgroup {self.cgroups.version} working set (usage - inactive file), kernel memory included"
         except CgroupUnavailable as exc:
             self.cgroups = None
             self.memory_source = "psutil PSS of each sandbox's processes (no writable memory cgroup)"
             self.memory_note = f"no cgroup memory accounting: {exc}; envs_per_gb() uses PSS instead"
+            if self.limits.get("pids"):
+                self.limits_note = f"no cgroups here: the per-env pids limit ({self.limits['pids']} tasks) is not enforced"
             if self.memory_limit:
                 raise ValueError(f"memory_limit needs a writable memory cgroup, and this host has none ({exc})")
         self.envs = [Env(i, self.env_limits) for i in range(n)]
@@ -209,7 +212,7 @@ class Worker:
             "hello": self.envs[0].hello,
             "step_timeout": self.step_timeout,
             "spawn": self.spawner.kind,
-            "warning": self.warning,
+            "warning": "\n".join(note for note in (self.warning, self.limits_note) if note),
         }
 
     def _spawn(self, env: Env) -> None:
