@@ -353,6 +353,17 @@ class CgroupPool:
                 counts.append(0)
         return counts[0], counts[1]
 
+    def tasks(self, index: int) -> int:
+        """Tasks still charged to env `index`: pids.current where there is a pids
+        controller (a zombie counts until it is reaped), else cgroup.procs."""
+        groups = self._made(index)
+        try:
+            if self.limits_pids:
+                return _read_int(groups[-1] / "pids.current")
+            return len((groups[0] / "cgroup.procs").read_text().split())
+        except OSError:
+            return 0
+
     def kill(self, index: int) -> None:
         """SIGKILL everything in env `index`'s cgroup now (one round, no wait)."""
         if index in self._groups:

@@ -221,6 +221,7 @@ class Worker:
             self.spawner = TemplateSpawner(self)  # the last one died; a new one for respawns
         env.generation += 1
         if self.cgroups is not None:
+            self._settle(env)
             env.events_base = self.cgroups.events(env.index)
         self.spawner.spawn(env)  # sets env.chan, env.logfd (and env.pid when known)
         os.set_blocking(env.chan, False)
@@ -236,6 +237,16 @@ class Worker:
             self.handlers[fd] = (kind, env)
         if self.spawner.kind == "template":
             self.spawner.deliver_exits()  # exits read while waiting for the fork
+
+    def _settle(self, env: Env) -> None:
+        """Before env's sandbox is (re)spawned into its cgroup: wait until the
+        tasks of its last one are gone, killing any still there. They count
+        against pids.max until reaped (exec mode's bwrap is reaped by this
+        loop), and a fork bomb's leftovers would refuse the new sandbox's forks."""
+        deadline = time.monotonic() + 5.0
+        while self.cgroups.tasks(env.index) and time.monotonic() < deadline:
+            self.cgroups.kill(env.index)
+            self._poll(0.005)
 
     def watch(self, fd: int, callback, arg) -> None:
         """Call `callback(arg)` whenever fd is readable (for the spawners)."""

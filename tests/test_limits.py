@@ -144,6 +144,13 @@ def test_fork_bomb_hits_its_pids_limit_and_disturbs_nobody(spawn):
             other.reset(seed=0)
             obs, rewards, _, infos = other.step([4, 5])
             assert_own_lanes(obs, rewards, infos, [4, 5])
+        # A hard reset ends the bomb, and its leftovers never eat the new sandbox's pids.
+        pool.reset(where=[0], hard=True, seed=0)
+        assert "error" not in pool.reset_infos[0], pool.reset_infos[0]
+        assert int((pids / "pids.current").read_text()) < 8
+        obs, rewards, _, infos = pool.step([1, 2, 3])
+        assert_own_lanes(obs, rewards, infos, [1, 2, 3])
+        pool.step([{"op": "bomb", "s": 0.5}, 1, 2])  # and one still running at close
     finally:
         pool.close()
     assert descendants() == before  # the whole bomb was reaped at close
