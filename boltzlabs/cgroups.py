@@ -6,7 +6,9 @@
 
 `CgroupPool` is the one interface; `_V1` and `_V2` are its two backends.
 We only ever create cgroups below the cgroup the worker itself runs in, and
-remove what we created.
+remove what we created. Under cgroup v1 the pids controller is a hierarchy
+of its own: the same tree is made there too (below the worker's own pids
+cgroup), and a process is moved into both.
 
 Kernel facts this depends on:
 - A process is charged for the pages it touches first, and a forked child
@@ -18,6 +20,15 @@ Kernel facts this depends on:
   hierarchy; `memory.usage_in_bytes` includes kernel memory (namespaces, page
   tables) and page cache. We report the working set, usage minus inactive
   file pages, as `docker stats` does.
+- Killing for sure: SIGKILL to every pid in cgroup.procs, again and again
+  until the group is empty (rmdir fails with EBUSY while a task is left), so
+  a process forked between a read of cgroup.procs and the kills is caught
+  by the next round; the pids limit bounds how many there can be. cgroup
+  v2 has cgroup.kill, which the kernel applies to forks in progress too.
+- pids.max counts tasks (threads too) and makes fork/clone fail with
+  EAGAIN; moving a process in is never refused. The "max" line of
+  pids.events counts those refusals, which is how a lane learns that its
+  env hit the limit.
 - cgroup v2: the "no internal processes" rule forbids enabling the memory
   controller for children of a cgroup that holds processes, so v2 works only
   where the worker's cgroup is delegated with +memory in subtree_control (as
@@ -91,6 +102,13 @@ class _Backend:
     def oom_kills(self, group: Path) -> int:
         raise NotImplementedError
 
+    def set_pids(self, group: Path, limit: int) -> None:
+        (group / "pids.max").write_text(str(limit))
+
+    def pids_refused(self, group: Path) -> int:
+        """How many forks pids.max has refused in `group` (pids.events "max")."""
+        return _read_stat(group / "pids.events").get("max", 0)
+
     def kill(self, group: Path) -> None:
         try:
             pids = (group / "cgroup.procs").read_text().split()
@@ -131,6 +149,10 @@ class _V2(_Backend):
     def prepare_pool(self, pool: Path) -> None:
         pool.mkdir()
         (pool / "cgroup.subtree_control").write_text("+memory")
+        try:  # the pids files then sit beside the memory ones
+            (pool / "cgroup.subtree_control").write_text("+pids")
+        except OSError:
+            pass
 
     def usage(self, group: Path) -> int:
         stat = _read_stat(group / "memory.stat")
@@ -178,9 +200,22 @@ def _find_backend() -> _Backend:
     raise CgroupUnavailable("; ".join(reasons) or "no cgroup filesystem is mounted")
 
 
-def sweep_stale(backend: _Backend) -> None:
+def _find_pids_home() -> Path | None:
+    """The worker's own cgroup in a cgroup v1 pids hierarchy, if writable."""
+    own = _own_cgroups()
+    if "pids" not in own:
+        return None
+    for point, fstype, options in _mounts():
+        if fstype == "cgroup" and "pids" in options:
+            home = Path(point) / own["pids"].lstrip("/")
+            if os.access(home, os.W_OK):
+                return home
+    return None
+
+
+def sweep_stale(home: Path) -> None:
     """Remove pool cgroups left by workers that were killed before cleaning up."""
-    for pool in backend.home.glob("boltzlabs-*"):
+    for pool in home.glob("boltzlabs-*"):
         try:
             os.kill(int(pool.name.split("-")[1]), 0)
             continue  # its worker is alive
@@ -191,7 +226,10 @@ def sweep_stale(backend: _Backend) -> None:
 
 
 def remove_pool_dir(path, timeout: float = 5.0) -> bool:
-    """Kill whatever is left in a pool cgroup and remove it with its children."""
+    """Kill whatever is left in a pool cgroup and remove it with its children.
+    `path` may be a list of them (one per hierarchy)."""
+    if isinstance(path, list):
+        return all([remove_pool_dir(p, timeout) for p in path])
     pool = Path(path)
     deadline = time.monotonic() + timeout
     groups = [g for g in pool.iterdir() if g.is_dir()] if pool.is_dir() else []
@@ -202,6 +240,7 @@ def remove_pool_dir(path, timeout: float = 5.0) -> bool:
 
 
 def _rmdir(path: Path, deadline: float = 0.0) -> bool:
+    """Remove a cgroup, killing what is in it until it is empty (or deadline)."""
     while True:
         try:
             path.rmdir()
@@ -211,57 +250,90 @@ def _rmdir(path: Path, deadline: float = 0.0) -> bool:
         except OSError as exc:
             if exc.errno != errno.EBUSY or time.monotonic() >= deadline:
                 return False
+            _Backend.kill(None, path)  # forked since the last round: kill again
             time.sleep(0.005)
 
 
 class CgroupPool:
-    """A pool cgroup with one child cgroup per env.
+    """A pool cgroup with one child cgroup per env (and per pool part).
 
     `moving(0, i, None)` is the context in which env i's sandbox must be started.
-    Everything is removed by `close()`.
+    `memory_limit` applies to envs, `pids_max` to envs and pool parts (the
+    template runs env.py's import code). Everything is removed by `close()`.
     """
 
-    def __init__(self, memory_limit: int | None = None):
+    def __init__(self, memory_limit: int | None = None, pids_max: int | None = None):
         self.backend = _find_backend()
-        sweep_stale(self.backend)
+        # cgroup v1: the pids controller is a hierarchy of its own.
+        self.pids_home = _find_pids_home() if self.backend.version == "v1" else None
+        for home in (self.backend.home, self.pids_home):
+            if home is not None:
+                sweep_stale(home)
         self.memory_limit = memory_limit
-        self.path = self.backend.home / f"boltzlabs-{os.getpid()}-{secrets.token_hex(4)}"
+        self.pids_max = pids_max
+        name = f"boltzlabs-{os.getpid()}-{secrets.token_hex(4)}"
+        self.path = self.backend.home / name
+        self.pids_path = self.pids_home / name if self.pids_home is not None else None
         try:
             self.backend.prepare_pool(self.path)
+            if self.pids_path is not None:
+                self.pids_path.mkdir()
         except OSError as exc:
             _rmdir(self.path)
             raise CgroupUnavailable(f"cannot create the pool cgroup {self.path}: {exc}") from None
-        self._home_procs = self.backend.home / "cgroup.procs"
-        self._groups: dict[int, Path] = {}
+        self._homes = [self.backend.home / "cgroup.procs"]
+        if self.pids_home is not None:
+            self._homes.append(self.pids_home / "cgroup.procs")
+        self._groups: dict = {}  # key -> [memory group, pids group (v1) if any]
 
     @property
     def version(self) -> str:
         return self.backend.version
 
-    def group(self, key) -> Path:
-        """The cgroup of env `key` (an int) or of a pool part (a name), made on first use.
+    @property
+    def paths(self) -> list[str]:
+        """The pool's cgroup directories, one per hierarchy."""
+        return [str(p) for p in (self.path, self.pids_path) if p is not None]
 
-        Only envs get `memory_limit`.
-        """
-        group = self._groups.get(key)
-        if group is None:
-            group = self.path / (f"env-{key}" if isinstance(key, int) else key)
-            group.mkdir(exist_ok=True)
+    @property
+    def limits_pids(self) -> bool:
+        """Whether pids_max is enforced here (a pids controller we can write)."""
+        if self.pids_path is not None:
+            return True
+        control = self.path / "cgroup.subtree_control"  # v2: enabled for the envs by prepare_pool
+        return self.version == "v2" and "pids" in control.read_text().split()
+
+    def group(self, key) -> Path:
+        """The (memory) cgroup of env `key` (an int) or of a pool part (a name),
+        made on first use. Only envs get `memory_limit`."""
+        return self._made(key)[0]
+
+    def _made(self, key) -> list[Path]:
+        groups = self._groups.get(key)
+        if groups is None:
+            name = f"env-{key}" if isinstance(key, int) else key
+            groups = [self.path / name] + ([self.pids_path / name] if self.pids_path is not None else [])
+            for group in groups:
+                group.mkdir(exist_ok=True)
             if self.memory_limit and isinstance(key, int):
-                self.backend.set_limit(group, self.memory_limit)
-            self._groups[key] = group
-        return group
+                self.backend.set_limit(groups[0], self.memory_limit)
+            if self.pids_max and self.limits_pids:
+                self.backend.set_pids(groups[-1], self.pids_max)
+            self._groups[key] = groups
+        return groups
 
     @contextmanager
     def moving(self, pid: int, key, home):
         """Run the body with process `pid` (0: this one) in `key`'s cgroup, then
         put it back in `home`'s (None: the worker's own cgroup)."""
-        (self.group(key) / "cgroup.procs").write_text(str(pid))
+        for group in self._made(key):
+            (group / "cgroup.procs").write_text(str(pid))
         try:
             yield
         finally:
-            procs = self._home_procs if home is None else self.group(home) / "cgroup.procs"
-            procs.write_text(str(pid))
+            homes = self._homes if home is None else [g / "cgroup.procs" for g in self._made(home)]
+            for procs in homes:
+                procs.write_text(str(pid))
 
     def usage(self, key) -> int:
         return self.backend.usage(self.group(key))
@@ -270,29 +342,43 @@ class CgroupPool:
         """Every env and pool part (the template's shared pages are the pool's)."""
         return sum(self.usage(key) for key in self._groups)
 
-    def oom_kills(self, index: int) -> int:
+    def events(self, index: int) -> tuple[int, int]:
+        """(OOM kills, forks refused by pids.max) so far in env `index`'s cgroup."""
+        groups = self._made(index)
+        counts = []
+        for read, group in ((self.backend.oom_kills, groups[0]), (self.backend.pids_refused, groups[-1])):
+            try:
+                counts.append(read(group))
+            except OSError:
+                counts.append(0)
+        return counts[0], counts[1]
+
+    def tasks(self, index: int) -> int:
+        """Tasks still charged to env `index`: pids.current where there is a pids
+        controller (a zombie counts until it is reaped), else cgroup.procs."""
+        groups = self._made(index)
         try:
-            return self.backend.oom_kills(self.group(index))
+            if self.limits_pids:
+                return _read_int(groups[-1] / "pids.current")
+            return len((groups[0] / "cgroup.procs").read_text().split())
         except OSError:
             return 0
 
     def kill(self, index: int) -> None:
+        """SIGKILL everything in env `index`'s cgroup now (one round, no wait)."""
         if index in self._groups:
-            self.backend.kill(self._groups[index])
-
-    def reset(self, index: int, deadline: float) -> None:
-        """Empty env `index`'s cgroup and make it new (fresh counters) for a respawn."""
-        group = self._groups.pop(index, None)
-        if group is not None:
-            self.backend.kill(group)
-            _rmdir(group, deadline)
+            self.backend.kill(self._groups[index][0])
 
     def close(self, deadline: float) -> bool:
         """Kill what is left, remove every cgroup made; False if one would not go."""
         ok = True
-        for group in self._groups.values():
-            self.backend.kill(group)
-        for group in self._groups.values():
-            ok &= _rmdir(group, deadline)
+        for groups in self._groups.values():
+            self.backend.kill(groups[0])
+        for groups in self._groups.values():
+            for group in groups:
+                ok &= _rmdir(group, deadline)
         self._groups.clear()
-        return _rmdir(self.path, deadline) and ok
+        for path in (self.path, self.pids_path):
+            if path is not None:
+                ok &= _rmdir(path, deadline)
+        return ok

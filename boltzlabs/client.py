@@ -31,7 +31,7 @@ from boltzlabs import sources, wire
 from boltzlabs.cgroups import remove_pool_dir
 from boltzlabs.errors import EnvError, EnvStartError, PoolClosedError, SandboxUnavailable, WorkerError
 from boltzlabs.ids import uuid7
-from boltzlabs.sandbox import find_bwrap, parse_size
+from boltzlabs.sandbox import find_bwrap, load_policy, parse_size
 
 __all__ = ["RLPool", "Timing", "MemoryReport", "EnvContract"]
 
@@ -143,6 +143,9 @@ class RLPool:
       serialize_measurement: at most one env's step code runs at any instant.
       memory_limit: per-env memory limit (bytes or '512M'); an env over it is
         killed by the kernel and reported on its lane. Needs a memory cgroup.
+      limits: per-env limits overriding the policy's [env_limits] for this
+        pool, e.g. {"pids": 64, "open_files": 256, "file_size": "16M",
+        "straggler_grace": 2.0}; see docs/limits.md.
       workspace_size: size of each env's private tmpfs workspace.
       spawn: "template" (default) forks every env from one warm template
         that has already imported env.py: a fraction of the memory and
@@ -187,7 +190,8 @@ class RLPool:
 
     def __init__(self, source, n: int, *, step_timeout=None, serialize_measurement: bool = False,
                  memory_limit=None, workspace_size="64M", spawn: str = "template", start_timeout=None,
-                 progress=None, batch_size=None, worker=None, token=None, tls_ca=None, cluster=None, **params):
+                 progress=None, batch_size=None, limits=None, worker=None, token=None, tls_ca=None, cluster=None,
+                 **params):
         self._closed = True
         self._closed_reason = None
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
@@ -209,7 +213,9 @@ class RLPool:
             "memory_limit": parse_size(memory_limit) if memory_limit is not None else None,
             "workspace_size": parse_size(workspace_size),
             "spawn": spawn,
+            "limits": limits,
         }
+        load_policy().env_limits(limits, config["memory_limit"])  # a bad limit fails here, not in the worker
         if spawn not in ("template", "exec"):
             raise ValueError(f"spawn must be 'template' or 'exec', not {spawn!r}")
         if worker is None:
@@ -692,7 +698,7 @@ class RLPool:
 
 
 _POOL_OPTIONS = ("step_timeout", "serialize_measurement", "memory_limit", "workspace_size", "start_timeout",
-                 "progress", "batch_size", "worker", "token", "tls_ca", "cluster", "envs_per_node")
+                 "progress", "batch_size", "limits", "worker", "token", "tls_ca", "cluster", "envs_per_node")
 
 
 def _warn_pool_option_typos(params: dict) -> None:
@@ -751,7 +757,7 @@ class _LocalLink:
         return WorkerError(f"the boltzlabs worker (pid {self.proc.pid}) exited with code {self.proc.poll()}; "
                            f"its output:\n{tail or '(none)'}")
 
-    def shutdown(self, cgroup: str | None) -> None:
+    def shutdown(self, cgroup) -> None:
         """End the worker: ask, then insist. Runs once, from close(), GC or exit."""
         proc, conn = self.proc, self.conn
         try:
@@ -769,7 +775,7 @@ class _LocalLink:
                     pass
                 proc.wait()
                 if cgroup:
-                    remove_pool_dir(cgroup)
+                    remove_pool_dir(cgroup)  # a list: one per cgroup hierarchy
         finally:
             conn.close()
             self.stderr.close()

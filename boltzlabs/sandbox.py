@@ -21,6 +21,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from boltzlabs import limits as _limits
 from boltzlabs import seccomp
 from boltzlabs.errors import SandboxUnavailable
 from boltzlabs.identity import HostAccount
@@ -74,6 +75,10 @@ class Policy:
     def limits(self) -> dict:
         return self.sandbox["limits"]
 
+    def env_limits(self, overrides: dict | None = None, memory_limit=None) -> dict:
+        """[env_limits] with a pool's overrides, checked (boltzlabs.limits.resolve)."""
+        return _limits.resolve(self.sandbox.get("env_limits", {}), overrides, memory_limit)
+
 
 def load_policy() -> Policy:
     """Read the policy shipped with this installation."""
@@ -104,9 +109,10 @@ class SandboxSpec:
     """
 
     def __init__(self, policy: Policy, source_dir: Path, workspace_size: int, params: dict | None = None,
-                 account: HostAccount | None = None):
+                 account: HostAccount | None = None, limits: dict | None = None):
         self.policy = policy
         self.account = account
+        self.limits = policy.env_limits() if limits is None else limits
         # RLPool(source, n, **params), read in the env by boltzlabs.env.params().
         self.params_json = json.dumps(params or {}, sort_keys=True)
         self.source_dir = Path(source_dir).resolve()
@@ -231,9 +237,13 @@ class SandboxSpec:
         return {name: str(value).format(**self.values)
                 for name, value in self.policy.sandbox["environment"].items()}
 
-    def template_argv(self, channel_fd: int) -> list[str]:
-        """The command line of the warm template (spawn="template")."""
+    def template_argv(self, channel_fd: int, open_files: int = 0) -> list[str]:
+        """The command line of the warm template (spawn="template"). Each
+        child gets the env's rlimits; the template itself the same, except room
+        for `open_files` (it holds a pipe for each child being made)."""
         return self._template_head + [
+            "--setenv", _limits.VARIABLE, _limits.encode(self.limits),
+            "--setenv", "BOLTZLABS_TEMPLATE_RLIMITS", _limits.encode(self.limits, open_files),
             "--setenv", "BOLTZLABS_FD", str(channel_fd),
             "--setenv", "BOLTZLABS_WORKSPACE", self.workspace,
             "--setenv", "BOLTZLABS_WORKSPACE_SIZE", str(self.workspace_size),
@@ -246,10 +256,12 @@ class SandboxSpec:
         ]
 
     def argv(self, channel_fd: int, env_index: int) -> list[str]:
-        """The full command line of one env's sandbox."""
+        """The full command line of one env's sandbox. boltzlabs.limits sets
+        the env's rlimits, then runs env.py."""
         env_script = f"{self.values['env_dir']}/env.py"
         return self._head + [
+            "--setenv", _limits.VARIABLE, _limits.encode(self.limits),
             "--setenv", "BOLTZLABS_FD", str(channel_fd),
             "--setenv", "BOLTZLABS_ENV_INDEX", str(env_index),
-            "--", self.executable, *self.policy.sandbox["interpreter"]["flags"], env_script,
+            "--", self.executable, *self.policy.sandbox["interpreter"]["flags"], "-c", _limits.BOOTSTRAP, env_script,
         ]

@@ -167,7 +167,8 @@ class TemplateSpawner:
 
     def _start(self) -> None:
         worker = self.worker
-        argv = worker.spec.template_argv(CHANNEL_FD)
+        # Room for a pipe per child being made, beyond the env's file limit.
+        argv = worker.spec.template_argv(CHANNEL_FD, open_files=len(worker.envs) + 64)
 
         def start(channel_fd: int, log_w: int) -> None:
             filters = worker.spec.filters

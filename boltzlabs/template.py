@@ -60,7 +60,7 @@ import struct
 import sys
 import threading
 
-from boltzlabs import seccomp, wire
+from boltzlabs import limits, seccomp, wire
 
 FORK, KILL, FORKED, EXITED = 30, 31, 32, 33
 
@@ -191,6 +191,7 @@ def fork_server(serve_child, channel_fd: int) -> None:
     workspace = os.environ.pop("BOLTZLABS_WORKSPACE", "/workspace")
     size = int(os.environ.pop("BOLTZLABS_WORKSPACE_SIZE", str(64 << 20)))
     hostname = os.environ.pop("BOLTZLABS_HOSTNAME", "boltzlabs")
+    rlimits = os.environ.pop(limits.VARIABLE, "")
     _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "child subreaper")
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
@@ -247,7 +248,7 @@ def fork_server(serve_child, channel_fd: int) -> None:
             for message in reader.feed(data):
                 if message[0] == FORK and len(fds) == 2:
                     _, lane, generation = message
-                    intermediate, pid_r = _fork_child(serve_child, lane, fds, (workspace, size, hostname))
+                    intermediate, pid_r = _fork_child(serve_child, lane, fds, (workspace, size, hostname), rlimits)
                     fds = []  # closed by _fork_child
                     outbox += wire.encode([FORKED, lane, generation])
                     intermediates[intermediate] = (lane, generation)
@@ -309,7 +310,7 @@ def _receive(control: socket.socket):
     return data, list(fds)
 
 
-def _fork_child(serve_child, lane, fds, sandbox):
+def _fork_child(serve_child, lane, fds, sandbox, rlimits):
     """Fork the intermediate and return at once: (its pid, a pipe on which it
     writes the child's pid, in our pid namespace, or closes on failure).
 
@@ -325,7 +326,7 @@ def _fork_child(serve_child, lane, fds, sandbox):
             child = os.fork()
             if child == 0:
                 os.close(pid_w)
-                _child(serve_child, lane, fds, sandbox)
+                _child(serve_child, lane, fds, sandbox, rlimits)
             os.write(pid_w, struct.pack("i", child))
             code = 0
         except BaseException as exc:  # report, never return into the template's loop
@@ -338,7 +339,7 @@ def _fork_child(serve_child, lane, fds, sandbox):
     return intermediate, pid_r
 
 
-def _child(serve_child, lane, fds, sandbox) -> None:
+def _child(serve_child, lane, fds, sandbox, rlimits) -> None:
     """The env process. Becomes a sandbox, then serves. Never returns."""
     code = 1
     try:
@@ -350,6 +351,9 @@ def _child(serve_child, lane, fds, sandbox) -> None:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.closerange(4, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") < 1 << 20 else 1 << 16)
+        # The env's own rlimits: the template's file limit has room for the
+        # pipes it holds (closed above, before the limit drops below them).
+        limits.apply(rlimits)
         _finish_sandbox(*sandbox)
         seccomp.apply_child_filter()  # the env's full filter, before any env code
         serve_child(3)
@@ -368,6 +372,8 @@ def main(argv=None) -> None:
     import runpy
 
     argv = sys.argv[1:] if argv is None else argv
+    # Binding on env.py's import code and everything it starts (limits.py).
+    limits.apply(os.environ.pop("BOLTZLABS_TEMPLATE_RLIMITS", ""))
     flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
     hidden = os.environ.pop("BOLTZLABS_HIDDEN_PROC")
     _mount("proc", hidden, "proc", flags)

@@ -57,6 +57,17 @@ _ABANDONED = "start-up abandoned after another env failed"
 _READ_SIZE = 1 << 16
 
 
+def _exit_signal(status) -> int:
+    """The signal that ended a process, from its waitpid status (0: none).
+    bwrap reports a sandboxed process killed by signal S as exit 128+S."""
+    if not isinstance(status, int):
+        return 0
+    if os.WIFSIGNALED(status):
+        return os.WTERMSIG(status)
+    code = os.waitstatus_to_exitcode(status)
+    return code - 128 if code > 128 and code - 128 in signal.valid_signals() else 0
+
+
 def describe_exit(status: int) -> str:
     """Plain words for a waitpid status of a bwrap process."""
     if os.WIFSIGNALED(status):
@@ -72,7 +83,7 @@ class Env:
     """One lane: its sandbox process, channel, log and state."""
 
     __slots__ = ("index", "state", "pid", "chan", "logfd", "reader", "log", "seq",
-                 "out", "cause", "hello", "started", "oom_base", "generation", "expect",
+                 "out", "cause", "hello", "started", "events_base", "generation", "expect",
                  "flight", "result", "deadline", "done_at")
 
     def __init__(self, index: int, limits: wire.Limits):
@@ -86,7 +97,7 @@ class Env:
         self.cause = "not started"
         self.hello = None
         self.started = 0.0
-        self.oom_base = 0
+        self.events_base = (0, 0)  # the cgroup's (OOM kills, refused forks) at spawn
         self.generation = 0
         self.expect = None  # the reply code due for the request in flight
         self.flight = NONE  # the async axis: NONE, FLYING or FINISHED
@@ -134,6 +145,7 @@ class Worker:
         self.cgroups: CgroupPool | None = None
         self.account = None
         self.memory_note = ""
+        self.limits_note = ""
         self._seq = 0
         self._packer = msgpack.Packer(use_bin_type=True)
         # Async stepping: lanes FLYING, lanes FINISHED in the order they
@@ -147,6 +159,11 @@ class Worker:
         # deque is sorted and the earliest is at its head: O(1) per poll, not
         # O(lanes in flight). Entries of lanes that finished are dropped lazily.
         self.deadlines: collections.deque[tuple] = collections.deque()
+        # (kill time, lane, seq) of stragglers: a lane still busy with request
+        # seq at its kill time (deadline + straggler_grace) is killed. Sorted
+        # the same way (each is "now + grace" when set).
+        self.overdue: collections.deque[tuple] = collections.deque()
+        self.straggler_grace = float("inf")
 
     # -- configuration and start-up -------------------------------------------------
 
@@ -166,19 +183,27 @@ class Worker:
         self.start_timeout = float(config.get("start_timeout") or limits["start_timeout"])
         self.step_timeout = float(config.get("step_timeout") or limits["step_timeout"])
         self.gated = bool(config.get("serialize_measurement"))
-        self.memory_limit = config.get("memory_limit")
+        # Per env: [env_limits] of the policy, with the pool's overrides (docs/limits.md).
+        self.limits = self.policy.env_limits(config.get("limits"), config.get("memory_limit"))
+        self.memory_limit = self.limits.get("memory") or None
+        self.straggler_grace = self.limits.get("straggler_grace", float("inf"))
         self.account = host_account(self.policy.sandbox.get("identity", {}))
         self.spec = SandboxSpec(self.policy, config["source_dir"], int(config["workspace_size"]),
-                                config.get("params") or {}, self.account)
+                                config.get("params") or {}, self.account, self.limits)
         n = int(config["n"])
         _raise_fd_limit(n)
         try:
-            self.cgroups = CgroupPool(self.memory_limit)
+            self.cgroups = CgroupPool(self.memory_limit, self.limits.get("pids"))
+            if self.limits.get("pids") and not self.cgroups.limits_pids:
+                self.limits_note = (f"no writable pids cgroup here: the per-env pids limit "
+                                    f"({self.limits['pids']} tasks) is not enforced")
             self.memory_source = f"cgroup {self.cgroups.version} working set (usage - inactive file), kernel memory included"
         except CgroupUnavailable as exc:
             self.cgroups = None
             self.memory_source = "psutil PSS of each sandbox's processes (no writable memory cgroup)"
             self.memory_note = f"no cgroup memory accounting: {exc}; envs_per_gb() uses PSS instead"
+            if self.limits.get("pids"):
+                self.limits_note = f"no cgroups here: the per-env pids limit ({self.limits['pids']} tasks) is not enforced"
             if self.memory_limit:
                 raise ValueError(f"memory_limit needs a writable memory cgroup, and this host has none ({exc})")
         self.envs = [Env(i, self.env_limits) for i in range(n)]
@@ -199,11 +224,11 @@ class Worker:
             "n": n,
             "memory_source": self.memory_source,
             "memory_note": self.memory_note,
-            "cgroup": str(self.cgroups.path) if self.cgroups else None,
+            "cgroup": self.cgroups.paths if self.cgroups else None,
             "hello": self.envs[0].hello,
             "step_timeout": self.step_timeout,
             "spawn": self.spawner.kind,
-            "warning": self.warning,
+            "warning": "\n".join(note for note in (self.warning, self.limits_note) if note),
         }
 
     def _spawn(self, env: Env) -> None:
@@ -212,7 +237,8 @@ class Worker:
             self.spawner = TemplateSpawner(self)  # the last one died; a new one for respawns
         env.generation += 1
         if self.cgroups is not None:
-            env.oom_base = self.cgroups.oom_kills(env.index)
+            self._settle(env)
+            env.events_base = self.cgroups.events(env.index)
         self.spawner.spawn(env)  # sets env.chan, env.logfd (and env.pid when known)
         os.set_blocking(env.chan, False)
         os.set_blocking(env.logfd, False)
@@ -227,6 +253,16 @@ class Worker:
             self.handlers[fd] = (kind, env)
         if self.spawner.kind == "template":
             self.spawner.deliver_exits()  # exits read while waiting for the fork
+
+    def _settle(self, env: Env) -> None:
+        """Before env's sandbox is (re)spawned into its cgroup: wait until the
+        tasks of its last one are gone, killing any still there. They count
+        against pids.max until reaped (exec mode's bwrap is reaped by this
+        loop), and a fork bomb's leftovers would refuse the new sandbox's forks."""
+        deadline = time.monotonic() + 5.0
+        while self.cgroups.tasks(env.index) and time.monotonic() < deadline:
+            self.cgroups.kill(env.index)
+            self._poll(0.005)
 
     def watch(self, fd: int, callback, arg) -> None:
         """Call `callback(arg)` whenever fd is readable (for the spawners)."""
@@ -280,7 +316,12 @@ class Worker:
     # -- the event loop -------------------------------------------------------------
 
     def _poll(self, timeout: float) -> None:
-        """One round of epoll: read every ready fd, handle what arrived."""
+        """One round of epoll: read every ready fd, handle what arrived; then
+        kill the stragglers past their grace (waking up in time for them)."""
+        overdue = self.overdue
+        if overdue:
+            due = max(0.0, overdue[0][0] - time.monotonic())
+            timeout = due if timeout is None or timeout < 0 else min(timeout, due)
         for fd, events in self.epoll.poll(timeout):
             kind, env = self.handlers.get(fd, (None, None))
             if kind == "chan":
@@ -294,6 +335,23 @@ class Worker:
                 env[0](env[1])
             elif kind == "client":
                 self._read_client()
+        if overdue:
+            self._kill_overdue()
+
+    def _straggling(self, env: Env) -> None:
+        """env missed its deadline and is still running: it has straggler_grace
+        seconds more to answer, then it is killed (its CPU time is bounded)."""
+        self.overdue.append((time.monotonic() + self.straggler_grace, env.index, env.seq))
+
+    def _kill_overdue(self) -> None:
+        now = time.monotonic()
+        overdue = self.overdue
+        while overdue and overdue[0][0] <= now:
+            _, index, seq = overdue.popleft()
+            env = self.envs[index]
+            if env.state == BUSY and env.seq == seq:
+                self._kill(env, f"killed: still running {self.straggler_grace:g} s after missing its deadline "
+                                f"of {self.step_timeout:g} s (limits.straggler_grace)")
 
     def _read_client(self) -> None:
         try:
@@ -412,10 +470,25 @@ class Worker:
             return
         self._drain_log(env)
         if not cause:
-            cause = describe_exit(status)
-            if self.cgroups is not None and self.cgroups.oom_kills(env.index) > env.oom_base:
-                cause = f"was killed by the kernel's OOM killer (over memory_limit={self.memory_limit} bytes); {cause}"
+            cause = describe_exit(status) + self._limits_hit(env, status)
         self._release(env, f"died: {cause}")
+
+    def _limits_hit(self, env: Env, status) -> str:
+        """What limit an env that died had hit, by name ('' if none is known)."""
+        notes = []
+        if self.cgroups is not None:
+            oom, refused = (now - base for now, base in zip(self.cgroups.events(env.index), env.events_base))
+            if oom > 0:
+                notes.append(f"OOM: killed by the kernel's OOM killer over its memory limit "
+                             f"(memory_limit={self.memory_limit} bytes)")
+            if refused > 0:
+                notes.append(f"pids limit: {refused} fork(s) refused at its limit of {self.limits['pids']} tasks")
+        signum = _exit_signal(status)
+        if signum == signal.SIGXFSZ:
+            notes.append(f"file size limit: it wrote past limits.file_size={self.limits.get('file_size')} bytes")
+        elif signum == signal.SIGXCPU:
+            notes.append("CPU time limit (RLIMIT_CPU)")
+        return "".join(f"; {note}" for note in notes)
 
     def _release(self, env: Env, cause: str) -> None:
         """Mark env DEAD with `cause`; close its fds; the op stops waiting for it."""
@@ -537,6 +610,8 @@ class Worker:
         if op.waiting:  # ungated steps, and resets (which the gate does not serialize)
             self._wait(op, time.monotonic() + self.step_timeout)
             stragglers.extend(op.waiting)
+            for index in op.waiting:
+                self._straggling(self.envs[index])
         self.op = None
         rewards = array.array("d", bytes(8 * n))
         terminated = bytearray(n)
@@ -754,6 +829,7 @@ class Worker:
                 continue
             self._finish(env, (None, 0.0, False, True,
                                {"straggler": True, "error": f"missed the step deadline of {self.step_timeout:g} s"}))
+            self._straggling(env)
 
     def _advance_gate(self) -> None:
         """Give the gate to the next queued lane when nobody holds it."""
@@ -820,6 +896,8 @@ class Worker:
             self._write(env, wire.encode([wire.RESET, seq, seed, options]))
         self._wait(op, time.monotonic() + self.step_timeout)
         self.op = None
+        for index in op.waiting:
+            self._straggling(self.envs[index])
         obs, infos = [], []
         for env in envs:
             result = op.results.get(env.index)
@@ -852,6 +930,8 @@ class Worker:
                 self._write(env, wire.encode([wire.RENDER, seq]))
         self._wait(op, time.monotonic() + self.step_timeout)
         self.op = None
+        for index in op.waiting:
+            self._straggling(self.envs[index])
         frames, errors = [], {}
         for index in indices:
             result = op.results.get(index)
