@@ -293,17 +293,33 @@ Each problem comes with the exact command that fixes it.""")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON only")
     parser.add_argument("-n", type=_positive_int, default=1000, metavar="N",
                         help="the pool size to plan the fd limit for (default 1000)")
+    parser.add_argument("--ray", metavar="ADDRESS", default=None,
+                        help="run the checks on every node of this Ray cluster ('auto' for the running one) "
+                             "instead of here (needs boltzlabs[ray])")
     parser.set_defaults(run=_run_doctor)
 
 
 def _run_doctor(args) -> int:
-    from boltzlabs.doctor import run_checks
+    from boltzlabs.doctor import Finding, run_checks
 
-    findings = run_checks(args.n)
-    failed = any(f.status == "fail" for f in findings)
-    if args.json:
-        print(json.dumps({"ok": not failed, "findings": [f.to_dict() for f in findings]}, indent=2))
+    if args.ray:
+        from boltzlabs.cluster import doctor
+
+        nodes = [(report["node"], [Finding(**f) for f in report["findings"]])
+                 for report in doctor(args.ray, args.n)]
     else:
+        nodes = [(None, run_checks(args.n))]
+    failed = any(f.status == "fail" for _, findings in nodes for f in findings)
+    if args.json:
+        if args.ray:
+            body = {"nodes": [{"node": node, "findings": [f.to_dict() for f in findings]} for node, findings in nodes]}
+        else:
+            body = {"findings": [f.to_dict() for f in nodes[0][1]]}
+        print(json.dumps({"ok": not failed, **body}, indent=2))
+        return EXIT_PROBLEM if failed else EXIT_OK
+    for node, findings in nodes:
+        if node is not None:
+            print(f"\n== node {node}")
         print(_summary(print_findings(findings, width=max(len(f.name) for f in findings))))
     return EXIT_PROBLEM if failed else EXIT_OK
 

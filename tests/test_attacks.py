@@ -4,6 +4,7 @@ attack is refused and the pool stays healthy; both spawn modes."""
 
 import errno
 import os
+from pathlib import Path
 
 import psutil
 import pytest
@@ -54,6 +55,12 @@ def step(action):
         out = attempt(lambda: sorted(os.listdir(action["path"])))
     elif op == "write":
         out = attempt(lambda: open(action["path"], "w").write("1"))
+    elif op == "plant":  # symlinks in the workspace to host paths, then writes through them
+        links = {}
+        for name, target in action["links"].items():
+            os.symlink(target, name)
+            links[name] = attempt(lambda: open(os.path.join(name, "x") if action.get("dirs") else name, "w").write("pwned"))
+        out = links
     else:
         raise KeyError(op)
     return {"alive": True, "out": out}, 0.0, False, {}
@@ -141,4 +148,29 @@ def test_proc_holds_no_host_secrets(attack, path):
 def test_proc_writes_that_reach_the_kernel_are_refused(attack, path):
     _, run = attack
     out = run({"op": "write", "path": path})
-    assert out.get("errno") in (errno.EACCES, errno.EROFS, errno.EPERM), out
+    # ENOENT: a proc mounted from the env's own user namespace has no sysrq-trigger at all.
+    assert out.get("errno") in (errno.EACCES, errno.EROFS, errno.EPERM, errno.ENOENT), out
+
+
+def test_symlinks_planted_in_the_workspace_are_never_followed_by_the_host(attack, tmp_path):
+    """The workspace is a tmpfs in the sandbox's own mount namespace: no host
+    path leads into it, so nothing on the host (close, hard reset, cleanup)
+    ever resolves a path the env planted. Writes through the links inside
+    fail: their targets are not mounted in the sandbox."""
+    pool, run = attack
+    secret = tmp_path / "secret"
+    secret.write_text("host data")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    out = run({"op": "plant", "links": {"to-secret": str(secret), "to-passwd": "/etc/passwd",
+                                         "to-proc-root": "/proc/1/root/etc/hostname"}})
+    assert out["to-secret"] == {"errno": errno.ENOENT}
+    assert "ok" not in out["to-passwd"] and "ok" not in out["to-proc-root"], out
+    out = run({"op": "plant", "dirs": True, "links": {"to-tmp": str(tmp_path), "to-root": "/"}})
+    assert all("ok" not in result for result in out.values()), out
+    mounts = Path("/proc/self/mountinfo").read_text() + Path(f"/proc/{pool._proc.pid}/mountinfo").read_text()
+    assert "/workspace" not in mounts  # no host path reaches any env's workspace
+    pool.reset(hard=True)
+    pool.close()
+    assert secret.read_text() == "host data"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert Path("/etc/passwd").read_text().startswith("root:")

@@ -205,3 +205,14 @@ def test_doctor_runs_on_every_node(cluster):
     for report in reports:
         names = {f["name"]: f["status"] for f in report["findings"]}
         assert names["bwrap sandbox"] == "ok"
+
+
+def test_doctor_command_runs_on_the_cluster(cluster):
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "boltzlabs", "doctor", "--ray", cluster.address, "-n", "10", "--json"],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout)
+    assert report["ok"] and len(report["nodes"]) >= 2
