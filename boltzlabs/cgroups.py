@@ -239,8 +239,9 @@ def remove_pool_dir(path, timeout: float = 5.0) -> bool:
     return _rmdir(pool, deadline) and ok
 
 
-def _rmdir(path: Path, deadline: float = 0.0) -> bool:
-    """Remove a cgroup, killing what is in it until it is empty (or deadline)."""
+def _rmdir(path: Path, deadline: float = 0.0, reap=None) -> bool:
+    """Remove a cgroup, killing what is in it until it is empty (or deadline).
+    `reap()` reaps the caller's exited children: a zombie keeps a cgroup busy."""
     while True:
         try:
             path.rmdir()
@@ -251,6 +252,8 @@ def _rmdir(path: Path, deadline: float = 0.0) -> bool:
             if exc.errno != errno.EBUSY or time.monotonic() >= deadline:
                 return False
             _Backend.kill(None, path)  # forked since the last round: kill again
+            if reap is not None:
+                reap()
             time.sleep(0.005)
 
 
@@ -369,16 +372,17 @@ class CgroupPool:
         if index in self._groups:
             self.backend.kill(self._groups[index][0])
 
-    def close(self, deadline: float) -> bool:
-        """Kill what is left, remove every cgroup made; False if one would not go."""
+    def close(self, deadline: float, reap=None) -> bool:
+        """Kill what is left, remove every cgroup made; False if one would not go.
+        `reap()`, if given, reaps the caller's exited children between tries."""
         ok = True
         for groups in self._groups.values():
             self.backend.kill(groups[0])
         for groups in self._groups.values():
             for group in groups:
-                ok &= _rmdir(group, deadline)
+                ok &= _rmdir(group, deadline, reap)
         self._groups.clear()
         for path in (self.path, self.pids_path):
             if path is not None:
-                ok &= _rmdir(path, deadline)
+                ok &= _rmdir(path, deadline, reap)
         return ok

@@ -179,6 +179,7 @@ class ClusterPool:
                 raise ValueError(f"RLPool(cluster=...) places its own workers; do not pass {name}=")
         self.n = int(n)
         self.source = str(source)
+        kwargs.pop("progress", None)  # each node's pool starts quietly
         self._kwargs = kwargs
         self._envs_per_node = envs_per_node
         self._token = secrets.token_urlsafe(24)
@@ -486,6 +487,62 @@ class ClusterPool:
                     out[lane] = pids[local]
         self._index()
         return out
+
+    def _per_lane(self, call, missing) -> list:
+        """call(pool) on every live node concurrently, joined into lane order."""
+        self._check_open()
+        results = self._fan_out({shard: call for shard in self._live()})
+        out = [missing] * self.n
+        for shard, values in results.items():
+            if isinstance(values, list):
+                for local, lane in enumerate(shard.lanes):
+                    out[lane] = values[local]
+        self._index()
+        return out
+
+    def states(self) -> list:
+        """Each lane's state (RLPool.states); 'lost' for a lane whose node was lost."""
+        return self._per_lane(lambda pool: pool.states(), "lost")
+
+    def lane_states(self) -> list:
+        """Each lane's async state (RLPool.lane_states); 'lost' for a lost node's lanes."""
+        return self._per_lane(lambda pool: pool.lane_states(), "lost")
+
+    def _locate(self, index) -> tuple:
+        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < self.n:
+            raise ValueError(f"env index must be in [0, {self.n}); got {index!r}")
+        if int(index) not in self._lane_shard:
+            raise WorkerError(f"env {index}: {self._lost_lane(int(index))}")
+        return self._lane_shard[int(index)]
+
+    def log(self, index: int) -> str:
+        """The tail of env `index`'s output (RLPool.log), from its node."""
+        self._check_open()
+        shard, local = self._locate(index)
+        return shard.pool.log(local)
+
+    def render(self, env_index: int = 0):
+        """Env `env_index`'s frame (RLPool.render), from its node."""
+        self._check_open()
+        shard, local = self._locate(env_index)
+        return shard.pool.render(local)
+
+    @property
+    def reset_infos(self) -> list:
+        """Each lane's latest reset info (RLPool.reset_infos)."""
+        out = [None] * self.n
+        for shard in self._live():
+            for local, lane in enumerate(shard.lanes):
+                out[lane] = shard.pool.reset_infos[local]
+        return out
+
+    def shutdown(self, reason: str = "owner shutdown") -> bool:
+        """Ask every node's worker to stop its share now (RLPool.shutdown), then close."""
+        if self._closed:
+            return False
+        results = self._fan_out({shard: (lambda pool: pool.shutdown(reason)) for shard in self._live()})
+        self.close()
+        return all(result is True for result in results.values())
 
     @property
     def lane_nodes(self) -> list:

@@ -62,6 +62,36 @@ def _charged_to(worker, key, pid: int = 0, home=None):
     return worker.cgroups.moving(pid, key, home)
 
 
+# Every process this worker started itself and will reap through its pidfd.
+# The worker is a child subreaper (worker.main), so it also adopts the
+# orphans of killed sandboxes (an exec sandbox's inner bwrap, once the outer
+# one is gone): reap_orphans() reaps those and leaves these alone.
+SPAWNED: set[int] = set()
+
+
+def reap_orphans() -> None:
+    """Reap every exited child that is not one of SPAWNED (adopted orphans).
+
+    A zombie stays in its cgroup's pids count until reaped, and a host init
+    may reap slowly; a respawn into that cgroup would wait for it.
+    """
+    while True:
+        try:
+            info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if info is None or info.si_pid in SPAWNED:
+            return  # nothing exited, or ours: its pidfd handler reaps it (with its status)
+        try:
+            os.waitpid(info.si_pid, 0)
+        except ChildProcessError:
+            return
+
+
+def _reaped(pid: int) -> None:
+    SPAWNED.discard(pid)
+
+
 def _posix_spawn(argv, channel_fd: int, log_w: int, programs: dict) -> int:
     """Start bwrap with the channel on fd 3, the log pipe on 1 and 2, and each
     seccomp program of `programs` ({fd number: BPF bytes}) on its fd."""
@@ -73,7 +103,9 @@ def _posix_spawn(argv, channel_fd: int, log_w: int, programs: dict) -> int:
             (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
         ] + [(os.POSIX_SPAWN_DUP2, stack.enter_context(seccomp.program_fd(program)), target)
              for target, program in programs.items()]
-        return os.posix_spawn(argv[0], argv, {}, file_actions=actions)
+        pid = os.posix_spawn(argv[0], argv, {}, file_actions=actions)
+        SPAWNED.add(pid)
+        return pid
 
 
 class ExecSpawner:
@@ -106,7 +138,9 @@ class ExecSpawner:
         self.worker.unwatch(pidfd)
         os.close(pidfd)
         try:
-            _, status = os.waitpid(env.pid, os.WNOHANG)
+            pid, status = os.waitpid(env.pid, os.WNOHANG)
+            if pid:
+                _reaped(pid)
         except ChildProcessError:
             status = 0
         self.worker.on_exit(env, status)
@@ -129,7 +163,8 @@ class ExecSpawner:
         self.worker.unwatch(pidfd)
         os.close(pidfd)
         try:
-            os.waitpid(pid, os.WNOHANG)
+            if os.waitpid(pid, os.WNOHANG)[0]:
+                _reaped(pid)
         except ChildProcessError:
             pass
 
@@ -341,7 +376,8 @@ class TemplateSpawner:
             pass
         select.select([self.pidfd], [], [], max(0.0, deadline - time.monotonic()))
         try:
-            os.waitpid(self.bwrap_pid, os.WNOHANG)
+            if os.waitpid(self.bwrap_pid, os.WNOHANG)[0]:
+                _reaped(self.bwrap_pid)
         except ChildProcessError:
             pass
         os.close(self.pidfd)

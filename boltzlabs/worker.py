@@ -43,7 +43,8 @@ from boltzlabs import wire
 from boltzlabs.cgroups import CgroupPool, CgroupUnavailable
 from boltzlabs.identity import host_account
 from boltzlabs.sandbox import SandboxSpec, load_policy
-from boltzlabs.spawn import TEMPLATE_LANE, ExecSpawner, TemplateSpawner, TemplateUnavailable, receive_hello
+from boltzlabs.spawn import (TEMPLATE_LANE, ExecSpawner, TemplateSpawner, TemplateUnavailable, reap_orphans,
+                             receive_hello)
 
 # Env lane states (the sandbox's side). A lane is in exactly one.
 STARTING, IDLE, BUSY, DEAD = "starting", "idle", "busy", "dead"
@@ -263,6 +264,7 @@ class Worker:
         while self.cgroups.tasks(env.index) and time.monotonic() < deadline:
             self.cgroups.kill(env.index)
             self._poll(0.005)
+            reap_orphans()
 
     def watch(self, fd: int, callback, arg) -> None:
         """Call `callback(arg)` whenever fd is readable (for the spawners)."""
@@ -992,7 +994,7 @@ class Worker:
         if self.spawner is not None:
             self.spawner.close(deadline)
         if self.cgroups is not None:
-            self.cgroups.close(deadline)
+            self.cgroups.close(deadline, reap_orphans)
             self.cgroups = None
         if self.account is not None:
             self.account.close()
@@ -1140,12 +1142,18 @@ def _terminate(signum, frame):
     raise ClientGone
 
 
-def _die_with(parent: int) -> None:
-    """SIGKILL us if `parent` dies (then bwrap's --die-with-parent ends every sandbox)."""
+_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
+
+
+def _prctl(option: int, value: int) -> None:
     import ctypes
 
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+
+
+def _die_with(parent: int) -> None:
+    """SIGKILL us if `parent` dies (then bwrap's --die-with-parent ends every sandbox)."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if parent and os.getppid() != parent:  # it died before the prctl
         os._exit(1)
 
@@ -1167,6 +1175,9 @@ def main(argv=None) -> int:
     if args.remote:
         remote = {"source_dir": args.source_dir, "max_envs": args.max_envs, "max_frame": args.max_frame}
         _die_with(args.parent)
+    # Orphans of killed sandboxes (an exec sandbox's inner bwrap) come to us,
+    # not to a host init that may reap them late: reap_orphans() takes them.
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     # SIGTERM (the listener stopping, a service manager) ends the pool cleanly.
     signal.signal(signal.SIGTERM, _terminate)
     worker = Worker(conn, remote)

@@ -216,3 +216,14 @@ def test_doctor_command_runs_on_the_cluster(cluster):
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
     assert report["ok"] and len(report["nodes"]) >= 2
+
+
+def test_per_lane_calls_and_shutdown(cluster):
+    pool = RLPool(PROBE, 4, cluster=cluster.address, envs_per_node=2, progress=True)
+    pool.reset(seed=0)
+    assert pool.states() == ["idle"] * 4 and pool.lane_states() == ["idle"] * 4
+    assert "reset called" in pool.log(3)
+    assert all(info is not None for info in pool.reset_infos)
+    pids = pool.pids()
+    assert pool.shutdown("preempted") is True and pool.closed
+    wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), "sandboxes outlived shutdown()")
