@@ -205,9 +205,12 @@ EXPECTED = {
     "int80_getpid": errno.ENOSYS, "x32_getpid": errno.ENOSYS,
     "socket_unix": 0, "personality_query_linux": 0, "tcgets": 0,
 }
+
+
 @pytest.fixture(scope="module")
 def env_source(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("seccomp_env")
+    directory.chmod(0o755)  # mktemp's 0700 would hide it from the sandboxes' account
     (directory / "env.py").write_text(ENV_SOURCE)
     return directory
 
