@@ -70,7 +70,8 @@ def run_checks(n: int = 1000) -> list[Finding]:
     """Every host check, in order; `n` is the pool size the fd check plans for."""
     findings = []
     bwrap = shutil.which("bwrap")
-    checks = (("bwrap", lambda: _bwrap(bwrap)), ("user namespaces", _userns), ("sandbox", lambda: _sandbox(bwrap)),
+    checks = (("bwrap", lambda: _bwrap(bwrap)), ("user namespaces", _userns), ("seccomp", _seccomp),
+              ("sandbox", lambda: _sandbox(bwrap)),
               ("cgroup version", _cgroup_version), ("memory cgroup", _memory_cgroup),
               ("pids cgroup", _pids_cgroup), ("fd limit", lambda: _fd_limit(n)), ("versions", _versions))
     for name, check in checks:
@@ -125,6 +126,18 @@ def _sysctl(name: str) -> str | None:
 def _persist(name: str, value) -> str:
     return (f"sudo sysctl -w {name}={value} && "
             f"echo '{name} = {value}' | sudo tee /etc/sysctl.d/60-boltzlabs.conf")
+
+
+def _seccomp() -> list[Finding]:
+    from boltzlabs import seccomp
+    from boltzlabs.errors import SandboxUnavailable
+
+    try:
+        filters = seccomp.compile_policy()
+    except SandboxUnavailable as exc:
+        return [Finding("seccomp", FAIL, str(exc), "sudo apt-get install -y libseccomp2 && pip install pyseccomp")]
+    return [Finding("seccomp", OK, f"sandbox/seccomp.toml compiles: {len(filters.env) // 8} BPF instructions "
+                                   f"for envs, {len(filters.template) // 8} for the template")]
 
 
 def _userns() -> list[Finding]:
