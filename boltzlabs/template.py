@@ -17,9 +17,9 @@ pristine state: a hard reset is "kill the child, fork another".
 
 Each child becomes its own sandbox before any env code runs in it:
 
-    template --clone(NEWUSER|NEWNS|NEWPID|NEWNET|NEWIPC|NEWUTS|NEWCGROUP)-->
+    template --clone(NEWUSER|NEWPID)-->
         child: pid 1 of its pid namespace; writes its own uid/gid maps;
-               mounts its own tmpfs workspace, /dev/shm and /proc, lo up,
+               unshare(NS|NET|IPC|UTS|CGROUP); mounts its own tmpfs workspace, /dev/shm and /proc, lo up,
                hostname, no more user namespaces, every capability dropped,
                the env's full seccomp filter loaded; then serves on its channel
     the template, its parent (and a child subreaper), reaps it.
@@ -35,14 +35,17 @@ Kernel facts this depends on:
   nobody can reach the template's.
 - sysctl writes are checked against the writer's uid, not its capabilities,
   so each child's /proc/sys is bound read-only.
-- One clone() with every namespace flag makes the child pid 1 of a new pid
-  namespace, with no intermediate process (unshare(CLONE_NEWPID) would move
-  only the caller's future children, costing a second fork and an exit per
-  env: most of a hard reset's time is the kernel copying and tearing down
-  address spaces, see docs/hard-reset.md). The kernel makes the user
-  namespace first and the others owned by it, as unshare() does. A process
-  may write its own uid/gid maps when the single id it maps to is the euid
-  that created the namespace, so the child needs nothing from the template.
+- clone(CLONE_NEWUSER | CLONE_NEWPID) makes the child pid 1 of a new pid
+  namespace owned by its new user namespace, with no intermediate process
+  (unshare(CLONE_NEWPID) would move only the caller's future children,
+  costing a second fork and an exit per env: most of a hard reset's time
+  is the kernel copying and tearing down address spaces, see
+  docs/hard-reset.md). The child, with every capability in its user
+  namespace, unshares the others itself, so they are owned by it as well;
+  that work (a network namespace costs most) then runs in the children in
+  parallel, not in the template's one-at-a-time loop. A process may write
+  its own uid/gid maps when the single id it maps to is the euid that
+  created the namespace, so the child needs nothing from the template.
 - Python has no clone(): the raw system call is made through ctypes with the
   interpreter's own fork hooks around it (PyOS_BeforeFork and friends, as
   os.fork does), like bubblewrap's raw_clone(). Only the tid glibc caches
@@ -144,11 +147,10 @@ def _write_id_maps(inside: tuple, outside: tuple) -> None:
 
 
 def _clone_sandbox() -> int:
-    """fork() into a new namespace of every kind: 0 in the child, its pid here."""
+    """fork() into a new user and pid namespace: 0 in the child, its pid here."""
     if _SYS_CLONE is None:
         raise OSError(errno.ENOSYS, f"clone() is not wired up for {os.uname().machine}")
-    flags = (_CLONE_NEWUSER | _CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS
-             | _CLONE_NEWCGROUP | signal.SIGCHLD)
+    flags = _CLONE_NEWUSER | _CLONE_NEWPID | signal.SIGCHLD
     ctypes.pythonapi.PyOS_BeforeFork()
     pid = _syscall(ctypes.c_long(_SYS_CLONE), ctypes.c_long(flags), ctypes.c_long(0), ctypes.c_long(0),
                    ctypes.c_long(0), ctypes.c_long(0))
@@ -158,7 +160,7 @@ def _clone_sandbox() -> int:
         return 0
     ctypes.pythonapi.PyOS_AfterFork_Parent()
     if pid < 0:
-        raise OSError(err, f"clone into new namespaces: {os.strerror(err)}")
+        raise OSError(err, f"clone into a new user and pid namespace: {os.strerror(err)}")
     return pid
 
 
@@ -337,6 +339,8 @@ def _child(serve_child, lane, fds, sandbox, rlimits, outside) -> None:
     code = 1
     try:
         _write_id_maps((0, 0), outside)  # root inside, the template outside
+        _check(_libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS | _CLONE_NEWCGROUP),
+               "unshare namespaces")
         os.environ["BOLTZLABS_ENV_INDEX"] = str(lane)
         channel, log = fds
         os.dup2(log, 1)
