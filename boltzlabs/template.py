@@ -19,9 +19,10 @@ Each child becomes its own sandbox before any env code runs in it:
 
     template --clone(NEWUSER|NEWPID)-->
         child: pid 1 of its pid namespace; writes its own uid/gid maps;
-               unshare(NS|NET|IPC|UTS|CGROUP); mounts its own tmpfs workspace, /dev/shm and /proc, lo up,
-               hostname, no more user namespaces, every capability dropped,
-               the env's full seccomp filter loaded; then serves on its channel
+               unshare(NS|NET|IPC|UTS|CGROUP); mounts its own tmpfs
+               workspace, /dev/shm and /proc, lo up, hostname, no more
+               user namespaces, every capability dropped, the env's full
+               seccomp filter loaded; then serves on its channel
     the template, its parent (and a child subreaper), reaps it.
 
 Kernel facts this depends on:
@@ -48,8 +49,10 @@ Kernel facts this depends on:
   created the namespace, so the child needs nothing from the template.
 - Python has no clone(): the raw system call is made through ctypes with the
   interpreter's own fork hooks around it (PyOS_BeforeFork and friends, as
-  os.fork does), like bubblewrap's raw_clone(). Only the tid glibc caches
-  is stale in the child; glibc's raise() asks the kernel instead.
+  os.fork does), like bubblewrap's raw_clone(). glibc's atfork handlers do
+  not run and the thread id it caches is the template's in the child; the
+  template has one thread, and raise() asks the kernel for the tid (checked
+  on glibc 2.36).
 - When the template dies, bwrap's init exits and the kernel kills its whole
   pid namespace, nested ones included: no child outlives its template.
 
@@ -149,7 +152,7 @@ def _write_id_maps(inside: tuple, outside: tuple) -> None:
 def _clone_sandbox() -> int:
     """fork() into a new user and pid namespace: 0 in the child, its pid here."""
     if _SYS_CLONE is None:
-        raise OSError(errno.ENOSYS, f"clone() is not wired up for {os.uname().machine}")
+        raise OSError(errno.ENOSYS, f"no clone() number known for {os.uname().machine}: use spawn=\"exec\"")
     flags = _CLONE_NEWUSER | _CLONE_NEWPID | signal.SIGCHLD
     ctypes.pythonapi.PyOS_BeforeFork()
     pid = _syscall(ctypes.c_long(_SYS_CLONE), ctypes.c_long(flags), ctypes.c_long(0), ctypes.c_long(0),
@@ -320,9 +323,9 @@ def _receive(control: socket.socket):
 
 
 def _fork_child(serve_child, lane, fds, sandbox, rlimits) -> int:
-    """Clone the env's child, already in its own namespaces; returns its pid.
-    The template is in the env's cgroup meanwhile (the worker moves it), so
-    the child and its namespaces are charged there."""
+    """Clone the env's child into a new user and pid namespace (it makes the
+    others); returns its pid. The template is in the env's cgroup meanwhile
+    (the worker moves it), so the child and its namespaces are charged there."""
     outside = (os.geteuid(), os.getegid())  # in the child these read as the overflow ids
     try:
         pid = _clone_sandbox()
