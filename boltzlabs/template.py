@@ -17,14 +17,13 @@ pristine state: a hard reset is "kill the child, fork another".
 
 Each child becomes its own sandbox before any env code runs in it:
 
-    template --fork--> intermediate: unshare(USER), uid/gid maps,
-                       unshare(NS|PID|NET|IPC|UTS|CGROUP)
-                   --fork--> child: pid 1 of its pid namespace; mounts its
-                       own tmpfs workspace, /dev/shm and /proc, lo up,
-                       hostname, no more user namespaces, every capability
-                       dropped, the env's full seccomp filter loaded; then
-                       serves on its channel
-    the intermediate exits; the template, a child subreaper, reaps the child.
+    template --clone(NEWUSER|NEWPID)-->
+        child: pid 1 of its pid namespace; writes its own uid/gid maps;
+               unshare(NS|NET|IPC|UTS|CGROUP); mounts its own tmpfs
+               workspace, /dev/shm and /proc, lo up, hostname, no more
+               user namespaces, every capability dropped, the env's full
+               seccomp filter loaded; then serves on its channel
+    the template, its parent (and a child subreaper), reaps it.
 
 Kernel facts this depends on:
 - A nested user namespace may mount a fresh proc only if its mount namespace
@@ -37,8 +36,23 @@ Kernel facts this depends on:
   nobody can reach the template's.
 - sysctl writes are checked against the writer's uid, not its capabilities,
   so each child's /proc/sys is bound read-only.
-- unshare(CLONE_NEWPID) moves only the caller's future children into the
-  new pid namespace, hence the second fork.
+- clone(CLONE_NEWUSER | CLONE_NEWPID) makes the child pid 1 of a new pid
+  namespace owned by its new user namespace, with no intermediate process
+  (unshare(CLONE_NEWPID) would move only the caller's future children,
+  costing a second fork and an exit per env: most of a hard reset's time
+  is the kernel copying and tearing down address spaces, see
+  docs/hard-reset.md). The child, with every capability in its user
+  namespace, unshares the others itself, so they are owned by it as well;
+  that work (a network namespace costs most) then runs in the children in
+  parallel, not in the template's one-at-a-time loop. A process may write
+  its own uid/gid maps when the single id it maps to is the euid that
+  created the namespace, so the child needs nothing from the template.
+- Python has no clone(): the raw system call is made through ctypes with the
+  interpreter's own fork hooks around it (PyOS_BeforeFork and friends, as
+  os.fork does), like bubblewrap's raw_clone(). glibc's atfork handlers do
+  not run and the thread id it caches is the template's in the child; the
+  template has one thread, and raise() asks the kernel for the tid (checked
+  on glibc 2.36).
 - When the template dies, bwrap's init exits and the kernel kills its whole
   pid namespace, nested ones included: no child outlives its template.
 
@@ -65,6 +79,9 @@ from boltzlabs import limits, seccomp, wire
 FORK, KILL, FORKED, EXITED = 30, 31, 32, 33
 
 _libc = ctypes.CDLL(None, use_errno=True)
+# The GIL stays held across clone(), as in os.fork.
+_syscall = ctypes.PyDLL(None, use_errno=True).syscall
+_SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine)
 _CLONE_NEWNS, _CLONE_NEWCGROUP, _CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
 _CLONE_NEWIPC, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x08000000, 0x10000000, 0x20000000, 0x40000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
@@ -119,6 +136,11 @@ def _loopback_up() -> None:
 def _enter_user_namespace(inside: tuple, outside: tuple) -> None:
     """unshare(CLONE_NEWUSER), mapping uid/gid `inside` to `outside` (ours)."""
     _check(_libc.unshare(_CLONE_NEWUSER), "unshare user namespace")
+    _write_id_maps(inside, outside)
+
+
+def _write_id_maps(inside: tuple, outside: tuple) -> None:
+    """Map uid/gid `inside` to `outside` in the user namespace we are in (new)."""
     with open("/proc/self/setgroups", "w") as f:
         f.write("deny")
     with open("/proc/self/uid_map", "w") as f:
@@ -127,12 +149,22 @@ def _enter_user_namespace(inside: tuple, outside: tuple) -> None:
         f.write(f"{inside[1]} {outside[1]} 1")
 
 
-def _become_sandbox(workspace: str, size: int, hostname: str) -> None:
-    """In the intermediate: new user namespace, then every other namespace."""
-    _enter_user_namespace((0, 0), (os.geteuid(), os.getegid()))  # root inside, the template outside
-    _check(_libc.unshare(_CLONE_NEWNS | _CLONE_NEWPID | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS
-                         | _CLONE_NEWCGROUP), "unshare namespaces")
-    del workspace, size, hostname
+def _clone_sandbox() -> int:
+    """fork() into a new user and pid namespace: 0 in the child, its pid here."""
+    if _SYS_CLONE is None:
+        raise OSError(errno.ENOSYS, f"no clone() number known for {os.uname().machine}: use spawn=\"exec\"")
+    flags = _CLONE_NEWUSER | _CLONE_NEWPID | signal.SIGCHLD
+    ctypes.pythonapi.PyOS_BeforeFork()
+    pid = _syscall(ctypes.c_long(_SYS_CLONE), ctypes.c_long(flags), ctypes.c_long(0), ctypes.c_long(0),
+                   ctypes.c_long(0), ctypes.c_long(0))
+    err = ctypes.get_errno()
+    if pid == 0:
+        ctypes.pythonapi.PyOS_AfterFork_Child()
+        return 0
+    ctypes.pythonapi.PyOS_AfterFork_Parent()
+    if pid < 0:
+        raise OSError(err, f"clone into a new user and pid namespace: {os.strerror(err)}")
+    return pid
 
 
 def _finish_sandbox(workspace: str, size: int, hostname: str) -> None:
@@ -198,9 +230,6 @@ def fork_server(serve_child, channel_fd: int) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: dict[int, tuple] = {}  # pid (our namespace) -> (lane, generation)
     lanes: dict[tuple, int] = {}
-    intermediates: dict[int, tuple] = {}  # pid -> (lane, generation), until reaped
-    pid_pipes: dict[int, tuple] = {}  # read end -> (lane, generation), until the child's pid comes
-    doomed: set = set()  # killed before their pid came
     # Everything imported so far is shared, copy-on-write, by every child;
     # freezing keeps the collector from writing to (and so copying) it.
     gc.collect()
@@ -222,19 +251,6 @@ def fork_server(serve_child, channel_fd: int) -> None:
                 except BlockingIOError:
                     pass
                 continue
-            if fd in pid_pipes:  # an intermediate says which pid its child has
-                key = pid_pipes.pop(fd)
-                poller.unregister(fd)
-                data = os.read(fd, 4)
-                os.close(fd)
-                if len(data) == 4:
-                    pid = struct.unpack("i", data)[0]
-                    children[pid] = key
-                    lanes[key] = pid
-                    if key in doomed:
-                        doomed.discard(key)
-                        _kill(pid)
-                continue  # no pid: the intermediate failed; reaping it reports why
             if events & select.POLLOUT:
                 _flush(control, outbox)
             if not events & (select.POLLIN | select.POLLHUP | select.POLLERR):
@@ -248,19 +264,21 @@ def fork_server(serve_child, channel_fd: int) -> None:
             for message in reader.feed(data):
                 if message[0] == FORK and len(fds) == 2:
                     _, lane, generation = message
-                    intermediate, pid_r = _fork_child(serve_child, lane, fds, (workspace, size, hostname), rlimits)
-                    fds = []  # closed by _fork_child
+                    key = (lane, generation)
                     outbox += wire.encode([FORKED, lane, generation])
-                    intermediates[intermediate] = (lane, generation)
-                    pid_pipes[pid_r] = (lane, generation)
-                    poller.register(pid_r, select.POLLIN)
+                    try:
+                        pid = _fork_child(serve_child, lane, fds, (workspace, size, hostname), rlimits)
+                    except OSError as exc:  # pids.max, memory, a namespace limit: the lane's failure
+                        os.write(2, f"boltzlabs: could not make env {lane}'s sandbox: {exc}\n".encode())
+                        outbox += wire.encode([EXITED, lane, generation, 1 << 8])
+                    else:
+                        children[pid] = key
+                        lanes[key] = pid
+                    fds = []  # closed by _fork_child
                 elif message[0] == KILL:
-                    key = (message[1], message[2])
-                    pid = lanes.get(key)
+                    pid = lanes.get((message[1], message[2]))
                     if pid is not None:
                         _kill(pid)
-                    elif key in pid_pipes.values():
-                        doomed.add(key)  # killed as soon as its pid is known
                 for fd_ in fds:
                     os.close(fd_)
                 fds = []
@@ -271,12 +289,6 @@ def fork_server(serve_child, channel_fd: int) -> None:
                 break
             if pid == 0:
                 break
-            key = intermediates.pop(pid, None)
-            if key is not None:
-                if status != 0:  # it made no child: its status says why
-                    doomed.discard(key)
-                    outbox += wire.encode([EXITED, key[0], key[1], status])
-                continue
             key = children.pop(pid, None)
             if key is not None:
                 lanes.pop(key, None)
@@ -310,39 +322,28 @@ def _receive(control: socket.socket):
     return data, list(fds)
 
 
-def _fork_child(serve_child, lane, fds, sandbox, rlimits):
-    """Fork the intermediate and return at once: (its pid, a pipe on which it
-    writes the child's pid, in our pid namespace, or closes on failure).
-
-    The namespaces are made in the intermediate, in parallel with the next
-    forks; it is already in the env's cgroup, so they are charged there."""
-    pid_r, pid_w = os.pipe()
-    intermediate = os.fork()
-    if intermediate == 0:
-        code = 1
-        try:
-            os.close(pid_r)
-            _become_sandbox(*sandbox)
-            child = os.fork()
-            if child == 0:
-                os.close(pid_w)
-                _child(serve_child, lane, fds, sandbox, rlimits)
-            os.write(pid_w, struct.pack("i", child))
-            code = 0
-        except BaseException as exc:  # report, never return into the template's loop
-            os.write(2, f"boltzlabs: could not make the env's sandbox: {exc!r}\n".encode())
-        finally:
-            os._exit(code)
-    os.close(pid_w)
-    for fd in fds:
-        os.close(fd)
-    return intermediate, pid_r
+def _fork_child(serve_child, lane, fds, sandbox, rlimits) -> int:
+    """Clone the env's child into a new user and pid namespace (it makes the
+    others); returns its pid. The template is in the env's cgroup meanwhile
+    (the worker moves it), so the child and its namespaces are charged there."""
+    outside = (os.geteuid(), os.getegid())  # in the child these read as the overflow ids
+    try:
+        pid = _clone_sandbox()
+        if pid == 0:
+            _child(serve_child, lane, fds, sandbox, rlimits, outside)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return pid
 
 
-def _child(serve_child, lane, fds, sandbox, rlimits) -> None:
+def _child(serve_child, lane, fds, sandbox, rlimits, outside) -> None:
     """The env process. Becomes a sandbox, then serves. Never returns."""
     code = 1
     try:
+        _write_id_maps((0, 0), outside)  # root inside, the template outside
+        _check(_libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS | _CLONE_NEWCGROUP),
+               "unshare namespaces")
         os.environ["BOLTZLABS_ENV_INDEX"] = str(lane)
         channel, log = fds
         os.dup2(log, 1)

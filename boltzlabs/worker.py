@@ -869,10 +869,12 @@ class Worker:
         """Respawn those of envs that need it before a reset: all when hard,
         else the dead and those still busy with an unanswered step."""
         respawn = [e for e in envs if hard or e.state in (DEAD, BUSY)]
-        for env in respawn:
-            if env.state != DEAD:
-                self._kill(env, "killed for a hard reset" if hard else "killed at reset: it had not answered its last step")
-            env.log += b"\n--- boltzlabs: sandbox respawned ---\n"
+        cause = "killed for a hard reset" if hard else "killed at reset: it had not answered its last step"
+        with self.spawner.batching_kills():
+            for env in respawn:
+                if env.state != DEAD:
+                    self._kill(env, cause)
+                env.log += b"\n--- boltzlabs: sandbox respawned ---\n"
         if respawn:
             self._start(respawn)
 

@@ -448,6 +448,13 @@ def _sandbox_processes(pid: int) -> list[psutil.Process]:
     return [process] + process.children(recursive=True)
 
 
+def _env_pid(pid: int) -> int:
+    """The env's own interpreter: the innermost python at or under pid."""
+    inner = [p for p in _sandbox_processes(pid) if "python" in p.name()]
+    assert inner, f"no env process at or under {pid}"
+    return inner[-1].pid
+
+
 def _namespaces(pid: int) -> dict:
     return {ns: os.readlink(f"/proc/{pid}/ns/{ns}") for ns in ("user", "pid", "net", "ipc", "uts", "mnt", "cgroup")}
 
@@ -458,14 +465,34 @@ def test_each_env_has_namespaces_of_its_own(probe_pool):
     host = _namespaces(os.getpid())
     seen = []
     for pid in pool.pids():
-        inner = [p for p in _sandbox_processes(pid) if "python" in p.name()]
-        assert inner, f"no env process at or under {pid}"
-        ns = _namespaces(inner[-1].pid)
+        ns = _namespaces(_env_pid(pid))
         for kind, ident in ns.items():
             assert ident != host[kind], f"env shares the host's {kind} namespace"
         seen.append(ns)
     for kind in host:
         assert seen[0][kind] != seen[1][kind], f"envs 0 and 1 share a {kind} namespace"
+    assert_healthy(pool)
+
+
+def test_a_hard_reset_gives_each_lane_namespaces_it_never_had(probe_pool):
+    """Nothing of a lane's last episode carries over through a namespace (SysV
+    IPC objects, for one, outlive their process in an IPC namespace): after a
+    hard reset every namespace of every lane is a new one."""
+    pool = probe_pool(2)
+    before = []
+    pinned = []  # open ns fds keep the old namespaces, so no new one can reuse their inode numbers
+    for pid in pool.pids():
+        inner = _env_pid(pid)
+        before.append(_namespaces(inner))
+        pinned += [os.open(f"/proc/{inner}/ns/{kind}", os.O_RDONLY) for kind in before[-1]]
+    try:
+        pool.reset(seed=0, hard=True)
+        for lane, pid in enumerate(pool.pids()):
+            for kind, ident in _namespaces(_env_pid(pid)).items():
+                assert ident != before[lane][kind], f"lane {lane} kept its {kind} namespace across a hard reset"
+    finally:
+        for fd in pinned:
+            os.close(fd)
     assert_healthy(pool)
 
 
