@@ -743,7 +743,6 @@ class _LocalLink:
         finally:
             theirs.close()
         self.conn = ours
-        self.pid = self.proc.pid
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -185,7 +185,6 @@ class ClusterPool:
         self._token = secrets.token_urlsafe(24)
         self.timing = Timing()
         self._executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="boltzlabs-node")
-        ray = _ray()
         _connect(cluster)
         self._closed = False
         try:
@@ -197,7 +196,6 @@ class ClusterPool:
         self._ready: list = []  # async results taken from a node beyond what recv() asked for
         self.env_contract = self._live()[0].pool.env_contract
         self.spawn = self._live()[0].pool.spawn
-        del ray
 
     # -- placement -------------------------------------------------------------------
 
@@ -261,6 +259,7 @@ class ClusterPool:
 
     def _lose(self, shard: _Shard, exc: Exception) -> None:
         shard.lost = f"node {shard.node} was lost ({exc})"
+        self._index()  # its lanes are on no node until their reset places them
         try:
             shard.pool.close()
         except Exception:  # noqa: BLE001 - the node is gone; closing is best effort
@@ -292,14 +291,16 @@ class ClusterPool:
         return results
 
     def _split(self, values, lanes: list, what: str) -> dict:
-        """{shard: (local lanes, values)} for `lanes` (global), values aligned with them."""
+        """{shard: (local lanes, global lanes, values)} for `lanes` (global), values
+        aligned with them; shard None holds the lanes on no node (a lost one's)."""
         if len(values) != len(lanes):
             raise ValueError(f"{what} needs {len(lanes)} actions, one per env; got {len(values)}")
         out = {}
         for value, lane in zip(values, lanes):
             shard, local = self._lane_shard.get(lane, (None, None))
-            locals_, vals = out.setdefault(shard, ([], []))
+            locals_, globals_, vals = out.setdefault(shard, ([], [], []))
             locals_.append(local)
+            globals_.append(lane)
             vals.append(value)
         return out
 
@@ -327,17 +328,15 @@ class ClusterPool:
         if len(rows) != self.n:
             raise ValueError(f"step() needs {self.n} actions, one per env; got {len(rows)}")
         split = self._split(rows, list(range(self.n)), "step()")
-        calls = {shard: (lambda pool, a=vals: pool._step(a)) for shard, (_, vals) in split.items() if shard}
+        calls = {shard: (lambda pool, a=vals: pool._step(a)) for shard, (_, _, vals) in split.items() if shard}
         results = self._fan_out(calls)
         obs, infos = [None] * self.n, [None] * self.n
         rewards = np.zeros(self.n, dtype=np.float64)
         terminated = np.zeros(self.n, dtype=np.bool_)
         truncated = np.zeros(self.n, dtype=np.bool_)
         stragglers = []
-        for shard, (locals_, _) in split.items():
-            result = results.get(shard) if shard else None
-            lanes = [shard.lanes[i] for i in locals_] if shard else [lane for lane in range(self.n)
-                                                                       if lane not in self._lane_shard]
+        for shard, (_, lanes, _) in split.items():
+            result = results.get(shard)
             if isinstance(result, tuple):
                 o, r, te, tr, inf = result
                 for k, lane in enumerate(lanes):
@@ -350,7 +349,6 @@ class ClusterPool:
                 truncated[lanes] = True
         self.rewards, self.terminated, self.truncated = rewards, terminated, truncated
         self.timing.stragglers = sorted(stragglers)
-        self._index()
         return obs, rewards.astype(np.float32), terminated | truncated, infos
 
     def reset(self, seed=None, where=None, hard: bool = False, options=None) -> list:
@@ -391,7 +389,6 @@ class ClusterPool:
             for local, lane in enumerate(shard.lanes):
                 obs[lane] = current[local]
         self._flying[lanes] = False
-        self._index()
         return obs
 
     def send(self, actions, env_ids=None) -> None:
@@ -403,14 +400,12 @@ class ClusterPool:
             raise ValueError("send() to an env that is in flight or has a result not yet received")
         split = self._split(rows, lanes, "send()")
         results = self._fan_out({shard: (lambda pool, l=loc, a=vals: pool.send(a, l))
-                                 for shard, (loc, vals) in split.items() if shard})
+                                 for shard, (loc, _, vals) in split.items() if shard})
         self._flying[lanes] = True
-        for shard, (locals_, _) in split.items():
+        for shard, (_, globals_, _) in split.items():
             if shard is None or isinstance(results.get(shard), Exception):
-                for lane in ([shard.lanes[i] for i in locals_] if shard else
-                             [lane for lane in lanes if lane not in self._lane_shard]):
+                for lane in globals_:
                     self._ready.append((lane, None, 0.0, False, True, {"error": self._lost_lane(lane)}))
-        self._index()
 
     def recv(self, batch_size=None, timeout=None):
         """The first batch_size envs to finish, over every node (RLPool.recv)."""
@@ -422,23 +417,24 @@ class ClusterPool:
         deadline = None if timeout is None else time.monotonic() + float(timeout)
         started = time.perf_counter()
         while len(self._ready) < want:
+            held = {r[0] for r in self._ready}
             pending = {}
             for shard in self._live():
-                count = int(self._flying[[lane for lane in shard.lanes]].sum()) - sum(
-                    1 for r in self._ready if r[0] in shard.lanes)
+                count = sum(1 for lane in shard.lanes if self._flying[lane] and lane not in held)
                 if count > 0:
                     pending[shard] = min(count, want - len(self._ready))
             if not pending:
                 break
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            wait = 0.005 if len(pending) > 1 else left
-            wait = wait if left is None else min(wait if wait is not None else left, left)
+            # One node: block on it. Several: poll each briefly, so one slow
+            # node does not hold back the results another already has.
+            wait = left if len(pending) == 1 else (0.005 if left is None else min(0.005, left))
             results = self._fan_out({shard: (lambda pool, k=k, w=wait: pool._recv(k, w))
                                      for shard, k in pending.items()})
             for shard, result in results.items():
                 if isinstance(result, Exception):
                     for lane in shard.lanes:
-                        if self._flying[lane] and all(r[0] != lane for r in self._ready):
+                        if self._flying[lane] and lane not in held:
                             self._ready.append((lane, None, 0.0, False, True, {"error": self._lost_lane(lane)}))
                     continue
                 ids, obs, rewards, terminated, truncated, infos = result
@@ -454,7 +450,6 @@ class ClusterPool:
         terminated = np.array([r[3] for r in taken], dtype=np.bool_)
         truncated = np.array([r[4] for r in taken], dtype=np.bool_)
         self.timing.roundtrip_ms = (time.perf_counter() - started) * 1000.0
-        self._index()
         return env_ids, [r[1] for r in taken], rewards.astype(np.float32), terminated | truncated, [r[5] for r in taken]
 
     def memory(self) -> MemoryReport:
@@ -468,7 +463,6 @@ class ClusterPool:
                     per_env[lane] = report.per_env[local]
                 shared += report.shared
                 sources.add(report.source)
-        self._index()
         return MemoryReport(per_env, "; ".join(sorted(sources)) + f" (over {len(results)} node(s))",
                             shared=shared)
 
@@ -478,15 +472,7 @@ class ClusterPool:
 
     def pids(self) -> list:
         """Each env's host pid on its node (-1 for a lost node's lanes)."""
-        self._check_open()
-        results = self._fan_out({shard: (lambda pool: pool.pids()) for shard in self._live()})
-        out = [-1] * self.n
-        for shard, pids in results.items():
-            if isinstance(pids, list):
-                for local, lane in enumerate(shard.lanes):
-                    out[lane] = pids[local]
-        self._index()
-        return out
+        return self._per_lane(lambda pool: pool.pids(), -1)
 
     def _per_lane(self, call, missing) -> list:
         """call(pool) on every live node concurrently, joined into lane order."""
@@ -497,7 +483,6 @@ class ClusterPool:
             if isinstance(values, list):
                 for local, lane in enumerate(shard.lanes):
                     out[lane] = values[local]
-        self._index()
         return out
 
     def states(self) -> list:

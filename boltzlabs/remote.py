@@ -170,7 +170,6 @@ class RemoteLink:
         self.url = url
         self.conn = conn
         self.accepted = accepted
-        self.pid = accepted.get("pid")
 
     def alive(self) -> bool:
         return True  # a remote worker's death shows as the connection closing
@@ -335,7 +334,6 @@ class Listener:
 
     def _client(self, conn: socket.socket, addr) -> None:
         where = f"{addr[0]}:{addr[1]}"
-        handed_off = False
         try:
             _tune(conn)
             peer = _Peer(conn, _PRE_AUTH_FRAME, time.monotonic() + self.handshake_timeout)
@@ -360,13 +358,11 @@ class Listener:
             with self._lock:
                 self._handshakes -= 1
         try:
-            handed_off = True
             self._run_pool(conn, peer, source_dir, key, where)
         finally:
-            if handed_off:
+            if key:
                 with self._lock:
-                    if key:
-                        self._in_use[key] -= 1
+                    self._in_use[key] -= 1
 
     def _handshake(self, peer: _Peer, where: str) -> tuple[str, str | None]:
         from boltzlabs.sources import GYM_ENV_DIR
