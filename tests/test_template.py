@@ -152,3 +152,44 @@ def test_exec_and_template_give_the_same_episodes():
                 frames.append([obs, rewards.tolist(), dones.tolist()])
             episodes.append(msgpack.packb(frames))
     assert episodes[0] == episodes[1]
+
+
+THREADS_AND_FORKS = """
+import os, random, threading, time
+from boltzlabs.env import serve
+
+def reset(seed):
+    return random.random()  # unseeded: each env's own stream, as in exec mode
+
+def step(action):
+    names = []
+    worker = threading.Thread(target=lambda: names.append(threading.current_thread().name), name="helper")
+    worker.start()
+    worker.join()
+    sleeper = threading.Thread(target=time.sleep, args=(5,), daemon=True)
+    sleeper.start()
+    r, w = os.pipe()
+    pid = os.fork()  # with a second thread alive: threading's after-fork hook must run
+    if pid == 0:
+        alive = len(threading.enumerate())
+        main = threading.current_thread() is threading.main_thread()
+        os.write(w, f"{alive} {main}".encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return {"thread": names, "main": threading.current_thread() is threading.main_thread(),
+            "threads": len(threading.enumerate()), "forked": os.read(r, 100).decode()}, 0.0, False, {}
+
+serve(reset=reset, step=step)
+"""
+
+
+def test_threads_forks_and_random_in_an_env_work_as_in_exec_mode(env_dir, spawn):
+    """The template skips threading's after-fork hook in its children (it has
+    one thread, so the hook would only copy pages); env code must not notice."""
+    with RLPool(env_dir(THREADS_AND_FORKS), 3, spawn=spawn) as pool:
+        draws = pool.reset()
+        assert len(set(draws)) == 3, f"unseeded random is the same in every env: {draws}"
+        obs, _, _, infos = pool.step([0, 0, 0])
+        for lane in range(3):
+            assert "error" not in infos[lane], infos[lane]
+            assert obs[lane] == {"thread": ["helper"], "main": True, "threads": 2, "forked": "1 True"}
