@@ -85,19 +85,29 @@ def encode(limits: dict, open_files: int | None = None) -> str:
                     for key, value in values.items())
 
 
-def apply(text: str | None) -> None:
-    """setrlimit(soft = hard = value) for each limit in `text`. Never raises a
-    hard limit (the env may have lowered one already; that binds it)."""
+def parse(text: str | None) -> list[tuple[int, int]]:
+    """[(RLIMIT_* number, value)] from the "name=value,..." text of VARIABLE."""
+    parsed = []
     for item in (text or "").split(","):
-        if not item:
-            continue
-        name, _, value = item.partition("=")
-        number = _BY_NAME[name]
-        want = resource.RLIM_INFINITY if value == "unlimited" else int(value)
+        if item:
+            name, _, value = item.partition("=")
+            parsed.append((_BY_NAME[name], resource.RLIM_INFINITY if value == "unlimited" else int(value)))
+    return parsed
+
+
+def apply_parsed(parsed: list[tuple[int, int]]) -> None:
+    """setrlimit(soft = hard = value) for each (number, value). Never raises a
+    hard limit (the env may have lowered one already; that binds it)."""
+    for number, want in parsed:
         _, hard = resource.getrlimit(number)
         if hard != resource.RLIM_INFINITY and (want == resource.RLIM_INFINITY or want > hard):
             want = hard
         resource.setrlimit(number, (want, want))
+
+
+def apply(text: str | None) -> None:
+    """apply_parsed(parse(text))."""
+    apply_parsed(parse(text))
 
 
 def main(argv=None) -> None:

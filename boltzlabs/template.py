@@ -61,6 +61,8 @@ Standard library only: every env pays for what the template imports.
 
 from __future__ import annotations
 
+import _signal
+import _socket
 import array
 import ctypes
 import errno
@@ -112,25 +114,7 @@ def _mount(source, target, fstype, flags, data=None) -> None:
 
 def drop_capabilities() -> None:
     """No capabilities now or after any execve, and no way to gain privileges."""
-    _check(_libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-    with open("/proc/sys/kernel/cap_last_cap") as f:
-        last = int(f.read())
-    for cap in range(last + 1):
-        if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != errno.EINVAL:
-            _check(-1, f"drop capability {cap} from the bounding set")
-    _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-    header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
-    data = (_CapData * 2)()
-    _check(_libc.capset(ctypes.byref(header), data), "capset")
-
-
-def _loopback_up() -> None:
-    # Interface ioctls on any socket reach its net namespace's devices, Unix
-    # ones included: so the template's filter may refuse every other family.
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        request = struct.pack("16sH14x", b"lo", 0)
-        flags = struct.unpack("16sH14x", fcntl.ioctl(s, _SIOCGIFFLAGS, request))[1]
-        fcntl.ioctl(s, _SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | _IFF_UP | _IFF_RUNNING))
+    _Capabilities().drop()
 
 
 def _enter_user_namespace(inside: tuple, outside: tuple) -> None:
@@ -207,22 +191,105 @@ class _ChildForkHooks:
 _child_hooks = _ChildForkHooks()
 
 
-def _finish_sandbox(workspace: str, size: int, hostname: str) -> None:
-    """In the child, pid 1 of its namespace: its own mounts, then no privileges."""
-    flags = _MS_NOSUID | _MS_NODEV
-    _mount("tmpfs", workspace, "tmpfs", flags, f"size={size},mode=0755")
-    _mount("tmpfs", "/dev/shm", "tmpfs", flags, f"size={size},mode=1777")
-    _mount("proc", "/proc", "proc", flags | _MS_NOEXEC)
-    # No user namespace below this one (the limit counts per namespace).
-    with open("/proc/sys/user/max_user_namespaces", "w") as f:
-        f.write("0")
-    # sysctl writes are checked against the uid, not capabilities: read-only.
-    _mount("/proc/sys", "/proc/sys", None, _MS_BIND)
-    _mount(None, "/proc/sys", None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags | _MS_NOEXEC)
-    socket.sethostname(hostname)
-    _loopback_up()
-    os.chdir(workspace)
-    drop_capabilities()
+class _ChildPlan:
+    """Everything a child does to become a sandbox, prepared in the template.
+
+    Each page of the template a child writes is copied into that env (copy
+    on write), and the first run of Python code in a process writes many:
+    refcounts, the interpreter's caches, the io stack's objects. So the
+    template builds the system calls' arguments once (bytes, ctypes values,
+    the rlimits parsed) and a child only makes the calls: os.open/os.write,
+    not open(); _signal, not signal's enum wrappers; prepared ctypes
+    arguments. Measured on the counter env: ~0.3 MiB less per env.
+    """
+
+    def __init__(self, workspace: str, size: int, hostname: str, rlimits: str, outside: tuple):
+        flags = _MS_NOSUID | _MS_NODEV
+        self.id_maps = [("/proc/self/setgroups", b"deny"),  # root inside, the template outside
+                        ("/proc/self/uid_map", f"0 {outside[0]} 1".encode()),
+                        ("/proc/self/gid_map", f"0 {outside[1]} 1".encode())]
+        self.namespaces = ctypes.c_int(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS
+                                       | _CLONE_NEWCGROUP)
+        self.rlimits = limits.parse(rlimits)
+        self.open_max = min(os.sysconf("SC_OPEN_MAX"), 1 << 16)
+        self.mounts = [(a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode())
+                       for a, b, c, f, d in (
+            ("tmpfs", workspace, "tmpfs", flags, f"size={size},mode=0755"),
+            ("tmpfs", "/dev/shm", "tmpfs", flags, f"size={size},mode=1777"),
+            ("proc", "/proc", "proc", flags | _MS_NOEXEC, None),
+            # No user namespace below this one (the limit counts per namespace),
+            # then the sysctls read-only: their writes are checked against the
+            # uid, not capabilities.
+            ("/proc/sys", "/proc/sys", None, _MS_BIND, None),
+            (None, "/proc/sys", None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags | _MS_NOEXEC, None))]
+        self.hostname = hostname.encode()
+        self.sethostname = _libc.sethostname  # resolved here, not in every child
+        self.workspace = workspace.encode()
+        self.lo_request = struct.pack("16sH14x", b"lo", 0)
+        self.capabilities = _Capabilities()
+
+    def become_sandbox(self, lane: int, fds: list) -> None:
+        """In the child, pid 1 of its new user and pid namespace."""
+        for path, data in self.id_maps:
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+        _check(_libc.unshare(self.namespaces), "unshare namespaces")
+        os.environ["BOLTZLABS_ENV_INDEX"] = str(lane)
+        channel, log = fds
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.dup2(channel, 3)
+        _signal.set_wakeup_fd(-1)
+        _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
+        os.closerange(4, self.open_max)
+        # The env's own rlimits: the template's file limit has room for the
+        # pipes it holds (closed above, before the limit drops below them).
+        limits.apply_parsed(self.rlimits)
+        mounts = self.mounts
+        for source, target, fstype, flags, data in mounts[:3]:
+            _check(_libc.mount(source, target, fstype, flags, data), "mount")
+        fd = os.open(b"/proc/sys/user/max_user_namespaces", os.O_WRONLY)
+        try:
+            os.write(fd, b"0")
+        finally:
+            os.close(fd)
+        for source, target, fstype, flags, data in mounts[3:]:
+            _check(_libc.mount(source, target, fstype, flags, data), "mount /proc/sys read-only")
+        _check(self.sethostname(self.hostname, len(self.hostname)), "sethostname")
+        # Interface ioctls on any socket reach its net namespace's devices, Unix
+        # ones included: so the template's filter may refuse every other family.
+        unix = _socket.socket(_socket.AF_UNIX, _socket.SOCK_DGRAM)
+        try:
+            flags = int.from_bytes(fcntl.ioctl(unix.fileno(), _SIOCGIFFLAGS, self.lo_request)[16:18], "little")
+            fcntl.ioctl(unix.fileno(), _SIOCSIFFLAGS,
+                        self.lo_request[:16] + (flags | _IFF_UP | _IFF_RUNNING).to_bytes(2, "little")
+                        + self.lo_request[18:])
+        finally:
+            unix.close()
+        os.chdir(self.workspace)
+        self.capabilities.drop()
+
+
+class _Capabilities:
+    """Dropping every capability, with the arguments made ahead of time."""
+
+    def __init__(self):
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            self.last = int(f.read())
+        self.header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+        self.data = (_CapData * 2)()
+
+    def drop(self) -> None:
+        """No capabilities now or after any execve, and no way to gain privileges."""
+        _check(_libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+        for cap in range(self.last + 1):
+            if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != errno.EINVAL:
+                _check(-1, f"drop capability {cap} from the bounding set")
+        _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+        _check(_libc.capset(ctypes.byref(self.header), self.data), "capset")
 
 
 def _unsafe_to_fork(channel_fd: int) -> str:
@@ -264,6 +331,7 @@ def fork_server(serve_child, channel_fd: int) -> None:
     size = int(os.environ.pop("BOLTZLABS_WORKSPACE_SIZE", str(64 << 20)))
     hostname = os.environ.pop("BOLTZLABS_HOSTNAME", "boltzlabs")
     rlimits = os.environ.pop(limits.VARIABLE, "")
+    plan = _ChildPlan(workspace, size, hostname, rlimits, (os.geteuid(), os.getegid()))
     _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "child subreaper")
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
@@ -308,7 +376,7 @@ def fork_server(serve_child, channel_fd: int) -> None:
                     key = (lane, generation)
                     outbox += wire.encode([FORKED, lane, generation])
                     try:
-                        pid = _fork_child(serve_child, lane, fds, (workspace, size, hostname), rlimits)
+                        pid = _fork_child(serve_child, lane, fds, plan)
                     except OSError as exc:  # pids.max, memory, a namespace limit: the lane's failure
                         os.write(2, f"boltzlabs: could not make env {lane}'s sandbox: {exc}\n".encode())
                         outbox += wire.encode([EXITED, lane, generation, 1 << 8])
@@ -363,40 +431,25 @@ def _receive(control: socket.socket):
     return data, list(fds)
 
 
-def _fork_child(serve_child, lane, fds, sandbox, rlimits) -> int:
+def _fork_child(serve_child, lane, fds, plan: _ChildPlan) -> int:
     """Clone the env's child into a new user and pid namespace (it makes the
     others); returns its pid. The template is in the env's cgroup meanwhile
     (the worker moves it), so the child and its namespaces are charged there."""
-    outside = (os.geteuid(), os.getegid())  # in the child these read as the overflow ids
     try:
         pid = _clone_sandbox()
         if pid == 0:
-            _child(serve_child, lane, fds, sandbox, rlimits, outside)
+            _child(serve_child, lane, fds, plan)
     finally:
         for fd in fds:
             os.close(fd)
     return pid
 
 
-def _child(serve_child, lane, fds, sandbox, rlimits, outside) -> None:
+def _child(serve_child, lane, fds, plan: _ChildPlan) -> None:
     """The env process. Becomes a sandbox, then serves. Never returns."""
     code = 1
     try:
-        _write_id_maps((0, 0), outside)  # root inside, the template outside
-        _check(_libc.unshare(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS | _CLONE_NEWCGROUP),
-               "unshare namespaces")
-        os.environ["BOLTZLABS_ENV_INDEX"] = str(lane)
-        channel, log = fds
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.dup2(channel, 3)
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        os.closerange(4, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") < 1 << 20 else 1 << 16)
-        # The env's own rlimits: the template's file limit has room for the
-        # pipes it holds (closed above, before the limit drops below them).
-        limits.apply(rlimits)
-        _finish_sandbox(*sandbox)
+        plan.become_sandbox(lane, fds)
         seccomp.apply_child_filter()  # the env's full filter, before any env code
         serve_child(3)
         code = 0
