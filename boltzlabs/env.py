@@ -148,10 +148,34 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
     if os.environ.pop("BOLTZLABS_TEMPLATE", None):
         from boltzlabs import template
 
+        _warm_up(info)
         template.fork_server(run, int(fd))  # never returns
     run(int(fd))
     sys.stdout.flush()
     os._exit(0)
+
+
+def _warm_up(info: dict, steps: int = 24) -> None:
+    """Template mode: run the serve loop once over a socketpair, with stand-in
+    callables (never the env's reset or step), before the template forks.
+
+    CPython 3.11 rewrites a function's bytecode on its first calls
+    (quickening, then specialization), and those writes would copy the
+    template's pages into every env; done here once, the children start
+    with the loop's code already settled (~70 KiB less per env, measured).
+    """
+    import socket
+
+    ours, theirs = socket.socketpair()
+    try:
+        frames = [wire.encode([wire.RESET, 0, 0, None])]
+        frames += [wire.encode([wire.STEP, seq, 0, False]) for seq in range(1, steps)]
+        ours.sendall(b"".join(frames))  # ~0.5 KiB each way: within the socket buffers
+        ours.shutdown(socket.SHUT_WR)
+        _serve_loop(_Channel(theirs.fileno()), lambda seed: 0, lambda action: (0, 0.0, False, {}), None, info)
+    finally:
+        ours.close()
+        theirs.close()
 
 
 def _serve_loop(channel: _Channel, reset, step, render, info: dict) -> None:

@@ -83,6 +83,11 @@ FORK, KILL, FORKED, EXITED = 30, 31, 32, 33
 _libc = ctypes.CDLL(None, use_errno=True)
 # The GIL stays held across clone(), as in os.fork.
 _syscall = ctypes.PyDLL(None, use_errno=True).syscall
+# Resolved once here: a CDLL attribute met for the first time runs ctypes'
+# Python code, which in a child would copy the template's pages it touches.
+_before_fork = ctypes.pythonapi.PyOS_BeforeFork
+_after_fork_child = ctypes.pythonapi.PyOS_AfterFork_Child
+_after_fork_parent = ctypes.pythonapi.PyOS_AfterFork_Parent
 _SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine)
 _CLONE_NEWNS, _CLONE_NEWCGROUP, _CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
 _CLONE_NEWIPC, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x08000000, 0x10000000, 0x20000000, 0x40000000
@@ -138,15 +143,15 @@ def _clone_sandbox() -> int:
     if _SYS_CLONE is None:
         raise OSError(errno.ENOSYS, f"no clone() number known for {os.uname().machine}: use spawn=\"exec\"")
     flags = _CLONE_NEWUSER | _CLONE_NEWPID | signal.SIGCHLD
-    ctypes.pythonapi.PyOS_BeforeFork()
+    _before_fork()
     pid = _syscall(ctypes.c_long(_SYS_CLONE), ctypes.c_long(flags), ctypes.c_long(0), ctypes.c_long(0),
                    ctypes.c_long(0), ctypes.c_long(0))
     err = ctypes.get_errno()
     if pid == 0:
-        ctypes.pythonapi.PyOS_AfterFork_Child()
+        _after_fork_child()
         _child_hooks.restore()
         return 0
-    ctypes.pythonapi.PyOS_AfterFork_Parent()
+    _after_fork_parent()
     if pid < 0:
         raise OSError(err, f"clone into a new user and pid namespace: {os.strerror(err)}")
     return pid
