@@ -4,7 +4,9 @@
     python benchmarks/bench_reset.py --n 200 --resets 2
 
 Prints one line: wall time of RLPool(...), of each pool.reset(seed=0,
-hard=True), of close(), and pool.memory().mean in KiB (after the resets).
+hard=True), of close(), pool.memory().mean in KiB (after the resets), and
+the median wall time of a hard reset of one lane (`where=[i]`, 20 lanes in
+turn) while the others stay up.
 Run it a few times, interleaved with the build you compare against: on a
 2-core machine single runs vary by ~10%.
 """
@@ -37,11 +39,17 @@ def main() -> None:
         pool.reset(seed=0, hard=True)
         hard.append(time.monotonic() - started)
     mean = pool.memory().mean
+    one = []  # one lane at a time, the others left as they are
+    for lane in range(0, args.n, max(1, args.n // 20)):
+        started = time.monotonic()
+        pool.reset(seed=0, where=[lane], hard=True)
+        one.append(time.monotonic() - started)
     started = time.monotonic()
     pool.close()
     close = time.monotonic() - started
     print(f"n={args.n} start={start:.2f}s hard={' '.join(f'{h:.2f}' for h in hard)}s "
-          f"close={close:.2f}s memory.mean={mean / 1024:.0f}KiB")
+          f"close={close:.2f}s memory.mean={mean / 1024:.0f}KiB "
+          f"one-lane hard reset median={sorted(one)[len(one) // 2] * 1000:.1f}ms")
 
 
 if __name__ == "__main__":
