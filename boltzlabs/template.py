@@ -217,14 +217,16 @@ class _ChildPlan:
                                        | _CLONE_NEWCGROUP)
         self.rlimits = limits.parse(rlimits)
         self.open_max = min(os.sysconf("SC_OPEN_MAX"), 1 << 16)
-        self.mounts = [(a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode())
+        # (mount(2)'s five arguments, what it is for an error message)
+        self.mounts = [((a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode()),
+                        f"mount {b}" + (" read-only" if f & _MS_REMOUNT else ""))
                        for a, b, c, f, d in (
             ("tmpfs", workspace, "tmpfs", flags, f"size={size},mode=0755"),
             ("tmpfs", "/dev/shm", "tmpfs", flags, f"size={size},mode=1777"),
             ("proc", "/proc", "proc", flags | _MS_NOEXEC, None),
-            # No user namespace below this one (the limit counts per namespace),
-            # then the sysctls read-only: their writes are checked against the
-            # uid, not capabilities.
+            # Then no user namespace below this one (the limit counts per
+            # namespace), then the sysctls read-only: their writes are checked
+            # against the uid, not capabilities.
             ("/proc/sys", "/proc/sys", None, _MS_BIND, None),
             (None, "/proc/sys", None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags | _MS_NOEXEC, None))]
         self.hostname = hostname.encode()
@@ -253,16 +255,15 @@ class _ChildPlan:
         # The env's own rlimits: the template's file limit has room for the
         # pipes it holds (closed above, before the limit drops below them).
         limits.apply_parsed(self.rlimits)
-        mounts = self.mounts
-        for source, target, fstype, flags, data in mounts[:3]:
-            _check(_libc.mount(source, target, fstype, flags, data), "mount")
+        for arguments, what in self.mounts[:3]:
+            _check(_libc.mount(*arguments), what)
         fd = os.open(b"/proc/sys/user/max_user_namespaces", os.O_WRONLY)
         try:
             os.write(fd, b"0")
         finally:
             os.close(fd)
-        for source, target, fstype, flags, data in mounts[3:]:
-            _check(_libc.mount(source, target, fstype, flags, data), "mount /proc/sys read-only")
+        for arguments, what in self.mounts[3:]:
+            _check(_libc.mount(*arguments), what)
         _check(self.sethostname(self.hostname, len(self.hostname)), "sethostname")
         # Interface ioctls on any socket reach its net namespace's devices, Unix
         # ones included: so the template's filter may refuse every other family.
