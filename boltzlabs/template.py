@@ -20,7 +20,7 @@ Each child becomes its own sandbox before any env code runs in it:
     template --clone(NEWUSER|NEWPID)-->
         child: pid 1 of its pid namespace; writes its own uid/gid maps;
                unshare(NS|NET|IPC|UTS|CGROUP); mounts its own tmpfs
-               workspace, /dev/shm and /proc, lo up, hostname, no more
+               (workspace and /dev/shm) and /proc, lo up, hostname, no more
                user namespaces, every capability dropped, the env's full
                seccomp filter loaded; then serves on its channel
     the template, its parent (and a child subreaper), reaps it.
@@ -217,18 +217,29 @@ class _ChildPlan:
                                        | _CLONE_NEWCGROUP)
         self.rlimits = limits.parse(rlimits)
         self.open_max = min(os.sysconf("SC_OPEN_MAX"), 1 << 16)
-        # (mount(2)'s five arguments, what it is for an error message)
-        self.mounts = [((a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode()),
-                        f"mount {b}" + (" read-only" if f & _MS_REMOUNT else ""))
-                       for a, b, c, f, d in (
-            ("tmpfs", workspace, "tmpfs", flags, f"size={size},mode=0755"),
-            ("tmpfs", "/dev/shm", "tmpfs", flags, f"size={size},mode=1777"),
-            ("proc", "/proc", "proc", flags | _MS_NOEXEC, None),
-            # Then no user namespace below this one (the limit counts per
+        # (mount(2)'s five arguments, what it is for an error message).
+        # The workspace and /dev/shm are two directories of one capped tmpfs:
+        # mounted at /dev/shm first, each directory bound into place, the
+        # shm one over the tmpfs's own root, which no path reaches after.
+        # One superblock per env, not two: the kernel keeps a table per
+        # memory cgroup with a slot for every superblock mounted since boot
+        # (alloc_shrinker_info, not charged to any cgroup), so each costs
+        # every env's cgroup ~1 KiB per 64 (docs/hard-reset.md).
+        self.shm_dirs = [(b"/dev/shm/w", 0o755), (b"/dev/shm/s", 0o1777)]
+        mounts = [
+            ("tmpfs", "/dev/shm", "tmpfs", flags, f"size={size},mode=0700", "mount the workspace tmpfs"),
+            # (the workspace and shm directories are made here)
+            ("/dev/shm/w", workspace, None, _MS_BIND, None, f"bind the workspace to {workspace}"),
+            ("/dev/shm/s", "/dev/shm", None, _MS_BIND, None, "bind /dev/shm"),
+            ("proc", "/proc", "proc", flags | _MS_NOEXEC, None, "mount /proc"),
+            # (then no user namespace below this one: the limit counts per
             # namespace), then the sysctls read-only: their writes are checked
             # against the uid, not capabilities.
-            ("/proc/sys", "/proc/sys", None, _MS_BIND, None),
-            (None, "/proc/sys", None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags | _MS_NOEXEC, None))]
+            ("/proc/sys", "/proc/sys", None, _MS_BIND, None, "bind /proc/sys"),
+            (None, "/proc/sys", None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags | _MS_NOEXEC, None,
+             "make /proc/sys read-only")]
+        self.mounts = [((a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode()), what)
+                       for a, b, c, f, d, what in mounts]
         self.hostname = hostname.encode()
         self.sethostname = _libc.sethostname  # resolved here, not in every child
         self.workspace = workspace.encode()
@@ -255,14 +266,19 @@ class _ChildPlan:
         # The env's own rlimits: the template's file limit has room for the
         # pipes it holds (closed above, before the limit drops below them).
         limits.apply_parsed(self.rlimits)
-        for arguments, what in self.mounts[:3]:
+        mounts = self.mounts
+        _check(_libc.mount(*mounts[0][0]), mounts[0][1])
+        for path, mode in self.shm_dirs:
+            os.mkdir(path)
+            os.chmod(path, mode)  # past the umask
+        for arguments, what in mounts[1:4]:
             _check(_libc.mount(*arguments), what)
         fd = os.open(b"/proc/sys/user/max_user_namespaces", os.O_WRONLY)
         try:
             os.write(fd, b"0")
         finally:
             os.close(fd)
-        for arguments, what in self.mounts[3:]:
+        for arguments, what in mounts[4:]:
             _check(_libc.mount(*arguments), what)
         _check(self.sethostname(self.hostname, len(self.hostname)), "sethostname")
         # Interface ioctls on any socket reach its net namespace's devices, Unix

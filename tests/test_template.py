@@ -193,3 +193,29 @@ def test_threads_forks_and_random_in_an_env_work_as_in_exec_mode(env_dir, spawn)
         for lane in range(3):
             assert "error" not in infos[lane], infos[lane]
             assert obs[lane] == {"thread": ["helper"], "main": True, "threads": 2, "forked": "1 True"}
+
+
+SUPERBLOCKS = """
+import os
+from boltzlabs.env import serve
+
+def reset(seed):
+    with open("/proc/self/mountinfo") as f:
+        mounts = [line.split() for line in f]
+    top = {m[4]: m[2] for m in mounts}  # the last mount on a path is the one in use
+    own = {top[path] for path in ("/workspace", "/dev/shm", "/proc")}
+    return {"same": os.stat("/workspace").st_dev == os.stat("/dev/shm").st_dev, "devices": sorted(own)}
+
+serve(reset=reset, step=lambda action: (0, 0.0, False, {}))
+"""
+
+
+def test_each_child_mounts_one_tmpfs_for_its_workspace_and_dev_shm(env_dir):
+    """Every superblock an env mounts costs every memory cgroup on the host a
+    slot (docs/hard-reset.md), so a child makes two: one tmpfs, one proc."""
+    with RLPool(env_dir(SUPERBLOCKS), 2, spawn="template") as pool:
+        for obs in pool.reset():
+            assert obs["same"] is True
+            assert len(obs["devices"]) == 2, obs  # the tmpfs and the proc
+        first = pool.reset()[0]["devices"]
+        assert pool.reset(hard=True)[0]["devices"] != first  # a new tmpfs and proc per child
