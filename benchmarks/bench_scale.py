@@ -3,8 +3,8 @@
     python benchmarks/bench_scale.py                 # 10,000 counter envs
     python benchmarks/bench_scale.py --n 2000
 
-A worker holds about two file descriptors per template-mode env (its
-channel and its log pipe). When this process's hard RLIMIT_NOFILE cannot
+A worker plans three file descriptors per env (a template-mode env holds
+two: its channel and its log pipe; exec mode adds a pidfd). When this process's hard RLIMIT_NOFILE cannot
 hold the whole pool in one worker and cannot be raised (no
 CAP_SYS_RESOURCE), the pool is split over local worker processes: a Ray
 cluster of that many nodes on this machine (`ray.cluster_utils`, every node
@@ -34,7 +34,7 @@ import psutil  # noqa: E402
 
 from boltzlabs import RLPool  # noqa: E402
 
-FDS_PER_ENV = 2  # worker._raise_fd_limit counts 3 (exec mode's pidfd), +256 slack
+FDS_PER_ENV = 3  # what worker._raise_fd_limit plans for (a template env holds two), +256 slack
 
 
 def _fd_room() -> int:
@@ -82,7 +82,7 @@ def main() -> None:
     args = parser.parse_args()
     n = args.n
     room = _fd_room()
-    per_worker = max(1, (room - 512) // FDS_PER_ENV)
+    per_worker = max(1, (room - 256) // FDS_PER_ENV)
     nodes = math.ceil(n / per_worker)
     kwargs: dict = {}
     cluster = None
