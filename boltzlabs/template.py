@@ -138,14 +138,18 @@ def _write_id_maps(inside: tuple, outside: tuple) -> None:
         f.write(f"{inside[1]} {outside[1]} 1")
 
 
+# Built once: what the template does between two forks is copied into the
+# older child (every page it writes), so the fork path allocates nothing.
+_CLONE_ARGUMENTS = tuple(ctypes.c_long(value) for value in (
+    _SYS_CLONE or -1, _CLONE_NEWUSER | _CLONE_NEWPID | signal.SIGCHLD, 0, 0, 0, 0))
+
+
 def _clone_sandbox() -> int:
     """fork() into a new user and pid namespace: 0 in the child, its pid here."""
     if _SYS_CLONE is None:
         raise OSError(errno.ENOSYS, f"no clone() number known for {os.uname().machine}: use spawn=\"exec\"")
-    flags = _CLONE_NEWUSER | _CLONE_NEWPID | signal.SIGCHLD
     _before_fork()
-    pid = _syscall(ctypes.c_long(_SYS_CLONE), ctypes.c_long(flags), ctypes.c_long(0), ctypes.c_long(0),
-                   ctypes.c_long(0), ctypes.c_long(0))
+    pid = _syscall(*_CLONE_ARGUMENTS)
     err = ctypes.get_errno()
     if pid == 0:
         _after_fork_child()
@@ -373,8 +377,12 @@ def fork_server(serve_child, channel_fd: int) -> None:
     poller = select.poll()
     poller.register(wake_r, select.POLLIN)
     reader = wire.FrameReader(wire.Limits(1 << 16))
+    control_fd = control.fileno()
+    waiting_to_send = None
     while True:
-        poller.register(control.fileno(), select.POLLIN | (select.POLLOUT if outbox else 0))
+        if waiting_to_send is not bool(outbox):
+            waiting_to_send = bool(outbox)
+            poller.register(control_fd, select.POLLIN | (select.POLLOUT if waiting_to_send else 0))
         for fd, events in poller.poll():
             if fd == wake_r:
                 try:
@@ -431,7 +439,8 @@ def _flush(control: socket.socket, outbox: bytearray) -> None:
     """Send what the socket takes now; one packet may hold many frames."""
     while outbox:
         try:
-            sent = control.send(outbox[:1 << 15])
+            with memoryview(outbox) as view:
+                sent = control.send(view[:1 << 15])
         except (BlockingIOError, InterruptedError):
             return
         del outbox[:sent]
@@ -444,9 +453,14 @@ def _kill(pid: int) -> None:
         pass
 
 
+_RECEIVE_BUFFER = bytearray(1 << 16)
+_ANCILLARY_SPACE = socket.CMSG_SPACE(4 * 4)  # a FORK brings two fds; extra ones are closed
+
+
 def _receive(control: socket.socket):
     fds = array.array("i")
-    data, ancillary, _, _ = control.recvmsg(1 << 16, socket.CMSG_SPACE(4 * fds.itemsize))
+    size, ancillary, _, _ = control.recvmsg_into([_RECEIVE_BUFFER], _ANCILLARY_SPACE)
+    data = bytes(_RECEIVE_BUFFER[:size])
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
