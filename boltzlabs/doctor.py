@@ -324,9 +324,9 @@ def _memory_cgroup_bookkeeping(n: int, probes: int = 64) -> list[Finding]:
 
     Linux keeps, per memory cgroup, a table with a slot for every filesystem
     superblock mounted since boot (its shrinker table: 1 KiB per 64). Each
-    env's sandbox mounts a tmpfs and a proc, so a pool of n envs makes the
-    table ~n/32 KiB for each of its n cgroups, and the high-water mark stays
-    until reboot. Measured: the rise in unreclaimable slab while `probes`
+    env's sandbox mounts a tmpfs and a proc (and its IPC namespace has an
+    mqueue one), so a pool of n envs makes the table ~n/20 KiB for each of
+    its n cgroups, and the high-water mark stays until reboot. Measured: the rise in unreclaimable slab while `probes`
     empty memory cgroups are made (median of three rounds)."""
     from boltzlabs.cgroups import CgroupPool, CgroupUnavailable
 
