@@ -201,11 +201,25 @@ def test_doctor_measures_what_each_memory_cgroup_costs_the_kernel():
     assert code == 0, err
     [finding] = [f for f in json.loads(out)["findings"] if f["name"] == "memory cgroup bookkeeping"]
     per_group = int(re.search(r"costs ~(\d+) KiB", finding["detail"]).group(1))
-    assert per_group > 0  # a memory cgroup is never free: its own struct alone is a few KiB
+    assert per_group >= 0  # a real reading: kernel frees elsewhere can hide a small cost
     assert finding["status"] == ("warn" if per_group > 192 else "ok"), finding
     assert "at n=500" in finding["detail"]
     if finding["status"] == "warn":
         assert "reboot" in finding["fix"]
+
+
+def test_bookkeeping_is_the_median_round_per_cgroup_and_warns_past_the_threshold(monkeypatch):
+    """The arithmetic of the check, with the kernel's counter replaced: three
+    rounds of 64 cgroups, the median round, a negative round read as 0."""
+    from boltzlabs import doctor
+
+    for readings, expected, status in (([0, 64 * 50, 0, 64 * 10, 0, -64 * 900], 10, "ok"),
+                                       ([0, 64 * 300, 0, 64 * 250, 0, 64 * 400], 300, "warn")):
+        values = iter(readings)
+        monkeypatch.setattr(doctor, "_unreclaimable_kib", lambda: next(values))
+        [finding] = doctor._memory_cgroup_bookkeeping(1000)
+        assert f"costs ~{expected} KiB" in finding.detail and finding.status == status, finding
+        assert f"~{expected * 1000 / 1024:.0f} MiB at n=1000" in finding.detail
 
 
 def test_doctor_fails_without_bwrap_and_says_how_to_install_it():
