@@ -393,13 +393,15 @@ def _pids_cgroup() -> list[Finding]:
 
 
 def _fd_limit(n: int) -> list[Finding]:
-    want = 3 * n + 256  # worker._raise_fd_limit's figure
+    from boltzlabs.worker import FD_SLACK, FDS_PER_ENV, envs_within, fds_needed
+
+    want = fds_needed(n)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     nr_open = int(_sysctl("fs.nr_open") or 0)
     show = lambda v: "unlimited" if v == resource.RLIM_INFINITY else str(v)  # noqa: E731
-    most = lambda limit: "any number of" if limit == resource.RLIM_INFINITY else str(max(0, (limit - 256) // 3))  # noqa: E731
+    most = lambda limit: "any number of" if limit == resource.RLIM_INFINITY else str(envs_within(limit))  # noqa: E731
     detail = (f"open files: soft {show(soft)}, hard {show(hard)}; a pool of {n} envs needs ~{want} "
-              f"(3 per env + 256)")
+              f"({FDS_PER_ENV} per env + {FD_SLACK})")
     if hard == resource.RLIM_INFINITY or hard >= want:
         return [Finding("fd limit", OK, detail + f"; the worker raises its soft limit itself "
                         f"(room for {most(hard)} envs)")]

@@ -1121,9 +1121,24 @@ def _pss_tree(pid: int) -> int:
         return 0
 
 
+# File descriptors the worker plans per env (channel, log pipe, exec mode's
+# pidfd; a template env holds two) and for itself.
+FDS_PER_ENV, FD_SLACK = 3, 256
+
+
+def fds_needed(n: int) -> int:
+    """The open-file limit a worker needs for a pool of n envs."""
+    return FDS_PER_ENV * n + FD_SLACK
+
+
+def envs_within(fd_limit: int) -> int:
+    """How many envs one worker can hold under an open-file limit of fd_limit."""
+    return max(0, (fd_limit - FD_SLACK) // FDS_PER_ENV)
+
+
 def _raise_fd_limit(n: int) -> None:
-    """Make room for 3 fds per env (channel, log pipe, exec's pidfd) and slack."""
-    want = 3 * n + 256
+    """Make room for fds_needed(n) open files."""
+    want = fds_needed(n)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft >= want or soft == resource.RLIM_INFINITY:
         return
