@@ -41,6 +41,15 @@ RESULTS = ROOT / "benchmarks" / "results" / "cluster.json"
 NODE = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 100 << 20}
 
 
+def local_cluster(nodes: int) -> Cluster:
+    """A Ray cluster of `nodes` one-CPU nodes on 127.0.0.1, with this driver connected."""
+    cluster = Cluster(initialize_head=True, head_node_args=dict(NODE, include_dashboard=False))
+    for _ in range(nodes - 1):
+        cluster.add_node(**NODE)
+    ray.init(address=cluster.address, _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
+    return cluster
+
+
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -67,9 +76,7 @@ def main() -> int:
     n, steps, rounds = args.n, args.steps, args.rounds
 
     log("starting a 2-node Ray cluster on 127.0.0.1")
-    cluster = Cluster(initialize_head=True, head_node_args=dict(NODE, include_dashboard=False))
-    cluster.add_node(**NODE)
-    ray.init(address=cluster.address, _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
+    cluster = local_cluster(2)
     token = "bench-" + os.urandom(8).hex()
     listener = subprocess.Popen([sys.executable, "-m", "boltzlabs", "worker", "--listen", "127.0.0.1:0",
                                  "--token", token, "--max-envs", str(n)],

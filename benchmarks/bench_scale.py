@@ -33,8 +33,7 @@ sys.path.insert(0, str(ROOT))
 import psutil  # noqa: E402
 
 from boltzlabs import RLPool  # noqa: E402
-
-FDS_PER_ENV = 3  # what worker._raise_fd_limit plans for (a template env holds two), +256 slack
+from boltzlabs.worker import envs_within  # noqa: E402
 
 
 def _fd_room() -> int:
@@ -60,19 +59,6 @@ def _leftovers() -> tuple[set, set]:
     return sandboxes, groups
 
 
-def _cluster(nodes: int):
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every node is 127.0.0.1
-    import ray
-    from ray.cluster_utils import Cluster
-
-    node = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 100 << 20}
-    cluster = Cluster(initialize_head=True, head_node_args=dict(node, include_dashboard=False))
-    for _ in range(nodes - 1):
-        cluster.add_node(**node)
-    ray.init(address=cluster.address, _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
-    return cluster
-
-
 def main() -> None:
     """Run the phases and print one report."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -82,14 +68,16 @@ def main() -> None:
     args = parser.parse_args()
     n = args.n
     room = _fd_room()
-    per_worker = max(1, (room - 256) // FDS_PER_ENV)
+    per_worker = max(1, envs_within(room))
     nodes = math.ceil(n / per_worker)
     kwargs: dict = {}
     cluster = None
     if nodes > 1:
         print(f"the fd limit here ({room}, not raisable) holds ~{per_worker} envs per worker: "
               f"splitting {n} envs over {nodes} local workers (a {nodes}-node Ray cluster)", flush=True)
-        cluster = _cluster(nodes)
+        from bench_cluster import local_cluster  # imports ray: only when it is needed
+
+        cluster = local_cluster(nodes)
         kwargs = {"cluster": cluster.address, "envs_per_node": math.ceil(n / nodes)}
     before = _leftovers()  # another job's pools are not ours to count
     try:
