@@ -28,8 +28,10 @@ worker's certificate) anywhere but loopback or a trusted network.
 
 The env directory is shipped as an uncompressed tar (so its size on the wire
 bounds its size on disk: no decompression bomb), named by its SHA-256, checked
-on arrival, unpacked with tarfile's "data" filter (no absolute paths, no
-links out, no devices, no set-uid bits) and cached on the worker.
+on arrival and cached on the worker by envcache.py: regular files and
+directories only, unpacked by a child running as the sandbox policy's
+unprivileged account, checked byte for byte, then made root's and read-only;
+the cache is bounded in bytes and in files.
 """
 
 from __future__ import annotations
@@ -40,20 +42,19 @@ import hmac
 import io
 import os
 import secrets
-import shutil
 import signal
 import socket
 import ssl
 import subprocess
 import sys
 import tarfile
-import tempfile
 import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from boltzlabs import wire
+from boltzlabs.envcache import EnvCache, UnpackRefused
 from boltzlabs.errors import WorkerError
 
 __all__ = ["Listener", "RemoteLink", "connect", "pack_env_dir", "main"]
@@ -266,18 +267,20 @@ class Listener:
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, token: str,
                  cache_dir: Path, max_clients: int = 16, max_envs: int = 4096, max_code_size: int = 64 << 20,
-                 cache_size: int = 1 << 30, tls: ssl.SSLContext | None = None,
-                 handshake_timeout: float = _HANDSHAKE_TIMEOUT, log=sys.stderr):
+                 cache_size: int = 1 << 30, cache_files: int = 100_000, max_code_files: int = 10_000,
+                 tls: ssl.SSLContext | None = None, handshake_timeout: float = _HANDSHAKE_TIMEOUT, log=sys.stderr):
         if not token:
             raise ValueError("a worker needs a token")
         self.token = token
         self.cache_dir = Path(cache_dir)
-        self.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
         self.max_clients, self.max_envs = max_clients, max_envs
         self.max_code_size, self.cache_size = max_code_size, cache_size
         self.tls = tls
         self.handshake_timeout = handshake_timeout
         self.log = log
+        self.cache = EnvCache(self.cache_dir, max_bytes=cache_size, max_files=cache_files,
+                              max_code_files=min(max_code_files, cache_files), account=_unpack_account(),
+                              log=self._say)
         self.sock = socket.create_server((host, port), backlog=128)
         self.address = self.sock.getsockname()[:2]
         self._lock = threading.Lock()
@@ -396,8 +399,7 @@ class Listener:
             self._in_use[key] = self._in_use.get(key, 0) + 1
         try:
             path = self.cache_dir / key
-            if path.is_dir():
-                os.utime(path)  # most recently used
+            if self.cache.has(key):  # (and now the most recently used)
                 peer.send([wire.NEED, False])
                 self._say(f"{where}: env code {key[:12]} from the cache")
             else:
@@ -409,51 +411,17 @@ class Listener:
                 blob = message[1]
                 if len(blob) != size or hashlib.sha256(blob).hexdigest() != key:
                     raise _Refused("the env directory's bytes do not match their SHA-256")
-                self._unpack(blob, path)
-                self._say(f"{where}: env code {key[:12]} received ({size} bytes)")
-                self._evict()
+                try:
+                    note = self.cache.add(key, blob)
+                except UnpackRefused as exc:
+                    raise _Refused(f"the env directory could not be unpacked safely: {exc}") from None
+                self._say(f"{where}: env code {key[:12]} received ({size} bytes, {note})")
+                self.cache.evict(self._lock, self._in_use)
         except BaseException:
             with self._lock:
                 self._in_use[key] -= 1
             raise
         return str(path), key
-
-    def _unpack(self, blob: bytes, path: Path) -> None:
-        staging = Path(tempfile.mkdtemp(dir=self.cache_dir, prefix=".incoming-"))
-        try:
-            with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
-                try:
-                    tar.extractall(staging, filter="data")
-                except (tarfile.TarError, OSError) as exc:
-                    raise _Refused(f"the env directory could not be unpacked safely: {exc}") from None
-            if not (staging / "env.py").is_file():
-                raise _Refused("the env directory has no env.py")
-            staging.chmod(0o755)  # mkdtemp's 0700 would hide it from an unprivileged sandbox
-            try:
-                staging.rename(path)
-            except OSError:  # another client shipped the same code meanwhile
-                if not path.is_dir():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-
-    def _evict(self) -> None:
-        """Remove the least recently used env dirs no pool uses, past --cache-size."""
-        entries = []
-        for entry in self.cache_dir.iterdir():
-            if entry.name.startswith("."):
-                continue
-            size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
-            entries.append((entry.stat().st_mtime, size, entry))
-        total = sum(size for _, size, _ in entries)
-        for _, size, entry in sorted(entries):
-            if total <= self.cache_size:
-                break
-            with self._lock:
-                if self._in_use.get(entry.name):
-                    continue
-                shutil.rmtree(entry, ignore_errors=True)
-            total -= size
 
     def _run_pool(self, conn, peer: _Peer, source_dir: str, key, where: str) -> None:
         """Hand the connection to a worker process of its own; wait for it."""
@@ -540,6 +508,19 @@ def _relay(tls: ssl.SSLSocket, plain: socket.socket, proc) -> None:
         selector.close()
 
 
+def _unpack_account() -> tuple[str, int, int] | None:
+    """Who unpacks shipped code: the sandbox policy's host account when the
+    listener is root (the account the code will run as anyway; never root),
+    else None (the listener's own, unprivileged, account)."""
+    if os.geteuid() != 0:
+        return None
+    from boltzlabs.identity import host_account
+    from boltzlabs.sandbox import load_policy
+
+    account = host_account(load_policy().sandbox.get("identity", {}))
+    return account.name, account.uid, account.gid
+
+
 def _worker_environment() -> dict:
     from boltzlabs.client import _worker_environment as local
 
@@ -563,8 +544,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where shipped env code is cached (default ~/.cache/boltzlabs/envs)")
     parser.add_argument("--cache-size", default="1G", help="cache size before the least recently used code "
                                                             "is removed (default %(default)s)")
+    parser.add_argument("--cache-files", type=int, default=100_000,
+                        help="files and directories in the cache before the least recently used code is removed "
+                             "(default %(default)s): archives of many empty files cost inodes, not bytes")
     parser.add_argument("--max-code-size", default="64M", help="largest env directory a client may ship "
                                                                "(default %(default)s)")
+    parser.add_argument("--max-code-files", type=int, default=10_000,
+                        help="most files and directories one shipped env directory may hold (default %(default)s)")
     parser.add_argument("--max-clients", type=int, default=16, help="pools served at once (default %(default)s)")
     parser.add_argument("--max-envs", type=int, default=4096, help="largest pool a client may open "
                                                                    "(default %(default)s)")
@@ -601,6 +587,7 @@ def run_worker(args: argparse.Namespace) -> int:
         listener = Listener(host.strip("[]"), int(port), token=token, cache_dir=cache,
                             max_clients=args.max_clients, max_envs=args.max_envs,
                             max_code_size=parse_size(args.max_code_size), cache_size=parse_size(args.cache_size),
+                            cache_files=args.cache_files, max_code_files=args.max_code_files,
                             tls=tls, handshake_timeout=args.handshake_timeout)
     except OSError as exc:
         print(f"boltzlabs worker: cannot listen on {args.listen}: {exc}", file=sys.stderr)

@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tarfile
@@ -410,39 +411,237 @@ def _ship(port: int, blob: bytes) -> list:
     return message
 
 
-def _archive(member: str) -> bytes:
+def _tar(members, **open_kwargs) -> bytes:
+    """A tar of (TarInfo, data or None), built by hand: what a hostile client can send."""
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        env = tarfile.TarInfo("env.py")
-        env.size = 4
-        tar.addfile(env, io.BytesIO(b"pass"))
-        info = tarfile.TarInfo(member)
-        if member == "link-out":
-            info.type, info.linkname = tarfile.SYMTYPE, "/etc/shadow"
-        elif member == "hardlink-out":
-            info.type, info.linkname = tarfile.LNKTYPE, "/etc/shadow"
-        elif member == "fifo":
-            info.type = tarfile.FIFOTYPE
-        else:
-            info.size = 4
-        tar.addfile(info, io.BytesIO(b"evil") if info.isreg() else None)
+    with tarfile.open(fileobj=buffer, mode="w", format=open_kwargs.pop("format", tarfile.PAX_FORMAT),
+                      **open_kwargs) as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
     return buffer.getvalue()
 
 
-@pytest.mark.parametrize("member", ["../escape.py", "link-out", "hardlink-out", "fifo"])
+def _member(name: str, kind=tarfile.REGTYPE, data: bytes | None = b"evil", **attrs):
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    for key, value in attrs.items():
+        setattr(info, key, value)
+    return info, (data if kind in (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE) else None)
+
+
+ENV_PY = _member("env.py", data=b"pass")
+
+
+def _archive(member: str) -> bytes:
+    members = [ENV_PY]
+    if member == "link-out":
+        members.append(_member(member, tarfile.SYMTYPE, linkname="/etc/shadow"))
+    elif member == "link-in":
+        members.append(_member(member, tarfile.SYMTYPE, linkname="env.py"))
+    elif member == "hardlink-out":
+        members.append(_member(member, tarfile.LNKTYPE, linkname="/etc/shadow"))
+    elif member == "hardlink-in":
+        members.append(_member(member, tarfile.LNKTYPE, linkname="env.py"))
+    elif member == "fifo":
+        members.append(_member(member, tarfile.FIFOTYPE))
+    elif member == "chardev":
+        members.append(_member(member, tarfile.CHRTYPE, devmajor=1, devminor=3))
+    elif member == "blockdev":
+        members.append(_member(member, tarfile.BLKTYPE, devmajor=7, devminor=0))
+    elif member == "contiguous":
+        members.append(_member(member, tarfile.CONTTYPE))
+    elif member == "duplicate":
+        members.append(_member("env.py", data=b"print('second')"))
+    elif member == "orphan":
+        members.append(_member("undeclared/file.py"))
+    elif member == "too-deep":
+        path = ""
+        for k in range(40):
+            path = f"{path}d{k}/" if path else f"d{k}/"
+            members.append(_member(path.rstrip("/"), tarfile.DIRTYPE))
+        members.append(_member(path + "f"))
+    elif member == "long-name":
+        members.append(_member("n" * 256))
+    elif member == "pax-sparse-name":  # GNU sparse keys rename the member behind the header's back
+        members.append(_member("innocent", pax_headers={"GNU.sparse.name": "renamed.py"}))
+    elif member == "pax-charset":
+        members.append(_member("binary", pax_headers={"hdrcharset": "BINARY"}))
+    elif member == "no-env-py":
+        members = [_member("other.py")]
+    else:
+        members.append(_member(member))
+    return _tar(members)
+
+
+def snapshot(root: Path) -> dict:
+    """Every entry below root (links not followed): type, mode, owner, size, times, content."""
+    out = {".": (root.lstat().st_mode, root.lstat().st_mtime_ns)}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath, name)
+            st = path.lstat()
+            content = hashlib.sha256(path.read_bytes()).hexdigest() if stat.S_ISREG(st.st_mode) else None
+            # The staging directory itself changes (entries come and go inside); what is in it must not remain.
+            mtime = None if path == root / ".staging" else st.st_mtime_ns
+            out[str(path.relative_to(root))] = (st.st_mode, st.st_uid, st.st_size, mtime, content)
+    return out
+
+
+def _cache_something(worker) -> None:
+    """A cached env dir, so that "the cache is unchanged" compares something."""
+    blob = _tar([_member("env.py", data=b"# kept\n")])
+    if not (worker.cache / hashlib.sha256(blob).hexdigest()).is_dir():
+        assert _ship(worker.port, blob)[0] == wire.ACCEPTED
+
+
+HOSTILE_MEMBERS = ["../escape.py", "/etc/boltzlabs-evil", "./dot", "a//b", "link-out", "link-in", "hardlink-out",
+                   "hardlink-in", "fifo", "chardev", "blockdev", "contiguous", "duplicate", "orphan", "too-deep",
+                   "long-name", "pax-sparse-name", "pax-charset", "no-env-py"]
+
+
+@pytest.mark.parametrize("member", HOSTILE_MEMBERS)
 def test_a_hostile_env_archive_is_refused(worker, member):
+    # An absolute member used to land inside the cache (tarfile's filter strips
+    # the slash); it is now refused like every other name that is not plainly relative.
+    _cache_something(worker)
+    before = snapshot(worker.cache)
     message = _ship(worker.port, _archive(member))
-    assert message[0] == wire.ERROR and "unpacked safely" in message[3]
+    assert message[0] == wire.ERROR and "unpacked safely" in message[3], message
     assert not (worker.cache.parent / "escape.py").exists()
-    assert not list(worker.cache.glob(".incoming-*"))  # nothing half-unpacked is left
-
-
-def test_an_absolute_member_lands_inside_the_cache(worker):
-    blob = _archive("/etc/boltzlabs-evil")
-    message = _ship(worker.port, blob)
-    assert message[0] == wire.ACCEPTED
     assert not Path("/etc/boltzlabs-evil").exists()
-    assert (worker.cache / hashlib.sha256(blob).hexdigest() / "etc" / "boltzlabs-evil").read_bytes() == b"evil"
+    assert snapshot(worker.cache) == before  # nothing half-unpacked is left, nothing else moved
+
+
+def test_a_global_pax_header_is_refused(worker):
+    _cache_something(worker)
+    before = snapshot(worker.cache)
+    message = _ship(worker.port, _tar([ENV_PY], pax_headers={"path": "elsewhere"}))
+    assert message[0] == wire.ERROR and "unpacked safely" in message[3], message
+    assert snapshot(worker.cache) == before
+
+
+def _path_max_chain(victim: Path, steps: int = 17, width: int = 250) -> bytes:
+    """The review's archive: a chain of symlinks whose expansion passes PATH_MAX,
+    so os.path.realpath (tarfile's "data" filter, Python 3.11.7) gives up and
+    reads the rest lexically while the kernel follows it out of the destination;
+    a hard link then reaches `victim` and a regular member writes through it."""
+    letters = [chr(ord("a") + k) for k in range(steps)]
+    comp = "d" * width
+    members = [ENV_PY]
+    for k in range(steps):
+        prefix = "/".join(letters[:k])
+        members.append(_member(f"{prefix}/{comp}" if prefix else comp, tarfile.DIRTYPE))
+        members.append(_member(f"{prefix}/{letters[k]}" if prefix else letters[k], tarfile.SYMTYPE, linkname=comp))
+    chain = "/".join(letters)
+    members.append(_member(f"{chain}/l", tarfile.SYMTYPE, linkname="../" * steps))
+    members.append(_member("escape", tarfile.SYMTYPE,
+                           linkname=f"{chain}/l/" + "../" * (steps + 1) + str(victim.parent).lstrip("/")))
+    members.append(_member("hl", tarfile.LNKTYPE, linkname=f"escape/{victim.name}"))
+    members.append(_member("hl", data=b"overwritten by a shipped env archive\n"))
+    return _tar(members)
+
+
+def test_a_symlink_chain_past_path_max_and_a_hard_link_cannot_write_outside(worker, tmp_path):
+    victim = tmp_path / "victim.txt"  # outside the cache, on the same filesystem, owned by root
+    victim.write_text("the host's own file\n")
+    victim.chmod(0o600)
+    before = snapshot(worker.cache)
+    message = _ship(worker.port, _path_max_chain(victim))
+    assert victim.read_text() == "the host's own file\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert victim.stat().st_nlink == 1
+    assert message is not None and message[0] == wire.ERROR and "unpacked safely" in message[3], message
+    assert snapshot(worker.cache) == before
+    # And the worker goes on serving (and evicting) as before.
+    with worker.pool(COUNTER, 1) as pool:
+        assert pool.reset() == [{"t": 0}]
+
+
+def test_shipped_code_is_unpacked_unprivileged_and_cached_read_only(worker):
+    blob = _tar([_member("pkg", tarfile.DIRTYPE, mode=0o777), _member("pkg/tool.sh", data=b"#!/bin/sh\n", mode=0o4777),
+                 _member("env.py", data=b"pass", mode=0o666)])
+    key = hashlib.sha256(blob).hexdigest()
+    message = _ship(worker.port, blob)
+    assert message[0] == wire.ACCEPTED, message
+    match = re.search(rf"env code {key[:12]} received \(\d+ bytes, 3 entries, unpacked as uid (\d+)", worker.text())
+    assert match, worker.text()
+    import pwd
+
+    assert int(match.group(1)) == pwd.getpwnam("nobody").pw_uid != 0  # sandbox/policy.toml's account
+    entry = worker.cache / key
+    modes = {str(p.relative_to(entry)): (stat.S_IMODE(p.lstat().st_mode), p.lstat().st_uid)
+             for p in [entry, *entry.rglob("*")]}
+    assert modes == {".": (0o755, 0), "pkg": (0o755, 0), "pkg/tool.sh": (0o755, 0), "env.py": (0o644, 0)}
+
+
+def _plant_hostile_tree(entry: Path, outside: Path) -> None:
+    """What an older worker could leave in its cache: links out, a symlink chain
+    whose expansion passes PATH_MAX, a directory nesting deeper than PATH_MAX."""
+    entry.mkdir()
+    (entry / "env.py").write_text("pass")
+    os.symlink(outside, entry / "link-out")
+    comp = "d" * 250
+    fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for k in range(20):
+            os.mkdir(comp, dir_fd=fd)
+            os.symlink(comp, f"s{k}", dir_fd=fd)
+            inner = os.open(comp, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        os.symlink("../" * 25, "up", dir_fd=fd)
+        os.close(os.open("file", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+    finally:
+        os.close(fd)
+
+
+def test_eviction_survives_a_hostile_tree_in_the_cache_and_follows_no_link(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not the cache's")
+    w = Worker(tmp_path, "--cache-size", "1K")
+    try:
+        planted = w.cache / ("f" * 64)
+        _plant_hostile_tree(planted, outside)
+        os.utime(planted, (1, 1), follow_symlinks=False)  # the least recently used
+        blobs = [_tar([_member("env.py", data=f"# {k}\n".encode() + b"x" * 600)]) for k in range(3)]
+        for k, blob in enumerate(blobs):
+            message = _ship(w.port, blob)
+            assert message[0] == wire.ACCEPTED, (message, w.text())
+            w.wait_for(lambda: w.text().count("pool ended") > k, "the pool did not end")
+        assert not os.path.lexists(planted)
+        assert (outside / "keep.txt").read_text() == "not the cache's"
+        keys = sorted(p.name for p in w.cache.iterdir() if not p.name.startswith("."))
+        assert keys == [hashlib.sha256(blobs[-1]).hexdigest()]  # 1K holds one; the older ones went
+    finally:
+        w.stop()
+
+
+# -- the cache counts files, not only bytes (point 15) --------------------------------------
+
+def _empty_files(tag: str, count: int) -> bytes:
+    return _tar([_member("env.py", data=f"# {tag}\n".encode())]
+                + [_member(f"empty-{k:05d}", data=b"") for k in range(count)])
+
+
+def test_the_cache_counts_files_and_evicts_archives_of_empty_files(tmp_path):
+    w = Worker(tmp_path, "--cache-files", "100", "--max-code-files", "60")
+    try:
+        first, second = _empty_files("first", 50), _empty_files("second", 50)
+        assert _ship(w.port, first)[0] == wire.ACCEPTED
+        w.wait_for(lambda: "pool ended" in w.text(), "the pool did not end")
+        assert (w.cache / hashlib.sha256(first).hexdigest()).is_dir()
+        assert _ship(w.port, second)[0] == wire.ACCEPTED
+        # 51 + 51 entries (and two directories) are over 100: the first is gone, a few bytes though it held.
+        assert not (w.cache / hashlib.sha256(first).hexdigest()).exists()
+        assert (w.cache / hashlib.sha256(second).hexdigest()).is_dir()
+        before = snapshot(w.cache)
+        message = _ship(w.port, _empty_files("third", 70))
+        assert message[0] == wire.ERROR and "more than 60 members" in message[3] and "--max-code-files" in message[3], message
+        assert snapshot(w.cache) == before
+    finally:
+        w.stop()
 
 
 def test_bad_frames_after_the_hand_off_end_only_that_pool(worker):
