@@ -40,6 +40,7 @@ import argparse
 import hashlib
 import hmac
 import io
+import ipaddress
 import os
 import secrets
 import signal
@@ -261,6 +262,34 @@ class _Refused(Exception):
     """The handshake ends here; the message goes to the client."""
 
 
+class _Slot:
+    """A connection in its handshake: where from, and a dup of its socket so
+    that another thread can end it (shutdown reaches the socket whatever
+    object, plain or TLS, holds it now)."""
+
+    def __init__(self, source: str, wake: socket.socket):
+        self.source, self.wake, self.uploading = source, wake, False
+
+    def close(self) -> None:
+        if self.wake is not None:
+            self.wake.close()
+            self.wake = None
+
+
+def _source(ip: str) -> str:
+    """The unit a per-address cap counts: the IPv4 address, or the IPv6 /64
+    (one host commonly holds a whole /64)."""
+    try:
+        address = ipaddress.ip_address(ip.split("%")[0])
+    except ValueError:
+        return ip
+    if address.version == 6:
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return str(address)
+
+
 class Listener:
     """`boltzlabs worker --listen`: authenticates clients, caches their env
     code, and gives each pool a worker process of its own."""
@@ -268,7 +297,8 @@ class Listener:
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, token: str,
                  cache_dir: Path, max_clients: int = 16, max_envs: int = 4096, max_code_size: int = 64 << 20,
                  cache_size: int = 1 << 30, cache_files: int = 100_000, max_code_files: int = 10_000,
-                 tls: ssl.SSLContext | None = None, handshake_timeout: float = _HANDSHAKE_TIMEOUT, log=sys.stderr):
+                 tls: ssl.SSLContext | None = None, handshake_timeout: float = _HANDSHAKE_TIMEOUT,
+                 max_handshakes: int = 64, max_handshakes_per_address: int = 8, log=sys.stderr):
         if not token:
             raise ValueError("a worker needs a token")
         self.token = token
@@ -284,7 +314,10 @@ class Listener:
         self.sock = socket.create_server((host, port), backlog=128)
         self.address = self.sock.getsockname()[:2]
         self._lock = threading.Lock()
-        self._handshakes = 0
+        self.max_handshakes = max(1, max_handshakes)
+        self.max_handshakes_per_address = max(1, min(max_handshakes_per_address, self.max_handshakes))
+        self._pre_auth: list[_Slot] = []  # connections not yet authenticated, oldest first
+        self._uploads = 0  # authenticated handshakes still in progress
         self._pools: dict[int, subprocess.Popen] = {}  # pid -> worker process
         self._in_use: dict[str, int] = {}  # cache key -> pools using it
         self._stopping = threading.Event()
@@ -308,14 +341,51 @@ class Listener:
                 if self._stopping.is_set():
                     break
                 raise
-            with self._lock:
-                busy = self._handshakes >= 2 * self.max_clients
-                if not busy:
-                    self._handshakes += 1
-            if busy:  # a flood of half-open connections: drop, don't queue
+            try:
+                slot = _Slot(_source(addr[0]), conn.dup())
+            except OSError:  # out of fds: drop this one, not the ones already in
                 conn.close()
                 continue
-            threading.Thread(target=self._client, args=(conn, addr), daemon=True).start()
+            with self._lock:
+                # Full: the oldest unauthenticated connection (of this source if
+                # it has its share, else of all) makes room. Refusing the new one
+                # would let anyone who holds the slots lock every client out.
+                mine = [s for s in self._pre_auth if s.source == slot.source]
+                if len(mine) >= self.max_handshakes_per_address:
+                    self._drop(mine[0])
+                elif len(self._pre_auth) >= self.max_handshakes:
+                    self._drop(self._pre_auth[0])
+                self._pre_auth.append(slot)
+            try:
+                threading.Thread(target=self._client, args=(conn, addr, slot), daemon=True).start()
+            except RuntimeError as exc:  # no thread to be had: this client goes, the listener stays
+                self._say(f"dropped {addr[0]}:{addr[1]}: {exc}")
+                with self._lock:
+                    if slot in self._pre_auth:
+                        self._pre_auth.remove(slot)
+                    slot.close()
+                conn.close()
+
+    def _drop(self, slot: "_Slot") -> None:
+        """End an unauthenticated connection (with self._lock held): shutdown()
+        wakes its thread's recv, which then closes the socket and the slot."""
+        self._pre_auth.remove(slot)
+        try:
+            slot.wake.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _authenticated(self, slot: "_Slot") -> None:
+        """The connection proved the token: no longer one a flood may push out."""
+        with self._lock:
+            if slot in self._pre_auth:
+                self._pre_auth.remove(slot)
+            slot.close()
+            if self._uploads >= 2 * self.max_clients:
+                raise _Refused(f"{self._uploads} authenticated clients are still shipping their code; try again "
+                               "in a moment")
+            self._uploads += 1
+            slot.uploading = True
 
     def stop(self) -> None:
         """Stop accepting and end every pool (each worker tears its sandboxes down)."""
@@ -335,7 +405,7 @@ class Listener:
 
     # -- one client ----------------------------------------------------------------
 
-    def _client(self, conn: socket.socket, addr) -> None:
+    def _client(self, conn: socket.socket, addr, slot: "_Slot") -> None:
         where = f"{addr[0]}:{addr[1]}"
         try:
             _tune(conn)
@@ -343,7 +413,7 @@ class Listener:
             if self.tls is not None:
                 conn.settimeout(self.handshake_timeout)
                 conn = peer.sock = self.tls.wrap_socket(conn, server_side=True)
-            source_dir, key = self._handshake(peer, where)
+            source_dir, key = self._handshake(peer, where, slot)
         except _Refused as exc:
             self._say(f"refused {where}: {exc}")
             try:
@@ -359,7 +429,11 @@ class Listener:
             return
         finally:
             with self._lock:
-                self._handshakes -= 1
+                if slot in self._pre_auth:
+                    self._pre_auth.remove(slot)
+                slot.close()
+                if slot.uploading:
+                    self._uploads -= 1
         try:
             self._run_pool(conn, peer, source_dir, key, where)
         finally:
@@ -367,7 +441,7 @@ class Listener:
                 with self._lock:
                     self._in_use[key] -= 1
 
-    def _handshake(self, peer: _Peer, where: str) -> tuple[str, str | None]:
+    def _handshake(self, peer: _Peer, where: str, slot: "_Slot") -> tuple[str, str | None]:
         from boltzlabs.sources import GYM_ENV_DIR
 
         nonce = secrets.token_bytes(32)
@@ -377,6 +451,7 @@ class Listener:
                 or not hmac.compare_digest(message[1], _proof(self.token, nonce))):
             raise _Refused("wrong or missing token; give the worker's token as RLPool(..., token=...) "
                            "or BOLTZLABS_TOKEN")
+        self._authenticated(slot)
         peer.limit(self.max_code_size + _PRE_AUTH_FRAME)
         message = peer.receive()
         if message[0] != wire.SOURCE or len(message) != 2 or not isinstance(message[1], dict):
@@ -556,6 +631,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                                                                    "(default %(default)s)")
     parser.add_argument("--parent", type=int, default=0, metavar="PID",
                         help="stop (and end every pool) when process PID dies, e.g. the Ray actor that started it")
+    parser.add_argument("--max-handshakes", type=int, default=64,
+                        help="connections not yet authenticated, in all; when full the oldest is dropped to make "
+                             "room (default %(default)s)")
+    parser.add_argument("--max-handshakes-per-address", type=int, default=8,
+                        help="connections not yet authenticated from one address (an IPv6 /64); when full its "
+                             "oldest is dropped (default %(default)s)")
     parser.add_argument("--handshake-timeout", type=float, default=_HANDSHAKE_TIMEOUT,
                         help="seconds a client has to authenticate and ship its code (default %(default)s)")
 
@@ -588,7 +669,8 @@ def run_worker(args: argparse.Namespace) -> int:
                             max_clients=args.max_clients, max_envs=args.max_envs,
                             max_code_size=parse_size(args.max_code_size), cache_size=parse_size(args.cache_size),
                             cache_files=args.cache_files, max_code_files=args.max_code_files,
-                            tls=tls, handshake_timeout=args.handshake_timeout)
+                            tls=tls, handshake_timeout=args.handshake_timeout, max_handshakes=args.max_handshakes,
+                            max_handshakes_per_address=args.max_handshakes_per_address)
     except OSError as exc:
         print(f"boltzlabs worker: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return 1

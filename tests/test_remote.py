@@ -373,6 +373,58 @@ def test_hostile_clients_do_not_hurt_a_good_one(worker):
     assert "no complete handshake within 2 s" in worker.text()
 
 
+def _idle(port: int, source: str = "127.0.0.1") -> socket.socket:
+    """A connection that never answers its challenge, from `source` (any 127/8 address is loopback)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def _still_open(sock: socket.socket, wait: float = 0.5) -> bool:
+    """Whether the worker has kept `sock` (it sent its challenge, and nothing ends it)."""
+    sock.settimeout(wait)
+    try:
+        while True:
+            if not sock.recv(4096):
+                return False
+    except socket.timeout:
+        return True
+    except ConnectionResetError:
+        return False
+
+
+def test_idle_connections_cannot_lock_out_a_client(tmp_path):
+    w = Worker(tmp_path, "--handshake-timeout", "60")  # nothing is timed out during the test
+    idle = []
+    try:
+        # Per address: the newest --max-handshakes-per-address (8) of 127.0.0.2 stay, the older go,
+        # and 127.0.0.3's are not touched for it.
+        others = [_idle(w.port, "127.0.0.3") for _ in range(4)]
+        flood = [_idle(w.port, "127.0.0.2") for _ in range(20)]
+        idle += others + flood
+        assert all(_still_open(s, 0.2) for s in others)
+        assert not any(_still_open(s, 0.2) for s in flood[:12]) and all(_still_open(s, 0.2) for s in flood[12:])
+        # In total: many addresses, many connections each, more than --max-handshakes (64) in all.
+        for k in range(4, 20):
+            idle += [_idle(w.port, f"127.0.0.{k}") for _ in range(8)]
+        idle += [_idle(w.port) for _ in range(40)]
+        time.sleep(0.5)
+        # Legitimate clients still get in, promptly: the oldest idle connections make room.
+        started = time.monotonic()
+        for _ in range(3):
+            with w.pool(COUNTER, 1) as pool:
+                assert pool.reset() == [{"t": 0}]
+        assert time.monotonic() - started < 20
+        assert not _still_open(others[0])  # the oldest of all went first
+        assert sum(_still_open(s, 0.05) for s in idle) <= 64
+    finally:
+        for sock in idle:
+            sock.close()
+        w.stop()
+
+
 @pytest.mark.parametrize("frames", [
     [[wire.SOURCE, "not a dict"]],
     [[wire.SOURCE, {"kind": "dir", "sha256": "zz", "size": 10}]],
