@@ -41,6 +41,7 @@ import hashlib
 import hmac
 import io
 import ipaddress
+import json
 import os
 import secrets
 import signal
@@ -256,6 +257,136 @@ def connect(url: str, token: str | None, source, tls_ca=None, timeout: float = 3
         raise WorkerError(f"the handshake with the worker at {url} failed: {exc}") from None
 
 
+# -- what a remote client may ask for ------------------------------------------------------
+
+# The listener's ceilings on what one remote pool may ask for, per env: the
+# parameter (an [env_limits] key of sandbox/policy.toml, or an RLPool
+# argument), its flag, its default and its kind. A client above one is
+# refused before anything starts; a client that asks nothing gets the policy's
+# default tightened to the ceiling ("no limit", as memory's default 0 is,
+# becomes the ceiling). A limit a client may set and that has no ceiling
+# here is refused outright (fail closed when the policy grows a key).
+CEILINGS = {
+    "memory": ("--max-memory", "1G", "size"),
+    "workspace_size": ("--max-workspace", "256M", "size"),
+    "pids": ("--max-pids", 256, "count"),
+    "open_files": ("--max-open-files", 1024, "count"),
+    "file_size": ("--max-file-size", "1G", "size"),
+    "core_size": ("--max-core-size", "0", "size"),
+    "straggler_grace": ("--max-straggler-grace", 60.0, "seconds"),
+    "step_timeout": ("--max-step-timeout", 300.0, "seconds"),
+    "start_timeout": ("--max-start-timeout", 300.0, "seconds"),
+}
+_NO_LIMIT = ("memory", "file_size")  # where 0 means "no limit"
+
+
+def default_ceilings() -> dict:
+    """CEILINGS' defaults as numbers (bytes, counts, seconds)."""
+    return {key: _ceiling_value(key, default) for key, (_, default, _) in CEILINGS.items()}
+
+
+def _ceiling_value(key: str, value):
+    from boltzlabs.sandbox import parse_size
+
+    kind = CEILINGS[key][2]
+    if kind == "size":
+        return 0 if value in (0, "0") else parse_size(value)
+    if kind == "count":
+        value = int(value)
+        if value < 1:
+            raise ValueError(f"{CEILINGS[key][0]} must be at least 1")
+        return value
+    value = float(value)
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{CEILINGS[key][0]} must be a positive number of seconds")
+    return value
+
+
+def _shown(key: str, value) -> str:
+    kind = CEILINGS[key][2]
+    if kind == "size":
+        if value == 0:
+            return "0 (no limit)" if key in _NO_LIMIT else "0"
+        for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+            if value % (1 << shift) == 0:
+                return f"{value} bytes ({value >> shift}{unit})"
+        return f"{value} bytes"
+    return f"{value:g}" if kind == "seconds" else str(value)
+
+
+def _ceiling_shown(key: str, ceiling) -> str:
+    kind = CEILINGS[key][2]
+    if kind == "size":
+        for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+            if ceiling and ceiling % (1 << shift) == 0:
+                return f"{ceiling >> shift}{unit}"
+        return str(ceiling)
+    return f"{ceiling:g} s" if kind == "seconds" else str(ceiling)
+
+
+def _over(name: str, key: str, asked, ceiling) -> ValueError:
+    flag = CEILINGS[key][0]
+    return ValueError(f"{name}={_shown(key, asked)} is over this worker's ceiling of {_ceiling_shown(key, ceiling)} "
+                      f"({flag}); ask for less, or start the worker (boltzlabs worker) with a larger {flag}")
+
+
+def apply_ceilings(config: dict, ceilings: dict, policy) -> dict:
+    """A remote client's OPEN config within the listener's `ceilings`
+    (CEILINGS' keys, as numbers), for Worker.open. Raises ValueError naming
+    the parameter, what was asked, the ceiling and its flag; returns the
+    config with every limit explicit (policy defaults tightened to the
+    ceilings)."""
+    from boltzlabs import limits as _limits
+
+    out = dict(config)
+    asked = config.get("limits")
+    if asked is not None and not isinstance(asked, dict):
+        raise TypeError(f"limits must be a dict like {{'pids': 64}}, not {type(asked).__name__}")
+    asked = dict(asked or {})
+    names = {key: f"limits[{key!r}]" for key in asked}
+    if config.get("memory_limit") is not None:
+        if asked.get("memory", config["memory_limit"]) != config["memory_limit"]:
+            raise ValueError("give memory_limit= or limits={'memory': ...}, not both")
+        asked["memory"] = config["memory_limit"]
+        names["memory"] = "memory_limit"
+    resolved = _limits.resolve(policy.sandbox.get("env_limits", {}), asked)  # types and minimums
+    for key, value in resolved.items():
+        if key not in ceilings:
+            if key in asked:
+                raise ValueError(f"this worker does not let a remote client set {names[key]}; leave it out")
+            continue
+        ceiling = ceilings[key]
+        over = (value == 0 and key in _NO_LIMIT and ceiling != 0) or value > ceiling
+        if over and key in asked:
+            raise _over(names[key], key, value, ceiling)
+        if over:
+            resolved[key] = ceiling
+    out["limits"], out["memory_limit"] = resolved, None
+
+    workspace = config.get("workspace_size")
+    if workspace is None:
+        from boltzlabs.sandbox import parse_size
+
+        workspace = min(parse_size(policy.sandbox["workspace"]["default_size"]), ceilings["workspace_size"])
+    elif isinstance(workspace, bool) or not isinstance(workspace, int) or workspace <= 0:
+        raise ValueError(f"workspace_size must be a positive number of bytes, not {workspace!r}")
+    elif workspace > ceilings["workspace_size"]:
+        raise _over("workspace_size", "workspace_size", workspace, ceilings["workspace_size"])
+    out["workspace_size"] = workspace
+
+    for key in ("step_timeout", "start_timeout"):
+        value = config.get(key)
+        if value is None:
+            out[key] = min(float(policy.limits[key]), ceilings[key])
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ValueError(f"{key} must be a positive number of seconds, not {value!r}")
+        if value > ceilings[key]:
+            raise _over(key, key, value, ceilings[key])
+        out[key] = float(value)
+    return out
+
+
 # -- the worker side -------------------------------------------------------------------
 
 class _Refused(Exception):
@@ -298,7 +429,8 @@ class Listener:
                  cache_dir: Path, max_clients: int = 16, max_envs: int = 4096, max_code_size: int = 64 << 20,
                  cache_size: int = 1 << 30, cache_files: int = 100_000, max_code_files: int = 10_000,
                  tls: ssl.SSLContext | None = None, handshake_timeout: float = _HANDSHAKE_TIMEOUT,
-                 max_handshakes: int = 64, max_handshakes_per_address: int = 8, log=sys.stderr):
+                 max_handshakes: int = 64, max_handshakes_per_address: int = 8, ceilings: dict | None = None,
+                 log=sys.stderr):
         if not token:
             raise ValueError("a worker needs a token")
         self.token = token
@@ -307,6 +439,7 @@ class Listener:
         self.max_code_size, self.cache_size = max_code_size, cache_size
         self.tls = tls
         self.handshake_timeout = handshake_timeout
+        self.ceilings = {**default_ceilings(), **(ceilings or {})}
         self.log = log
         self.cache = EnvCache(self.cache_dir, max_bytes=cache_size, max_files=cache_files,
                               max_code_files=min(max_code_files, cache_files), account=_unpack_account(),
@@ -516,7 +649,8 @@ class Listener:
             ours, theirs = None, conn
         argv = [sys.executable, "-m", "boltzlabs.worker", "--fd", str(theirs.fileno()), "--remote",
                 "--source-dir", source_dir, "--max-envs", str(self.max_envs), "--max-frame",
-                str(max(self.max_code_size, 64 << 20)), "--parent", str(os.getpid())]
+                str(max(self.max_code_size, 64 << 20)), "--parent", str(os.getpid()),
+                "--ceilings", json.dumps(self.ceilings)]
         try:
             proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                                     start_new_session=True, env=_worker_environment())
@@ -629,6 +763,11 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-clients", type=int, default=16, help="pools served at once (default %(default)s)")
     parser.add_argument("--max-envs", type=int, default=4096, help="largest pool a client may open "
                                                                    "(default %(default)s)")
+    for key, (flag, default, kind) in CEILINGS.items():
+        what = {"size": "bytes or e.g. 512M", "count": "a count", "seconds": "seconds"}[kind]
+        parser.add_argument(flag, default=str(default), metavar=kind.upper(),
+                            help=f"the most a client may ask for {key} per env, {what} (default %(default)s)"
+                                 + ("; a pool that sets none gets this" if key in _NO_LIMIT else ""))
     parser.add_argument("--parent", type=int, default=0, metavar="PID",
                         help="stop (and end every pool) when process PID dies, e.g. the Ray actor that started it")
     parser.add_argument("--max-handshakes", type=int, default=64,
@@ -665,12 +804,18 @@ def run_worker(args: argparse.Namespace) -> int:
         tls.load_cert_chain(args.tls_cert, args.tls_key)
     cache = Path(args.cache_dir) if args.cache_dir else Path.home() / ".cache" / "boltzlabs" / "envs"
     try:
+        ceilings = {key: _ceiling_value(key, getattr(args, flag[2:].replace("-", "_")))
+                    for key, (flag, _, _) in CEILINGS.items()}
+    except (ValueError, TypeError) as exc:
+        print(f"boltzlabs worker: {exc}", file=sys.stderr)
+        return 2
+    try:
         listener = Listener(host.strip("[]"), int(port), token=token, cache_dir=cache,
                             max_clients=args.max_clients, max_envs=args.max_envs,
                             max_code_size=parse_size(args.max_code_size), cache_size=parse_size(args.cache_size),
                             cache_files=args.cache_files, max_code_files=args.max_code_files,
                             tls=tls, handshake_timeout=args.handshake_timeout, max_handshakes=args.max_handshakes,
-                            max_handshakes_per_address=args.max_handshakes_per_address)
+                            max_handshakes_per_address=args.max_handshakes_per_address, ceilings=ceilings)
     except OSError as exc:
         print(f"boltzlabs worker: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return 1

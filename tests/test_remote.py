@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tarfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -234,6 +235,83 @@ def test_env_dir_over_the_code_cap_is_refused(tmp_path, env_dir):
     try:
         with pytest.raises(WorkerError, match="over this worker's cap"):
             w.pool(source, 1)
+    finally:
+        w.stop()
+
+
+# -- a remote client's limits stay under the worker's ceilings (point 9) ---------------------
+
+@pytest.mark.parametrize("kwargs, asked, ceiling, flag", [
+    ({"workspace_size": "100G"}, "workspace_size=107374182400 bytes (100G)", "256M", "--max-workspace"),
+    ({"memory_limit": "100G"}, "memory_limit=107374182400 bytes (100G)", "1G", "--max-memory"),
+    ({"limits": {"memory": 0}}, "limits['memory']=0 (no limit)", "1G", "--max-memory"),
+    ({"limits": {"pids": 100000}}, "limits['pids']=100000", "256", "--max-pids"),
+    ({"limits": {"open_files": 1 << 20}}, "limits['open_files']=1048576", "1024", "--max-open-files"),
+    ({"limits": {"file_size": "100G"}}, "limits['file_size']=107374182400 bytes (100G)", "1G", "--max-file-size"),
+    ({"limits": {"file_size": 0}}, "limits['file_size']=0 (no limit)", "1G", "--max-file-size"),
+    ({"limits": {"core_size": "1G"}}, "limits['core_size']=1073741824 bytes (1G)", "0", "--max-core-size"),
+    ({"limits": {"straggler_grace": 86400.0}}, "limits['straggler_grace']=86400", "60 s", "--max-straggler-grace"),
+    ({"step_timeout": 86400.0}, "step_timeout=86400", "300 s", "--max-step-timeout"),
+    ({"start_timeout": 86400.0}, "start_timeout=86400", "300 s", "--max-start-timeout"),
+], ids=["workspace", "memory", "no-memory-limit", "pids", "open-files", "file-size", "no-file-size-limit",
+        "core-size", "straggler-grace", "step-timeout", "start-timeout"])
+def test_a_remote_client_cannot_pass_the_workers_ceilings(worker, kwargs, asked, ceiling, flag):
+    started = time.monotonic()
+    spawned = []  # every process below the listener while the refused pool was being opened
+    watching = threading.Event()
+
+    def watch():
+        while not watching.is_set():
+            spawned.extend(_names(worker.descendants()))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with pytest.raises(ValueError) as refused:
+            worker.pool(COUNTER, 2, **kwargs)
+    finally:
+        watching.set()
+        watcher.join()
+    assert "bwrap" not in spawned and "setpriv" not in spawned, spawned  # refused before any sandbox started
+    text = str(refused.value)
+    assert asked in text and f"ceiling of {ceiling}" in text and flag in text, text
+    assert time.monotonic() - started < 5  # refused before any sandbox started
+    assert "env 0" not in text
+
+
+def _names(procs) -> list:
+    names = []
+    for proc in procs:
+        try:
+            names.append(proc.name())
+        except psutil.NoSuchProcess:
+            pass
+    return names
+
+
+def test_a_remote_pool_gets_the_ceilings_when_it_asks_for_nothing(worker):
+    with worker.pool(PROBE, 1) as pool:
+        pool.reset()
+        group = Path(pool._cgroup[0]) / "env-0"
+        assert int((group / "memory.limit_in_bytes").read_text()) == 1 << 30  # not unlimited
+        assert pool.step_timeout == 5.0  # what it asked, within the ceiling
+
+
+def test_raised_ceilings_let_a_pool_ask_for_more(tmp_path):
+    w = Worker(tmp_path, "--max-memory", "2G", "--max-pids", "1000", "--max-workspace", "512M",
+               "--max-step-timeout", "600")
+    try:
+        with w.pool(PROBE, 1, memory_limit="1536M", limits={"pids": 512}, workspace_size="512M",
+                    step_timeout=500.0) as pool:
+            pool.reset()
+            group = Path(pool._cgroup[0]) / "env-0"
+            assert int((group / "memory.limit_in_bytes").read_text()) == 1536 << 20
+            assert int((Path(pool._cgroup[1]) / "env-0" / "pids.max").read_text()) == 512
+            assert pool.step_timeout == 500.0
+        with pytest.raises(ValueError, match=r"memory_limit=3221225472 bytes \(3G\) is over this worker's "
+                                             r"ceiling of 2G \(--max-memory\)"):
+            w.pool(PROBE, 1, memory_limit="3G")
     finally:
         w.stop()
 
