@@ -288,6 +288,8 @@ def default_ceilings() -> dict:
 def _ceiling_value(key: str, value):
     from boltzlabs.sandbox import parse_size
 
+    if value is None or str(value).lower() == "none":
+        return None  # no ceiling: what the client asks goes (a private listener, e.g. RLPool(cluster=...)'s)
     kind = CEILINGS[key][2]
     if kind == "size":
         return 0 if value in (0, "0") else parse_size(value)
@@ -356,6 +358,8 @@ def apply_ceilings(config: dict, ceilings: dict, policy) -> dict:
                 raise ValueError(f"this worker does not let a remote client set {names[key]}; leave it out")
             continue
         ceiling = ceilings[key]
+        if ceiling is None:
+            continue
         over = (value == 0 and key in _NO_LIMIT and ceiling != 0) or value > ceiling
         if over and key in asked:
             raise _over(names[key], key, value, ceiling)
@@ -363,26 +367,27 @@ def apply_ceilings(config: dict, ceilings: dict, policy) -> dict:
             resolved[key] = ceiling
     out["limits"], out["memory_limit"] = resolved, None
 
-    workspace = config.get("workspace_size")
+    inf = float("inf")
+    workspace, ceiling = config.get("workspace_size"), ceilings.get("workspace_size") or inf
     if workspace is None:
         from boltzlabs.sandbox import parse_size
 
-        workspace = min(parse_size(policy.sandbox["workspace"]["default_size"]), ceilings["workspace_size"])
+        workspace = min(parse_size(policy.sandbox["workspace"]["default_size"]), ceiling)
     elif isinstance(workspace, bool) or not isinstance(workspace, int) or workspace <= 0:
         raise ValueError(f"workspace_size must be a positive number of bytes, not {workspace!r}")
-    elif workspace > ceilings["workspace_size"]:
-        raise _over("workspace_size", "workspace_size", workspace, ceilings["workspace_size"])
+    elif workspace > ceiling:
+        raise _over("workspace_size", "workspace_size", workspace, ceiling)
     out["workspace_size"] = workspace
 
     for key in ("step_timeout", "start_timeout"):
-        value = config.get(key)
+        value, ceiling = config.get(key), ceilings.get(key) or inf
         if value is None:
-            out[key] = min(float(policy.limits[key]), ceilings[key])
+            out[key] = min(float(policy.limits[key]), ceiling)
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < inf:
             raise ValueError(f"{key} must be a positive number of seconds, not {value!r}")
-        if value > ceilings[key]:
-            raise _over(key, key, value, ceilings[key])
+        if value > ceiling:
+            raise _over(key, key, value, ceiling)
         out[key] = float(value)
     return out
 
@@ -766,7 +771,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     for key, (flag, default, kind) in CEILINGS.items():
         what = {"size": "bytes or e.g. 512M", "count": "a count", "seconds": "seconds"}[kind]
         parser.add_argument(flag, default=str(default), metavar=kind.upper(),
-                            help=f"the most a client may ask for {key} per env, {what} (default %(default)s)"
+                            help=f"the most a client may ask for {key} per env, {what}, or none "
+                                 f"(default %(default)s)"
                                  + ("; a pool that sets none gets this" if key in _NO_LIMIT else ""))
     parser.add_argument("--parent", type=int, default=0, metavar="PID",
                         help="stop (and end every pool) when process PID dies, e.g. the Ray actor that started it")

@@ -299,10 +299,10 @@ def test_a_remote_pool_gets_the_ceilings_when_it_asks_for_nothing(worker):
 
 
 def test_raised_ceilings_let_a_pool_ask_for_more(tmp_path):
-    w = Worker(tmp_path, "--max-memory", "2G", "--max-pids", "1000", "--max-workspace", "512M",
+    w = Worker(tmp_path, "--max-memory", "2G", "--max-pids", "1000", "--max-workspace", "none",
                "--max-step-timeout", "600")
     try:
-        with w.pool(PROBE, 1, memory_limit="1536M", limits={"pids": 512}, workspace_size="512M",
+        with w.pool(PROBE, 1, memory_limit="1536M", limits={"pids": 512}, workspace_size="1G",
                     step_timeout=500.0) as pool:
             pool.reset()
             group = Path(pool._cgroup[0]) / "env-0"
