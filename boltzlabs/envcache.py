@@ -112,8 +112,10 @@ def plan(blob: bytes, max_files: int) -> list[Entry]:
                         raise UnpackRefused(f"member {name!r} is cut short")
                     mode = 0o755 if info.mode & 0o111 else 0o644
                     entries.append(Entry(parts, False, mode, info.offset_data, info.size))
-    except (tarfile.TarError, UnicodeError, ValueError, EOFError) as exc:
-        raise UnpackRefused(f"the archive cannot be read as a tar: {exc}") from None
+    except UnpackRefused:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever tarfile makes of hostile bytes
+        raise UnpackRefused(f"the archive cannot be read as a tar: {type(exc).__name__}: {exc}") from None
     if seen.get(("env.py",)) is not False:
         raise UnpackRefused("the env directory has no env.py file")
     return entries
@@ -245,7 +247,27 @@ class EnvCache:
             _remove(self.staging, name, self.log)
         self._usage: dict[str, tuple[int, int]] = {}  # key -> (bytes, inodes)
         self._evicting = threading.Lock()
+        self._sweep()
 
+    def _sweep(self) -> None:
+        """Remove entries this unpacking could not have made (left by an older
+        version that trusted tarfile: links, devices, fifos, hard links,
+        files others may write): they would be served as cached code."""
+        for name in os.listdir(self.fd):
+            if not _is_key(name):
+                continue
+            try:
+                st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+                plain = stat.S_ISDIR(st.st_mode) and all(
+                    event == "leave" or (stat.S_ISDIR(item.st_mode) or (stat.S_ISREG(item.st_mode)
+                                                                       and item.st_nlink == 1))
+                    and not item.st_mode & 0o7022 and len(parts) <= MAX_DEPTH + 1
+                    for event, parts, _, _, item in _walk(self.fd, name))
+            except OSError:
+                plain = False
+            if not plain:
+                self.log(f"cache: removing {name[:12]}, which holds more than plain files and directories")
+                _remove(self.fd, name, self.log)
     def close(self) -> None:
         """Close the cache's directory fds (when no thread uses it any more)."""
         for fd in (self.staging, self.fd):
@@ -287,7 +309,8 @@ class EnvCache:
                     raise
         finally:
             _remove(self.staging, name, self.log)
-        self._usage[key] = (size, len(entries) + 1)
+        with self._evicting:
+            self._usage[key] = (size, len(entries) + 1)
         who = self.account[0] if self.account else "the listener's own account"
         return f"{len(entries)} entries, unpacked as uid {uid} ({who})"
 

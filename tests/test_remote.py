@@ -748,6 +748,47 @@ def test_eviction_survives_a_hostile_tree_in_the_cache_and_follows_no_link(tmp_p
         w.stop()
 
 
+def test_a_hostile_tree_left_in_the_cache_is_removed_at_start(tmp_path):
+    """An older worker trusted tarfile: what it cached is checked before it is served again."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not the cache's")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    planted, plain = cache / ("e" * 64), cache / ("a" * 64)
+    _plant_hostile_tree(planted, outside)
+    plain.mkdir()
+    (plain / "env.py").write_text("pass")
+    w = Worker(tmp_path)
+    try:
+        assert not os.path.lexists(planted) and (plain / "env.py").read_text() == "pass"
+        assert (outside / "keep.txt").read_text() == "not the cache's"
+        assert f"removing {'e' * 12}" in w.text()
+    finally:
+        w.stop()
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_the_archive_parser_refuses_or_returns_a_plain_tree(data):
+    """Random damage to a valid archive: plan() refuses it, or every entry is plainly relative and in the blob."""
+    from boltzlabs.envcache import UnpackRefused, plan
+
+    blob = bytearray(_tar([_member("pkg", tarfile.DIRTYPE), _member("pkg/a.py", data=b"x" * 700), ENV_PY]))
+    for _ in range(data.draw(st.integers(1, 8))):
+        blob[data.draw(st.integers(0, len(blob) - 1))] = data.draw(st.integers(0, 255))
+    blob = bytes(blob[:data.draw(st.integers(0, len(blob)))])
+    try:
+        entries = plan(blob, 100)
+    except UnpackRefused:
+        return
+    names = ["/".join(e.parts) for e in entries]
+    assert len(set(names)) == len(names) and "env.py" in names
+    for entry in entries:
+        assert all(p not in ("", ".", "..") and "/" not in p and "\0" not in p for p in entry.parts)
+        assert entry.mode in (0o644, 0o755) and entry.offset + entry.size <= len(blob)
+
+
 # -- the cache counts files, not only bytes (point 15) --------------------------------------
 
 def _empty_files(tag: str, count: int) -> bytes:
