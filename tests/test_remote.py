@@ -290,20 +290,22 @@ def _names(procs) -> list:
     return names
 
 
-def test_a_remote_pool_gets_the_ceilings_when_it_asks_for_nothing(worker):
-    with worker.pool(PROBE, 1) as pool:
+def test_a_remote_pool_gets_the_ceilings_when_it_asks_for_nothing(worker, spawn):
+    with worker.pool(PROBE, 1, spawn=spawn) as pool:
+        assert pool.spawn == spawn
         pool.reset()
         group = Path(pool._cgroup[0]) / "env-0"
         assert int((group / "memory.limit_in_bytes").read_text()) == 1 << 30  # not unlimited
         assert pool.step_timeout == 5.0  # what it asked, within the ceiling
 
 
-def test_raised_ceilings_let_a_pool_ask_for_more(tmp_path):
+def test_raised_ceilings_let_a_pool_ask_for_more(tmp_path, spawn):
     w = Worker(tmp_path, "--max-memory", "2G", "--max-pids", "1000", "--max-workspace", "none",
                "--max-step-timeout", "600")
     try:
         with w.pool(PROBE, 1, memory_limit="1536M", limits={"pids": 512}, workspace_size="1G",
-                    step_timeout=500.0) as pool:
+                    step_timeout=500.0, spawn=spawn) as pool:
+            assert pool.spawn == spawn
             pool.reset()
             group = Path(pool._cgroup[0]) / "env-0"
             assert int((group / "memory.limit_in_bytes").read_text()) == 1536 << 20
