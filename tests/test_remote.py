@@ -811,7 +811,8 @@ def test_the_cache_counts_files_and_evicts_archives_of_empty_files(tmp_path):
         assert (w.cache / hashlib.sha256(second).hexdigest()).is_dir()
         before = snapshot(w.cache)
         message = _ship(w.port, _empty_files("third", 70))
-        assert message[0] == wire.ERROR and "more than 60 members" in message[3] and "--max-code-files" in message[3], message
+        assert message[0] == wire.ERROR, message
+        assert "more than 60 members" in message[3] and "--max-code-files" in message[3], message
         assert snapshot(w.cache) == before
     finally:
         w.stop()
