@@ -404,7 +404,7 @@ class _Slot:
     object, plain or TLS, holds it now)."""
 
     def __init__(self, source: str, wake: socket.socket):
-        self.source, self.wake, self.uploading = source, wake, False
+        self.source, self.wake, self.uploading, self.dropped = source, wake, False, False
 
     def close(self) -> None:
         if self.wake is not None:
@@ -508,6 +508,7 @@ class Listener:
         """End an unauthenticated connection (with self._lock held): shutdown()
         wakes its thread's recv, which then closes the socket and the slot."""
         self._pre_auth.remove(slot)
+        slot.dropped = True
         try:
             slot.wake.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -562,6 +563,9 @@ class Listener:
             return
         except (OSError, TimeoutError, wire.ProtocolError, ssl.SSLError, ConnectionError) as exc:
             why = f"no complete handshake within {self.handshake_timeout:g} s" if isinstance(exc, TimeoutError) else exc
+            if slot.dropped:
+                why = (f"the oldest unauthenticated connection {'from ' + slot.source if slot.source else ''}, "
+                       "dropped to make room for a newer one (--max-handshakes, --max-handshakes-per-address)")
             self._say(f"dropped {where}: {why}")
             conn.close()
             return

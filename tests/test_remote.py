@@ -499,6 +499,7 @@ def test_idle_connections_cannot_lock_out_a_client(tmp_path):
         assert time.monotonic() - started < 20
         assert not _still_open(others[0])  # the oldest of all went first
         assert sum(_still_open(s, 0.05) for s in idle) <= 64
+        assert "dropped to make room for a newer one" in w.text()
     finally:
         for sock in idle:
             sock.close()
