@@ -316,20 +316,19 @@ class EnvCache:
 
     def _unpack(self, root: int, entries: list[Entry], blob: bytes) -> int:
         """Run _write in a child as the account; the uid it ran as."""
-        uid = gid = None
         if self.account is not None:
             _, uid, gid = self.account
             os.fchown(root, uid, gid)
+            switch = (uid, gid)
         else:
-            uid = os.geteuid()
+            uid, switch = os.geteuid(), (None, None)
         largest = max((e.size for e in entries), default=0)
         read_end, write_end = os.pipe2(os.O_CLOEXEC)
         parent = os.getpid()
         pid = os.fork()
         if pid == 0:
             os.close(read_end)
-            _child(parent, root, write_end, entries, blob, *((self.account[1], self.account[2]) if self.account
-                                                     else (None, None)), largest)
+            _child(parent, root, write_end, entries, blob, *switch, largest)
         os.close(write_end)
         try:
             deadline = time.monotonic() + _UNPACK_SECONDS
