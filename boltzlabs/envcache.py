@@ -92,12 +92,12 @@ def plan(blob: bytes, max_files: int) -> list[Entry]:
                                         "--max-code-files); ship fewer files, or raise the cap on the worker")
                 if tar.pax_headers:
                     raise UnpackRefused("the archive has a global PAX header (it renames or rewrites members)")
-                odd = sorted(set(info.pax_headers) - _PAX_KEYS)
-                if odd:
-                    raise UnpackRefused(f"member {name!r} carries PAX keys {odd}, which rename or reshape it")
                 if info.type not in (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE) or info.sparse:
                     raise UnpackRefused(f"member {name!r} is a {_KINDS.get(info.type, repr(info.type))}; only "
                                         "regular files and directories are accepted")
+                odd = sorted(set(info.pax_headers) - _PAX_KEYS)
+                if odd:
+                    raise UnpackRefused(f"member {name!r} carries PAX keys {odd}, which rename or reshape it")
                 parts = _parts(name, info.isdir())
                 if parts in seen:
                     raise UnpackRefused(f"member {name!r} appears twice")
@@ -134,8 +134,8 @@ def _parts(name: str, is_dir: bool) -> tuple:
         raise UnpackRefused(f"member {name!r} is an absolute path")
     for part in parts:
         if part in ("", ".", ".."):
-            raise UnpackRefused(f"member {name!r} has a {part or 'empty'!r} component; names must be plainly "
-                                "relative")
+            what = f"a {part!r}" if part else "an empty"
+            raise UnpackRefused(f"member {name!r} has {what} component; names must be plainly relative")
         if "\0" in part or len(os.fsencode(part)) > MAX_NAME:
             raise UnpackRefused(f"member {name[:80]!r}... has a component over {MAX_NAME} bytes")
     if len(parts) > MAX_DEPTH + 1 or len(os.fsencode(name)) > MAX_PATH:

@@ -685,6 +685,7 @@ def test_a_symlink_chain_past_path_max_and_a_hard_link_cannot_write_outside(work
     assert victim.read_text() == "the host's own file\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
     assert victim.stat().st_nlink == 1
     assert message is not None and message[0] == wire.ERROR and "unpacked safely" in message[3], message
+    assert "'a' is a symbolic link; only regular files and directories" in message[3], message
     assert snapshot(worker.cache) == before
     # And the worker goes on serving (and evicting) as before.
     with worker.pool(COUNTER, 1) as pool:
