@@ -28,8 +28,10 @@ worker's certificate) anywhere but loopback or a trusted network.
 
 The env directory is shipped as an uncompressed tar (so its size on the wire
 bounds its size on disk: no decompression bomb), named by its SHA-256, checked
-on arrival, unpacked with tarfile's "data" filter (no absolute paths, no
-links out, no devices, no set-uid bits) and cached on the worker.
+on arrival and cached on the worker by envcache.py: regular files and
+directories only, unpacked by a child running as the sandbox policy's
+unprivileged account, checked byte for byte, then made root's and read-only;
+the cache is bounded in bytes and in files.
 """
 
 from __future__ import annotations
@@ -38,22 +40,23 @@ import argparse
 import hashlib
 import hmac
 import io
+import ipaddress
+import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import ssl
 import subprocess
 import sys
 import tarfile
-import tempfile
 import threading
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
 from boltzlabs import wire
+from boltzlabs.envcache import EnvCache, UnpackRefused
 from boltzlabs.errors import WorkerError
 
 __all__ = ["Listener", "RemoteLink", "connect", "pack_env_dir", "main"]
@@ -254,10 +257,173 @@ def connect(url: str, token: str | None, source, tls_ca=None, timeout: float = 3
         raise WorkerError(f"the handshake with the worker at {url} failed: {exc}") from None
 
 
+# -- what a remote client may ask for ------------------------------------------------------
+
+# The listener's ceilings on what one remote pool may ask for, per env: the
+# parameter (an [env_limits] key of sandbox/policy.toml, or an RLPool
+# argument), its flag, its default and its kind. A client above one is
+# refused before anything starts; a client that asks nothing gets the policy's
+# default tightened to the ceiling ("no limit", as memory's default 0 is,
+# becomes the ceiling). A limit a client may set and that has no ceiling
+# here is refused outright (fail closed when the policy grows a key).
+CEILINGS = {
+    "memory": ("--max-memory", "1G", "size"),
+    "workspace_size": ("--max-workspace", "256M", "size"),
+    "pids": ("--max-pids", 256, "count"),
+    "open_files": ("--max-open-files", 1024, "count"),
+    "file_size": ("--max-file-size", "1G", "size"),
+    "core_size": ("--max-core-size", "0", "size"),
+    "straggler_grace": ("--max-straggler-grace", 60.0, "seconds"),
+    "step_timeout": ("--max-step-timeout", 300.0, "seconds"),
+    "start_timeout": ("--max-start-timeout", 300.0, "seconds"),
+}
+_NO_LIMIT = ("memory", "file_size")  # where 0 means "no limit"
+
+
+def default_ceilings() -> dict:
+    """CEILINGS' defaults as numbers (bytes, counts, seconds)."""
+    return {key: _ceiling_value(key, default) for key, (_, default, _) in CEILINGS.items()}
+
+
+def _ceiling_value(key: str, value):
+    from boltzlabs.sandbox import parse_size
+
+    if value is None or str(value).lower() == "none":
+        return None  # no ceiling: what the client asks goes (a private listener, e.g. RLPool(cluster=...)'s)
+    kind = CEILINGS[key][2]
+    if kind == "size":
+        return 0 if value in (0, "0") else parse_size(value)
+    if kind == "count":
+        value = int(value)
+        if value < 1:
+            raise ValueError(f"{CEILINGS[key][0]} must be at least 1")
+        return value
+    value = float(value)
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{CEILINGS[key][0]} must be a positive number of seconds")
+    return value
+
+
+def _shown(key: str, value) -> str:
+    kind = CEILINGS[key][2]
+    if kind == "size":
+        if value == 0:
+            return "0 (no limit)" if key in _NO_LIMIT else "0"
+        for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+            if value % (1 << shift) == 0:
+                return f"{value} bytes ({value >> shift}{unit})"
+        return f"{value} bytes"
+    return f"{value:g}" if kind == "seconds" else str(value)
+
+
+def _ceiling_shown(key: str, ceiling) -> str:
+    kind = CEILINGS[key][2]
+    if kind == "size":
+        for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+            if ceiling and ceiling % (1 << shift) == 0:
+                return f"{ceiling >> shift}{unit}"
+        return str(ceiling)
+    return f"{ceiling:g} s" if kind == "seconds" else str(ceiling)
+
+
+def _over(name: str, key: str, asked, ceiling) -> ValueError:
+    flag = CEILINGS[key][0]
+    return ValueError(f"{name}={_shown(key, asked)} is over this worker's ceiling of {_ceiling_shown(key, ceiling)} "
+                      f"({flag}); ask for less, or start the worker (boltzlabs worker) with a larger {flag}")
+
+
+def apply_ceilings(config: dict, ceilings: dict, policy) -> dict:
+    """A remote client's OPEN config within the listener's `ceilings`
+    (CEILINGS' keys, as numbers), for Worker.open. Raises ValueError naming
+    the parameter, what was asked, the ceiling and its flag; returns the
+    config with every limit explicit (policy defaults tightened to the
+    ceilings)."""
+    from boltzlabs import limits as _limits
+
+    out = dict(config)
+    asked = config.get("limits")
+    if asked is not None and not isinstance(asked, dict):
+        raise TypeError(f"limits must be a dict like {{'pids': 64}}, not {type(asked).__name__}")
+    asked = dict(asked or {})
+    names = {key: f"limits[{key!r}]" for key in asked}
+    if config.get("memory_limit") is not None:
+        if asked.get("memory", config["memory_limit"]) != config["memory_limit"]:
+            raise ValueError("give memory_limit= or limits={'memory': ...}, not both")
+        asked["memory"] = config["memory_limit"]
+        names["memory"] = "memory_limit"
+    resolved = _limits.resolve(policy.sandbox.get("env_limits", {}), asked)  # types and minimums
+    for key, value in resolved.items():
+        if key not in ceilings:
+            if key in asked:
+                raise ValueError(f"this worker does not let a remote client set {names[key]}; leave it out")
+            continue
+        ceiling = ceilings[key]
+        if ceiling is None:
+            continue
+        over = (value == 0 and key in _NO_LIMIT and ceiling != 0) or value > ceiling
+        if over and key in asked:
+            raise _over(names[key], key, value, ceiling)
+        if over:
+            resolved[key] = ceiling
+    out["limits"], out["memory_limit"] = resolved, None
+
+    inf = float("inf")
+    workspace, ceiling = config.get("workspace_size"), ceilings.get("workspace_size") or inf
+    if workspace is None:
+        from boltzlabs.sandbox import parse_size
+
+        workspace = min(parse_size(policy.sandbox["workspace"]["default_size"]), ceiling)
+    elif isinstance(workspace, bool) or not isinstance(workspace, int) or workspace <= 0:
+        raise ValueError(f"workspace_size must be a positive number of bytes, not {workspace!r}")
+    elif workspace > ceiling:
+        raise _over("workspace_size", "workspace_size", workspace, ceiling)
+    out["workspace_size"] = workspace
+
+    for key in ("step_timeout", "start_timeout"):
+        value, ceiling = config.get(key), ceilings.get(key) or inf
+        if value is None:
+            out[key] = min(float(policy.limits[key]), ceiling)
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < inf:
+            raise ValueError(f"{key} must be a positive number of seconds, not {value!r}")
+        if value > ceiling:
+            raise _over(key, key, value, ceiling)
+        out[key] = float(value)
+    return out
+
+
 # -- the worker side -------------------------------------------------------------------
 
 class _Refused(Exception):
     """The handshake ends here; the message goes to the client."""
+
+
+class _Slot:
+    """A connection in its handshake: where from, and a dup of its socket so
+    that another thread can end it (shutdown reaches the socket whatever
+    object, plain or TLS, holds it now)."""
+
+    def __init__(self, source: str, wake: socket.socket):
+        self.source, self.wake, self.uploading, self.dropped = source, wake, False, False
+
+    def close(self) -> None:
+        if self.wake is not None:
+            self.wake.close()
+            self.wake = None
+
+
+def _source(ip: str) -> str:
+    """The unit a per-address cap counts: the IPv4 address, or the IPv6 /64
+    (one host commonly holds a whole /64)."""
+    try:
+        address = ipaddress.ip_address(ip.split("%")[0])
+    except ValueError:
+        return ip
+    if address.version == 6:
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{address}/64", strict=False))
+    return str(address)
 
 
 class Listener:
@@ -266,22 +432,30 @@ class Listener:
 
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, token: str,
                  cache_dir: Path, max_clients: int = 16, max_envs: int = 4096, max_code_size: int = 64 << 20,
-                 cache_size: int = 1 << 30, tls: ssl.SSLContext | None = None,
-                 handshake_timeout: float = _HANDSHAKE_TIMEOUT, log=sys.stderr):
+                 cache_size: int = 1 << 30, cache_files: int = 100_000, max_code_files: int = 10_000,
+                 tls: ssl.SSLContext | None = None, handshake_timeout: float = _HANDSHAKE_TIMEOUT,
+                 max_handshakes: int = 64, max_handshakes_per_address: int = 8, ceilings: dict | None = None,
+                 log=sys.stderr):
         if not token:
             raise ValueError("a worker needs a token")
         self.token = token
         self.cache_dir = Path(cache_dir)
-        self.cache_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
         self.max_clients, self.max_envs = max_clients, max_envs
         self.max_code_size, self.cache_size = max_code_size, cache_size
         self.tls = tls
         self.handshake_timeout = handshake_timeout
+        self.ceilings = {**default_ceilings(), **(ceilings or {})}
         self.log = log
+        self.cache = EnvCache(self.cache_dir, max_bytes=cache_size, max_files=cache_files,
+                              max_code_files=min(max_code_files, cache_files), account=_unpack_account(),
+                              log=self._say)
         self.sock = socket.create_server((host, port), backlog=128)
         self.address = self.sock.getsockname()[:2]
         self._lock = threading.Lock()
-        self._handshakes = 0
+        self.max_handshakes = max(1, max_handshakes)
+        self.max_handshakes_per_address = max(1, min(max_handshakes_per_address, self.max_handshakes))
+        self._pre_auth: list[_Slot] = []  # connections not yet authenticated, oldest first
+        self._uploads = 0  # authenticated handshakes still in progress
         self._pools: dict[int, subprocess.Popen] = {}  # pid -> worker process
         self._in_use: dict[str, int] = {}  # cache key -> pools using it
         self._stopping = threading.Event()
@@ -305,14 +479,52 @@ class Listener:
                 if self._stopping.is_set():
                     break
                 raise
-            with self._lock:
-                busy = self._handshakes >= 2 * self.max_clients
-                if not busy:
-                    self._handshakes += 1
-            if busy:  # a flood of half-open connections: drop, don't queue
+            try:
+                slot = _Slot(_source(addr[0]), conn.dup())
+            except OSError:  # out of fds: drop this one, not the ones already in
                 conn.close()
                 continue
-            threading.Thread(target=self._client, args=(conn, addr), daemon=True).start()
+            with self._lock:
+                # Full: the oldest unauthenticated connection (of this source if
+                # it has its share, else of all) makes room. Refusing the new one
+                # would let anyone who holds the slots lock every client out.
+                mine = [s for s in self._pre_auth if s.source == slot.source]
+                if len(mine) >= self.max_handshakes_per_address:
+                    self._drop(mine[0])
+                elif len(self._pre_auth) >= self.max_handshakes:
+                    self._drop(self._pre_auth[0])
+                self._pre_auth.append(slot)
+            try:
+                threading.Thread(target=self._client, args=(conn, addr, slot), daemon=True).start()
+            except RuntimeError as exc:  # no thread to be had: this client goes, the listener stays
+                self._say(f"dropped {addr[0]}:{addr[1]}: {exc}")
+                with self._lock:
+                    if slot in self._pre_auth:
+                        self._pre_auth.remove(slot)
+                    slot.close()
+                conn.close()
+
+    def _drop(self, slot: "_Slot") -> None:
+        """End an unauthenticated connection (with self._lock held): shutdown()
+        wakes its thread's recv, which then closes the socket and the slot."""
+        self._pre_auth.remove(slot)
+        slot.dropped = True
+        try:
+            slot.wake.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _authenticated(self, slot: "_Slot") -> None:
+        """The connection proved the token: no longer one a flood may push out."""
+        with self._lock:
+            if slot in self._pre_auth:
+                self._pre_auth.remove(slot)
+            slot.close()
+            if self._uploads >= 2 * self.max_clients:
+                raise _Refused(f"{self._uploads} authenticated clients are still shipping their code; try again "
+                               "in a moment")
+            self._uploads += 1
+            slot.uploading = True
 
     def stop(self) -> None:
         """Stop accepting and end every pool (each worker tears its sandboxes down)."""
@@ -332,7 +544,7 @@ class Listener:
 
     # -- one client ----------------------------------------------------------------
 
-    def _client(self, conn: socket.socket, addr) -> None:
+    def _client(self, conn: socket.socket, addr, slot: "_Slot") -> None:
         where = f"{addr[0]}:{addr[1]}"
         try:
             _tune(conn)
@@ -340,7 +552,7 @@ class Listener:
             if self.tls is not None:
                 conn.settimeout(self.handshake_timeout)
                 conn = peer.sock = self.tls.wrap_socket(conn, server_side=True)
-            source_dir, key = self._handshake(peer, where)
+            source_dir, key = self._handshake(peer, where, slot)
         except _Refused as exc:
             self._say(f"refused {where}: {exc}")
             try:
@@ -351,12 +563,19 @@ class Listener:
             return
         except (OSError, TimeoutError, wire.ProtocolError, ssl.SSLError, ConnectionError) as exc:
             why = f"no complete handshake within {self.handshake_timeout:g} s" if isinstance(exc, TimeoutError) else exc
+            if slot.dropped:
+                why = (f"the oldest unauthenticated connection {'from ' + slot.source if slot.source else ''}, "
+                       "dropped to make room for a newer one (--max-handshakes, --max-handshakes-per-address)")
             self._say(f"dropped {where}: {why}")
             conn.close()
             return
         finally:
             with self._lock:
-                self._handshakes -= 1
+                if slot in self._pre_auth:
+                    self._pre_auth.remove(slot)
+                slot.close()
+                if slot.uploading:
+                    self._uploads -= 1
         try:
             self._run_pool(conn, peer, source_dir, key, where)
         finally:
@@ -364,7 +583,7 @@ class Listener:
                 with self._lock:
                     self._in_use[key] -= 1
 
-    def _handshake(self, peer: _Peer, where: str) -> tuple[str, str | None]:
+    def _handshake(self, peer: _Peer, where: str, slot: "_Slot") -> tuple[str, str | None]:
         from boltzlabs.sources import GYM_ENV_DIR
 
         nonce = secrets.token_bytes(32)
@@ -374,6 +593,7 @@ class Listener:
                 or not hmac.compare_digest(message[1], _proof(self.token, nonce))):
             raise _Refused("wrong or missing token; give the worker's token as RLPool(..., token=...) "
                            "or BOLTZLABS_TOKEN")
+        self._authenticated(slot)
         peer.limit(self.max_code_size + _PRE_AUTH_FRAME)
         message = peer.receive()
         if message[0] != wire.SOURCE or len(message) != 2 or not isinstance(message[1], dict):
@@ -396,8 +616,7 @@ class Listener:
             self._in_use[key] = self._in_use.get(key, 0) + 1
         try:
             path = self.cache_dir / key
-            if path.is_dir():
-                os.utime(path)  # most recently used
+            if self.cache.has(key):  # (and now the most recently used)
                 peer.send([wire.NEED, False])
                 self._say(f"{where}: env code {key[:12]} from the cache")
             else:
@@ -409,51 +628,17 @@ class Listener:
                 blob = message[1]
                 if len(blob) != size or hashlib.sha256(blob).hexdigest() != key:
                     raise _Refused("the env directory's bytes do not match their SHA-256")
-                self._unpack(blob, path)
-                self._say(f"{where}: env code {key[:12]} received ({size} bytes)")
-                self._evict()
+                try:
+                    note = self.cache.add(key, blob)
+                except UnpackRefused as exc:
+                    raise _Refused(f"the env directory could not be unpacked safely: {exc}") from None
+                self._say(f"{where}: env code {key[:12]} received ({size} bytes, {note})")
+                self.cache.evict(self._lock, self._in_use)
         except BaseException:
             with self._lock:
                 self._in_use[key] -= 1
             raise
         return str(path), key
-
-    def _unpack(self, blob: bytes, path: Path) -> None:
-        staging = Path(tempfile.mkdtemp(dir=self.cache_dir, prefix=".incoming-"))
-        try:
-            with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
-                try:
-                    tar.extractall(staging, filter="data")
-                except (tarfile.TarError, OSError) as exc:
-                    raise _Refused(f"the env directory could not be unpacked safely: {exc}") from None
-            if not (staging / "env.py").is_file():
-                raise _Refused("the env directory has no env.py")
-            staging.chmod(0o755)  # mkdtemp's 0700 would hide it from an unprivileged sandbox
-            try:
-                staging.rename(path)
-            except OSError:  # another client shipped the same code meanwhile
-                if not path.is_dir():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-
-    def _evict(self) -> None:
-        """Remove the least recently used env dirs no pool uses, past --cache-size."""
-        entries = []
-        for entry in self.cache_dir.iterdir():
-            if entry.name.startswith("."):
-                continue
-            size = sum(f.stat().st_size for f in entry.rglob("*") if f.is_file())
-            entries.append((entry.stat().st_mtime, size, entry))
-        total = sum(size for _, size, _ in entries)
-        for _, size, entry in sorted(entries):
-            if total <= self.cache_size:
-                break
-            with self._lock:
-                if self._in_use.get(entry.name):
-                    continue
-                shutil.rmtree(entry, ignore_errors=True)
-            total -= size
 
     def _run_pool(self, conn, peer: _Peer, source_dir: str, key, where: str) -> None:
         """Hand the connection to a worker process of its own; wait for it."""
@@ -473,7 +658,8 @@ class Listener:
             ours, theirs = None, conn
         argv = [sys.executable, "-m", "boltzlabs.worker", "--fd", str(theirs.fileno()), "--remote",
                 "--source-dir", source_dir, "--max-envs", str(self.max_envs), "--max-frame",
-                str(max(self.max_code_size, 64 << 20)), "--parent", str(os.getpid())]
+                str(max(self.max_code_size, 64 << 20)), "--parent", str(os.getpid()),
+                "--ceilings", json.dumps(self.ceilings)]
         try:
             proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                                     start_new_session=True, env=_worker_environment())
@@ -540,6 +726,19 @@ def _relay(tls: ssl.SSLSocket, plain: socket.socket, proc) -> None:
         selector.close()
 
 
+def _unpack_account() -> tuple[str, int, int] | None:
+    """Who unpacks shipped code: the sandbox policy's host account when the
+    listener is root (the account the code will run as anyway; never root),
+    else None (the listener's own, unprivileged, account)."""
+    if os.geteuid() != 0:
+        return None
+    from boltzlabs.identity import host_account
+    from boltzlabs.sandbox import load_policy
+
+    account = host_account(load_policy().sandbox.get("identity", {}))
+    return account.name, account.uid, account.gid
+
+
 def _worker_environment() -> dict:
     from boltzlabs.client import _worker_environment as local
 
@@ -563,13 +762,30 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where shipped env code is cached (default ~/.cache/boltzlabs/envs)")
     parser.add_argument("--cache-size", default="1G", help="cache size before the least recently used code "
                                                             "is removed (default %(default)s)")
+    parser.add_argument("--cache-files", type=int, default=100_000,
+                        help="files and directories in the cache before the least recently used code is removed "
+                             "(default %(default)s): archives of many empty files cost inodes, not bytes")
     parser.add_argument("--max-code-size", default="64M", help="largest env directory a client may ship "
                                                                "(default %(default)s)")
+    parser.add_argument("--max-code-files", type=int, default=10_000,
+                        help="most files and directories one shipped env directory may hold (default %(default)s)")
     parser.add_argument("--max-clients", type=int, default=16, help="pools served at once (default %(default)s)")
     parser.add_argument("--max-envs", type=int, default=4096, help="largest pool a client may open "
                                                                    "(default %(default)s)")
+    for key, (flag, default, kind) in CEILINGS.items():
+        what = {"size": "bytes or e.g. 512M", "count": "a count", "seconds": "seconds"}[kind]
+        parser.add_argument(flag, default=str(default), metavar=kind.upper(),
+                            help=f"the most a client may ask for {key} per env, {what}, or none "
+                                 f"(default %(default)s)"
+                                 + ("; a pool that sets none gets this" if key in _NO_LIMIT else ""))
     parser.add_argument("--parent", type=int, default=0, metavar="PID",
                         help="stop (and end every pool) when process PID dies, e.g. the Ray actor that started it")
+    parser.add_argument("--max-handshakes", type=int, default=64,
+                        help="connections not yet authenticated, in all; when full the oldest is dropped to make "
+                             "room (default %(default)s)")
+    parser.add_argument("--max-handshakes-per-address", type=int, default=8,
+                        help="connections not yet authenticated from one address (an IPv6 /64); when full its "
+                             "oldest is dropped (default %(default)s)")
     parser.add_argument("--handshake-timeout", type=float, default=_HANDSHAKE_TIMEOUT,
                         help="seconds a client has to authenticate and ship its code (default %(default)s)")
 
@@ -598,10 +814,18 @@ def run_worker(args: argparse.Namespace) -> int:
         tls.load_cert_chain(args.tls_cert, args.tls_key)
     cache = Path(args.cache_dir) if args.cache_dir else Path.home() / ".cache" / "boltzlabs" / "envs"
     try:
+        ceilings = {key: _ceiling_value(key, getattr(args, flag[2:].replace("-", "_")))
+                    for key, (flag, _, _) in CEILINGS.items()}
+    except (ValueError, TypeError) as exc:
+        print(f"boltzlabs worker: {exc}", file=sys.stderr)
+        return 2
+    try:
         listener = Listener(host.strip("[]"), int(port), token=token, cache_dir=cache,
                             max_clients=args.max_clients, max_envs=args.max_envs,
                             max_code_size=parse_size(args.max_code_size), cache_size=parse_size(args.cache_size),
-                            tls=tls, handshake_timeout=args.handshake_timeout)
+                            cache_files=args.cache_files, max_code_files=args.max_code_files,
+                            tls=tls, handshake_timeout=args.handshake_timeout, max_handshakes=args.max_handshakes,
+                            max_handshakes_per_address=args.max_handshakes_per_address, ceilings=ceilings)
     except OSError as exc:
         print(f"boltzlabs worker: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return 1

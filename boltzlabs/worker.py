@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import array
 import collections
+import json
 import os
 import resource
 import select
@@ -177,6 +178,10 @@ class Worker:
                 raise ValueError(f"this worker serves pools of 1 to {self.remote['max_envs']} envs (its --max-envs); "
                                  f"asked for {config.get('n')!r}")
         self.policy = load_policy()
+        if self.remote:  # the listener's ceilings, before anything starts (remote.py)
+            from boltzlabs.remote import apply_ceilings
+
+            config = apply_ceilings(config, self.remote["ceilings"], self.policy)
         limits = self.policy.limits
         self.env_limits = wire.Limits(limits["max_frame"], limits["max_str_len"], limits["max_bin_len"],
                                       limits["max_array_len"], limits["max_map_len"], arrays="check")
@@ -1183,6 +1188,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-envs", type=int, default=4096, help="remote: the largest pool")
     parser.add_argument("--max-frame", type=int, default=64 << 20, help="remote: the largest frame from the client")
     parser.add_argument("--parent", type=int, default=0, help="remote: die with this process (the listener)")
+    parser.add_argument("--ceilings", default=None, help="remote: JSON of the listener's ceilings (remote.CEILINGS)")
     args = parser.parse_args(argv)
     # The client passed this fd inheritable; left so, every sandbox spawned
     # below would hold a socket to the client and could forge its replies.
@@ -1190,7 +1196,10 @@ def main(argv=None) -> int:
     conn = socket.socket(fileno=args.fd)
     remote = None
     if args.remote:
-        remote = {"source_dir": args.source_dir, "max_envs": args.max_envs, "max_frame": args.max_frame}
+        from boltzlabs.remote import default_ceilings
+
+        remote = {"source_dir": args.source_dir, "max_envs": args.max_envs, "max_frame": args.max_frame,
+                  "ceilings": json.loads(args.ceilings) if args.ceilings else default_ceilings()}
         _die_with(args.parent)
     # Orphans of killed sandboxes (an exec sandbox's inner bwrap) come to us,
     # not to a host init that may reap them late: reap_orphans() takes them.

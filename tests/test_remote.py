@@ -7,10 +7,12 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tarfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -237,6 +239,85 @@ def test_env_dir_over_the_code_cap_is_refused(tmp_path, env_dir):
         w.stop()
 
 
+# -- a remote client's limits stay under the worker's ceilings (point 9) ---------------------
+
+@pytest.mark.parametrize("kwargs, asked, ceiling, flag", [
+    ({"workspace_size": "100G"}, "workspace_size=107374182400 bytes (100G)", "256M", "--max-workspace"),
+    ({"memory_limit": "100G"}, "memory_limit=107374182400 bytes (100G)", "1G", "--max-memory"),
+    ({"limits": {"memory": 0}}, "limits['memory']=0 (no limit)", "1G", "--max-memory"),
+    ({"limits": {"pids": 100000}}, "limits['pids']=100000", "256", "--max-pids"),
+    ({"limits": {"open_files": 1 << 20}}, "limits['open_files']=1048576", "1024", "--max-open-files"),
+    ({"limits": {"file_size": "100G"}}, "limits['file_size']=107374182400 bytes (100G)", "1G", "--max-file-size"),
+    ({"limits": {"file_size": 0}}, "limits['file_size']=0 (no limit)", "1G", "--max-file-size"),
+    ({"limits": {"core_size": "1G"}}, "limits['core_size']=1073741824 bytes (1G)", "0", "--max-core-size"),
+    ({"limits": {"straggler_grace": 86400.0}}, "limits['straggler_grace']=86400", "60 s", "--max-straggler-grace"),
+    ({"step_timeout": 86400.0}, "step_timeout=86400", "300 s", "--max-step-timeout"),
+    ({"start_timeout": 86400.0}, "start_timeout=86400", "300 s", "--max-start-timeout"),
+], ids=["workspace", "memory", "no-memory-limit", "pids", "open-files", "file-size", "no-file-size-limit",
+        "core-size", "straggler-grace", "step-timeout", "start-timeout"])
+def test_a_remote_client_cannot_pass_the_workers_ceilings(worker, kwargs, asked, ceiling, flag):
+    started = time.monotonic()
+    spawned = []  # every process below the listener while the refused pool was being opened
+    watching = threading.Event()
+
+    def watch():
+        while not watching.is_set():
+            spawned.extend(_names(worker.descendants()))
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        with pytest.raises(ValueError) as refused:
+            worker.pool(COUNTER, 2, **kwargs)
+    finally:
+        watching.set()
+        watcher.join()
+    assert "bwrap" not in spawned and "setpriv" not in spawned, spawned  # refused before any sandbox started
+    text = str(refused.value)
+    assert asked in text and f"ceiling of {ceiling}" in text and flag in text, text
+    assert time.monotonic() - started < 5  # refused before any sandbox started
+    assert "env 0" not in text
+
+
+def _names(procs) -> list:
+    names = []
+    for proc in procs:
+        try:
+            names.append(proc.name())
+        except psutil.NoSuchProcess:
+            pass
+    return names
+
+
+def test_a_remote_pool_gets_the_ceilings_when_it_asks_for_nothing(worker, spawn):
+    with worker.pool(PROBE, 1, spawn=spawn) as pool:
+        assert pool.spawn == spawn
+        pool.reset()
+        group = Path(pool._cgroup[0]) / "env-0"
+        assert int((group / "memory.limit_in_bytes").read_text()) == 1 << 30  # not unlimited
+        assert pool.step_timeout == 5.0  # what it asked, within the ceiling
+
+
+def test_raised_ceilings_let_a_pool_ask_for_more(tmp_path, spawn):
+    w = Worker(tmp_path, "--max-memory", "2G", "--max-pids", "1000", "--max-workspace", "none",
+               "--max-step-timeout", "600")
+    try:
+        with w.pool(PROBE, 1, memory_limit="1536M", limits={"pids": 512}, workspace_size="1G",
+                    step_timeout=500.0, spawn=spawn) as pool:
+            assert pool.spawn == spawn
+            pool.reset()
+            group = Path(pool._cgroup[0]) / "env-0"
+            assert int((group / "memory.limit_in_bytes").read_text()) == 1536 << 20
+            assert int((Path(pool._cgroup[1]) / "env-0" / "pids.max").read_text()) == 512
+            assert pool.step_timeout == 500.0
+        with pytest.raises(ValueError, match=r"memory_limit=3221225472 bytes \(3G\) is over this worker's "
+                                             r"ceiling of 2G \(--max-memory\)"):
+            w.pool(PROBE, 1, memory_limit="3G")
+    finally:
+        w.stop()
+
+
 # -- nobody else gets in ---------------------------------------------------------------
 
 def test_wrong_or_missing_token_is_refused(worker, monkeypatch):
@@ -372,6 +453,59 @@ def test_hostile_clients_do_not_hurt_a_good_one(worker):
     assert "no complete handshake within 2 s" in worker.text()
 
 
+def _idle(port: int, source: str = "127.0.0.1") -> socket.socket:
+    """A connection that never answers its challenge, from `source` (any 127/8 address is loopback)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.bind((source, 0))
+    sock.connect(("127.0.0.1", port))
+    return sock
+
+
+def _still_open(sock: socket.socket, wait: float = 0.5) -> bool:
+    """Whether the worker has kept `sock` (it sent its challenge, and nothing ends it)."""
+    sock.settimeout(wait)
+    try:
+        while True:
+            if not sock.recv(4096):
+                return False
+    except socket.timeout:
+        return True
+    except ConnectionResetError:
+        return False
+
+
+def test_idle_connections_cannot_lock_out_a_client(tmp_path):
+    w = Worker(tmp_path, "--handshake-timeout", "60")  # nothing is timed out during the test
+    idle = []
+    try:
+        # Per address: the newest --max-handshakes-per-address (8) of 127.0.0.2 stay, the older go,
+        # and 127.0.0.3's are not touched for it.
+        others = [_idle(w.port, "127.0.0.3") for _ in range(4)]
+        flood = [_idle(w.port, "127.0.0.2") for _ in range(20)]
+        idle += others + flood
+        assert all(_still_open(s, 0.2) for s in others)
+        assert not any(_still_open(s, 0.2) for s in flood[:12]) and all(_still_open(s, 0.2) for s in flood[12:])
+        # In total: many addresses, many connections each, more than --max-handshakes (64) in all.
+        for k in range(4, 20):
+            idle += [_idle(w.port, f"127.0.0.{k}") for _ in range(8)]
+        idle += [_idle(w.port) for _ in range(40)]
+        time.sleep(0.5)
+        # Legitimate clients still get in, promptly: the oldest idle connections make room.
+        started = time.monotonic()
+        for _ in range(3):
+            with w.pool(COUNTER, 1) as pool:
+                assert pool.reset() == [{"t": 0}]
+        assert time.monotonic() - started < 20
+        assert not _still_open(others[0])  # the oldest of all went first
+        assert sum(_still_open(s, 0.05) for s in idle) <= 64
+        assert "dropped to make room for a newer one" in w.text()
+    finally:
+        for sock in idle:
+            sock.close()
+        w.stop()
+
+
 @pytest.mark.parametrize("frames", [
     [[wire.SOURCE, "not a dict"]],
     [[wire.SOURCE, {"kind": "dir", "sha256": "zz", "size": 10}]],
@@ -410,39 +544,280 @@ def _ship(port: int, blob: bytes) -> list:
     return message
 
 
-def _archive(member: str) -> bytes:
+def _tar(members, **open_kwargs) -> bytes:
+    """A tar of (TarInfo, data or None), built by hand: what a hostile client can send."""
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w") as tar:
-        env = tarfile.TarInfo("env.py")
-        env.size = 4
-        tar.addfile(env, io.BytesIO(b"pass"))
-        info = tarfile.TarInfo(member)
-        if member == "link-out":
-            info.type, info.linkname = tarfile.SYMTYPE, "/etc/shadow"
-        elif member == "hardlink-out":
-            info.type, info.linkname = tarfile.LNKTYPE, "/etc/shadow"
-        elif member == "fifo":
-            info.type = tarfile.FIFOTYPE
-        else:
-            info.size = 4
-        tar.addfile(info, io.BytesIO(b"evil") if info.isreg() else None)
+    with tarfile.open(fileobj=buffer, mode="w", format=open_kwargs.pop("format", tarfile.PAX_FORMAT),
+                      **open_kwargs) as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
     return buffer.getvalue()
 
 
-@pytest.mark.parametrize("member", ["../escape.py", "link-out", "hardlink-out", "fifo"])
+def _member(name: str, kind=tarfile.REGTYPE, data: bytes | None = b"evil", **attrs):
+    info = tarfile.TarInfo(name)
+    info.type = kind
+    for key, value in attrs.items():
+        setattr(info, key, value)
+    return info, (data if kind in (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE) else None)
+
+
+ENV_PY = _member("env.py", data=b"pass")
+
+
+def _archive(member: str) -> bytes:
+    members = [ENV_PY]
+    if member == "link-out":
+        members.append(_member(member, tarfile.SYMTYPE, linkname="/etc/shadow"))
+    elif member == "link-in":
+        members.append(_member(member, tarfile.SYMTYPE, linkname="env.py"))
+    elif member == "hardlink-out":
+        members.append(_member(member, tarfile.LNKTYPE, linkname="/etc/shadow"))
+    elif member == "hardlink-in":
+        members.append(_member(member, tarfile.LNKTYPE, linkname="env.py"))
+    elif member == "fifo":
+        members.append(_member(member, tarfile.FIFOTYPE))
+    elif member == "chardev":
+        members.append(_member(member, tarfile.CHRTYPE, devmajor=1, devminor=3))
+    elif member == "blockdev":
+        members.append(_member(member, tarfile.BLKTYPE, devmajor=7, devminor=0))
+    elif member == "contiguous":
+        members.append(_member(member, tarfile.CONTTYPE))
+    elif member == "duplicate":
+        members.append(_member("env.py", data=b"print('second')"))
+    elif member == "orphan":
+        members.append(_member("undeclared/file.py"))
+    elif member == "too-deep":
+        path = ""
+        for k in range(40):
+            path = f"{path}d{k}/" if path else f"d{k}/"
+            members.append(_member(path.rstrip("/"), tarfile.DIRTYPE))
+        members.append(_member(path + "f"))
+    elif member == "long-name":
+        members.append(_member("n" * 256))
+    elif member == "pax-sparse-name":  # GNU sparse keys rename the member behind the header's back
+        members.append(_member("innocent", pax_headers={"GNU.sparse.name": "renamed.py"}))
+    elif member == "pax-charset":
+        members.append(_member("binary", pax_headers={"hdrcharset": "BINARY"}))
+    elif member == "no-env-py":
+        members = [_member("other.py")]
+    else:
+        members.append(_member(member))
+    return _tar(members)
+
+
+def snapshot(root: Path) -> dict:
+    """Every entry below root (links not followed): type, mode, owner, size, times, content."""
+    out = {".": (root.lstat().st_mode, root.lstat().st_mtime_ns)}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath, name)
+            st = path.lstat()
+            content = hashlib.sha256(path.read_bytes()).hexdigest() if stat.S_ISREG(st.st_mode) else None
+            # The staging directory itself changes (entries come and go inside); what is in it must not remain.
+            mtime = None if path == root / ".staging" else st.st_mtime_ns
+            out[str(path.relative_to(root))] = (st.st_mode, st.st_uid, st.st_size, mtime, content)
+    return out
+
+
+def _cache_something(worker) -> None:
+    """A cached env dir, so that "the cache is unchanged" compares something."""
+    blob = _tar([_member("env.py", data=b"# kept\n")])
+    if not (worker.cache / hashlib.sha256(blob).hexdigest()).is_dir():
+        assert _ship(worker.port, blob)[0] == wire.ACCEPTED
+
+
+HOSTILE_MEMBERS = ["../escape.py", "/etc/boltzlabs-evil", "./dot", "a//b", "link-out", "link-in", "hardlink-out",
+                   "hardlink-in", "fifo", "chardev", "blockdev", "contiguous", "duplicate", "orphan", "too-deep",
+                   "long-name", "pax-sparse-name", "pax-charset", "no-env-py"]
+
+
+@pytest.mark.parametrize("member", HOSTILE_MEMBERS)
 def test_a_hostile_env_archive_is_refused(worker, member):
+    # An absolute member used to land inside the cache (tarfile's filter strips
+    # the slash); it is now refused like every other name that is not plainly relative.
+    _cache_something(worker)
+    before = snapshot(worker.cache)
     message = _ship(worker.port, _archive(member))
-    assert message[0] == wire.ERROR and "unpacked safely" in message[3]
+    assert message[0] == wire.ERROR and "unpacked safely" in message[3], message
     assert not (worker.cache.parent / "escape.py").exists()
-    assert not list(worker.cache.glob(".incoming-*"))  # nothing half-unpacked is left
-
-
-def test_an_absolute_member_lands_inside_the_cache(worker):
-    blob = _archive("/etc/boltzlabs-evil")
-    message = _ship(worker.port, blob)
-    assert message[0] == wire.ACCEPTED
     assert not Path("/etc/boltzlabs-evil").exists()
-    assert (worker.cache / hashlib.sha256(blob).hexdigest() / "etc" / "boltzlabs-evil").read_bytes() == b"evil"
+    assert snapshot(worker.cache) == before  # nothing half-unpacked is left, nothing else moved
+
+
+def test_a_global_pax_header_is_refused(worker):
+    _cache_something(worker)
+    before = snapshot(worker.cache)
+    message = _ship(worker.port, _tar([ENV_PY], pax_headers={"path": "elsewhere"}))
+    assert message[0] == wire.ERROR and "unpacked safely" in message[3], message
+    assert snapshot(worker.cache) == before
+
+
+def _path_max_chain(victim: Path, steps: int = 17, width: int = 250) -> bytes:
+    """The review's archive: a chain of symlinks whose expansion passes PATH_MAX,
+    so os.path.realpath (tarfile's "data" filter, Python 3.11.7) gives up and
+    reads the rest lexically while the kernel follows it out of the destination;
+    a hard link then reaches `victim` and a regular member writes through it."""
+    letters = [chr(ord("a") + k) for k in range(steps)]
+    comp = "d" * width
+    members = [ENV_PY]
+    for k in range(steps):
+        prefix = "/".join(letters[:k])
+        members.append(_member(f"{prefix}/{comp}" if prefix else comp, tarfile.DIRTYPE))
+        members.append(_member(f"{prefix}/{letters[k]}" if prefix else letters[k], tarfile.SYMTYPE, linkname=comp))
+    chain = "/".join(letters)
+    members.append(_member(f"{chain}/l", tarfile.SYMTYPE, linkname="../" * steps))
+    members.append(_member("escape", tarfile.SYMTYPE,
+                           linkname=f"{chain}/l/" + "../" * (steps + 1) + str(victim.parent).lstrip("/")))
+    members.append(_member("hl", tarfile.LNKTYPE, linkname=f"escape/{victim.name}"))
+    members.append(_member("hl", data=b"overwritten by a shipped env archive\n"))
+    return _tar(members)
+
+
+def test_a_symlink_chain_past_path_max_and_a_hard_link_cannot_write_outside(worker, tmp_path):
+    victim = tmp_path / "victim.txt"  # outside the cache, on the same filesystem, owned by root
+    victim.write_text("the host's own file\n")
+    victim.chmod(0o600)
+    before = snapshot(worker.cache)
+    message = _ship(worker.port, _path_max_chain(victim))
+    assert victim.read_text() == "the host's own file\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert victim.stat().st_nlink == 1
+    assert message is not None and message[0] == wire.ERROR and "unpacked safely" in message[3], message
+    assert "'a' is a symbolic link; only regular files and directories" in message[3], message
+    assert snapshot(worker.cache) == before
+    # And the worker goes on serving (and evicting) as before.
+    with worker.pool(COUNTER, 1) as pool:
+        assert pool.reset() == [{"t": 0}]
+
+
+def test_shipped_code_is_unpacked_unprivileged_and_cached_read_only(worker):
+    blob = _tar([_member("pkg", tarfile.DIRTYPE, mode=0o777), _member("pkg/tool.sh", data=b"#!/bin/sh\n", mode=0o4777),
+                 _member("env.py", data=b"pass", mode=0o666)])
+    key = hashlib.sha256(blob).hexdigest()
+    message = _ship(worker.port, blob)
+    assert message[0] == wire.ACCEPTED, message
+    match = re.search(rf"env code {key[:12]} received \(\d+ bytes, 3 entries, unpacked as uid (\d+)", worker.text())
+    assert match, worker.text()
+    import pwd
+
+    assert int(match.group(1)) == pwd.getpwnam("nobody").pw_uid != 0  # sandbox/policy.toml's account
+    entry = worker.cache / key
+    modes = {str(p.relative_to(entry)): (stat.S_IMODE(p.lstat().st_mode), p.lstat().st_uid)
+             for p in [entry, *entry.rglob("*")]}
+    assert modes == {".": (0o755, 0), "pkg": (0o755, 0), "pkg/tool.sh": (0o755, 0), "env.py": (0o644, 0)}
+
+
+def _plant_hostile_tree(entry: Path, outside: Path) -> None:
+    """What an older worker could leave in its cache: links out, a symlink chain
+    whose expansion passes PATH_MAX, a directory nesting deeper than PATH_MAX."""
+    entry.mkdir()
+    (entry / "env.py").write_text("pass")
+    os.symlink(outside, entry / "link-out")
+    comp = "d" * 250
+    fd = os.open(entry, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for k in range(20):
+            os.mkdir(comp, dir_fd=fd)
+            os.symlink(comp, f"s{k}", dir_fd=fd)
+            inner = os.open(comp, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        os.symlink("../" * 25, "up", dir_fd=fd)
+        os.close(os.open("file", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))
+    finally:
+        os.close(fd)
+
+
+def test_eviction_survives_a_hostile_tree_in_the_cache_and_follows_no_link(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not the cache's")
+    w = Worker(tmp_path, "--cache-size", "1K")
+    try:
+        planted = w.cache / ("f" * 64)
+        _plant_hostile_tree(planted, outside)
+        os.utime(planted, (1, 1), follow_symlinks=False)  # the least recently used
+        blobs = [_tar([_member("env.py", data=f"# {k}\n".encode() + b"x" * 600)]) for k in range(3)]
+        for k, blob in enumerate(blobs):
+            message = _ship(w.port, blob)
+            assert message[0] == wire.ACCEPTED, (message, w.text())
+            w.wait_for(lambda: w.text().count("pool ended") > k, "the pool did not end")
+        assert not os.path.lexists(planted)
+        assert (outside / "keep.txt").read_text() == "not the cache's"
+        keys = sorted(p.name for p in w.cache.iterdir() if not p.name.startswith("."))
+        assert keys == [hashlib.sha256(blobs[-1]).hexdigest()]  # 1K holds one; the older ones went
+    finally:
+        w.stop()
+
+
+def test_a_hostile_tree_left_in_the_cache_is_removed_at_start(tmp_path):
+    """An older worker trusted tarfile: what it cached is checked before it is served again."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not the cache's")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    planted, plain = cache / ("e" * 64), cache / ("a" * 64)
+    _plant_hostile_tree(planted, outside)
+    plain.mkdir()
+    (plain / "env.py").write_text("pass")
+    w = Worker(tmp_path)
+    try:
+        assert not os.path.lexists(planted) and (plain / "env.py").read_text() == "pass"
+        assert (outside / "keep.txt").read_text() == "not the cache's"
+        assert f"removing {'e' * 12}" in w.text()
+    finally:
+        w.stop()
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_the_archive_parser_refuses_or_returns_a_plain_tree(data):
+    """Random damage to a valid archive: plan() refuses it, or every entry is plainly relative and in the blob."""
+    from boltzlabs.envcache import UnpackRefused, plan
+
+    blob = bytearray(_tar([_member("pkg", tarfile.DIRTYPE), _member("pkg/a.py", data=b"x" * 700), ENV_PY]))
+    for _ in range(data.draw(st.integers(1, 8))):
+        blob[data.draw(st.integers(0, len(blob) - 1))] = data.draw(st.integers(0, 255))
+    blob = bytes(blob[:data.draw(st.integers(0, len(blob)))])
+    try:
+        entries = plan(blob, 100)
+    except UnpackRefused:
+        return
+    names = ["/".join(e.parts) for e in entries]
+    assert len(set(names)) == len(names) and "env.py" in names
+    for entry in entries:
+        assert all(p not in ("", ".", "..") and "/" not in p and "\0" not in p for p in entry.parts)
+        assert entry.mode in (0o644, 0o755) and entry.offset + entry.size <= len(blob)
+
+
+# -- the cache counts files, not only bytes (point 15) --------------------------------------
+
+def _empty_files(tag: str, count: int) -> bytes:
+    return _tar([_member("env.py", data=f"# {tag}\n".encode())]
+                + [_member(f"empty-{k:05d}", data=b"") for k in range(count)])
+
+
+def test_the_cache_counts_files_and_evicts_archives_of_empty_files(tmp_path):
+    w = Worker(tmp_path, "--cache-files", "100", "--max-code-files", "60")
+    try:
+        first, second = _empty_files("first", 50), _empty_files("second", 50)
+        assert _ship(w.port, first)[0] == wire.ACCEPTED
+        w.wait_for(lambda: "pool ended" in w.text(), "the pool did not end")
+        assert (w.cache / hashlib.sha256(first).hexdigest()).is_dir()
+        assert _ship(w.port, second)[0] == wire.ACCEPTED
+        # 51 + 51 entries (and two directories) are over 100: the first is gone, a few bytes though it held.
+        assert not (w.cache / hashlib.sha256(first).hexdigest()).exists()
+        assert (w.cache / hashlib.sha256(second).hexdigest()).is_dir()
+        before = snapshot(w.cache)
+        message = _ship(w.port, _empty_files("third", 70))
+        assert message[0] == wire.ERROR, message
+        assert "more than 60 members" in message[3] and "--max-code-files" in message[3], message
+        assert snapshot(w.cache) == before
+    finally:
+        w.stop()
 
 
 def test_bad_frames_after_the_hand_off_end_only_that_pool(worker):
