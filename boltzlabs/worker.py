@@ -11,9 +11,11 @@ log, close) one at a time; the worker answers each with one REPLY or ERROR
 frame. `send` returns before the envs answer: their replies are taken by the
 event loop, which also runs between calls, and held until a `recv`.
 
-Observations and actions are passed through, never decoded: an array is a
-msgpack ExtType whose header the worker checks (wire "check" limits) and
-re-packs as is.
+Arrays in observations and actions are passed through, never decoded: an
+array is a msgpack ExtType whose header the worker checks (wire "check"
+limits) and re-packs as is. The rest of a reply is decoded under the limits
+below and re-encoded into the client's REPLY; the depth cap keeps that
+re-encoding (three levels deeper) inside msgpack's own limit.
 
 Everything an env writes is untrusted: frames are capped and decoded with
 limits (size, lengths, containers per frame, nesting depth: wire.Limits, from

@@ -55,6 +55,9 @@ HOSTILE = """
         elif op == "deep_unsolicited":
             put(stepped(seq - 1, nest(action["depth"])))
             return False
+        elif op == "deep_future":
+            put(stepped(seq + 1, nest(action["depth"])))
+            return False
         elif op == "bad_array":
             put(stepped(seq, bad_array(action["shape"])))
         elif op == "flood":  # 15 MB of empty arrays: 15 arrays of 1,000,000 empty arrays
@@ -146,8 +149,8 @@ def test_plain_env_returning_deep_nesting_fails_its_lane(hostile_pool, depth):
     assert_pool_recovers(pool, 0)
 
 
-@pytest.mark.parametrize("depth", [1000, 1020, 5000])
-@pytest.mark.parametrize("op", ["deep", "deep_unsolicited"])
+@pytest.mark.parametrize("depth", [1000, 1022, 5000])
+@pytest.mark.parametrize("op", ["deep", "deep_unsolicited", "deep_future"])
 def test_raw_deep_frame_fails_its_lane(hostile_pool, op, depth):
     pool = hostile_pool(2)
     pool.reset()
