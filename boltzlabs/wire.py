@@ -195,31 +195,33 @@ def encode(message) -> bytes:
 
 class Limits:
     """Caps applied to what a peer sends: frame size, msgpack lengths, and
-    (when `max_containers` is given) how many lists and maps one frame may
-    hold and how deep they may nest.
+    (when `max_objects` is given) how many objects one frame may hold (lists
+    and maps, and the items they hold) and how deep they may nest.
 
     `arrays` says what happens to ARRAY_EXT values: "decode" (client, env:
     read-only numpy arrays), "check" (worker, from an env: validate the
     header, keep the ExtType; any other extension is malformed) or "pass"
     (worker, from the client: keep every ExtType as is).
 
-    Containers are what make a frame cost more memory than its bytes: an
-    empty list is one byte on the wire and 64 in the worker. msgpack's C
-    decoder stops at 1024 levels on its own, but a 1000-deep value then
-    breaks everything that walks it (repr, re-encoding with its extra
-    levels). A body of at most `max_depth` bytes can neither nest deeper
-    nor hold more containers than that, so it is decoded with no hook (the
-    hot path: small frames). A longer one is decoded with a list and map
-    hook that counts containers and stops the decoder past `max_containers`;
-    only if it holds more than `max_depth` of them is its depth measured,
-    by a loop (no recursion), after the decode.
+    Objects are what make a frame cost more memory than its bytes: an empty
+    list is one byte on the wire and 64 in the worker, a 2-byte string 51.
+    msgpack's C decoder stops at 1024 levels on its own, but a 1000-deep
+    value then breaks everything that walks it (repr, re-encoding with its
+    extra levels). A body of at most `max_depth` bytes can neither nest
+    deeper nor hold more objects than that, so it is decoded with no hook
+    (the hot path: small frames). A longer one is decoded with a list and
+    map hook that counts each container and its items and stops the decoder
+    past `max_objects` (a container's items exist before its hook runs, so
+    one container of up to max_array_len items can come on top); only if it
+    holds more than `max_depth` containers is its depth measured, by a loop
+    (no recursion), after the decode.
     """
 
-    __slots__ = ("max_frame", "kwargs", "max_depth", "max_containers", "guarded", "_count")
+    __slots__ = ("max_frame", "kwargs", "max_depth", "max_objects", "guarded", "_count")
 
     def __init__(self, max_frame: int, max_str_len: int = None, max_bin_len: int = None,
                  max_array_len: int = None, max_map_len: int = None, arrays: str = "decode",
-                 max_depth: int = None, max_containers: int = None):
+                 max_depth: int = None, max_objects: int = None):
         self.max_frame = int(max_frame)
         cap = self.max_frame
 
@@ -238,24 +240,32 @@ class Limits:
         hook = _EXT_HOOKS[arrays]
         if hook is not None:
             self.kwargs["ext_hook"] = hook
-        self.max_depth = self.max_containers = None
+        self.max_depth = self.max_objects = None
         self.guarded = None
-        self._count = [0]
-        if max_containers is not None:
+        self._count = [0, 0]  # objects, containers: of the frame being decoded
+        if max_objects is not None:
             # Everything a frame holds sits one level below the message itself,
             # and re-encoding adds a few levels (the worker's REPLY): stay well
             # inside msgpack's 1024 on both sides.
             self.max_depth = max(1, min(int(max_depth if max_depth is not None else MAX_DEPTH), MAX_DEPTH))
-            self.max_containers = max(self.max_depth, int(max_containers))
-            count, limit = self._count, self.max_containers
+            self.max_objects = max(self.max_depth, int(max_objects))
+            count, limit = self._count, self.max_objects
 
-            def counted(obj):
-                count[0] += 1
+            def counted_list(obj):
+                count[0] += 1 + len(obj)
+                count[1] += 1
                 if count[0] > limit:
                     raise _TooMany
                 return obj
 
-            self.guarded = dict(self.kwargs, list_hook=counted, object_hook=counted)
+            def counted_map(obj):
+                count[0] += 1 + 2 * len(obj)
+                count[1] += 1
+                if count[0] > limit:
+                    raise _TooMany
+                return obj
+
+            self.guarded = dict(self.kwargs, list_hook=counted_list, object_hook=counted_map)
 
 
 # The deepest a Limits may allow: re-encoded inside a REPLY (3 more levels)
@@ -291,10 +301,10 @@ def decode(body, limits: Limits):
         if guarded is None or len(body) <= limits.max_depth:
             message = msgpack.unpackb(body, **limits.kwargs)
         else:
-            limits._count[0] = 0
+            limits._count[0] = limits._count[1] = 0
             message = msgpack.unpackb(body, **guarded)
     except _TooMany:
-        error = (f"frame holds more than {limits.max_containers} containers (lists and maps); "
+        error = (f"frame holds more than {limits.max_objects} objects (lists, maps and their items); "
                  "send big data as numpy arrays or bytes")
     except Exception as exc:  # msgpack raises several types for bad input
         error = f"malformed frame ({type(exc).__name__}: {exc})"
@@ -304,7 +314,7 @@ def decode(body, limits: Limits):
         error = None
         if type(message) is not list or not message or type(message[0]) is not int:
             error = "frame is not a message (an array led by an integer code)"
-        elif guarded is not None and limits._count[0] > limits.max_depth and _too_deep(message, limits.max_depth):
+        elif guarded is not None and limits._count[1] > limits.max_depth and _too_deep(message, limits.max_depth):
             error = f"frame is nested deeper than {limits.max_depth} levels (limits.max_depth)"
     if error is not None:
         message = None

@@ -18,7 +18,7 @@ below and re-encoded into the client's REPLY; the depth cap keeps that
 re-encoding (three levels deeper) inside msgpack's own limit.
 
 Everything an env writes is untrusted: frames are capped and decoded with
-limits (size, lengths, containers per frame, nesting depth: wire.Limits, from
+limits (size, lengths, objects per frame, nesting depth: wire.Limits, from
 [limits] in sandbox/policy.toml; the handshake has caps of its own), replies
 are checked for shape, logs keep a bounded tail, the bytes the pool holds for
 replies not yet returned are bounded (limits.max_pool_bytes), and an env that
@@ -204,11 +204,11 @@ class Worker:
         lengths = (limits["max_str_len"], limits["max_bin_len"], limits["max_array_len"], limits["max_map_len"])
         depth = limits.get("max_depth", wire.MAX_DEPTH)
         self.env_limits = wire.Limits(limits["max_frame"], *lengths, arrays="check", max_depth=depth,
-                                      max_containers=limits.get("max_containers", 1 << 18))
+                                      max_objects=limits.get("max_objects_per_frame", 1 << 19))
         # The handshake is kept (lane 0's, for the client), so it has caps of its own.
         self.hello_limits = wire.Limits(min(limits.get("max_hello", 4 << 20), limits["max_frame"]), *lengths,
                                         arrays="check", max_depth=depth,
-                                        max_containers=limits.get("max_hello_containers", 1 << 16))
+                                        max_objects=limits.get("max_hello_objects", 1 << 16))
         self.max_pool_bytes = int(limits.get("max_pool_bytes", 1 << 30))
         self.log_tail = int(limits["log_tail"])
         self.start_timeout = float(config.get("start_timeout") or limits["start_timeout"])
@@ -434,7 +434,7 @@ class Worker:
             if env.state == STARTING:
                 self._kill(env, f"sent an invalid handshake (HELLO) and was killed: {exc} (its caps are "
                                 f"limits.max_hello={self.hello_limits.max_frame} bytes and "
-                                f"limits.max_hello_containers={self.hello_limits.max_containers})")
+                                f"limits.max_hello_objects={self.hello_limits.max_objects})")
             else:
                 self._kill(env, f"sent an invalid frame ({exc}) and was killed")
             return

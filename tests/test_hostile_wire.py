@@ -194,7 +194,7 @@ def test_flood_of_empty_arrays_costs_the_worker_little(hostile_pool):
     before = _peak_rss(worker)
     obs, _, dones, infos = pool.step([{"op": "flood"}, 7])
     grown = _peak_rss(worker) - before
-    assert_lane_failed(obs, dones, infos, 0, "containers")
+    assert_lane_failed(obs, dones, infos, 0, "objects")
     assert_normal(obs, dones, infos, 1)
     assert grown < 100 << 20, f"the worker's peak RSS grew by {grown >> 20} MiB for a 15 MB frame"
     assert psutil.Process(worker).is_running()
@@ -267,7 +267,7 @@ def test_a_large_hello_starts_in_template_mode_promptly(env_dir):
 
 @pytest.mark.parametrize("metadata, words", [
     ('{"a": "x" * (3 << 20), "b": "x" * (3 << 20)}', "handshake"),
-    ("[[]] * 1_000_000", "containers"),
+    ("[[]] * 1_000_000", "objects"),
 ])
 def test_an_oversized_hello_is_a_clear_start_error(env_dir, spawn, metadata, words):
     from boltzlabs import RLPool
