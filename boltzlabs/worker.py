@@ -432,7 +432,7 @@ class Worker:
             messages = env.reader.feed(data)
         except wire.ProtocolError as exc:
             if env.state == STARTING:
-                self._kill(env, f"sent an invalid handshake (HELLO) and was killed: {exc} (its caps are "
+                self._kill(env, f"sent an invalid frame as its handshake (HELLO) and was killed: {exc} (its caps are "
                                 f"limits.max_hello={self.hello_limits.max_frame} bytes and "
                                 f"limits.max_hello_objects={self.hello_limits.max_objects})")
             else:
