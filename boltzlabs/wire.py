@@ -8,8 +8,9 @@ always an array whose first item is a message code (below). The length prefix
 lets a reader refuse an oversized frame before it buffers a byte of it.
 
 Everything a peer sends may be hostile: `FrameReader` caps the frame size and
-decodes with msgpack's length limits, and a malformed frame raises
-`ProtocolError` for its caller to attribute to the peer that sent it.
+decodes with msgpack's length limits and, for frames from an env, caps on the
+objects one frame makes and on their depth (`Limits`), and a malformed frame
+raises `ProtocolError` for its caller to attribute to the peer that sent it.
 
 NumPy arrays travel as a msgpack extension (`ARRAY_EXT`): a short header
 (dtype string and shape) and the raw bytes. The worker never decodes them: it
