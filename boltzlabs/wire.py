@@ -218,7 +218,7 @@ class Limits:
     (no recursion), after the decode.
     """
 
-    __slots__ = ("max_frame", "kwargs", "max_depth", "max_objects", "guarded", "_count")
+    __slots__ = ("max_frame", "kwargs", "max_depth", "max_objects", "guarded", "_count", "made")
 
     def __init__(self, max_frame: int, max_str_len: int = None, max_bin_len: int = None,
                  max_array_len: int = None, max_map_len: int = None, arrays: str = "decode",
@@ -244,6 +244,10 @@ class Limits:
         self.max_depth = self.max_objects = None
         self.guarded = None
         self._count = [0, 0]  # objects, containers: of the frame being decoded
+        # Objects made by every frame decoded under these limits (an upper
+        # bound: a short frame counts its length), for its owner to charge and
+        # reset: the worker bounds what a pool holds with it.
+        self.made = 0
         if max_objects is not None:
             # Everything a frame holds sits one level below the message itself,
             # and re-encoding adds a few levels (the worker's REPLY): stay well
@@ -299,11 +303,18 @@ def decode(body, limits: Limits):
     message = None
     guarded = limits.guarded
     try:
-        if guarded is None or len(body) <= limits.max_depth:
+        if guarded is None:
+            message = msgpack.unpackb(body, **limits.kwargs)
+        elif len(body) <= limits.max_depth:
+            limits.made += len(body)
             message = msgpack.unpackb(body, **limits.kwargs)
         else:
-            limits._count[0] = limits._count[1] = 0
-            message = msgpack.unpackb(body, **guarded)
+            count = limits._count
+            count[0] = count[1] = 0
+            try:
+                message = msgpack.unpackb(body, **guarded)
+            finally:
+                limits.made += count[0]
     except _TooMany:
         error = (f"frame holds more than {limits.max_objects} objects (lists, maps and their items); "
                  "send big data as numpy arrays or bytes")

@@ -75,6 +75,7 @@ STARTING, IDLE, BUSY, DEAD = "starting", "idle", "busy", "dead"
 NONE, FLYING, FINISHED = 0, 1, 2
 
 _ABANDONED = "start-up abandoned after another env failed"
+_OBJECT_COST = 64  # bytes a decoded object is charged to the pool's budget (an empty list is 56, a dict 64+)
 _READ_SIZE = 1 << 16
 
 
@@ -424,13 +425,23 @@ class Worker:
         env.held += size
         self.held += size
         if self.held > self.max_pool_bytes:
-            self._kill(env, f"killed: the pool would hold more than limits.max_pool_bytes={self.max_pool_bytes} "
-                            f"bytes of replies not yet returned (this env held {env.held}); send less per step, "
-                            "or raise the limit in sandbox/policy.toml")
+            self._kill(env, self._over_budget(env))
             return
         try:
             messages = env.reader.feed(data)
+            limits = env.reader.limits
+            if limits.made:
+                # What the decoded frames cost beyond their bytes, ~64 bytes
+                # per object (a list, a dict entry, a str), is charged too.
+                cost = limits.made * _OBJECT_COST
+                limits.made = 0
+                env.held += cost
+                self.held += cost
+                if self.held > self.max_pool_bytes:
+                    self._kill(env, self._over_budget(env))
+                    return
         except wire.ProtocolError as exc:
+            env.reader.limits.made = 0
             if env.state == STARTING:
                 self._kill(env, f"sent an invalid frame as its handshake (HELLO) and was killed: {exc} (its caps are "
                                 f"limits.max_hello={self.hello_limits.max_frame} bytes and "
@@ -504,6 +515,11 @@ class Worker:
             self._read_log(env)
             if (len(env.log), env.logfd) == before:
                 return
+
+    def _over_budget(self, env: Env) -> str:
+        return (f"killed: the pool would hold more than limits.max_pool_bytes={self.max_pool_bytes} bytes of "
+                f"replies not yet returned (this env's: {env.held}, decoded objects counted at {_OBJECT_COST} "
+                "bytes each); send less per step, or raise the limit in sandbox/policy.toml")
 
     def _unhold(self, env: Env) -> None:
         """The pool no longer holds what env sent (but a partial frame it buffers)."""
