@@ -152,8 +152,12 @@ class Worker:
         # client never names a path on this host) and caps what it may ask for.
         self.remote = remote
         max_frame = remote["max_frame"] if remote else 1 << 30
+        # A remote client is as hostile as an env: its frames make a bounded
+        # number of objects (~64 bytes each) nested a bounded depth. A local
+        # client is the trainer itself, and its big batches stay hook-free.
+        guard = dict(max_depth=wire.MAX_DEPTH, max_objects=max(1 << 20, max_frame // 32)) if remote else {}
         self.client_reader = wire.FrameReader(wire.Limits(max_frame, max_array_len=1 << 24, max_map_len=1 << 20,
-                                                          arrays="pass"))
+                                                          arrays="pass", **guard))
         self.shutdown_reason = None
         self.client_inbox: list = []
         self.epoll = select.epoll()
