@@ -36,10 +36,11 @@ before anything else it sent is decoded: a frame when no reply is due (a
 second reply, anything after a dropped late one, anything from an idle env),
 a frame with any other sequence number (older or newer), and a reply of the
 wrong kind or shape. So an env cannot make the worker decode frames it then
-ignores. The client's socket
-stays in the epoll set during every wait, so a client that dies tears the pool
-down even in the middle of a step; bubblewrap's --die-with-parent does the
-same if the worker itself dies.
+ignores.
+
+The client's socket stays in the epoll set during every wait, so a client
+that dies tears the pool down even in the middle of a step; bubblewrap's
+--die-with-parent does the same if the worker itself dies.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class Env:
         self.seq = -1
         self.out = b""
         self.cause = "not started"
-        self.held = 0  # bytes read from its channel whose result the pool still holds
+        self.held = 0  # what the pool holds of its replies: bytes read, 64 per decoded object
         self.started = 0.0
         self.events_base = (0, 0)  # the cgroup's (OOM kills, refused forks) at spawn
         self.generation = 0
