@@ -101,7 +101,14 @@ def _render_reply(seq, frame):
 def _reply(channel: _Channel, seq, phase: str, build, call):
     try:
         reply = build(seq, call())
-        data = wire.encode(reply)
+        try:
+            data = wire.encode(reply)
+        except ValueError as exc:
+            if "recursion limit" not in str(exc):
+                raise
+            # msgpack's encoder stops at 1024 levels; say what that means here.
+            raise ValueError(f"{phase}() returned a value nested deeper than msgpack can encode (1024 levels); "
+                             f"the worker accepts at most {wire.MAX_DEPTH} (limits.max_depth): flatten it") from None
     except Exception as exc:  # the env's bug: report it, keep serving
         data = wire.encode(_failure(seq, phase, exc))
     channel.write(data)
@@ -148,14 +155,14 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
     if os.environ.pop("BOLTZLABS_TEMPLATE", None):
         from boltzlabs import template
 
-        _warm_up(info)
+        _warm_up()
         template.fork_server(run, int(fd))  # never returns
     run(int(fd))
     sys.stdout.flush()
     os._exit(0)
 
 
-def _warm_up(info: dict, steps: int = 24) -> None:
+def _warm_up(steps: int = 24) -> None:
     """Template mode: run the serve loop once over a socketpair, with stand-in
     callables (never the env's reset or step), before the template forks.
 
@@ -172,7 +179,11 @@ def _warm_up(info: dict, steps: int = 24) -> None:
         frames += [wire.encode([wire.STEP, seq, 0, False]) for seq in range(1, steps)]
         ours.sendall(b"".join(frames))  # ~0.5 KiB each way: within the socket buffers
         ours.shutdown(socket.SHUT_WR)
-        _serve_loop(_Channel(theirs.fileno()), lambda seed: 0, lambda action: (0, 0.0, False, {}), None, info)
+        # A stand-in handshake too: nobody reads this socketpair until it is
+        # closed, and a HELLO bigger than its buffer (large metadata or
+        # spaces) would block the template here for good.
+        _serve_loop(_Channel(theirs.fileno()), lambda seed: 0, lambda action: (0, 0.0, False, {}), None,
+                    {"warm_up": True})
     finally:
         ours.close()
         theirs.close()

@@ -197,7 +197,9 @@ class TemplateSpawner:
 
     def __init__(self, worker):
         self.worker = worker
-        self.reader = wire.FrameReader(wire.Limits(1 << 16))
+        # The template ran env.py's import-time code: its control frames are
+        # small, flat messages, and anything else is refused as malformed.
+        self.reader = wire.FrameReader(wire.Limits(1 << 16, max_depth=4, max_objects=256))
         self.pending: list = []
         self.lanes: dict[tuple, object] = {}  # (lane, generation) -> env
         self.control = None

@@ -8,8 +8,9 @@ always an array whose first item is a message code (below). The length prefix
 lets a reader refuse an oversized frame before it buffers a byte of it.
 
 Everything a peer sends may be hostile: `FrameReader` caps the frame size and
-decodes with msgpack's length limits, and a malformed frame raises
-`ProtocolError` for its caller to attribute to the peer that sent it.
+decodes with msgpack's length limits and, for frames from an env, caps on the
+objects one frame makes and on their depth (`Limits`), and a malformed frame
+raises `ProtocolError` for its caller to attribute to the peer that sent it.
 
 NumPy arrays travel as a msgpack extension (`ARRAY_EXT`): a short header
 (dtype string and shape) and the raw bytes. The worker never decodes them: it
@@ -80,7 +81,10 @@ class ProtocolError(Exception):
 
 ARRAY_EXT = 1
 _HEAD = struct.Struct("<H")
-_MAX_NDIM = 32
+_MAX_NDIM = 32  # NumPy 1.x's NPY_MAXDIMS
+# The size an array's shape may describe, empty dimensions counted as 1. A
+# real array is at most one frame; 2**40 leaves NumPy's intp far away.
+_MAX_ARRAY_BYTES = 1 << 40
 _NUMERIC = frozenset([("b", 1)] + [(k, s) for k in "iu" for s in (1, 2, 4, 8)]
                      + [("f", s) for s in (2, 4, 8, 16)] + [("c", s) for s in (8, 16, 32)])
 
@@ -97,12 +101,17 @@ def _array_ext(array):
     return msgpack.ExtType(ARRAY_EXT, b"".join((head, raw)))
 
 
-def check_array_header(data: bytes):
+def check_array_header(data: bytes, max_bytes: int = _MAX_ARRAY_BYTES):
     """(dtype str, shape, offset of the raw bytes) of an ARRAY_EXT payload.
 
     Raises ValueError unless the header is well formed, the dtype is a plain
-    numeric one and the raw bytes are exactly shape x itemsize long. Needs no
-    NumPy: the worker runs it on every array an env sends.
+    numeric one, there are at most 32 dimensions, and the raw bytes are
+    exactly itemsize x the product of the dimensions. An empty array still
+    has its other dimensions multiplied (zeros counted as ones) and that
+    size must stay under `max_bytes`: NumPy refuses a shape like (0, 2**62)
+    ("array is too big"), and the refusal must come here, where it fails one
+    lane, not in the client's decode of a whole batch. Needs no NumPy: the
+    worker runs it on every array an env sends.
     """
     if len(data) < _HEAD.size:
         raise ValueError("array ext shorter than its header")
@@ -115,17 +124,25 @@ def check_array_header(data: bytes):
     except UnicodeDecodeError:
         raise ValueError("array ext header is not ASCII") from None
     dtype, colon, dims = text.partition(":")
-    if (not colon or len(dtype) < 3 or dtype[0] not in "<>|" or not dtype[2:].isdigit()
-            or (dtype[1], int(dtype[2:])) not in _NUMERIC):
-        raise ValueError(f"array ext has an unsupported dtype {dtype!r}")
+    if (not colon or len(dtype) < 3 or len(dtype) > 4 or dtype[0] not in "<>|" or not dtype[2:].isdigit()
+            or not dtype[2:].isascii() or (dtype[1], int(dtype[2:])) not in _NUMERIC):
+        raise ValueError(f"array ext has an unsupported dtype {dtype[:16]!r}")
     parts = dims.split(",") if dims else []
     if len(parts) > _MAX_NDIM or not all(p.isdigit() and p.isascii() and len(p) <= 19 for p in parts):
-        raise ValueError(f"array ext has a bad shape {dims!r}")
+        raise ValueError(f"array ext has a bad shape {dims[:100]!r} (at most {_MAX_NDIM} dimensions of "
+                         "decimal digits)")
     shape = tuple(int(p) for p in parts)
-    count = 1
+    itemsize = int(dtype[2:])
+    # Python ints do not overflow; each step is checked against the cap so
+    # the product never grows past it by more than one factor.
+    nbytes = virtual = itemsize
     for dim in shape:
-        count *= dim
-    if count * int(dtype[2:]) != len(data) - start:
+        nbytes *= dim
+        virtual *= dim or 1
+        if virtual > max_bytes:
+            raise ValueError(f"array ext of shape {shape[:_MAX_NDIM]} and dtype {dtype} is too big: "
+                             f"over {max_bytes} bytes even counting empty dimensions as 1")
+    if nbytes != len(data) - start:
         raise ValueError(f"array ext of shape {shape} and dtype {dtype} does not match its {len(data) - start} bytes")
     return dtype, shape, start
 
@@ -178,18 +195,34 @@ def encode(message) -> bytes:
 
 
 class Limits:
-    """Caps applied to what a peer sends: frame size and msgpack lengths.
+    """Caps applied to what a peer sends: frame size, msgpack lengths, and
+    (when `max_objects` is given) how many objects one frame may hold (lists
+    and maps, and the items they hold) and how deep they may nest.
 
     `arrays` says what happens to ARRAY_EXT values: "decode" (client, env:
     read-only numpy arrays), "check" (worker, from an env: validate the
     header, keep the ExtType; any other extension is malformed) or "pass"
     (worker, from the client: keep every ExtType as is).
+
+    Objects are what make a frame cost more memory than its bytes: an empty
+    list is one byte on the wire and 64 in the worker, a 2-byte string 51.
+    msgpack's C decoder stops at 1024 levels on its own, but a 1000-deep
+    value then breaks everything that walks it (repr, re-encoding with its
+    extra levels). A body of at most `max_depth` bytes can neither nest
+    deeper nor hold more objects than that, so it is decoded with no hook
+    (the hot path: small frames). A longer one is decoded with a list and
+    map hook that counts each container and its items and stops the decoder
+    past `max_objects` (a container's items exist before its hook runs, so
+    one container of up to max_array_len items can come on top); only if it
+    holds more than `max_depth` containers is its depth measured, by a loop
+    (no recursion), after the decode.
     """
 
-    __slots__ = ("max_frame", "kwargs")
+    __slots__ = ("max_frame", "kwargs", "max_depth", "max_objects", "guarded", "_count", "made")
 
     def __init__(self, max_frame: int, max_str_len: int = None, max_bin_len: int = None,
-                 max_array_len: int = None, max_map_len: int = None, arrays: str = "decode"):
+                 max_array_len: int = None, max_map_len: int = None, arrays: str = "decode",
+                 max_depth: int = None, max_objects: int = None):
         self.max_frame = int(max_frame)
         cap = self.max_frame
 
@@ -208,20 +241,95 @@ class Limits:
         hook = _EXT_HOOKS[arrays]
         if hook is not None:
             self.kwargs["ext_hook"] = hook
+        self.max_depth = self.max_objects = None
+        self.guarded = None
+        self._count = [0, 0]  # objects, containers: of the frame being decoded
+        # Objects made by every frame decoded under these limits (an upper
+        # bound: a short frame counts its length), for its owner to charge and
+        # reset: the worker bounds what a pool holds with it.
+        self.made = 0
+        if max_objects is not None:
+            # Everything a frame holds sits one level below the message itself,
+            # and re-encoding adds a few levels (the worker's REPLY): stay well
+            # inside msgpack's 1024 on both sides.
+            self.max_depth = max(1, min(int(max_depth if max_depth is not None else MAX_DEPTH), MAX_DEPTH))
+            self.max_objects = max(self.max_depth, int(max_objects))
+            count, limit = self._count, self.max_objects
+
+            def counted_list(obj):
+                count[0] += 1 + len(obj)
+                count[1] += 1
+                if count[0] > limit:
+                    raise _TooMany
+                return obj
+
+            def counted_map(obj):
+                count[0] += 1 + 2 * len(obj)
+                count[1] += 1
+                if count[0] > limit:
+                    raise _TooMany
+                return obj
+
+            self.guarded = dict(self.kwargs, list_hook=counted_list, object_hook=counted_map)
+
+
+# The deepest a Limits may allow: re-encoded inside a REPLY (3 more levels)
+# and decoded again, it stays under msgpack's 1024-level stack in C, and
+# under Python's default recursion limit (1000) for code that walks it.
+MAX_DEPTH = 512
+
+
+class _TooMany(Exception):
+    pass
+
+
+def _too_deep(message, limit: int) -> bool:
+    """Whether a decoded value nests deeper than `limit` levels (the message is level 1)."""
+    stack = [(message, 1)]
+    pop, push = stack.pop, stack.append
+    while stack:
+        value, depth = pop()
+        if depth > limit:
+            return True
+        items = value.values() if type(value) is dict else value
+        for item in items:
+            if type(item) is list or type(item) is dict:
+                push((item, depth + 1))
+    return False
 
 
 def decode(body, limits: Limits):
     """Decode one frame body (bytes or memoryview) under `limits`."""
     message = None
+    guarded = limits.guarded
     try:
-        message = msgpack.unpackb(body, **limits.kwargs)
+        if guarded is None:
+            message = msgpack.unpackb(body, **limits.kwargs)
+        elif len(body) <= limits.max_depth:
+            limits.made += len(body)
+            message = msgpack.unpackb(body, **limits.kwargs)
+        else:
+            count = limits._count
+            count[0] = count[1] = 0
+            try:
+                message = msgpack.unpackb(body, **guarded)
+            finally:
+                limits.made += count[0]
+    except _TooMany:
+        error = (f"frame holds more than {limits.max_objects} objects (lists, maps and their items); "
+                 "send big data as numpy arrays or bytes")
     except Exception as exc:  # msgpack raises several types for bad input
         error = f"malformed frame ({type(exc).__name__}: {exc})"
+        if type(exc).__name__ == "StackError":
+            error = "frame is nested deeper than msgpack's limit of 1024 levels"
     else:
         error = None
         if type(message) is not list or not message or type(message[0]) is not int:
             error = "frame is not a message (an array led by an integer code)"
+        elif guarded is not None and limits._count[1] > limits.max_depth and _too_deep(message, limits.max_depth):
+            error = f"frame is nested deeper than {limits.max_depth} levels (limits.max_depth)"
     if error is not None:
+        message = None
         # Raised outside the except block with the view released, so the
         # traceback pins no export of the caller's buffer (it could not grow).
         if isinstance(body, memoryview):

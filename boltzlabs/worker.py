@@ -11,16 +11,36 @@ log, close) one at a time; the worker answers each with one REPLY or ERROR
 frame. `send` returns before the envs answer: their replies are taken by the
 event loop, which also runs between calls, and held until a `recv`.
 
-Observations and actions are passed through, never decoded: an array is a
-msgpack ExtType whose header the worker checks (wire "check" limits) and
-re-packs as is.
+Arrays in observations and actions are passed through, never decoded: an
+array is a msgpack ExtType whose header the worker checks (wire "check"
+limits) and re-packs as is. The rest of a reply is decoded under the limits
+below and re-encoded into the client's REPLY; the depth cap keeps that
+re-encoding (three levels deeper) inside msgpack's own limit.
 
 Everything an env writes is untrusted: frames are capped and decoded with
-limits, replies are checked for shape, logs keep a bounded tail, and an env
-that breaks any rule is killed and reported on its lane. The client's socket
-stays in the epoll set during every wait, so a client that dies tears the pool
-down even in the middle of a step; bubblewrap's --die-with-parent does the
-same if the worker itself dies.
+limits (size, lengths, objects per frame, nesting depth: wire.Limits, from
+[limits] in sandbox/policy.toml; the handshake has caps of its own), replies
+are checked for shape, logs keep a bounded tail, the bytes the pool holds for
+replies not yet returned are bounded (limits.max_pool_bytes), and an env that
+breaks any rule is killed and reported on its lane. Nothing here walks an
+env's value recursively: decoding is msgpack's C code under those limits,
+descriptions in errors go through reprlib (bounded depth and width).
+
+Which frames are due. Each request to an env (STEP, RESET, RENDER) carries a
+fresh sequence number, and exactly one reply carrying that number is due
+until it comes. The env is BUSY from the request until that reply; a
+straggler (past its deadline) stays BUSY, so its one late reply to the number
+it was given is legitimate: it frees the lane and is dropped, as the README
+says. Every other frame is a protocol violation that kills the lane at once,
+before anything else it sent is decoded: a frame when no reply is due (a
+second reply, anything after a dropped late one, anything from an idle env),
+a frame with any other sequence number (older or newer), and a reply of the
+wrong kind or shape. So an env cannot make the worker decode frames it then
+ignores.
+
+The client's socket stays in the epoll set during every wait, so a client
+that dies tears the pool down even in the middle of a step; bubblewrap's
+--die-with-parent does the same if the worker itself dies.
 """
 
 from __future__ import annotations
@@ -30,6 +50,7 @@ import array
 import collections
 import json
 import os
+import reprlib
 import resource
 import select
 import signal
@@ -56,6 +77,7 @@ STARTING, IDLE, BUSY, DEAD = "starting", "idle", "busy", "dead"
 NONE, FLYING, FINISHED = 0, 1, 2
 
 _ABANDONED = "start-up abandoned after another env failed"
+_OBJECT_COST = 64  # bytes a decoded object is charged to the pool's budget (an empty list is 56, a dict 64+)
 _READ_SIZE = 1 << 16
 
 
@@ -85,7 +107,7 @@ class Env:
     """One lane: its sandbox process, channel, log and state."""
 
     __slots__ = ("index", "state", "pid", "chan", "logfd", "reader", "log", "seq",
-                 "out", "cause", "hello", "started", "events_base", "generation", "expect",
+                 "out", "cause", "held", "started", "events_base", "generation", "expect",
                  "flight", "result", "deadline", "done_at")
 
     def __init__(self, index: int, limits: wire.Limits):
@@ -97,7 +119,7 @@ class Env:
         self.seq = -1
         self.out = b""
         self.cause = "not started"
-        self.hello = None
+        self.held = 0  # what the pool holds of its replies: bytes read, 64 per decoded object
         self.started = 0.0
         self.events_base = (0, 0)  # the cgroup's (OOM kills, refused forks) at spawn
         self.generation = 0
@@ -132,8 +154,12 @@ class Worker:
         # client never names a path on this host) and caps what it may ask for.
         self.remote = remote
         max_frame = remote["max_frame"] if remote else 1 << 30
+        # A remote client is as hostile as an env: its frames make a bounded
+        # number of objects (~64 bytes each) nested a bounded depth. A local
+        # client is the trainer itself, and its big batches stay hook-free.
+        guard = dict(max_depth=wire.MAX_DEPTH, max_objects=max(1 << 20, max_frame // 32)) if remote else {}
         self.client_reader = wire.FrameReader(wire.Limits(max_frame, max_array_len=1 << 24, max_map_len=1 << 20,
-                                                          arrays="pass"))
+                                                          arrays="pass", **guard))
         self.shutdown_reason = None
         self.client_inbox: list = []
         self.epoll = select.epoll()
@@ -166,6 +192,9 @@ class Worker:
         # the same way (each is "now + grace" when set).
         self.overdue: collections.deque[tuple] = collections.deque()
         self.straggler_grace = float("inf")
+        self.hello = None  # lane 0's handshake info, for the client's READY
+        self.held = 0  # the sum of every lane's `held`: bounded by max_pool_bytes
+        self.max_pool_bytes = 1 << 30
 
     # -- configuration and start-up -------------------------------------------------
 
@@ -183,8 +212,15 @@ class Worker:
 
             config = apply_ceilings(config, self.remote["ceilings"], self.policy)
         limits = self.policy.limits
-        self.env_limits = wire.Limits(limits["max_frame"], limits["max_str_len"], limits["max_bin_len"],
-                                      limits["max_array_len"], limits["max_map_len"], arrays="check")
+        lengths = (limits["max_str_len"], limits["max_bin_len"], limits["max_array_len"], limits["max_map_len"])
+        depth = limits.get("max_depth", wire.MAX_DEPTH)
+        self.env_limits = wire.Limits(limits["max_frame"], *lengths, arrays="check", max_depth=depth,
+                                      max_objects=limits.get("max_objects_per_frame", 1 << 19))
+        # The handshake is kept (lane 0's, for the client), so it has caps of its own.
+        self.hello_limits = wire.Limits(min(limits.get("max_hello", 4 << 20), limits["max_frame"]), *lengths,
+                                        arrays="check", max_depth=depth,
+                                        max_objects=limits.get("max_hello_objects", 1 << 16))
+        self.max_pool_bytes = int(limits.get("max_pool_bytes", 1 << 30))
         self.log_tail = int(limits["log_tail"])
         self.start_timeout = float(config.get("start_timeout") or limits["start_timeout"])
         self.step_timeout = float(config.get("step_timeout") or limits["step_timeout"])
@@ -231,7 +267,7 @@ class Worker:
             "memory_source": self.memory_source,
             "memory_note": self.memory_note,
             "cgroup": self.cgroups.paths if self.cgroups else None,
-            "hello": self.envs[0].hello,
+            "hello": self.hello,
             "step_timeout": self.step_timeout,
             "spawn": self.spawner.kind,
             "warning": "\n".join(note for note in (self.warning, self.limits_note) if note),
@@ -251,8 +287,8 @@ class Worker:
         env.state = STARTING
         env.seq = -1
         env.out = b""
-        env.hello = None
-        env.reader = wire.FrameReader(self.env_limits)
+        env.reader = wire.FrameReader(self.hello_limits)
+        self._unhold(env)
         env.started = time.monotonic()
         for fd, kind in ((env.chan, "chan"), (env.logfd, "log")):
             self.epoll.register(fd, select.EPOLLIN)
@@ -395,10 +431,33 @@ class Worker:
         if not data:
             self._close_channel(env)
             return
+        size = len(data)
+        env.held += size
+        self.held += size
+        if self.held > self.max_pool_bytes:
+            self._kill(env, self._over_budget(env))
+            return
         try:
             messages = env.reader.feed(data)
+            limits = env.reader.limits
+            if limits.made:
+                # What the decoded frames cost beyond their bytes, ~64 bytes
+                # per object (a list, a dict entry, a str), is charged too.
+                cost = limits.made * _OBJECT_COST
+                limits.made = 0
+                env.held += cost
+                self.held += cost
+                if self.held > self.max_pool_bytes:
+                    self._kill(env, self._over_budget(env))
+                    return
         except wire.ProtocolError as exc:
-            self._kill(env, f"sent an invalid frame ({exc}) and was killed")
+            env.reader.limits.made = 0
+            if env.state == STARTING:
+                self._kill(env, f"sent an invalid frame as its handshake (HELLO) and was killed: {exc} (its caps are "
+                                f"limits.max_hello={self.hello_limits.max_frame} bytes and "
+                                f"limits.max_hello_objects={self.hello_limits.max_objects})")
+            else:
+                self._kill(env, f"sent an invalid frame ({exc}) and was killed")
             return
         for message in messages:
             self._on_message(env, message)
@@ -410,27 +469,36 @@ class Worker:
         if env.state == STARTING:
             if code == wire.HELLO and len(message) == 3 and message[1] == wire.PROTOCOL_VERSION:
                 env.state = IDLE
-                env.hello = message[2] if isinstance(message[2], dict) else {}
+                env.reader.limits = self.env_limits
+                if env.index == 0 and self.hello is None:  # only lane 0's is ever read: keep no other
+                    self.hello = message[2] if isinstance(message[2], dict) else {}
+                self._unhold(env)
                 return
             self._kill(env, f"sent {_describe(message)} instead of its handshake (protocol {wire.PROTOCOL_VERSION})")
             return
-        if env.state != BUSY or len(message) < 2 or message[1] != env.seq:
-            if env.state == BUSY and len(message) >= 2 and isinstance(message[1], int) and message[1] < env.seq:
-                return  # impossible in order, ignore
-            self._kill(env, f"sent {_describe(message)} when no reply was due")
+        # Exactly one reply is due per request, carrying its sequence number
+        # (module docstring): anything else is killed at the first frame.
+        if env.state != BUSY:
+            self._kill(env, f"sent {_describe(message)} when no reply was due (a protocol violation) and was killed")
+            return
+        if len(message) < 2 or message[1] != env.seq:
+            self._kill(env, f"sent {_describe(message)} with the wrong sequence number while the reply to request "
+                            f"{env.seq} was due (a protocol violation) and was killed")
             return
         result = _check_reply(message)
         if result is None or result[0] not in (env.expect, wire.FAILED):
             self._kill(env, f"sent a malformed reply {_describe(message)}")
             return
         env.state = IDLE  # a late reply frees a straggler; the reply itself is dropped below
-        if env.flight == FLYING and message[1] == env.seq:
+        if env.flight == FLYING:
             self._finish(env, _outcome(result, env.cause))
             return
         op = self.op
         if op is not None and message[1] == op.seq and env.index in op.waiting:
             op.waiting.discard(env.index)
             op.results[env.index] = result
+            return
+        self._unhold(env)  # a straggler's one late reply: dropped
 
     def _read_log(self, env: Env) -> None:
         try:
@@ -457,6 +525,17 @@ class Worker:
             self._read_log(env)
             if (len(env.log), env.logfd) == before:
                 return
+
+    def _over_budget(self, env: Env) -> str:
+        return (f"killed: the pool would hold more than limits.max_pool_bytes={self.max_pool_bytes} bytes of "
+                f"replies not yet returned (this env's: {env.held}, decoded objects counted at {_OBJECT_COST} "
+                "bytes each); send less per step, or raise the limit in sandbox/policy.toml")
+
+    def _unhold(self, env: Env) -> None:
+        """The pool no longer holds what env sent (but a partial frame it buffers)."""
+        keep = env.reader.pending
+        self.held -= env.held - keep
+        env.held = keep
 
     def _close_channel(self, env: Env) -> None:
         if env.chan >= 0:
@@ -507,6 +586,8 @@ class Worker:
         env.pid = -1
         env.state = DEAD
         env.cause = cause
+        self.held -= env.held
+        env.held = 0
         if env.flight == FLYING:
             self._finish(env, _outcome(None, cause))
         op = self.op
@@ -626,10 +707,13 @@ class Worker:
         obs = [None] * n
         infos = [None] * n
         results = op.results
+        released = 0
         for env in self.envs:
             i = env.index
             result = results.get(i, False)
             if result:
+                released += env.held  # its reply leaves with this call's REPLY
+                env.held = 0
                 kind = result[0]
                 if kind == wire.STEPPED:
                     obs[i] = result[2]
@@ -655,6 +739,7 @@ class Worker:
             else:
                 infos[i] = {"error": env.cause}
             truncated[i] = 1
+        self.held -= released
         return [obs, rewards.tobytes(), bytes(terminated), bytes(truncated), infos, stragglers]
 
     # -- asynchronous stepping (send / recv) ---------------------------------------------
@@ -755,10 +840,14 @@ class Worker:
         indices, obs, infos, stragglers = [0] * k, [None] * k, [None] * k, []
         now = time.monotonic()
         queued = 0.0
+        released = 0
         # Hot path: the results were shaped when they arrived; here they are only copied out.
         for j in range(k):
             index = self.finished.popleft()
             env = self.envs[index]
+            if env.state != BUSY:  # its reply came (a straggler's is still to come, or not)
+                released += env.held
+                env.held = 0
             indices[j] = index
             obs[j], rewards[j], terminated[j], truncated[j], infos[j] = env.result
             if infos[j].get("straggler") is True and "error" in infos[j] and obs[j] is None:
@@ -766,6 +855,7 @@ class Worker:
             queued += now - env.done_at
             env.flight = NONE
             env.result = None
+        self.held -= released
         queued_ms = queued * 1000.0 / k if k else 0.0
         return [indices, obs, rewards.tobytes(), bytes(terminated), bytes(truncated), infos, stragglers,
                 wait_ms, queued_ms]
@@ -909,6 +999,8 @@ class Worker:
             self._straggling(self.envs[index])
         obs, infos = [], []
         for env in envs:
+            if env.state != BUSY:
+                self._unhold(env)
             result = op.results.get(env.index)
             if result and result[0] == wire.RESET_DONE:
                 obs.append(result[2])
@@ -943,6 +1035,8 @@ class Worker:
             self._straggling(self.envs[index])
         frames, errors = [], {}
         for index in indices:
+            if self.envs[index].state != BUSY:
+                self._unhold(self.envs[index])
             result = op.results.get(index)
             if result and result[0] == wire.RENDERED:
                 frames.append(result[2])
@@ -1102,8 +1196,16 @@ def _unavailable(env) -> dict:
 
 
 def _describe(message) -> str:
-    text = repr(message)
+    """A short repr of what an env sent: bounded in depth and width (reprlib
+    stops at maxlevel), so a hostile value cannot make it recurse or grow."""
+    text = _REPR.repr(message)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3
+_REPR.maxlist = _REPR.maxdict = _REPR.maxtuple = 6
+_REPR.maxstring = _REPR.maxother = 40
 
 
 def _tail(log: bytearray, size: int = 4000) -> str:

@@ -662,3 +662,63 @@ def test_a_caught_protocol_error_pins_no_buffer():
         wire.FrameReader(wire.Limits(100)).feed(buf)
     buf.clear()
     assert first.value is not None and second.value is not None
+
+
+# --- objects and depth per frame (issue 13, points 2 and 4) ---------------------------------------
+
+GUARDED = wire.Limits(1 << 24, max_array_len=1 << 20, arrays="check", max_depth=64, max_objects=10_000)
+
+
+def nested(depth):
+    value = None
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("depth", [65, 200, 1000])
+def test_depth_over_the_cap_is_refused(depth):
+    with pytest.raises(wire.ProtocolError, match="nested deeper than 64 levels"):
+        wire.FrameReader(GUARDED).feed(wire.encode([1, nested(depth)]))
+
+
+def test_depth_at_the_cap_decodes_and_wide_frames_are_not_deep():
+    msg = [1, nested(63)]  # the message is level 1: 64 levels of lists
+    assert wire.FrameReader(GUARDED).feed(wire.encode(msg)) == [msg]
+    wide = [1, [[i] for i in range(3000)]]  # many containers, shallow: measured, accepted
+    assert wire.FrameReader(GUARDED).feed(wire.encode(wide)) == [wide]
+
+
+@pytest.mark.parametrize("body", [
+    b"\x92\x01\xdd\x00\x01\x00\x00" + b"\x90" * 65536,  # [1, [[], [], ...]]: 65,536 empty lists
+    b"\x92\x01\xdd\x00\x01\x00\x00" + b"\xa2ab" * 65536,  # [1, ["ab", ...]]: items count too
+    b"\x92\x01\xdf\x00\x00\x80\x00" + b"\x01\x80" * 32768,  # [1, {1: {}, ...}]
+], ids=["empty-lists", "strings", "maps"])
+def test_more_objects_than_the_cap_are_refused(body):
+    with pytest.raises(wire.ProtocolError, match="more than 10000 objects"):
+        wire.FrameReader(GUARDED).feed(frame(body))
+    # The same reader goes on with the next peer's frame (its count restarts).
+    assert wire.FrameReader(GUARDED).feed(wire.encode([1, list(range(100))])) == [[1, list(range(100))]]
+
+
+def test_limits_without_object_cap_keep_the_plain_decode():
+    assert wire.Limits(1 << 20).guarded is None
+    assert GUARDED.guarded is not None and GUARDED.max_depth == 64
+
+
+@pytest.mark.parametrize("shape", [(0, 2**62), (2**62, 0), (0, 2**63 - 1, 2**63 - 1), (2**31, 2**31, 0, 2**31),
+                                   (0,) * 33, (1 << 41, 0)])
+def test_array_headers_with_impossible_shapes_are_refused(shape):
+    text = ("<f8:" + ",".join(map(str, shape))).encode()
+    pad = -(2 + len(text)) % 16
+    payload = struct.pack("<H", len(text) + pad) + text + b" " * pad
+    with pytest.raises(ValueError, match="array ext"):
+        wire.check_array_header(payload)
+
+
+def test_empty_arrays_with_sane_shapes_still_pass():
+    for shape in [(0,), (0, 3), (5, 0, 7), (0,) * 32]:
+        text = ("<f8:" + ",".join(map(str, shape))).encode()
+        pad = -(2 + len(text)) % 16
+        payload = struct.pack("<H", len(text) + pad) + text + b" " * pad
+        assert wire.check_array_header(payload)[1] == shape

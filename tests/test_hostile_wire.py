@@ -1,0 +1,277 @@
+"""What an env writes on its channel, as an attacker writes it (issue 13, points 2-5).
+
+Each test runs a real pool of real sandboxes in both spawn modes. The hostile
+env below answers a plain action normally and a {"op": ...} action with raw
+bytes on fd 3 (its channel), bypassing serve()'s encoder; it learns the
+sequence number of the request it answers by wrapping the runtime's reply
+function. After every attack the other lane has its own normal result and
+the pool is still usable.
+"""
+
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from boltzlabs import EnvStartError
+
+HOSTILE = """
+    import os
+    import struct
+    import time
+
+    import msgpack
+
+    from boltzlabs import env as runtime
+    from boltzlabs import wire
+    from boltzlabs.env import serve
+
+    def put(body):
+        view = memoryview(struct.pack("<I", len(body)) + body)
+        while view:
+            view = view[os.write(3, view):]
+
+    def stepped(seq, obs):  # [STEPPED, seq, <obs bytes>, 0.0, False, False, {}]
+        return (b"\\x97" + msgpack.packb(wire.STEPPED) + msgpack.packb(seq) + obs
+                + msgpack.packb(0.0) + b"\\xc2\\xc2\\x80")
+
+    def nest(depth):  # [[[...nil...]]], `depth` arrays deep
+        return b"\\x91" * depth + b"\\xc0"
+
+    def array32(count, item):
+        return b"\\xdd" + count.to_bytes(4, "big") + item * count
+
+    def bad_array(shape):
+        text = ("<f8:" + ",".join(map(str, shape))).encode()
+        pad = -(2 + len(text)) % 16
+        payload = struct.pack("<H", len(text) + pad) + text + b" " * pad
+        return msgpack.packb(msgpack.ExtType(wire.ARRAY_EXT, payload))
+
+    def attack(seq, action):
+        op = action["op"]
+        if op == "deep":
+            put(stepped(seq, nest(action["depth"])))
+        elif op == "deep_unsolicited":
+            put(stepped(seq - 1, nest(action["depth"])))
+            return False
+        elif op == "deep_future":
+            put(stepped(seq + 1, nest(action["depth"])))
+            return False
+        elif op == "bad_array":
+            put(stepped(seq, bad_array(action["shape"])))
+        elif op == "flood":  # 15 MB of empty arrays: 15 arrays of 1,000,000 empty arrays
+            put(stepped(seq, array32(15, array32(1_000_000, b"\\x90"))))
+        elif op == "stale_flood":
+            frame = stepped(seq - 1, b"\\xc0")
+            for _ in range(action["frames"]):
+                put(frame)
+            return False
+        elif op == "twice":
+            put(stepped(seq, msgpack.packb("first")))
+            return False
+        return True
+
+    original = runtime._reply
+
+    def reply(channel, seq, phase, build, call):
+        try:
+            result = call()
+        except Exception as exc:
+            def again(exc=exc):
+                raise exc
+            return original(channel, seq, phase, build, again)
+        if isinstance(result, tuple) and result[0] == "raw":
+            if attack(seq, result[1]):
+                return
+            result = ("normal", 1.0, False, {})
+        original(channel, seq, phase, build, lambda: result)
+
+    runtime._reply = reply
+
+    def reset(seed):
+        return {"lane": int(os.environ["BOLTZLABS_ENV_INDEX"])}
+
+    def step(action):
+        if isinstance(action, dict) and "op" in action:
+            if action["op"] == "sleep":
+                time.sleep(action["s"])
+                return "late", 1.0, False, {}
+            if action["op"] == "plain_deep":  # a plain env bug: serve() encodes it
+                nested = None
+                for _ in range(action["depth"]):
+                    nested = [nested]
+                return nested, 1.0, False, {}
+            return ("raw", action)
+        return {"lane": int(os.environ["BOLTZLABS_ENV_INDEX"]), "action": action}, 1.0, False, {}
+
+    serve(reset=reset, step=step)
+"""
+
+
+@pytest.fixture
+def hostile_pool(env_dir, pool_factory):
+    source = env_dir(HOSTILE)
+    return lambda n=2, **kwargs: pool_factory(source, n, **kwargs)
+
+
+def assert_lane_failed(obs, dones, infos, lane, *words):
+    assert dones[lane] and obs[lane] is None, (obs[lane], infos[lane])
+    for word in words:
+        assert word in infos[lane]["error"], infos[lane]
+
+
+def assert_normal(obs, dones, infos, lane, action=7):
+    assert not dones[lane] and "error" not in infos[lane], infos[lane]
+    assert obs[lane] == {"lane": lane, "action": action}
+
+
+def assert_pool_recovers(pool, lane):
+    """The pool is usable: the broken lane comes back at its reset, every lane steps."""
+    pool.reset(where=[lane])
+    assert "error" not in pool.reset_infos[lane], pool.reset_infos[lane]
+    n = len(pool)
+    obs, rewards, dones, infos = pool.step([3] * n)
+    assert not dones.any(), infos
+    assert obs == [{"lane": i, "action": 3} for i in range(n)]
+
+
+# --- 2. deep nesting ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("depth", [600, 1000, 5000])
+def test_plain_env_returning_deep_nesting_fails_its_lane(hostile_pool, depth):
+    pool = hostile_pool(2)
+    pool.reset()
+    obs, _, dones, infos = pool.step([{"op": "plain_deep", "depth": depth}, 7])
+    assert_lane_failed(obs, dones, infos, 0, "nested deeper than")
+    assert_normal(obs, dones, infos, 1)
+    assert_pool_recovers(pool, 0)
+
+
+@pytest.mark.parametrize("depth", [1000, 1022, 5000])
+@pytest.mark.parametrize("op", ["deep", "deep_unsolicited", "deep_future"])
+def test_raw_deep_frame_fails_its_lane(hostile_pool, op, depth):
+    pool = hostile_pool(2)
+    pool.reset()
+    obs, _, dones, infos = pool.step([{"op": op, "depth": depth}, 7])
+    assert_lane_failed(obs, dones, infos, 0)
+    assert "nest" in infos[0]["error"] or "stack" in infos[0]["error"].lower(), infos[0]
+    assert_normal(obs, dones, infos, 1)
+    assert_pool_recovers(pool, 0)
+
+
+# --- 3. array headers ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", [(0, 2**62), (2**62, 0), (0, 2**63 - 1, 2**63 - 1), (0,) * 33,
+                                   (2**31, 2**31, 0, 2**31)])
+def test_array_header_with_absurd_shape_fails_its_lane(hostile_pool, shape):
+    pool = hostile_pool(2)
+    pool.reset()
+    obs, _, dones, infos = pool.step([{"op": "bad_array", "shape": list(shape)}, 7])
+    assert_lane_failed(obs, dones, infos, 0, "array")
+    assert_normal(obs, dones, infos, 1)
+    assert_pool_recovers(pool, 0)
+
+
+# --- 4. amplification ---------------------------------------------------------------------------
+
+
+def _peak_rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_flood_of_empty_arrays_costs_the_worker_little(hostile_pool):
+    pool = hostile_pool(2)
+    pool.reset()
+    worker = pool._link.proc.pid
+    pool.step([7, 7])
+    before = _peak_rss(worker)
+    obs, _, dones, infos = pool.step([{"op": "flood"}, 7])
+    grown = _peak_rss(worker) - before
+    assert_lane_failed(obs, dones, infos, 0, "objects")
+    assert_normal(obs, dones, infos, 1)
+    assert grown < 100 << 20, f"the worker's peak RSS grew by {grown >> 20} MiB for a 15 MB frame"
+    assert psutil.Process(worker).is_running()
+    assert_pool_recovers(pool, 0)
+
+
+# --- 5. replies that are not due ----------------------------------------------------------------
+
+
+def test_stale_frames_kill_the_lane_at_the_first(hostile_pool):
+    pool = hostile_pool(2)
+    pool.reset()
+    obs, _, dones, infos = pool.step([{"op": "stale_flood", "frames": 20_000}, 7])
+    assert_lane_failed(obs, dones, infos, 0, "sequence number")
+    assert_normal(obs, dones, infos, 1)
+    assert pool.states()[0] == "dead"
+    assert_pool_recovers(pool, 0)
+
+
+def test_a_second_reply_kills_the_lane(hostile_pool):
+    pool = hostile_pool(2)
+    pool.reset()
+    obs, _, dones, infos = pool.step([{"op": "twice"}, 7])
+    assert obs[0] == "first" or dones[0], (obs[0], infos[0])  # the first reply may win the race
+    assert_normal(obs, dones, infos, 1)
+    deadline = time.monotonic() + 5
+    while pool.states()[0] != "dead" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.states()[0] == "dead"
+    obs, _, dones, infos = pool.step([7, 7])
+    assert_lane_failed(obs, dones, infos, 0, "no reply was due")
+    assert_pool_recovers(pool, 0)
+
+
+def test_a_stragglers_one_late_reply_is_still_dropped_quietly(hostile_pool):
+    pool = hostile_pool(2, step_timeout=0.5)
+    pool.reset()
+    obs, _, dones, infos = pool.step([{"op": "sleep", "s": 1.5}, 7])
+    assert infos[0].get("straggler") is True
+    assert_normal(obs, dones, infos, 1)
+    deadline = time.monotonic() + 5
+    while pool.states()[0] != "idle" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert pool.states()[0] == "idle"  # its late reply came and was dropped: alive and serving
+    obs, _, dones, infos = pool.step([7, 7])
+    assert_normal(obs, dones, infos, 0)
+    assert_normal(obs, dones, infos, 1)
+
+
+# --- HELLO --------------------------------------------------------------------------------------
+
+BIG_HELLO = """
+    from boltzlabs.env import serve
+
+    serve(reset=lambda seed: 0, step=lambda action: (0, 0.0, False, {}), metadata={METADATA})
+"""
+
+
+def test_a_large_hello_starts_in_template_mode_promptly(env_dir):
+    from boltzlabs import RLPool
+
+    source = env_dir(BIG_HELLO.replace("{METADATA}", '{"blob": "x" * 1_000_000}'))
+    started = time.monotonic()
+    with RLPool(source, 2, start_timeout=15) as pool:
+        assert pool.spawn == "template"
+        assert time.monotonic() - started < 12
+        assert len(pool.env_contract.metadata["blob"]) == 1_000_000
+        assert pool.step([0, 0])[0] == [0, 0]
+
+
+@pytest.mark.parametrize("metadata, words", [
+    ('{"a": "x" * (3 << 20), "b": "x" * (3 << 20)}', "handshake"),
+    ("[[]] * 1_000_000", "objects"),
+])
+def test_an_oversized_hello_is_a_clear_start_error(env_dir, spawn, metadata, words):
+    from boltzlabs import RLPool
+
+    source = env_dir(BIG_HELLO.replace("{METADATA}", metadata))
+    with pytest.raises(EnvStartError, match=words):
+        RLPool(source, 2, spawn=spawn, start_timeout=20).close()
