@@ -21,8 +21,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from boltzlabs import confine, seccomp
 from boltzlabs import limits as _limits
-from boltzlabs import seccomp
 from boltzlabs.errors import SandboxUnavailable
 from boltzlabs.identity import HostAccount
 
@@ -136,6 +136,15 @@ class SandboxSpec:
             "site_path": ":".join(self.inside(p) for p in site.getsitepackages() if os.path.isdir(p)),
         }
         self.workspace_size = workspace_size
+        # What boltzlabs.confine does inside: the workspace with its inode
+        # cap, a devpts of the env's own, the per-user-namespace quotas.
+        quotas = policy.sandbox["quotas"]
+        inodes = max(64, workspace_size // int(workspace["bytes_per_inode"]))
+        # Only the limits this kernel has (max_fanotify_* came in 5.13): the
+        # host's /proc/sys/user lists the same kernel's.
+        sysctls = {name: int(value) for name, value in quotas.get("user_namespace", {}).items()
+                   if os.path.exists(f"{confine.SYSCTL_DIR}/{name}")}
+        self.confine = confine.encode(self.workspace, workspace_size, inodes, int(quotas["ptys"]), sysctls)
         # sandbox/seccomp.toml, compiled here on the host; the spawners hand
         # the programs over on seccomp.FILTER_FD (and CHILD_FILTER_FD).
         self.filters = seccomp.compile_policy()
@@ -200,16 +209,16 @@ class SandboxSpec:
             args.append("--die-with-parent")
         if process.get("new_session"):
             args.append("--new-session")
-        if process.get("disable_userns") and not template:  # template children: template.py does it
-            args.append("--disable-userns")
+        # (No --disable-userns: boltzlabs.confine sets max_user_namespaces
+        # to 0 with the other quotas, in both modes.)
         for cap in process.get("cap_drop", []):
             args += ["--cap-drop", cap]
-        if template:
-            for cap in sandbox["template"].get("cap_add", []):
-                args += ["--cap-add", cap]
+        for cap in (sandbox["template"] if template else process).get("cap_add", []):
+            args += ["--cap-add", cap]
         args += ["--hostname", process["hostname"]]
-        # tmpfs first, binds after: a tmpfs mounted over a parent of a bind hides it.
-        args += ["--size", str(workspace_size), "--tmpfs", self.workspace]
+        # The workspace's mount point; boltzlabs.confine mounts it (bwrap's
+        # --tmpfs has no inode cap). No parent of a bind (it would hide it).
+        args += ["--dir", self.workspace]
         ops = self._mount_ops()
         if template:  # a mount point for the fully visible proc (template.py says why)
             ops.append(("--dir", sandbox["template"]["hidden_proc"]))
@@ -217,14 +226,13 @@ class SandboxSpec:
         if tmp:  # nothing is ever bound below it (see inside())
             args += ["--symlink", self.workspace, tmp]
         args += [arg for op in ops for arg in op]
-        finish = sandbox.get("finish", {})
-        if finish.get("shm"):
-            args += ["--size", str(workspace_size), "--tmpfs", finish["shm"]]
-        for path in finish.get("remount_ro", []):
-            if not (template and path == "/proc"):  # template.py binds /proc/sys ro itself
-                args += ["--remount-ro", path]
-        # The template's filter leaves out what its children's set-up needs;
-        # each child loads the env's full filter itself (template.py).
+        # /proc is made read-only inside, once the quotas are written
+        # (exec: boltzlabs.confine; template: template.py, each child's own).
+        for path in sandbox.get("finish", {}).get("remount_ro", []):
+            args += ["--remount-ro", path]
+        # Both modes start under the template's filter, which leaves out what
+        # the set-up inside needs (mount, ...); the set-up then loads the
+        # env's full filter before any env code (boltzlabs.confine, template.py).
         args += ["--seccomp", str(seccomp.FILTER_FD)]
         args += ["--chdir", self.workspace, "--clearenv"]
         for name, value in self.environment().items():
@@ -237,6 +245,12 @@ class SandboxSpec:
         return {name: str(value).format(**self.values)
                 for name, value in self.policy.sandbox["environment"].items()}
 
+    def programs(self) -> dict[int, bytes]:
+        """The seccomp programs a sandbox reads, by fd number (both modes):
+        bwrap loads the template's filter from FILTER_FD; the set-up inside
+        loads the env's full filter from CHILD_FILTER_FD."""
+        return {seccomp.FILTER_FD: self.filters.template, seccomp.CHILD_FILTER_FD: self.filters.env}
+
     def template_argv(self, channel_fd: int, open_files: int = 0) -> list[str]:
         """The command line of the warm template (spawn="template"). Each
         child gets the env's rlimits; the template itself the same, except room
@@ -245,8 +259,7 @@ class SandboxSpec:
             "--setenv", _limits.VARIABLE, _limits.encode(self.limits),
             "--setenv", "BOLTZLABS_TEMPLATE_RLIMITS", _limits.encode(self.limits, open_files),
             "--setenv", "BOLTZLABS_FD", str(channel_fd),
-            "--setenv", "BOLTZLABS_WORKSPACE", self.workspace,
-            "--setenv", "BOLTZLABS_WORKSPACE_SIZE", str(self.workspace_size),
+            "--setenv", confine.VARIABLE, self.confine,
             "--setenv", "BOLTZLABS_HOSTNAME", self.policy.sandbox["process"]["hostname"],
             "--setenv", "BOLTZLABS_HIDDEN_PROC", self.policy.sandbox["template"]["hidden_proc"],
             "--setenv", "BOLTZLABS_TEMPLATE_ID", "{uid}:{gid}".format(**self.policy.sandbox["template"]),
@@ -256,12 +269,14 @@ class SandboxSpec:
         ]
 
     def argv(self, channel_fd: int, env_index: int) -> list[str]:
-        """The full command line of one env's sandbox. boltzlabs.limits sets
-        the env's rlimits, then runs env.py."""
+        """The full command line of one env's sandbox. boltzlabs.confine sets
+        the env's rlimits, finishes the sandbox, then runs env.py."""
         env_script = f"{self.values['env_dir']}/env.py"
         return self._head + [
             "--setenv", _limits.VARIABLE, _limits.encode(self.limits),
+            "--setenv", confine.VARIABLE, self.confine,
+            "--setenv", "BOLTZLABS_CHILD_FILTER_FD", str(seccomp.CHILD_FILTER_FD),
             "--setenv", "BOLTZLABS_FD", str(channel_fd),
             "--setenv", "BOLTZLABS_ENV_INDEX", str(env_index),
-            "--", self.executable, *self.policy.sandbox["interpreter"]["flags"], "-c", _limits.BOOTSTRAP, env_script,
+            "--", self.executable, *self.policy.sandbox["interpreter"]["flags"], "-c", confine.BOOTSTRAP, env_script,
         ]

@@ -266,8 +266,9 @@ def test_the_filter_is_loaded_and_normal_processes_still_work(pools, spawn):
         assert out["thread"] is True
         assert out["subprocess"] == "42"
         assert out["seccomp"] == "2"  # SECCOMP_MODE_FILTER
-        # exec: bwrap's one; template: the template's (inherited) and the env's own.
-        assert out["filters"] == ("2" if spawn == "template" else "1")
+        # Both modes: the set-up's (bwrap's --seccomp, or the template's,
+        # inherited) and the env's full one, loaded by the set-up before env code.
+        assert out["filters"] == "2"
     assert_healthy(pool)
 
 
