@@ -209,6 +209,17 @@ def step(action):
         out = st.f_blocks * st.f_frsize
     elif op == "forge":
         out = forge()
+    elif op == "touch":  # empty files, until refused
+        os.makedirs(action["dir"], exist_ok=True)
+        out = {"made": action["most"], "error": None}
+        for i in range(action["most"]):
+            try:
+                os.close(os.open(f"{action['dir']}/{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            except OSError as exc:
+                out = {"made": i, "error": errname(exc)}
+                break
+    elif op == "inodes":
+        out = os.statvfs(action["path"]).f_files
     else:
         raise KeyError(op)
     return {"honest": True, "out": out}, 0.0, False, {}
@@ -556,6 +567,22 @@ def test_workspace_size_cap_gives_enospc(hostile_pool):
     # The space comes back when the file goes.
     assert hostile(pool, {"op": "rm", "path": "/tmp/big"}) == ["ok"] * 2
     assert hostile(pool, {"op": "fill", "path": "small", "mib": 2}) == ["ok"] * 2
+    assert_healthy(pool)
+
+
+def test_workspace_files_are_capped_too(hostile_pool):
+    """Empty files cost kernel memory that the size cap does not count (~1 KiB
+    an inode): the workspace has an inode cap too, one per [workspace]
+    bytes_per_inode of its size, shared with /dev/shm. Past it: ENOSPC."""
+    per_inode = load_policy().sandbox["workspace"]["bytes_per_inode"]
+    pool = hostile_pool(2, workspace_size="4M")
+    cap = (4 << 20) // per_inode
+    assert hostile(pool, {"op": "inodes", "path": WORKSPACE}) == [cap] * 2
+    for out in hostile(pool, {"op": "touch", "dir": "many", "most": 20 * cap}):
+        # The tmpfs's root and its two directories (workspace, shm) and "many" hold four.
+        assert out == {"made": cap - 4, "error": "ENOSPC"}, out
+    for out in hostile(pool, {"op": "touch", "dir": "/dev/shm", "most": 10}):
+        assert out["error"] == "ENOSPC", out
     assert_healthy(pool)
 
 
