@@ -17,6 +17,7 @@ import os
 import shutil
 import site
 import sys
+import sysconfig
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,10 @@ def load_policy() -> Policy:
     return Policy(sandbox, mounts)
 
 
+def _below(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
 def find_bwrap() -> str:
     path = shutil.which("bwrap")
     if path is None:
@@ -123,11 +128,21 @@ class SandboxSpec:
         process = policy.sandbox["process"]
         workspace = policy.sandbox["workspace"]
         self.workspace = workspace["path"]
+        # Host path -> where it is bound inside (inside()): neutral paths for
+        # the interpreter and its site-packages (mounts/interpreter.toml).
+        interpreter = policy.mounts["interpreter"]
+        self.relocations: list[tuple[str, str]] = []
+        if not _below(sys.base_prefix, "/usr"):
+            self.relocations.append((sys.base_prefix, interpreter["python_dir"]))
+        site_packages = []
+        for path in site.getsitepackages():
+            if os.path.isdir(path) and not _below(path, sys.base_prefix) and not _below(path, "/usr") \
+                    and os.path.realpath(path) not in map(os.path.realpath, site_packages):
+                self.relocations.append((path, f"{interpreter['site_dir']}/{len(site_packages)}"))
+                site_packages.append(path)
         self.values = {
             "base_prefix": sys.base_prefix,
-            "prefix": sys.prefix,
-            "site_packages": [p for p in site.getsitepackages()
-                              if not p.startswith((sys.prefix + os.sep, sys.base_prefix + os.sep))],
+            "site_packages": site_packages,
             "source_dir": str(self.source_dir),
             "env_dir": process["env_dir"],
             "runtime_dir": process["runtime_dir"],
@@ -153,9 +168,13 @@ class SandboxSpec:
         self._template_head = self._build_head(bwrap, workspace_size, template=True)
 
     def inside(self, path: str) -> str:
-        """Where a host path is bound inside the sandbox: the same path, except
-        below /tmp, which inside is the env's workspace. A host path there (a
-        venv in /tmp, say) is bound below `relocate_tmp` instead."""
+        """Where a host path is bound inside the sandbox: the interpreter and
+        its site-packages at neutral paths (`relocations`); else the same
+        path, except below /tmp, which inside is the env's workspace. A host
+        path there is bound below `relocate_tmp` instead."""
+        for host, inside in self.relocations:
+            if _below(path, host):
+                return inside + path[len(host):]
         tmp = self.policy.sandbox["workspace"].get("tmp_link")
         if tmp and (path == tmp or path.startswith(tmp + "/")):
             return self.policy.sandbox["workspace"]["relocate_tmp"] + path[len(tmp):]
@@ -163,9 +182,9 @@ class SandboxSpec:
 
     @property
     def executable(self) -> str:
-        """The interpreter, as seen inside (a venv's bin/python finds its
-        pyvenv.cfg beside it, so a relocated venv still works)."""
-        return self.inside(sys.executable)
+        """The interpreter, as seen inside: the installed one a venv's
+        bin/python links to (the venv itself is not bound, only its site-packages)."""
+        return self.inside(os.path.realpath(sys.executable))
 
     def _expand(self, text: str) -> list[str]:
         key = text[1:-1] if text.startswith("{") and text.endswith("}") else None
@@ -242,8 +261,14 @@ class SandboxSpec:
 
     def environment(self) -> dict:
         """The variables an env sees (besides BOLTZLABS_FD, BOLTZLABS_ENV_INDEX and BOLTZLABS_PARAMS)."""
-        return {name: str(value).format(**self.values)
-                for name, value in self.policy.sandbox["environment"].items()}
+        variables = {name: str(value).format(**self.values)
+                     for name, value in self.policy.sandbox["environment"].items()}
+        # A shared libpython is found through the binary's RUNPATH, which names
+        # the host prefix: relocated, the loader needs to be told.
+        libdir = sysconfig.get_config_var("LIBDIR")
+        if sysconfig.get_config_var("Py_ENABLE_SHARED") and libdir and self.inside(libdir) != libdir:
+            variables["LD_LIBRARY_PATH"] = self.inside(libdir)
+        return variables
 
     def programs(self) -> dict[int, bytes]:
         """The seccomp programs a sandbox reads, by fd number (both modes):
