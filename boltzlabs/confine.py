@@ -49,10 +49,12 @@ BOOTSTRAP = "import boltzlabs.confine as m; m.main()"
 SYSCTL_DIR = "/proc/sys/user"
 
 _libc = ctypes.CDLL(None, use_errno=True)
-# The template's Plan (template.main), which every child's set-up reuses.
-prepared: "Plan | None" = None
+# The template's VARIABLE text (template.main), for its children's Plan.
+prepared: str | None = None
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
 _PR_SET_NO_NEW_PRIVS, _PR_CAPBSET_DROP = 38, 24
+_PR_GET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 39, 22, 2
+BPF_INSTRUCTION = 8  # bytes of one struct sock_filter
 _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 
 
@@ -103,6 +105,47 @@ class Capabilities:
                 _check(-1, f"drop capability {cap} from the bounding set")
         _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
         _check(_libc.capset(ctypes.byref(self.header), self.data), "capset")
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+class FilterLoader:
+    """A seccomp BPF program (struct sock_filter[]) and the prctl calls that load it, prepared."""
+
+    def __init__(self, program: bytes):
+        self.prctl = ctypes.CDLL(None, use_errno=True).prctl
+        self.prctl.restype = ctypes.c_int
+        self.buffer = ctypes.create_string_buffer(program, len(program))
+        self.fprog = _SockFprog(len(program) // BPF_INSTRUCTION, ctypes.addressof(self.buffer))
+        self.calls = [(ctypes.c_int(option), *(ctypes.c_ulong(a) for a in args)) for option, args in (
+            (_PR_SET_NO_NEW_PRIVS, (1, 0, 0, 0)),
+            (_PR_SET_SECCOMP, (_SECCOMP_MODE_FILTER, ctypes.addressof(self.fprog), 0, 0)))]
+        # One harmless call through the same path (PR_GET_NO_NEW_PRIVS), so
+        # lazy symbol binding and ctypes' call machinery are settled before
+        # the forks, not in every child.
+        self.prctl(ctypes.c_int(_PR_GET_NO_NEW_PRIVS), *(ctypes.c_ulong(0) for _ in range(4)))
+
+    def load(self) -> None:
+        for args in self.calls:
+            if self.prctl(*args) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"loading the seccomp filter (prctl {args[0].value}): {os.strerror(err)}")
+
+
+def read_filter(fd: int) -> FilterLoader:
+    """The program on `fd` (closed here: no env code ever holds it), ready to load."""
+    chunks = []
+    try:
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    program = b"".join(chunks)
+    if not program or len(program) % BPF_INSTRUCTION:
+        raise RuntimeError(f"the seccomp program on fd {fd} is {len(program)} bytes: not a BPF program")
+    return FilterLoader(program)
 
 
 class Plan:
@@ -160,16 +203,15 @@ class Plan:
                 os.close(fd)
 
     def finish(self) -> None:
-        """Exec mode: everything after bubblewrap, before env.py (module docstring)."""
-        from boltzlabs import seccomp
-
-        fd = int(os.environ.pop("BOLTZLABS_CHILD_FILTER_FD"))
-        seccomp.receive_child_filter(fd)
+        """Exec mode: everything after bubblewrap, before env.py (module docstring).
+        Not through boltzlabs.seccomp: its host half's imports (dataclasses,
+        functools) would cost every exec-mode env ~2 MiB."""
+        env_filter = read_filter(int(os.environ.pop("BOLTZLABS_CHILD_FILTER_FD")))
         self.mount_workspace_and_devpts()
         self.write_sysctls()
         _check(_libc.mount(*self.proc_read_only[0]), self.proc_read_only[1])
         self.capabilities.drop()
-        seccomp.apply_child_filter()
+        env_filter.load()
 
 
 def main(argv=None) -> None:
