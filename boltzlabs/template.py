@@ -20,9 +20,11 @@ Each child becomes its own sandbox before any env code runs in it:
     template --clone(NEWUSER|NEWPID)-->
         child: pid 1 of its pid namespace; writes its own uid/gid maps;
                unshare(NS|NET|IPC|UTS|CGROUP); mounts its own tmpfs
-               (workspace and /dev/shm) and /proc, lo up, hostname, no more
-               user namespaces, every capability dropped, the env's full
-               seccomp filter loaded; then serves on its channel
+               (workspace and /dev/shm, size and inode caps), devpts (pty
+               cap) and /proc, writes its user namespace's quotas (no more
+               namespaces, no inotify/fanotify), lo up, hostname, every
+               capability dropped, the env's full seccomp filter loaded;
+               then serves on its channel
     the template, its parent (and a child subreaper), reaps it.
 
 Kernel facts this depends on:
