@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import platform
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -465,3 +466,17 @@ def test_a_missing_libseccomp_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "pyseccomp", None)  # import fails, as without the library
     with pytest.raises(SandboxUnavailable, match="apt-get install -y libseccomp2"):
         seccomp.compile_filter(seccomp.load_rules())
+
+
+def test_exec_modes_set_up_imports_no_host_half():
+    """An exec-mode env runs boltzlabs.confine before env.py: what it imports
+    every env pays for (boltzlabs.seccomp's host half, with dataclasses and
+    functools, cost each env ~2 MiB)."""
+    code = ("import sys; before = set(sys.modules); import boltzlabs.confine; "
+            "print(' '.join(sorted(set(sys.modules) - before)))")
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60,
+                         env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 0, out.stderr
+    new = set(out.stdout.split())
+    assert {m for m in new if m.startswith("boltzlabs")} == {"boltzlabs", "boltzlabs.confine"}
+    assert not new & {"dataclasses", "functools", "inspect", "typing", "re", "json"}, new
