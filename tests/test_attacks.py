@@ -273,7 +273,9 @@ def _host_account_takes(kind: str) -> int:
     from boltzlabs.sandbox import load_policy
 
     account = host_account(load_policy().sandbox["identity"])
-    out = subprocess.run([*account.prefix, sys.executable, "-S", "-c", HOST_TAKE, kind],
+    # The system's interpreter when there is one: the account may not reach ours (pyenv under /root).
+    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    out = subprocess.run([*account.prefix, python, "-S", "-c", HOST_TAKE, kind],
                          capture_output=True, text=True, timeout=30, cwd="/")
     assert out.returncode == 0, out.stderr
     return int(out.stdout)
