@@ -22,6 +22,7 @@ Kernel and bubblewrap facts behind the checks:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import re
@@ -203,12 +204,15 @@ def _sandbox(bwrap: str | None) -> list[Finding]:
         spec = SandboxSpec(load_policy(), bare, 16 << 20)
         argv = spec.argv(3, 0)
         try:
-            with seccomp.program_fd(spec.filters.env) as fd:
-                # The policy's command line reads its filter from FILTER_FD; here it is wherever fd is.
-                at = argv.index("--seccomp") + 1
-                argv[at] = str(fd)
+            with contextlib.ExitStack() as stack:
+                # The policy's command line reads its filters from FILTER_FD and
+                # CHILD_FILTER_FD; here they are wherever program_fd put them.
+                fds = {target: stack.enter_context(seccomp.program_fd(program))
+                       for target, program in spec.programs().items()}
+                argv[argv.index("--seccomp") + 1] = str(fds[seccomp.FILTER_FD])
+                argv[argv.index("BOLTZLABS_CHILD_FILTER_FD") + 1] = str(fds[seccomp.CHILD_FILTER_FD])
                 out = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
-                                     pass_fds=[fd])
+                                     pass_fds=list(fds.values()))
             said = (out.stderr.strip() or out.stdout.strip())[-2000:]
             ok = out.returncode == 0 and marker in out.stdout
         except subprocess.TimeoutExpired:

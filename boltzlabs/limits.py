@@ -3,9 +3,9 @@
     sandbox/policy.toml [env_limits] + RLPool(limits=...) --resolve()--> limits (worker)
         memory, pids        --> the env's cgroup (boltzlabs/cgroups.py)
         straggler_grace     --> the worker's deadline kill (boltzlabs/worker.py)
-        open_files, file_size, core_size --encode()--> $BOLTZLABS_RLIMITS
+        open_files, file_size, core_size, msgqueue --encode()--> $BOLTZLABS_RLIMITS
             --apply()--> setrlimit inside the sandbox, before any env code runs:
-                exec mode:     `python -c BOOTSTRAP /env/env.py` (main below)
+                exec mode:     `python -c BOOTSTRAP /env/env.py` (boltzlabs.confine.main)
                 template mode: the template before it imports env.py, and each
                                child again right after its fork (template.py)
 
@@ -25,18 +25,17 @@ import resource
 import sys
 
 VARIABLE = "BOLTZLABS_RLIMITS"
-# Exec mode's interpreter runs this, then env.py. Not `-m`: that imports
-# runpy (with typing, re, contextlib: ~5 ms and their pages in every env).
-BOOTSTRAP = "import boltzlabs.limits as m; m.main()"
 
 # Policy key -> resource. Values are bytes (sizes) or counts.
 RLIMITS = {
     "open_files": ("NOFILE", resource.RLIMIT_NOFILE),
     "file_size": ("FSIZE", resource.RLIMIT_FSIZE),
     "core_size": ("CORE", resource.RLIMIT_CORE),
+    "msgqueue": ("MSGQUEUE", resource.RLIMIT_MSGQUEUE),
 }
 _BY_NAME = {name: number for name, number in RLIMITS.values()}
-_SIZES = ("memory", "file_size", "core_size")
+_SIZES = ("memory", "file_size", "core_size", "msgqueue")
+_ZERO_MEANS_ZERO = ("core_size", "msgqueue")  # the others: 0 is "no limit"
 # The least an env can start with: bwrap and the interpreter need a few
 # tasks and a few dozen files before env.py runs.
 _MINIMUM = {"pids": 8, "open_files": 32}
@@ -81,7 +80,7 @@ def encode(limits: dict, open_files: int | None = None) -> str:
     if open_files is not None:
         values["open_files"] = max(values.get("open_files", 0), open_files)
     # A file size of 0 means "no limit" in the policy, not "no file at all".
-    return ",".join(f"{RLIMITS[key][0]}={value if value or key == 'core_size' else 'unlimited'}"
+    return ",".join(f"{RLIMITS[key][0]}={value if value or key in _ZERO_MEANS_ZERO else 'unlimited'}"
                     for key, value in values.items())
 
 
@@ -110,11 +109,10 @@ def apply(text: str | None) -> None:
     apply_parsed(parse(text))
 
 
-def main(argv=None) -> None:
-    """Exec mode's entry point: apply the rlimits, then run env.py as __main__
-    (as `python /env/env.py` would; runpy would cost every env ~5 ms of imports)."""
+def run(argv=None) -> None:
+    """Exec mode: run env.py as __main__ (as `python /env/env.py` would; runpy
+    would cost every env ~5 ms of imports). boltzlabs.confine.main calls it."""
     argv = sys.argv[1:] if argv is None else argv
-    apply(os.environ.pop(VARIABLE, None))
     path = argv[0]
     sys.argv = argv
     sys.path[0] = os.path.dirname(path)  # -c put the working directory there
@@ -125,7 +123,3 @@ def main(argv=None) -> None:
     module.__builtins__ = __builtins__
     sys.modules["__main__"] = module
     exec(code, module.__dict__)
-
-
-if __name__ == "__main__":
-    main()

@@ -17,12 +17,13 @@ import os
 import shutil
 import site
 import sys
+import sysconfig
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+from boltzlabs import confine, seccomp
 from boltzlabs import limits as _limits
-from boltzlabs import seccomp
 from boltzlabs.errors import SandboxUnavailable
 from boltzlabs.identity import HostAccount
 
@@ -91,6 +92,10 @@ def load_policy() -> Policy:
     return Policy(sandbox, mounts)
 
 
+def _below(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
 def find_bwrap() -> str:
     path = shutil.which("bwrap")
     if path is None:
@@ -123,11 +128,21 @@ class SandboxSpec:
         process = policy.sandbox["process"]
         workspace = policy.sandbox["workspace"]
         self.workspace = workspace["path"]
+        # Host path -> where it is bound inside (inside()): neutral paths for
+        # the interpreter and its site-packages (mounts/interpreter.toml).
+        interpreter = policy.mounts["interpreter"]
+        self.relocations: list[tuple[str, str]] = []
+        if not _below(sys.base_prefix, "/usr"):
+            self.relocations.append((sys.base_prefix, interpreter["python_dir"]))
+        site_packages = []
+        for path in site.getsitepackages():
+            if os.path.isdir(path) and not _below(path, sys.base_prefix) and not _below(path, "/usr") \
+                    and os.path.realpath(path) not in map(os.path.realpath, site_packages):
+                self.relocations.append((path, f"{interpreter['site_dir']}/{len(site_packages)}"))
+                site_packages.append(path)
         self.values = {
             "base_prefix": sys.base_prefix,
-            "prefix": sys.prefix,
-            "site_packages": [p for p in site.getsitepackages()
-                              if not p.startswith((sys.prefix + os.sep, sys.base_prefix + os.sep))],
+            "site_packages": site_packages,
             "source_dir": str(self.source_dir),
             "env_dir": process["env_dir"],
             "runtime_dir": process["runtime_dir"],
@@ -136,6 +151,15 @@ class SandboxSpec:
             "site_path": ":".join(self.inside(p) for p in site.getsitepackages() if os.path.isdir(p)),
         }
         self.workspace_size = workspace_size
+        # What boltzlabs.confine does inside: the workspace with its inode
+        # cap, a devpts of the env's own, the per-user-namespace quotas.
+        quotas = policy.sandbox["quotas"]
+        inodes = max(64, workspace_size // int(workspace["bytes_per_inode"]))
+        # Only the limits this kernel has (max_fanotify_* came in 5.13): the
+        # host's /proc/sys/user lists the same kernel's.
+        sysctls = {name: int(value) for name, value in quotas.get("user_namespace", {}).items()
+                   if os.path.exists(f"{confine.SYSCTL_DIR}/{name}")}
+        self.confine = confine.encode(self.workspace, workspace_size, inodes, int(quotas["ptys"]), sysctls)
         # sandbox/seccomp.toml, compiled here on the host; the spawners hand
         # the programs over on seccomp.FILTER_FD (and CHILD_FILTER_FD).
         self.filters = seccomp.compile_policy()
@@ -144,9 +168,13 @@ class SandboxSpec:
         self._template_head = self._build_head(bwrap, workspace_size, template=True)
 
     def inside(self, path: str) -> str:
-        """Where a host path is bound inside the sandbox: the same path, except
-        below /tmp, which inside is the env's workspace. A host path there (a
-        venv in /tmp, say) is bound below `relocate_tmp` instead."""
+        """Where a host path is bound inside the sandbox: the interpreter and
+        its site-packages at neutral paths (`relocations`); else the same
+        path, except below /tmp, which inside is the env's workspace. A host
+        path there is bound below `relocate_tmp` instead."""
+        for host, inside in self.relocations:
+            if _below(path, host):
+                return inside + path[len(host):]
         tmp = self.policy.sandbox["workspace"].get("tmp_link")
         if tmp and (path == tmp or path.startswith(tmp + "/")):
             return self.policy.sandbox["workspace"]["relocate_tmp"] + path[len(tmp):]
@@ -154,9 +182,9 @@ class SandboxSpec:
 
     @property
     def executable(self) -> str:
-        """The interpreter, as seen inside (a venv's bin/python finds its
-        pyvenv.cfg beside it, so a relocated venv still works)."""
-        return self.inside(sys.executable)
+        """The interpreter, as seen inside: the installed one a venv's
+        bin/python links to (the venv itself is not bound, only its site-packages)."""
+        return self.inside(os.path.realpath(sys.executable))
 
     def _expand(self, text: str) -> list[str]:
         key = text[1:-1] if text.startswith("{") and text.endswith("}") else None
@@ -200,16 +228,16 @@ class SandboxSpec:
             args.append("--die-with-parent")
         if process.get("new_session"):
             args.append("--new-session")
-        if process.get("disable_userns") and not template:  # template children: template.py does it
-            args.append("--disable-userns")
+        # (No --disable-userns: boltzlabs.confine sets max_user_namespaces
+        # to 0 with the other quotas, in both modes.)
         for cap in process.get("cap_drop", []):
             args += ["--cap-drop", cap]
-        if template:
-            for cap in sandbox["template"].get("cap_add", []):
-                args += ["--cap-add", cap]
+        for cap in (sandbox["template"] if template else process).get("cap_add", []):
+            args += ["--cap-add", cap]
         args += ["--hostname", process["hostname"]]
-        # tmpfs first, binds after: a tmpfs mounted over a parent of a bind hides it.
-        args += ["--size", str(workspace_size), "--tmpfs", self.workspace]
+        # The workspace's mount point; boltzlabs.confine mounts it (bwrap's
+        # --tmpfs has no inode cap). No parent of a bind (it would hide it).
+        args += ["--dir", self.workspace]
         ops = self._mount_ops()
         if template:  # a mount point for the fully visible proc (template.py says why)
             ops.append(("--dir", sandbox["template"]["hidden_proc"]))
@@ -217,14 +245,13 @@ class SandboxSpec:
         if tmp:  # nothing is ever bound below it (see inside())
             args += ["--symlink", self.workspace, tmp]
         args += [arg for op in ops for arg in op]
-        finish = sandbox.get("finish", {})
-        if finish.get("shm"):
-            args += ["--size", str(workspace_size), "--tmpfs", finish["shm"]]
-        for path in finish.get("remount_ro", []):
-            if not (template and path == "/proc"):  # template.py binds /proc/sys ro itself
-                args += ["--remount-ro", path]
-        # The template's filter leaves out what its children's set-up needs;
-        # each child loads the env's full filter itself (template.py).
+        # /proc is made read-only inside, once the quotas are written
+        # (exec: boltzlabs.confine; template: template.py, each child's own).
+        for path in sandbox.get("finish", {}).get("remount_ro", []):
+            args += ["--remount-ro", path]
+        # Both modes start under the template's filter, which leaves out what
+        # the set-up inside needs (mount, ...); the set-up then loads the
+        # env's full filter before any env code (boltzlabs.confine, template.py).
         args += ["--seccomp", str(seccomp.FILTER_FD)]
         args += ["--chdir", self.workspace, "--clearenv"]
         for name, value in self.environment().items():
@@ -234,8 +261,20 @@ class SandboxSpec:
 
     def environment(self) -> dict:
         """The variables an env sees (besides BOLTZLABS_FD, BOLTZLABS_ENV_INDEX and BOLTZLABS_PARAMS)."""
-        return {name: str(value).format(**self.values)
-                for name, value in self.policy.sandbox["environment"].items()}
+        variables = {name: str(value).format(**self.values)
+                     for name, value in self.policy.sandbox["environment"].items()}
+        # A shared libpython is found through the binary's RUNPATH, which names
+        # the host prefix: relocated, the loader needs to be told.
+        libdir = sysconfig.get_config_var("LIBDIR")
+        if sysconfig.get_config_var("Py_ENABLE_SHARED") and libdir and self.inside(libdir) != libdir:
+            variables["LD_LIBRARY_PATH"] = self.inside(libdir)
+        return variables
+
+    def programs(self) -> dict[int, bytes]:
+        """The seccomp programs a sandbox reads, by fd number (both modes):
+        bwrap loads the template's filter from FILTER_FD; the set-up inside
+        loads the env's full filter from CHILD_FILTER_FD."""
+        return {seccomp.FILTER_FD: self.filters.template, seccomp.CHILD_FILTER_FD: self.filters.env}
 
     def template_argv(self, channel_fd: int, open_files: int = 0) -> list[str]:
         """The command line of the warm template (spawn="template"). Each
@@ -245,8 +284,7 @@ class SandboxSpec:
             "--setenv", _limits.VARIABLE, _limits.encode(self.limits),
             "--setenv", "BOLTZLABS_TEMPLATE_RLIMITS", _limits.encode(self.limits, open_files),
             "--setenv", "BOLTZLABS_FD", str(channel_fd),
-            "--setenv", "BOLTZLABS_WORKSPACE", self.workspace,
-            "--setenv", "BOLTZLABS_WORKSPACE_SIZE", str(self.workspace_size),
+            "--setenv", confine.VARIABLE, self.confine,
             "--setenv", "BOLTZLABS_HOSTNAME", self.policy.sandbox["process"]["hostname"],
             "--setenv", "BOLTZLABS_HIDDEN_PROC", self.policy.sandbox["template"]["hidden_proc"],
             "--setenv", "BOLTZLABS_TEMPLATE_ID", "{uid}:{gid}".format(**self.policy.sandbox["template"]),
@@ -256,12 +294,14 @@ class SandboxSpec:
         ]
 
     def argv(self, channel_fd: int, env_index: int) -> list[str]:
-        """The full command line of one env's sandbox. boltzlabs.limits sets
-        the env's rlimits, then runs env.py."""
+        """The full command line of one env's sandbox. boltzlabs.confine sets
+        the env's rlimits, finishes the sandbox, then runs env.py."""
         env_script = f"{self.values['env_dir']}/env.py"
         return self._head + [
             "--setenv", _limits.VARIABLE, _limits.encode(self.limits),
+            "--setenv", confine.VARIABLE, self.confine,
+            "--setenv", "BOLTZLABS_CHILD_FILTER_FD", str(seccomp.CHILD_FILTER_FD),
             "--setenv", "BOLTZLABS_FD", str(channel_fd),
             "--setenv", "BOLTZLABS_ENV_INDEX", str(env_index),
-            "--", self.executable, *self.policy.sandbox["interpreter"]["flags"], "-c", _limits.BOOTSTRAP, env_script,
+            "--", self.executable, *self.policy.sandbox["interpreter"]["flags"], "-c", confine.BOOTSTRAP, env_script,
         ]

@@ -24,19 +24,19 @@ Kernel facts this depends on:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import functools
 import os
 from dataclasses import dataclass
 
+from boltzlabs import confine
+
 FILTER_FD = 4  # where bubblewrap reads the program it loads (--seccomp)
 CHILD_FILTER_FD = 5  # where the template reads the program each forked env loads
 
-_PR_SET_NO_NEW_PRIVS, _PR_GET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 38, 39, 22, 2
 _BPF_MAXINSNS = 4096
-_INSTRUCTION = 8  # bytes of one struct sock_filter
+_INSTRUCTION = confine.BPF_INSTRUCTION
 _child_program: bytes | None = None
 
 
@@ -202,16 +202,10 @@ def receive_child_filter(fd: int) -> None:
     """The template, before env.py runs: read the program every forked env
     will load, and close the fd (no env code ever holds it)."""
     global _child_program
-    try:
-        program = _read_all(fd)
-    finally:
-        os.close(fd)
-    if not program or len(program) % _INSTRUCTION:
-        raise RuntimeError(f"the template's seccomp program on fd {fd} is {len(program)} bytes: not a BPF program")
     # Every ctypes object the load needs is made here, once, before the
     # forks: made in each child, they dirtied ~250 KiB of copy-on-write
     # pages per env (ctypes' and libffi's first use), for a one-off call.
-    _child_program = _Loader(program)
+    _child_program = confine.read_filter(fd)
 
 
 def apply_child_filter() -> None:
@@ -222,33 +216,6 @@ def apply_child_filter() -> None:
     _child_program.load()
 
 
-class _SockFprog(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-
-
-class _Loader:
-    """A BPF program (struct sock_filter[]) and the prctl calls that load it, prepared."""
-
-    def __init__(self, program: bytes):
-        self.prctl = ctypes.CDLL(None, use_errno=True).prctl
-        self.prctl.restype = ctypes.c_int
-        self.buffer = ctypes.create_string_buffer(program, len(program))
-        self.fprog = _SockFprog(len(program) // _INSTRUCTION, ctypes.addressof(self.buffer))
-        self.calls = [(ctypes.c_int(option), *(ctypes.c_ulong(a) for a in args)) for option, args in (
-            (_PR_SET_NO_NEW_PRIVS, (1, 0, 0, 0)),
-            (_PR_SET_SECCOMP, (_SECCOMP_MODE_FILTER, ctypes.addressof(self.fprog), 0, 0)))]
-        # One harmless call through the same path (PR_GET_NO_NEW_PRIVS), so
-        # lazy symbol binding and ctypes' call machinery are settled before
-        # the forks, not in every child.
-        self.prctl(ctypes.c_int(_PR_GET_NO_NEW_PRIVS), *(ctypes.c_ulong(0) for _ in range(4)))
-
-    def load(self) -> None:
-        for args in self.calls:
-            if self.prctl(*args) != 0:
-                err = ctypes.get_errno()
-                raise OSError(err, f"loading the seccomp filter (prctl {args[0].value}): {os.strerror(err)}")
-
-
 def apply(program: bytes) -> None:
     """Load a BPF program (struct sock_filter[]) into this thread's filters."""
-    _Loader(program).load()
+    confine.FilterLoader(program).load()

@@ -125,7 +125,7 @@ class ExecSpawner:
 
         def start(channel_fd: int, log_w: int) -> None:
             with _charged_to(worker, env.index):
-                env.pid = _posix_spawn(argv, channel_fd, log_w, {seccomp.FILTER_FD: worker.spec.filters.env})
+                env.pid = _posix_spawn(argv, channel_fd, log_w, worker.spec.programs())
 
         parent, env.logfd = _open_channel(start)
         env.chan = parent.detach()

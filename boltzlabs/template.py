@@ -20,9 +20,11 @@ Each child becomes its own sandbox before any env code runs in it:
     template --clone(NEWUSER|NEWPID)-->
         child: pid 1 of its pid namespace; writes its own uid/gid maps;
                unshare(NS|NET|IPC|UTS|CGROUP); mounts its own tmpfs
-               (workspace and /dev/shm) and /proc, lo up, hostname, no more
-               user namespaces, every capability dropped, the env's full
-               seccomp filter loaded; then serves on its channel
+               (workspace and /dev/shm, size and inode caps), devpts (pty
+               cap) and /proc, writes its user namespace's quotas (no more
+               namespaces, no inotify/fanotify), lo up, hostname, every
+               capability dropped, the env's full seccomp filter loaded;
+               then serves on its channel
     the template, its parent (and a child subreaper), reaps it.
 
 Kernel facts this depends on:
@@ -76,7 +78,7 @@ import struct
 import sys
 import threading
 
-from boltzlabs import limits, seccomp, wire
+from boltzlabs import confine, limits, seccomp, wire
 
 FORK, KILL, FORKED, EXITED = 30, 31, 32, 33
 
@@ -92,18 +94,8 @@ _SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine)
 _CLONE_NEWNS, _CLONE_NEWCGROUP, _CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
 _CLONE_NEWIPC, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x08000000, 0x10000000, 0x20000000, 0x40000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
-_PR_SET_NO_NEW_PRIVS, _PR_CAPBSET_DROP, _PR_SET_CHILD_SUBREAPER = 38, 24, 36
-_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+_PR_SET_CHILD_SUBREAPER = 36
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP, _IFF_RUNNING = 0x8913, 0x8914, 0x1, 0x40
-
-
-class _CapHeader(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-
-class _CapData(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                ("inheritable", ctypes.c_uint32)]
 
 
 def _check(result: int, what: str) -> None:
@@ -119,7 +111,7 @@ def _mount(source, target, fstype, flags, data=None) -> None:
 
 def drop_capabilities() -> None:
     """No capabilities now or after any execve, and no way to gain privileges."""
-    _Capabilities().drop()
+    confine.Capabilities().drop()
 
 
 def _enter_user_namespace(inside: tuple, outside: tuple) -> None:
@@ -216,41 +208,38 @@ class _ChildPlan:
     arguments. Measured on the counter env: ~0.3 MiB less per env.
     """
 
-    def __init__(self, workspace: str, size: int, hostname: str, rlimits: str, outside: tuple):
+    def __init__(self, confined: confine.Plan, hostname: str, rlimits: str, outside: tuple):
         flags = _MS_NOSUID | _MS_NODEV
         self.id_maps = _id_maps((0, 0), outside)  # root inside, the template outside
         self.namespaces = ctypes.c_int(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS
                                        | _CLONE_NEWCGROUP)
         self.rlimits = limits.parse(rlimits)
         self.open_max = min(os.sysconf("SC_OPEN_MAX"), 1 << 16)
-        # (mount(2)'s five arguments, what it is for an error message).
-        # The workspace and /dev/shm are two directories of one capped tmpfs:
-        # mounted at /dev/shm first, each directory bound into place, the
-        # shm one over the tmpfs's own root, which no path reaches after.
-        # One superblock per env, not two: the kernel keeps a table per
-        # memory cgroup with a slot for every superblock mounted since boot
-        # (alloc_shrinker_info, not charged to any cgroup), so each costs
-        # every env's cgroup ~1 KiB per 64 (docs/hard-reset.md).
-        self.shm_dirs = [(b"/dev/shm/w", 0o755), (b"/dev/shm/s", 0o1777)]
+        # (mount(2)'s five arguments, what it is for an error message):
+        # boltzlabs.confine's (the workspace tmpfs, whose two directories are
+        # made next; the workspace and /dev/shm bound from it; a devpts of the
+        # env's own, with its pty cap), then its own /proc, then (after the
+        # quotas: the sysctls are written through it) /proc/sys read-only,
+        # since sysctl writes are checked against the uid, not capabilities.
+        self.shm_dirs = confined.shm_dirs
         mounts = [
-            ("tmpfs", "/dev/shm", "tmpfs", flags, f"size={size},mode=0700", "mount the workspace tmpfs"),
-            # (the workspace and shm directories are made here)
-            ("/dev/shm/w", workspace, None, _MS_BIND, None, f"bind the workspace to {workspace}"),
-            ("/dev/shm/s", "/dev/shm", None, _MS_BIND, None, "bind /dev/shm"),
             ("proc", "/proc", "proc", flags | _MS_NOEXEC, None, "mount /proc"),
-            # (then no user namespace below this one: the limit counts per
-            # namespace), then the sysctls read-only: their writes are checked
-            # against the uid, not capabilities.
             ("/proc/sys", "/proc/sys", None, _MS_BIND, None, "bind /proc/sys"),
             (None, "/proc/sys", None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags | _MS_NOEXEC, None,
              "make /proc/sys read-only")]
-        self.mounts = [((a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode()), what)
-                       for a, b, c, f, d, what in mounts]
+        self.mounts = confined.mounts + [
+            ((a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode()), what)
+            for a, b, c, f, d, what in mounts]
+        self.after_quotas = len(confined.mounts) + 1
+        # The per-user-namespace quotas ([quotas] in sandbox/policy.toml),
+        # max_user_namespaces=0 among them: written in the child's own user
+        # namespace, which counts everything the env makes.
+        self.sysctls = confined.sysctls
         self.hostname = hostname.encode()
         self.sethostname = _libc.sethostname  # resolved here, not in every child
-        self.workspace = workspace.encode()
+        self.workspace = confined.workspace
         self.lo_request = struct.pack("16sH14x", b"lo", 0)
-        self.capabilities = _Capabilities()
+        self.capabilities = confined.capabilities
 
     def become_sandbox(self, lane: int, fds: list) -> None:
         """In the child, pid 1 of its new user and pid namespace.
@@ -281,14 +270,16 @@ class _ChildPlan:
         for path, mode in self.shm_dirs:
             os.mkdir(path)
             os.chmod(path, mode)  # past the umask
-        for arguments, what in mounts[1:4]:
+        after = self.after_quotas
+        for arguments, what in mounts[1:after]:
             _check(_libc.mount(*arguments), what)
-        fd = os.open(b"/proc/sys/user/max_user_namespaces", os.O_WRONLY)
-        try:
-            os.write(fd, b"0")
-        finally:
-            os.close(fd)
-        for arguments, what in mounts[4:]:
+        for path, data in self.sysctls:
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+        for arguments, what in mounts[after:]:
             _check(_libc.mount(*arguments), what)
         _check(self.sethostname(self.hostname, len(self.hostname)), "sethostname")
         # Interface ioctls on any socket reach its net namespace's devices, Unix
@@ -303,25 +294,6 @@ class _ChildPlan:
             unix.close()
         os.chdir(self.workspace)
         self.capabilities.drop()
-
-
-class _Capabilities:
-    """Dropping every capability, with the arguments made ahead of time."""
-
-    def __init__(self):
-        with open("/proc/sys/kernel/cap_last_cap") as f:
-            self.last = int(f.read())
-        self.header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
-        self.data = (_CapData * 2)()
-
-    def drop(self) -> None:
-        """No capabilities now or after any execve, and no way to gain privileges."""
-        _check(_libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
-        for cap in range(self.last + 1):
-            if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != errno.EINVAL:
-                _check(-1, f"drop capability {cap} from the bounding set")
-        _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-        _check(_libc.capset(ctypes.byref(self.header), self.data), "capset")
 
 
 def _unsafe_to_fork(channel_fd: int) -> str:
@@ -359,11 +331,15 @@ def fork_server(serve_child, channel_fd: int) -> None:
         os._exit(0)
     # The template's own settings: popped, so a child's environment is an
     # exec-mode env's environment exactly.
-    workspace = os.environ.pop("BOLTZLABS_WORKSPACE", "/workspace")
-    size = int(os.environ.pop("BOLTZLABS_WORKSPACE_SIZE", str(64 << 20)))
     hostname = os.environ.pop("BOLTZLABS_HOSTNAME", "boltzlabs")
     rlimits = os.environ.pop(limits.VARIABLE, "")
-    plan = _ChildPlan(workspace, size, hostname, rlimits, (os.geteuid(), os.getegid()))
+    if confine.prepared is None:
+        raise RuntimeError("the template's set-up did not run (boltzlabs.template.main); refusing to fork envs")
+    # A Plan of its own, made now rather than main()'s: objects made just
+    # before the forks share pages with the rest of the fork path, which
+    # children touch anyway; main()'s sit among env.py's import-time objects
+    # (a child touching them copied ~70 KiB more per env, measured).
+    plan = _ChildPlan(confine.Plan(confine.prepared), hostname, rlimits, (os.geteuid(), os.getegid()))
     _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "child subreaper")
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
@@ -511,6 +487,12 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     # Binding on env.py's import code and everything it starts (limits.py).
     limits.apply(os.environ.pop("BOLTZLABS_TEMPLATE_RLIMITS", ""))
+    # The template's own workspace (inode cap) and devpts (pty cap), for
+    # env.py's import code; each child mounts its own the same way.
+    # (Kept in boltzlabs.confine: this module runs as __main__ here, and
+    # env.py's serve() imports it again as boltzlabs.template.)
+    confine.prepared = os.environ.pop(confine.VARIABLE)
+    confine.Plan(confine.prepared).mount_workspace_and_devpts()
     flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
     hidden = os.environ.pop("BOLTZLABS_HIDDEN_PROC")
     _mount("proc", hidden, "proc", flags)

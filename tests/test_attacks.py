@@ -4,10 +4,14 @@ attack is refused and the pool stays healthy; both spawn modes."""
 
 import errno
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
 import pytest
+
+from boltzlabs.sandbox import load_policy
 
 ATTACK_ENV = r'''
 import errno
@@ -174,3 +178,157 @@ def test_symlinks_planted_in_the_workspace_are_never_followed_by_the_host(attack
     assert secret.read_text() == "host data"
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert Path("/etc/passwd").read_text().startswith("root:")
+
+
+# -- quotas of the shared host account (issue 13, points 6 and 7) ------------------------
+
+# Each "take" op takes as many of one kernel resource as it can (up to `most`)
+# and holds them until the pool closes; it answers how many and the errno
+# that stopped it (0: none did).
+QUOTA_ENV = r'''
+import ctypes
+import errno
+import os
+
+from boltzlabs.env import serve
+
+libc = ctypes.CDLL(None, use_errno=True)
+held = []
+FAN_CLASS_NOTIF, FAN_REPORT_FID = 0, 0x200
+
+def ptmx(i):
+    return os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY)
+
+def c_call(fn):
+    def call(i):
+        fd = fn(i)
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        return fd
+    return call
+
+TAKE = {
+    "ptys": ptmx,
+    "inotify": c_call(lambda i: libc.inotify_init1(0)),
+    "fanotify": c_call(lambda i: libc.fanotify_init(FAN_CLASS_NOTIF | FAN_REPORT_FID, os.O_RDONLY)),
+    "mqueue": c_call(lambda i: libc.mq_open(f"/boltzlabs-q{os.getpid()}-{i}".encode(), os.O_CREAT | os.O_RDWR,
+                                            0o600, None)),
+}
+
+def take(kind, most):
+    for i in range(most):
+        try:
+            held.append(TAKE[kind](i))
+        except OSError as exc:
+            return {"took": i, "errno": exc.errno}
+    return {"took": most, "errno": 0}
+
+def pty_number():
+    master, slave = os.openpty()
+    held.extend((master, slave))
+    return int(os.ttyname(slave).rsplit("/", 1)[1])
+
+def open_path(path):
+    try:
+        held.append(os.open(path, os.O_RDWR | os.O_NOCTTY))
+        return 0
+    except OSError as exc:
+        return exc.errno
+
+def step(action):
+    if not isinstance(action, dict):
+        return {"alive": True}, float(action), False, {}
+    if action["op"] == "take":
+        out = take(action["kind"], action["most"])
+    elif action["op"] == "pty_number":
+        out = pty_number()
+    elif action["op"] == "open":
+        out = open_path(action["path"])
+    return {"alive": True, "out": out}, 0.0, False, {}
+
+serve(reset=lambda seed, options=None: 0, step=step)
+'''
+
+# What a process of the sandboxes' host account, outside any sandbox, takes of the same thing.
+HOST_TAKE = r'''
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+kind = sys.argv[1]
+if kind == "inotify":
+    fd = libc.inotify_init1(0)
+elif kind == "fanotify":
+    fd = libc.fanotify_init(0x200, os.O_RDONLY)
+elif kind == "mqueue":
+    name = f"/boltzlabs-host-{os.getpid()}".encode()
+    fd = libc.mq_open(name, os.O_CREAT | os.O_RDWR, 0o600, None)
+    libc.mq_unlink(name)
+print(0 if fd >= 0 else ctypes.get_errno())
+'''
+
+
+def _host_account_takes(kind: str) -> int:
+    """0 if a host process of the sandboxes' account can take one `kind`, else its errno."""
+    from boltzlabs.identity import host_account
+    from boltzlabs.sandbox import load_policy
+
+    account = host_account(load_policy().sandbox["identity"])
+    # The system's interpreter when there is one: the account may not reach ours (pyenv under /root).
+    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    out = subprocess.run([*account.prefix, python, "-S", "-c", HOST_TAKE, kind],
+                         capture_output=True, text=True, timeout=30, cwd="/")
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout)
+
+
+@pytest.fixture
+def quota_pool(env_dir, pool_factory):
+    source = env_dir(QUOTA_ENV)
+    return lambda **kwargs: pool_factory(source, 2, step_timeout=20.0, **kwargs)
+
+
+def _take(pool, kind: str, most: int) -> dict:
+    obs, rewards, dones, infos = pool.step([{"op": "take", "kind": kind, "most": most}, 1.0])
+    assert "error" not in infos[0], infos[0]
+    assert rewards[1] == 1.0, infos[1]
+    return obs[0]["out"]
+
+
+def test_one_env_takes_at_most_its_own_ptys_and_other_pools_still_get_theirs(quota_pool):
+    """Each env has a devpts instance of its own with the policy's `max=`: an
+    env that opens ptys until it is refused stops there (ENOSPC), not at the
+    host-wide count that every sandbox of the account shares; meanwhile a
+    second pool opens ptys as usual."""
+    cap = load_policy().sandbox["quotas"]["ptys"]
+    pool = quota_pool(limits={"open_files": 512})
+    out = _take(pool, "ptys", 400)
+    assert out == {"took": cap, "errno": errno.ENOSPC}, out
+    other = quota_pool()
+    assert _take(other, "ptys", 4) == {"took": 4, "errno": 0}
+    assert _take(pool, "ptys", 1) == {"took": 0, "errno": errno.ENOSPC}  # still held, still capped
+
+
+@pytest.mark.parametrize("kind, refused", [
+    ("inotify", errno.ENOSYS), ("fanotify", errno.EPERM), ("mqueue", errno.EMFILE)])
+def test_one_env_cannot_use_up_the_host_accounts_quota(quota_pool, kind, refused):
+    """inotify instances, fanotify groups and message-queue bytes are counted per
+    host account (through every user namespace); the sandboxes share one. An
+    env that takes all it can leaves a host process of that account, and
+    another pool, able to take theirs."""
+    pool = quota_pool()
+    out = _take(pool, kind, 300)
+    assert out == {"took": 0, "errno": refused}, out
+    assert _host_account_takes(kind) == 0
+    assert _take(quota_pool(), kind, 1)["errno"] == refused  # refused by policy, not by exhaustion
+
+
+def test_a_lane_cannot_open_another_lanes_pty(quota_pool):
+    """Each env mounts its own devpts: lane 0's /dev/pts/N does not exist for lane 1."""
+    pool = quota_pool()
+    obs, _, _, infos = pool.step([{"op": "pty_number"}, 1.0])
+    assert "error" not in infos[0], infos[0]
+    number = obs[0]["out"]
+    obs, _, _, infos = pool.step([1.0, {"op": "open", "path": f"/dev/pts/{number}"}])
+    assert obs[1]["out"] == errno.ENOENT, obs[1]
+    obs, _, _, infos = pool.step([{"op": "open", "path": f"/dev/pts/{number}"}, 1.0])
+    assert obs[0]["out"] == 0  # its own pty: there, for itself

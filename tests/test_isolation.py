@@ -67,10 +67,10 @@ def assert_denied(out: dict, *errnos: int) -> str:
 
 
 def interpreter_paths() -> list[str]:
-    """Where the interpreter profile (mounts/interpreter.toml) binds, inside."""
+    """Where the interpreter profile (mounts/interpreter.toml) binds, inside:
+    the installed interpreter and every site-packages (a venv's included)."""
     spec = SandboxSpec(load_policy(), PROBE, 1 << 20)
-    paths = {sys.base_prefix, sys.prefix}
-    paths |= {p for p in site.getsitepackages() if os.path.exists(p)}
+    paths = {sys.base_prefix} | {p for p in site.getsitepackages() if os.path.exists(p)}
     return sorted(spec.inside(p) for p in paths)
 
 
@@ -125,6 +125,7 @@ HOSTILE_ENV = r'''
 import errno
 import os
 import stat
+import sys
 
 from boltzlabs import wire
 from boltzlabs.env import serve
@@ -209,6 +210,22 @@ def step(action):
         out = st.f_blocks * st.f_frsize
     elif op == "forge":
         out = forge()
+    elif op == "touch":  # empty files, until refused
+        os.makedirs(action["dir"], exist_ok=True)
+        out = {"made": action["most"], "error": None}
+        for i in range(action["most"]):
+            try:
+                os.close(os.open(f"{action['dir']}/{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            except OSError as exc:
+                out = {"made": i, "error": errname(exc)}
+                break
+    elif op == "where":  # mount points, and where the interpreter thinks it is
+        with open("/proc/self/mountinfo") as f:
+            points = [line.split()[4] for line in f]
+        out = {"mount_points": points, "executable": sys.executable, "prefix": sys.prefix,
+               "base_prefix": sys.base_prefix, "path": sys.path, "file": __file__, "cwd": os.getcwd()}
+    elif op == "inodes":
+        out = os.statvfs(action["path"]).f_files
     else:
         raise KeyError(op)
     return {"honest": True, "out": out}, 0.0, False, {}
@@ -240,7 +257,7 @@ def test_env_code_dir_and_system_dirs_are_read_only(probe_pool):
         f"{ENV_DIR}/{name}": PROBE / name,
         f"/usr/{name}": Path("/usr") / name,
         f"{RUNTIME_DIR}/boltzlabs/{name}": Path(__file__).resolve().parents[1] / "boltzlabs" / name,
-        f"{sys.base_prefix}/{name}": Path(sys.base_prefix) / name,
+        f"{SandboxSpec(load_policy(), PROBE, 1 << 20).inside(sys.base_prefix)}/{name}": Path(sys.base_prefix) / name,
     }
     for host in targets.values():
         assert not host.exists()
@@ -556,6 +573,42 @@ def test_workspace_size_cap_gives_enospc(hostile_pool):
     # The space comes back when the file goes.
     assert hostile(pool, {"op": "rm", "path": "/tmp/big"}) == ["ok"] * 2
     assert hostile(pool, {"op": "fill", "path": "small", "mib": 2}) == ["ok"] * 2
+    assert_healthy(pool)
+
+
+def test_no_host_directory_is_named_by_a_mount_point_or_the_interpreter(hostile_pool):
+    """The interpreter, its site-packages, the runtime and the env's code are
+    bound at neutral paths: the project directory, the venv, the
+    interpreter's prefix and the env's directory on the host appear in no
+    mount point of /proc/self/mountinfo, nor in sys.executable, sys.prefix
+    or sys.path. (mountinfo's fourth field, the bound directory's path within
+    its file system, still names them: docs/seccomp.md, "What remains".)"""
+    pool = hostile_pool(2)
+    source = str(Path(pool.source).resolve())
+    host = {str(Path(__file__).resolve().parents[1]), sys.prefix, sys.base_prefix, source}
+    host = {path for path in host if not path.startswith("/usr/")}
+    for out in hostile(pool, {"op": "where"}):
+        named = [value for value in [*out["mount_points"], out["executable"], out["prefix"], out["base_prefix"],
+                                     *out["path"], out["file"], out["cwd"]]
+                 if any(value == h or value.startswith(h + "/") for h in host)]
+        assert not named, f"host directories named inside: {named}"
+        assert out["file"] == f"{ENV_DIR}/env.py"
+    assert_healthy(pool)
+
+
+def test_workspace_files_are_capped_too(hostile_pool):
+    """Empty files cost kernel memory that the size cap does not count (~1 KiB
+    an inode): the workspace has an inode cap too, one per [workspace]
+    bytes_per_inode of its size, shared with /dev/shm. Past it: ENOSPC."""
+    per_inode = load_policy().sandbox["workspace"]["bytes_per_inode"]
+    pool = hostile_pool(2, workspace_size="4M")
+    cap = (4 << 20) // per_inode
+    assert hostile(pool, {"op": "inodes", "path": WORKSPACE}) == [cap] * 2
+    for out in hostile(pool, {"op": "touch", "dir": "many", "most": 20 * cap}):
+        # The tmpfs's root and its two directories (workspace, shm) and "many" hold four.
+        assert out == {"made": cap - 4, "error": "ENOSPC"}, out
+    for out in hostile(pool, {"op": "touch", "dir": "/dev/shm", "most": 10}):
+        assert out["error"] == "ENOSPC", out
     assert_healthy(pool)
 
 

@@ -6,7 +6,7 @@ ctypes' syscall() with x86_64 numbers. Where the kernel itself would refuse
 a call anyway, the arguments are chosen so that without the filter it fails
 with another errno (a bad pointer gives EFAULT, an invalid flag combination
 EINVAL, a pty that is the controlling terminal takes TIOCSTI). With the
-filter removed (no --seccomp, no per-child load) 69 of the 82 in-env checks
+filter removed (no --seccomp, no per-child load) 77 of the 90 in-env checks
 fail. Those that pass anyway are the allowed calls and the calls the kernel
 refuses with EPERM before reading any argument, for want of a capability:
 pivot_root, kexec_load, init_module, finit_module, syslog (dmesg_restrict),
@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import platform
 import struct
+import subprocess
 import sys
 from pathlib import Path
 
@@ -133,6 +134,10 @@ ATTACKS = {
     "socket_netlink": lambda: sock(socket.AF_NETLINK, socket.SOCK_RAW, 0),
     "socket_packet": lambda: sock(socket.AF_PACKET, socket.SOCK_RAW),
     "socket_inet_high_bits": lambda: sys_(41, 2 | HIGH, 2, 0),
+    "inotify_init": lambda: sys_(253),
+    "inotify_init1": lambda: sys_(294, 0),
+    "fanotify_init": lambda: sys_(300, 0x200, 0),  # FAN_CLASS_NOTIF | FAN_REPORT_FID: allowed unprivileged since 5.13
+    "fanotify_mark": lambda: sys_(301, -1, 0, 0, -100, BAD),  # no ADD/REMOVE/FLUSH: EINVAL unfiltered
     "int80_getpid": int80_getpid,
     "x32_getpid": lambda: sys_(0x40000000 | 39),
     # Allowed: the filter must not refuse these.
@@ -202,6 +207,8 @@ EXPECTED = {
     "socket_inet": errno.EAFNOSUPPORT, "socket_inet6": errno.EAFNOSUPPORT,
     "socket_netlink": errno.EAFNOSUPPORT, "socket_packet": errno.EAFNOSUPPORT,
     "socket_inet_high_bits": errno.EAFNOSUPPORT,
+    "inotify_init": errno.ENOSYS, "inotify_init1": errno.ENOSYS,
+    "fanotify_init": errno.EPERM, "fanotify_mark": errno.EPERM,
     "int80_getpid": errno.ENOSYS, "x32_getpid": errno.ENOSYS,
     "socket_unix": 0, "personality_query_linux": 0, "tcgets": 0,
 }
@@ -266,8 +273,9 @@ def test_the_filter_is_loaded_and_normal_processes_still_work(pools, spawn):
         assert out["thread"] is True
         assert out["subprocess"] == "42"
         assert out["seccomp"] == "2"  # SECCOMP_MODE_FILTER
-        # exec: bwrap's one; template: the template's (inherited) and the env's own.
-        assert out["filters"] == ("2" if spawn == "template" else "1")
+        # Both modes: the set-up's (bwrap's --seccomp, or the template's,
+        # inherited) and the env's full one, loaded by the set-up before env code.
+        assert out["filters"] == "2"
     assert_healthy(pool)
 
 
@@ -458,3 +466,17 @@ def test_a_missing_libseccomp_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "pyseccomp", None)  # import fails, as without the library
     with pytest.raises(SandboxUnavailable, match="apt-get install -y libseccomp2"):
         seccomp.compile_filter(seccomp.load_rules())
+
+
+def test_exec_modes_set_up_imports_no_host_half():
+    """An exec-mode env runs boltzlabs.confine before env.py: what it imports
+    every env pays for (boltzlabs.seccomp's host half, with dataclasses and
+    functools, cost each env ~2 MiB)."""
+    code = ("import sys; before = set(sys.modules); import boltzlabs.confine; "
+            "print(' '.join(sorted(set(sys.modules) - before)))")
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60,
+                         env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 0, out.stderr
+    new = set(out.stdout.split())
+    assert {m for m in new if m.startswith("boltzlabs")} == {"boltzlabs", "boltzlabs.confine"}
+    assert not new & {"dataclasses", "functools", "inspect", "typing", "re", "json"}, new

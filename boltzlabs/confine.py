@@ -1,0 +1,227 @@
+"""The last steps of a sandbox, made inside it before any env code runs: in both spawn modes.
+
+    sandbox/policy.toml [workspace], [quotas] --sandbox.py encode()--> $BOLTZLABS_CONFINE
+        --Plan(text)--> prepared system-call arguments, then
+            exec mode:     `python -c BOOTSTRAP /env/env.py` (main below): rlimits, then
+                           Plan.finish(): workspace, devpts, quotas, /proc read-only,
+                           every capability dropped, the env's full seccomp filter
+            template mode: the template mounts its own workspace and devpts (template.main);
+                           each forked child makes the same calls with the same prepared
+                           arguments (template._ChildPlan), then its own quotas
+
+bubblewrap 0.8 cannot do these itself: `--tmpfs` takes a size but no inode
+count, `--dev` mounts a devpts instance with no `max=`, and it cannot write
+the per-user-namespace limits. So the sandbox keeps CAP_SYS_ADMIN,
+CAP_SYS_RESOURCE and CAP_SETPCAP in its own user namespace (nowhere else)
+and a filter that still allows mount() for these few calls, made by this
+module's code alone; then it drops every capability, sets no_new_privs and
+loads the full filter before env.py is even read.
+
+Kernel facts this depends on:
+- A tmpfs without `nr_inodes=` allows half the machine's pages as inodes; each
+  costs ~1 KiB of kernel memory not counted in `size=` (300,000 empty files
+  in a 64M workspace cost 276 MiB).
+- A devpts mounted `newinstance` has its own pty numbers and `max=` caps
+  them; outside the host's own instance all instances share kernel.pty.max
+  less kernel.pty.reserve. Without it, every sandbox of an account would
+  draw on that one pool (and template children would share one instance).
+- /proc/sys/user/* are per user namespace and hierarchical (ucounts): a count
+  in an env's namespace is also counted in every parent, and creation fails
+  when any level is over its max. Writing them needs CAP_SYS_RESOURCE in that
+  namespace; a new namespace starts at INT_MAX (no limit of its own).
+- sysctl writes are checked against the writer's uid, not its capabilities:
+  /proc ends read-only.
+
+Standard library only: every env pays for what it imports (ctypes: ~0.35 MiB
+of an exec-mode env; the template imports it anyway).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+
+VARIABLE = "BOLTZLABS_CONFINE"
+# Exec mode's interpreter runs this, then env.py. Not `-m`: that imports
+# runpy (with typing, re, contextlib: ~5 ms and their pages in every env).
+BOOTSTRAP = "import boltzlabs.confine as m; m.main()"
+SYSCTL_DIR = "/proc/sys/user"
+
+_libc = ctypes.CDLL(None, use_errno=True)
+# The template's VARIABLE text (template.main), for its children's Plan.
+prepared: str | None = None
+_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
+_PR_SET_NO_NEW_PRIVS, _PR_CAPBSET_DROP = 38, 24
+_PR_GET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 39, 22, 2
+BPF_INSTRUCTION = 8  # bytes of one struct sock_filter
+_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+
+
+def encode(workspace: str, size: int, inodes: int, ptys: int, sysctls: dict) -> str:
+    """The text of VARIABLE: "workspace=/workspace,size=...,inodes=...,ptys=...,
+    max_inotify_instances=0,..." (sysctls: file name in SYSCTL_DIR -> value)."""
+    items = {"workspace": workspace, "size": size, "inodes": inodes, "ptys": ptys, **sysctls}
+    for key, value in items.items():
+        if any(c in f"{key}{value}" for c in ",=") or "/" in key:
+            raise ValueError(f"sandbox set-up value {key}={value!r}: no ',' or '=' anywhere, no '/' in a name")
+    return ",".join(f"{key}={value}" for key, value in items.items())
+
+
+def parse(text: str) -> dict:
+    """{key: text} from VARIABLE's text."""
+    return dict(item.partition("=")[::2] for item in text.split(",") if item)
+
+
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                ("inheritable", ctypes.c_uint32)]
+
+
+class Capabilities:
+    """Dropping every capability, with the arguments made ahead of time."""
+
+    def __init__(self):
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            self.last = int(f.read())
+        self.header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+        self.data = (_CapData * 2)()
+
+    def drop(self) -> None:
+        """No capabilities now or after any execve, and no way to gain privileges."""
+        _check(_libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+        for cap in range(self.last + 1):
+            if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != errno.EINVAL:
+                _check(-1, f"drop capability {cap} from the bounding set")
+        _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+        _check(_libc.capset(ctypes.byref(self.header), self.data), "capset")
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+class FilterLoader:
+    """A seccomp BPF program (struct sock_filter[]) and the prctl calls that load it, prepared."""
+
+    def __init__(self, program: bytes):
+        self.prctl = ctypes.CDLL(None, use_errno=True).prctl
+        self.prctl.restype = ctypes.c_int
+        self.buffer = ctypes.create_string_buffer(program, len(program))
+        self.fprog = _SockFprog(len(program) // BPF_INSTRUCTION, ctypes.addressof(self.buffer))
+        self.calls = [(ctypes.c_int(option), *(ctypes.c_ulong(a) for a in args)) for option, args in (
+            (_PR_SET_NO_NEW_PRIVS, (1, 0, 0, 0)),
+            (_PR_SET_SECCOMP, (_SECCOMP_MODE_FILTER, ctypes.addressof(self.fprog), 0, 0)))]
+        # One harmless call through the same path (PR_GET_NO_NEW_PRIVS), so
+        # lazy symbol binding and ctypes' call machinery are settled before
+        # the forks, not in every child.
+        self.prctl(ctypes.c_int(_PR_GET_NO_NEW_PRIVS), *(ctypes.c_ulong(0) for _ in range(4)))
+
+    def load(self) -> None:
+        for args in self.calls:
+            if self.prctl(*args) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"loading the seccomp filter (prctl {args[0].value}): {os.strerror(err)}")
+
+
+def read_filter(fd: int) -> FilterLoader:
+    """The program on `fd` (closed here: no env code ever holds it), ready to load."""
+    chunks = []
+    try:
+        while chunk := os.read(fd, 1 << 16):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    program = b"".join(chunks)
+    if not program or len(program) % BPF_INSTRUCTION:
+        raise RuntimeError(f"the seccomp program on fd {fd} is {len(program)} bytes: not a BPF program")
+    return FilterLoader(program)
+
+
+class Plan:
+    """The set-up's system calls, their arguments built once from VARIABLE's text.
+
+    `mounts`: (mount(2)'s five arguments, what it is for an error message), in
+    order: the workspace tmpfs at /dev/shm (its two directories are made
+    next, `shm_dirs`), the workspace and /dev/shm bound from it, the devpts.
+    The workspace and /dev/shm are two directories of one capped tmpfs, the
+    shm one bound over the tmpfs's own root, which no path reaches after: one
+    superblock per env, not two (each costs every memory cgroup a slot in a
+    per-cgroup table, docs/hard-reset.md). `sysctls`: (path, value) writes.
+    """
+
+    def __init__(self, text: str):
+        values = parse(text)
+        self.workspace = values.pop("workspace").encode()
+        size, inodes, ptys = (int(values.pop(key)) for key in ("size", "inodes", "ptys"))
+        flags = _MS_NOSUID | _MS_NODEV
+        self.shm_dirs = [(b"/dev/shm/w", 0o755), (b"/dev/shm/s", 0o1777)]
+        mounts = [
+            ("tmpfs", "/dev/shm", "tmpfs", flags, f"size={size},nr_inodes={inodes},mode=0700",
+             "mount the workspace tmpfs"),
+            ("/dev/shm/w", self.workspace.decode(), None, _MS_BIND, None, "bind the workspace"),
+            ("/dev/shm/s", "/dev/shm", None, _MS_BIND, None, "bind /dev/shm"),
+            # (not nodev: its ptmx and ptys are the devices it is for)
+            ("devpts", "/dev/pts", "devpts", _MS_NOSUID | _MS_NOEXEC,
+             f"newinstance,ptmxmode=0666,mode=620,max={ptys}", "mount /dev/pts"),
+        ]
+        self.mounts = [((a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode()), what)
+                       for a, b, c, f, d, what in mounts]
+        self.sysctls = [(f"{SYSCTL_DIR}/{name}".encode(), value.encode()) for name, value in values.items()]
+        self.proc_read_only = ((None, b"/proc", None, ctypes.c_ulong(
+            _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags | _MS_NOEXEC), None), "make /proc read-only")
+        self.capabilities = Capabilities()
+
+    def mount_workspace_and_devpts(self) -> None:
+        """The capped workspace (and /dev/shm) and a devpts of our own; cwd in the workspace."""
+        mounts = self.mounts
+        _check(_libc.mount(*mounts[0][0]), mounts[0][1])
+        for path, mode in self.shm_dirs:
+            os.mkdir(path)
+            os.chmod(path, mode)  # past the umask
+        for arguments, what in mounts[1:]:
+            _check(_libc.mount(*arguments), what)
+        os.chdir(self.workspace)
+
+    def write_sysctls(self) -> None:
+        """The per-user-namespace limits of the namespace we are in."""
+        for path, value in self.sysctls:
+            fd = os.open(path, os.O_WRONLY)
+            try:
+                os.write(fd, value)
+            finally:
+                os.close(fd)
+
+    def finish(self) -> None:
+        """Exec mode: everything after bubblewrap, before env.py (module docstring).
+        Not through boltzlabs.seccomp: its host half's imports (dataclasses,
+        functools) would cost every exec-mode env ~2 MiB."""
+        env_filter = read_filter(int(os.environ.pop("BOLTZLABS_CHILD_FILTER_FD")))
+        self.mount_workspace_and_devpts()
+        self.write_sysctls()
+        _check(_libc.mount(*self.proc_read_only[0]), self.proc_read_only[1])
+        self.capabilities.drop()
+        env_filter.load()
+
+
+def main(argv=None) -> None:
+    """Exec mode's entry point: rlimits, the sandbox's last steps, then env.py."""
+    from boltzlabs import limits
+
+    limits.apply(os.environ.pop(limits.VARIABLE, None))
+    Plan(os.environ.pop(VARIABLE)).finish()
+    limits.run(argv)
+
+
+if __name__ == "__main__":
+    main()
