@@ -342,7 +342,35 @@ def _unsafe_to_fork(channel_fd: int) -> str:
             sockets.append(fd)
     if sockets:
         return f"env.py holds open sockets at import (fds {sockets}); forked children would share them"
+    shared = _shared_writable_mappings()
+    if shared:
+        return (f"env.py made a shared writable memory mapping at import ({'; '.join(shared[:4])}); forked "
+                "children would all read and write the same memory, kept across hard resets")
     return ""
+
+
+def _shared_writable_mappings() -> list[str]:
+    """The mappings of this process that a fork would share writably: VM_SHARED
+    and VM_MAYWRITE ("sh", "mw" in smaps' VmFlags). A MAP_SHARED mapping made
+    read-only is caught too: mprotect may make it writable later. The kernel
+    clears VM_SHARED for a MAP_SHARED mapping of a file opened read-only
+    (those "r--s" lines are harmless), and VM_MAYWRITE for a write-sealed memfd."""
+    found, mapping = [], ""
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if line.startswith("VmFlags:"):
+                flags = line.split()[1:]
+                if "sh" in flags and "mw" in flags:
+                    found.append(mapping)
+            elif "-" in line.split(" ", 1)[0] and not line[0].isupper():
+                fields = line.split(maxsplit=5)
+                path = fields[5].strip() if len(fields) > 5 else ""
+                if path == "/dev/zero (deleted)" or not path:
+                    path = "anonymous shared memory"
+                elif path.startswith("/SYSV"):
+                    path = f"SysV shared memory {path}"
+                mapping = f"{path} at {fields[0]}"
+    return found
 
 
 def fork_server(serve_child, channel_fd: int) -> None:

@@ -219,3 +219,48 @@ def test_each_child_mounts_one_tmpfs_for_its_workspace_and_dev_shm(env_dir):
             assert len(obs["devices"]) == 2, obs  # the tmpfs and the proc
         first = pool.reset()[0]["devices"]
         assert pool.reset(hard=True)[0]["devices"] != first  # a new tmpfs and proc per child
+
+
+
+SHARED_MAPPING = """
+import ctypes, os
+from boltzlabs.env import serve
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+PROT_READ, PROT_WRITE, MAP_SHARED, MAP_ANONYMOUS = 1, 2, 0x01, 0x20
+# Made at import: in a template, every forked child would map the same pages.
+# With PROT_READ only it is still writable later (mprotect): shared memory all the same.
+ADDRESS = libc.mmap(None, 4096, {prot}, MAP_SHARED | MAP_ANONYMOUS, -1, 0)
+
+def reset(seed):
+    return 0
+
+def step(action):
+    if action is not None:
+        if libc.mprotect(ctypes.c_void_p(ADDRESS), 4096, PROT_READ | PROT_WRITE) != 0:
+            raise OSError(ctypes.get_errno(), "mprotect")
+        ctypes.memmove(ADDRESS, action.encode().ljust(8), 8)
+    return ctypes.string_at(ADDRESS, 8).rstrip(b"\\x00 ").decode(), 0.0, False, {{}}
+
+serve(reset=reset, step=step)
+"""
+
+
+@pytest.mark.parametrize("prot", ["PROT_READ | PROT_WRITE", "PROT_READ"])
+def test_a_shared_mapping_made_at_import_falls_back_to_exec_and_lanes_stay_apart(env_dir, prot):
+    """A MAP_SHARED mapping in the template would be one memory for every lane,
+    kept across hard resets: the pool must not fork such a template."""
+    directory = env_dir(SHARED_MAPPING.format(prot=prot))
+    with pytest.warns(RuntimeWarning, match=r"shared writable memory mapping at import \(anonymous shared memory"):
+        pool = RLPool(directory, 2, spawn="template")
+    with pool:
+        assert pool.spawn == "exec"
+        pool.reset(seed=0)
+        obs, *_ = pool.step(["lane0", None])
+        assert obs == ["lane0", ""]
+        obs, *_ = pool.step([None, "lane1"])
+        assert obs == ["lane0", "lane1"]
+        pool.reset(hard=True, where=[0])
+        assert pool.step([None, None])[0] == ["", "lane1"]
