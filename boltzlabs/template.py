@@ -3,7 +3,7 @@
     worker ==control socket (SOCK_SEQPACKET, fds by SCM_RIGHTS)==> template
         [FORK, lane, generation] + (channel fd, log fd)   --> fork a child
         [KILL, lane, generation]                          --> kill that child
-    worker <== [FORKED, lane, generation] / [EXITED, lane, generation, status]
+    worker <== [FORKED, lane, generation] + (the child's pidfd) / [EXITED, lane, generation, status]
 
 `python -m boltzlabs.template /env/env.py` runs inside a bubblewrap sandbox
 that keeps CAP_SYS_ADMIN and CAP_SETPCAP (and nothing else) only for the
@@ -407,6 +407,7 @@ def fork_server(serve_child, channel_fd: int) -> None:
     # template must never block on a send while the worker is blocked
     # sending to it (1000 kills answered by 1000 exits would deadlock).
     outbox = bytearray()
+    forked: list = []  # (FORKED frame, the child's pidfd or -1): one packet each, sent before outbox
     control.setblocking(False)
     poller = select.poll()
     poller.register(wake_r, select.POLLIN)
@@ -414,8 +415,8 @@ def fork_server(serve_child, channel_fd: int) -> None:
     control_fd = control.fileno()
     waiting_to_send = None
     while True:
-        if waiting_to_send is not bool(outbox):
-            waiting_to_send = bool(outbox)
+        if waiting_to_send is not bool(outbox or forked):
+            waiting_to_send = bool(outbox or forked)
             poller.register(control_fd, select.POLLIN | (select.POLLOUT if waiting_to_send else 0))
         for fd, events in poller.poll():
             if fd == wake_r:
@@ -425,7 +426,7 @@ def fork_server(serve_child, channel_fd: int) -> None:
                     pass
                 continue
             if events & select.POLLOUT:
-                _flush(control, outbox)
+                _flush(control, forked, outbox)
             if not events & (select.POLLIN | select.POLLHUP | select.POLLERR):
                 continue
             try:
@@ -438,15 +439,18 @@ def fork_server(serve_child, channel_fd: int) -> None:
                 if message[0] == FORK and len(fds) == 2:
                     _, lane, generation = message
                     key = (lane, generation)
-                    outbox += wire.encode([FORKED, lane, generation])
                     try:
                         pid = _fork_child(serve_child, lane, fds, plan)
                     except OSError as exc:  # pids.max, memory, a namespace limit: the lane's failure
                         os.write(2, f"boltzlabs: could not make env {lane}'s sandbox: {exc}\n".encode())
+                        forked.append((wire.encode([FORKED, lane, generation]), -1))
                         outbox += wire.encode([EXITED, lane, generation, 1 << 8])
                     else:
                         children[pid] = key
                         lanes[key] = pid
+                        # The worker signals the child through this, never by pid:
+                        # we reap it, and its pid is free for anyone from then on.
+                        forked.append((wire.encode([FORKED, lane, generation]), os.pidfd_open(pid)))
                     fds = []  # closed by _fork_child
                 elif message[0] == KILL:
                     pid = lanes.get((message[1], message[2]))
@@ -466,11 +470,23 @@ def fork_server(serve_child, channel_fd: int) -> None:
             if key is not None:
                 lanes.pop(key, None)
                 outbox += wire.encode([EXITED, key[0], key[1], status])
-        _flush(control, outbox)
+        _flush(control, forked, outbox)
 
 
-def _flush(control: socket.socket, outbox: bytearray) -> None:
-    """Send what the socket takes now; one packet may hold many frames."""
+def _flush(control: socket.socket, forked: list, outbox: bytearray) -> None:
+    """Send what the socket takes now: each FORKED in a packet of its own, with
+    the child's pidfd, ahead of the rest (so before that child's EXITED); then
+    the other frames, many to a packet."""
+    while forked:
+        frame, pidfd = forked[0]
+        try:
+            control.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [pidfd]).tobytes())]
+                           if pidfd >= 0 else [])
+        except (BlockingIOError, InterruptedError):
+            return
+        del forked[0]
+        if pidfd >= 0:
+            os.close(pidfd)
     while outbox:
         try:
             with memoryview(outbox) as view:

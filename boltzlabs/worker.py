@@ -43,8 +43,7 @@ from boltzlabs import wire
 from boltzlabs.cgroups import CgroupPool, CgroupUnavailable
 from boltzlabs.identity import host_account
 from boltzlabs.sandbox import SandboxSpec, load_policy
-from boltzlabs.spawn import (TEMPLATE_LANE, ExecSpawner, TemplateSpawner, TemplateUnavailable, reap_orphans,
-                             receive_hello)
+from boltzlabs.spawn import TEMPLATE_LANE, ExecSpawner, TemplateSpawner, TemplateUnavailable, reap_orphans
 
 # Env lane states (the sandbox's side). A lane is in exactly one.
 STARTING, IDLE, BUSY, DEAD = "starting", "idle", "busy", "dead"
@@ -379,10 +378,7 @@ class Worker:
 
     def _read_channel(self, env: Env) -> None:
         try:
-            if env.pid < 0 and self.spawner.wants_credentials:
-                data, env.pid = receive_hello(env.chan)  # a forked env: its host pid
-            else:
-                data = os.read(env.chan, _READ_SIZE)
+            data = os.read(env.chan, _READ_SIZE)
         except BlockingIOError:
             return
         except OSError:
