@@ -297,7 +297,7 @@ class TemplateSpawner:
         while True:
             for message in self.pending:
                 if message[0] == template.FORKED and message[1:] == [env.index, env.generation]:
-                    self.pending.remove(message)
+                    self.pending = [m for m in self.pending if m[0] != template.FORKED]
                     return
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([self.control], [], [], remaining)[0]:
@@ -321,7 +321,14 @@ class TemplateSpawner:
         except wire.ProtocolError:
             _close_all(fds)
             return False
-        self.pending.extend(messages)
+        # Only what can be due is kept: import-time code can write anything here.
+        for message in messages:
+            if len(message) not in (3, 4) or type(message[1]) is not int or type(message[2]) is not int:
+                continue
+            key = (message[1], message[2])
+            if (message[0] == template.FORKED and len(message) == 3 and key == self.forking) or \
+                    (message[0] == template.EXITED and len(message) == 4 and (key in self.lanes or key == self.forking)):
+                self.pending.append(message)
         self._take_pidfd(messages, fds)
         return True
 
@@ -354,7 +361,12 @@ class TemplateSpawner:
                 key = (message[1], message[2])
                 env = self.lanes.pop(key, None)
                 if env is not None:
-                    _close_pidfd(self.pidfds.pop(key, -1))
+                    # A no-op if it has exited; if import-time code forged this
+                    # EXITED, the env it names goes now, not at its next respawn.
+                    pidfd = self.pidfds.pop(key, -1)
+                    if pidfd >= 0:
+                        _signal_pidfd(pidfd)
+                    _close_pidfd(pidfd)
                 if env is not None and isinstance(message[3], int):
                     self.worker.on_exit(env, message[3])
             else:

@@ -264,3 +264,35 @@ def test_a_shared_mapping_made_at_import_falls_back_to_exec_and_lanes_stay_apart
         assert obs == ["lane0", "lane1"]
         pool.reset(hard=True, where=[0])
         assert pool.step([None, None])[0] == ["", "lane1"]
+
+
+FORGED_TEMPLATE_HANDSHAKE = """
+import os
+from boltzlabs import wire
+from boltzlabs.env import serve
+
+# Import-time code speaks first on the template's channel, from a process of
+# its own that lingers (it could as well exit and leave its pid to the host).
+r, w = os.pipe()
+if os.fork() == 0:
+    os.close(w)
+    os.write(int(os.environ["BOLTZLABS_FD"]),
+             wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, {"pid": 2, "forkable": True, "reason": ""}]))
+    os.read(r, 1)  # until the template is gone
+    os._exit(0)
+os.close(r)
+
+serve(reset=lambda seed: 0, step=lambda action: (0, 1.0, False, {}))
+"""
+
+
+def test_a_template_handshake_sent_by_another_process_moves_only_the_template(env_dir):
+    """The worker moves the template into each env's cgroups around a fork, by
+    pid. It once took that pid from the credentials of the first message on
+    the template's channel: a process of import-time code was moved instead
+    (a host process, once that pid is reused) and the envs were born in the
+    template's cgroup."""
+    with RLPool(env_dir(FORGED_TEMPLATE_HANDSHAKE), 2, spawn="template") as pool:
+        assert pool.spawn == "template"
+        check_cgroups(pool)
+        assert pool.step([0, 0])[1].tolist() == [1.0, 1.0]
