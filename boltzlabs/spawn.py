@@ -203,6 +203,7 @@ class TemplateSpawner:
         self.forking: tuple | None = None  # the (lane, generation) whose FORKED may bring a pidfd
         self.control = None
         self.bwrap_pid = -1
+        self.template_pidfd = -1  # the template process itself (below bwrap and its init)
         self.log = bytearray()
         self.kills: bytearray | None = None  # KILL frames held by batching_kills()
         self._start()
@@ -226,7 +227,6 @@ class TemplateSpawner:
         self.control = parent
         self.logfd = log_r
         self.pidfd = os.pidfd_open(self.bwrap_pid)
-        self.template_pidfd = -1
         try:
             hello = self._handshake(time.monotonic() + worker.start_timeout)
             if not hello.get("forkable"):

@@ -1206,8 +1206,8 @@ def _pss_tree(pid: int) -> int:
         return 0
 
 
-# File descriptors the worker plans per env (channel, log pipe, exec mode's
-# pidfd; a template env holds two) and for itself.
+# File descriptors the worker plans per env (channel, log pipe and a pidfd:
+# of its bwrap in exec mode, of its pid 1 in template mode) and for itself.
 FDS_PER_ENV, FD_SLACK = 3, 256
 
 
