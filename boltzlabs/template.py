@@ -342,11 +342,33 @@ def _unsafe_to_fork(channel_fd: int) -> str:
             sockets.append(fd)
     if sockets:
         return f"env.py holds open sockets at import (fds {sockets}); forked children would share them"
+    others = _other_processes()
+    if others:
+        return (f"env.py left processes running at import (pids {others[:8]} in the template's sandbox); forked "
+                "children would not have them, and nothing would freeze them under serialize_measurement")
     shared = _shared_writable_mappings()
     if shared:
         return (f"env.py made a shared writable memory mapping at import ({'; '.join(shared[:4])}); forked "
                 "children would all read and write the same memory, kept across hard resets")
     return ""
+
+
+def _other_processes() -> list[int]:
+    """Live processes of the template's pid namespace besides its init (pid 1)
+    and the template: whatever import-time code started and left running,
+    daemons reparented to init included (zombies have ended and are skipped)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in (1, os.getpid()):
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if state not in (b"Z", b"X"):
+            found.append(int(name))
+    return sorted(found)
 
 
 def _shared_writable_mappings() -> list[str]:

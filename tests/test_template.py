@@ -110,6 +110,10 @@ def check_hard_reset(pool):
     ("import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n",
      "started threads at import"),
     ("import socket\nheld = socket.socketpair()\n", "holds open sockets at import"),
+    # A process left running (here a daemon, reparented to the sandbox's init):
+    # children would not have it, and the gate's freezer would not reach it.
+    ("import os, time\nif os.fork() == 0:\n    if os.fork() == 0:\n        time.sleep(60)\n    os._exit(0)\n"
+     "os.wait()\n", "left processes running at import"),
 ])
 def test_unforkable_env_falls_back_to_exec_with_a_warning(env_dir, source, reason):
     directory = env_dir(source + "from boltzlabs.env import serve\n"
@@ -272,15 +276,13 @@ from boltzlabs import wire
 from boltzlabs.env import serve
 
 # Import-time code speaks first on the template's channel, from a process of
-# its own that lingers (it could as well exit and leave its pid to the host).
-r, w = os.pipe()
-if os.fork() == 0:
-    os.close(w)
+# its own that exits at once: its pid is free for the host to reuse.
+pid = os.fork()
+if pid == 0:
     os.write(int(os.environ["BOLTZLABS_FD"]),
              wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, {"pid": 2, "forkable": True, "reason": ""}]))
-    os.read(r, 1)  # until the template is gone
     os._exit(0)
-os.close(r)
+os.waitpid(pid, 0)
 
 serve(reset=lambda seed: 0, step=lambda action: (0, 1.0, False, {}))
 """
