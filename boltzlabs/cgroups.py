@@ -8,7 +8,9 @@
 We only ever create cgroups below the cgroup the worker itself runs in, and
 remove what we created. Under cgroup v1 the pids controller is a hierarchy
 of its own: the same tree is made there too (below the worker's own pids
-cgroup), and a process is moved into both.
+cgroup), and a process is moved into both. The freezer (serialize_measurement
+only: `CgroupPool(freezer=True)`) is a third v1 hierarchy made the same way;
+under v2 it is `cgroup.freeze` in the env's own cgroup.
 
 Kernel facts this depends on:
 - A process is charged for the pages it touches first, and a forked child
@@ -34,6 +36,11 @@ Kernel facts this depends on:
   where the worker's cgroup is delegated with +memory in subtree_control (as
   systemd's Delegate=yes gives). That path is deliberately thin and could not
   run on the machine this was built on (v2 there has no memory controller).
+- Freezing is asynchronous: v1's freezer.state reads FREEZING until every
+  task has stopped (reading it re-checks), v2's cgroup.events says
+  "frozen 1". A SIGKILL to a task frozen by the v1 freezer waits for the
+  thaw, so every kill here thaws after signalling: the tasks die on their
+  way out of the freezer, before any of their code runs again.
 """
 
 from __future__ import annotations
@@ -69,6 +76,14 @@ def _mounts():
         fstype, _source, options = right.split(" ", 2)
         out.append((left.split(" ")[4], fstype, options.split(",")))
     return out
+
+
+def _write(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
 
 
 def _read_int(path: Path) -> int:
@@ -124,6 +139,16 @@ class _Backend:
 class _V1(_Backend):
     version = "v1"
 
+    # The v1 freezer is its own hierarchy: these take a group in it.
+    def freeze(self, group: Path) -> None:
+        _write(group / "freezer.state", b"FROZEN")
+
+    def thaw(self, group: Path) -> None:
+        _write(group / "freezer.state", b"THAWED")
+
+    def frozen(self, group: Path) -> bool:
+        return (group / "freezer.state").read_bytes().strip() == b"FROZEN"
+
     def usage(self, group: Path) -> int:
         stat = _read_stat(group / "memory.stat")
         return max(0, _read_int(group / "memory.usage_in_bytes") - stat.get("total_inactive_file", 0))
@@ -171,6 +196,15 @@ class _V2(_Backend):
         except OSError:
             super().kill(group)
 
+    def freeze(self, group: Path) -> None:
+        _write(group / "cgroup.freeze", b"1")
+
+    def thaw(self, group: Path) -> None:
+        _write(group / "cgroup.freeze", b"0")
+
+    def frozen(self, group: Path) -> bool:
+        return _read_stat(group / "cgroup.events").get("frozen") == 1
+
 
 def _find_backend() -> _Backend:
     own = _own_cgroups()
@@ -200,43 +234,50 @@ def _find_backend() -> _Backend:
     raise CgroupUnavailable("; ".join(reasons) or "no cgroup filesystem is mounted")
 
 
-def _find_pids_home() -> Path | None:
-    """The worker's own cgroup in a cgroup v1 pids hierarchy, if writable."""
+def _find_v1_home(controller: str) -> Path | None:
+    """The worker's own cgroup in a cgroup v1 hierarchy of `controller`, if writable."""
     own = _own_cgroups()
-    if "pids" not in own:
+    if controller not in own:
         return None
     for point, fstype, options in _mounts():
-        if fstype == "cgroup" and "pids" in options:
-            home = Path(point) / own["pids"].lstrip("/")
+        if fstype == "cgroup" and controller in options:
+            home = Path(point) / own[controller].lstrip("/")
             if os.access(home, os.W_OK):
                 return home
     return None
 
 
-def sweep_stale(home: Path) -> None:
-    """Remove pool cgroups left by workers that were killed before cleaning up."""
-    for pool in home.glob("boltzlabs-*"):
-        try:
-            os.kill(int(pool.name.split("-")[1]), 0)
-            continue  # its worker is alive
-        except (ValueError, IndexError, PermissionError):
-            continue
-        except ProcessLookupError:
-            remove_pool_dir(pool, timeout=1.0)
+def sweep_stale(homes: list[Path]) -> None:
+    """Remove pool cgroups left by workers that were killed before cleaning up,
+    in every hierarchy of `homes` at once (their frozen tasks die only once thawed)."""
+    stale: dict[str, list[Path]] = {}
+    for home in homes:
+        for pool in home.glob("boltzlabs-*"):
+            try:
+                os.kill(int(pool.name.split("-")[1]), 0)
+                continue  # its worker is alive
+            except (ValueError, IndexError, PermissionError):
+                continue
+            except ProcessLookupError:
+                stale.setdefault(pool.name, []).append(pool)
+    for pools in stale.values():
+        remove_pool_dir(pools, timeout=1.0)
 
 
 def remove_pool_dir(path, timeout: float = 5.0) -> bool:
     """Kill whatever is left in a pool cgroup and remove it with its children.
-    `path` may be a list of them (one per hierarchy)."""
-    if isinstance(path, list):
-        return all([remove_pool_dir(p, timeout) for p in path])
-    pool = Path(path)
+    `path` may be a list of them (one per hierarchy): every hierarchy's tasks
+    are killed and thawed before any directory is waited for, since a frozen
+    task dies only once its freezer group is thawed."""
+    pools = [Path(p) for p in (path if isinstance(path, list) else [path])]
     deadline = time.monotonic() + timeout
-    groups = [g for g in pool.iterdir() if g.is_dir()] if pool.is_dir() else []
+    groups = [g for pool in pools if pool.is_dir() for g in pool.iterdir() if g.is_dir()]
     for group in groups:
         _Backend.kill(None, group)
+    for group in groups:
+        _thaw_v1(group)
     ok = all([_rmdir(group, deadline) for group in groups])
-    return _rmdir(pool, deadline) and ok
+    return all([_rmdir(pool, deadline) for pool in pools]) and ok
 
 
 def _rmdir(path: Path, deadline: float = 0.0, reap=None) -> bool:
@@ -252,9 +293,19 @@ def _rmdir(path: Path, deadline: float = 0.0, reap=None) -> bool:
             if exc.errno != errno.EBUSY or time.monotonic() >= deadline:
                 return False
             _Backend.kill(None, path)  # forked since the last round: kill again
+            _thaw_v1(path)
             if reap is not None:
                 reap()
             time.sleep(0.005)
+
+
+def _thaw_v1(group: Path) -> None:
+    """Thaw a v1 freezer group (a no-op in other hierarchies): killed tasks
+    there die only once thawed."""
+    try:
+        _write(group / "freezer.state", b"THAWED")
+    except OSError:
+        pass
 
 
 class CgroupPool:
@@ -262,16 +313,18 @@ class CgroupPool:
 
     `moving(0, i, None)` is the context in which env i's sandbox must be started.
     `memory_limit` applies to envs, `pids_max` to envs and pool parts (the
-    template runs env.py's import code). Everything is removed by `close()`.
+    template runs env.py's import code). `freezer=True` makes envs freezable
+    (`freeze`, `thaw`, `frozen`) if the host allows it; `freezes` says
+    whether it does, `freezer_note` why not. Everything is removed by `close()`.
     """
 
-    def __init__(self, memory_limit: int | None = None, pids_max: int | None = None):
+    def __init__(self, memory_limit: int | None = None, pids_max: int | None = None, freezer: bool = False):
         self.backend = _find_backend()
-        # cgroup v1: the pids controller is a hierarchy of its own.
-        self.pids_home = _find_pids_home() if self.backend.version == "v1" else None
-        for home in (self.backend.home, self.pids_home):
-            if home is not None:
-                sweep_stale(home)
+        v1 = self.backend.version == "v1"
+        # cgroup v1: the pids controller (and the freezer) are hierarchies of their own.
+        self.pids_home = _find_v1_home("pids") if v1 else None
+        self.freezer_home = _find_v1_home("freezer") if v1 and freezer else None
+        sweep_stale([home for home in (self.backend.home, self.pids_home, self.freezer_home) if home is not None])
         self.memory_limit = memory_limit
         self.pids_max = pids_max
         name = f"boltzlabs-{os.getpid()}-{secrets.token_hex(4)}"
@@ -284,10 +337,28 @@ class CgroupPool:
         except OSError as exc:
             _rmdir(self.path)
             raise CgroupUnavailable(f"cannot create the pool cgroup {self.path}: {exc}") from None
+        self.freezer_path = None
+        self.freezes, self.freezer_note = False, ""
+        if freezer and v1:
+            self.freezer_note = "no writable cgroup v1 freezer hierarchy holds this process"
+            if self.freezer_home is not None:
+                try:
+                    (self.freezer_home / name).mkdir()
+                    self.freezer_path = self.freezer_home / name
+                    self.freezes = True
+                except OSError as exc:
+                    self.freezer_note = f"cannot create the pool's freezer cgroup {self.freezer_home / name}: {exc}"
+        elif freezer:
+            # v2: every non-root cgroup has cgroup.freeze (kernel 5.2+).
+            self.freezes = (self.path / "cgroup.freeze").exists()
+            self.freezer_note = "" if self.freezes else f"no cgroup.freeze in {self.path} (kernel older than 5.2)"
         self._homes = [self.backend.home / "cgroup.procs"]
-        if self.pids_home is not None:
-            self._homes.append(self.pids_home / "cgroup.procs")
-        self._groups: dict = {}  # key -> [memory group, pids group (v1) if any]
+        for home in (self.pids_home, self.freezer_path and self.freezer_home):
+            if home is not None:
+                self._homes.append(home / "cgroup.procs")
+        # key -> [memory group, pids group (v1) if any, freezer group (v1) if any]
+        self._groups: dict = {}
+        self._frozen_group: dict = {}  # key -> the group whose freezer holds it
 
     @property
     def version(self) -> str:
@@ -296,7 +367,7 @@ class CgroupPool:
     @property
     def paths(self) -> list[str]:
         """The pool's cgroup directories, one per hierarchy."""
-        return [str(p) for p in (self.path, self.pids_path) if p is not None]
+        return [str(p) for p in (self.path, self.pids_path, self.freezer_path) if p is not None]
 
     @property
     def limits_pids(self) -> bool:
@@ -322,6 +393,10 @@ class CgroupPool:
                 self.backend.set_limit(groups[0], self.memory_limit)
             if self.pids_max and self.limits_pids:
                 self.backend.set_pids(groups[-1], self.pids_max)
+            self._frozen_group[key] = groups[0]
+            if self.freezer_path is not None:  # last, so groups[-1] stays the pids group for the others
+                self._frozen_group[key] = self.freezer_path / name
+                self._frozen_group[key].mkdir(exist_ok=True)
             self._groups[key] = groups
         return groups
 
@@ -329,14 +404,31 @@ class CgroupPool:
     def moving(self, pid: int, key, home):
         """Run the body with process `pid` (0: this one) in `key`'s cgroup, then
         put it back in `home`'s (None: the worker's own cgroup)."""
-        for group in self._made(key):
+        for group in self._joined(key):
             (group / "cgroup.procs").write_text(str(pid))
         try:
             yield
         finally:
-            homes = self._homes if home is None else [g / "cgroup.procs" for g in self._made(home)]
+            homes = self._homes if home is None else [g / "cgroup.procs" for g in self._joined(home)]
             for procs in homes:
                 procs.write_text(str(pid))
+
+    def _joined(self, key) -> list[Path]:
+        """Every group a process of `key` is in, one per hierarchy."""
+        groups = self._made(key)
+        if self.freezer_path is not None:
+            return groups + [self._frozen_group[key]]
+        return groups
+
+    def freeze(self, index: int) -> None:
+        """Start freezing env `index` (every task of it); `frozen()` says when done."""
+        self.backend.freeze(self._frozen_group[index])
+
+    def thaw(self, index: int) -> None:
+        self.backend.thaw(self._frozen_group[index])
+
+    def frozen(self, index: int) -> bool:
+        return self.backend.frozen(self._frozen_group[index])
 
     def usage(self, key) -> int:
         return self.backend.usage(self.group(key))
@@ -371,18 +463,22 @@ class CgroupPool:
         """SIGKILL everything in env `index`'s cgroup now (one round, no wait)."""
         if index in self._groups:
             self.backend.kill(self._groups[index][0])
+            if self.freezes:
+                self.thaw(index)  # a frozen task dies only once thawed
 
     def close(self, deadline: float, reap=None) -> bool:
         """Kill what is left, remove every cgroup made; False if one would not go.
         `reap()`, if given, reaps the caller's exited children between tries."""
         ok = True
-        for groups in self._groups.values():
+        for key, groups in self._groups.items():
             self.backend.kill(groups[0])
-        for groups in self._groups.values():
-            for group in groups:
+            if self.freezes:
+                self.thaw(key)
+        for key, groups in self._groups.items():
+            for group in self._joined(key):
                 ok &= _rmdir(group, deadline, reap)
         self._groups.clear()
-        for path in (self.path, self.pids_path):
+        for path in (self.path, self.pids_path, self.freezer_path):
             if path is not None:
                 ok &= _rmdir(path, deadline, reap)
         return ok

@@ -773,8 +773,11 @@ class _LocalLink:
                 except ProcessLookupError:
                     pass
                 proc.wait()
-                if cgroup:
-                    remove_pool_dir(cgroup)  # a list: one per cgroup hierarchy
+            if cgroup:
+                # A list, one per cgroup hierarchy. Also when the worker died on
+                # its own: envs it had frozen (serialize_measurement) ignore
+                # even SIGKILL until thawed, which this does.
+                remove_pool_dir(cgroup)
         finally:
             conn.close()
             self.stderr.close()

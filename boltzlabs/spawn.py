@@ -7,6 +7,14 @@
 Both hand the env its channel (a socketpair end, as fd 3) and its log pipe
 (fds 1 and 2), start it inside its own cgroup, and report its exit status.
 The worker owns everything else (the channel protocol, deadlines, state).
+
+Signals go through pidfds only, never to a pid number learnt later: a pid
+is freed when its process is reaped, and the host may hand it to anything.
+Exec mode holds a pidfd of the bwrap it spawned; in template mode the
+template opens one for each child it forks and passes it with FORKED, and
+the worker finds the template itself below its own bwrap (`_template_pid`).
+What an env says about itself (its handshake, its message credentials)
+never names a process to signal or move.
 """
 
 from __future__ import annotations
@@ -17,7 +25,6 @@ import os
 import select
 import signal
 import socket
-import struct
 import time
 
 from boltzlabs import seccomp, template, wire
@@ -31,18 +38,15 @@ class TemplateUnavailable(BoltzLabsError):
     """The env cannot be forked from a template; the message says why."""
 
 
-def _open_channel(start, kind=socket.SOCK_STREAM, passcred=False):
+def _open_channel(start, kind=socket.SOCK_STREAM):
     """Make a sandbox's channel and log pipe, and run `start(channel_fd, log_w)`
     with the sandbox's ends. Returns ours: (socket, log pipe read end).
 
     The sandbox's ends are closed once `start` returns; ours too if it raises.
-    `passcred`: receive the sender's host pid with each message (SO_PASSCRED).
     """
     parent, child = socket.socketpair(socket.AF_UNIX, kind)
     log_r, log_w = os.pipe()
     try:
-        if passcred:
-            parent.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         start(child.fileno(), log_w)
     except BaseException:
         parent.close()
@@ -112,7 +116,6 @@ class ExecSpawner:
     """spawn="exec": each env is its own bubblewrap sandbox and interpreter."""
 
     kind = "exec"
-    wants_credentials = False
 
     def __init__(self, worker):
         self.worker = worker
@@ -149,10 +152,7 @@ class ExecSpawner:
         pidfd = self.pidfds.pop(env.index, None)
         if pidfd is None:
             return
-        try:
-            os.kill(env.pid, signal.SIGKILL)  # bwrap; --die-with-parent takes the rest
-        except ProcessLookupError:
-            pass
+        _signal_pidfd(pidfd)  # bwrap; --die-with-parent takes the rest
         # Keep the pidfd to reap the zombie when it is ready.
         self.worker.unwatch(pidfd)
         self.reaping[pidfd] = env.pid
@@ -193,7 +193,6 @@ class TemplateSpawner:
     """
 
     kind = "template"
-    wants_credentials = True
 
     def __init__(self, worker):
         self.worker = worker
@@ -202,8 +201,11 @@ class TemplateSpawner:
         self.reader = wire.FrameReader(wire.Limits(1 << 16, max_depth=4, max_objects=256))
         self.pending: list = []
         self.lanes: dict[tuple, object] = {}  # (lane, generation) -> env
+        self.pidfds: dict[tuple, int] = {}  # (lane, generation) -> pidfd of the env's pid 1
+        self.forking: tuple | None = None  # the (lane, generation) whose FORKED may bring a pidfd
         self.control = None
         self.bwrap_pid = -1
+        self.template_pidfd = -1  # the template process itself (below bwrap and its init)
         self.log = bytearray()
         self.kills: bytearray | None = None  # KILL frames held by batching_kills()
         self._start()
@@ -219,7 +221,7 @@ class TemplateSpawner:
                 self.bwrap_pid = _posix_spawn(argv, channel_fd, log_w, {
                     seccomp.FILTER_FD: filters.template, seccomp.CHILD_FILTER_FD: filters.env})
 
-        parent, log_r = _open_channel(start, socket.SOCK_SEQPACKET, passcred=True)
+        parent, log_r = _open_channel(start, socket.SOCK_SEQPACKET)
         os.set_blocking(log_r, False)
         # Sends to the template never block for long: a template that stops
         # reading is treated as dead, not waited for.
@@ -228,31 +230,30 @@ class TemplateSpawner:
         self.logfd = log_r
         self.pidfd = os.pidfd_open(self.bwrap_pid)
         try:
-            hello, self.pid = self._handshake(time.monotonic() + worker.start_timeout)
+            hello = self._handshake(time.monotonic() + worker.start_timeout)
+            if not hello.get("forkable"):
+                raise TemplateUnavailable(hello.get("reason") or "the template refused to fork")
+            self.template_pidfd, self.pid = _template_pid(self.bwrap_pid)
         except BaseException:
             self.close(time.monotonic() + 5)
             raise
-        if not hello.get("forkable"):
-            self.close(time.monotonic() + 5)
-            raise TemplateUnavailable(hello.get("reason") or "the template refused to fork")
         worker.watch(self.control.fileno(), self._on_control, None)
         worker.watch(self.logfd, self._on_log, None)
 
-    def _handshake(self, deadline: float):
-        """Wait for the template's HELLO; returns (info, host pid of the template)."""
+    def _handshake(self, deadline: float) -> dict:
+        """Wait for the template's HELLO; returns its info."""
         while True:
             remaining = deadline - time.monotonic()
             ready = select.select([self.control, self.pidfd], [], [], max(0.0, remaining))[0]
             if self.control in ready:
-                data, ancillary, _, _ = self.control.recvmsg(1 << 16, socket.CMSG_SPACE(12))
-                pid = _sender_pid(ancillary)
+                data = self.control.recv(1 << 16)
                 try:
                     messages = self.reader.feed(data) if data else []
                 except wire.ProtocolError:
                     messages = []
                 if messages and messages[0][0] == wire.HELLO and len(messages[0]) == 3 \
-                        and isinstance(messages[0][2], dict) and pid:
-                    return messages[0][2], pid
+                        and isinstance(messages[0][2], dict):
+                    return messages[0][2]
                 select.select([self.pidfd], [], [], max(0.0, deadline - time.monotonic()))
                 ready = [self.pidfd]  # EOF or anything but a HELLO: it is done for
             if self.pidfd in ready or remaining <= 0:
@@ -272,17 +273,25 @@ class TemplateSpawner:
 
         def start(channel_fd: int, log_w: int) -> None:
             fds = array.array("i", [channel_fd, log_w]).tobytes()
+            # The template's pid is moved between cgroups: it must still be ours.
+            if select.select([self.template_pidfd], [], [], 0)[0]:
+                raise OSError("the template is gone")
             with _charged_to(worker, env.index, self.pid, TEMPLATE_LANE):
                 self.control.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
                 self._wait_forked(env)
 
+        key = (env.index, env.generation)
+        self.forking = key
         try:
-            parent, env.logfd = _open_channel(start, passcred=True)
+            parent, env.logfd = _open_channel(start)
         except OSError:
             self._lost()
             raise
-        self.lanes[(env.index, env.generation)] = env
-        env.pid = -1  # known at its HELLO (SO_PASSCRED gives the host pid)
+        finally:
+            self.forking = None
+        self.lanes[key] = env
+        pidfd = self.pidfds.get(key, -1)
+        env.pid = _pidfd_pid(pidfd) if pidfd >= 0 else -1
         env.chan = parent.detach()
 
     def _wait_forked(self, env) -> None:
@@ -290,7 +299,7 @@ class TemplateSpawner:
         while True:
             for message in self.pending:
                 if message[0] == template.FORKED and message[1:] == [env.index, env.generation]:
-                    self.pending.remove(message)
+                    self.pending = [m for m in self.pending if m[0] != template.FORKED]
                     return
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not select.select([self.control], [], [], remaining)[0]:
@@ -300,18 +309,42 @@ class TemplateSpawner:
 
     def _read_control(self) -> bool:
         try:
-            data = self.control.recv(1 << 16)
+            data, ancillary, _, _ = self.control.recvmsg(1 << 16, _PIDFD_SPACE)
         except (BlockingIOError, InterruptedError):
             return True
         except OSError:
-            data = b""
+            data, ancillary = b"", []
+        fds = _received_fds(ancillary)
         if not data:
+            _close_all(fds)
             return False
         try:
-            self.pending.extend(self.reader.feed(data))
+            messages = self.reader.feed(data)
         except wire.ProtocolError:
+            _close_all(fds)
             return False
+        # Only what can be due is kept: import-time code can write anything here.
+        for message in messages:
+            if len(message) not in (3, 4) or type(message[1]) is not int or type(message[2]) is not int:
+                continue
+            key = (message[1], message[2])
+            if (message[0] == template.FORKED and len(message) == 3 and key == self.forking) or \
+                    (message[0] == template.EXITED and len(message) == 4 and (key in self.lanes or key == self.forking)):
+                self.pending.append(message)
+        self._take_pidfd(messages, fds)
         return True
+
+    def _take_pidfd(self, messages: list, fds: list) -> None:
+        """Keep the pidfd a FORKED packet brings for the child being forked now.
+        Import-time code in the template can send anything on this socket, but
+        a pidfd it can make names a process of its own sandbox, never a host
+        one; any other fd, or one for another lane, is closed."""
+        key = self.forking
+        if (len(fds) == 1 and len(messages) == 1 and key is not None and key not in self.pidfds
+                and messages[0][:1] == [template.FORKED] and messages[0][1:] == list(key)
+                and _pidfd_pid(fds[0]) > 0):
+            self.pidfds[key] = fds.pop()
+        _close_all(fds)
 
     def _on_control(self, _) -> None:
         if not self._read_control():
@@ -327,7 +360,15 @@ class TemplateSpawner:
         keep = []
         for message in self.pending:
             if message[0] == template.EXITED and len(message) == 4:
-                env = self.lanes.pop((message[1], message[2]), None)
+                key = (message[1], message[2])
+                env = self.lanes.pop(key, None)
+                if env is not None:
+                    # A no-op if it has exited; if import-time code forged this
+                    # EXITED, the env it names goes now, not at its next respawn.
+                    pidfd = self.pidfds.pop(key, -1)
+                    if pidfd >= 0:
+                        _signal_pidfd(pidfd)
+                    _close_pidfd(pidfd)
                 if env is not None and isinstance(message[3], int):
                     self.worker.on_exit(env, message[3])
             else:
@@ -357,15 +398,15 @@ class TemplateSpawner:
             self.worker.on_exit(env, None, f"died with its template (the template's output: {tail!r})")
 
     def kill(self, env) -> None:
-        if self.lanes.pop((env.index, env.generation), None) is None or self.control is None:
+        key = (env.index, env.generation)
+        if self.lanes.pop(key, None) is None or self.control is None:
             return
-        if env.pid > 0:
-            try:
-                os.kill(env.pid, signal.SIGKILL)  # pid 1 of its namespace: the whole tree goes
-            except ProcessLookupError:
-                pass
-        # And through the template, which knows the child's pid 1 for sure (the
-        # HELLO could have come from another process of the env, or not at all).
+        pidfd = self.pidfds.pop(key, -1)
+        if pidfd >= 0:
+            _signal_pidfd(pidfd)  # pid 1 of its namespace: the whole tree goes
+            _close_pidfd(pidfd)
+            return
+        # No pidfd came with its FORKED: the template, its parent, kills it.
         frame = wire.encode([template.KILL, env.index, env.generation])
         if self.kills is not None:
             self.kills += frame
@@ -400,10 +441,12 @@ class TemplateSpawner:
         self.worker.unwatch(self.logfd)
         self.control.close()
         self.control = None
-        try:
-            os.kill(self.bwrap_pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pidfd in self.pidfds.values():
+            _close_pidfd(pidfd)
+        self.pidfds.clear()
+        _close_pidfd(self.template_pidfd)
+        self.template_pidfd = -1
+        _signal_pidfd(self.pidfd)  # our own child: bwrap's pid namespace takes every env with it
         select.select([self.pidfd], [], [], max(0.0, deadline - time.monotonic()))
         try:
             if os.waitpid(self.bwrap_pid, os.WNOHANG)[0]:
@@ -414,21 +457,93 @@ class TemplateSpawner:
         os.close(self.logfd)
 
 
-def _sender_pid(ancillary) -> int:
+_PIDFD_SPACE = socket.CMSG_SPACE(4 * 4)  # a FORKED brings one fd; more are closed (or cut by the kernel)
+
+
+def _received_fds(ancillary) -> list[int]:
+    fds = array.array("i")
     for level, kind, payload in ancillary:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(payload) >= 12:
-            return struct.unpack("3i", payload[:12])[0]
-    return 0
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+    return list(fds)
 
 
-def receive_hello(fd: int):
-    """Read from an env's channel with its sender's host pid (SO_PASSCRED)."""
-    sock = socket.socket(fileno=fd)
+def _close_all(fds) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _close_pidfd(pidfd: int) -> None:
+    if pidfd >= 0:
+        os.close(pidfd)
+
+
+def _signal_pidfd(pidfd: int, signum: int = signal.SIGKILL) -> None:
+    """Signal the process a pidfd holds: that process or nobody, whatever
+    has been given its pid number since."""
     try:
-        data, ancillary, _, _ = sock.recvmsg(1 << 16, socket.CMSG_SPACE(12))
-    finally:
-        sock.detach()
-    return data, _sender_pid(ancillary)
+        signal.pidfd_send_signal(pidfd, signum)
+    except ProcessLookupError:
+        pass  # it has exited
+
+
+def _pidfd_nspids(pidfd: int) -> list[int]:
+    """The pids of a pidfd's process, in our pid namespace then each nested one
+    (its fdinfo's NSpid line); [] if it has been reaped or fd is no pidfd."""
+    try:
+        with open(f"/proc/self/fdinfo/{pidfd}") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    pids = [int(x) for x in line.split()[1:]]
+                    return pids if pids and pids[0] > 0 else []
+    except (OSError, ValueError):
+        pass
+    return []
+
+
+def _pidfd_pid(pidfd: int) -> int:
+    """The pid, in our namespace, of a pidfd's process (-1 if gone or no pidfd)."""
+    pids = _pidfd_nspids(pidfd)
+    return pids[0] if pids else -1
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(x) for x in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _template_pid(bwrap_pid: int) -> tuple[int, int]:
+    """(pidfd, host pid) of the template process, found below our own bwrap.
+
+    bwrap (our child) -> its init, pid 1 of the sandbox's pid namespace ->
+    the command it ran, pid 2 there: the template. Nothing the template says
+    is used (import-time code could speak for it from a process that exits,
+    leaving a pid for the host to reuse); no other process can be pid 2 of
+    that namespace while the template lives, and the namespace dies with it.
+    """
+    depth = len(_own_nspids()) + 1
+    for init in _children(bwrap_pid):
+        for pid in _children(init):
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError:
+                continue
+            nspids = _pidfd_nspids(pidfd)
+            if len(nspids) == depth and nspids[-1] == 2:
+                return pidfd, nspids[0]
+            os.close(pidfd)
+    raise TemplateUnavailable(f"could not find the template process below its bwrap (pid {bwrap_pid})")
+
+
+def _own_nspids() -> list[int]:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("NSpid:"):
+                return [int(x) for x in line.split()[1:]]
+    return [os.getpid()]
 
 
 def _drain(fd: int) -> bytes:

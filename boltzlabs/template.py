@@ -3,7 +3,7 @@
     worker ==control socket (SOCK_SEQPACKET, fds by SCM_RIGHTS)==> template
         [FORK, lane, generation] + (channel fd, log fd)   --> fork a child
         [KILL, lane, generation]                          --> kill that child
-    worker <== [FORKED, lane, generation] / [EXITED, lane, generation, status]
+    worker <== [FORKED, lane, generation] + (the child's pidfd) / [EXITED, lane, generation, status]
 
 `python -m boltzlabs.template /env/env.py` runs inside a bubblewrap sandbox
 that keeps CAP_SYS_ADMIN and CAP_SETPCAP (and nothing else) only for the
@@ -314,7 +314,57 @@ def _unsafe_to_fork(channel_fd: int) -> str:
             sockets.append(fd)
     if sockets:
         return f"env.py holds open sockets at import (fds {sockets}); forked children would share them"
+    others = _other_processes()
+    if others:
+        return (f"env.py left processes running at import (pids {others[:8]} in the template's sandbox); forked "
+                "children would not have them, and nothing would freeze them under serialize_measurement")
+    shared = _shared_writable_mappings()
+    if shared:
+        return (f"env.py made a shared writable memory mapping at import ({'; '.join(shared[:4])}); forked "
+                "children would all read and write the same memory, kept across hard resets")
     return ""
+
+
+def _other_processes() -> list[int]:
+    """Live processes of the template's pid namespace besides its init (pid 1)
+    and the template: whatever import-time code started and left running,
+    daemons reparented to init included (zombies have ended and are skipped)."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in (1, os.getpid()):
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if state not in (b"Z", b"X"):
+            found.append(int(name))
+    return sorted(found)
+
+
+def _shared_writable_mappings() -> list[str]:
+    """The mappings of this process that a fork would share writably: VM_SHARED
+    and VM_MAYWRITE ("sh", "mw" in smaps' VmFlags). A MAP_SHARED mapping made
+    read-only is caught too: mprotect may make it writable later. The kernel
+    clears VM_SHARED for a MAP_SHARED mapping of a file opened read-only
+    (those "r--s" lines are harmless), and VM_MAYWRITE for a write-sealed memfd."""
+    found, mapping = [], ""
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if line.startswith("VmFlags:"):
+                flags = line.split()[1:]
+                if "sh" in flags and "mw" in flags:
+                    found.append(mapping)
+            elif "-" in line.split(" ", 1)[0] and not line[0].isupper():
+                fields = line.split(maxsplit=5)
+                path = fields[5].strip() if len(fields) > 5 else ""
+                if path == "/dev/zero (deleted)" or not path:
+                    path = "anonymous shared memory"
+                elif path.startswith("/SYSV"):
+                    path = f"SysV shared memory {path}"
+                mapping = f"{path} at {fields[0]}"
+    return found
 
 
 def fork_server(serve_child, channel_fd: int) -> None:
@@ -355,6 +405,7 @@ def fork_server(serve_child, channel_fd: int) -> None:
     # template must never block on a send while the worker is blocked
     # sending to it (1000 kills answered by 1000 exits would deadlock).
     outbox = bytearray()
+    forked: list = []  # (FORKED frame, the child's pidfd or -1): one packet each, sent before outbox
     control.setblocking(False)
     poller = select.poll()
     poller.register(wake_r, select.POLLIN)
@@ -362,8 +413,8 @@ def fork_server(serve_child, channel_fd: int) -> None:
     control_fd = control.fileno()
     waiting_to_send = None
     while True:
-        if waiting_to_send is not bool(outbox):
-            waiting_to_send = bool(outbox)
+        if waiting_to_send is not bool(outbox or forked):
+            waiting_to_send = bool(outbox or forked)
             poller.register(control_fd, select.POLLIN | (select.POLLOUT if waiting_to_send else 0))
         for fd, events in poller.poll():
             if fd == wake_r:
@@ -373,7 +424,7 @@ def fork_server(serve_child, channel_fd: int) -> None:
                     pass
                 continue
             if events & select.POLLOUT:
-                _flush(control, outbox)
+                _flush(control, forked, outbox)
             if not events & (select.POLLIN | select.POLLHUP | select.POLLERR):
                 continue
             try:
@@ -386,15 +437,18 @@ def fork_server(serve_child, channel_fd: int) -> None:
                 if message[0] == FORK and len(fds) == 2:
                     _, lane, generation = message
                     key = (lane, generation)
-                    outbox += wire.encode([FORKED, lane, generation])
                     try:
                         pid = _fork_child(serve_child, lane, fds, plan)
                     except OSError as exc:  # pids.max, memory, a namespace limit: the lane's failure
                         os.write(2, f"boltzlabs: could not make env {lane}'s sandbox: {exc}\n".encode())
+                        forked.append((wire.encode([FORKED, lane, generation]), -1))
                         outbox += wire.encode([EXITED, lane, generation, 1 << 8])
                     else:
                         children[pid] = key
                         lanes[key] = pid
+                        # The worker signals the child through this, never by pid:
+                        # we reap it, and its pid is free for anyone from then on.
+                        forked.append((wire.encode([FORKED, lane, generation]), os.pidfd_open(pid)))
                     fds = []  # closed by _fork_child
                 elif message[0] == KILL:
                     pid = lanes.get((message[1], message[2]))
@@ -414,11 +468,23 @@ def fork_server(serve_child, channel_fd: int) -> None:
             if key is not None:
                 lanes.pop(key, None)
                 outbox += wire.encode([EXITED, key[0], key[1], status])
-        _flush(control, outbox)
+        _flush(control, forked, outbox)
 
 
-def _flush(control: socket.socket, outbox: bytearray) -> None:
-    """Send what the socket takes now; one packet may hold many frames."""
+def _flush(control: socket.socket, forked: list, outbox: bytearray) -> None:
+    """Send what the socket takes now: each FORKED in a packet of its own, with
+    the child's pidfd, ahead of the rest (so before that child's EXITED); then
+    the other frames, many to a packet."""
+    while forked:
+        frame, pidfd = forked[0]
+        try:
+            control.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [pidfd]).tobytes())]
+                           if pidfd >= 0 else [])
+        except (BlockingIOError, InterruptedError):
+            return
+        del forked[0]
+        if pidfd >= 0:
+            os.close(pidfd)
     while outbox:
         try:
             with memoryview(outbox) as view:

@@ -65,8 +65,7 @@ from boltzlabs import wire
 from boltzlabs.cgroups import CgroupPool, CgroupUnavailable
 from boltzlabs.identity import host_account
 from boltzlabs.sandbox import SandboxSpec, load_policy
-from boltzlabs.spawn import (TEMPLATE_LANE, ExecSpawner, TemplateSpawner, TemplateUnavailable, reap_orphans,
-                             receive_hello)
+from boltzlabs.spawn import TEMPLATE_LANE, ExecSpawner, TemplateSpawner, TemplateUnavailable, reap_orphans
 
 # Env lane states (the sandbox's side). A lane is in exactly one.
 STARTING, IDLE, BUSY, DEAD = "starting", "idle", "busy", "dead"
@@ -195,6 +194,12 @@ class Worker:
         self.hello = None  # lane 0's handshake info, for the client's READY
         self.held = 0  # the sum of every lane's `held`: bounded by max_pool_bytes
         self.max_pool_bytes = 1 << 30
+        # serialize_measurement with a freezer: every env is frozen outside its
+        # turn and its own requests (see _freeze); `freeze_pending`: lanes asked to
+        # freeze whose freeze is not confirmed yet.
+        self.freezing = False
+        self.freeze_pending: set[int] = set()
+        self.gate_note = ""
 
     # -- configuration and start-up -------------------------------------------------
 
@@ -235,7 +240,7 @@ class Worker:
         n = int(config["n"])
         _raise_fd_limit(n)
         try:
-            self.cgroups = CgroupPool(self.memory_limit, self.limits.get("pids"))
+            self.cgroups = CgroupPool(self.memory_limit, self.limits.get("pids"), freezer=self.gated)
             if self.limits.get("pids") and not self.cgroups.limits_pids:
                 self.limits_note = (f"no writable pids cgroup here: the per-env pids limit "
                                     f"({self.limits['pids']} tasks) is not enforced")
@@ -248,6 +253,16 @@ class Worker:
                 self.limits_note = f"no cgroups here: the per-env pids limit ({self.limits['pids']} tasks) is not enforced"
             if self.memory_limit:
                 raise ValueError(f"memory_limit needs a writable memory cgroup, and this host has none ({exc})")
+        if self.gated:
+            self.freezing = self.cgroups is not None and self.cgroups.freezes
+            if self.freezing:
+                self._on_message = self._on_message_freezing
+                _guard_frozen(self.cgroups.paths)
+            else:
+                why = self.cgroups.freezer_note if self.cgroups is not None else "no writable cgroups here"
+                self.gate_note = (f"serialize_measurement cannot freeze envs outside their turn ({why}): "
+                                  "step calls still run one at a time, but threads or child processes an env "
+                                  "leaves running after its reply keep running during other envs' turns")
         self.envs = [Env(i, self.env_limits) for i in range(n)]
         self.spawner = ExecSpawner(self)
         if config.get("spawn", "template") == "template":
@@ -270,7 +285,7 @@ class Worker:
             "hello": self.hello,
             "step_timeout": self.step_timeout,
             "spawn": self.spawner.kind,
-            "warning": "\n".join(note for note in (self.warning, self.limits_note) if note),
+            "warning": "\n".join(note for note in (self.warning, self.limits_note, self.gate_note) if note),
         }
 
     def _spawn(self, env: Env) -> None:
@@ -281,6 +296,8 @@ class Worker:
         if self.cgroups is not None:
             self._settle(env)
             env.events_base = self.cgroups.events(env.index)
+        if self.freezing:
+            self._thaw(env)  # the template forks while in the env's cgroups: never into a frozen one
         self.spawner.spawn(env)  # sets env.chan, env.logfd (and env.pid when known)
         os.set_blocking(env.chan, False)
         os.set_blocking(env.logfd, False)
@@ -420,10 +437,7 @@ class Worker:
 
     def _read_channel(self, env: Env) -> None:
         try:
-            if env.pid < 0 and self.spawner.wants_credentials:
-                data, env.pid = receive_hello(env.chan)  # a forked env: its host pid
-            else:
-                data = os.read(env.chan, _READ_SIZE)
+            data = os.read(env.chan, _READ_SIZE)
         except BlockingIOError:
             return
         except OSError:
@@ -499,6 +513,57 @@ class Worker:
             op.results[env.index] = result
             return
         self._unhold(env)  # a straggler's one late reply: dropped
+
+    def _on_message_freezing(self, env: Env, message: list) -> None:
+        """_on_message of a pool that freezes its envs (serialize_measurement):
+        an env's handshake or reply ends its work, so it is frozen first, before
+        the reply can pass the gate on. If the message is refused, the kill thaws."""
+        if env.state == STARTING or (env.state == BUSY and len(message) >= 2 and message[1] == env.seq):
+            self._freeze(env)
+        Worker._on_message(self, env, message)
+
+    def _freeze(self, env: Env) -> None:
+        try:
+            self.cgroups.freeze(env.index)
+        except OSError:
+            return  # its cgroup is gone: so is the env
+        self.freeze_pending.add(env.index)
+
+    def _thaw(self, env: Env) -> None:
+        self.freeze_pending.discard(env.index)
+        try:
+            self.cgroups.thaw(env.index)
+        except OSError:
+            pass
+
+    def _all_frozen(self) -> None:
+        """Before a turn at the gate: wait until every env asked to freeze is
+        frozen. Freezing takes each task out of whatever it runs; one that
+        cannot be frozen in time is killed, so the gate's promise holds."""
+        now = time.monotonic()
+        deadline = now + min(self.step_timeout, 2.0)
+        spin_until = now + 0.002  # a freeze mostly lands within ~0.1 ms: re-read before sleeping
+        pause = 0.0001
+        while self.freeze_pending:
+            for index in list(self.freeze_pending):
+                env = self.envs[index]
+                try:
+                    done = env.state == DEAD or self.cgroups.frozen(index)
+                except OSError:
+                    done = True
+                if done:
+                    self.freeze_pending.discard(index)
+            if not self.freeze_pending:
+                return
+            if time.monotonic() >= deadline:
+                for index in list(self.freeze_pending):
+                    self.freeze_pending.discard(index)
+                    self._kill(self.envs[index], "could not be frozen outside its turn (serialize_measurement) "
+                                                 "and was killed")
+                return
+            if time.monotonic() >= spin_until:
+                time.sleep(pause)
+                pause = min(pause * 2, 0.005)
 
     def _read_log(self, env: Env) -> None:
         try:
@@ -601,7 +666,8 @@ class Worker:
             return
         self.spawner.kill(env)
         if self.cgroups is not None:
-            self.cgroups.kill(env.index)
+            self.cgroups.kill(env.index)  # and thaws it: killed tasks die on the way out
+        self.freeze_pending.discard(env.index)
         self._drain_log(env)
         self._release(env, cause)
 
@@ -663,6 +729,7 @@ class Worker:
         pack = self._packer.pack
         header = wire.HEADER.pack
         gated = self.gated
+        freezing = self.freezing
         immediate: dict[int, str] = {}
         # Hot path: one frame per idle env, written straight to its channel.
         for env, action in zip(self.envs, actions):
@@ -670,6 +737,8 @@ class Worker:
                 if resets and env.index in resets:
                     body = pack([wire.RESET, seq, None, None])
                     env.expect = wire.RESET_DONE
+                    if freezing:
+                        self._thaw(env)  # resets are not gated
                 else:
                     body = pack([wire.STEP, seq, action, gated])
                     env.expect = wire.STEPPED
@@ -687,6 +756,11 @@ class Worker:
                 env = self.envs[index]
                 if index not in op.waiting:
                     continue
+                if freezing:
+                    self._all_frozen()
+                    if index not in op.waiting:
+                        continue
+                    self._thaw(env)  # its STEP is waiting in its channel: decoded in its own turn
                 self._write(env, wire.encode([wire.GO, seq]))
                 self._wait_one(op, index, time.monotonic() + self.step_timeout)
                 if index in op.waiting:
@@ -791,6 +865,8 @@ class Worker:
             if index in resets:
                 body = pack([wire.RESET, seq, None, None])
                 env.expect = wire.RESET_DONE
+                if self.freezing:
+                    self._thaw(env)  # resets are not gated
                 env.deadline = deadline
                 self.deadlines.append((deadline, index, seq))
             else:
@@ -935,6 +1011,11 @@ class Worker:
             env = self.envs[index]
             if env.flight != FLYING or env.state != BUSY:
                 continue  # died while queued: already finished
+            if self.freezing:
+                self._all_frozen()
+                if env.flight != FLYING or env.state != BUSY:
+                    continue
+                self._thaw(env)
             self.gate_holder = index
             env.deadline = time.monotonic() + self.step_timeout
             self.deadlines.append((env.deadline, index, env.seq))
@@ -992,6 +1073,8 @@ class Worker:
             env.state = BUSY
             env.expect = wire.RESET_DONE
             op.waiting.add(env.index)
+            if self.freezing:
+                self._thaw(env)
             self._write(env, wire.encode([wire.RESET, seq, seed, options]))
         self._wait(op, time.monotonic() + self.step_timeout)
         self.op = None
@@ -1028,6 +1111,8 @@ class Worker:
                 env.state = BUSY
                 env.expect = wire.RENDERED
                 op.waiting.add(index)
+                if self.freezing:
+                    self._thaw(env)
                 self._write(env, wire.encode([wire.RENDER, seq]))
         self._wait(op, time.monotonic() + self.step_timeout)
         self.op = None
@@ -1228,8 +1313,8 @@ def _pss_tree(pid: int) -> int:
         return 0
 
 
-# File descriptors the worker plans per env (channel, log pipe, exec mode's
-# pidfd; a template env holds two) and for itself.
+# File descriptors the worker plans per env (channel, log pipe and a pidfd:
+# of its bwrap in exec mode, of its pid 1 in template mode) and for itself.
 FDS_PER_ENV, FD_SLACK = 3, 256
 
 
@@ -1260,6 +1345,41 @@ def _raise_fd_limit(n: int) -> None:
     if soft < want:
         raise ValueError(f"a pool of {n} envs needs about {want} file descriptors and the limit is {soft}; "
                          f"raise it (ulimit -n {want}, or LimitNOFILE= for a service) or use fewer envs")
+
+
+def _guard_frozen(paths: list[str]) -> None:
+    """Make sure frozen envs die with this worker, however it dies.
+
+    A task frozen by the cgroup v1 freezer does not act on SIGKILL until it is
+    thawed, so bwrap's --die-with-parent (and every other kill) would wait
+    forever if the worker died, SIGKILL included, while envs were frozen. A
+    forked guardian in a session of its own (a kill of our process group
+    misses it) waits for the end of a pipe this process holds, which closes
+    only when this process is gone, then kills, thaws and removes what is
+    left of the pool's cgroups: nothing, after a clean close.
+    """
+    from boltzlabs.cgroups import remove_pool_dir
+
+    r, w = os.pipe()
+    if os.fork() == 0:
+        try:
+            os.setsid()
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(signum, signal.SIG_IGN)
+            # Nothing of the worker's but the pipe: the client's socket held
+            # here would hide the worker's death from the client.
+            os.closerange(3, r)
+            os.closerange(r + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+            while os.read(r, 1):
+                pass
+            remove_pool_dir(paths)
+        finally:
+            os._exit(0)
+    os.close(r)
+    _GUARD.append(w)  # held (close-on-exec, so no sandbox gets it) until this process ends
+
+
+_GUARD: list[int] = []
 
 
 def _terminate(signum, frame):

@@ -11,6 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from boltzlabs import RLPool
 from boltzlabs.sandbox import load_policy
 
 ATTACK_ENV = r'''
@@ -332,3 +333,100 @@ def test_a_lane_cannot_open_another_lanes_pty(quota_pool):
     assert obs[1]["out"] == errno.ENOENT, obs[1]
     obs, _, _, infos = pool.step([{"op": "open", "path": f"/dev/pts/{number}"}, 1.0])
     assert obs[0]["out"] == 0  # its own pty: there, for itself
+
+
+FORGED_HANDSHAKE = r"""
+import ctypes, os
+from boltzlabs import env as _env, wire
+from boltzlabs.env import serve
+
+_real_loop = _env._serve_loop
+forger = {}
+
+
+class _HandshakeAlreadySent:
+    # The env's channel, less the HELLO the serve loop writes first.
+    def __init__(self, channel):
+        self.channel, self.first = channel, True
+
+    def write(self, data):
+        if self.first:
+            self.first = False
+            return
+        self.channel.write(data)
+
+    def receive(self):
+        return self.channel.receive()
+
+
+def _forging_loop(channel, reset, step, render, info):
+    if "BOLTZLABS_ENV_INDEX" not in os.environ:  # the template's warm-up: leave it alone
+        return _real_loop(channel, reset, step, render, info)
+    # The handshake comes from a short-lived grandchild, not from the env.
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        ctypes.CDLL(None).prctl(15, b"bl-forger", 0, 0, 0)  # PR_SET_NAME: the test finds it
+        channel.write(wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, dict(info, pid=1)]))
+        os.close(w)
+        os.read(r, 1)
+        os._exit(0)
+    os.close(r)
+    forger.update(pid=pid, release=w)
+    _real_loop(_HandshakeAlreadySent(channel), reset, step, render, info)
+
+
+_env._serve_loop = _forging_loop  # import-time code can replace anything of the runtime
+
+
+def step(action):
+    if action == "release":  # the grandchild exits and is reaped: its pid is free
+        os.close(forger["release"])
+        os.waitpid(forger["pid"], 0)
+    return 0, 1.0, False, {}
+
+
+serve(reset=lambda seed: 0, step=step)
+"""
+
+
+def _host_process_with_pid(pid: int) -> subprocess.Popen:
+    """A host `sleep` given exactly `pid`: the kernel hands out ns_last_pid + 1
+    next, and root may write it. Other processes of the host can race us."""
+    for _ in range(50):
+        if psutil.pid_exists(pid):
+            pytest.skip(f"pid {pid} was taken by another host process before the test could take it")
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        proc = subprocess.Popen(["sleep", "60"])
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    pytest.skip(f"could not start a host process with pid {pid}")
+
+
+def test_a_handshake_from_a_short_lived_grandchild_never_gets_a_host_process_killed(env_dir, spawn):
+    """The worker once took an env's host pid from the credentials of its
+    first message and SIGKILLed that pid at hard reset and close; a grandchild
+    that sent the handshake and exited left a pid any host process could reuse."""
+    pool = RLPool(env_dir(FORGED_HANDSHAKE), 1, spawn=spawn, step_timeout=10.0)
+    with pool:
+        pool.reset(seed=0)
+        forgers = [p for p in psutil.Process(pool._proc.pid).children(recursive=True) if p.name() == "bl-forger"]
+        assert len(forgers) == 1
+        forged = forgers[0].pid
+        _, rewards, _, infos = pool.step(["release"])
+        assert rewards[0] == 1.0, infos
+        assert not psutil.pid_exists(forged)
+        bystander = _host_process_with_pid(forged)
+        try:
+            recorded = pool.pids()[0]
+            pool.reset(hard=True)  # kills the env's sandbox
+            _, rewards, _, _ = pool.step([0])
+            assert rewards[0] == 1.0
+            pool.close()  # and again
+            assert bystander.poll() is None, f"host process {forged} was killed: {bystander.returncode}"
+        finally:
+            bystander.kill()
+            bystander.wait()
+        assert recorded != forged  # pids() shows the env's own process, not what its handshake claimed

@@ -16,6 +16,7 @@ import struct
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import msgpack
@@ -176,9 +177,17 @@ serve(reset=lambda seed: forked, step=lambda action: (forked, 0.0, False, {}))
 
 def test_a_fork_bomb_at_import_is_bounded_too(env_dir, spawn):
     before = descendants()
-    with RLPool(env_dir(BOMB_AT_IMPORT), 2, spawn=spawn, limits={"pids": 24}) as pool:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pool = RLPool(env_dir(BOMB_AT_IMPORT), 2, spawn=spawn, limits={"pids": 24})
+    with pool:
+        if spawn == "template":
+            # The bomb ran in the template, bounded by the env's pids limit on the
+            # template's own cgroup; it left processes running, so the pool fell
+            # back to exec mode (and the template's namespace took them with it).
+            assert pool.spawn == "exec"
+            assert any("left processes running at import" in str(w.message) for w in caught), caught
         forked = pool.reset(seed=0)
-        # The template's own cgroup has the env's pids limit; in exec mode each env's.
         assert all(0 < f < 24 for f in forked), forked
         assert pool.step([1, 1])[0] == forked
     assert descendants() == before
@@ -489,24 +498,31 @@ DYING_CLIENT = """
 import os, sys, json
 sys.path.insert(0, {root!r})
 from boltzlabs import RLPool
-pool = RLPool({hostile!r}, 2, spawn={spawn!r})
+pool = RLPool({hostile!r}, 2, spawn={spawn!r}, serialize_measurement={gated!r})
 pool.reset(seed=0)
 pool.step([{{"op": "daemons"}}] * 2)
 groups = [os.path.join(pool._cgroup[0], f"env-{{i}}", "cgroup.procs") for i in range(2)]
-print(json.dumps({{"worker": pool._proc.pid, "pids": [int(p) for g in groups for p in open(g).read().split()]}}), flush=True)
+print(json.dumps({{"worker": pool._proc.pid, "pids": [int(p) for g in groups for p in open(g).read().split()],
+                  "cgroups": pool._cgroup}}), flush=True)
 if {who!r} == "client":
     os.kill(os.getpid(), 9)
 os.kill(pool._proc.pid, 9)
+if {who!r} == "both":
+    os.kill(os.getpid(), 9)
 import time; time.sleep(1)
 """
 
 
-@pytest.mark.parametrize("who", ["client", "worker"])
-def test_no_sandbox_outlives_a_killed_client_or_worker(spawn, who):
+@pytest.mark.parametrize("who, gated", [("client", False), ("worker", False),
+                                        # serialize_measurement freezes idle envs, and a frozen
+                                        # task ignores SIGKILL until thawed
+                                        ("client", True), ("worker", True), ("both", True)])
+def test_no_sandbox_outlives_a_killed_client_or_worker(spawn, who, gated):
     import json
 
-    code = DYING_CLIENT.format(root=str(TESTS.parent), hostile=str(HOSTILE), spawn=spawn, who=who)
+    code = DYING_CLIENT.format(root=str(TESTS.parent), hostile=str(HOSTILE), spawn=spawn, who=who, gated=gated)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     seen = json.loads(out.stdout.strip().splitlines()[0])
     assert len(seen["pids"]) >= 6, seen  # two envs, each with children that ignore signals
     assert wait_until(lambda: gone(seen["pids"] + [seen["worker"]])), seen
+    assert wait_until(lambda: not any(os.path.exists(path) for path in seen["cgroups"])), seen

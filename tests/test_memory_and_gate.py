@@ -1,5 +1,6 @@
 """Memory from the kernel's accounting, memory_limit, and the measurement gate."""
 
+import time
 import warnings
 from pathlib import Path
 
@@ -111,3 +112,97 @@ def test_without_a_writable_cgroup_memory_falls_back_to_pss(spawn):
     assert 60 <= grew0 <= 70 and abs(grew1) <= 2
     assert positive == "True"
     assert "memory_limit needs a writable memory cgroup" in refused
+
+
+LEFTOVER_WORK = """
+import mmap, os, threading, time
+from boltzlabs.env import serve
+
+state = {}
+
+def spin(offset):
+    n = 0
+    while True:
+        n += 1
+        if n % 256 == 0:
+            state["counters"][offset:offset + 8] = n.to_bytes(8, "little")
+
+def read():
+    return [int.from_bytes(state["counters"][i:i + 8], "little") for i in (0, 8)] if state else [0, 0]
+
+def step(action):
+    start = read()
+    if action["spin"] and not state:
+        # Work left running after the reply: a thread and a child process,
+        # counting in memory shared with the env (made here, not at import).
+        state["counters"] = mmap.mmap(-1, 16)
+        threading.Thread(target=spin, args=(8,), daemon=True).start()
+        if os.fork() == 0:
+            spin(0)
+    time.sleep(action["s"])
+    return {"start": start, "end": read()}, 0.0, False, {}
+
+serve(reset=lambda seed: 0, step=step)
+"""
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time used so far by a process, its threads and its descendants."""
+    import psutil
+
+    root = psutil.Process(pid)
+    return sum(sum(p.cpu_times()[:2]) for p in [root] + root.children(recursive=True))
+
+
+def test_the_gate_freezes_work_an_env_leaves_running_after_its_reply(env_dir, spawn):
+    """serialize_measurement promises one env's code at a time: a thread or a
+    child an env leaves spinning after its reply must not run during another
+    env's turn, nor between calls."""
+    with RLPool(env_dir(LEFTOVER_WORK), 2, serialize_measurement=True, step_timeout=10, spawn=spawn) as pool:
+        assert pool.spawn == spawn
+        for i, pid in enumerate(pool.pids()):  # born in its freezer cgroup
+            line = next(l for l in Path(f"/proc/{pid}/cgroup").read_text().splitlines() if ":freezer:" in l)
+            assert line.endswith(f"/env-{i}"), line
+        pool.reset(seed=0)
+        actions = [{"spin": True, "s": 0.2}, {"spin": False, "s": 0.5}]
+        obs, *_ = pool.step(actions)
+        # Between calls: env 0 and what it left running use no CPU at all.
+        before = _cpu_seconds(pool.pids()[0])
+        time.sleep(0.3)
+        idle = _cpu_seconds(pool.pids()[0]) - before
+        assert idle < 0.02, f"env 0's leftover work used {idle:.2f} s of CPU in 0.3 s between calls"
+        last = obs[0]
+        for _ in range(2):
+            obs, *_ = pool.step(actions)
+            now = obs[0]
+            for k, kind in enumerate(["child", "thread"]):
+                during = now["end"][k] - now["start"][k]  # 0.2 s of its own turn
+                between = now["start"][k] - last["end"][k]  # env 1's 0.5 s turn, the client, 0.3 s of sleep
+                assert during > 0, (kind, now)
+                assert between < during, f"the {kind} ran outside its env's turn: {between} counts, {during} in 0.2 s"
+            last = now
+
+
+def test_without_a_freezer_the_gate_warns(spawn):
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, warnings
+sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
+from boltzlabs import RLPool
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with RLPool({str(PROBE)!r}, 2, spawn={spawn!r}, serialize_measurement=True) as pool:
+        pool.reset(seed=0)
+        assert pool.step([1, 1])[1].tolist() == [1.0, 1.0]
+    with RLPool({str(PROBE)!r}, 1, spawn={spawn!r}) as pool:
+        pass
+print([str(w.message) for w in caught if w.category is RuntimeWarning])
+"""
+    script = ("mount --make-rprivate / && mount -o remount,bind,ro /sys/fs/cgroup/freezer && "
+              f"exec {sys.executable} -c \"$0\"")
+    out = subprocess.run(["unshare", "-m", "sh", "-c", script, code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    warned = eval(out.stdout.strip().splitlines()[-1])
+    assert len(warned) == 1 and "serialize_measurement" in warned[0] and "freez" in warned[0], warned

@@ -110,6 +110,10 @@ def check_hard_reset(pool):
     ("import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n",
      "started threads at import"),
     ("import socket\nheld = socket.socketpair()\n", "holds open sockets at import"),
+    # A process left running (here a daemon, reparented to the sandbox's init):
+    # children would not have it, and the gate's freezer would not reach it.
+    ("import os, time\nif os.fork() == 0:\n    if os.fork() == 0:\n        time.sleep(60)\n    os._exit(0)\n"
+     "os.wait()\n", "left processes running at import"),
 ])
 def test_unforkable_env_falls_back_to_exec_with_a_warning(env_dir, source, reason):
     directory = env_dir(source + "from boltzlabs.env import serve\n"
@@ -219,3 +223,78 @@ def test_each_child_mounts_one_tmpfs_for_its_workspace_and_dev_shm(env_dir):
             assert len(obs["devices"]) == 2, obs  # the tmpfs and the proc
         first = pool.reset()[0]["devices"]
         assert pool.reset(hard=True)[0]["devices"] != first  # a new tmpfs and proc per child
+
+
+
+SHARED_MAPPING = """
+import ctypes, os
+from boltzlabs.env import serve
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+PROT_READ, PROT_WRITE, MAP_SHARED, MAP_ANONYMOUS = 1, 2, 0x01, 0x20
+# Made at import: in a template, every forked child would map the same pages.
+# With PROT_READ only it is still writable later (mprotect): shared memory all the same.
+ADDRESS = libc.mmap(None, 4096, {prot}, MAP_SHARED | MAP_ANONYMOUS, -1, 0)
+
+def reset(seed):
+    return 0
+
+def step(action):
+    if action is not None:
+        if libc.mprotect(ctypes.c_void_p(ADDRESS), 4096, PROT_READ | PROT_WRITE) != 0:
+            raise OSError(ctypes.get_errno(), "mprotect")
+        ctypes.memmove(ADDRESS, action.encode().ljust(8), 8)
+    return ctypes.string_at(ADDRESS, 8).rstrip(b"\\x00 ").decode(), 0.0, False, {{}}
+
+serve(reset=reset, step=step)
+"""
+
+
+@pytest.mark.parametrize("prot", ["PROT_READ | PROT_WRITE", "PROT_READ"])
+def test_a_shared_mapping_made_at_import_falls_back_to_exec_and_lanes_stay_apart(env_dir, prot):
+    """A MAP_SHARED mapping in the template would be one memory for every lane,
+    kept across hard resets: the pool must not fork such a template."""
+    directory = env_dir(SHARED_MAPPING.format(prot=prot))
+    with pytest.warns(RuntimeWarning, match=r"shared writable memory mapping at import \(anonymous shared memory"):
+        pool = RLPool(directory, 2, spawn="template")
+    with pool:
+        assert pool.spawn == "exec"
+        pool.reset(seed=0)
+        obs, *_ = pool.step(["lane0", None])
+        assert obs == ["lane0", ""]
+        obs, *_ = pool.step([None, "lane1"])
+        assert obs == ["lane0", "lane1"]
+        pool.reset(hard=True, where=[0])
+        assert pool.step([None, None])[0] == ["", "lane1"]
+
+
+FORGED_TEMPLATE_HANDSHAKE = """
+import os
+from boltzlabs import wire
+from boltzlabs.env import serve
+
+# Import-time code speaks first on the template's channel, from a process of
+# its own that exits at once: its pid is free for the host to reuse.
+pid = os.fork()
+if pid == 0:
+    os.write(int(os.environ["BOLTZLABS_FD"]),
+             wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, {"pid": 2, "forkable": True, "reason": ""}]))
+    os._exit(0)
+os.waitpid(pid, 0)
+
+serve(reset=lambda seed: 0, step=lambda action: (0, 1.0, False, {}))
+"""
+
+
+def test_a_template_handshake_sent_by_another_process_moves_only_the_template(env_dir):
+    """The worker moves the template into each env's cgroups around a fork, by
+    pid. It once took that pid from the credentials of the first message on
+    the template's channel: a process of import-time code was moved instead
+    (a host process, once that pid is reused) and the envs were born in the
+    template's cgroup."""
+    with RLPool(env_dir(FORGED_TEMPLATE_HANDSHAKE), 2, spawn="template") as pool:
+        assert pool.spawn == "template"
+        check_cgroups(pool)
+        assert pool.step([0, 0])[1].tolist() == [1.0, 1.0]
