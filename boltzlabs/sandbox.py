@@ -82,9 +82,20 @@ class Policy:
 
 
 def load_policy() -> Policy:
-    """Read the policy shipped with this installation."""
-    with open(_data_dir("sandbox") / "policy.toml", "rb") as f:
-        sandbox = tomllib.load(f)
+    """Read the policy shipped with this installation.
+
+    `BOLTZLABS_POLICY=/path/policy.toml` in the environment of the process
+    that starts the worker (the trainer, or `boltzlabs worker --listen`) puts
+    an operator's own policy.toml in place of the shipped one, whole: start
+    from a copy of sandbox/policy.toml. The mount profiles and seccomp.toml
+    stay the installation's."""
+    path = os.environ.get("BOLTZLABS_POLICY") or _data_dir("sandbox") / "policy.toml"
+    try:
+        with open(path, "rb") as f:
+            sandbox = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SandboxUnavailable(f"cannot read the sandbox policy {path} ({exc}); "
+                                 "fix it, or unset BOLTZLABS_POLICY to use the shipped one") from None
     mounts = {}
     for profile in MOUNT_PROFILES:
         with open(_data_dir("mounts") / f"{profile}.toml", "rb") as f:

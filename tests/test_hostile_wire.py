@@ -275,3 +275,77 @@ def test_an_oversized_hello_is_a_clear_start_error(env_dir, spawn, metadata, wor
     source = env_dir(BIG_HELLO.replace("{METADATA}", metadata))
     with pytest.raises(EnvStartError, match=words):
         RLPool(source, 2, spawn=spawn, start_timeout=20).close()
+
+
+# --- 4. the pool's budget (limits.max_pool_bytes) -------------------------------------------------
+
+BIG_REPLIES = """
+    import os
+
+    from boltzlabs.env import serve
+
+    def reset(seed):
+        return 0
+
+    def step(size):
+        lane = int(os.environ["BOLTZLABS_ENV_INDEX"])
+        return bytes([lane]) * size, 1.0, False, {}
+
+    serve(reset=reset, step=step)
+"""
+
+
+@pytest.fixture
+def small_budget(tmp_path, monkeypatch):
+    """A policy whose pool budget is 4 MiB: BOLTZLABS_POLICY, read by the worker."""
+    from boltzlabs.sandbox import _data_dir
+
+    text = (_data_dir("sandbox") / "policy.toml").read_text()
+    assert "\nmax_pool_bytes = 1073741824\n" in text
+    policy = tmp_path / "policy.toml"
+    policy.write_text(text.replace("\nmax_pool_bytes = 1073741824\n", "\nmax_pool_bytes = 4194304\n"))
+    monkeypatch.setenv("BOLTZLABS_POLICY", str(policy))
+    return 4 << 20
+
+
+def test_replies_within_the_pools_budget_are_released_as_they_are_returned(env_dir, pool_factory, small_budget):
+    pool = pool_factory(env_dir(BIG_REPLIES), 3)
+    pool.reset(seed=0)
+    for _ in range(6):  # 3 MiB a step under a 4 MiB budget: it must be given back every time
+        obs, _, dones, infos = pool.step([1 << 20] * 3)
+        assert not dones.any(), infos
+        assert [o == bytes([i]) * (1 << 20) for i, o in enumerate(obs)] == [True] * 3
+    pool.send([1 << 20] * 3)  # and by recv
+    for _ in range(3):
+        ids, obs, _, dones, infos = pool.recv(batch_size=1, timeout=10)
+        assert not dones.any(), infos
+
+
+def test_replies_past_the_pools_budget_fail_their_lanes_only(env_dir, pool_factory, small_budget):
+    n = 6
+    pool = pool_factory(env_dir(BIG_REPLIES), n)
+    pool.reset(seed=0)
+    obs, _, dones, infos = pool.step([1 << 20] * n)  # 6 MiB held at once: over 4 MiB
+    failed = [i for i in range(n) if dones[i]]
+    kept = [i for i in range(n) if not dones[i]]
+    assert failed and kept, infos
+    for i in failed:
+        assert obs[i] is None and "max_pool_bytes" in infos[i]["error"], infos[i]
+    for i in kept:
+        assert obs[i] == bytes([i]) * (1 << 20) and "error" not in infos[i]
+    assert len(kept) * (1 << 20) <= small_budget
+    pool.reset(where=failed)  # the pool goes on: small replies from every lane
+    obs, _, dones, infos = pool.step([8] * n)
+    assert not dones.any(), infos
+    assert obs == [bytes([i]) * 8 for i in range(n)]
+
+
+def test_a_broken_policy_file_is_a_clear_error(env_dir, tmp_path, monkeypatch):
+    from boltzlabs.errors import SandboxUnavailable
+    from boltzlabs.sandbox import load_policy
+
+    broken = tmp_path / "policy.toml"
+    broken.write_text("[limits\n")
+    monkeypatch.setenv("BOLTZLABS_POLICY", str(broken))
+    with pytest.raises(SandboxUnavailable, match="BOLTZLABS_POLICY"):
+        load_policy()

@@ -1,5 +1,6 @@
 """Memory from the kernel's accounting, memory_limit, and the measurement gate."""
 
+import ast
 import time
 import warnings
 from pathlib import Path
@@ -204,5 +205,5 @@ print([str(w.message) for w in caught if w.category is RuntimeWarning])
               f"exec {sys.executable} -c \"$0\"")
     out = subprocess.run(["unshare", "-m", "sh", "-c", script, code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    warned = eval(out.stdout.strip().splitlines()[-1])
+    warned = ast.literal_eval(out.stdout.strip().splitlines()[-1])
     assert len(warned) == 1 and "serialize_measurement" in warned[0] and "freez" in warned[0], warned
