@@ -327,3 +327,20 @@ def test_preload_imports_named_modules_in_the_template(env_dir):
     with RLPool(directory, 2, spawn="template", warmup=False) as pool:
         assert pool.env_contract["warmup"] is None
         assert pool.reset(seed=1) == [[False, False]] * 2
+
+
+def test_a_remote_pool_takes_warmup(env_dir, tmp_path):
+    from test_remote import Worker
+
+    directory = env_dir(LAZY)
+    (tmp_path / "remote").mkdir()
+    worker = Worker(tmp_path / "remote")
+    try:
+        with worker.pool(directory, 2, spawn="template") as pool:
+            assert "numpy.random" in pool.env_contract["warmup"]["imported"]
+            assert all(s["numpy.random"] for s in pool.reset(seed=1))
+        with worker.pool(directory, 2, spawn="template", warmup=False) as pool:
+            assert pool.env_contract["warmup"] is None
+            assert not any(s["numpy.random"] for s in pool.reset(seed=1))
+    finally:
+        worker.stop()
