@@ -599,6 +599,8 @@ def _fit_hello(hello: dict) -> bytes:
     while len(frame) > _MAX_HELLO and report is not None:
         longest = max(("modules", "imported", "preload"), key=lambda key: len(report[key]))
         if not report[longest]:
+            if not report["failed"]:
+                break  # nothing of ours left to cut: the worker refuses the HELLO, the pool runs exec mode
             report["failed"] = {}
         report[longest] = report[longest][:len(report[longest]) // 2]
         report["truncated"] = True
