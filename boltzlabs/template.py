@@ -15,6 +15,13 @@ BOLTZLABS_TEMPLATE and turns into the fork server (`fork_server`). The
 template never runs reset or step, so each child starts from the same
 pristine state: a hard reset is "kill the child, fork another".
 
+Before its HELLO, the template warms itself for the env's real work
+(`warm_up`): a throwaway child, made exactly like an env's, runs reset and a
+few steps and reports the modules they imported; the template imports those
+(and serve(preload=...)), then freezes its heap and forks. Lazily imported
+modules (numpy.random: ~5 MiB) are then shared by every env instead of
+copied into each. The report travels in the HELLO (`pool.env_contract["warmup"]`).
+
 Each child becomes its own sandbox before any env code runs in it:
 
     template --clone(NEWUSER|NEWPID)-->
