@@ -292,10 +292,11 @@ class SandboxSpec:
         child gets the env's rlimits; the template itself the same, except room
         for `open_files` (it holds a pipe for each child being made). With
         `warmup`, it probes the env's real work before forking, for at most
-        [template] warmup_timeout seconds (template.warm_up)."""
+        [template] warmup_timeout seconds (template.warm_up), held to the
+        env's memory limit: "seconds,bytes"."""
         timeout = float(self.policy.sandbox["template"].get("warmup_timeout", 5.0)) if warmup else 0.0
         return self._template_head + [
-            "--setenv", "BOLTZLABS_WARMUP", repr(timeout),
+            "--setenv", "BOLTZLABS_WARMUP", f"{timeout!r},{int(self.limits.get('memory') or 0)}",
             "--setenv", _limits.VARIABLE, _limits.encode(self.limits),
             "--setenv", "BOLTZLABS_TEMPLATE_RLIMITS", _limits.encode(self.limits, open_files),
             "--setenv", "BOLTZLABS_FD", str(channel_fd),

@@ -91,8 +91,9 @@ from boltzlabs import confine, limits, seccomp, wire
 
 FORK, KILL, FORKED, EXITED = 30, 31, 32, 33
 WARMED = 34  # the probe's report (warm_up)
-# The worker's word on the probe: seconds it may take ([template]
-# warmup_timeout of sandbox/policy.toml), or "0" for none (RLPool(warmup=False)).
+# The worker's word on the probe: "seconds,bytes": the seconds it may take
+# ([template] warmup_timeout of sandbox/policy.toml; 0: no probe, as with
+# RLPool(warmup=False)) and the env's memory limit (0: none).
 WARMUP_VARIABLE = "BOLTZLABS_WARMUP"
 # Caps on what the probe reports (env code ran there: its report is as
 # hostile as anything an env sends): names, their length, the frame, and how
@@ -385,7 +386,7 @@ def _shared_writable_mappings() -> list[str]:
     return found
 
 
-def warm_up(plan: _ChildPlan, probe, preload, timeout: float) -> dict:
+def warm_up(plan: _ChildPlan, probe, preload, timeout: float, memory: int = 0) -> dict:
     """Make the template warm for the env's real work; returns the report
     (`pool.env_contract["warmup"]`).
 
@@ -398,6 +399,7 @@ def warm_up(plan: _ChildPlan, probe, preload, timeout: float) -> dict:
     template never runs reset or step itself: its module globals and RNGs
     stay as env.py's import left them, so episodes match exec mode's and hard
     resets stay byte-identical. The child's files die with its tmpfs.
+    `memory`: the env's memory limit, held to in the child (`_probe_child`).
     """
     report = {"modules": [], "preload": [], "imported": [], "failed": {}, "private_birth": 0, "private_after": 0,
               "steps": 0, "seconds": 0.0, "error": None, "refused": 0}
@@ -405,7 +407,7 @@ def warm_up(plan: _ChildPlan, probe, preload, timeout: float) -> dict:
     report["preload"] = preload
     if probe is not None:
         try:
-            _run_probe(plan, probe, timeout, report)
+            _run_probe(plan, probe, timeout, memory, report)
         except Exception as exc:  # a limit hit making the child: the pool still starts
             report["error"] = f"the probe could not run: {exc}"
     had_numpy_random = "numpy.random" in sys.modules
@@ -461,13 +463,13 @@ def _valid_name(name) -> bool:
             and all(part.isidentifier() for part in name.split(".")))
 
 
-def _run_probe(plan: _ChildPlan, probe, timeout: float, report: dict) -> None:
+def _run_probe(plan: _ChildPlan, probe, timeout: float, memory: int, report: dict) -> None:
     """Fork the probe's child, read its report within `timeout`, kill and reap it."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     log = os.dup(2)  # what the probe prints goes to the template's log
     started = time.monotonic()
     try:
-        pid = _fork_child(_probe_child(probe), 0, [theirs.detach(), log], plan)
+        pid = _fork_child(_probe_child(probe, memory), 0, [theirs.detach(), log], plan)
     except BaseException:
         ours.close()
         raise
@@ -553,14 +555,25 @@ def _take_report(data: bytes, status, report: dict) -> None:
         report["error"] = "the probe sent no valid report (its output was refused)"
 
 
-def _probe_child(probe):
+def _probe_child(probe, memory: int):
     """What the probe's child runs once it is a sandbox: the env's real work,
     then its report on `channel_fd`: [WARMED, new module names, how many,
-    Private_Dirty before reset, after the work, steps, error text or None]."""
+    Private_Dirty before reset, after the work, steps, error text or None].
+
+    It is born in the template's cgroup, which has no memory limit (the
+    template's imports are the pool's), so the env's limit, if any, is an
+    rlimit here: the data it holds now (the template's, shared) plus the
+    limit. An env over it fails in the probe with MemoryError, not the host."""
 
     def run(channel_fd: int) -> None:
         error = None
         report = {"steps": 0}
+        if memory > 0:
+            import resource
+
+            with open("/proc/self/status") as status:
+                held = next((int(line.split()[1]) * 1024 for line in status if line.startswith("VmData:")), 0)
+            resource.setrlimit(resource.RLIMIT_DATA, (held + memory, held + memory))
         try:
             probe.prepare()  # actions sampled first: what sampling imports is not the env's work
         except BaseException as exc:
@@ -639,14 +652,14 @@ def fork_server(serve_child, channel_fd: int, probe=None, preload=()) -> None:
         raise RuntimeError("the template's set-up did not run (boltzlabs.template.main); refusing to fork envs")
     _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "child subreaper")
     try:
-        timeout = float(warmup)
-    except ValueError:
-        timeout = 0.0
+        timeout, memory = float(warmup.split(",")[0]), int(warmup.split(",")[1])
+    except (ValueError, IndexError):
+        timeout, memory = 0.0, 0
     if timeout > 0:
         # The probe's child is made from a plan of its own: the envs' plan is
         # made after the imports, next to the fork path (see below).
         probe_plan = _ChildPlan(confine.Plan(confine.prepared), hostname, rlimits, (os.geteuid(), os.getegid()))
-        hello["warmup"] = warm_up(probe_plan, probe, preload, timeout)
+        hello["warmup"] = warm_up(probe_plan, probe, preload, timeout, memory)
         del probe_plan
         if hello["warmup"]["imported"]:
             reason = _unsafe_to_fork(channel_fd)

@@ -344,3 +344,28 @@ def test_a_remote_pool_takes_warmup(env_dir, tmp_path):
             assert not any(s["numpy.random"] for s in pool.reset(seed=1))
     finally:
         worker.stop()
+
+
+GREEDY = """
+from boltzlabs.env import serve
+
+def reset(seed):
+    if seed == 0:
+        held = bytearray(512 << 20)  # over the env's memory limit: the probe's too
+    return 1
+
+def step(action):
+    return 0, 0.0, False, {}
+
+serve(reset=reset, step=step)
+"""
+
+
+def test_the_probe_is_held_to_the_envs_memory_limit(env_dir):
+    """The probe runs in the template's cgroup, which has no memory limit."""
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        pool = RLPool(env_dir(GREEDY), 2, spawn="template", memory_limit="128M")
+    with pool:
+        assert "MemoryError" in pool.env_contract["warmup"]["error"], pool.env_contract["warmup"]
+        assert pool.reset(seed=1) == [1, 1]
