@@ -115,6 +115,19 @@ class EnvContract:
     action_space: dict | None
     metadata: dict
     render_mode: str | None
+    # The template's warm-up (spawn="template"; boltzlabs.template.warm_up):
+    # {"modules": what the env's first reset and steps imported, "preload":
+    # serve(preload=...), "imported", "failed": {name: error}, "private_birth"/
+    # "private_after": the probe's Private_Dirty bytes before reset and after
+    # its steps, "steps", "seconds", "error": None or why the probe failed}.
+    # None in exec mode or with RLPool(warmup=False).
+    warmup: dict | None = None
+
+    def __getitem__(self, key: str):
+        """`contract["warmup"]` is `contract.warmup`, and so on for every field."""
+        if key not in self.__dataclass_fields__:
+            raise KeyError(key)
+        return getattr(self, key)
 
 
 def _positive(name: str, value, allow_none: bool = True):
@@ -153,6 +166,12 @@ class RLPool:
         cannot be forked safely (threads or sockets at import) falls back
         to "exec" with a warning; `pool.spawn` says which is in use.
       start_timeout: seconds each env has to complete its handshake.
+      warmup: with spawn="template", run the env's reset and a few steps
+        once in a throwaway sandbox before the first fork and import in the
+        template what they imported (numpy.random, say), so no env pays for
+        it on its own; the template's own state stays as env.py's import left
+        it. A probe that fails is a warning, never a failed pool.
+        `env_contract["warmup"]` reports it. False turns it off.
       batch_size: the default batch_size of recv() (asynchronous stepping:
         send() actions, recv() the first batch_size envs to finish).
       progress: show a progress bar while starting (default: on a terminal,
@@ -191,7 +210,7 @@ class RLPool:
     def __init__(self, source, n: int, *, step_timeout=None, serialize_measurement: bool = False,
                  memory_limit=None, workspace_size="64M", spawn: str = "template", start_timeout=None,
                  progress=None, batch_size=None, limits=None, worker=None, token=None, tls_ca=None, cluster=None,
-                 **params):
+                 warmup: bool = True, **params):
         self._closed = True
         self._closed_reason = None
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
@@ -214,6 +233,7 @@ class RLPool:
             "workspace_size": parse_size(workspace_size),
             "spawn": spawn,
             "limits": limits,
+            "warmup": bool(warmup),
         }
         load_policy().env_limits(limits, config["memory_limit"])  # a bad limit fails here, not in the worker
         if spawn not in ("template", "exec"):
@@ -254,7 +274,7 @@ class RLPool:
         self.env_contract = EnvContract(
             id=resolved.name, protocol_version=wire.PROTOCOL_VERSION,
             observation_space=hello.get("observation_space"), action_space=hello.get("action_space"),
-            metadata=hello.get("metadata") or {}, render_mode=hello.get("render_mode"))
+            metadata=hello.get("metadata") or {}, render_mode=hello.get("render_mode"), warmup=ready.get("warmup"))
         self.step_timeout = ready["step_timeout"]
         self._cgroup = ready["cgroup"]
         self.spawn = ready["spawn"]
@@ -698,7 +718,8 @@ class RLPool:
 
 
 _POOL_OPTIONS = ("step_timeout", "serialize_measurement", "memory_limit", "workspace_size", "start_timeout",
-                 "progress", "batch_size", "limits", "worker", "token", "tls_ca", "cluster", "envs_per_node")
+                 "progress", "batch_size", "limits", "worker", "token", "tls_ca", "cluster", "envs_per_node",
+                 "warmup")
 
 
 def _warn_pool_option_typos(params: dict) -> None:

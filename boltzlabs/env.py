@@ -115,7 +115,7 @@ def _reply(channel: _Channel, seq, phase: str, build, call):
 
 
 def serve(reset, step, *, observation_space=None, action_space=None, metadata=None, render=None,
-          render_mode=None):
+          render_mode=None, preload=(), warmup_actions=None):
     """Serve this env to the boltzlabs worker that started it. Never returns.
 
     Call it once, at the end of your `env.py`:
@@ -136,6 +136,16 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
 
     In a pool with spawn="template" this process is the template: serve()
     becomes a fork server and each env is a forked child that runs the loop.
+    Before the first fork it learns what the env's real work imports: a
+    throwaway child, sandboxed like any env, runs `reset(0)` and a few steps
+    (actions from `warmup_actions` if given, else sampled from
+    `action_space` seeded with 0, else none), and the template imports the
+    modules that work imported (numpy.random, say), so no env pays for them
+    on its own. The template itself never runs reset or step.
+    `RLPool(..., warmup=False)` turns this off; `pool.env_contract["warmup"]`
+    reports it. `preload` names modules the template imports as well
+    (e.g. `["scipy.special"]`, one your env imports only sometimes); one that
+    fails to import is reported there, and the pool still starts.
     """
     fd = os.environ.pop(_FD_VARIABLE, None)
     if fd is None:
@@ -156,7 +166,8 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
         from boltzlabs import template
 
         _warm_up()
-        template.fork_server(run, int(fd))  # never returns
+        probe = _Probe(reset, step, action_space, warmup_actions)
+        template.fork_server(run, int(fd), probe, list(preload or ()))  # never returns
     run(int(fd))
     sys.stdout.flush()
     os._exit(0)
@@ -187,6 +198,35 @@ def _warm_up(steps: int = 24) -> None:
     finally:
         ours.close()
         theirs.close()
+
+
+class _Probe:
+    """The env's real work, run once by the template's warm-up in a throwaway
+    child (boltzlabs.template.warm_up), the way the serve loop runs it:
+    actions decoded from a frame, replies built and encoded."""
+
+    def __init__(self, reset, step, action_space, actions, steps: int = 8):
+        self.reset, self.step, self.space, self.actions, self.steps = reset, step, action_space, actions, steps
+
+    def prepare(self) -> None:
+        """The actions, as the worker would deliver them (decoded from a frame)."""
+        actions = self.actions
+        if actions is None and hasattr(self.space, "sample") and hasattr(self.space, "seed"):
+            self.space.seed(0)
+            actions = [self.space.sample() for _ in range(self.steps)]
+        reader = wire.FrameReader(wire.Limits(1 << 30))
+        self.actions = [reader.feed(wire.encode([wire.STEP, 0, action, False]))[0][2]
+                        for action in list(actions or ())[:64]]
+
+    def run(self, report: dict) -> None:
+        """reset(0), then a step per action; a reset after each done. Raises what they raise."""
+        wire.encode(_reset_reply(0, self.reset(0)))
+        for action in self.actions:
+            reply = _step_reply(0, self.step(action))
+            wire.encode(reply)
+            report["steps"] += 1
+            if reply[4] or reply[5]:
+                wire.encode(_reset_reply(0, self.reset(None)))
 
 
 def _serve_loop(channel: _Channel, reset, step, render, info: dict) -> None:

@@ -287,11 +287,16 @@ class SandboxSpec:
         loads the env's full filter from CHILD_FILTER_FD."""
         return {seccomp.FILTER_FD: self.filters.template, seccomp.CHILD_FILTER_FD: self.filters.env}
 
-    def template_argv(self, channel_fd: int, open_files: int = 0) -> list[str]:
+    def template_argv(self, channel_fd: int, open_files: int = 0, warmup: bool = True) -> list[str]:
         """The command line of the warm template (spawn="template"). Each
         child gets the env's rlimits; the template itself the same, except room
-        for `open_files` (it holds a pipe for each child being made)."""
+        for `open_files` (it holds a pipe for each child being made). With
+        `warmup`, it probes the env's real work before forking, for at most
+        [template] warmup_timeout seconds (template.warm_up), held to the
+        env's memory limit: "seconds,bytes"."""
+        timeout = float(self.policy.sandbox["template"].get("warmup_timeout", 5.0)) if warmup else 0.0
         return self._template_head + [
+            "--setenv", "BOLTZLABS_WARMUP", f"{timeout!r},{int(self.limits.get('memory') or 0)}",
             "--setenv", _limits.VARIABLE, _limits.encode(self.limits),
             "--setenv", "BOLTZLABS_TEMPLATE_RLIMITS", _limits.encode(self.limits, open_files),
             "--setenv", "BOLTZLABS_FD", str(channel_fd),

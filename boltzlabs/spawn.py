@@ -207,13 +207,14 @@ class TemplateSpawner:
         self.bwrap_pid = -1
         self.template_pidfd = -1  # the template process itself (below bwrap and its init)
         self.log = bytearray()
+        self.warmup = None  # the template's warm-up report (template.warm_up), checked
         self.kills: bytearray | None = None  # KILL frames held by batching_kills()
         self._start()
 
     def _start(self) -> None:
         worker = self.worker
         # Room for a pipe per child being made, beyond the env's file limit.
-        argv = worker.spec.template_argv(CHANNEL_FD, open_files=len(worker.envs) + 64)
+        argv = worker.spec.template_argv(CHANNEL_FD, open_files=len(worker.envs) + 64, warmup=worker.warmup)
 
         def start(channel_fd: int, log_w: int) -> None:
             filters = worker.spec.filters
@@ -230,7 +231,9 @@ class TemplateSpawner:
         self.logfd = log_r
         self.pidfd = os.pidfd_open(self.bwrap_pid)
         try:
-            hello = self._handshake(time.monotonic() + worker.start_timeout)
+            # The warm-up runs before the HELLO: its time comes on top.
+            hello = self._handshake(time.monotonic() + worker.start_timeout + 2 * worker.warmup_timeout)
+            self.warmup = _warmup_report(hello.get("warmup"))
             if not hello.get("forkable"):
                 raise TemplateUnavailable(hello.get("reason") or "the template refused to fork")
             self.template_pidfd, self.pid = _template_pid(self.bwrap_pid)
@@ -247,8 +250,10 @@ class TemplateSpawner:
             ready = select.select([self.control, self.pidfd], [], [], max(0.0, remaining))[0]
             if self.control in ready:
                 data = self.control.recv(1 << 16)
+                # The handshake's own caps: a warm-up report has more items than a control message.
+                reader = wire.FrameReader(wire.Limits(1 << 16, max_depth=5, max_objects=1 << 13))
                 try:
-                    messages = self.reader.feed(data) if data else []
+                    messages = reader.feed(data) if data else []
                 except wire.ProtocolError:
                     messages = []
                 if messages and messages[0][0] == wire.HELLO and len(messages[0]) == 3 \
@@ -455,6 +460,34 @@ class TemplateSpawner:
             pass
         os.close(self.pidfd)
         os.close(self.logfd)
+
+
+_WARMUP_TYPES = {"modules": list, "preload": list, "imported": list, "failed": dict, "private_birth": int,
+                 "private_after": int, "steps": int, "seconds": float, "import_seconds": float, "error": (str, type(None)), "refused": int,
+                 "truncated": bool}
+
+
+def _warmup_report(report) -> dict | None:
+    """The template's warm-up report with the keys and types template.warm_up
+    makes, or None. The template ran env.py's import code: it may send anything."""
+    if type(report) is not dict:
+        return None
+    out = {}
+    for key, kind in _WARMUP_TYPES.items():
+        value = report.get(key)
+        if key in ("seconds", "import_seconds") and type(value) is int:
+            value = float(value)
+        if type(value) is bool if kind is bool else isinstance(value, kind) and type(value) is not bool:
+            out[key] = value
+    for key in ("modules", "preload", "imported"):
+        out[key] = [name for name in out.get(key, []) if type(name) is str]
+    out["failed"] = {k: v for k, v in out.get("failed", {}).items() if type(k) is str and type(v) is str}
+    out.setdefault("error", "the template's warm-up report was malformed")
+    for key in ("private_birth", "private_after", "steps", "refused"):
+        out.setdefault(key, 0)
+    out.setdefault("seconds", 0.0)
+    out.setdefault("import_seconds", 0.0)
+    return out
 
 
 _PIDFD_SPACE = socket.CMSG_SPACE(4 * 4)  # a FORKED brings one fd; more are closed (or cut by the kernel)

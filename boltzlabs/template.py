@@ -15,6 +15,13 @@ BOLTZLABS_TEMPLATE and turns into the fork server (`fork_server`). The
 template never runs reset or step, so each child starts from the same
 pristine state: a hard reset is "kill the child, fork another".
 
+Before its HELLO, the template warms itself for the env's real work
+(`warm_up`): a throwaway child, made exactly like an env's, runs reset and a
+few steps and reports the modules they imported; the template imports those
+(and serve(preload=...)), then freezes its heap and forks. Lazily imported
+modules (numpy.random: ~5 MiB) are then shared by every env instead of
+copied into each. The report travels in the HELLO (`pool.env_contract["warmup"]`).
+
 Each child becomes its own sandbox before any env code runs in it:
 
     template --clone(NEWUSER|NEWPID)-->
@@ -70,6 +77,7 @@ import ctypes
 import errno
 import fcntl
 import gc
+import importlib
 import os
 import select
 import signal
@@ -77,10 +85,21 @@ import socket
 import struct
 import sys
 import threading
+import time
 
 from boltzlabs import confine, limits, seccomp, wire
 
 FORK, KILL, FORKED, EXITED = 30, 31, 32, 33
+WARMED = 34  # the probe's report (warm_up)
+# The worker's word on the probe: "seconds,bytes": the seconds it may take
+# ([template] warmup_timeout of sandbox/policy.toml; 0: no probe, as with
+# RLPool(warmup=False)) and the env's memory limit (0: none).
+WARMUP_VARIABLE = "BOLTZLABS_WARMUP"
+# Caps on what the probe reports (env code ran there: its report is as
+# hostile as anything an env sends): names, their length, the frame, and how
+# much of it goes into the HELLO (one SOCK_SEQPACKET packet the worker reads
+# with a 64 KiB buffer).
+_MAX_NAMES, _MAX_NAME_LEN, _MAX_REPORT, _MAX_FAILED, _MAX_HELLO = 2048, 200, 1 << 20, 32, 60000
 
 _libc = ctypes.CDLL(None, use_errno=True)
 # The GIL stays held across clone(), as in os.fork.
@@ -367,30 +386,294 @@ def _shared_writable_mappings() -> list[str]:
     return found
 
 
-def fork_server(serve_child, channel_fd: int) -> None:
+def warm_up(plan: _ChildPlan, probe, preload, timeout: float, memory: int = 0) -> dict:
+    """Make the template warm for the env's real work; returns the report
+    (`pool.env_contract["warmup"]`).
+
+    env.py's import is all the template ran; numpy's random, linalg, ... and
+    whatever else reset and step import on first use would otherwise be
+    imported by every env, each writing its own private copy (~5.6 MiB for
+    numpy.random). So the env's work runs once in a throwaway child that is a
+    sandbox like any env's (`_probe_child`), which reports the modules it
+    imported; the template imports those (and `preload`), nothing else. The
+    template never runs reset or step itself: its module globals and RNGs
+    stay as env.py's import left them, so episodes match exec mode's and hard
+    resets stay byte-identical. The child's files die with its tmpfs.
+    `memory`: the env's memory limit, held to in the child (`_probe_child`).
+    """
+    report = {"modules": [], "preload": [], "imported": [], "failed": {}, "private_birth": 0, "private_after": 0,
+              "steps": 0, "seconds": 0.0, "error": None, "refused": 0}
+    preload = [name for name in (preload or ()) if type(name) is str][:_MAX_NAMES]
+    report["preload"] = preload
+    if probe is not None:
+        try:
+            _run_probe(plan, probe, timeout, memory, report)
+        except Exception as exc:  # a limit hit making the child: the pool still starts
+            report["error"] = f"the probe could not run: {exc}"
+    had_numpy_random = "numpy.random" in sys.modules
+    names = sorted(set(report["modules"]) | {name for name in preload if _valid_name(name)})
+    for name in preload:
+        if not _valid_name(name) and len(report["failed"]) < _MAX_FAILED:
+            report["failed"][name[:_MAX_NAME_LEN]] = "not a module name (dotted identifiers only)"
+    deadline = time.monotonic() + timeout  # import-time code can hang as well
+    for name in names:
+        if name in sys.modules:
+            report["imported"].append(name)
+            continue
+        if time.monotonic() > deadline:
+            _note_failure(report, name, f"not imported: the warm-up's {timeout:g} s were up")
+            continue
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # whatever a module's import raises (SystemExit included)
+            _note_failure(report, name, f"{type(exc).__name__}: {exc}")
+        else:
+            report["imported"].append(name)
+    if not had_numpy_random and "numpy.random" in sys.modules:
+        _reseed_numpy_in_children()
+    report["import_seconds"] = round(time.monotonic() - deadline + timeout, 4)
+    return report
+
+
+def _note_failure(report: dict, name: str, text: str) -> None:
+    if len(report["failed"]) < _MAX_FAILED:
+        report["failed"][name] = text[:300]
+    else:
+        report["refused"] += 1
+
+
+def _reseed_numpy_in_children() -> None:
+    """numpy.random's legacy global RandomState (np.random.rand() and friends)
+    seeds itself from the OS at import. Imported in an env on first use (exec
+    mode, or a template without the warm-up) each env gets its own stream;
+    imported here by the warm-up it would be one stream, the same in every
+    child. So each child reseeds it from the OS at fork, as CPython's
+    `random` does (one C-level call; measured ~0 MiB per env). If env.py
+    imported numpy.random itself, nothing changes: that template already
+    shared it before the warm-up existed."""
+    mtrand = sys.modules.get("numpy.random.mtrand")
+    seed = getattr(getattr(mtrand, "_rand", None), "seed", None)
+    if callable(seed):
+        os.register_at_fork(after_in_child=seed)
+
+
+def _valid_name(name) -> bool:
+    """A module name worth an import attempt: dotted ASCII identifiers, bounded."""
+    return (type(name) is str and 0 < len(name) <= _MAX_NAME_LEN and name.isascii()
+            and all(part.isidentifier() for part in name.split(".")))
+
+
+def _run_probe(plan: _ChildPlan, probe, timeout: float, memory: int, report: dict) -> None:
+    """Fork the probe's child, read its report within `timeout`, kill and reap it."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    log = os.dup(2)  # what the probe prints goes to the template's log
+    started = time.monotonic()
+    try:
+        pid = _fork_child(_probe_child(probe, memory), 0, [theirs.detach(), log], plan)
+    except BaseException:
+        ours.close()
+        raise
+    pidfd = os.pidfd_open(pid)
+    data, status, deadline = bytearray(), None, started + timeout
+    try:
+        ours.setblocking(False)
+        poller = select.poll()
+        poller.register(ours.fileno(), select.POLLIN)
+        poller.register(pidfd, select.POLLIN)
+        reading = True
+        while status is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for fd, _ in poller.poll(remaining * 1000):
+                if fd == pidfd:
+                    status = os.waitpid(pid, 0)[1]
+                elif reading:
+                    chunk = b""
+                    try:
+                        chunk = ours.recv(1 << 16)
+                    except BlockingIOError:
+                        continue
+                    data += chunk
+                    if not chunk or len(data) > _MAX_REPORT:
+                        reading = False
+                        poller.unregister(ours.fileno())
+        if status is None:
+            _kill(pid)  # pid 1 of its namespace: everything it started goes with it
+            os.waitpid(pid, 0)
+            report["error"] = f"the probe did not finish within {timeout:g} s ([template] warmup_timeout): killed"
+        while reading and len(data) <= _MAX_REPORT:  # what it wrote before it exited
+            try:
+                chunk = ours.recv(1 << 16)
+            except OSError:  # BlockingIOError: nothing more
+                break
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(pidfd)
+        ours.close()
+    report["seconds"] = round(time.monotonic() - started, 4)
+    _take_report(bytes(data), status, report)
+
+
+def _take_report(data: bytes, status, report: dict) -> None:
+    """Fill `report` from the probe's frame, trusting nothing in it."""
+    message = None
+    if len(data) <= _MAX_REPORT:
+        reader = wire.FrameReader(wire.Limits(_MAX_REPORT, max_str_len=4096, max_bin_len=0,
+                                              max_array_len=_MAX_NAMES, max_map_len=0, max_depth=3,
+                                              max_objects=_MAX_NAMES + 16))
+        try:
+            messages = reader.feed(data)
+            message = messages[0] if len(messages) == 1 else None
+        except Exception:
+            message = None
+    valid = (type(message) is list and len(message) == 7 and message[0] == WARMED and type(message[1]) is list
+             and all(type(x) is int and x >= 0 for x in message[2:6])
+             and (message[6] is None or type(message[6]) is str))
+    if valid:
+        _, names, total, birth, after, steps, error = message
+        good = sorted({name for name in names if _valid_name(name)})
+        report.update(modules=good, private_birth=birth, private_after=after, steps=steps,
+                      refused=report["refused"] + max(0, total - len(good)))
+        if error is not None and report["error"] is None:
+            report["error"] = f"the probe's reset/step raised {error[:1000]}"
+    if report["error"] is not None:
+        return
+    if status is not None and status != 0:
+        if os.WIFSIGNALED(status):
+            sig = os.WTERMSIG(status)
+            try:
+                what = f"was killed by {signal.Signals(sig).name}"
+            except ValueError:
+                what = f"was killed by signal {sig}"
+        else:
+            what = f"exited with status {os.waitstatus_to_exitcode(status)}"
+        report["error"] = f"the probe (the env's reset and steps, run once in a throwaway sandbox) {what}"
+    elif not valid:
+        report["error"] = "the probe sent no valid report (its output was refused)"
+
+
+def _probe_child(probe, memory: int):
+    """What the probe's child runs once it is a sandbox: the env's real work,
+    then its report on `channel_fd`: [WARMED, new module names, how many,
+    Private_Dirty before reset, after the work, steps, error text or None].
+
+    It is born in the template's cgroup, which has no memory limit (the
+    template's imports are the pool's), so the env's limit, if any, is an
+    rlimit here: the data it holds now (the template's, shared) plus the
+    limit. An env over it fails in the probe with MemoryError, not the host."""
+
+    def run(channel_fd: int) -> None:
+        error = None
+        report = {"steps": 0}
+        if memory > 0:
+            import resource
+
+            with open("/proc/self/status") as status:
+                held = next((int(line.split()[1]) * 1024 for line in status if line.startswith("VmData:")), 0)
+            resource.setrlimit(resource.RLIMIT_DATA, (held + memory, held + memory))
+        try:
+            probe.prepare()  # actions sampled first: what sampling imports is not the env's work
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        before = set(sys.modules)
+        birth = _private_dirty()
+        if error is None:
+            try:
+                probe.run(report)
+            except BaseException as exc:
+                error = f"{type(exc).__name__}: {exc}"
+        # Only modules an import made (with a spec): Cython, for one, puts
+        # a bookkeeping module of its own in sys.modules that nobody can import.
+        names = [name for name, module in list(sys.modules.items())
+                 if type(name) is str and name not in before and getattr(module, "__spec__", None) is not None]
+        after = _private_dirty()
+        frame = wire.encode([WARMED, sorted(name[:_MAX_NAME_LEN + 1] for name in names)[:_MAX_NAMES], len(names), birth,
+                             after, int(report["steps"]), error and error[:2000]])
+        view = memoryview(frame)
+        while view:
+            view = view[os.write(channel_fd, view):]
+
+    return run
+
+
+def _private_dirty() -> int:
+    """Private_Dirty of this process, in bytes (its own /proc)."""
+    try:
+        with open("/proc/self/smaps_rollup", "rb") as f:
+            for line in f:
+                if line.startswith(b"Private_Dirty:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def _fit_hello(hello: dict) -> bytes:
+    """The HELLO frame, its warm-up lists cut (and marked "truncated") until
+    it fits one packet the worker reads."""
+    frame = wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, hello])
+    report = hello.get("warmup")
+    while len(frame) > _MAX_HELLO and report is not None:
+        longest = max(("modules", "imported", "preload"), key=lambda key: len(report[key]))
+        if not report[longest]:
+            if not report["failed"]:
+                break  # nothing of ours left to cut: the worker refuses the HELLO, the pool runs exec mode
+            report["failed"] = {}
+        report[longest] = report[longest][:len(report[longest]) // 2]
+        report["truncated"] = True
+        frame = wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, hello])
+    return frame
+
+
+def fork_server(serve_child, channel_fd: int, probe=None, preload=()) -> None:
     """serve()'s template mode: fork a child per request. Never returns.
 
     `serve_child(channel_fd)` is what a child runs once it is a sandbox: the
-    ordinary serve loop on its own channel.
+    ordinary serve loop on its own channel. `probe` (boltzlabs.env._Probe:
+    `prepare()`, then `run(report)`) is the env's real work, run once in a
+    throwaway child before the first fork (`warm_up`); `preload` names
+    modules to import here besides what the probe's work imported.
     """
     control = socket.socket(fileno=channel_fd)
     reason = _unsafe_to_fork(channel_fd)
-    hello = {"pid": os.getpid(), "forkable": not reason, "reason": reason}
-    control.sendall(wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, hello]))
-    if reason:
-        os._exit(0)
     # The template's own settings: popped, so a child's environment is an
     # exec-mode env's environment exactly.
     hostname = os.environ.pop("BOLTZLABS_HOSTNAME", "boltzlabs")
     rlimits = os.environ.pop(limits.VARIABLE, "")
+    warmup = os.environ.pop(WARMUP_VARIABLE, "0")
+    hello = {"pid": os.getpid(), "forkable": not reason, "reason": reason, "warmup": None}
+    if reason:
+        control.sendall(wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, hello]))
+        os._exit(0)
     if confine.prepared is None:
         raise RuntimeError("the template's set-up did not run (boltzlabs.template.main); refusing to fork envs")
+    _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "child subreaper")
+    try:
+        timeout, memory = float(warmup.split(",")[0]), int(warmup.split(",")[1])
+    except (ValueError, IndexError):
+        timeout, memory = 0.0, 0
+    if timeout > 0:
+        # The probe's child is made from a plan of its own: the envs' plan is
+        # made after the imports, next to the fork path (see below).
+        probe_plan = _ChildPlan(confine.Plan(confine.prepared), hostname, rlimits, (os.geteuid(), os.getegid()))
+        hello["warmup"] = warm_up(probe_plan, probe, preload, timeout, memory)
+        del probe_plan
+        if hello["warmup"]["imported"]:
+            reason = _unsafe_to_fork(channel_fd)
+            if reason:
+                reason = f"after importing what the env's reset/step import (the warm-up): {reason}"
+                hello.update(forkable=False, reason=reason)
+    control.sendall(_fit_hello(hello))
+    if reason:
+        os._exit(0)
     # A Plan of its own, made now rather than main()'s: objects made just
     # before the forks share pages with the rest of the fork path, which
     # children touch anyway; main()'s sit among env.py's import-time objects
     # (a child touching them copied ~70 KiB more per env, measured).
     plan = _ChildPlan(confine.Plan(confine.prepared), hostname, rlimits, (os.geteuid(), os.getegid()))
-    _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "child subreaper")
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)

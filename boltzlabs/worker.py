@@ -144,6 +144,22 @@ class ClientGone(Exception):
     """The client closed its end: tear everything down."""
 
 
+def _warmup_note(report: dict | None) -> str:
+    """The warning for a warm-up that failed (template.warm_up), or ''."""
+    if report is None:
+        return ""
+    notes = []
+    if report["error"]:
+        notes.append(f"the warm template's probe failed, so each env imports on its own what its reset and step "
+                     f"import (more memory per env); the pool runs. {report['error']}. Fix the env's reset/step, "
+                     "or pass serve(preload=[...]) the modules they import, or RLPool(warmup=False) to skip it")
+    failed = sorted(set(report["failed"]) & set(report["preload"]))
+    if failed:
+        notes.append("serve(preload=...) named modules the template could not import: "
+                     + "; ".join(f"{name}: {report['failed'][name]}" for name in failed[:8]))
+    return "\n".join(notes)
+
+
 class Worker:
     """Owns the sandboxes of one pool and serves one client."""
 
@@ -264,6 +280,8 @@ class Worker:
                                   "step calls still run one at a time, but threads or child processes an env "
                                   "leaves running after its reply keep running during other envs' turns")
         self.envs = [Env(i, self.env_limits) for i in range(n)]
+        self.warmup = bool(config.get("warmup", True))
+        self.warmup_timeout = float(self.policy.sandbox["template"].get("warmup_timeout", 5.0)) if self.warmup else 0.0
         self.spawner = ExecSpawner(self)
         if config.get("spawn", "template") == "template":
             try:
@@ -271,6 +289,8 @@ class Worker:
             except TemplateUnavailable as exc:
                 self.warning = (f"spawn='template' is not possible for this env, so every env runs its own "
                                 f"interpreter (spawn='exec'), which costs more memory and start-up time: {exc}")
+        warmup = self.spawner.warmup if self.spawner.kind == "template" else None
+        warmup_note = _warmup_note(warmup)
         self._start(self.envs, progress=True)
         failed = [e for e in self.envs if e.state != IDLE]
         if failed:
@@ -285,7 +305,9 @@ class Worker:
             "hello": self.hello,
             "step_timeout": self.step_timeout,
             "spawn": self.spawner.kind,
-            "warning": "\n".join(note for note in (self.warning, self.limits_note, self.gate_note) if note),
+            "warning": "\n".join(note for note in (self.warning, self.limits_note, self.gate_note, warmup_note)
+                                 if note),
+            "warmup": warmup,
         }
 
     def _spawn(self, env: Env) -> None:
