@@ -47,6 +47,8 @@ benchmarks/results/warm.json, progress to stderr):
                    and their spaces checked)
   probe (s)        the probe's own wall time, from
                    pool.env_contract["warmup"]["seconds"] ("-": no probe)
+  reset (s)        wall time of the first reset(seed=0) of all n envs (what
+                   the env's reset imports lazily, every env imports here)
   hard reset (s)   wall time of pool.reset(seed=0, hard=True), after one
                    reset and --steps steps; async has none ("n/a")
   MiB/env          boltzlabs: pool.memory().mean (the kernel's figure: each
@@ -60,6 +62,16 @@ benchmarks/results/warm.json, progress to stderr):
                    (short: a sanity figure, not a throughput benchmark)
   modules          how many modules the probe found the env's work imports
                    (pool.env_contract["warmup"]["modules"])
+  note             caps, and lanes that failed (reset, steps, hard reset:
+                   a failed lane's memory is not an env's, so such a row's
+                   memory figures are not comparable); the first error is
+                   in the JSON
+
+Pools get --step-timeout (default 120 s, not the policy's 30 s): on 2 cores
+1000 envs each importing scipy in their first reset take longer than 30 s,
+and every lane would come back a straggler (the start and reset columns
+show that cost; a training run with the default timeout would see it as
+failed lanes).
 """
 
 from __future__ import annotations
@@ -229,7 +241,15 @@ def pool_kwargs(mode: str, warm: bool) -> dict:
     return {"spawn": "template", **({"warmup": True} if warm else {})}
 
 
-def bench_pool(env: str, mode: str, n: int, steps: int, uss_sample: int, warm: bool, full: bool = True) -> dict:
+def first_error(pool, infos) -> str | None:
+    for info in infos:
+        if info and info.get("error"):
+            return str(info["error"])[:500]
+    return None
+
+
+def bench_pool(env: str, mode: str, n: int, steps: int, uss_sample: int, warm: bool, step_timeout: float,
+               full: bool = True) -> dict:
     result: dict = {"env": env, "mode": mode, "n": n}
     source = ENV_DIRS[env]
     settle()
@@ -239,7 +259,7 @@ def bench_pool(env: str, mode: str, n: int, steps: int, uss_sample: int, warm: b
     log(f"{label} starting pool")
     try:
         started = time.perf_counter()
-        pool = RLPool(source, n, progress=False, **pool_kwargs(mode, warm))
+        pool = RLPool(source, n, progress=False, step_timeout=step_timeout, **pool_kwargs(mode, warm))
         result["start_s"] = time.perf_counter() - started
         result["spawn_in_use"] = pool.spawn
         report = warmup_report(pool)
@@ -247,8 +267,11 @@ def bench_pool(env: str, mode: str, n: int, steps: int, uss_sample: int, warm: b
             result["warmup"] = report
         log(f"{label} ready in {result['start_s']:.2f} s")
         stage = "reset"
+        started = time.perf_counter()
         obs = pool.reset(seed=0)
+        result["reset_s"] = time.perf_counter() - started
         result["reset_failures"] = reset_failures(pool, obs)
+        result["first_error"] = first_error(pool, pool.reset_infos)
         stage = "step"
         actions = [1] * n
         seconds, _, _, failed = timed_steps(pool, actions, steps)
@@ -294,7 +317,9 @@ def bench_async(env: str, n: int, steps: int, uss_sample: int, full: bool = True
         result["start_s"] = time.perf_counter() - started
         log(f"{label} ready in {result['start_s']:.2f} s")
         stage = "reset"
+        started = time.perf_counter()
         envs.reset(seed=0)
+        result["reset_s"] = time.perf_counter() - started
         stage = "step"
         actions = np.ones(n, dtype=np.int64)
         started = time.perf_counter()
@@ -349,7 +374,7 @@ def mode_label(r: dict, warm: bool) -> str:
 
 
 def table(rows: list, warm: bool) -> str:
-    head = ["env", "mode", "n", "start (s)", "probe (s)", "hard reset (s)", "MiB/env", "USS MiB/env", "envs/GiB",
+    head = ["env", "mode", "n", "start (s)", "probe (s)", "reset (s)", "hard reset (s)", "MiB/env", "USS MiB/env", "envs/GiB",
             "env-steps/s", "modules", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -364,10 +389,16 @@ def table(rows: list, warm: bool) -> str:
             boltz = r["mode"] != "async"
             if report.get("error"):
                 note = (note + "; " if note else "") + f"probe failed: {str(report['error'])[:80]}"
+            failed = {what: r.get(key) for what, key in (("reset", "reset_failures"), ("step", "step_failures"),
+                                                           ("hard reset", "hard_reset_failures"))}
+            if any(failed.values()):
+                note = (note + "; " if note else "") + "FAILED lanes: " + ", ".join(
+                    f"{count} at {what}" for what, count in failed.items() if count)
             cells = [
                 r["env"], mode_label(r, warm), str(r["n"]),
                 fmt(r.get("start_s"), ".2f"),
                 fmt(report.get("seconds"), ".2f"),
+                fmt(r.get("reset_s"), ".2f"),
                 fmt(r.get("hard_reset_s"), ".2f", "-" if boltz else "n/a"),
                 fmt(r.get("mem_per_env_mib"), ".2f") + ("" if boltz else " (USS)"),
                 fmt(r.get("uss_per_env_mib"), ".2f"),
@@ -394,6 +425,8 @@ def main(argv=None) -> int:
                         help="size of the pool that projects a combination's memory first (default 50; 0: none)")
     parser.add_argument("--mem-budget-gib", type=float, default=None,
                         help="largest projected pool memory to run (default: 60%% of available memory)")
+    parser.add_argument("--step-timeout", type=float, default=120.0,
+                        help="the pools' step_timeout in seconds (default 120; see the docstring)")
     parser.add_argument("--uss-sample", type=int, default=200, help="envs whose USS is read (default 200)")
     parser.add_argument("--max-load", type=float, default=3.0,
                         help="wait (up to --max-wait s) until the 1-min load average is below this")
@@ -424,7 +457,7 @@ def main(argv=None) -> int:
             note = f"exec capped at --exec-n {args.exec_n}" if mode == "exec" and n < args.n else ""
             if args.pilot_n and n > args.pilot_n:
                 pilot = (bench_async(env, args.pilot_n, 3, args.uss_sample, full=False) if mode == "async" else
-                         bench_pool(env, mode, args.pilot_n, 3, args.uss_sample, warm, full=False))
+                         bench_pool(env, mode, args.pilot_n, 3, args.uss_sample, warm, args.step_timeout, full=False))
                 if "error" in pilot:
                     rows.append(pilot)
                     continue
@@ -438,7 +471,7 @@ def main(argv=None) -> int:
                     rows.append({"env": env, "mode": mode, "n": 0, "skipped": note})
                     continue
             row = (bench_async(env, n, args.steps, args.uss_sample) if mode == "async" else
-                   bench_pool(env, mode, n, args.steps, args.uss_sample, warm))
+                   bench_pool(env, mode, n, args.steps, args.uss_sample, warm, args.step_timeout))
             row["note"] = note
             row["loadavg_1min_after"] = os.getloadavg()[0]
             rows.append(row)
@@ -469,7 +502,7 @@ def main(argv=None) -> int:
         "versions": {"boltzlabs": boltzlabs.__version__, "gymnasium": gym.__version__, "numpy": np.__version__},
         "takes_warmup": warm,
         "settings": {"n": args.n, "exec_n": args.exec_n, "envs": args.envs, "modes": modes, "steps": args.steps,
-                     "pilot_n": args.pilot_n, "mem_budget_gib": args.mem_budget_gib, "uss_sample": args.uss_sample},
+                     "pilot_n": args.pilot_n, "step_timeout": args.step_timeout, "mem_budget_gib": args.mem_budget_gib, "uss_sample": args.uss_sample},
         "results": rows,
     }
     args.out.write_text(json.dumps(payload, indent=2, default=str) + "\n")
