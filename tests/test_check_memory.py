@@ -90,7 +90,7 @@ def test_the_probe_s_report_names_the_modules_and_the_template_pays_for_them(env
     assert len(probe) == 1, findings
     assert probe[0].status == OK, probe[0]
     assert "numpy.random" in probe[0].detail
-    assert 'preload=["numpy.random"]' in probe[0].fix  # the probe's child wrote MiBs importing it
+    assert "preload=[" in probe[0].fix and '"numpy.random"' in probe[0].fix  # its child wrote MiBs importing it
     # The template imported it before forking: the env itself now writes little.
     lazy = host_side(findings)
     assert lazy.status == OK and growth(lazy) < PRELOAD_HINT / (1 << 20), lazy.detail
