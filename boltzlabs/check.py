@@ -9,6 +9,15 @@ One env runs in a real pool (RLPool, one lane) and goes through, in order:
   reset      reset(seed) answers, with an obs inside the declared space
   steps      K steps (actions sampled from the action space with a fixed
              seed, or given) answer without error
+  memory     the env's private memory (Private_Dirty of its process, read
+             by the host from /proc/<pid>/smaps_rollup) at birth, before
+             reset, against after the reset and steps; the extension
+             modules it loaded after the fork (/proc/<pid>/maps), and the
+             modules the warm template's probe found the env's work imports
+             (pool.env_contract "warmup", when this boltzlabs has it). In
+             template mode, more than PRELOAD_HINT bytes written after birth
+             by modules imported after the fork is a warning that suggests
+             serve(..., preload=[...])
   exception  a step whose env raises is reported on its lane (done,
              info["error"] with the traceback), not raised; the env then
              resets and steps normally. An arbitrary env is made to raise by
@@ -25,12 +34,21 @@ fail) as it ends, so a caller can print them as they come.
 from __future__ import annotations
 
 import math
+import os
+import re
+import sys
 import time
 import warnings
 
 from boltzlabs.doctor import FAIL, OK, WARN, Finding
 
-__all__ = ["check_env", "INVALID_ACTION"]
+__all__ = ["check_env", "INVALID_ACTION", "PRELOAD_HINT"]
+
+# Private memory an env may write after its birth before `check` suggests
+# serve(..., preload=...): a forked child of the template is ~1.5 MiB in all,
+# and its first reset and steps write ~0.3-0.6 MiB when they import nothing
+# (docs/hard-reset.md); one lazily imported numpy.random writes ~5.6 MiB.
+PRELOAD_HINT = 1 << 20
 
 # No Gymnasium space contains a dict with this key, and float(), int() and
 # indexing with it all raise: the most portable way to make an env's step fail.
@@ -93,12 +111,14 @@ def _short(value, limit: int = 160) -> str:
 
 
 def check_env(source, *, actions=None, steps: int = 10, spawn: str = "template", params=None,
-              step_timeout: float = 10.0, seed: int = 0):
+              step_timeout: float = 10.0, seed: int = 0, warmup=None):
     """Yield the Findings of checking one env (see the module docstring).
 
     `actions`: a list of actions to step with (cycled), else actions sampled
-    from the declared action space (seeded with `seed`), else 0. Raises
-    ValueError/TypeError for a bad source or params (nothing started).
+    from the declared action space (seeded with `seed`), else 0. `warmup`:
+    None leaves RLPool's default, else RLPool(..., warmup=warmup) (the warm
+    template's probe). Raises ValueError/TypeError for a bad source or params
+    (nothing started).
     """
     from boltzlabs import RLPool, sources
     from boltzlabs.errors import BoltzLabsError, EnvStartError
@@ -108,7 +128,8 @@ def check_env(source, *, actions=None, steps: int = 10, spawn: str = "template",
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            pool = RLPool(source, 1, spawn=spawn, step_timeout=step_timeout, **(params or {}))
+            options = {} if warmup is None else {"warmup": bool(warmup)}
+            pool = RLPool(source, 1, spawn=spawn, step_timeout=step_timeout, **options, **(params or {}))
     except EnvStartError as exc:
         yield Finding("start", FAIL, f"the env did not complete its handshake: {exc}")
         return
@@ -116,16 +137,17 @@ def check_env(source, *, actions=None, steps: int = 10, spawn: str = "template",
         yield Finding("start", FAIL, f"the pool could not start: {type(exc).__name__}: {exc}")
         return
     with pool:
+        birth = _Snapshot.of(pool)  # before anything else runs in the env
         yield Finding("start", OK, f"1 env ready in {time.perf_counter() - started:.2f} s (spawn={pool.spawn})")
         for warning in caught:
             yield Finding("start", WARN, str(warning.message))
         try:
-            yield from _stages(pool, actions, steps, seed)
+            yield from _stages(pool, actions, steps, seed, birth)
         except BoltzLabsError as exc:  # the worker died: the pool is gone, the command is not
             yield Finding("pool", FAIL, f"the pool broke during the check: {type(exc).__name__}: {exc}")
 
 
-def _stages(pool, actions, steps: int, seed: int):
+def _stages(pool, actions, steps: int, seed: int, birth: "_Snapshot"):
     contract = pool.env_contract
     obs_space, action_space = yield from _spaces(contract)
     if actions is None:
@@ -146,6 +168,7 @@ def _stages(pool, actions, steps: int, seed: int):
         return
     yield Finding("steps", OK, f"{episode.steps} step(s) answered, actions {how}"
                   + (" (the episode ended)" if episode.ended else ""))
+    yield from _memory(pool, birth, _Snapshot.of(pool), episode.steps)
     played = actions[:episode.steps]
     yield from _exception_path(pool, seed, played[:1])
     replay = yield from _reset(pool, seed, hard=True, stage="replay", obs_space=None)
@@ -257,3 +280,199 @@ def _exception_path(pool, seed: int, good: list):
         yield Finding("exception", FAIL, f"after the failed step the env does not reset and step normally: {error}")
     else:
         yield Finding("exception", OK, "after it, the env resets and steps normally")
+
+
+# -- memory: what the env's first reset and steps cost, read by the host ------------------------
+
+# An extension module's file, as the env's process maps it: below a
+# site-packages directory (the sandbox binds them at /opt/site-packages/N) or
+# the standard library's lib-dynload.
+_EXTENSION_PATH = re.compile(r"/(?:(?:site|dist)-packages(?:/\d+)?|lib-dynload)/(?P<rel>[^ ]+?\.so)$")
+
+
+class _Snapshot:
+    """The env process's private memory and mapped extension modules at one moment.
+
+    Read from /proc on the host: the env's code runs nothing for it. The env
+    process is pool.pids()[0] in template mode (the forked child itself) and
+    the Python process below bwrap's pid in exec mode. `private` is
+    Private_Dirty of /proc/<pid>/smaps_rollup (the pages the env wrote: what
+    copy on write makes each env pay), None with `error` when unreadable.
+    """
+
+    def __init__(self, pid: int | None, private: int | None, extensions: set, error: str = ""):
+        self.pid, self.private, self.extensions, self.error = pid, private, extensions, error
+
+    @classmethod
+    def of(cls, pool) -> "_Snapshot":
+        try:
+            pid = _env_process(pool.pids()[0])
+            if pid is None:
+                return cls(None, None, set(), "the env has no live process")
+            with open(f"/proc/{pid}/smaps_rollup") as smaps:
+                found = re.search(r"^Private_Dirty:\s+(\d+) kB", smaps.read(), re.M)
+            with open(f"/proc/{pid}/maps") as maps:
+                extensions = {line.split(None, 5)[5].strip() for line in maps if line.count(" ") >= 5
+                              and line.rstrip().endswith(".so")}
+        except (OSError, IndexError, ValueError) as exc:  # another host, another user, a process gone
+            return cls(None, None, set(), f"{type(exc).__name__}: {exc}")
+        if found is None:
+            return cls(pid, None, extensions, "no Private_Dirty line in smaps_rollup")
+        return cls(pid, int(found.group(1)) * 1024, extensions)
+
+
+def _env_process(pid: int) -> int | None:
+    """The env's Python process: `pid` itself, or the first python below it (exec mode's bwrap)."""
+    if pid is None or pid <= 0:
+        return None
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        for process in [root] + root.children(recursive=True):
+            if process.name().startswith("python"):
+                return process.pid
+    except psutil.Error:
+        return None
+    return pid
+
+
+def _module_of(path: str) -> str | None:
+    """The module an extension file is (numpy.random._generator), None for a plain library."""
+    found = _EXTENSION_PATH.search(path)
+    if found is None:
+        return None
+    *packages, filename = found.group("rel").split("/")
+    parts = packages + [filename.split(".", 1)[0]]
+    # numpy.libs/libopenblas...so and the like are libraries the modules load, not modules.
+    return ".".join(parts) if all(part.isidentifier() for part in parts) else None
+
+
+def _preloadable(modules, *, packages: bool = False) -> list:
+    """Names for serve(preload=...) that import `modules`, third-party ones first.
+
+    Importing a module imports its parents, not its children (scipy loads
+    scipy.special lazily), so the deepest public packages are named:
+    numpy.random, not numpy and not numpy.random._generator. `packages`:
+    the names are packages already (from _packages_of); else a module that
+    is no package stands for its package. Standard-library names are listed
+    only when nothing else is: a package imports them itself.
+    """
+    names = set(modules)
+    if not packages:
+        names = {name if any(other.startswith(name + ".") for other in names) else (name.rpartition(".")[0] or name)
+                 for name in names}
+    public = {name for name in names if not any(part.startswith("_") for part in name.split("."))} or names
+    leaves = sorted(name for name in public if not any(other.startswith(name + ".") for other in public))
+    outside = [name for name in leaves if name.split(".")[0] not in sys.stdlib_module_names]
+    return outside or leaves
+
+
+def _packages_of(extensions: set) -> list:
+    modules = {_module_of(path) for path in extensions} - {None}
+    return sorted({module.rpartition(".")[0] or module for module in modules})
+
+
+def _warmup(pool):
+    """(whether this boltzlabs has the probe, its report or None) from pool.env_contract."""
+    contract = pool.env_contract
+    if isinstance(contract, dict):
+        return "warmup" in contract, contract.get("warmup")
+    try:
+        return True, contract["warmup"]
+    except (TypeError, KeyError):
+        pass
+    return hasattr(contract, "warmup"), getattr(contract, "warmup", None)
+
+
+def _mib(size: float) -> str:
+    return f"{size / (1 << 20):.1f} MiB"
+
+
+def _preload_fix(names: list, why: str) -> str:
+    listed = ", ".join(f'"{name}"' for name in names[:8]) + (", ..." if len(names) > 8 else "")
+    return f"serve(..., preload=[{listed}]) in env.py {why}"
+
+
+def _memory(pool, birth: _Snapshot, after: _Snapshot, steps: int):
+    has_probe, report = _warmup(pool)
+    if not has_probe:
+        probe = "; this boltzlabs has no warm-up probe, so only extension modules are named"
+    elif report is None:
+        probe = ("; the warm-up probe did not run (" + ("exec mode" if pool.spawn == "exec" else "warmup=False") + ")")
+    else:
+        probe = ""
+    if birth.private is None or after.private is None or birth.pid != after.pid:
+        reason = birth.error or after.error or "the env's process changed between the two readings"
+        yield Finding("memory", WARN, f"the env's private memory could not be read from /proc on this host: "
+                      f"{reason}{probe}")
+    else:
+        yield from _growth(pool.spawn, birth, after, steps, probe)
+    if report is not None:
+        yield from _probe(report)
+
+
+def _named(packages: list) -> str:
+    """Third-party modules by name, then the standard library's in brackets."""
+    ours = [name for name in packages if name.split(".")[0] not in sys.stdlib_module_names]
+    stdlib = [name for name in packages if name not in ours]
+    if not ours:
+        return ", ".join(stdlib)
+    return ", ".join(ours) + (f" (and {len(stdlib)} of the standard library: {', '.join(stdlib)})" if stdlib else "")
+
+
+def _growth(spawn: str, birth: _Snapshot, after: _Snapshot, steps: int, probe: str):
+    grown = after.private - birth.private
+    packages = _packages_of(after.extensions - birth.extensions)
+    detail = (f"env process {after.pid}: private memory (Private_Dirty) {_mib(birth.private)} at birth, "
+              f"{_mib(after.private)} after reset and {steps} step(s) ({'+' if grown >= 0 else ''}{_mib(grown)})")
+    if packages:
+        detail += f"; extension modules loaded after the fork: {_named(packages)}"
+    if spawn != "template":
+        if packages:
+            detail += " (exec mode: each env imports everything itself; in template mode preload= would share these)"
+        yield Finding("memory", OK, detail + probe)
+        return
+    suggest = _preloadable(packages, packages=True)
+    if grown > PRELOAD_HINT and suggest:
+        yield Finding("memory", WARN, detail + probe + f". In a pool every env writes these {_mib(grown)} itself: "
+                      "what an env imports after the fork is private to it",
+                      _preload_fix(suggest, "imports them once in the template, shared by every env"))
+    elif grown > PRELOAD_HINT:
+        yield Finding("memory", OK, detail + probe + ". No extension module was loaded after the fork: the growth "
+                      "is the env's own state, or pure-Python modules its reset or step import (those can be "
+                      "preloaded: serve(..., preload=[...]))")
+    else:
+        yield Finding("memory", OK, detail + probe)
+
+
+def _probe(report: dict):
+    """The warm template's probe report (pool.env_contract "warmup"), in words."""
+    if report.get("error"):
+        yield Finding("memory", WARN, f"the warm-up probe failed: {_last_line(report['error'])}; the pool started "
+                      "without it, so the template imported only what env.py imports",
+                      "fix the env's reset/step under the probe, or name the modules: serve(..., preload=[...])")
+        return
+    modules = list(report.get("modules") or [])
+    failed = dict(report.get("failed") or {})
+    preload = list(report.get("preload") or [])
+    private_birth, private_after = report.get("private_birth"), report.get("private_after")
+    grown = (private_after - private_birth) if isinstance(private_birth, int) and isinstance(private_after, int) \
+        else None
+    names = _preloadable(modules)
+    detail = (f"the warm-up probe's reset and {report.get('steps', 0)} step(s) took {report.get('seconds', 0.0):.2f} s "
+              f"and imported {len(modules)} module(s)" + (f" ({', '.join(names[:8])}{', ...' if len(names) > 8 else ''})"
+                                                         if names else ""))
+    if grown is not None:
+        detail += f", writing {_mib(grown)} of private memory"
+    if preload:
+        detail += f"; preload= asked for {', '.join(preload)}"
+    detail += f"; the template imported {len(report.get('imported') or [])} before forking"
+    if failed:
+        first = next(iter(failed.items()))
+        yield Finding("memory", WARN, detail + f"; {len(failed)} import(s) failed in the template, e.g. {first[0]}: "
+                      f"{_last_line(first[1])}", "make the module importable in the template, or drop it from preload=")
+    elif grown is not None and grown > PRELOAD_HINT and names and not set(names) <= set(preload):
+        yield Finding("memory", OK, detail, _preload_fix(names, "says so explicitly (and keeps it with warmup=False)"))
+    else:
+        yield Finding("memory", OK, detail)

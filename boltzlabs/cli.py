@@ -129,6 +129,10 @@ Start one env in a real sandbox and check, printing one line per finding:
   handshake  it declares observation and action spaces
   reset      reset(seed) answers, inside the declared observation space
   steps      K steps answer (actions sampled from its action space, or --actions)
+  memory     the env's private memory at birth against after reset and the
+             steps (read from /proc on this host), the modules it imported
+             after the fork, and serve(..., preload=[...]) when they cost
+             more than 1 MiB per env
   exception  a step that raises is reported on its lane (info["error"]), not
              raised, and the env then resets and steps normally; the env is
              made to raise by sending an action outside every action space
@@ -143,6 +147,9 @@ Start one env in a real sandbox and check, printing one line per finding:
     parser.add_argument("--seed", type=int, default=0, help="the reset seed (default 0)")
     parser.add_argument("--timeout", type=_positive_float, default=10.0, metavar="SECONDS",
                         help="how long the env has to answer each step or reset (default 10)")
+    parser.add_argument("--no-warmup", action="store_true",
+                        help="start the pool with RLPool(..., warmup=False): no warm-up probe, so the memory "
+                             "stage shows what the env's first reset and steps cost without it")
     parser.set_defaults(run=_run_check)
 
 
@@ -162,9 +169,17 @@ def _run_check(args) -> int:
     from boltzlabs.check import check_env
 
     params = _resolve(args)
+    if args.no_warmup:
+        import inspect
+
+        from boltzlabs import RLPool
+
+        if "warmup" not in inspect.signature(RLPool.__init__).parameters:
+            raise UsageError("--no-warmup: this boltzlabs has no warm-up probe (RLPool takes no warmup=)")
     print(f"boltzlabs check {args.source} (spawn={args.spawn}, {args.steps} step(s), seed {args.seed})", flush=True)
     findings = check_env(args.source, actions=args.actions, steps=args.steps, spawn=args.spawn,
-                         params=params, step_timeout=args.timeout, seed=args.seed)
+                         params=params, step_timeout=args.timeout, seed=args.seed,
+                         warmup=False if args.no_warmup else None)
     counts = print_findings(findings)
     print(_summary(counts))
     return EXIT_PROBLEM if counts["fail"] else EXIT_OK
