@@ -359,6 +359,22 @@ def git_state() -> dict:
             "dirty": bool(git("status", "--porcelain", "--", "boltzlabs", "sandbox", "mounts", "examples"))}
 
 
+def run_record(argv, total: float, load_before, load_after) -> dict:
+    """What every benchmark's JSON starts with: the command, when, how long,
+    the load around it, the machine, the commit and the versions measured."""
+    return {
+        "command": " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else list(argv))),
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "total_s": total,
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
+        "machine": {"python": platform.python_version(), "platform": platform.platform(),
+                    "cpus": os.cpu_count(), "memory_gib": psutil.virtual_memory().total / (1 << 30)},
+        "git": git_state(),
+        "versions": {"boltzlabs": boltzlabs.__version__, "gymnasium": gym.__version__, "numpy": np.__version__},
+    }
+
+
 # -- report ------------------------------------------------------------------------------------
 
 
@@ -438,19 +454,7 @@ def main(argv=None) -> int:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
-        "command": " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else list(argv))),
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "total_s": total,
-        "loadavg_before": load_before,
-        "loadavg_after": load_after,
-        "machine": {
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "cpus": os.cpu_count(),
-            "memory_gib": psutil.virtual_memory().total / (1 << 30),
-        },
-        "git": git_state(),
-        "versions": {"boltzlabs": boltzlabs.__version__, "gymnasium": gym.__version__, "numpy": np.__version__},
+        **run_record(argv, total, load_before, load_after),
         "settings": {"warmup_steps": WARMUP_STEPS, "target_s": args.target, "steps": args.steps,
                      "rounds": args.rounds, "spawn": args.spawn,
                      "async": {"context": "fork", "shared_memory": True, "autoreset_mode": "SameStep"}},

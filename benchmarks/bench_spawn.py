@@ -60,7 +60,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import sys
 import time
@@ -78,8 +77,7 @@ import numpy as np
 import psutil
 from gymnasium.vector import AsyncVectorEnv
 
-import boltzlabs
-from bench_pool import git_state, uss_of_tree  # benchmarks/ is sys.path[0] when run as a script
+from bench_pool import run_record, uss_of_tree  # benchmarks/ is sys.path[0] when run as a script
 from boltzlabs import RLPool
 
 NUMPY_ENV = ROOT / "benchmarks" / "envs" / "numpy_env"
@@ -443,15 +441,7 @@ def main(argv=None) -> int:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
-        "command": " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else list(argv))),
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "total_s": total,
-        "loadavg_before": load_before,
-        "loadavg_after": load_after,
-        "machine": {"python": platform.python_version(), "platform": platform.platform(),
-                    "cpus": os.cpu_count(), "memory_gib": psutil.virtual_memory().total / GIB},
-        "git": git_state(),
-        "versions": {"boltzlabs": boltzlabs.__version__, "gymnasium": gym.__version__, "numpy": np.__version__},
+        **run_record(argv, total, load_before, load_after),
         "settings": {"steps": args.steps, "warmup_steps": WARMUP_STEPS, "modes": args.modes, "n": args.n,
                      "mem_budget_gib": args.mem_budget_gib, "uss_sample": args.uss_sample,
                      "async": {"context": "fork", "shared_memory": True}},

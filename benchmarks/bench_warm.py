@@ -80,7 +80,6 @@ import argparse
 import inspect
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -96,8 +95,7 @@ import numpy as np
 import psutil
 from gymnasium.vector import AsyncVectorEnv
 
-import boltzlabs
-from bench_pool import CounterEnv, git_state  # benchmarks/ is sys.path[0] when run as a script
+from bench_pool import CounterEnv, run_record  # benchmarks/ is sys.path[0] when run as a script
 from bench_spawn import (NumpyEnv, error_record, fmt, log, reset_failures, sampled_uss, settle, timed_steps,
                          used_bytes, wait_for_quiet)
 from boltzlabs import RLPool
@@ -491,15 +489,7 @@ def main(argv=None) -> int:
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
-        "command": " ".join([Path(sys.argv[0]).name] + (sys.argv[1:] if argv is None else list(argv))),
-        "when": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "total_s": total,
-        "loadavg_before": load_before,
-        "loadavg_after": load_after,
-        "machine": {"python": platform.python_version(), "platform": platform.platform(),
-                    "cpus": os.cpu_count(), "memory_gib": psutil.virtual_memory().total / GIB},
-        "git": git_state(),
-        "versions": {"boltzlabs": boltzlabs.__version__, "gymnasium": gym.__version__, "numpy": np.__version__},
+        **run_record(argv, total, load_before, load_after),
         "takes_warmup": warm,
         "settings": {"n": args.n, "exec_n": args.exec_n, "envs": args.envs, "modes": modes, "steps": args.steps,
                      "pilot_n": args.pilot_n, "step_timeout": args.step_timeout, "mem_budget_gib": args.mem_budget_gib, "uss_sample": args.uss_sample},
