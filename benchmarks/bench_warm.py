@@ -117,14 +117,21 @@ ENV_DIRS = {
 # -- the gymnasium twins of the env directories (same logic, in-process) ----------------------
 
 
-class LazyRngEnv(gym.Env):
-    """benchmarks/envs/lazy_rng as a gymnasium.Env (the Generator made in reset)."""
+class _Twin(gym.Env):
+    """What the twins share: a float64[4] observation, actions 0 and 1."""
 
     metadata = {"render_modes": []}
 
     def __init__(self):
         self.observation_space = gym.spaces.Box(-np.inf, np.inf, shape=(4,), dtype=np.float64)
         self.action_space = gym.spaces.Discrete(2)
+
+
+class LazyRngEnv(_Twin):
+    """benchmarks/envs/lazy_rng as a gymnasium.Env (the Generator made in reset)."""
+
+    def __init__(self):
+        super().__init__()
         self.t, self.x, self.rng = 0, np.zeros(4), None
 
     def reset(self, *, seed=None, options=None):
@@ -140,15 +147,13 @@ class LazyRngEnv(gym.Env):
         return x.copy(), float(-np.dot(x, x)), self.t >= HORIZON, False, {}
 
 
-class LazyLinalgEnv(gym.Env):
+class LazyLinalgEnv(_Twin):
     """benchmarks/envs/lazy_linalg as a gymnasium.Env (np.linalg.solve in step)."""
 
-    metadata = {"render_modes": []}
     SIZE = 16
 
     def __init__(self):
-        self.observation_space = gym.spaces.Box(-np.inf, np.inf, shape=(4,), dtype=np.float64)
-        self.action_space = gym.spaces.Discrete(2)
+        super().__init__()
         self.t, self.x, self.a, self.b, self.rng = 0, None, None, None, None
 
     def reset(self, *, seed=None, options=None):
@@ -167,15 +172,13 @@ class LazyLinalgEnv(gym.Env):
         return x[:4].copy(), float(-np.dot(x, x)), self.t >= HORIZON, False, {}
 
 
-class LazyHeavyEnv(gym.Env):
+class LazyHeavyEnv(_Twin):
     """benchmarks/envs/lazy_heavy as a gymnasium.Env (scipy.special imported in reset)."""
 
-    metadata = {"render_modes": []}
     SIZE = 64
 
     def __init__(self):
-        self.observation_space = gym.spaces.Box(-np.inf, np.inf, shape=(4,), dtype=np.float64)
-        self.action_space = gym.spaces.Discrete(2)
+        super().__init__()
         self.t, self.x, self.w, self.rng, self.expit = 0, None, None, None, None
 
     def reset(self, *, seed=None, options=None):
