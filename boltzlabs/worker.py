@@ -467,11 +467,7 @@ class Worker:
         if not data:
             self._close_channel(env)
             return
-        size = len(data)
-        env.held += size
-        self.held += size
-        if self.held > self.max_pool_bytes:
-            self._kill(env, self._over_budget(env))
+        if not self._charge(env, len(data)):
             return
         try:
             messages = env.reader.feed(data)
@@ -481,10 +477,7 @@ class Worker:
                 # per object (a list, a dict entry, a str), is charged too.
                 cost = limits.made * _OBJECT_COST
                 limits.made = 0
-                env.held += cost
-                self.held += cost
-                if self.held > self.max_pool_bytes:
-                    self._kill(env, self._over_budget(env))
+                if not self._charge(env, cost):
                     return
         except wire.ProtocolError as exc:
             env.reader.limits.made = 0
@@ -612,6 +605,16 @@ class Worker:
             self._read_log(env)
             if (len(env.log), env.logfd) == before:
                 return
+
+    def _charge(self, env: Env, amount: int) -> bool:
+        """Count `amount` against env and the pool's budget; over it, env is
+        killed (before what it sent is decoded, when that is what is charged)."""
+        env.held += amount
+        self.held += amount
+        if self.held <= self.max_pool_bytes:
+            return True
+        self._kill(env, self._over_budget(env))
+        return False
 
     def _over_budget(self, env: Env) -> str:
         return (f"killed: the pool would hold more than limits.max_pool_bytes={self.max_pool_bytes} bytes of "
