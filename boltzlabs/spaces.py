@@ -8,6 +8,9 @@
 passes a space has imported Gymnasium already, and one that passes none must
 not pay for it. A spec is a dict of str, int, float, bool and lists (JSON-able
 except for infinite bounds). `from_spec` imports Gymnasium, client side only.
+A Dict's spec lists its keys in the space's own order (a list of pairs) and
+`from_spec` keeps it, so batched and flattened observations line up with
+the env's.
 
 Supported: Box, Discrete, MultiDiscrete, MultiBinary, Dict, Tuple. Any other
 space becomes {"type": name, "repr": ...}: the pool works, but the Gymnasium
@@ -75,7 +78,8 @@ def from_spec(spec: dict | None):
         if kind == "MultiBinary":
             return spaces.MultiBinary(spec["n"])
         if kind == "Dict":
-            return spaces.Dict({key: from_spec(sub) for key, sub in spec["spaces"]})
+            # Pairs, not a dict: Dict sorts a dict's keys, and the env's order is the spec's.
+            return spaces.Dict([(key, from_spec(sub)) for key, sub in spec["spaces"]])
         if kind == "Tuple":
             return spaces.Tuple([from_spec(sub) for sub in spec["spaces"]])
     except (KeyError, TypeError, ValueError) as exc:

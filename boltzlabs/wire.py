@@ -43,7 +43,7 @@ import sys
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: arrays as ARRAY_EXT, spaces in HELLO, RENDER
+PROTOCOL_VERSION = 3  # 2: arrays as ARRAY_EXT, spaces in HELLO, RENDER; 3: TUPLE_EXT, SCALAR_EXT, ATTR
 
 HEADER = struct.Struct("<I")
 
@@ -57,8 +57,13 @@ STEP = 10  # [STEP, seq, action, gated]
 RESET = 11  # [RESET, seq, seed, options]
 GO = 12  # [GO, seq]: the serialize_measurement gate is yours
 RENDER = 13  # [RENDER, seq]
-# env -> worker, answering RENDER
+# [ATTR, seq, op, name, args, kwargs]: op "call" (a method with args and
+# kwargs, or an attribute's value), "get" (an attribute's value) or "set"
+# (args is [value]); the env's serve(methods=, attributes=, target=)
+ATTR = 14
+# env -> worker, answering RENDER and ATTR
 RENDERED = 4  # [RENDERED, seq, frame]
+ATTR_DONE = 5  # [ATTR_DONE, seq, value]
 # client <-> worker
 OPEN = 20
 PROGRESS = 21

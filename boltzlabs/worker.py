@@ -6,8 +6,8 @@
     RLPool (client) <==one frame per call== Worker <--one frame per env-- sandboxes
 
 `python -m boltzlabs.worker --fd N` talks to its client over the socket on fd
-N. The client sends OPEN, then CALLs (step, reset, send, recv, render, memory,
-log, close) one at a time; the worker answers each with one REPLY or ERROR
+N. The client sends OPEN, then CALLs (step, reset, send, recv, render, attr,
+memory, log, close) one at a time; the worker answers each with one REPLY or ERROR
 frame. `send` returns before the envs answer: their replies are taken by the
 event loop, which also runs between calls, and held until a `recv`.
 
@@ -26,7 +26,7 @@ breaks any rule is killed and reported on its lane. Nothing here walks an
 env's value recursively: decoding is msgpack's C code under those limits,
 descriptions in errors go through reprlib (bounded depth and width).
 
-Which frames are due. Each request to an env (STEP, RESET, RENDER) carries a
+Which frames are due. Each request to an env (STEP, RESET, RENDER, ATTR) carries a
 fresh sequence number, and exactly one reply carrying that number is due
 until it comes. The env is BUSY from the request until that reply; a
 straggler (past its deadline) stays BUSY, so its one late reply to the number
@@ -1160,6 +1160,51 @@ class Worker:
                 errors[index] = f"env is {self.envs[index].state} ({self.envs[index].cause})"
         return [frames, errors]
 
+    def attr(self, indices, op, name, args, kwargs, values=None) -> list:
+        """call / get_attr / set_attr on the lanes in `indices`, as render():
+        one ATTR request each, the step deadline, a lane that cannot answer
+        named in `errors`. `values` (set): one per lane, in place of args."""
+        indices = self._check_lanes(indices)
+        if op not in ("call", "get", "set") or not isinstance(name, str) or not isinstance(args, list) \
+                or not isinstance(kwargs, dict) or (values is not None and (not isinstance(values, list)
+                                                                           or len(values) != len(indices))):
+            raise ValueError("attr() takes an op (call, get, set), a name, args, kwargs and one value per lane")
+        seq = self._next_seq()
+        op_ = Op(seq)
+        self.op = op_
+        same = None if values is not None else wire.encode([wire.ATTR, seq, op, name, args, kwargs])
+        for k, index in enumerate(indices):
+            env = self.envs[index]
+            if env.state == IDLE:
+                env.seq = seq
+                env.state = BUSY
+                env.expect = wire.ATTR_DONE
+                op_.waiting.add(index)
+                if self.freezing:
+                    self._thaw(env)
+                self._write(env, same or wire.encode([wire.ATTR, seq, op, name, [values[k]], kwargs]))
+        self._wait(op_, time.monotonic() + self.step_timeout)
+        self.op = None
+        for index in op_.waiting:
+            self._straggling(self.envs[index])
+        results, errors = [], {}
+        for index in indices:
+            env = self.envs[index]
+            if env.state != BUSY:
+                self._unhold(env)
+            result = op_.results.get(index)
+            if result and result[0] == wire.ATTR_DONE:
+                results.append(result[2])
+                continue
+            results.append(None)
+            if result:  # FAILED: the env's exception (its message, then its traceback)
+                errors[index] = [result[3], result[4]]
+            elif index in op_.waiting:
+                errors[index] = ["", f"missed the deadline of {self.step_timeout:g} s"]
+            else:
+                errors[index] = ["", f"env is {env.state} ({env.cause})"]
+        return [results, errors]
+
     def memory(self) -> dict:
         shared = 0
         if self.cgroups is not None:
@@ -1238,7 +1283,8 @@ class Worker:
             self._send([wire.ERROR, 0, type(exc).__name__, str(exc), {}])
             return
         self._send([wire.READY, ready])
-        calls = {"step": self.step, "reset": self.reset, "render": self.render, "memory": self.memory, "log": self.log,
+        calls = {"step": self.step, "reset": self.reset, "render": self.render, "attr": self.attr,
+                 "memory": self.memory, "log": self.log,
                  "states": self.states, "pids": self.pids, "send": self.send, "recv": self.recv,
                  "lane_states": self.lane_states, "shutdown": self.shutdown}
         while True:
@@ -1276,7 +1322,7 @@ def _check_reply(message: list):
     elif code == wire.RESET_DONE:
         if len(message) == 4 and type(message[3]) is dict:
             return message
-    elif code == wire.RENDERED:
+    elif code == wire.RENDERED or code == wire.ATTR_DONE:
         if len(message) == 3:
             return message
     elif code == wire.FAILED:

@@ -170,7 +170,7 @@ def test_make_and_the_contract(monkeypatch):
         assert uuid.UUID(envs.env_id).version == 7
         contract = envs.env_contract
         assert contract.id == "CartPole-v1" and contract.render_mode is None
-        assert contract.protocol_version == 2
+        assert contract.protocol_version == 3
         assert contract.observation_space["type"] == "Box" and contract.action_space == envs.action_space_spec
         assert contract.metadata["render_fps"] == 50
         assert envs.metadata["autoreset_mode"] is AutoresetMode.NEXT_STEP
