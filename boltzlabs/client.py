@@ -14,6 +14,7 @@ rather than leave it half way.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -229,7 +230,9 @@ class RLPool:
         self.n = n = int(n)
         config = {
             "source_dir": str(resolved.env_dir),
-            "params": resolved.params,
+            # As the sandbox will see them (JSON: a tuple is a list), not as the wire
+            # would carry them: the worker writes them out as JSON.
+            "params": json.loads(json.dumps(resolved.params, allow_nan=True)),
             "n": n,
             "step_timeout": _positive("step_timeout", step_timeout),
             "start_timeout": _positive("start_timeout", start_timeout),
