@@ -1126,84 +1126,69 @@ class Worker:
     def render(self, indices) -> list:
         """One frame per lane in `indices` (None for a lane that has none)."""
         indices = self._check_lanes(indices)
-        seq = self._next_seq()
-        op = Op(seq)
-        self.op = op
-        for index in indices:
-            env = self.envs[index]
-            if env.state == IDLE:
-                env.seq = seq
-                env.state = BUSY
-                env.expect = wire.RENDERED
-                op.waiting.add(index)
-                if self.freezing:
-                    self._thaw(env)
-                self._write(env, wire.encode([wire.RENDER, seq]))
-        self._wait(op, time.monotonic() + self.step_timeout)
-        self.op = None
-        for index in op.waiting:
-            self._straggling(self.envs[index])
-        frames, errors = [], {}
-        for index in indices:
-            if self.envs[index].state != BUSY:
-                self._unhold(self.envs[index])
-            result = op.results.get(index)
-            if result and result[0] == wire.RENDERED:
-                frames.append(result[2])
-                continue
-            frames.append(None)
-            if result:  # FAILED: the env's exception, with its traceback
-                errors[index] = result[4] or result[3]
-            elif index in op.waiting:
-                errors[index] = f"missed the render deadline of {self.step_timeout:g} s"
-            else:
-                errors[index] = f"env is {self.envs[index].state} ({self.envs[index].cause})"
-        return [frames, errors]
+        frames, errors = self._ask(indices, wire.RENDERED, lambda seq, k: wire.encode([wire.RENDER, seq]), "render")
+        return [frames, {index: why for index, (_, why) in errors.items()}]
 
     def attr(self, indices, op, name, args, kwargs, values=None) -> list:
-        """call / get_attr / set_attr on the lanes in `indices`, as render():
-        one ATTR request each, the step deadline, a lane that cannot answer
-        named in `errors`. `values` (set): one per lane, in place of args."""
+        """call / get_attr / set_attr on the lanes in `indices`: one ATTR
+        request each, as render(). `values` (set): one per lane, for args."""
         indices = self._check_lanes(indices)
         if op not in ("call", "get", "set") or not isinstance(name, str) or not isinstance(args, list) \
                 or not isinstance(kwargs, dict) or (values is not None and (not isinstance(values, list)
                                                                            or len(values) != len(indices))):
             raise ValueError("attr() takes an op (call, get, set), a name, args, kwargs and one value per lane")
+        same = {}
+
+        def frame(seq, k):
+            if values is not None:
+                return wire.encode([wire.ATTR, seq, op, name, [values[k]], kwargs])
+            if not same:  # the same request for every lane: encoded once
+                same[0] = wire.encode([wire.ATTR, seq, op, name, args, kwargs])
+            return same[0]
+
+        results, errors = self._ask(indices, wire.ATTR_DONE, frame, {"get": "get_attr", "set": "set_attr"}.get(op, op))
+        return [results, {index: list(error) for index, error in errors.items()}]
+
+    def _ask(self, indices, expect, frame, what: str):
+        """One request to each idle lane in `indices` (`frame(seq, k)` is the
+        k-th lane's, encoded), answered within the step deadline (render,
+        attr). Returns each lane's value (None if it has none) and, for each
+        lane that could not answer, (the env's exception message or "", why:
+        its traceback, the missed deadline, or the lane's state)."""
         seq = self._next_seq()
-        op_ = Op(seq)
-        self.op = op_
-        same = None if values is not None else wire.encode([wire.ATTR, seq, op, name, args, kwargs])
+        op = Op(seq)
+        self.op = op
         for k, index in enumerate(indices):
             env = self.envs[index]
             if env.state == IDLE:
                 env.seq = seq
                 env.state = BUSY
-                env.expect = wire.ATTR_DONE
-                op_.waiting.add(index)
+                env.expect = expect
+                op.waiting.add(index)
                 if self.freezing:
                     self._thaw(env)
-                self._write(env, same or wire.encode([wire.ATTR, seq, op, name, [values[k]], kwargs]))
-        self._wait(op_, time.monotonic() + self.step_timeout)
+                self._write(env, frame(seq, k))
+        self._wait(op, time.monotonic() + self.step_timeout)
         self.op = None
-        for index in op_.waiting:
+        for index in op.waiting:
             self._straggling(self.envs[index])
-        results, errors = [], {}
+        values, errors = [], {}
         for index in indices:
             env = self.envs[index]
             if env.state != BUSY:
                 self._unhold(env)
-            result = op_.results.get(index)
-            if result and result[0] == wire.ATTR_DONE:
-                results.append(result[2])
+            result = op.results.get(index)
+            if result and result[0] == expect:
+                values.append(result[2])
                 continue
-            results.append(None)
-            if result:  # FAILED: the env's exception (its message, then its traceback)
-                errors[index] = [result[3], result[4]]
-            elif index in op_.waiting:
-                errors[index] = ["", f"missed the deadline of {self.step_timeout:g} s"]
+            values.append(None)
+            if result:  # FAILED: the env's exception, with its traceback
+                errors[index] = (result[3], result[4] or result[3])
+            elif index in op.waiting:
+                errors[index] = ("", f"missed the {what} deadline of {self.step_timeout:g} s")
             else:
-                errors[index] = ["", f"env is {env.state} ({env.cause})"]
-        return [results, errors]
+                errors[index] = ("", f"env is {env.state} ({env.cause})")
+        return values, errors
 
     def memory(self) -> dict:
         shared = 0

@@ -11,7 +11,6 @@ and records, the env contract, render, and failures on a lane.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import uuid
 
@@ -25,21 +24,14 @@ from boltzlabs import RLPool, sources
 from boltzlabs.errors import EnvError
 from boltzlabs.gym import BoltzLabsVecEnv
 
-from conftest import TESTS
+from conftest import TESTS, env_class
 
 DICT_ENV = TESTS / "envs" / "dict_env"
 N = 3
 RUNTIME_KEYS = {"episode_ids", "_episode_ids", "episode_record", "_episode_record"}
 
 
-def _dict_env_class():
-    spec = importlib.util.spec_from_file_location("boltzlabs_test_dict_env", DICT_ENV / "env.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.DictEnv
-
-
-DictEnv = _dict_env_class()
+DictEnv = env_class(DICT_ENV, "DictEnv")
 
 # name: (source, params, in-process factory)
 CASES = {

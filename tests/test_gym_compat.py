@@ -15,8 +15,6 @@ exception types:
 
 from __future__ import annotations
 
-import importlib.util
-
 import gymnasium as gym
 import numpy as np
 import pytest
@@ -27,20 +25,13 @@ from gymnasium.wrappers.vector import DictInfoToList, FlattenObservation, Record
 from boltzlabs.errors import EnvError
 from boltzlabs.gym import BoltzLabsVecEnv
 
-from conftest import TESTS
+from conftest import TESTS, env_class
 
 TYPED_ENV = TESTS / "envs" / "typed_env"
 N = 2
 
 
-def _typed_env_class():
-    spec = importlib.util.spec_from_file_location("boltzlabs_test_typed_env", TYPED_ENV / "env.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.TypedEnv
-
-
-TypedEnv = _typed_env_class()
+TypedEnv = env_class(TYPED_ENV, "TypedEnv")
 
 
 def assert_same(got, want, where="value"):
@@ -324,7 +315,7 @@ FAULTY_METHODS = """
 
 
 @pytest.mark.parametrize("fault, error", [
-    ("hang", "env 0 could not call 'hang': missed the deadline of 1 s"),
+    ("hang", "env 0 could not call 'hang': missed the call deadline of 1 s"),
     ("die", "env 0 could not call 'die': env is dead .*exited with code 4"),
     ("deep", "(?s)env 0 could not call 'deep' .1 other.*tuples nested more than 32 deep"),
 ])
