@@ -359,3 +359,34 @@ def test_the_pool_refuses_seeds_that_are_not_whole_numbers(pool_factory, env_dir
         pool.reset(seed=[True, 2])
     assert pool.reset(seed=[1, np.int64(2)])[1] is not None
     assert pool.reset_infos[1]["seed"] == 2
+
+
+HOSTILE_ATTRS = """
+    from boltzlabs import env as runtime, wire
+    from boltzlabs.env import serve
+    # A handshake whose list of methods is garbage: the client must not trust it.
+    runtime._Attributes.describe = lambda self: {"methods": "all of them", "attributes": [1, 2], "target": 5}
+    def reset(seed):
+        return 0
+    def step(action):
+        return 0, 0.0, False, {}
+    def lie():  # from now on this env answers an ATTR with a STEPPED of the right sequence number
+        runtime._attr_reply = lambda seq, value: [wire.STEPPED, seq, 0, 0.0, False, False, {}]
+        return "ok"
+    serve(reset=reset, step=step, methods={"lie": lie, "ping": lambda: "pong"})
+"""
+
+
+def test_a_hostile_handshake_or_attr_reply_fails_only_its_lane(pool_factory, env_dir):
+    pool = pool_factory(env_dir(HOSTILE_ATTRS), N)
+    assert pool.env_contract.attributes is None  # refused: the envs are asked instead
+    pool.reset()
+    with pytest.raises(AttributeError, match="no method or attribute 'nope'"):
+        pool.call("nope")
+    assert pool.call("lie", env_ids=[0]) == ["ok"]
+    with pytest.raises(EnvError, match="env 0 could not call 'ping': env is dead .*malformed reply") as caught:
+        pool.call("ping")
+    assert caught.value.env_index == 0 and pool.states() == ["dead", "idle"]
+    assert pool.call("ping", env_ids=[1]) == ["pong"]
+    pool.reset(where=[0])
+    assert pool.call("ping") == ["pong", "pong"]
