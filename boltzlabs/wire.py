@@ -176,37 +176,14 @@ def _numpy():
     return np
 
 
-def _decode_array(code: int, data: bytes):
+def _scalar(data: bytes, check_only: bool):
     dtype, shape, start = check_array_header(data)
-    np = _numpy()
-    if code == ARRAY_EXT:
-        # Zero-copy: a read-only view of the payload's bytes.
-        return np.frombuffer(data, dtype=np.dtype(dtype), offset=start).reshape(shape)
     if shape:
-        raise ValueError(f"scalar ext has the shape {shape} of an array")
-    return np.frombuffer(data, dtype=np.dtype(dtype), offset=start)[0]
-
-
-def _check_array(code: int, data: bytes):
-    # The worker: the header is checked, the bytes are passed on untouched.
-    if check_array_header(data)[1] and code == SCALAR_EXT:
         raise ValueError("scalar ext has the shape of an array")
-    return msgpack.ExtType(code, data)
-
-
-def _keep(code: int, data: bytes):
-    return msgpack.ExtType(code, data)
-
-
-def _refuse(code: int, data: bytes):
-    raise ValueError(f"unknown msgpack extension type {code}")
-
-
-# What each mode of Limits does with each extension: "decode" (client, env),
-# "check" (worker, from an env: anything unknown is malformed), "pass"
-# (worker, from the client: everything kept as it is).
-_ARRAY_HOOKS = {"decode": _decode_array, "check": _check_array, "pass": _keep}
-_OTHER_EXT = {"decode": _keep, "check": _refuse, "pass": _keep}
+    if check_only:  # the worker: the header is checked, the bytes are passed on untouched
+        return msgpack.ExtType(SCALAR_EXT, data)
+    np = _numpy()
+    return np.frombuffer(data, dtype=np.dtype(dtype), offset=start)[0]
 
 
 def _default(obj):
@@ -309,7 +286,7 @@ class Limits:
         # frame around it (decode() switches it to the guarded ones).
         self._inner = [self.kwargs]
         if arrays != "pass":  # "pass" keeps every ExtType: msgpack's default, no hook
-            self.kwargs["ext_hook"] = _ext_hook(_ARRAY_HOOKS[arrays], _OTHER_EXT[arrays], self._inner)
+            self.kwargs["ext_hook"] = _ext_hook(arrays, self._inner)
         self.max_depth = self.max_objects = None
         self.guarded = None
         self._count = [0, 0]  # objects, containers: of the frame being decoded
@@ -342,14 +319,14 @@ class Limits:
             self.guarded = dict(self.kwargs, list_hook=counted_list, object_hook=counted_map)
 
 
-def _ext_hook(array_hook, other_hook, inner: list):
+def _ext_hook(mode: str, inner: list):
+    """The ext hook of a Limits in `mode` "decode" (client, env) or "check"
+    (worker, from an env: anything unknown is malformed). `inner[0]` holds
+    the decode options a tuple's items are decoded with."""
     level = [0]  # tuples being decoded inside one another
+    check_only = mode == "check"
 
-    def hook(code: int, data: bytes):
-        if code == ARRAY_EXT or code == SCALAR_EXT:
-            return array_hook(code, data)
-        if code != TUPLE_EXT:
-            return other_hook(code, data)
+    def items_of(data):
         if level[0] >= MAX_TUPLE_NESTING:
             raise ValueError(f"tuples nested more than {MAX_TUPLE_NESTING} deep (MAX_TUPLE_NESTING)")
         level[0] += 1
@@ -362,6 +339,31 @@ def _ext_hook(array_hook, other_hook, inner: list):
             raise ValueError("tuple ext does not hold an array of items")
         return tuple(items)
 
+    # Hot path: an array is the common ext, tested first, decoded inline.
+    if check_only:
+        def hook(code: int, data: bytes):
+            if code == ARRAY_EXT:
+                check_array_header(data)
+                return msgpack.ExtType(code, data)
+            if code == TUPLE_EXT:
+                return items_of(data)
+            if code == SCALAR_EXT:
+                return _scalar(data, True)
+            raise ValueError(f"unknown msgpack extension type {code}")
+    else:
+        def hook(code: int, data: bytes):
+            if code == ARRAY_EXT:
+                dtype, shape, start = check_array_header(data)
+                np = sys.modules.get("numpy")
+                if np is None:
+                    import numpy as np
+                # Zero-copy: a read-only view of the payload's bytes.
+                return np.frombuffer(data, dtype=np.dtype(dtype), offset=start).reshape(shape)
+            if code == TUPLE_EXT:
+                return items_of(data)
+            if code == SCALAR_EXT:
+                return _scalar(data, False)
+            return msgpack.ExtType(code, data)
     return hook
 
 
