@@ -185,7 +185,6 @@ def _key(key) -> str:
 
         text = json.dumps(key, ensure_ascii=False)
         return text if len(text) <= 60 else text[:60] + '..."'
-
     return _short(key, 60)
 
 
@@ -196,8 +195,10 @@ def _locate_in_array(a, b, path: str):
     width = a.dtype.itemsize
     rows_a = np.ascontiguousarray(a).reshape(-1).view(np.uint8).reshape(a.size, width)
     rows_b = np.ascontiguousarray(b).reshape(-1).view(np.uint8).reshape(b.size, width)
-    flat = int(np.flatnonzero((rows_a != rows_b).any(axis=1))[0])
-    index = np.unravel_index(flat, a.shape)
+    differing = np.flatnonzero((rows_a != rows_b).any(axis=1))
+    if not differing.size:  # the same elements: the difference is in the header (byte order)
+        return path, a, b
+    index = np.unravel_index(int(differing[0]), a.shape)
     return path + "".join(f"[{int(i)}]" for i in index), a[index].item(), b[index].item()
 
 
@@ -227,10 +228,12 @@ class NotReproducible(AssertionError):
 
     def _message(self) -> str:
         d = self.difference
-        how = (f"replayed with reset(seed={self.seed}, hard=True) and the same actions"
-               if self.comparison == AFTER_HARD_RESET else "replayed in a second, fresh pool with the same seed "
-                                                           "and actions")
-        head = f"not reproducible {self.comparison}: lane {self.lane} (seed {self.seed}), {how}, gave a different episode: "
+        if self.comparison == AFTER_HARD_RESET:
+            how = f"replayed with reset(seed={self.seed}, hard=True) and the same actions"
+        else:
+            how = "replayed in a second, fresh pool with the same seed and actions"
+        head = f"not reproducible {self.comparison}: lane {self.lane} (seed {self.seed}), {how}, gave a different " \
+               "episode: "
         if d.kind == "length":
             return head + f"the first run had {d.first} steps, the other {d.then}. {_REMEDY}."
         where = {"reset": " (the reset)", "autoreset": " (an autoreset, seed None, after the episode ended)"}
@@ -238,8 +241,9 @@ class NotReproducible(AssertionError):
         text = (f"at step {d.step}{where.get(d.kind, '')} the {field} differs at {d.path}: first {_short(d.first)}, "
                 f"then {_short(d.then)}. {_REMEDY}.")
         if self.comparison == ACROSS_POOLS:
-            text += (" A hard reset replayed the episode, so the env drew this at import, before the fork: in "
-                     "template mode every env and every hard reset inherits the template's state; seed in reset.")
+            text += (" A hard reset replayed the episode, so this was drawn before the env's first reset, e.g. at "
+                     "import: in template mode every env and every hard reset inherits what the template drew "
+                     "there. Seed in reset.")
         return head + text
 
 
@@ -322,15 +326,14 @@ def _run(pool, seeds: list, steps: int, plan: "_Plan", *, hard: bool, run: str) 
     episodes = [Episode(lane, seed) for lane, seed in enumerate(seeds)]
     obs = pool.reset(seed=seeds, hard=hard)
     for lane, episode in enumerate(episodes):
-        info = pool.reset_infos[lane] or {}
+        info = pool.reset_infos[lane]
         _raise_if_failed(pool, episode, 0, info, run)
         episode.add_reset(obs[lane], info)
     ended: list = []
     for t in range(1, steps + 1):
         obs, rewards, terminated, truncated, infos = pool._step(plan.actions(t, obs), resets=ended)
         for lane, episode in enumerate(episodes):
-            info = infos[lane] if isinstance(infos[lane], dict) else {"value": infos[lane]}
-            _raise_if_failed(pool, episode, t, info, run)
+            _raise_if_failed(pool, episode, t, infos[lane], run)
             if lane in ended:
                 episode.add_reset(obs[lane], infos[lane], autoreset=True)
             else:
@@ -339,8 +342,8 @@ def _run(pool, seeds: list, steps: int, plan: "_Plan", *, hard: bool, run: str) 
     return episodes
 
 
-def _raise_if_failed(pool, episode: Episode, step: int, info: dict, run: str) -> None:
-    error = info.get("error")
+def _raise_if_failed(pool, episode: Episode, step: int, info, run: str) -> None:
+    error = info.get("error") if isinstance(info, dict) else None  # an env's info may be anything msgpack-able
     if not error:
         return
     try:

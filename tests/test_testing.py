@@ -182,6 +182,18 @@ def test_a_long_string_and_an_array_element_are_named(env_dir):
     assert isinstance(failure.first, float) and len(str(failure)) < 1500
 
 
+def test_an_info_that_is_not_a_dict_is_a_failure_named_with_its_step(env_dir):
+    source = env_dir("""
+        from boltzlabs.env import serve
+
+        serve(reset=lambda seed: seed, step=lambda action: (action, 0.0, False, ["not", "a", "dict"]))
+    """)
+    with pytest.raises(EpisodeFailed) as caught:
+        assert_reproducible(source, seeds=(5,), steps=2, actions=[[0]] * 2)
+    assert (caught.value.lane, caught.value.seed, caught.value.step) == (0, 5, 1)
+    assert "step() returned info of type list; expected a dict" in str(caught.value)
+
+
 def test_the_comparison_is_byte_for_byte():
     def reset_with(value):
         episode = Episode(0, 0)
@@ -219,13 +231,23 @@ def test_check_prints_the_message_assert_reproducible_raises():
 # -- the pytest plugin ----------------------------------------------------------------------------
 
 
+def plugin_entry_point():
+    from importlib.metadata import entry_points
+
+    found = [e for e in entry_points(group="pytest11") if e.value == "boltzlabs.pytest_plugin"]
+    assert found, "boltzlabs' pytest11 entry point is not installed: pip install -e . (again) registers it"
+    return found[0]
+
+
 def test_the_plugin_loads_from_its_entry_point(pytester):
+    assert plugin_entry_point().name == "boltzlabs"
     result = pytester.runpytest_subprocess("--help")
     assert result.ret == 0
     result.stdout.fnmatch_lines(["*--boltzlabs-spawn={template,exec}*", "*--boltzlabs-keep-logs*"])
 
 
 def test_the_plugin_imports_nothing_heavy_at_collection():
+    plugin_entry_point()
     # What every pytest run pays where boltzlabs is installed: the plugin as pytest loads it.
     code = ("import sys, pytest\n"
             "from importlib.metadata import entry_points\n"
