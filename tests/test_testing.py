@@ -48,6 +48,7 @@ LEAKS = [
     ("clock", "info", 'info["clock"]'),
     ("urandom", "obs", 'obs["x"][1]'),
     ("random", "reward", "reward"),
+    ("random_module", "reward", "reward"),
     ("uuid", "obs", 'obs["id"]'),
 ]
 

@@ -7,6 +7,8 @@ pool's param `leak`:
     random   the reward from a random.Random() made at import, unseeded (in
              template mode every child inherits its state: only a second
              pool shows the leak)
+    random_module  the reward from the random module's own generator (which
+             Python reseeds in every forked child: a hard reset shows it)
     uuid     obs["id"] = uuid.uuid4()
     reset    obs["x"][1] from os.urandom in a reset without a seed (an autoreset)
 
@@ -62,6 +64,8 @@ def step(action):
             obs["x"][1] = int.from_bytes(os.urandom(4), "little")
         elif LEAK == "random":
             reward = _unseeded.random()
+        elif LEAK == "random_module":
+            reward = random.random()
         elif LEAK == "uuid":
             obs["id"] = str(uuid.uuid4())
     return obs, reward, t >= LENGTH, False, info
