@@ -19,12 +19,13 @@ def test_wheel_ships_the_policy_and_uses_it_when_installed(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for name in ("boltzlabs/_data/sandbox/policy.toml", "boltzlabs/_data/mounts/system.toml",
                  "boltzlabs/_data/mounts/interpreter.toml", "boltzlabs/_data/mounts/runtime.toml",
-                 "boltzlabs/_data/mounts/env.toml", "boltzlabs/_gym_env/env.py", "boltzlabs/template.py"):
+                 "boltzlabs/_data/mounts/env.toml", "boltzlabs/runtime/gym_env/env.py",
+                 "boltzlabs/runtime/template.py", "boltzlabs/env.py", "boltzlabs/worker/__main__.py"):
         assert name in names, name
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
                    check=True, capture_output=True)
-    code = ("import boltzlabs.sandbox as s; p = s.load_policy(); "
+    code = ("import boltzlabs.sandbox.policy as s; p = s.load_policy(); "
             "print(s._data_dir('sandbox')); print(p.sandbox['workspace']['path'])")
     out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, cwd=tmp_path, check=True).stdout.split()
