@@ -50,10 +50,6 @@ EXCEPTIONS = {
     ("boltzlabs.pool.client", "boltzlabs.sandbox.cgroups"):
         "the client removes the pool's cgroups after it SIGKILLed a worker that did not stop, since a killed "
         "worker cannot (envs it froze ignore SIGKILL until thawed)",
-    ("boltzlabs.pool.client", "boltzlabs.sandbox.policy"):
-        "RLPool checks limits= against the local policy and that bwrap is installed before it starts the "
-        "worker, so a bad argument fails in the caller's frame; moving the check into the worker's reply "
-        "changes which call raises",
     ("boltzlabs.cluster", "boltzlabs.cli.doctor"):
         "`boltzlabs doctor --cluster` (cli) fans cli.doctor's checks out to every Ray node through "
         "cluster.doctor: a cycle between two adapters, no layer crossed",

@@ -32,7 +32,6 @@ from boltzlabs.pool import sources
 from boltzlabs.sandbox.cgroups import remove_pool_dir
 from boltzlabs.errors import EnvError, EnvStartError, PoolClosedError, SandboxUnavailable, WorkerError
 from boltzlabs.pool.ids import uuid7
-from boltzlabs.sandbox.policy import find_bwrap, load_policy
 from boltzlabs.units import parse_size
 
 __all__ = ["RLPool", "Timing", "MemoryReport", "EnvContract"]
@@ -237,12 +236,12 @@ class RLPool:
             "limits": limits,
             "warmup": bool(warmup),
         }
-        load_policy().env_limits(limits, config["memory_limit"])  # a bad limit fails here, not in the worker
+        # The limits (against the policy of the worker that runs the pool, local
+        # or remote) and bwrap are checked by the worker, before any sandbox
+        # starts: its refusal comes back as ValueError/TypeError/SandboxUnavailable.
         if spawn not in ("template", "exec"):
             raise ValueError(f"spawn must be 'template' or 'exec', not {spawn!r}")
-        if worker is None:
-            find_bwrap()  # fail here, with the install command, not inside the worker
-        elif not isinstance(worker, str):
+        if worker is not None and not isinstance(worker, str):
             raise TypeError(f"worker must be an address like 'tcp://host:port', not {type(worker).__name__}")
         self.source = str(source)
         self._resolved = resolved
@@ -333,7 +332,9 @@ class RLPool:
                             f"{text}{more}.\n--- the tail of env {detail['env']}'s output ---\n{detail['log']}\n"
                             f"--- end ---\n{fix}",
                             env_index=detail["env"], log=detail["log"])
-                    if kind in ("ValueError", "TypeError"):
+                    if kind == "TypeError":  # e.g. limits= of the wrong type, as the worker's policy says
+                        raise TypeError(text)
+                    if kind == "ValueError":
                         raise ValueError(text)
                     if kind == "SandboxUnavailable":  # the host or the policy: the text says what to change
                         raise SandboxUnavailable(text)

@@ -64,7 +64,8 @@ import msgpack
 from boltzlabs import wire
 from boltzlabs.sandbox.cgroups import CgroupPool, CgroupUnavailable
 from boltzlabs.sandbox.identity import host_account
-from boltzlabs.sandbox.builder import SandboxSpec, load_policy
+from boltzlabs.sandbox.builder import SandboxSpec
+from boltzlabs.sandbox.policy import find_bwrap, load_policy
 from boltzlabs.worker.spawn import TEMPLATE_LANE, ExecSpawner, TemplateSpawner, TemplateUnavailable, reap_orphans
 
 # Env lane states (the sandbox's side). A lane is in exactly one.
@@ -250,6 +251,7 @@ class Worker:
         self.limits = self.policy.env_limits(config.get("limits"), config.get("memory_limit"))
         self.memory_limit = self.limits.get("memory") or None
         self.straggler_grace = self.limits.get("straggler_grace", float("inf"))
+        find_bwrap()  # before the account's checks: a host without bwrap is told that first
         self.account = host_account(self.policy.sandbox.get("identity", {}))
         self.spec = SandboxSpec(self.policy, config["source_dir"], int(config["workspace_size"]),
                                 config.get("params") or {}, self.account, self.limits)
