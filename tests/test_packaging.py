@@ -22,6 +22,11 @@ def test_wheel_ships_the_policy_and_uses_it_when_installed(tmp_path):
                  "boltzlabs/_data/mounts/env.toml", "boltzlabs/runtime/gym_env/env.py",
                  "boltzlabs/runtime/template.py", "boltzlabs/env.py", "boltzlabs/worker/__main__.py"):
         assert name in names, name
+    # pyproject lists the packages by hand (the policy data's package-dir mapping rules out find):
+    # a package left off that list would be missing from every installed copy.
+    sources = {str(path.relative_to(ROOT)) for path in (ROOT / "boltzlabs").rglob("*.py")
+               if "__pycache__" not in path.parts}
+    assert not sources - names, f"the wheel lacks {sorted(sources - names)}; add their packages to pyproject.toml"
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
                    check=True, capture_output=True)
