@@ -1,5 +1,6 @@
 """The wheel carries the policy data, and an installed (non-editable) copy uses it."""
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -13,7 +14,12 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(300)
 def test_wheel_ships_the_policy_and_uses_it_when_installed(tmp_path):
     wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(ROOT)],
+    # From a clean copy: a build/ left in the checkout by an earlier build is
+    # packed as it is, and would ship modules pyproject no longer lists.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        "build", "dist", "*.egg-info", ".venv", ".git", "__pycache__", ".pytest_cache", ".hypothesis", "results"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(source)],
                    check=True, capture_output=True, cwd=tmp_path)
     (wheel,) = wheels.glob("boltzlabs-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
