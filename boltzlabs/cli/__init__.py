@@ -10,6 +10,10 @@ subparser to the `subparsers` object and sets `run` (parsed args -> exit
 code). A new command is one more entry there. The work is done by the
 modules named above; this one parses arguments and formats what they return.
 
+An adapter, in the trainer's process (and `doctor` on each host it checks):
+this package may import anything of boltzlabs; nothing below the adapters
+imports it (tests/test_layout.py).
+
 Exit codes: 0 all is well (warnings allowed), 1 a problem was found (a check
 failed, an env would not start, a lane failed), 2 the command line was wrong
 (bad arguments, a source that is not an env, a missing optional dependency).

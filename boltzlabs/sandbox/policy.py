@@ -46,7 +46,7 @@ class Policy:
         return self.sandbox["limits"]
 
     def env_limits(self, overrides: dict | None = None, memory_limit=None) -> dict:
-        """[env_limits] with a pool's overrides, checked (boltzlabs.limits.resolve)."""
+        """[env_limits] with a pool's overrides, checked (boltzlabs.sandbox.limits.resolve)."""
         return _limits.resolve(self.sandbox.get("env_limits", {}), overrides, memory_limit)
 
 
