@@ -1,16 +1,10 @@
 """Remote workers: a pool on another host, reached over TCP.
 
-    trainer                                   training node
-    RLPool(worker="tcp://node:7733") ==TCP==> Listener (boltzlabs worker --listen)
-      1.                      <-- [CHALLENGE, protocol, nonce]
-      2. [AUTH, HMAC-SHA256(token, nonce)] -->  compared in constant time
-      3. [SOURCE, {kind, sha256, size}]    -->
-                              <-- [NEED, bool]      (the env dir is cached by content)
-         [BLOB, tar bytes]                 -->  (only when needed; capped, verified)
-      4.                      <-- [ACCEPTED, {...}]
-      5. the connection is handed to its own worker process
-         (python -m boltzlabs.worker --fd N --remote ...): OPEN, CALL, REPLY
-         exactly as a local pool, on the same framed msgpack (wire.py).
+    trainer: RLPool(worker="tcp://node:7733") --boltzlabs/pool/remote_link.py--TCP-->
+    Listener (boltzlabs worker --listen, this module): challenge, HMAC proof, the
+    env dir shipped or found in the cache, then the connection handed to its own
+    worker process (python -m boltzlabs.worker --fd N --remote ...), which speaks
+    to it exactly as to a local pool. The handshake, step by step: remote_link.py.
 
 The listener does everything before the hand-off in a thread of its own, with
 a deadline for the whole handshake, small frame caps before authentication,
