@@ -1,4 +1,4 @@
-"""How the worker makes sandboxes: one interpreter per env, or forks of a template.
+r"""How the worker makes sandboxes: one interpreter per env, or forks of a template.
 
     Worker --spawn(env)--> ExecSpawner:     posix_spawn(bwrap ... python env.py), per env
                        \-> TemplateSpawner: [FORK] to one warm template (boltzlabs.runtime.template)
