@@ -385,7 +385,7 @@ class _Plan:
                              "pass actions= (a list of per-step action lists, or a callable (step, obs) -> "
                              "actions), or declare serve(..., action_space=...)")
         try:
-            from boltzlabs.spaces import from_spec
+            from boltzlabs.pool.spaces import from_spec
 
             space = from_spec(spec)
         except ImportError:

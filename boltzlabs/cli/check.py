@@ -29,7 +29,7 @@ One env runs in a real pool (RLPool, one lane) and goes through, in order:
              comparison of boltzlabs.testing.assert_reproducible, whose
              NotReproducible message a failure prints
 
-Each stage yields Findings (boltzlabs.doctor.Finding: status ok, warn or
+Each stage yields Findings (boltzlabs.cli.doctor.Finding: status ok, warn or
 fail) as it ends, so a caller can print them as they come.
 """
 
@@ -42,7 +42,7 @@ import sys
 import time
 import warnings
 
-from boltzlabs.doctor import FAIL, OK, WARN, Finding
+from boltzlabs.cli.doctor import FAIL, OK, WARN, Finding
 from boltzlabs.testing import AFTER_HARD_RESET, Episode, NotReproducible, first_difference
 
 __all__ = ["check_env", "INVALID_ACTION", "PRELOAD_HINT"]
@@ -90,7 +90,8 @@ def check_env(source, *, actions=None, steps: int = 10, spawn: str = "template",
     template's probe). Raises ValueError/TypeError for a bad source or params
     (nothing started).
     """
-    from boltzlabs import RLPool, sources
+    from boltzlabs import RLPool
+    from boltzlabs.pool import sources
     from boltzlabs.errors import BoltzLabsError, EnvStartError
 
     sources.resolve(source, params or {})  # a bad source is the caller's mistake: raise, start nothing
@@ -169,7 +170,7 @@ def _spaces(contract):
             rebuilt[name] = None
             continue
         try:
-            from boltzlabs.spaces import from_spec
+            from boltzlabs.pool.spaces import from_spec
 
             rebuilt[name] = from_spec(spec)
         except ImportError:
