@@ -103,6 +103,26 @@ def test_an_env_that_declares_no_action_space_needs_actions():
         assert_reproducible(COUNTER, seeds=(0,), steps=3)
 
 
+def test_sampling_without_gymnasium_asks_for_actions(env_dir, tmp_path):
+    # Gymnasium missing in the trainer (a package that cannot be imported, first on the path); the env
+    # itself, in its sandbox, declares Discrete(2) with the real one.
+    source = env_dir("""
+        from gymnasium.spaces import Discrete
+        from boltzlabs.env import serve
+
+        serve(reset=lambda seed: 0, step=lambda action: (0, 0.0, False, {}), action_space=Discrete(2))
+    """)
+    (tmp_path / "shadow" / "gymnasium").mkdir(parents=True)
+    (tmp_path / "shadow" / "gymnasium" / "__init__.py").write_text("raise ImportError('no gymnasium here')\n")
+    code = ("from boltzlabs.testing import assert_reproducible\n"
+            f"assert_reproducible({str(source)!r}, seeds=(0,), steps=2)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG,
+                         env=dict(os.environ, PYTHONPATH=str(tmp_path / "shadow")))
+    assert out.returncode == 1
+    assert ("ValueError: sampling actions from the env's action space needs Gymnasium: pip install "
+            "'boltzlabs[gym]', or pass actions=") in out.stderr
+
+
 @pytest.mark.parametrize("actions, error, words", [
     ([[1, 2, 3, 4]] * 3, ValueError, "actions has 3 step(s) of actions but steps=8"),
     ([[1, 2, 3]] * STEPS, ValueError, "the actions for step 1 are 3, but there are 4 lanes"),
