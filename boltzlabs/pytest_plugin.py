@@ -86,6 +86,9 @@ def pytest_runtest_makereport(item, call):
             report.sections.append((title, text))
 
 
+KEEP_LOGS_MAX = 16
+
+
 class _Tracked:
     """One pool the fixture made, with what it owns on this host."""
 
@@ -109,11 +112,16 @@ class _Tracked:
         if pool.closed:
             return [(name, "the pool was closed before the test failed: no logs")]
         sections = []
+        # A report is read by a person: the first KEEP_LOGS_MAX envs' logs, not a thousand.
+        shown = min(len(pool), KEEP_LOGS_MAX)
         try:
-            for i in range(len(pool)):
+            for i in range(shown):
                 sections.append((f"{name}: env {i} log", pool.log(i) or "(empty)"))
         except BoltzLabsError as exc:
             sections.append((name, f"the logs could not be read: {type(exc).__name__}: {exc}"))
+        if len(pool) > shown:
+            sections.append((name, f"logs of envs {shown}..{len(pool) - 1} left out (at most {KEEP_LOGS_MAX} "
+                                   "per pool); read them with pool.log(i) in the test"))
         return sections
 
     def close(self) -> list:

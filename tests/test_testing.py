@@ -413,3 +413,29 @@ def test_keep_logs_attaches_each_env_log_to_a_failing_test(pytester, keep, env_d
                           rf"(?:(?!.*boltzlabs pool)[^\n]*\n)*?env log line: reset with seed {seed}\n", output)
         assert bool(shown) == keep, output
     assert "reset with seed 7" not in output  # a passing test's logs are not attached
+
+
+def test_keep_logs_shows_a_bounded_number_of_env_logs(pytester, env_dir):
+    from boltzlabs.pytest_plugin import KEEP_LOGS_MAX
+
+    source = env_dir("""
+        from boltzlabs.env import serve
+
+        def reset(seed):
+            print(f"env log line: reset with seed {seed}", flush=True)
+            return seed
+
+        serve(reset=reset, step=lambda action: (action, 0.0, False, {}))
+    """)
+    n = KEEP_LOGS_MAX + 4
+    inner_test(pytester, f"""
+        def test_fails(rlpool):
+            rlpool({str(source)!r}, {n}).reset(seed=100)
+            assert False, "the inner test fails"
+    """)
+    result = pytester.runpytest_subprocess("--boltzlabs-keep-logs")
+    result.assert_outcomes(failed=1)
+    output = result.stdout.str()
+    assert f"env {KEEP_LOGS_MAX - 1} log" in output
+    assert f"env {KEEP_LOGS_MAX} log" not in output
+    assert f"logs of envs {KEEP_LOGS_MAX}..{n - 1} left out" in output
