@@ -362,8 +362,9 @@ def test_the_pool_refuses_seeds_that_are_not_whole_numbers(pool_factory, env_dir
 
 
 HOSTILE_ATTRS = """
-    from boltzlabs import env as runtime, wire
+    from boltzlabs import wire
     from boltzlabs.env import serve
+    from boltzlabs.runtime import serve as runtime
     # A handshake whose list of methods is garbage: the client must not trust it.
     runtime._Attributes.describe = lambda self: {"methods": "all of them", "attributes": [1, 2], "target": 5}
     def reset(seed):
