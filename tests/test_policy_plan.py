@@ -158,3 +158,65 @@ def test_a_bogus_policy_value_is_named(facts_env, spawn, policy, case):
         RLPool(facts_env, 1, spawn=spawn, step_timeout=5)
     assert key in str(caught.value), str(caught.value)
     assert "BOLTZLABS_POLICY" in str(caught.value) or "policy.toml" in str(caught.value)
+
+
+# -- the plan's child part, as the sandbox reads it ($BOLTZLABS_CONFINE) ----------------------
+
+from boltzlabs.runtime import confine  # noqa: E402
+from boltzlabs.sandbox.builder import SandboxSpec, load_policy  # noqa: E402
+
+
+def _child_values() -> dict:
+    return confine.parse(SandboxSpec(load_policy(), ROOT / "examples" / "counter").plan.child_text())
+
+
+def test_the_child_part_round_trips():
+    plan = SandboxSpec(load_policy(), ROOT / "examples" / "counter").plan
+    values = confine.parse(plan.child_text())
+    built = confine.Plan(values)
+    assert built.unshare == {"net", "ipc", "uts", "cgroup"} and built.ids == (0, 0)
+    assert built.hostname == "boltzlabs" and built.workspace == b"/workspace" and built.proc == "/proc"
+    assert values["size"] == str(64 << 20) and values["inodes"] == str((64 << 20) // 4096)
+    template = confine.parse(plan.template_text(100, warmup=False))
+    assert template["warmup"] == "0.0" and template["hidden_proc"] == "/.template/proc"
+
+
+@pytest.mark.parametrize("text, complaint", [
+    ("x" * 20000, "too long"),
+    ("\n".join(f"sysctl.max_{chr(97 + i % 26) * (1 + i // 26)}=0" for i in range(200)), "more than"),
+    ("unshare=net\nunshare=net", "repeated"),
+    ("bogus=1", "unknown"),
+    ("sysctl.../../kernel/core_pattern=|/x", "unknown"),
+    ("sysctl.Max=1", "unknown"),
+    ("no equals sign", "malformed"),
+    ("unshare=net\0", "not text"),
+    ("unshare=net", "lacks"),
+    (None, "missing"),
+])
+def test_a_hostile_plan_text_is_refused(text, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        confine.parse(text)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("unshare", "net,moon"), ("unshare", "user"), ("unshare", "net,net"),
+    ("workspace", "relative"), ("workspace", "/a/../etc"), ("workspace", "/"), ("dev", "/dev,x"),
+    ("proc", ""), ("size", "-1"), ("size", "0"), ("size", "1e9"), ("size", "9" * 30), ("ptys", "x"),
+    ("uid", "-5"), ("sysctl.max_user_namespaces", "-1"),
+])
+def test_a_bad_plan_value_is_refused(key, value):
+    values = dict(_child_values(), **{key: value})
+    with pytest.raises(ValueError, match=r"BOLTZLABS_CONFINE"):
+        confine.Plan(values)
+
+
+def test_a_hostname_without_a_uts_namespace_is_refused():
+    values = dict(_child_values(), unshare="net,ipc")
+    with pytest.raises(ValueError, match="uts"):
+        confine.Plan(values)
+    confine.Plan(dict(values, hostname=""))  # no uts namespace, no name: fine
+
+
+def test_the_host_refuses_to_encode_what_the_sandbox_would_refuse():
+    with pytest.raises(ValueError):
+        confine.encode({"hostname": "a\nsysctl.max_user_namespaces=99"})
