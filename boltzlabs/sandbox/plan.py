@@ -216,9 +216,7 @@ def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, 
     if unknown or missing or len(set(namespaces)) != len(namespaces):
         raise read.fail("[namespaces] unshare", f"a list of distinct names from {sorted(NAMESPACES)} that holds "
                         f"{' and '.join(map(repr, _REQUIRED))}", list(namespaces))
-    identity = ("identity",)
-    inside_ids = (read.integer(*identity, "uid", 0, _MAX_ID, default=0),
-                  read.integer(*identity, "gid", 0, _MAX_ID, default=0))
+    inside_ids = (read.integer("identity", "uid", 0, _MAX_ID), read.integer("identity", "gid", 0, _MAX_ID))
     # Not 0: mapping a parent namespace's id 0 needs CAP_SETFCAP there (policy.toml says why).
     template_ids = (read.integer("template", "uid", 1, _MAX_ID), read.integer("template", "gid", 1, _MAX_ID))
     hostname = read.get("process", "hostname", "")
@@ -238,7 +236,7 @@ def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, 
         raise read.fail("[workspace] default_size", 'a positive size like "64M"', default_size) from None
     size = default_size if workspace_size is None else int(workspace_size)
     if size <= 0:
-        raise SandboxUnavailable(f"workspace_size must be a positive number of bytes, not {workspace_size!r}")
+        raise ValueError(f"workspace_size must be a positive number of bytes, not {workspace_size!r}")
     bytes_per_inode = read.integer("workspace", "bytes_per_inode", 1)
     tmp_link = read.get("workspace", "tmp_link", "")
     if tmp_link:
@@ -257,7 +255,7 @@ def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, 
         if os.path.exists(f"{confine.SYSCTL_DIR}/{name}"):
             sysctls.append((name, value))
     relocations, site_packages = _relocations(policy.mounts["interpreter"])
-    relocate_tmp = read.path("workspace", "relocate_tmp", "/opt/host-tmp")
+    relocate_tmp = read.path("workspace", "relocate_tmp")
     values = {
         "base_prefix": sys.base_prefix,
         "site_packages": site_packages,
@@ -326,7 +324,7 @@ def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, 
         environment=environment,
         executable=_inside(os.path.realpath(sys.executable), relocations, tmp_link, relocate_tmp),
         interpreter_flags=flags,
-        warmup_timeout=read.number("template", "warmup_timeout", 5.0),
+        warmup_timeout=read.number("template", "warmup_timeout"),
         limits=policy.env_limits() if limits is None else limits,
         # sandbox/seccomp.toml, read with the rest by load_policy, compiled here.
         filters=seccomp.compile_rules(policy.seccomp),
