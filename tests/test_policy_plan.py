@@ -113,6 +113,17 @@ def test_ipc_and_cgroup_namespaces_follow_the_policy(facts_env, spawn, policy):
         assert facts["ns"]["cgroup"] == _host_ns("cgroup"), facts
 
 
+def test_only_the_required_namespaces(facts_env, spawn, policy):
+    """Only "user" and "pid", no hostname: no child unshares net, ipc, uts or
+    cgroup, brings up a loopback or names a host (each would fail without
+    its namespace), in either mode."""
+    policy((r'^unshare = \[.*\]$', 'unshare = ["user", "pid"]'), (r'^hostname = .*$', 'hostname = ""'))
+    for facts in _facts(facts_env, spawn):
+        for kind in ("net", "ipc", "uts", "cgroup"):
+            assert facts["ns"][kind] == _host_ns(kind), (kind, facts)
+        assert facts["hostname"] == os.uname().nodename
+
+
 def test_hostname_follows_the_policy(facts_env, spawn, policy):
     policy((r'^hostname = .*$', 'hostname = "operator-box"'))
     for facts in _facts(facts_env, spawn):
