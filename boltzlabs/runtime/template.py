@@ -876,6 +876,8 @@ def main(argv=None) -> None:
     # env.py's import code; each child mounts its own the same way.
     own = confine.Plan(values)
     own.mount_workspace_and_devpts()
+    proc = own.proc
+    del own  # not kept alive in this frame under env.py's import (the children's pages sit among what follows)
     flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
     hidden = confine.path_of(values, "hidden_proc")
     _mount("proc", hidden, "proc", flags)
@@ -883,7 +885,7 @@ def main(argv=None) -> None:
     _mount("tmpfs", os.path.dirname(hidden), "tmpfs", flags | _MS_RDONLY, "size=4k,mode=0000")
     # /proc stays writable here (children write their uid maps through it),
     # but not the sysctls: they are checked against the uid, not capabilities.
-    for path in (f"{own.proc}/sys", f"{own.proc}/sysrq-trigger"):
+    for path in (f"{proc}/sys", f"{proc}/sysrq-trigger"):
         if os.path.exists(path):
             _mount(path, path, None, _MS_BIND)
             _mount(None, path, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags)
