@@ -166,7 +166,8 @@ class RLPool:
       limits: per-env limits overriding the policy's [env_limits] for this
         pool, e.g. {"pids": 64, "open_files": 256, "file_size": "16M",
         "straggler_grace": 2.0}; see docs/limits.md.
-      workspace_size: size of each env's private tmpfs workspace.
+      workspace_size: size of each env's private tmpfs workspace; None: the
+        sandbox policy's [workspace] default_size (64M as shipped).
       spawn: "template" (default) forks every env from one warm template
         that has already imported env.py: a fraction of the memory and
         start-up time. "exec" starts one interpreter per env. An env that
@@ -215,7 +216,7 @@ class RLPool:
         return super().__new__(cls)
 
     def __init__(self, source, n: int, *, step_timeout=None, serialize_measurement: bool = False,
-                 memory_limit=None, workspace_size="64M", spawn: str = "template", start_timeout=None,
+                 memory_limit=None, workspace_size=None, spawn: str = "template", start_timeout=None,
                  progress=None, batch_size=None, limits=None, worker=None, token=None, tls_ca=None, cluster=None,
                  warmup: bool = True, **params):
         self._closed = True
@@ -239,7 +240,7 @@ class RLPool:
             "start_timeout": _positive("start_timeout", start_timeout),
             "serialize_measurement": bool(serialize_measurement),
             "memory_limit": parse_size(memory_limit) if memory_limit is not None else None,
-            "workspace_size": parse_size(workspace_size),
+            "workspace_size": None if workspace_size is None else parse_size(workspace_size),
             "spawn": spawn,
             "limits": limits,
             "warmup": bool(warmup),

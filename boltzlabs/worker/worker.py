@@ -253,7 +253,8 @@ class Worker:
         self.straggler_grace = self.limits.get("straggler_grace", float("inf"))
         find_bwrap()  # before the account's checks: a host without bwrap is told that first
         self.account = host_account(self.policy.sandbox.get("identity", {}))
-        self.spec = SandboxSpec(self.policy, config["source_dir"], int(config["workspace_size"]),
+        # The policy compiled once (boltzlabs.sandbox.plan); both spawners use this spec's plan.
+        self.spec = SandboxSpec(self.policy, config["source_dir"], config.get("workspace_size"),
                                 config.get("params") or {}, self.account, self.limits)
         n = int(config["n"])
         _raise_fd_limit(n)
@@ -283,7 +284,7 @@ class Worker:
                                   "leaves running after its reply keep running during other envs' turns")
         self.envs = [Env(i, self.env_limits) for i in range(n)]
         self.warmup = bool(config.get("warmup", True))
-        self.warmup_timeout = float(self.policy.sandbox["template"].get("warmup_timeout", 5.0)) if self.warmup else 0.0
+        self.warmup_timeout = self.spec.plan.warmup_timeout if self.warmup else 0.0
         self.spawner = ExecSpawner(self)
         if config.get("spawn", "template") == "template":
             try:
