@@ -16,7 +16,7 @@ from gymnasium.spaces import Box, Discrete, MultiDiscrete, Tuple
 from gymnasium.vector import AutoresetMode
 
 from .conftest import (CLOSED_ERROR, FAILURES_ARE_LANES, HETEROGENEOUS, MP_TIMEOUT, NO_ASYNC_RESET, NO_PYGAME,
-                       NO_SHARED_MEMORY, P1, P5, REFUSED_SPACE, generic, generic_env, make_env)
+                       NO_SHARED_MEMORY, P5, REFUSED_SPACE, generic, generic_env, make_env)
 
 
 def test_create_async_vector_env(build):
@@ -44,7 +44,6 @@ def test_metadata_async_vector_env(build):
     envs_2.close()
 
 
-@P1
 def test_reset_async_vector_env(build):
     """Test the reset of async vector environment with or without shared memory."""
     env_fns = [make_env("CartPole-v1", i) for i in range(8)]

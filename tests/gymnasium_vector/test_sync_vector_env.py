@@ -11,8 +11,8 @@ import pytest
 from gymnasium.spaces import Box, Discrete, MultiDiscrete, Tuple
 from gymnasium.vector import AutoresetMode
 
-from .conftest import (HETEROGENEOUS, NO_BOX2D, NO_PYGAME, P5, REFUSED_SPACE, SANDBOX_RNG, generic, generic_env,
-                       make_env, vectorisers)
+from .conftest import (HETEROGENEOUS, NO_BOX2D, NO_PYGAME, P5, REFUSED_SPACE, SANDBOX_RNG, SANDBOX_RNG_SEEN, generic,
+                       generic_env, make_env, vectorisers)
 
 
 def assert_rng_equal(rng_1: np.random.Generator, rng_2: np.random.Generator):
@@ -228,8 +228,17 @@ def _testing_env_ids():
     return ids
 
 
-@pytest.mark.parametrize("vectoriser", vectorisers(boltzlabs=SANDBOX_RNG))
-@pytest.mark.parametrize("spec", _testing_env_ids())
+def _determinism_params():
+    # The batched action_space lives on the host whatever the env: ours is checked (strict) on one id only.
+    params = []
+    for spec in _testing_env_ids():
+        mark = SANDBOX_RNG if spec == "CartPole-v1" else SANDBOX_RNG_SEEN
+        params += [pytest.param(spec, v.values[0], marks=v.marks, id=f"{spec}-{v.id}")
+                   for v in vectorisers(boltzlabs=mark)]
+    return params
+
+
+@pytest.mark.parametrize("spec, vectoriser", _determinism_params())
 def test_sync_vector_determinism(spec: str, vectoriser, build, seed: int = 123, n: int = 3):
     """Check that for all environments, the sync vector envs produce the same action samples using the same seeds."""
     env_1 = build(vectoriser, [make_env(spec, seed=seed) for _ in range(n)])
