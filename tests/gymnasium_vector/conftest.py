@@ -26,6 +26,7 @@ import gymnasium as gym
 import pytest
 from gymnasium.vector import AsyncVectorEnv, SyncVectorEnv, VectorWrapper
 
+from boltzlabs.errors import EnvError, PoolClosedError
 from boltzlabs.gym import BoltzLabsVecEnv
 
 GENERIC_DIR = Path(__file__).resolve().parent / "envs" / "generic"
@@ -230,13 +231,13 @@ def space_params(*, boltzlabs=(), every_refusal=True, names=("sync", "boltzlabs"
 
 
 NO_ASYNC_RESET = pytest.mark.xfail(
-    strict=True, reason="BoltzLabsVecEnv has step_async/step_wait but no reset_async/reset_wait, and raises "
+    strict=True, raises=(AttributeError, ValueError), reason="BoltzLabsVecEnv has step_async/step_wait but no reset_async/reset_wait, and raises "
                         "ValueError (not NoAsyncCallError/AlreadyPendingCallError) for a step_wait out of order")
 CLOSED_ERROR = pytest.mark.xfail(
-    strict=True, reason="use after close raises boltzlabs' PoolClosedError, not gymnasium.error.ClosedEnvironmentError")
+    strict=True, raises=PoolClosedError, reason="use after close raises boltzlabs' PoolClosedError, not gymnasium.error.ClosedEnvironmentError")
 NO_SHARED_MEMORY = pytest.mark.skip(reason="observations cross a socket: there is no shared_memory option")
 FAILURES_ARE_LANES = pytest.mark.xfail(
-    strict=True, reason="an env's exception is a lane, not an exception: step() returns it truncated with "
+    strict=True, raises=EnvError, reason="an env's exception is a lane, not an exception: step() returns it truncated with "
                         "infos['error'] (reset raises EnvError) and no warnings are issued")
 MP_TIMEOUT = pytest.mark.xfail(
     strict=True, raises=TimeoutError,
