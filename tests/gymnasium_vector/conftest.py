@@ -18,7 +18,6 @@ lists; each names its reason once, here.
 from __future__ import annotations
 
 import importlib.util
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,8 +29,6 @@ from boltzlabs.errors import EnvError, PoolClosedError
 from boltzlabs.gym import BoltzLabsVecEnv
 
 GENERIC_DIR = Path(__file__).resolve().parent / "envs" / "generic"
-# envs/generic/env.py imports its sibling testing_spaces.py (in the sandbox /env is on sys.path).
-sys.path.insert(0, str(GENERIC_DIR))
 _spec = importlib.util.spec_from_file_location("gymnasium_vector_generic_env", GENERIC_DIR / "env.py")
 generic = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(generic)
@@ -66,6 +63,7 @@ class Source:
         return self.gym_id if self.gym_id is not None else str(GENERIC_DIR)
 
     def key(self):
+        """What makes two sub-envs the same pool lane (the seed does not)."""
         return self.gym_id, tuple(sorted((k, repr(v)) for k, v in self.params.items()))
 
 
@@ -215,8 +213,7 @@ def space_params(*, boltzlabs=(), every_refusal=True, names=("sync", "boltzlabs"
     """(space_index, vectoriser) over Gymnasium's TESTING_SPACES, ids upstream's space ids; on our side,
     `boltzlabs=` marks the spaces the adapter rebuilds, REFUSED_SPACE the first refused one of each outer
     kind (every_refusal=False: none) and REFUSED_SPACE_SEEN the rest, since each pool costs a start."""
-    from testing_spaces import TESTING_SPACES_IDS
-
+    TESTING_SPACES_IDS = generic.testing_spaces().TESTING_SPACES_IDS
     params, kinds_seen = [], set()
     for index, space_id in enumerate(TESTING_SPACES_IDS):
         mark = boltzlabs

@@ -12,6 +12,10 @@ this module in process for SyncVectorEnv, and RLPool runs it as a script in ever
 the same params, so both sides run the same code.
 """
 
+import functools
+import importlib.util
+import pathlib
+
 import numpy as np
 
 import gymnasium as gym
@@ -47,17 +51,21 @@ class CustomSpace(gym.Space):
         return isinstance(other, CustomSpace)
 
 
-def _testing_spaces():
-    # tests/spaces/utils.py's TESTING_SPACES, by index (imported lazily: the list is long).
-    from testing_spaces import TESTING_SPACES
-
-    return TESTING_SPACES
+@functools.cache
+def testing_spaces():
+    """testing_spaces.py beside this file (Gymnasium's TESTING_SPACES), loaded by path on first use, so
+    neither the sandbox nor the tests' process needs this directory on sys.path."""
+    path = pathlib.Path(__file__).with_name("testing_spaces.py")
+    spec = importlib.util.spec_from_file_location("gymnasium_vector_testing_spaces", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def space(name: str) -> gym.Space:
     """The space a name stands for: a key of SPACES or "testing:<index>" into TESTING_SPACES."""
     if name.startswith("testing:"):
-        return _testing_spaces()[int(name.split(":", 1)[1])]
+        return testing_spaces().TESTING_SPACES[int(name.split(":", 1)[1])]
     return SPACES[name]()
 
 

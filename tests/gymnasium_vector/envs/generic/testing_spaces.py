@@ -1,8 +1,9 @@
 """Gymnasium 1.4.0's TESTING_SPACES (tests/spaces/utils.py), verbatim but for this docstring and
-the custom space at the end, which no ported test uses.
+the custom space at the end, which no ported test uses. Loaded by env.py (in the sandbox and in
+process) through its path.
 
 Copyright (c) 2016 OpenAI, (c) 2022 Farama Foundation; MIT License (the notice is in
-tests/gymnasium_vector/__init__.py). Imported by env.py (in the sandbox and in process).
+tests/gymnasium_vector/__init__.py).
 """
 
 import numpy as np
