@@ -1,13 +1,13 @@
 """The env directory of every Gymnasium source: `RLPool("gym://CartPole-v1", n)`.
 
 Shipped read-only with the runtime. The client resolved the id and checked
-the params (boltzlabs/sources.py); they arrive here as
+the params (boltzlabs/pool/sources.py); they arrive here as
 {"id": ..., "kwargs": {...}} through boltzlabs.env.params().
 """
 
 import gymnasium
 
-from boltzlabs.env import params, serve
+from boltzlabs.runtime.serve import params, serve
 
 spec = params()
 env = gymnasium.make(spec["id"], **spec["kwargs"])
@@ -31,5 +31,7 @@ def _metadata(metadata):
     return kept
 
 
+# target=env: pool.call / get_attr / set_attr reach the Gymnasium env itself,
+# through its wrappers (get_wrapper_attr / set_wrapper_attr), as SyncVectorEnv's do.
 serve(reset=reset, step=env.step, observation_space=env.observation_space, action_space=env.action_space,
-      metadata=_metadata(env.metadata), render=env.render, render_mode=env.render_mode)
+      metadata=_metadata(env.metadata), render=env.render, render_mode=env.render_mode, target=env)
