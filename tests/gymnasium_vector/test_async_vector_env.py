@@ -16,7 +16,7 @@ from gymnasium.spaces import Box, Discrete, MultiDiscrete, Tuple
 from gymnasium.vector import AutoresetMode
 
 from .conftest import (CLOSED_ERROR, FAILURES_ARE_LANES, HETEROGENEOUS, MP_TIMEOUT, NO_ASYNC_RESET, NO_PYGAME,
-                       NO_SHARED_MEMORY, P5, REFUSED_SPACE, generic, generic_env, make_env)
+                       NO_SHARED_MEMORY, REFUSED_SPACE, generic, generic_env, make_env)
 
 
 def test_create_async_vector_env(build):
@@ -133,7 +133,6 @@ def test_step_async_vector_env(use_single_action_space, build):
 
 
 @NO_PYGAME
-@P5
 def test_call_async_vector_env(build):
     """Test call with async vector environment."""
     env_fns = [
@@ -160,7 +159,6 @@ def test_call_async_vector_env(build):
         assert gravity[i] == 9.8
 
 
-@P5
 def test_set_attr_async_vector_env(build):
     """Test `set_attr_` for async vector environment with or without shared memory."""
     env_fns = [make_env("CartPole-v1", i) for i in range(4)]

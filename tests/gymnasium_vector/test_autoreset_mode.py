@@ -12,10 +12,10 @@ import pytest
 from gymnasium.utils.env_checker import data_equivalence
 from gymnasium.vector.vector_env import AutoresetMode
 
-from .conftest import P5, generic_env, space_params, vectorisers
+from .conftest import generic_env, space_params, vectorisers
 
 
-@pytest.mark.parametrize("vectoriser", vectorisers(boltzlabs=P5))
+@pytest.mark.parametrize("vectoriser", vectorisers())
 def test_autoreset_next_step(vectoriser, build):
     envs = build(
         vectoriser,
@@ -60,7 +60,7 @@ def test_autoreset_next_step(vectoriser, build):
     envs.close()
 
 
-@pytest.mark.parametrize("vectoriser", vectorisers(boltzlabs=P5))
+@pytest.mark.parametrize("vectoriser", vectorisers())
 def test_autoreset_within_step(vectoriser, build):
     envs = build(
         vectoriser,
@@ -129,7 +129,7 @@ def test_autoreset_within_step(vectoriser, build):
     envs.close()
 
 
-@pytest.mark.parametrize("vectoriser", vectorisers(boltzlabs=P5))
+@pytest.mark.parametrize("vectoriser", vectorisers())
 def test_autoreset_disabled(vectoriser, build):
     envs = build(
         vectoriser,
@@ -220,7 +220,7 @@ def test_make_vec_autoreset(vectoriser, autoreset_mode, make_vec):
     envs.close()
 
 
-@pytest.mark.parametrize("space_index, vectoriser", space_params(boltzlabs=P5, every_refusal=False))
+@pytest.mark.parametrize("space_index, vectoriser", space_params(every_refusal=False))
 def test_same_step_final_obs(space_index, vectoriser, build):
     envs = build(
         vectoriser,

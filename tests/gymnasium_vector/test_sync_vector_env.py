@@ -11,7 +11,7 @@ import pytest
 from gymnasium.spaces import Box, Discrete, MultiDiscrete, Tuple
 from gymnasium.vector import AutoresetMode
 
-from .conftest import (HETEROGENEOUS, NO_BOX2D, NO_PYGAME, P5, REFUSED_SPACE, SANDBOX_RNG, SANDBOX_RNG_SEEN, generic,
+from .conftest import (HETEROGENEOUS, NO_BOX2D, NO_PYGAME, REFUSED_SPACE, SANDBOX_RNG, SANDBOX_RNG_SEEN, generic,
                        generic_env, make_env, vectorisers)
 
 
@@ -119,7 +119,7 @@ def test_render_sync_vector(vectoriser, build):
 
 
 @NO_PYGAME
-@pytest.mark.parametrize("vectoriser", vectorisers(boltzlabs=P5))
+@pytest.mark.parametrize("vectoriser", vectorisers())
 def test_call_sync_vector_env(vectoriser, build):
     """Test sync vector `call` on sub-environments."""
     env = build(vectoriser, [make_env("CartPole-v1", i, render_mode="rgb_array_list") for i in range(4)])
@@ -142,7 +142,7 @@ def test_call_sync_vector_env(vectoriser, build):
         assert gravity[i] == 9.8
 
 
-@pytest.mark.parametrize("vectoriser", vectorisers(boltzlabs=P5))
+@pytest.mark.parametrize("vectoriser", vectorisers())
 def test_set_attr_sync_vector_env(vectoriser, build):
     """Test sync vector `set_attr` function."""
     env = build(vectoriser, [make_env("CartPole-v1", i) for i in range(4)])

@@ -15,12 +15,10 @@ from gymnasium.spaces import Discrete
 from gymnasium.utils.env_checker import data_equivalence
 from gymnasium.vector.vector_env import AutoresetMode
 
-from .conftest import P1, P5, generic_env, gym_env, make_env, space_params, vectorisers
-
+from .conftest import UNSEEDED, generic_env, gym_env, make_env, space_params, vectorisers
 
 
 @pytest.mark.parametrize("autoreset_mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP])
-@P1
 def test_vector_env_equal(autoreset_mode, build):
     """Test that vector environment are equal for both async and sync variants."""
     env_fns = [make_env("CartPole-v1", i) for i in range(4)]
@@ -73,7 +71,7 @@ def test_vector_obs_action_spaces(space_index, vectoriser, build, num_envs=3):
     envs.close()
 
 
-@pytest.mark.parametrize("vectoriser", vectorisers(boltzlabs=P1))
+@pytest.mark.parametrize("vectoriser", vectorisers())
 def test_final_obs_info(vectoriser, build):
     """Tests that the vector environments correctly return the final observation and info."""
     env = build(vectoriser, [generic_env(obs="discrete4", act="discrete4", behaviour="final_obs")])
@@ -116,7 +114,7 @@ def example_env_list():
     return [make_env("CartPole-v1", i) for i in range(4)]
 
 
-@pytest.mark.parametrize("vectoriser", vectorisers(boltzlabs=P5))
+@pytest.mark.parametrize("vectoriser", vectorisers())
 def test_random_seeding_basics(vectoriser, build, example_env_list):
     seed = 42
     vector_env = build(vectoriser, example_env_list)
@@ -127,7 +125,7 @@ def test_random_seeding_basics(vectoriser, build, example_env_list):
     assert vector_env.np_random_seed == tuple(seed + i for i in range(vector_env.num_envs))
 
 
-@pytest.mark.parametrize("vectoriser", vectorisers(boltzlabs=P5))
+@pytest.mark.parametrize("vectoriser", vectorisers(boltzlabs=UNSEEDED))
 def test_random_seeds_set_at_retrieval(vectoriser, build, example_env_list):
     vector_env = build(vectoriser, example_env_list)
     assert len(set(vector_env.np_random_seed)) == vector_env.num_envs

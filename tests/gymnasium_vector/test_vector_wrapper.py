@@ -12,7 +12,7 @@ import pytest
 from gymnasium.core import ObsType
 from gymnasium.vector import VectorWrapper
 
-from .conftest import P5, vectorisers
+from .conftest import vectorisers
 
 
 class DummyVectorWrapper(VectorWrapper):
@@ -47,7 +47,7 @@ def test_vector_env_wrapper_inheritance(vectoriser, make_vec):
     env.close()
 
 
-@pytest.mark.parametrize("vectoriser", vectorisers(boltzlabs=P5))
+@pytest.mark.parametrize("vectoriser", vectorisers())
 def test_vector_env_wrapper_attributes(vectoriser, make_vec):
     """Test if `set_attr`, `call` methods for VecEnvWrapper get correctly forwarded to the vector env it is wrapping."""
     env = make_vec(vectoriser, "CartPole-v1", num_envs=3)

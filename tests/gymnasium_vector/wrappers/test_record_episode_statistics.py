@@ -9,11 +9,11 @@ import pytest
 from gymnasium.utils.env_checker import data_equivalence
 from gymnasium.vector import AutoresetMode, VectorEnv
 
-from ..conftest import P1, generic_env, vectorisers
+from ..conftest import generic_env, vectorisers
 
 
 @pytest.mark.parametrize("num_envs", (1, 3))
-@pytest.mark.parametrize("vectoriser", vectorisers(boltzlabs=P1))
+@pytest.mark.parametrize("vectoriser", vectorisers())
 def test_record_episode_statistics(vectoriser, make_vec, num_envs, env_id="CartPole-v1", num_steps=100):
     wrapper_vector_env: VectorEnv = gym.wrappers.vector.RecordEpisodeStatistics(
         make_vec(vectoriser, env_id, num_envs=num_envs),

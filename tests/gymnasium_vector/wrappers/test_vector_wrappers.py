@@ -24,7 +24,7 @@ from gymnasium.utils.env_checker import data_equivalence
 from gymnasium.vector import VectorEnv
 from gymnasium.vector.vector_env import AutoresetMode
 
-from ..conftest import NO_BOX2D, P1, generic, generic_env, gym_env, vectorisers
+from ..conftest import NO_BOX2D, generic, generic_env, gym_env, vectorisers
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def custom_environments():
         ("CartPole-v1", "ClipReward", {"min_reward": -0.25, "max_reward": 0.75}),
     ),
 )
-@pytest.mark.parametrize("vectoriser", vectorisers(boltzlabs=P1))
+@pytest.mark.parametrize("vectoriser", vectorisers())
 def test_vector_wrapper_equivalence(
     vectoriser: str,
     build,

@@ -238,4 +238,4 @@ if __name__ == "__main__":
     env = make(**params())
     serve(reset=lambda seed, options=None: env.reset(seed=seed, options=options), step=env.step,
           observation_space=env.observation_space, action_space=env.action_space,
-          metadata=env.metadata, render=env.render, render_mode=env.render_mode)
+          metadata=env.metadata, render=env.render, render_mode=env.render_mode, target=env)
