@@ -27,11 +27,13 @@ from pathlib import Path
 
 import numpy as np
 
-from boltzlabs import sources, wire
+from boltzlabs import native, sources, wire
 from boltzlabs.cgroups import remove_pool_dir
 from boltzlabs.errors import EnvError, EnvStartError, PoolClosedError, SandboxUnavailable, WorkerError
 from boltzlabs.ids import uuid7
 from boltzlabs.sandbox import find_bwrap, load_policy, parse_size
+
+native.load(warn=True)  # once per process: say it when the native step path is not built
 
 __all__ = ["RLPool", "Timing", "MemoryReport", "EnvContract"]
 
@@ -197,7 +199,9 @@ class RLPool:
     Episodes: every reset mints a UUIDv7 episode id per lane
     (`episode_ids`); `finished_episodes` lists the episodes the latest step
     ended (lane, id, seed, length, return, terminated). `env_id` is this
-    pool's UUIDv7, `env_contract` the env's handshake.
+    pool's UUIDv7, `env_contract` the env's handshake. `fast_path` says
+    whether the worker steps through the native path (boltzlabs._fastpath)
+    or the pure-Python one (no extension built, or BOLTZLABS_PURE=1).
     """
 
     def __new__(cls, *args, cluster=None, **kwargs):
@@ -278,6 +282,8 @@ class RLPool:
         self.step_timeout = ready["step_timeout"]
         self._cgroup = ready["cgroup"]
         self.spawn = ready["spawn"]
+        # Which step path the worker runs: native (boltzlabs._fastpath) or pure Python.
+        self.fast_path = bool(ready.get("fast_path"))
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, self._link.shutdown, self._cgroup)
         for note in (ready["memory_note"], ready["warning"]):
