@@ -349,7 +349,7 @@ def test_random_streams_cut_anywhere_lose_no_byte(frames, garbage, data):
 
 
 @native
-def test_a_pool_runs_the_native_path_and_BOLTZLABS_PURE_forces_the_pure_one(monkeypatch):
+def test_a_pool_runs_the_native_path_and_the_environment_can_force_python(monkeypatch):
     monkeypatch.delenv("BOLTZLABS_PURE", raising=False)
     with RLPool(COUNTER, 3, step_timeout=10) as pool:
         assert pool.fast_path is True
@@ -365,7 +365,7 @@ def test_a_pool_runs_the_native_path_and_BOLTZLABS_PURE_forces_the_pure_one(monk
 
 
 @native
-def test_log_output_mid_step_goes_the_pure_way_and_the_step_completes(env_dir, monkeypatch):
+def test_log_output_mid_step_returns_to_the_event_loop_and_the_step_completes(env_dir, monkeypatch):
     """An env that prints in every step makes its log pipe ready during the
     native wait: exchange returns FOREIGN, the event loop reads the log, and
     the step finishes with every lane's reply."""
@@ -392,7 +392,7 @@ def test_log_output_mid_step_goes_the_pure_way_and_the_step_completes(env_dir, m
         assert "stepping 4" in pool.log(2)
 
 
-def test_without_the_extension_the_import_warns_once_and_pools_run_pure(tmp_path):
+def test_without_the_extension_the_import_warns_once_and_pools_run_python(tmp_path):
     """A machine that could not build the extension: the client warns once at
     import, the worker runs the pure path. Simulated by hiding the built
     module behind a meta path finder that refuses it, in a fresh interpreter."""
