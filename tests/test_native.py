@@ -12,6 +12,7 @@ test_wire.py and the attacks of test_hostile_wire.py run on both paths too.
 from __future__ import annotations
 
 import os
+import shutil
 import select
 import signal
 import socket
@@ -414,3 +415,25 @@ print(sum("not built" in str(w.message) for w in caught))
                          cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler here (ci/setup.sh installs gcc)")
+def test_a_wheel_built_from_the_tree_carries_the_extension_and_uses_it(tmp_path):
+    """pip builds native/fastpath.c from a plain copy of the tree (no editable
+    install, no build directory), and the installed package imports it."""
+    import zipfile
+
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(ROOT)],
+                   check=True, capture_output=True, cwd=tmp_path)
+    (wheel,) = wheels.glob("boltzlabs-*.whl")
+    assert [n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("boltzlabs/_fastpath")]
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+                   check=True, capture_output=True)
+    code = "import boltzlabs._fastpath as f; print(f.__file__)"
+    out = subprocess.run([sys.executable, "-S", "-c", code], env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(str(site / "boltzlabs" / "_fastpath"))
