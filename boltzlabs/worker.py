@@ -461,12 +461,9 @@ class Worker:
         self.client_inbox.extend(messages)
 
     def _read_channel(self, env: Env) -> None:
-        try:
-            data = os.read(env.chan, _READ_SIZE)
-        except BlockingIOError:
+        data = _read_ready(env.chan)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self._close_channel(env)
             return
@@ -589,12 +586,9 @@ class Worker:
                 pause = min(pause * 2, 0.005)
 
     def _read_log(self, env: Env) -> None:
-        try:
-            data = os.read(env.logfd, _READ_SIZE)
-        except BlockingIOError:
+        data = _read_ready(env.logfd)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self._unregister(env.logfd)
             os.close(env.logfd)
@@ -1335,6 +1329,17 @@ class _StartFailure(Exception):
     def __init__(self, index: int, message: str, log: str, count: int):
         super().__init__(message)
         self.index, self.log, self.count = index, log, count
+
+
+def _read_ready(fd: int):
+    """One read of a non-blocking fd: its bytes, b"" at end of file or on an
+    error (the peer is gone either way), None when nothing was there."""
+    try:
+        return os.read(fd, _READ_SIZE)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
 
 
 def _check_reply(message: list):
