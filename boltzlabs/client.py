@@ -27,13 +27,11 @@ from pathlib import Path
 
 import numpy as np
 
-from boltzlabs import native, sources, wire
+from boltzlabs import sources, wire
 from boltzlabs.cgroups import remove_pool_dir
 from boltzlabs.errors import EnvError, EnvStartError, PoolClosedError, SandboxUnavailable, WorkerError
 from boltzlabs.ids import uuid7
 from boltzlabs.sandbox import find_bwrap, load_policy, parse_size
-
-native.load(warn=True)  # once per process: say it when the native step path is not built
 
 __all__ = ["RLPool", "Timing", "MemoryReport", "EnvContract"]
 
@@ -284,6 +282,11 @@ class RLPool:
         self.spawn = ready["spawn"]
         # Which step path the worker runs: native (boltzlabs._fastpath) or pure Python.
         self.fast_path = bool(ready.get("fast_path"))
+        if ready.get("fast_path_note"):
+            import warnings
+
+            # Always the same text from the same line: Python shows it once per process.
+            warnings.warn(ready["fast_path_note"], RuntimeWarning, stacklevel=2)
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, self._link.shutdown, self._cgroup)
         for note in (ready["memory_note"], ready["warning"]):

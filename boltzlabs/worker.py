@@ -178,8 +178,9 @@ class Worker:
         self.shutdown_reason = None
         self.client_inbox: list = []
         self.epoll = select.epoll()
-        # The step's hot path in C (native.py), or None for pure Python.
-        self.fastpath = native.load()
+        # The step's hot path in C (native.py), or None for pure Python; the
+        # client warns with the note when the extension is missing.
+        self.fastpath, self.fastpath_note = native.load()
         self.handlers: dict[int, tuple] = {}
         self.epoll.register(conn.fileno(), select.EPOLLIN)
         self.handlers[conn.fileno()] = ("client", None)
@@ -308,6 +309,7 @@ class Worker:
             "step_timeout": self.step_timeout,
             "spawn": self.spawner.kind,
             "fast_path": self.fastpath is not None,
+            "fast_path_note": self.fastpath_note,
             "warning": "\n".join(note for note in (self.warning, self.limits_note, self.gate_note, warmup_note)
                                  if note),
             "warmup": warmup,

@@ -32,5 +32,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e ".[test]"
-path=$(.venv/bin/python -c "from boltzlabs import native; print('native' if native.load() else 'pure Python (the extension did not build: see pip output above)')")
+path=$(.venv/bin/python -c "from boltzlabs import native; print('native' if native.load()[0] else 'pure Python (the extension did not build: see pip output above)')")
 echo "boltzlabs is set up in .venv ($(.venv/bin/python --version), $(bwrap --version), step path: $path)"

@@ -18,7 +18,7 @@ import pytest
 
 from boltzlabs import native, wire
 
-FASTPATH = native.load()
+FASTPATH, _ = native.load()
 PATHS = ["pure", pytest.param("native", marks=pytest.mark.skipif(FASTPATH is None,
                                                                   reason="boltzlabs._fastpath is not built"))]
 

@@ -393,28 +393,40 @@ def test_log_output_mid_step_returns_to_the_event_loop_and_the_step_completes(en
         assert "stepping 4" in pool.log(2)
 
 
-def test_without_the_extension_the_import_warns_once_and_pools_run_python(tmp_path):
-    """A machine that could not build the extension: the client warns once at
-    import, the worker runs the pure path. Simulated by hiding the built
-    module behind a meta path finder that refuses it, in a fresh interpreter."""
+def test_without_the_extension_pools_run_python_and_warn_once(tmp_path):
+    """A host that could not build the extension: pools run the pure path
+    and say so with one RuntimeWarning per process, however many pools. The
+    missing build is simulated in the worker too: a sitecustomize on
+    PYTHONPATH (which the worker inherits) refuses boltzlabs._fastpath."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class Refuse:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'boltzlabs._fastpath':\n"
+        "            raise ImportError('no compiler here')\n"
+        "sys.meta_path.insert(0, Refuse())\n")
     script = f"""
-import sys, warnings
-class Refuse:
-    def find_spec(self, name, path=None, target=None):
-        if name == "boltzlabs._fastpath":
-            raise ImportError("no compiler here")
-sys.meta_path.insert(0, Refuse())
+import warnings
+warnings.simplefilter("default")
 with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    from boltzlabs import native
-    import boltzlabs.client
-    assert native.load() is None
-print(sum("not built" in str(w.message) for w in caught))
+    warnings.simplefilter("default")
+    from boltzlabs import RLPool
+    for _ in range(2):
+        with RLPool({str(COUNTER)!r}, 2, step_timeout=10) as pool:
+            assert pool.fast_path is False
+            pool.reset(seed=0)
+            assert pool.step([1, 1])[0] == [{{"t": 1}}, {{"t": 1}}]
+notes = [str(w.message) for w in caught if "not built" in str(w.message)]
+print(len(notes), "no compiler here" in notes[0])
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
-                         cwd=str(tmp_path), env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    env = dict(os.environ, PYTHONPATH=f"{hide}:{ROOT}")
+    env.pop("BOLTZLABS_PURE", None)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=str(tmp_path), env=env)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "1"
+    assert out.stdout.split() == ["1", "True"]
 
 
 @pytest.mark.timeout(300)
