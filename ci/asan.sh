@@ -19,7 +19,7 @@ libasan=$(readlink -f "$libasan")
 tmp=$(mktemp -d /tmp/boltzlabs-asan.XXXXXX)
 # A report is written to a file (pytest captures fd 2 and would lose it when
 # the process aborts) and shown on the way out.
-trap 'cat "$tmp"/sanitizer.log.* >&2 2>/dev/null; rm -rf "$tmp"' EXIT
+trap 'cat "$tmp"/sanitizer.log.* >&2 2>/dev/null || true; rm -rf "$tmp"' EXIT
 # The tree the tests import: the worker they start imports boltzlabs from the
 # same root (client._worker_environment), so it runs the instrumented build too.
 cp -r boltzlabs native sandbox mounts examples tests setup.py pyproject.toml "$tmp"/
