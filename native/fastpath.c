@@ -229,7 +229,7 @@ static PyObject *exchange(PyObject *self, PyObject *args)
         goto nomem;
     while (waiting > 0) {
         double left = deadline - monotonic_now();
-        if (left <= 0) {
+        if (!(left > 0)) { /* NaN included: no (int) cast of it below */
             why = TIMEOUT;
             goto out;
         }

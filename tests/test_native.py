@@ -449,3 +449,19 @@ def test_a_wheel_built_from_the_tree_carries_the_extension_and_uses_it(tmp_path)
                          capture_output=True, text=True, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(str(site / "boltzlabs" / "_fastpath"))
+
+
+@native
+@pytest.mark.parametrize("deadline", [float("nan"), float("-inf")])
+def test_a_deadline_that_is_not_a_time_waits_for_nothing(lanes, deadline):
+    ls = lanes(1)
+    why, results = fp.exchange(ls.epoll.fileno(), ls.fds, [None], deadline, 1 << 20, 1 << 30)
+    assert why == fp.TIMEOUT and results == [None]
+
+
+@native
+def test_an_infinite_deadline_still_returns_when_every_lane_answered(lanes):
+    ls = lanes(1)
+    ls.env(0).sendall(REPLY)
+    why, results = fp.exchange(ls.epoll.fileno(), ls.fds, [None], float("inf"), 1 << 20, 1 << 30)
+    assert why == fp.DONE and results == [REPLY]
