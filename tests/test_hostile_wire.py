@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from boltzlabs import EnvStartError
+from framers import PATHS
 
 HOSTILE = """
     import os
@@ -136,10 +137,27 @@ HOSTILE = """
 """
 
 
+@pytest.fixture(autouse=True, params=PATHS)
+def path(request, monkeypatch):
+    """Every attack, on both of the worker's step paths (framers.PATHS):
+    native (boltzlabs.worker._fastpath) and pure Python (BOLTZLABS_PURE=1)."""
+    if request.param == "pure":
+        monkeypatch.setenv("BOLTZLABS_PURE", "1")
+    else:
+        monkeypatch.delenv("BOLTZLABS_PURE", raising=False)
+    return request.param
+
+
 @pytest.fixture
-def hostile_pool(env_dir, pool_factory):
+def hostile_pool(env_dir, pool_factory, path):
     source = env_dir(HOSTILE)
-    return lambda n=2, **kwargs: pool_factory(source, n, **kwargs)
+
+    def make(n=2, **kwargs):
+        pool = pool_factory(source, n, **kwargs)
+        assert pool.fast_path == (path == "native")
+        return pool
+
+    return make
 
 
 def assert_lane_failed(obs, dones, infos, lane, *words):

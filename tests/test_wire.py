@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from boltzlabs import wire
+from framers import PATHS, make_reader
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -109,9 +110,10 @@ buffer_kinds = st.sampled_from(["bytes", "bytearray", "memoryview"])
 # --- 1. round trip under arbitrary chunking --------------------------------------
 
 
+@pytest.mark.parametrize("path", PATHS)
 @SETTINGS
 @given(msgs=message_lists, data=st.data())
-def test_round_trip_any_chunking(msgs, data):
+def test_round_trip_any_chunking(path, msgs, data):
     frames = [wire.encode(m) for m in msgs]
     stream = b"".join(frames)
     ends = []  # offset just past each frame
@@ -120,7 +122,7 @@ def test_round_trip_any_chunking(msgs, data):
     cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=20), label="cuts")
     kind = data.draw(buffer_kinds, label="buffer")
 
-    reader = wire.FrameReader(BIG)
+    reader = make_reader(path, BIG)
     got = []
     fed = 0
     for chunk in split(stream, cuts):
@@ -136,11 +138,12 @@ def test_round_trip_any_chunking(msgs, data):
     assert reader.pending == 0
 
 
+@pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(msgs=message_lists)
-def test_round_trip_one_byte_at_a_time(msgs):
+def test_round_trip_one_byte_at_a_time(path, msgs):
     stream = b"".join(wire.encode(m) for m in msgs)
-    reader = wire.FrameReader(BIG)
+    reader = make_reader(path, BIG)
     got = []
     for i in range(len(stream)):
         got.extend(reader.feed(stream[i:i + 1]))
@@ -150,11 +153,12 @@ def test_round_trip_one_byte_at_a_time(msgs):
     assert reader.pending == 0
 
 
+@pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(msg=messages)
-def test_round_trip_whole_frame_fast_path(msg):
+def test_round_trip_whole_frame_fast_path(path, msg):
     # One read carrying exactly one frame takes the no-buffering path.
-    reader = wire.FrameReader(BIG)
+    reader = make_reader(path, BIG)
     got = reader.feed(wire.encode(msg))
     assert len(got) == 1
     assert_same(got[0], msg)
@@ -276,12 +280,13 @@ def reference_parse(stream: bytes, limits: wire.Limits):
     return out, None, pos
 
 
-def check_hostile(stream: bytes, cuts, limits: wire.Limits):
-    """Feed `stream` cut at `cuts` and check the outcome exactly against the model:
-    the same messages in order, ProtocolError from exactly the read that delivers
-    the offending byte, never another exception, never a hang."""
+def check_hostile(stream: bytes, cuts, limits: wire.Limits, path: str = "pure"):
+    """Feed `stream` cut at `cuts` on `path` (framers.PATHS) and check the
+    outcome exactly against the model: the same messages in order,
+    ProtocolError from exactly the read that delivers the offending byte,
+    never another exception, never a hang."""
     expected, trigger, consumed = reference_parse(stream, limits)
-    reader = wire.FrameReader(limits)
+    reader = make_reader(path, limits)
     got = []
     fed = 0
     taken = 0  # bytes of whole frames handed out so far
@@ -311,38 +316,42 @@ def check_hostile(stream: bytes, cuts, limits: wire.Limits):
     return got
 
 
+@pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=500, deadline=None)
 @given(garbage=st.binary(max_size=2048), data=st.data())
-def test_random_bytes_give_messages_or_protocol_error(garbage, data):
+def test_random_bytes_give_messages_or_protocol_error(path, garbage, data):
     cuts = data.draw(st.lists(st.integers(0, len(garbage)), max_size=10), label="cuts")
-    check_hostile(garbage, cuts, wire.Limits(4096))
+    check_hostile(garbage, cuts, wire.Limits(4096), path)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=500, deadline=None)
 @given(body=st.binary(max_size=512), extra=st.binary(max_size=16), data=st.data())
-def test_valid_prefix_with_garbage_body(body, extra, data):
+def test_valid_prefix_with_garbage_body(path, body, extra, data):
     # A correct length prefix around arbitrary bytes: the cap never fires, so
     # every failure here comes from msgpack decoding or the message-shape check.
     stream = frame(body) + extra
     cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=6), label="cuts")
-    check_hostile(stream, cuts, wire.Limits(4096))
+    check_hostile(stream, cuts, wire.Limits(4096), path)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(msgs=st.lists(messages, min_size=1, max_size=4), garbage=st.binary(min_size=1, max_size=256),
        data=st.data())
-def test_valid_frames_then_garbage(msgs, garbage, data):
+def test_valid_frames_then_garbage(path, msgs, garbage, data):
     frames = [wire.encode(m) for m in msgs]
     stream = b"".join(frames) + garbage
     cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=8), label="cuts")
-    got = check_hostile(stream, cuts, wire.Limits(4096))
+    got = check_hostile(stream, cuts, wire.Limits(4096), path)
     for g, m in zip(got, msgs):  # the genuine messages come first, intact
         assert_same(g, m)
 
 
-def test_garbage_body_byte_by_byte():
+@pytest.mark.parametrize("path", PATHS)
+def test_garbage_body_byte_by_byte(path):
     stream = frame(b"\x92\x01\xc1")
-    check_hostile(stream, range(len(stream)), wire.Limits(4096))
+    check_hostile(stream, range(len(stream)), wire.Limits(4096), path)
 
 
 @pytest.mark.parametrize(

@@ -205,7 +205,9 @@ class RLPool:
     Episodes: every reset mints a UUIDv7 episode id per lane
     (`episode_ids`); `finished_episodes` lists the episodes the latest step
     ended (lane, id, seed, length, return, terminated). `env_id` is this
-    pool's UUIDv7, `env_contract` the env's handshake.
+    pool's UUIDv7, `env_contract` the env's handshake. `fast_path` says
+    whether the worker steps through the native path (boltzlabs.worker._fastpath)
+    or the pure-Python one (no extension built, or BOLTZLABS_PURE=1).
     """
 
     def __new__(cls, *args, cluster=None, **kwargs):
@@ -289,6 +291,13 @@ class RLPool:
         self.step_timeout = ready["step_timeout"]
         self._cgroup = ready["cgroup"]
         self.spawn = ready["spawn"]
+        # Which step path the worker runs: native (boltzlabs.worker._fastpath) or pure Python.
+        self.fast_path = bool(ready.get("fast_path"))
+        if ready.get("fast_path_note"):
+            import warnings
+
+            # Always the same text from the same line: Python shows it once per process.
+            warnings.warn(ready["fast_path_note"], RuntimeWarning, stacklevel=2)
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, self._link.shutdown, self._cgroup)
         for note in (ready["memory_note"], ready["warning"]):

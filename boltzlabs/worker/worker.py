@@ -62,6 +62,7 @@ import traceback
 import msgpack
 
 from boltzlabs import wire
+from boltzlabs.worker import native
 from boltzlabs.sandbox.cgroups import CgroupPool, CgroupUnavailable
 from boltzlabs.sandbox.identity import host_account
 from boltzlabs.sandbox.builder import SandboxSpec
@@ -179,6 +180,9 @@ class Worker:
         self.shutdown_reason = None
         self.client_inbox: list = []
         self.epoll = select.epoll()
+        # The step's hot path in C (native.py), or None for pure Python; the
+        # client warns with the note when the extension is missing.
+        self.fastpath, self.fastpath_note = native.load()
         self.handlers: dict[int, tuple] = {}
         self.epoll.register(conn.fileno(), select.EPOLLIN)
         self.handlers[conn.fileno()] = ("client", None)
@@ -308,6 +312,8 @@ class Worker:
             "hello": self.hello,
             "step_timeout": self.step_timeout,
             "spawn": self.spawner.kind,
+            "fast_path": self.fastpath is not None,
+            "fast_path_note": self.fastpath_note,
             "warning": "\n".join(note for note in (self.warning, self.limits_note, self.gate_note, warmup_note)
                                  if note),
             "warmup": warmup,
@@ -461,15 +467,17 @@ class Worker:
         self.client_inbox.extend(messages)
 
     def _read_channel(self, env: Env) -> None:
-        try:
-            data = os.read(env.chan, _READ_SIZE)
-        except BlockingIOError:
+        data = _read_ready(env.chan)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self._close_channel(env)
             return
+        self._take(env, data)
+
+    def _take(self, env: Env, data: bytes) -> None:
+        """Bytes read from env's channel (by the event loop, or by the native
+        step path): charged, framed, decoded under the limits, and handled."""
         if not self._charge(env, len(data)):
             return
         try:
@@ -584,12 +592,9 @@ class Worker:
                 pause = min(pause * 2, 0.005)
 
     def _read_log(self, env: Env) -> None:
-        try:
-            data = os.read(env.logfd, _READ_SIZE)
-        except BlockingIOError:
+        data = _read_ready(env.logfd)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self._unregister(env.logfd)
             os.close(env.logfd)
@@ -759,6 +764,10 @@ class Worker:
         gated = self.gated
         freezing = self.freezing
         immediate: dict[int, str] = {}
+        # The native path writes, waits and reads in one call (_step_fast);
+        # the gate's turns stay in Python.
+        fast = self.fastpath is not None and not gated
+        lanes, frames = [], []
         # Hot path: one frame per idle env, written straight to its channel.
         for env, action in zip(self.envs, actions):
             if env.state == IDLE:
@@ -773,11 +782,18 @@ class Worker:
                 env.seq = seq
                 env.state = BUSY
                 op.waiting.add(env.index)
-                self._write(env, header(len(body)) + body)
+                if fast and not env.out:
+                    lanes.append(env)
+                    frames.append(header(len(body)) + body)
+                else:
+                    self._write(env, header(len(body)) + body)
             elif env.state == BUSY:
                 immediate[env.index] = "straggler"
             else:
                 immediate[env.index] = "dead"
+        deadline = time.monotonic() + self.step_timeout
+        if lanes:
+            self._step_fast(lanes, frames, deadline)
         stragglers = []
         if gated:
             for index in sorted(op.waiting - resets):
@@ -798,7 +814,7 @@ class Worker:
                                     "serialize_measurement gate, and was killed")
                     stragglers.append(index)
         if op.waiting:  # ungated steps, and resets (which the gate does not serialize)
-            self._wait(op, time.monotonic() + self.step_timeout)
+            self._wait(op, deadline if fast else time.monotonic() + self.step_timeout)
             stragglers.extend(op.waiting)
             for index in op.waiting:
                 self._straggling(self.envs[index])
@@ -843,6 +859,58 @@ class Worker:
             truncated[i] = 1
         self.held -= released
         return [obs, rewards.tobytes(), bytes(terminated), bytes(truncated), infos, stragglers]
+
+    def _step_fast(self, lanes: list, frames: list, deadline: float) -> None:
+        """Hot path, native (native/fastpath.c): write every lane's frame, wait
+        on epoll until each has answered or `deadline`, read each reply once,
+        all in one C call. Every byte read goes through _take, as the event
+        loop's reads do. Whatever it leaves (lanes not read yet: it returns
+        early when a log, pidfd, straggler or the client is ready, or at the
+        byte budget; short writes) is left to the pure path's _wait."""
+        fastpath = self.fastpath
+        why, results = fastpath.exchange(self.epoll.fileno(), [env.chan for env in lanes], frames, deadline,
+                                         self.env_limits.max_frame, self.max_pool_bytes - self.held)
+        limits = self.env_limits
+        small = limits.max_depth if limits.guarded is not None else -1  # env limits are always guarded
+        kwargs = limits.kwargs
+        unpackb = msgpack.unpackb
+        op = self.op
+        for env, frame, result in zip(lanes, frames, results):
+            if result is None:
+                continue
+            if type(result) is bytes:  # one whole reply
+                # The common case inline: a small frame (it can neither nest
+                # deeper nor hold more objects than limits.max_depth, so it is
+                # decoded with no hook, as wire.decode does) that is the reply
+                # due, well formed, within the budget. Anything else, and any
+                # decoding error, goes through _take, which says what is wrong.
+                size = len(result)
+                cost = size + (size - 4) * _OBJECT_COST
+                if (size - 4 <= small and not env.reader.pending and env.reader.limits is limits
+                        and self.held + cost <= self.max_pool_bytes):
+                    try:
+                        message = unpackb(memoryview(result)[4:], **kwargs)
+                    except Exception:  # noqa: BLE001 (msgpack raises several types; _take names it)
+                        message = None
+                    if (type(message) is list and len(message) > 1 and type(message[0]) is int
+                            and message[0] == env.expect and message[1] == env.seq and env.state == BUSY
+                            and env.flight == NONE and _check_reply(message)):
+                        env.held += cost
+                        self.held += cost
+                        env.state = IDLE
+                        op.waiting.discard(env.index)
+                        op.results[env.index] = message
+                        continue
+                self._take(env, result)
+                continue
+            kind, value = result
+            if kind == fastpath.UNUSUAL:  # not exactly one frame: FrameReader sorts it out
+                self._take(env, value)
+            elif kind == fastpath.EOF:
+                self._close_channel(env)
+            else:  # SHORT_WRITE_KIND: the rest is flushed by the event loop, as _write does
+                env.out = frame[value:]
+                self.epoll.modify(env.chan, select.EPOLLIN | select.EPOLLOUT)
 
     # -- asynchronous stepping (send / recv) ---------------------------------------------
     #
@@ -1298,6 +1366,17 @@ class _StartFailure(Exception):
     def __init__(self, index: int, message: str, log: str, count: int):
         super().__init__(message)
         self.index, self.log, self.count = index, log, count
+
+
+def _read_ready(fd: int):
+    """One read of a non-blocking fd: its bytes, b"" at end of file or on an
+    error (the peer is gone either way), None when nothing was there."""
+    try:
+        return os.read(fd, _READ_SIZE)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
 
 
 def _check_reply(message: list):
