@@ -124,8 +124,10 @@ class BoltzLabsSB3VecEnv(VecEnv):
         if not self._waiting:
             raise ValueError("step_wait() without a step_async() before it")
         pool, n = self.pool, self.num_envs
-        env_ids, obs, rewards, _, infos = pool.recv(batch_size=n)
-        self._waiting = False
+        try:
+            env_ids, obs, rewards, _, infos = pool.recv(batch_size=n)
+        finally:
+            self._waiting = False
         order = np.argsort(env_ids)  # results come in the order the envs finished
         lanes = env_ids[order]
         rewards = rewards[order]
@@ -134,18 +136,24 @@ class BoltzLabsSB3VecEnv(VecEnv):
         dones = terminated | truncated
         infos = [infos[k] for k in order.tolist()]
         obs = [obs[k] for k in order.tolist()]
-        finished = np.flatnonzero(dones).tolist()
         for i in range(n):
             info = infos[i]
+            if obs[i] is not None or "error" not in info:  # None with no error: the env sent None
+                # Hot path: the obs goes straight into the batch buffers (an env's obs is
+                # untrusted: one that does not fit the space fails its lane).
+                error = self._save_obs(i, obs[i])
+                if error is None:
+                    self._last_obs[i] = obs[i]
+                else:
+                    obs[i], info["error"] = None, error
+                    dones[i] = truncated[i] = True
+                    terminated[i] = False
             info["TimeLimit.truncated"] = bool(truncated[i] and not terminated[i])
-            if obs[i] is None:  # a failed lane: its error is in info["error"]
+            if obs[i] is None:  # a failed lane: why is in info["error"]
                 logger.warning("env %d of %s failed and is reset: %s", i, pool.source, info.get("error"))
-            else:
-                self._last_obs[i] = obs[i]
             if dones[i]:
-                info["terminal_observation"] = self._terminal(self._last_obs[i])
-            else:
-                self._save_obs(i, obs[i])
+                info["terminal_observation"] = deepcopy(self._last_obs[i])
+        finished = np.flatnonzero(dones).tolist()
         if finished:
             pool.reset(where=finished)
             self._take_resets(finished)
@@ -205,21 +213,29 @@ class BoltzLabsSB3VecEnv(VecEnv):
         pool = self.pool
         for i in lanes:
             info = pool.reset_infos[i]
-            if pool._obs[i] is None:
+            if pool._obs[i] is None and "error" in info:
                 raise EnvError(f"env {i} of {pool.source} could not be reset: {info.get('error')}; "
                                f"its output: pool.log({i}). Fix the env, or close this VecEnv.", env_index=i)
+            error = self._save_obs(i, pool._obs[i])
+            if error is not None:
+                raise EnvError(f"env {i} of {pool.source}: its reset: {error}", env_index=i)
             self.reset_infos[i] = info
             self._last_obs[i] = pool._obs[i]
-            self._save_obs(i, pool._obs[i])
 
-    def _terminal(self, obs):
-        # DummyVecEnv hands out the env's own object; ours is decoded from the wire: copy
-        # what SB3 would otherwise share with the batch buffers.
-        return deepcopy(obs)
-
-    def _save_obs(self, i: int, obs) -> None:
-        for key in self.keys:
-            self.buf_obs[key][i] = obs if key is None else obs[key]
+    def _save_obs(self, i: int, obs) -> str | None:
+        """Put env i's obs into the batch buffers; what is wrong with it, or None."""
+        try:
+            for key in self.keys:
+                value = obs if key is None else obs[key]
+                # numpy would broadcast a scalar or a shorter row over the slot: refuse it.
+                if np.shape(value) != self.buf_obs[key].shape[1:]:
+                    raise ValueError(f"shape {np.shape(value)} where the space has {self.buf_obs[key].shape[1:]}")
+                self.buf_obs[key][i] = value
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:
+            where = "" if key is None else f"[{key!r}]"
+            return (f"the env sent an observation{where} that does not fit {self.observation_space}: "
+                    f"{type(exc).__name__}: {str(exc)[:200]}")
+        return None
 
     def _obs_from_buf(self):
         return dict_to_obs(self.observation_space, deepcopy(self.buf_obs))
