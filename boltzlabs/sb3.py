@@ -99,12 +99,14 @@ class BoltzLabsSB3VecEnv(VecEnv):
         """Reset every env with the seeds of seed() and options of set_options()
         (each used once, as DummyVecEnv); the observations as a batch."""
         self._drain()
-        # One request per distinct options value (usually one); an empty dict is no options.
+        # One request per distinct options object: set_options(dict) gives every env the same
+        # one, so that is one request; an empty dict is no options.
         groups: dict = {}
         for i, options in enumerate(self._options):
-            groups.setdefault(repr(options or None), (options or None, []))[1].append(i)
+            options = options or None
+            groups.setdefault(id(options), (options, []))[1].append(i)
         for options, lanes in groups.values():
-            self.pool.reset(seed=list(self._seeds), where=lanes, options=deepcopy(options))
+            self.pool.reset(seed=list(self._seeds), where=lanes, options=options)
         self._take_resets(range(self.num_envs))
         self._reset_seeds()
         self._reset_options()

@@ -687,11 +687,15 @@ CRASHING = """
 """
 
 
-@pytest.mark.parametrize("crash,error", [("os._exit(7)", "exit"), ("raise ValueError('boom at t=3')", "boom at t=3")],
-                         ids=["exit", "raise"])
-def test_a_crash_mid_episode_is_a_truncated_lane_with_its_error_then_reset(env_dir, spawn, caplog, crash, error):
+@pytest.mark.parametrize("crash,error,timeout", [
+    ("os._exit(7)", "exit", 10.0),
+    ("raise ValueError('boom at t=3')", "boom at t=3", 10.0),
+    ("import time; time.sleep(60)", "missed the step deadline of 2 s", 2.0),
+], ids=["exit", "raise", "hang"])
+def test_a_crash_mid_episode_is_a_truncated_lane_with_its_error_then_reset(env_dir, spawn, caplog, crash, error,
+                                                                           timeout):
     source = env_dir(CRASHING.replace("CRASH", crash).replace("FAIL_RESET", "False"))
-    venv = VecMonitor(BoltzLabsSB3VecEnv(source, 2, spawn=spawn, step_timeout=10.0))
+    venv = VecMonitor(BoltzLabsSB3VecEnv(source, 2, spawn=spawn, step_timeout=timeout))
     venv.seed(0)  # lane 1 gets seed 1: it crashes at its third step
     venv.reset()
     actions = np.zeros(2, dtype=np.int64)
