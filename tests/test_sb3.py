@@ -1,7 +1,7 @@
 """The Stable-Baselines3 adapter (boltzlabs.sb3) against SB3's own DummyVecEnv.
 
-Part 1 ports SB3's VecEnv checks (tests/test_vec_envs.py and
-tests/test_vec_monitor.py of https://github.com/DLR-RM/stable-baselines3,
+Part 1 ports SB3's VecEnv checks (tests/test_vec_envs.py,
+tests/test_vec_monitor.py and tests/test_vec_normalize.py of https://github.com/DLR-RM/stable-baselines3,
 MIT License, Copyright (c) 2019 Antonin Raffin), keeping their names, with
 BoltzLabsSB3VecEnv as the vec env class; their envs are in
 tests/envs/sb3_custom. Part 2: the same seeds, options and actions through
@@ -453,6 +453,78 @@ def test_vec_monitor(tmp_path):
         assert file_handler.readline().startswith("#")
         assert file_handler.readline().strip() == "r,l,t"
         assert len(file_handler.readlines()) == episodes
+
+
+# From SB3's tests/test_vec_normalize.py.
+
+
+def check_vec_norm_equal(norma, normb):
+    assert norma.observation_space == normb.observation_space
+    assert norma.action_space == normb.action_space
+    assert norma.num_envs == normb.num_envs
+    for a, b in ((norma.obs_rms, normb.obs_rms), (norma.ret_rms, normb.ret_rms)):
+        assert np.all(a.mean == b.mean) and np.all(a.var == b.var) and np.all(a.count == b.count)
+    assert norma.clip_obs == normb.clip_obs
+    assert norma.clip_reward == normb.clip_reward
+    assert norma.norm_obs == normb.norm_obs
+    assert norma.norm_reward == normb.norm_reward
+    assert np.all(norma.returns == normb.returns)
+    assert norma.gamma == normb.gamma
+    assert norma.epsilon == normb.epsilon
+    assert norma.training == normb.training
+
+
+def test_vec_env(tmp_path):
+    """Test VecNormalize Object"""
+    # boltzlabs: upstream's make_env case (Pendulum-v1; its Monitor inside the env becomes nothing:
+    # wrapper classes stay on this side of the sandbox).
+    clip_obs = 0.5
+    clip_reward = 5.0
+
+    orig_venv = BoltzLabsSB3VecEnv("Pendulum-v1", 1)
+    norm_venv = VecNormalize(orig_venv, norm_obs=True, norm_reward=True, clip_obs=clip_obs, clip_reward=clip_reward)
+    assert orig_venv.render_mode is None
+    assert norm_venv.render_mode is None
+
+    _, done = norm_venv.reset(), [False]
+    while not done[0]:
+        actions = [norm_venv.action_space.sample()]
+        obs, rew, done, _ = norm_venv.step(actions)
+        assert np.max(np.abs(obs)) <= clip_obs
+        assert np.max(np.abs(rew)) <= clip_reward
+
+    path = tmp_path / "vec_normalize"
+    norm_venv.save(path)
+    assert orig_venv.render_mode is None
+    deserialized = VecNormalize.load(path, venv=orig_venv)
+    assert deserialized.render_mode is None
+    check_vec_norm_equal(norm_venv, deserialized)
+    norm_venv.close()
+
+
+def test_get_original():
+    # boltzlabs: _make_warmstart_cartpole() over the adapter
+    venv = VecNormalize(BoltzLabsSB3VecEnv("CartPole-v1", 1))
+    venv.reset()
+    venv.get_original_obs()
+    for _ in range(100):
+        venv.step([venv.action_space.sample()])
+    for _ in range(3):
+        actions = [venv.action_space.sample()]
+        obs, rewards, _, _ = venv.step(actions)
+        obs = obs[0]
+        orig_obs = venv.get_original_obs()[0]
+        rewards = rewards[0]
+        orig_rewards = venv.get_original_reward()[0]
+
+        assert np.all(orig_rewards == 1)
+        assert orig_obs.shape == obs.shape
+        assert orig_rewards.dtype == rewards.dtype
+        assert not np.array_equal(orig_obs, obs)
+        assert not np.array_equal(orig_rewards, rewards)
+        np.testing.assert_allclose(venv.normalize_obs(orig_obs), obs)
+        np.testing.assert_allclose(venv.normalize_reward(orig_rewards), rewards, atol=1e-6)
+    venv.close()
 
 
 # -- Part 2: the same trajectories as DummyVecEnv ---------------------------------------------------
