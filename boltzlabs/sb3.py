@@ -40,6 +40,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("boltzlabs.sb3 needs Stable-Baselines3: pip install 'boltzlabs[sb3]'") from exc
 
 from boltzlabs.client import RLPool
+from boltzlabs.cluster import ClusterPool
 from boltzlabs.errors import EnvError
 from boltzlabs.spaces import from_spec
 
@@ -64,6 +65,9 @@ class BoltzLabsSB3VecEnv(VecEnv):
 
     def __init__(self, source, n_envs: int | None = None, *, observation_space=None, action_space=None,
                  **pool_kwargs):
+        if isinstance(source, ClusterPool) or pool_kwargs.get("cluster") is not None:
+            raise TypeError("BoltzLabsSB3VecEnv runs on one worker's RLPool; a cluster pool (RLPool(cluster=...)) "
+                            "is not supported: drop cluster=, or use RLPool(..., worker='tcp://...') for a remote one")
         if isinstance(source, RLPool):
             if n_envs is not None or pool_kwargs:
                 raise TypeError("BoltzLabsSB3VecEnv(pool) takes an open RLPool alone; n_envs and pool options "

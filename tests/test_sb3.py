@@ -611,6 +611,23 @@ def test_trajectories_equal_dummy_vec_env(vec_envs, name):
     reference.close()
 
 
+def test_a_remote_pool_gives_the_same_trajectories(tmp_path):
+    from test_remote import TOKEN, Worker
+
+    worker = Worker(tmp_path)
+    try:
+        venv = BoltzLabsSB3VecEnv("CartPole-v1", N_ENVS, worker=worker.url, token=TOKEN, step_timeout=30.0)
+        reference = DummyVecEnv([CASES["CartPole"][2]] * N_ENVS)
+        reference.action_space.seed(0)
+        actions = [np.array([reference.action_space.sample() for _ in range(N_ENVS)]) for _ in range(40)]
+        for g, w in zip(drive(venv, "CartPole", actions), drive(reference, "CartPole", actions), strict=True):
+            for a, b in zip(g[1:], w[1:], strict=True):
+                assert_same(a, b, g[0])
+        venv.close()
+    finally:
+        worker.stop()
+
+
 @pytest.mark.parametrize("wrapper", ["VecNormalize", "VecMonitor", "VecFrameStack"])
 def test_wrappers_on_top_equal_dummy_vec_env(vec_envs, wrapper):
     make = {"VecNormalize": VecNormalize, "VecMonitor": VecMonitor,
@@ -670,6 +687,8 @@ def test_constructed_from_a_source_or_a_pool_and_closes_its_pool():
         BoltzLabsSB3VecEnv(pool, 2)
     with pytest.raises(TypeError, match="needs n_envs"):
         BoltzLabsSB3VecEnv("CartPole-v1")
+    with pytest.raises(TypeError, match="cluster pool .* is not supported"):
+        BoltzLabsSB3VecEnv("CartPole-v1", 2, cluster="ray")
     venv.close()
     assert pool.closed
 
