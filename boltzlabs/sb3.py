@@ -110,8 +110,8 @@ class BoltzLabsSB3VecEnv(VecEnv):
             options = options or None
             groups.setdefault(id(options), (options, []))[1].append(i)
         for options, lanes in groups.values():
-            self.pool.reset(seed=list(self._seeds), where=lanes, options=options)
-        self._take_resets(range(self.num_envs))
+            obs = self.pool.reset(seed=list(self._seeds), where=lanes, options=options)
+        self._take_resets(range(self.num_envs), obs)
         self._reset_seeds()
         self._reset_options()
         return self._obs_from_buf()
@@ -161,8 +161,7 @@ class BoltzLabsSB3VecEnv(VecEnv):
                 info["terminal_observation"] = deepcopy(self._last_obs[i])
         finished = np.flatnonzero(dones).tolist()
         if finished:
-            pool.reset(where=finished)
-            self._take_resets(finished)
+            self._take_resets(finished, pool.reset(where=finished))
         return self._obs_from_buf(), rewards.astype(np.float32), dones, infos
 
     def close(self) -> None:
@@ -215,18 +214,19 @@ class BoltzLabsSB3VecEnv(VecEnv):
             self.pool.recv(batch_size=self.num_envs)
             self._waiting = False
 
-    def _take_resets(self, lanes) -> None:
+    def _take_resets(self, lanes, obs: list) -> None:
+        """Take the reset lanes' observations (`obs`: all n, as RLPool.reset returns them)."""
         pool = self.pool
         for i in lanes:
             info = pool.reset_infos[i]
-            if pool._obs[i] is None and "error" in info:
+            if obs[i] is None and "error" in info:
                 raise EnvError(f"env {i} of {pool.source} could not be reset: {info.get('error')}; "
                                f"its output: pool.log({i}). Fix the env, or close this VecEnv.", env_index=i)
-            error = self._save_obs(i, pool._obs[i])
+            error = self._save_obs(i, obs[i])
             if error is not None:
                 raise EnvError(f"env {i} of {pool.source}: its reset: {error}", env_index=i)
             self.reset_infos[i] = info
-            self._last_obs[i] = pool._obs[i]
+            self._last_obs[i] = obs[i]
 
     def _save_obs(self, i: int, obs) -> str | None:
         """Put env i's obs into the batch buffers; what is wrong with it, or None."""
