@@ -13,6 +13,7 @@ and under VecNormalize, VecMonitor and VecFrameStack. Part 3: hostile envs
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import logging
@@ -574,17 +575,15 @@ def drive(venv, name, actions):
 @pytest.fixture(scope="module")
 def vec_envs():
     """One adapter per case for the module (the pools start once)."""
-    made = {}
+    with contextlib.ExitStack() as stack:
 
-    def get(name):
-        if name not in made:
+        @functools.cache
+        def get(name):
             source, params, _ = CASES[name]
-            made[name] = BoltzLabsSB3VecEnv(source, N_ENVS, step_timeout=30.0, **params)
-        return made[name]
+            return stack.enter_context(contextlib.closing(BoltzLabsSB3VecEnv(source, N_ENVS, step_timeout=30.0,
+                                                                              **params)))
 
-    yield get
-    for venv in made.values():
-        venv.close()
+        yield get
 
 
 @pytest.mark.parametrize("name", list(CASES))
