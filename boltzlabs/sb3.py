@@ -158,6 +158,7 @@ class BoltzLabsSB3VecEnv(VecEnv):
             if obs[i] is None:  # a failed lane: why is in info["error"]
                 logger.warning("env %d of %s failed and is reset: %s", i, pool.source, info.get("error"))
             if dones[i]:
+                # A copy: arrays from the wire are read-only views (torch warns on those).
                 info["terminal_observation"] = deepcopy(self._last_obs[i])
         finished = np.flatnonzero(dones).tolist()
         if finished:

@@ -606,6 +606,10 @@ def test_trajectories_equal_dummy_vec_env(vec_envs, name):
         if g[0] == "step":
             assert g[2].dtype == np.float32 and g[3].dtype == np.bool_
             terminal += sum("terminal_observation" in info for info in g[4])
+            for info in g[4]:  # writable, as DummyVecEnv's (torch warns on a read-only array)
+                terminal_obs = info.get("terminal_observation", {})
+                for value in (terminal_obs.values() if isinstance(terminal_obs, dict) else [terminal_obs]):
+                    assert not isinstance(value, np.ndarray) or value.flags.writeable
     assert terminal >= 2, "the script must cross episode boundaries"
     reference.close()
 
