@@ -140,7 +140,8 @@ class BoltzLabsSB3VecEnv(VecEnv):
         terminated = pool.terminated[lanes]
         truncated = pool.truncated[lanes]
         dones = terminated | truncated
-        infos = [infos[k] for k in order.tolist()]
+        # Copies, as DummyVecEnv's deepcopy(buf_infos): writable arrays (the wire's are read-only views).
+        infos = [deepcopy(infos[k]) if infos[k] else {} for k in order.tolist()]
         obs = [obs[k] for k in order.tolist()]
         for i in range(n):
             info = infos[i]

@@ -608,7 +608,7 @@ def test_trajectories_equal_dummy_vec_env(vec_envs, name):
             terminal += sum("terminal_observation" in info for info in g[4])
             for info in g[4]:  # writable, as DummyVecEnv's (torch warns on a read-only array)
                 terminal_obs = info.get("terminal_observation", {})
-                for value in (terminal_obs.values() if isinstance(terminal_obs, dict) else [terminal_obs]):
+                for value in [*info.values(), *(terminal_obs.values() if isinstance(terminal_obs, dict) else [])]:
                     assert not isinstance(value, np.ndarray) or value.flags.writeable
     assert terminal >= 2, "the script must cross episode boundaries"
     reference.close()
