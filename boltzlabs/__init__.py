@@ -12,10 +12,10 @@ what it imports.
 __version__ = "0.1.0"
 
 _LAZY = {
-    "RLPool": "boltzlabs.client",
-    "Timing": "boltzlabs.client",
-    "MemoryReport": "boltzlabs.client",
-    "EnvContract": "boltzlabs.client",
+    "RLPool": "boltzlabs.pool.client",
+    "Timing": "boltzlabs.pool.client",
+    "MemoryReport": "boltzlabs.pool.client",
+    "EnvContract": "boltzlabs.pool.client",
     "BoltzLabsVecEnv": "boltzlabs.gym",  # needs gymnasium (boltzlabs[gym])
     "EnvError": "boltzlabs.errors",
     "BoltzLabsError": "boltzlabs.errors",

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from boltzlabs.client import MemoryReport, RLPool, Timing
+from boltzlabs.pool.client import MemoryReport, RLPool, Timing
 from boltzlabs.errors import PoolClosedError, WorkerError
 
 __all__ = ["ClusterPool", "NodeWorker", "doctor", "placement"]
@@ -76,7 +76,7 @@ class NodeWorker:
         import ray
 
         self.node_id = ray.get_runtime_context().get_node_id()
-        from boltzlabs.remote import CEILINGS
+        from boltzlabs.worker.ceilings import CEILINGS
 
         host = ray.util.get_node_ip_address()
         env = dict(os.environ, BOLTZLABS_TOKEN=token)
@@ -109,7 +109,7 @@ class NodeWorker:
 def _doctor_here(n: int) -> dict:
     import ray
 
-    from boltzlabs.doctor import run_checks
+    from boltzlabs.cli.doctor import run_checks
 
     return {"node": ray.get_runtime_context().get_node_id(), "findings": [f.to_dict() for f in run_checks(n)]}
 

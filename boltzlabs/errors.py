@@ -6,6 +6,7 @@
     ├── EnvError             an env failed a request that has no lane to report on (render)
     ├── WorkerError          the worker process failed or died (its cause attached)
     └── SandboxUnavailable   this host cannot build the sandbox (what to install)
+    SeccompPolicyError       sandbox/seccomp.toml cannot be compiled (a ValueError)
 
 Bad arguments raise `ValueError`/`TypeError` with what to do. A failure of a
 single env while the pool runs is never an exception: it is reported on that
@@ -49,3 +50,7 @@ class WorkerError(BoltzLabsError):
 
 class SandboxUnavailable(BoltzLabsError):
     """The host lacks what the sandbox needs (bubblewrap, user namespaces)."""
+
+
+class SeccompPolicyError(ValueError):
+    """sandbox/seccomp.toml says something that cannot be compiled; the message says what and where."""

@@ -33,9 +33,9 @@ import numpy as np
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
-from boltzlabs.client import RLPool
+from boltzlabs.pool.client import RLPool
 from boltzlabs.errors import EnvError
-from boltzlabs.spaces import from_spec
+from boltzlabs.pool.spaces import from_spec
 
 __all__ = ["BoltzLabsVecEnv"]
 

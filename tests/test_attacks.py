@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from boltzlabs import RLPool
-from boltzlabs.sandbox import load_policy
+from boltzlabs.sandbox.policy import load_policy
 
 ATTACK_ENV = r'''
 import errno
@@ -270,8 +270,8 @@ print(0 if fd >= 0 else ctypes.get_errno())
 
 def _host_account_takes(kind: str) -> int:
     """0 if a host process of the sandboxes' account can take one `kind`, else its errno."""
-    from boltzlabs.identity import host_account
-    from boltzlabs.sandbox import load_policy
+    from boltzlabs.sandbox.identity import host_account
+    from boltzlabs.sandbox.policy import load_policy
 
     account = host_account(load_policy().sandbox["identity"])
     # The system's interpreter when there is one: the account may not reach ours (pyenv under /root).
@@ -337,7 +337,8 @@ def test_a_lane_cannot_open_another_lanes_pty(quota_pool):
 
 FORGED_HANDSHAKE = r"""
 import ctypes, os
-from boltzlabs import env as _env, wire
+from boltzlabs import wire
+from boltzlabs.runtime import serve as _env
 from boltzlabs.env import serve
 
 _real_loop = _env._serve_loop

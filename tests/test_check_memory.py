@@ -15,8 +15,8 @@ import sys
 import pytest
 
 from boltzlabs import RLPool
-from boltzlabs.check import PRELOAD_HINT, check_env
-from boltzlabs.doctor import OK, WARN
+from boltzlabs.cli.check import PRELOAD_HINT, check_env
+from boltzlabs.cli.doctor import OK, WARN
 
 HANG = 120  # seconds: only to catch a hang
 

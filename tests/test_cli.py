@@ -211,7 +211,7 @@ def test_doctor_measures_what_each_memory_cgroup_costs_the_kernel():
 def test_bookkeeping_is_the_median_round_per_cgroup_and_warns_past_the_threshold(monkeypatch):
     """The arithmetic of the check, with the kernel's counter replaced: three
     rounds of 64 cgroups, the median round, a negative round read as 0."""
-    from boltzlabs import doctor
+    from boltzlabs.cli import doctor
 
     for readings, expected, status in (([0, 64 * 50, 0, 64 * 10, 0, -64 * 900], 10, "ok"),
                                        ([0, 64 * 300, 0, 64 * 250, 0, 64 * 400], 300, "warn")):

@@ -21,7 +21,8 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from gymnasium.wrappers.vector import NormalizeObservation, RecordEpisodeStatistics
 
-from boltzlabs import RLPool, sources
+from boltzlabs import RLPool
+from boltzlabs.pool import sources
 from boltzlabs.errors import EnvError
 from boltzlabs.gym import BoltzLabsVecEnv
 
@@ -435,7 +436,7 @@ def test_reset_mask_is_checked_like_sync_vector_env_and_options_are_not_mutated(
 
 RENDER_FAULTS = """
     import os, time
-    import boltzlabs.env as runtime
+    import boltzlabs.runtime.serve as runtime
     from boltzlabs import wire
     from boltzlabs.env import serve
     state = {"mode": "ok", "t": 0}

@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from boltzlabs import RLPool
-from boltzlabs.sandbox import SandboxSpec, load_policy
+from boltzlabs.sandbox.builder import SandboxSpec, load_policy
 
 PROBE = Path(__file__).resolve().parent / "envs" / "probe"
 ENV_DIR = "/env"
@@ -455,7 +455,7 @@ def test_host_processes_are_not_visible(probe_pool):
         assert ident["pid"] <= 3
     # /proc/1 is the sandbox's own init (bwrap's, or in template mode the env itself), not the host's.
     for out in run(pool, {"op": "read", "path": "/proc/1/cmdline"}):
-        assert "bwrap" in out["ok"] or ("boltzlabs.template" in out["ok"] and pool.spawn == "template")
+        assert "bwrap" in out["ok"] or ("boltzlabs.runtime.template" in out["ok"] and pool.spawn == "template")
     assert_healthy(pool)
 
 

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from boltzlabs import EnvStartError, RLPool, wire
-from boltzlabs.sandbox import load_policy
+from boltzlabs.sandbox.policy import load_policy
 from conftest import COUNTER, TESTS
 
 HOSTILE = TESTS / "envs" / "hostile"
@@ -357,7 +357,7 @@ def test_a_2_gib_length_prefix_breaks_only_its_lane(pool_factory):
 
 NO_HANDSHAKE = """
 import os, time
-from boltzlabs import env as runtime
+from boltzlabs.runtime import serve as runtime
 
 serve_loop = runtime._serve_loop
 

@@ -289,3 +289,15 @@ def test_start_up_shows_progress_on_a_terminal():
     os.close(master)
     text = out.decode("utf-8", "replace")
     assert "starting envs" in text and "/64" in text, repr(text[:300])
+
+
+def test_a_host_without_bwrap_is_told_what_to_install():
+    """The worker checks for bwrap (the trainer no longer reads the sandbox policy, #15) and the
+    pool raises SandboxUnavailable with the install command, before anything starts."""
+    code = ("from boltzlabs import RLPool, SandboxUnavailable\n"
+            f"try:\n    RLPool({str(COUNTER)!r}, 1)\n"
+            "except SandboxUnavailable as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PATH": "/nonexistent"})
+    assert out.returncode == 0, out.stderr
+    assert "bubblewrap (bwrap) is not installed" in out.stdout and "apt-get install -y bubblewrap" in out.stdout

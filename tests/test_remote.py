@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from boltzlabs import RLPool, wire
 from boltzlabs.errors import PoolClosedError, WorkerError
-from boltzlabs.remote import _Peer, _proof, pack_env_dir
+from boltzlabs.pool.remote_link import _Peer, _proof, pack_env_dir
 
 from conftest import COUNTER, PROBE
 
@@ -776,7 +776,7 @@ def test_a_hostile_tree_left_in_the_cache_is_removed_at_start(tmp_path):
 @given(data=st.data())
 def test_the_archive_parser_refuses_or_returns_a_plain_tree(data):
     """Random damage to a valid archive: plan() refuses it, or every entry is plainly relative and in the blob."""
-    from boltzlabs.envcache import UnpackRefused, plan
+    from boltzlabs.remote.envcache import UnpackRefused, plan
 
     blob = bytearray(_tar([_member("pkg", tarfile.DIRTYPE), _member("pkg/a.py", data=b"x" * 700), ENV_PY]))
     for _ in range(data.draw(st.integers(1, 8))):

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from boltzlabs import RLPool, seccomp
+from boltzlabs import RLPool
+from boltzlabs.sandbox import seccomp
 from boltzlabs.errors import SandboxUnavailable
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="syscall numbers and the int 0x80 stub are x86_64's")
@@ -469,14 +470,14 @@ def test_a_missing_libseccomp_says_what_to_install(monkeypatch):
 
 
 def test_exec_modes_set_up_imports_no_host_half():
-    """An exec-mode env runs boltzlabs.confine before env.py: what it imports
-    every env pays for (boltzlabs.seccomp's host half, with dataclasses and
+    """An exec-mode env runs boltzlabs.runtime.confine before env.py: what it imports
+    every env pays for (boltzlabs.sandbox.seccomp, the host half, with dataclasses and
     functools, cost each env ~2 MiB)."""
-    code = ("import sys; before = set(sys.modules); import boltzlabs.confine; "
+    code = ("import sys; before = set(sys.modules); import boltzlabs.runtime.confine; "
             "print(' '.join(sorted(set(sys.modules) - before)))")
     out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60,
                          env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert out.returncode == 0, out.stderr
     new = set(out.stdout.split())
-    assert {m for m in new if m.startswith("boltzlabs")} == {"boltzlabs", "boltzlabs.confine"}
+    assert {m for m in new if m.startswith("boltzlabs")} == {"boltzlabs", "boltzlabs.runtime", "boltzlabs.runtime.confine"}
     assert not new & {"dataclasses", "functools", "inspect", "typing", "re", "json"}, new

@@ -43,7 +43,7 @@ def action_batches(pool, actions, seed: int = 0) -> list:
     spec = pool.env_contract.action_space
     if spec is not None:
         try:
-            from boltzlabs.spaces import from_spec
+            from boltzlabs.pool.spaces import from_spec
 
             space = from_spec(spec)
         except (ImportError, ValueError):

@@ -14,105 +14,28 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import site
 import sys
 import sysconfig
-import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 
-from boltzlabs import confine, seccomp
-from boltzlabs import limits as _limits
 from boltzlabs.errors import SandboxUnavailable
-from boltzlabs.identity import HostAccount
+from boltzlabs.runtime import confine
+from boltzlabs.sandbox import limits as _limits
+from boltzlabs.sandbox import seccomp
+from boltzlabs.sandbox.identity import HostAccount
+from boltzlabs.sandbox.policy import MOUNT_PROFILES, PACKAGE_DIR, Policy, find_bwrap, load_policy
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-MOUNT_PROFILES = ("system", "interpreter", "runtime", "env")
+__all__ = ["SandboxSpec", "Policy", "load_policy", "find_bwrap"]
+
 _NAMESPACE_FLAGS = {
     "user": "--unshare-user", "pid": "--unshare-pid", "net": "--unshare-net",
     "ipc": "--unshare-ipc", "uts": "--unshare-uts", "cgroup": "--unshare-cgroup",
 }
 
 
-def _data_dir(name: str) -> Path:
-    # Installed wheels carry sandbox/ and mounts/ inside the package; a source
-    # checkout has them beside it.
-    for candidate in (PACKAGE_DIR / "_data" / name, PACKAGE_DIR.parent / name):
-        if candidate.is_dir():
-            return candidate
-    raise SandboxUnavailable(f"the boltzlabs installation is missing its {name}/ policy data; reinstall boltzlabs")
-
-
-def parse_size(value) -> int:
-    """'64M' -> 67108864. Accepts ints and K/M/G/T suffixes (powers of 1024)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    elif isinstance(value, str) and value.strip():
-        text = value.strip().upper().removesuffix("B").removesuffix("I")
-        scale = 1
-        if text and text[-1] in "KMGT":
-            scale = 1024 ** ("KMGT".index(text[-1]) + 1)
-            text = text[:-1]
-        try:
-            size = int(float(text) * scale)
-        except ValueError:
-            raise ValueError(f"cannot read {value!r} as a size; write e.g. 64M, 1G or a number of bytes") from None
-    else:
-        raise TypeError(f"a size must be an int or a string like '64M', not {type(value).__name__}")
-    if size <= 0:
-        raise ValueError(f"size {value!r} must be positive")
-    return size
-
-
-@dataclass(frozen=True)
-class Policy:
-    """The sandbox policy: sandbox/policy.toml plus the mount profiles."""
-
-    sandbox: dict
-    mounts: dict  # profile name -> list of mount entries
-
-    @property
-    def limits(self) -> dict:
-        return self.sandbox["limits"]
-
-    def env_limits(self, overrides: dict | None = None, memory_limit=None) -> dict:
-        """[env_limits] with a pool's overrides, checked (boltzlabs.limits.resolve)."""
-        return _limits.resolve(self.sandbox.get("env_limits", {}), overrides, memory_limit)
-
-
-def load_policy() -> Policy:
-    """Read the policy shipped with this installation.
-
-    `BOLTZLABS_POLICY=/path/policy.toml` in the environment of the process
-    that starts the worker (the trainer, or `boltzlabs worker --listen`) puts
-    an operator's own policy.toml in place of the shipped one, whole: start
-    from a copy of sandbox/policy.toml. The mount profiles and seccomp.toml
-    stay the installation's."""
-    path = os.environ.get("BOLTZLABS_POLICY") or _data_dir("sandbox") / "policy.toml"
-    try:
-        with open(path, "rb") as f:
-            sandbox = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise SandboxUnavailable(f"cannot read the sandbox policy {path} ({exc}); "
-                                 "fix it, or unset BOLTZLABS_POLICY to use the shipped one") from None
-    mounts = {}
-    for profile in MOUNT_PROFILES:
-        with open(_data_dir("mounts") / f"{profile}.toml", "rb") as f:
-            mounts[profile] = tomllib.load(f)
-    return Policy(sandbox, mounts)
-
-
 def _below(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip("/") + "/")
-
-
-def find_bwrap() -> str:
-    path = shutil.which("bwrap")
-    if path is None:
-        raise SandboxUnavailable(
-            "bubblewrap (bwrap) is not installed; on Debian/Ubuntu run: sudo apt-get install -y bubblewrap")
-    return path
 
 
 class SandboxSpec:
@@ -120,7 +43,7 @@ class SandboxSpec:
 
     The argv is built once per pool; per-env parts (the channel fd number,
     the env index) are appended by `argv()`. `account`: who bwrap runs as on
-    the host (boltzlabs.identity); None builds the command line for the
+    the host (boltzlabs.sandbox.identity); None builds the command line for the
     current user with no staging (as a description of the policy).
     """
 
@@ -162,7 +85,7 @@ class SandboxSpec:
             "site_path": ":".join(self.inside(p) for p in site.getsitepackages() if os.path.isdir(p)),
         }
         self.workspace_size = workspace_size
-        # What boltzlabs.confine does inside: the workspace with its inode
+        # What boltzlabs.runtime.confine does inside: the workspace with its inode
         # cap, a devpts of the env's own, the per-user-namespace quotas.
         quotas = policy.sandbox["quotas"]
         inodes = max(64, workspace_size // int(workspace["bytes_per_inode"]))
@@ -239,14 +162,14 @@ class SandboxSpec:
             args.append("--die-with-parent")
         if process.get("new_session"):
             args.append("--new-session")
-        # (No --disable-userns: boltzlabs.confine sets max_user_namespaces
+        # (No --disable-userns: boltzlabs.runtime.confine sets max_user_namespaces
         # to 0 with the other quotas, in both modes.)
         for cap in process.get("cap_drop", []):
             args += ["--cap-drop", cap]
         for cap in (sandbox["template"] if template else process).get("cap_add", []):
             args += ["--cap-add", cap]
         args += ["--hostname", process["hostname"]]
-        # The workspace's mount point; boltzlabs.confine mounts it (bwrap's
+        # The workspace's mount point; boltzlabs.runtime.confine mounts it (bwrap's
         # --tmpfs has no inode cap). No parent of a bind (it would hide it).
         args += ["--dir", self.workspace]
         ops = self._mount_ops()
@@ -257,12 +180,12 @@ class SandboxSpec:
             args += ["--symlink", self.workspace, tmp]
         args += [arg for op in ops for arg in op]
         # /proc is made read-only inside, once the quotas are written
-        # (exec: boltzlabs.confine; template: template.py, each child's own).
+        # (exec: boltzlabs.runtime.confine; template: template.py, each child's own).
         for path in sandbox.get("finish", {}).get("remount_ro", []):
             args += ["--remount-ro", path]
         # Both modes start under the template's filter, which leaves out what
         # the set-up inside needs (mount, ...); the set-up then loads the
-        # env's full filter before any env code (boltzlabs.confine, template.py).
+        # env's full filter before any env code (boltzlabs.runtime.confine, template.py).
         args += ["--seccomp", str(seccomp.FILTER_FD)]
         args += ["--chdir", self.workspace, "--clearenv"]
         for name, value in self.environment().items():
@@ -306,11 +229,11 @@ class SandboxSpec:
             "--setenv", "BOLTZLABS_TEMPLATE_ID", "{uid}:{gid}".format(**self.policy.sandbox["template"]),
             "--setenv", "BOLTZLABS_CHILD_FILTER_FD", str(seccomp.CHILD_FILTER_FD),
             "--", self.executable, *self.policy.sandbox["interpreter"]["flags"],
-            "-m", "boltzlabs.template", f"{self.values['env_dir']}/env.py",
+            "-m", "boltzlabs.runtime.template", f"{self.values['env_dir']}/env.py",
         ]
 
     def argv(self, channel_fd: int, env_index: int) -> list[str]:
-        """The full command line of one env's sandbox. boltzlabs.confine sets
+        """The full command line of one env's sandbox. boltzlabs.runtime.confine sets
         the env's rlimits, finishes the sandbox, then runs env.py."""
         env_script = f"{self.values['env_dir']}/env.py"
         return self._head + [

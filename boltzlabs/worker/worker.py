@@ -62,10 +62,11 @@ import traceback
 import msgpack
 
 from boltzlabs import wire
-from boltzlabs.cgroups import CgroupPool, CgroupUnavailable
-from boltzlabs.identity import host_account
-from boltzlabs.sandbox import SandboxSpec, load_policy
-from boltzlabs.spawn import TEMPLATE_LANE, ExecSpawner, TemplateSpawner, TemplateUnavailable, reap_orphans
+from boltzlabs.sandbox.cgroups import CgroupPool, CgroupUnavailable
+from boltzlabs.sandbox.identity import host_account
+from boltzlabs.sandbox.builder import SandboxSpec
+from boltzlabs.sandbox.policy import find_bwrap, load_policy
+from boltzlabs.worker.spawn import TEMPLATE_LANE, ExecSpawner, TemplateSpawner, TemplateUnavailable, reap_orphans
 
 # Env lane states (the sandbox's side). A lane is in exactly one.
 STARTING, IDLE, BUSY, DEAD = "starting", "idle", "busy", "dead"
@@ -229,7 +230,7 @@ class Worker:
                                  f"asked for {config.get('n')!r}")
         self.policy = load_policy()
         if self.remote:  # the listener's ceilings, before anything starts (remote.py)
-            from boltzlabs.remote import apply_ceilings
+            from boltzlabs.worker.ceilings import apply_ceilings
 
             config = apply_ceilings(config, self.remote["ceilings"], self.policy)
         limits = self.policy.limits
@@ -250,6 +251,7 @@ class Worker:
         self.limits = self.policy.env_limits(config.get("limits"), config.get("memory_limit"))
         self.memory_limit = self.limits.get("memory") or None
         self.straggler_grace = self.limits.get("straggler_grace", float("inf"))
+        find_bwrap()  # before the account's checks: a host without bwrap is told that first
         self.account = host_account(self.policy.sandbox.get("identity", {}))
         self.spec = SandboxSpec(self.policy, config["source_dir"], int(config["workspace_size"]),
                                 config.get("params") or {}, self.account, self.limits)
@@ -1383,7 +1385,7 @@ def _guard_frozen(paths: list[str]) -> None:
     only when this process is gone, then kills, thaws and removes what is
     left of the pool's cgroups: nothing, after a clean close.
     """
-    from boltzlabs.cgroups import remove_pool_dir
+    from boltzlabs.sandbox.cgroups import remove_pool_dir
 
     r, w = os.pipe()
     if os.fork() == 0:
@@ -1443,7 +1445,7 @@ def main(argv=None) -> int:
     conn = socket.socket(fileno=args.fd)
     remote = None
     if args.remote:
-        from boltzlabs.remote import default_ceilings
+        from boltzlabs.worker.ceilings import default_ceilings
 
         remote = {"source_dir": args.source_dir, "max_envs": args.max_envs, "max_frame": args.max_frame,
                   "ceilings": json.loads(args.ceilings) if args.ceilings else default_ceilings()}
@@ -1476,5 +1478,5 @@ def main(argv=None) -> int:
     return code
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # `python -m boltzlabs.worker.worker`, as before the package
     sys.exit(main())

@@ -1,13 +1,13 @@
 """The env directory of every Gymnasium source: `RLPool("gym://CartPole-v1", n)`.
 
 Shipped read-only with the runtime. The client resolved the id and checked
-the params (boltzlabs/sources.py); they arrive here as
+the params (boltzlabs/pool/sources.py); they arrive here as
 {"id": ..., "kwargs": {...}} through boltzlabs.env.params().
 """
 
 import gymnasium
 
-from boltzlabs.env import params, serve
+from boltzlabs.runtime.serve import params, serve
 
 spec = params()
 env = gymnasium.make(spec["id"], **spec["kwargs"])

@@ -1,14 +1,18 @@
 """The `boltzlabs` command (also `python -m boltzlabs`).
 
-    boltzlabs check PATH|gym://ID     does one env keep the pool's contract?   (boltzlabs.check)
-    boltzlabs bench PATH|gym://ID -n  what a pool costs and delivers, per n    (boltzlabs.bench)
-    boltzlabs doctor                  can this host run pools?                 (boltzlabs.doctor)
-    boltzlabs worker --listen H:P     serve pools to remote clients            (boltzlabs.remote)
+    boltzlabs check PATH|gym://ID     does one env keep the pool's contract?   (boltzlabs.cli.check)
+    boltzlabs bench PATH|gym://ID -n  what a pool costs and delivers, per n    (boltzlabs.cli.bench)
+    boltzlabs doctor                  can this host run pools?                 (boltzlabs.cli.doctor)
+    boltzlabs worker --listen H:P     serve pools to remote clients            (boltzlabs.remote.listener)
 
 Each command is a registration in COMMANDS: a function that adds its
 subparser to the `subparsers` object and sets `run` (parsed args -> exit
 code). A new command is one more entry there. The work is done by the
 modules named above; this one parses arguments and formats what they return.
+
+An adapter, in the trainer's process (and `doctor` on each host it checks):
+this package may import anything of boltzlabs; nothing below the adapters
+imports it (tests/test_layout.py).
 
 Exit codes: 0 all is well (warnings allowed), 1 a problem was found (a check
 failed, an env would not start, a lane failed), 2 the command line was wrong
@@ -155,7 +159,7 @@ Start one env in a real sandbox and check, printing one line per finding:
 
 def _resolve(args) -> dict:
     """The params of args.param; UsageError when the source is no env."""
-    from boltzlabs import sources
+    from boltzlabs.pool import sources
 
     params = dict(args.param)
     try:
@@ -166,7 +170,7 @@ def _resolve(args) -> dict:
 
 
 def _run_check(args) -> int:
-    from boltzlabs.check import check_env
+    from boltzlabs.cli.check import check_env
 
     params = _resolve(args)
     if args.no_warmup:
@@ -220,7 +224,7 @@ def _run_bench(args) -> int:
     params = _resolve(args)
     from tqdm import tqdm
 
-    from boltzlabs.bench import measure
+    from boltzlabs.cli.bench import measure
     from boltzlabs.errors import BoltzLabsError
 
     results = []
@@ -315,7 +319,7 @@ Each problem comes with the exact command that fixes it.""")
 
 
 def _run_doctor(args) -> int:
-    from boltzlabs.doctor import Finding, run_checks
+    from boltzlabs.cli.doctor import Finding, run_checks
 
     if args.ray:
         from boltzlabs.cluster import doctor
@@ -343,7 +347,7 @@ def _run_doctor(args) -> int:
 
 
 def _register_worker(subparsers) -> None:
-    from boltzlabs.remote import add_worker_arguments, run_worker
+    from boltzlabs.remote.listener import add_worker_arguments, run_worker
 
     parser = _subparser(subparsers, "worker", "serve pools to remote clients (RLPool(worker='tcp://...'))", """Serve RLPools to clients on other hosts: RLPool(source, n, worker="tcp://HOST:PORT",
 token=...). Each client proves it knows the token, ships its env directory

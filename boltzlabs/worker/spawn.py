@@ -1,7 +1,7 @@
-"""How the worker makes sandboxes: one interpreter per env, or forks of a template.
+r"""How the worker makes sandboxes: one interpreter per env, or forks of a template.
 
     Worker --spawn(env)--> ExecSpawner:     posix_spawn(bwrap ... python env.py), per env
-                       \-> TemplateSpawner: [FORK] to one warm template (boltzlabs.template)
+                       \-> TemplateSpawner: [FORK] to one warm template (boltzlabs.runtime.template)
     Worker <--on_exit(env, status)-- either, when an env's process is gone
 
 Both hand the env its channel (a socketpair end, as fd 3) and its log pipe
@@ -27,7 +27,9 @@ import signal
 import socket
 import time
 
-from boltzlabs import seccomp, template, wire
+from boltzlabs import wire
+from boltzlabs.runtime import template
+from boltzlabs.sandbox import seccomp
 from boltzlabs.errors import BoltzLabsError
 
 CHANNEL_FD = 3  # where an env (and the template) finds its channel

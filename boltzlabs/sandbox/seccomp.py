@@ -6,11 +6,11 @@
                       Filters.env      --fd CHILD_FILTER_FD--> template --apply()--> each forked env,
                                        after its namespace set-up and before any env code
 
-Compilation happens on the host only, through pyseccomp, a ctypes binding of
-the system's libseccomp.so.2 (`import pyseccomp` is deferred to it). What
-runs inside a sandbox (`receive_child_filter`, `apply_child_filter`) is
-standard library only and loads precompiled bytes with prctl(2): nothing in
-the sandbox needs libseccomp.
+This module is the host half: compilation happens on the host only, through
+pyseccomp, a ctypes binding of the system's libseccomp.so.2 (`import
+pyseccomp` is deferred to it). What runs inside a sandbox
+(boltzlabs/runtime/filter.py) is standard library only and loads
+precompiled bytes with prctl(2): nothing in the sandbox needs libseccomp.
 
 Kernel facts this depends on:
 - Filters stack and are inherited across fork and execve; a process can add
@@ -30,18 +30,18 @@ import functools
 import os
 from dataclasses import dataclass
 
-from boltzlabs import confine
+from boltzlabs.errors import SandboxUnavailable, SeccompPolicyError
+from boltzlabs.runtime import confine
+from boltzlabs.sandbox.policy import _data_dir
+
+__all__ = ["FILTER_FD", "CHILD_FILTER_FD", "Filters", "SeccompPolicyError", "load_rules", "compile_policy",
+           "compile_filter", "program_fd"]
 
 FILTER_FD = 4  # where bubblewrap reads the program it loads (--seccomp)
 CHILD_FILTER_FD = 5  # where the template reads the program each forked env loads
 
 _BPF_MAXINSNS = 4096
 _INSTRUCTION = confine.BPF_INSTRUCTION
-_child_program: bytes | None = None
-
-
-class SeccompPolicyError(ValueError):
-    """sandbox/seccomp.toml says something that cannot be compiled; the message says what and where."""
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,6 @@ def load_rules() -> dict:
     """Read sandbox/seccomp.toml as shipped with this installation."""
     import tomllib
 
-    from boltzlabs.sandbox import _data_dir
-
     path = _data_dir("sandbox") / "seccomp.toml"
     with open(path, "rb") as f:
         return tomllib.load(f)
@@ -72,8 +70,6 @@ def compile_policy() -> Filters:
 
 
 def _libseccomp():
-    from boltzlabs.errors import SandboxUnavailable
-
     try:
         import pyseccomp
     except (ImportError, RuntimeError, OSError) as exc:  # RuntimeError: pyseccomp found no libseccomp
@@ -193,29 +189,3 @@ def _read_all(fd: int) -> bytes:
     while chunk := os.read(fd, 1 << 16):
         chunks.append(chunk)
     return b"".join(chunks)
-
-
-# -- inside the sandbox (standard library only) -----------------------------------------
-
-
-def receive_child_filter(fd: int) -> None:
-    """The template, before env.py runs: read the program every forked env
-    will load, and close the fd (no env code ever holds it)."""
-    global _child_program
-    # Every ctypes object the load needs is made here, once, before the
-    # forks: made in each child, they dirtied ~250 KiB of copy-on-write
-    # pages per env (ctypes' and libffi's first use), for a one-off call.
-    _child_program = confine.read_filter(fd)
-
-
-def apply_child_filter() -> None:
-    """A forked env, its namespaces made: load the full filter. Fails closed:
-    no program received means no env."""
-    if _child_program is None:
-        raise RuntimeError("no seccomp program was handed to the template; refusing to run an unfiltered env")
-    _child_program.load()
-
-
-def apply(program: bytes) -> None:
-    """Load a BPF program (struct sock_filter[]) into this thread's filters."""
-    confine.FilterLoader(program).load()

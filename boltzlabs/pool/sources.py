@@ -5,7 +5,7 @@
         "gym://CartPole-v1"           always a Gymnasium id
         "CartPole-v1"                 a Gymnasium id when no such path exists
 
-A Gymnasium source runs the built-in env directory `boltzlabs/_gym_env`,
+A Gymnasium source runs the built-in env directory `boltzlabs/runtime/gym_env`,
 which calls `gymnasium.make(id, **params)` inside each sandbox. Its id and
 params are checked here, in the client, before any sandbox starts: against
 Gymnasium's registry and the signature of the env's entry point.
@@ -23,7 +23,7 @@ from pathlib import Path
 __all__ = ["Source", "resolve"]
 
 GYM_PREFIX = "gym://"
-GYM_ENV_DIR = Path(__file__).resolve().parent / "_gym_env"
+GYM_ENV_DIR = Path(__file__).resolve().parent.parent / "runtime" / "gym_env"
 # Keywords gymnasium.make() takes for itself, beside the env's constructor's.
 _MAKE_KEYWORDS = ("max_episode_steps", "disable_env_checker")
 

@@ -1,16 +1,10 @@
 """Remote workers: a pool on another host, reached over TCP.
 
-    trainer                                   training node
-    RLPool(worker="tcp://node:7733") ==TCP==> Listener (boltzlabs worker --listen)
-      1.                      <-- [CHALLENGE, protocol, nonce]
-      2. [AUTH, HMAC-SHA256(token, nonce)] -->  compared in constant time
-      3. [SOURCE, {kind, sha256, size}]    -->
-                              <-- [NEED, bool]      (the env dir is cached by content)
-         [BLOB, tar bytes]                 -->  (only when needed; capped, verified)
-      4.                      <-- [ACCEPTED, {...}]
-      5. the connection is handed to its own worker process
-         (python -m boltzlabs.worker --fd N --remote ...): OPEN, CALL, REPLY
-         exactly as a local pool, on the same framed msgpack (wire.py).
+    trainer: RLPool(worker="tcp://node:7733") --boltzlabs/pool/remote_link.py--TCP-->
+    Listener (boltzlabs worker --listen, this module): challenge, HMAC proof, the
+    env dir shipped or found in the cache, then the connection handed to its own
+    worker process (python -m boltzlabs.worker --fd N --remote ...), which speaks
+    to it exactly as to a local pool. The handshake, step by step: remote_link.py.
 
 The listener does everything before the hand-off in a thread of its own, with
 a deadline for the whole handshake, small frame caps before authentication,
@@ -39,7 +33,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import hmac
-import io
 import ipaddress
 import json
 import os
@@ -49,347 +42,19 @@ import socket
 import ssl
 import subprocess
 import sys
-import tarfile
 import threading
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from boltzlabs import wire
-from boltzlabs.envcache import EnvCache, UnpackRefused
-from boltzlabs.errors import WorkerError
+from boltzlabs.pool.remote_link import (_HANDSHAKE_TIMEOUT, _PRE_AUTH_FRAME, DEFAULT_PORT, RemoteLink, _Peer, _proof,
+                                        _tune, connect, pack_env_dir)
+from boltzlabs.worker.ceilings import CEILINGS, NO_LIMIT, apply_ceilings, ceiling_value, default_ceilings
+from boltzlabs.remote.envcache import EnvCache, UnpackRefused
 
-__all__ = ["Listener", "RemoteLink", "connect", "pack_env_dir", "main"]
+__all__ = ["Listener", "RemoteLink", "connect", "pack_env_dir", "main", "CEILINGS", "apply_ceilings",
+           "default_ceilings", "add_worker_arguments", "run_worker"]
 
-DEFAULT_PORT = 7733
-_PRE_AUTH_FRAME = 4096  # nothing before authentication needs more
-_HANDSHAKE_TIMEOUT = 10.0
-_SKIP = {"__pycache__", ".git", ".hg", ".svn", ".venv", ".mypy_cache", ".pytest_cache"}
-
-
-# -- both ends -------------------------------------------------------------------------
-
-def parse_url(url: str) -> tuple[str, str, int]:
-    """("tcp" or "tls", host, port) from "tcp://host:port" / "tls://host:port"."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("tcp", "tls") or not parts.hostname:
-        raise ValueError(f"worker address {url!r} must look like tcp://host:port or tls://host:port")
-    try:
-        port = parts.port or DEFAULT_PORT
-    except ValueError:
-        raise ValueError(f"worker address {url!r} has a bad port") from None
-    return parts.scheme, parts.hostname, port
-
-
-def _tune(sock: socket.socket) -> None:
-    """No Nagle (a step is one small frame each way); notice a vanished peer
-    within about half a minute, even mid-send."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", 30000)):
-        if hasattr(socket, name):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-
-
-def _proof(token: str, nonce: bytes) -> bytes:
-    return hmac.new(token.encode(), nonce, hashlib.sha256).digest()
-
-
-class _Peer:
-    """Frames from a socket with one deadline for the whole exchange."""
-
-    def __init__(self, sock, max_frame: int, deadline: float):
-        self.sock = sock
-        self.reader = wire.FrameReader(wire.Limits(max_frame))
-        self.inbox: list = []
-        self.deadline = deadline
-
-    def limit(self, max_frame: int) -> None:
-        self.reader.limits = wire.Limits(max_frame)
-
-    def send(self, message) -> None:
-        self._arm()
-        self.sock.sendall(wire.encode(message))
-
-    def receive(self) -> list:
-        while not self.inbox:
-            self._arm()
-            data = self.sock.recv(1 << 16)
-            if not data:
-                raise ConnectionError("the peer closed the connection")
-            self.inbox.extend(self.reader.feed(data))
-        return self.inbox.pop(0)
-
-    def _arm(self) -> None:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the handshake took too long")  # a slow upload, or a slowloris
-        self.sock.settimeout(left)
-
-
-# -- the client side -------------------------------------------------------------------
-
-def pack_env_dir(env_dir: Path, max_size: int | None = None) -> bytes:
-    """The env directory as a deterministic, uncompressed tar (same tree, same bytes).
-
-    Caches, VCS and virtualenv directories are left out; ownership and times
-    are zeroed so the SHA-256 names the content only.
-    """
-    env_dir = Path(env_dir)
-    buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for root, dirs, files in os.walk(env_dir):
-            dirs[:] = sorted(d for d in dirs if d not in _SKIP)
-            for name in sorted(dirs) + sorted(f for f in files if not f.endswith(".pyc")):
-                path = Path(root, name)
-                info = tar.gettarinfo(str(path), arcname=str(path.relative_to(env_dir)))
-                info.uid = info.gid = 0
-                info.uname = info.gname = ""
-                info.mtime = 0
-                if info.isreg():
-                    info.mode = 0o755 if info.mode & 0o111 else 0o644
-                    with open(path, "rb") as f:
-                        tar.addfile(info, f)
-                else:
-                    info.mode = 0o755 if info.isdir() else info.mode
-                    tar.addfile(info)
-                if max_size is not None and buffer.tell() > max_size:
-                    raise ValueError(f"the env directory {env_dir} is over the worker's cap of {max_size} bytes "
-                                     "once packed; keep large data out of it (load it at run time from a path the "
-                                     "worker mounts) or start the worker with a larger --max-code-size")
-    return buffer.getvalue()
-
-
-class RemoteLink:
-    """The client's connection to a remote worker, handshake done.
-
-    Same surface as the local link in client.py: `conn`, `alive()`,
-    `died()`, `shutdown()`.
-    """
-
-    kind = "remote"
-
-    def __init__(self, url: str, conn: socket.socket, accepted: dict):
-        self.url = url
-        self.conn = conn
-        self.accepted = accepted
-
-    def alive(self) -> bool:
-        return True  # a remote worker's death shows as the connection closing
-
-    def wait_dead(self) -> None:
-        pass
-
-    def died(self) -> WorkerError:
-        return WorkerError(f"the boltzlabs worker at {self.url} closed the connection (it stopped, or the network "
-                           "failed); the pool is gone: create a new RLPool")
-
-    def shutdown(self, cgroup=None) -> None:
-        """Ask the worker to end the pool, wait a little for it, close."""
-        try:
-            self.conn.settimeout(5.0)
-            self.conn.sendall(wire.encode([wire.CLOSE]))
-            deadline = time.monotonic() + 10.0
-            while time.monotonic() < deadline and self.conn.recv(1 << 16):
-                pass  # drained until the worker closes its end: the pool is down
-        except OSError:
-            pass
-        finally:
-            self.conn.close()
-
-
-def connect(url: str, token: str | None, source, tls_ca=None, timeout: float = 30.0) -> RemoteLink:
-    """Connect, authenticate and ship `source` (a sources.Source) to the worker at `url`."""
-    from boltzlabs.sources import GYM_ENV_DIR
-
-    scheme, host, port = parse_url(url)
-    token = token if token is not None else os.environ.get("BOLTZLABS_TOKEN")
-    if not token:
-        raise ValueError(f"a remote worker needs its token: RLPool(..., worker={url!r}, token=...) "
-                         "or BOLTZLABS_TOKEN in the environment (the worker printed it, or was given --token)")
-    try:
-        sock = socket.create_connection((host, port), timeout=timeout)
-    except OSError as exc:
-        raise WorkerError(f"cannot reach the boltzlabs worker at {url}: {exc}; is `boltzlabs worker --listen "
-                          f"{host}:{port}` running there?") from None
-    try:
-        _tune(sock)
-        if scheme == "tls":
-            context = ssl.create_default_context(cafile=tls_ca)
-            try:
-                sock = context.wrap_socket(sock, server_hostname=host)
-            except ssl.SSLError as exc:
-                raise WorkerError(f"TLS with the worker at {url} failed: {exc}; give the worker's certificate "
-                                  "(or its CA) as tls_ca=") from None
-        peer = _Peer(sock, 1 << 20, time.monotonic() + timeout)
-        message = peer.receive()
-        if message[0] == wire.ERROR:
-            raise WorkerError(f"the worker at {url} refused the connection: {message[3]}")
-        if message[0] != wire.CHALLENGE or len(message) != 3 or message[1] != wire.PROTOCOL_VERSION:
-            raise WorkerError(f"{url} did not answer as a boltzlabs worker of protocol {wire.PROTOCOL_VERSION} "
-                              f"(got {str(message)[:60]}); upgrade the older side")
-        peer.send([wire.AUTH, _proof(token, message[2])])
-        if source.env_dir == GYM_ENV_DIR:
-            peer.send([wire.SOURCE, {"kind": "gym"}])
-            blob = None
-        else:
-            blob = pack_env_dir(source.env_dir)
-            peer.send([wire.SOURCE, {"kind": "dir", "sha256": hashlib.sha256(blob).hexdigest(), "size": len(blob)}])
-        while True:
-            message = peer.receive()
-            if message[0] == wire.NEED and len(message) == 2 and message[1] is True and blob is not None:
-                peer.deadline = time.monotonic() + timeout + len(blob) / 1e6  # a MB/s floor for the upload
-                peer.send([wire.BLOB, blob])
-                blob = None
-            elif message[0] == wire.NEED and len(message) == 2 and message[1] is False:
-                blob = None  # the worker has this code cached
-            elif message[0] == wire.ACCEPTED and len(message) == 2 and isinstance(message[1], dict):
-                sock.settimeout(None)
-                return RemoteLink(url, sock, message[1])
-            elif message[0] == wire.ERROR:
-                raise WorkerError(f"the worker at {url} refused: {message[3]}")
-            else:
-                raise WorkerError(f"the worker at {url} sent an unexpected message {str(message)[:60]}")
-    except (OSError, wire.ProtocolError, ValueError, WorkerError) as exc:
-        sock.close()
-        if isinstance(exc, (WorkerError, ValueError)):
-            raise
-        raise WorkerError(f"the handshake with the worker at {url} failed: {exc}") from None
-
-
-# -- what a remote client may ask for ------------------------------------------------------
-
-# The listener's ceilings on what one remote pool may ask for, per env: the
-# parameter (an [env_limits] key of sandbox/policy.toml, or an RLPool
-# argument), its flag, its default and its kind. A client above one is
-# refused before anything starts; a client that asks nothing gets the policy's
-# default tightened to the ceiling ("no limit", as memory's default 0 is,
-# becomes the ceiling). A limit a client may set and that has no ceiling
-# here is refused outright (fail closed when the policy grows a key).
-CEILINGS = {
-    "memory": ("--max-memory", "1G", "size"),
-    "workspace_size": ("--max-workspace", "256M", "size"),
-    "pids": ("--max-pids", 256, "count"),
-    "open_files": ("--max-open-files", 1024, "count"),
-    "file_size": ("--max-file-size", "1G", "size"),
-    "core_size": ("--max-core-size", "0", "size"),
-    "straggler_grace": ("--max-straggler-grace", 60.0, "seconds"),
-    "step_timeout": ("--max-step-timeout", 300.0, "seconds"),
-    "start_timeout": ("--max-start-timeout", 300.0, "seconds"),
-}
-_NO_LIMIT = ("memory", "file_size")  # where 0 means "no limit"
-
-
-def default_ceilings() -> dict:
-    """CEILINGS' defaults as numbers (bytes, counts, seconds)."""
-    return {key: _ceiling_value(key, default) for key, (_, default, _) in CEILINGS.items()}
-
-
-def _ceiling_value(key: str, value):
-    from boltzlabs.sandbox import parse_size
-
-    if value is None or str(value).lower() == "none":
-        return None  # no ceiling: what the client asks goes (a private listener, e.g. RLPool(cluster=...)'s)
-    kind = CEILINGS[key][2]
-    if kind == "size":
-        return 0 if value in (0, "0") else parse_size(value)
-    if kind == "count":
-        value = int(value)
-        if value < 1:
-            raise ValueError(f"{CEILINGS[key][0]} must be at least 1")
-        return value
-    value = float(value)
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{CEILINGS[key][0]} must be a positive number of seconds")
-    return value
-
-
-def _shown(key: str, value) -> str:
-    kind = CEILINGS[key][2]
-    if kind == "size":
-        if value == 0:
-            return "0 (no limit)" if key in _NO_LIMIT else "0"
-        for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
-            if value % (1 << shift) == 0:
-                return f"{value} bytes ({value >> shift}{unit})"
-        return f"{value} bytes"
-    return f"{value:g}" if kind == "seconds" else str(value)
-
-
-def _ceiling_shown(key: str, ceiling) -> str:
-    kind = CEILINGS[key][2]
-    if kind == "size":
-        for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
-            if ceiling and ceiling % (1 << shift) == 0:
-                return f"{ceiling >> shift}{unit}"
-        return str(ceiling)
-    return f"{ceiling:g} s" if kind == "seconds" else str(ceiling)
-
-
-def _over(name: str, key: str, asked, ceiling) -> ValueError:
-    flag = CEILINGS[key][0]
-    return ValueError(f"{name}={_shown(key, asked)} is over this worker's ceiling of {_ceiling_shown(key, ceiling)} "
-                      f"({flag}); ask for less, or start the worker (boltzlabs worker) with a larger {flag}")
-
-
-def apply_ceilings(config: dict, ceilings: dict, policy) -> dict:
-    """A remote client's OPEN config within the listener's `ceilings`
-    (CEILINGS' keys, as numbers), for Worker.open. Raises ValueError naming
-    the parameter, what was asked, the ceiling and its flag; returns the
-    config with every limit explicit (policy defaults tightened to the
-    ceilings)."""
-    from boltzlabs import limits as _limits
-
-    out = dict(config)
-    asked = config.get("limits")
-    if asked is not None and not isinstance(asked, dict):
-        raise TypeError(f"limits must be a dict like {{'pids': 64}}, not {type(asked).__name__}")
-    asked = dict(asked or {})
-    names = {key: f"limits[{key!r}]" for key in asked}
-    if config.get("memory_limit") is not None:
-        if asked.get("memory", config["memory_limit"]) != config["memory_limit"]:
-            raise ValueError("give memory_limit= or limits={'memory': ...}, not both")
-        asked["memory"] = config["memory_limit"]
-        names["memory"] = "memory_limit"
-    resolved = _limits.resolve(policy.sandbox.get("env_limits", {}), asked)  # types and minimums
-    for key, value in resolved.items():
-        if key not in ceilings:
-            if key in asked:
-                raise ValueError(f"this worker does not let a remote client set {names[key]}; leave it out")
-            continue
-        ceiling = ceilings[key]
-        if ceiling is None:
-            continue
-        over = (value == 0 and key in _NO_LIMIT and ceiling != 0) or value > ceiling
-        if over and key in asked:
-            raise _over(names[key], key, value, ceiling)
-        if over:
-            resolved[key] = ceiling
-    out["limits"], out["memory_limit"] = resolved, None
-
-    inf = float("inf")
-    workspace, ceiling = config.get("workspace_size"), ceilings.get("workspace_size") or inf
-    if workspace is None:
-        from boltzlabs.sandbox import parse_size
-
-        workspace = min(parse_size(policy.sandbox["workspace"]["default_size"]), ceiling)
-    elif isinstance(workspace, bool) or not isinstance(workspace, int) or workspace <= 0:
-        raise ValueError(f"workspace_size must be a positive number of bytes, not {workspace!r}")
-    elif workspace > ceiling:
-        raise _over("workspace_size", "workspace_size", workspace, ceiling)
-    out["workspace_size"] = workspace
-
-    for key in ("step_timeout", "start_timeout"):
-        value, ceiling = config.get(key), ceilings.get(key) or inf
-        if value is None:
-            out[key] = min(float(policy.limits[key]), ceiling)
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < inf:
-            raise ValueError(f"{key} must be a positive number of seconds, not {value!r}")
-        if value > ceiling:
-            raise _over(key, key, value, ceiling)
-        out[key] = float(value)
-    return out
 
 
 # -- the worker side -------------------------------------------------------------------
@@ -584,7 +249,7 @@ class Listener:
                     self._in_use[key] -= 1
 
     def _handshake(self, peer: _Peer, where: str, slot: "_Slot") -> tuple[str, str | None]:
-        from boltzlabs.sources import GYM_ENV_DIR
+        from boltzlabs.pool.sources import GYM_ENV_DIR
 
         nonce = secrets.token_bytes(32)
         peer.send([wire.CHALLENGE, wire.PROTOCOL_VERSION, nonce])
@@ -732,15 +397,15 @@ def _unpack_account() -> tuple[str, int, int] | None:
     else None (the listener's own, unprivileged, account)."""
     if os.geteuid() != 0:
         return None
-    from boltzlabs.identity import host_account
-    from boltzlabs.sandbox import load_policy
+    from boltzlabs.sandbox.identity import host_account
+    from boltzlabs.sandbox.policy import load_policy
 
     account = host_account(load_policy().sandbox.get("identity", {}))
     return account.name, account.uid, account.gid
 
 
 def _worker_environment() -> dict:
-    from boltzlabs.client import _worker_environment as local
+    from boltzlabs.pool.client import _worker_environment as local
 
     return local()
 
@@ -777,7 +442,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, default=str(default), metavar=kind.upper(),
                             help=f"the most a client may ask for {key} per env, {what}, or none "
                                  f"(default %(default)s)"
-                                 + ("; a pool that sets none gets this" if key in _NO_LIMIT else ""))
+                                 + ("; a pool that sets none gets this" if key in NO_LIMIT else ""))
     parser.add_argument("--parent", type=int, default=0, metavar="PID",
                         help="stop (and end every pool) when process PID dies, e.g. the Ray actor that started it")
     parser.add_argument("--max-handshakes", type=int, default=64,
@@ -792,7 +457,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_worker(args: argparse.Namespace) -> int:
     """Run `boltzlabs worker` until SIGTERM or Ctrl-C; 0 on a clean stop."""
-    from boltzlabs.sandbox import parse_size
+    from boltzlabs.units import parse_size
 
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit():
@@ -814,7 +479,7 @@ def run_worker(args: argparse.Namespace) -> int:
         tls.load_cert_chain(args.tls_cert, args.tls_key)
     cache = Path(args.cache_dir) if args.cache_dir else Path.home() / ".cache" / "boltzlabs" / "envs"
     try:
-        ceilings = {key: _ceiling_value(key, getattr(args, flag[2:].replace("-", "_")))
+        ceilings = {key: ceiling_value(key, getattr(args, flag[2:].replace("-", "_")))
                     for key, (flag, _, _) in CEILINGS.items()}
     except (ValueError, TypeError) as exc:
         print(f"boltzlabs worker: {exc}", file=sys.stderr)
@@ -837,7 +502,7 @@ def run_worker(args: argparse.Namespace) -> int:
         print(f"token: {token}", flush=True)
 
     if args.parent:
-        from boltzlabs.worker import _die_with
+        from boltzlabs.worker.worker import _die_with
 
         _die_with(args.parent)  # SIGKILL: each pool's worker then dies with us, its sandboxes with it
 
@@ -855,7 +520,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    """`python -m boltzlabs.remote`: the same as `boltzlabs worker`."""
+    """`python -m boltzlabs.remote.listener`: the same as `boltzlabs worker`."""
     parser = argparse.ArgumentParser(prog="boltzlabs worker", description="serve RLPools to remote clients")
     add_worker_arguments(parser)
     return run_worker(parser.parse_args(argv))

@@ -5,11 +5,11 @@
         [KILL, lane, generation]                          --> kill that child
     worker <== [FORKED, lane, generation] + (the child's pidfd) / [EXITED, lane, generation, status]
 
-`python -m boltzlabs.template /env/env.py` runs inside a bubblewrap sandbox
+`python -m boltzlabs.runtime.template /env/env.py` runs inside a bubblewrap sandbox
 that keeps CAP_SYS_ADMIN and CAP_SETPCAP (and nothing else) only for the
 template's own set-up: it mounts a second, fully visible proc at a hidden
 path, drops every capability, sets no_new_privs, reads the seccomp program
-its children will load (boltzlabs/seccomp.py), and only then runs env.py,
+its children will load (boltzlabs/sandbox/seccomp.py), and only then runs env.py,
 under the template's looser filter (bwrap --seccomp). env.py's `serve()` sees
 BOLTZLABS_TEMPLATE and turns into the fork server (`fork_server`). The
 template never runs reset or step, so each child starts from the same
@@ -87,7 +87,10 @@ import sys
 import threading
 import time
 
-from boltzlabs import confine, limits, seccomp, wire
+from boltzlabs import wire
+from boltzlabs.runtime import confine
+from boltzlabs.runtime import filter as seccomp
+from boltzlabs.runtime import rlimits as limits
 
 FORK, KILL, FORKED, EXITED = 30, 31, 32, 33
 WARMED = 34  # the probe's report (warm_up)
@@ -235,7 +238,7 @@ class _ChildPlan:
         self.rlimits = limits.parse(rlimits)
         self.open_max = min(os.sysconf("SC_OPEN_MAX"), 1 << 16)
         # (mount(2)'s five arguments, what it is for an error message):
-        # boltzlabs.confine's (the workspace tmpfs, whose two directories are
+        # boltzlabs.runtime.confine's (the workspace tmpfs, whose two directories are
         # made next; the workspace and /dev/shm bound from it; a devpts of the
         # env's own, with its pty cap), then its own /proc, then (after the
         # quotas: the sysctls are written through it) /proc/sys read-only,
@@ -632,7 +635,7 @@ def fork_server(serve_child, channel_fd: int, probe=None, preload=()) -> None:
     """serve()'s template mode: fork a child per request. Never returns.
 
     `serve_child(channel_fd)` is what a child runs once it is a sandbox: the
-    ordinary serve loop on its own channel. `probe` (boltzlabs.env._Probe:
+    ordinary serve loop on its own channel. `probe` (boltzlabs.runtime.serve._Probe:
     `prepare()`, then `run(report)`) is the env's real work, run once in a
     throwaway child before the first fork (`warm_up`); `preload` names
     modules to import here besides what the probe's work imported.
@@ -649,7 +652,7 @@ def fork_server(serve_child, channel_fd: int, probe=None, preload=()) -> None:
         control.sendall(wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, hello]))
         os._exit(0)
     if confine.prepared is None:
-        raise RuntimeError("the template's set-up did not run (boltzlabs.template.main); refusing to fork envs")
+        raise RuntimeError("the template's set-up did not run (boltzlabs.runtime.template.main); refusing to fork envs")
     _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "child subreaper")
     try:
         timeout, memory = float(warmup.split(",")[0]), int(warmup.split(",")[1])
@@ -838,8 +841,8 @@ def main(argv=None) -> None:
     limits.apply(os.environ.pop("BOLTZLABS_TEMPLATE_RLIMITS", ""))
     # The template's own workspace (inode cap) and devpts (pty cap), for
     # env.py's import code; each child mounts its own the same way.
-    # (Kept in boltzlabs.confine: this module runs as __main__ here, and
-    # env.py's serve() imports it again as boltzlabs.template.)
+    # (Kept in boltzlabs.runtime.confine: this module runs as __main__ here, and
+    # env.py's serve() imports it again as boltzlabs.runtime.template.)
     confine.prepared = os.environ.pop(confine.VARIABLE)
     confine.Plan(confine.prepared).mount_workspace_and_devpts()
     flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC

@@ -46,7 +46,7 @@ _PACKAGES = ("msgpack", "numpy", "psutil", "tqdm")
 _OPTIONAL = {"gymnasium": "gym:// sources: pip install 'boltzlabs[gym]'",
              "matplotlib": "boltzlabs bench --plot: pip install 'boltzlabs[plot]'"}
 _PROBE_ENV = """\
-from boltzlabs.env import serve
+from boltzlabs.runtime.serve import serve
 
 serve(reset=lambda seed: 0, step=lambda action: (1, 1.0, False, {}))
 """
@@ -131,7 +131,7 @@ def _persist(name: str, value) -> str:
 
 
 def _seccomp() -> list[Finding]:
-    from boltzlabs import seccomp
+    from boltzlabs.sandbox import seccomp
     from boltzlabs.errors import SandboxUnavailable
 
     try:
@@ -192,8 +192,8 @@ def _env_dir(root: Path, name: str, source: str) -> Path:
 def _sandbox(bwrap: str | None) -> list[Finding]:
     if bwrap is None:
         return [Finding("sandbox", FAIL, "not tried: bwrap is missing (above)")]
-    from boltzlabs import seccomp
-    from boltzlabs.sandbox import SandboxSpec, load_policy
+    from boltzlabs.sandbox import seccomp
+    from boltzlabs.sandbox.builder import SandboxSpec, load_policy
 
     marker = f"boltzlabs-doctor-{secrets.token_hex(4)}"
     findings = []
@@ -268,7 +268,7 @@ def _pool(env_dir: Path) -> list[Finding]:
 
 
 def _cgroup_mounts() -> tuple[list, list]:
-    from boltzlabs.cgroups import _mounts
+    from boltzlabs.sandbox.cgroups import _mounts
 
     v1 = [(point, options) for point, fstype, options in _mounts() if fstype == "cgroup"]
     v2 = [point for point, fstype, _ in _mounts() if fstype == "cgroup2"]
@@ -289,7 +289,7 @@ def _cgroup_version() -> list[Finding]:
 
 
 def _memory_cgroup() -> list[Finding]:
-    from boltzlabs.cgroups import CgroupPool, CgroupUnavailable
+    from boltzlabs.sandbox.cgroups import CgroupPool, CgroupUnavailable
 
     try:
         pool = CgroupPool(None)
@@ -332,7 +332,7 @@ def _memory_cgroup_bookkeeping(n: int, probes: int = 64) -> list[Finding]:
     mqueue one), so a pool of n envs makes the table ~n/20 KiB for each of
     its n cgroups, and the high-water mark stays until reboot. Measured: the rise in unreclaimable slab while `probes`
     empty memory cgroups are made (median of three rounds)."""
-    from boltzlabs.cgroups import CgroupPool, CgroupUnavailable
+    from boltzlabs.sandbox.cgroups import CgroupPool, CgroupUnavailable
 
     try:
         pool = CgroupPool(None)
@@ -359,7 +359,7 @@ def _memory_cgroup_bookkeeping(n: int, probes: int = 64) -> list[Finding]:
 
 
 def _pids_home() -> tuple[Path | None, str]:
-    from boltzlabs.cgroups import _own_cgroups
+    from boltzlabs.sandbox.cgroups import _own_cgroups
 
     own = _own_cgroups()
     v1, v2 = _cgroup_mounts()
@@ -397,7 +397,7 @@ def _pids_cgroup() -> list[Finding]:
 
 
 def _fd_limit(n: int) -> list[Finding]:
-    from boltzlabs.worker import FD_SLACK, FDS_PER_ENV, envs_within, fds_needed
+    from boltzlabs.worker.worker import FD_SLACK, FDS_PER_ENV, envs_within, fds_needed
 
     want = fds_needed(n)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

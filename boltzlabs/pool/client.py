@@ -27,11 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
-from boltzlabs import sources, wire
-from boltzlabs.cgroups import remove_pool_dir
+from boltzlabs import wire
+from boltzlabs.pool import sources
+from boltzlabs.sandbox.cgroups import remove_pool_dir
 from boltzlabs.errors import EnvError, EnvStartError, PoolClosedError, SandboxUnavailable, WorkerError
-from boltzlabs.ids import uuid7
-from boltzlabs.sandbox import find_bwrap, load_policy, parse_size
+from boltzlabs.pool.ids import uuid7
+from boltzlabs.units import parse_size
 
 __all__ = ["RLPool", "Timing", "MemoryReport", "EnvContract"]
 
@@ -105,7 +106,7 @@ class MemoryReport:
 class EnvContract:
     """What the env declared in its handshake (env 0's; every env runs the same code).
 
-    observation_space and action_space are space specs (boltzlabs.spaces;
+    observation_space and action_space are space specs (boltzlabs.pool.spaces;
     `from_spec` rebuilds the Gymnasium space), None when the env declared none.
     """
 
@@ -115,7 +116,7 @@ class EnvContract:
     action_space: dict | None
     metadata: dict
     render_mode: str | None
-    # The template's warm-up (spawn="template"; boltzlabs.template.warm_up):
+    # The template's warm-up (spawn="template"; boltzlabs.runtime.template.warm_up):
     # {"modules": what the env's first reset and steps imported, "preload":
     # serve(preload=...), "imported", "failed": {name: error}, "private_birth"/
     # "private_after": the probe's Private_Dirty bytes before reset and after
@@ -235,12 +236,12 @@ class RLPool:
             "limits": limits,
             "warmup": bool(warmup),
         }
-        load_policy().env_limits(limits, config["memory_limit"])  # a bad limit fails here, not in the worker
+        # The limits (against the policy of the worker that runs the pool, local
+        # or remote) and bwrap are checked by the worker, before any sandbox
+        # starts: its refusal comes back as ValueError/TypeError/SandboxUnavailable.
         if spawn not in ("template", "exec"):
             raise ValueError(f"spawn must be 'template' or 'exec', not {spawn!r}")
-        if worker is None:
-            find_bwrap()  # fail here, with the install command, not inside the worker
-        elif not isinstance(worker, str):
+        if worker is not None and not isinstance(worker, str):
             raise TypeError(f"worker must be an address like 'tcp://host:port', not {type(worker).__name__}")
         self.source = str(source)
         self._resolved = resolved
@@ -293,7 +294,7 @@ class RLPool:
             self._link = _LocalLink()
             self._proc = self._link.proc
         else:
-            from boltzlabs.remote import connect
+            from boltzlabs.pool.remote_link import connect
 
             self._link = connect(worker, token, resolved, tls_ca)
         self.worker = worker or "local"
@@ -331,7 +332,9 @@ class RLPool:
                             f"{text}{more}.\n--- the tail of env {detail['env']}'s output ---\n{detail['log']}\n"
                             f"--- end ---\n{fix}",
                             env_index=detail["env"], log=detail["log"])
-                    if kind in ("ValueError", "TypeError"):
+                    if kind == "TypeError":  # e.g. limits= of the wrong type, as the worker's policy says
+                        raise TypeError(text)
+                    if kind == "ValueError":
                         raise ValueError(text)
                     if kind == "SandboxUnavailable":  # the host or the policy: the text says what to change
                         raise SandboxUnavailable(text)
@@ -738,7 +741,7 @@ def _warn_pool_option_typos(params: dict) -> None:
 def _worker_environment() -> dict:
     env = dict(os.environ)
     # The worker must import this very boltzlabs, installed or not.
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parent.parent.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
 

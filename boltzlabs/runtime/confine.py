@@ -45,7 +45,7 @@ import os
 VARIABLE = "BOLTZLABS_CONFINE"
 # Exec mode's interpreter runs this, then env.py. Not `-m`: that imports
 # runpy (with typing, re, contextlib: ~5 ms and their pages in every env).
-BOOTSTRAP = "import boltzlabs.confine as m; m.main()"
+BOOTSTRAP = "import boltzlabs.runtime.confine as m; m.main()"
 SYSCTL_DIR = "/proc/sys/user"
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -204,7 +204,7 @@ class Plan:
 
     def finish(self) -> None:
         """Exec mode: everything after bubblewrap, before env.py (module docstring).
-        Not through boltzlabs.seccomp: its host half's imports (dataclasses,
+        Not through boltzlabs.sandbox.seccomp: its host half's imports (dataclasses,
         functools) would cost every exec-mode env ~2 MiB."""
         env_filter = read_filter(int(os.environ.pop("BOLTZLABS_CHILD_FILTER_FD")))
         self.mount_workspace_and_devpts()
@@ -216,7 +216,7 @@ class Plan:
 
 def main(argv=None) -> None:
     """Exec mode's entry point: rlimits, the sandbox's last steps, then env.py."""
-    from boltzlabs import limits
+    from boltzlabs.runtime import rlimits as limits
 
     limits.apply(os.environ.pop(limits.VARIABLE, None))
     Plan(os.environ.pop(VARIABLE)).finish()

@@ -1,0 +1,7 @@
+"""The trainer's side: RLPool and what it needs to reach a worker, local or remote.
+
+client.py (RLPool), sources.py (what a source names), ids.py (UUIDv7),
+spaces.py (specs back to Gymnasium spaces), remote_link.py (the TCP client).
+May import wire, errors, units and pool/*; never sandbox/builder,
+sandbox/cgroups or worker internals (the worker is a process, started by name).
+"""

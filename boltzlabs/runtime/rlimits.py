@@ -1,0 +1,73 @@
+"""Per-env rlimits, the in-sandbox half: $BOLTZLABS_RLIMITS in, setrlimit out.
+
+    host (boltzlabs/sandbox/limits.py): policy [env_limits] --resolve(), encode()--> $BOLTZLABS_RLIMITS
+    in the sandbox, before any env code runs:
+        exec mode:     `python -c BOOTSTRAP /env/env.py` (boltzlabs.runtime.confine.main) --apply(), run()
+        template mode: the template before it imports env.py, and each child
+                       again right after its fork (boltzlabs.runtime.template)
+
+rlimits are per process and inherited by every child; a process may lower
+its own hard limit but never raise it without CAP_SYS_RESOURCE, which no env
+holds. So setting soft = hard before env.py is imported makes them binding
+on the env and everything it starts.
+
+Standard library only: every env pays for what it imports.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+
+VARIABLE = "BOLTZLABS_RLIMITS"
+
+# Policy key -> resource. Values are bytes (sizes) or counts.
+RLIMITS = {
+    "open_files": ("NOFILE", resource.RLIMIT_NOFILE),
+    "file_size": ("FSIZE", resource.RLIMIT_FSIZE),
+    "core_size": ("CORE", resource.RLIMIT_CORE),
+    "msgqueue": ("MSGQUEUE", resource.RLIMIT_MSGQUEUE),
+}
+_BY_NAME = {name: number for name, number in RLIMITS.values()}
+
+
+def parse(text: str | None) -> list[tuple[int, int]]:
+    """[(RLIMIT_* number, value)] from the "name=value,..." text of VARIABLE."""
+    parsed = []
+    for item in (text or "").split(","):
+        if item:
+            name, _, value = item.partition("=")
+            parsed.append((_BY_NAME[name], resource.RLIM_INFINITY if value == "unlimited" else int(value)))
+    return parsed
+
+
+def apply_parsed(parsed: list[tuple[int, int]]) -> None:
+    """setrlimit(soft = hard = value) for each (number, value). Never raises a
+    hard limit (the env may have lowered one already; that binds it)."""
+    for number, want in parsed:
+        _, hard = resource.getrlimit(number)
+        if hard != resource.RLIM_INFINITY and (want == resource.RLIM_INFINITY or want > hard):
+            want = hard
+        resource.setrlimit(number, (want, want))
+
+
+def apply(text: str | None) -> None:
+    """apply_parsed(parse(text))."""
+    apply_parsed(parse(text))
+
+
+def run(argv=None) -> None:
+    """Exec mode: run env.py as __main__ (as `python /env/env.py` would; runpy
+    would cost every env ~5 ms of imports). boltzlabs.runtime.confine.main calls it."""
+    argv = sys.argv[1:] if argv is None else argv
+    path = argv[0]
+    sys.argv = argv
+    sys.path[0] = os.path.dirname(path)  # -c put the working directory there
+    with open(path, "rb") as f:
+        code = compile(f.read(), path, "exec")
+    module = type(sys)("__main__")
+    module.__file__ = path
+    module.__builtins__ = __builtins__
+    sys.modules["__main__"] = module
+    exec(code, module.__dict__)

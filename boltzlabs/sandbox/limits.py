@@ -1,0 +1,62 @@
+"""Per-env resource limits, the host half: policy data in, checked limits and $BOLTZLABS_RLIMITS out.
+
+    sandbox/policy.toml [env_limits] + RLPool(limits=...) --resolve()--> limits (worker)
+        memory, pids        --> the env's cgroup (boltzlabs/sandbox/cgroups.py)
+        straggler_grace     --> the worker's deadline kill (boltzlabs/worker/worker.py)
+        open_files, file_size, core_size, msgqueue --encode()--> $BOLTZLABS_RLIMITS
+            --> boltzlabs/runtime/rlimits.py applies them inside the sandbox
+"""
+
+from __future__ import annotations
+
+from boltzlabs.runtime.rlimits import RLIMITS, VARIABLE
+from boltzlabs.units import parse_size
+
+__all__ = ["RLIMITS", "VARIABLE", "resolve", "encode"]
+
+_SIZES = ("memory", "file_size", "core_size", "msgqueue")
+_ZERO_MEANS_ZERO = ("core_size", "msgqueue")  # the others: 0 is "no limit"
+# The least an env can start with: bwrap and the interpreter need a few
+# tasks and a few dozen files before env.py runs.
+_MINIMUM = {"pids": 8, "open_files": 32}
+
+
+def resolve(table: dict, overrides: dict | None = None, memory_limit=None) -> dict:
+    """The pool's env limits: the policy's [env_limits] `table` with `overrides`
+    (RLPool(limits=...)) and `memory_limit` applied, checked. Raises
+    ValueError/TypeError naming the key and what it accepts."""
+    if overrides is not None and not isinstance(overrides, dict):
+        raise TypeError(f"limits must be a dict like {{'pids': 64}}, not {type(overrides).__name__}")
+    overrides = dict(overrides or {})
+    unknown = sorted(set(overrides) - set(table))
+    if unknown:
+        raise ValueError(f"unknown env limit(s) {unknown}; the policy's limits are {sorted(table)}")
+    if memory_limit is not None:
+        if overrides.get("memory", memory_limit) != memory_limit:
+            raise ValueError("give memory_limit= or limits={'memory': ...}, not both")
+        overrides["memory"] = memory_limit
+    out = {}
+    for key, value in {**table, **overrides}.items():
+        if key == "straggler_grace":
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"env limit straggler_grace must be a positive number of seconds, not {value!r}")
+            out[key] = float(value)
+        elif key in _SIZES:
+            out[key] = 0 if value == 0 else parse_size(value)
+        elif isinstance(value, bool) or not isinstance(value, int) or value < _MINIMUM.get(key, 1):
+            raise ValueError(f"env limit {key} must be a whole number of at least {_MINIMUM.get(key, 1)}, "
+                             f"not {value!r}")
+        else:
+            out[key] = value
+    return out
+
+
+def encode(limits: dict, open_files: int | None = None) -> str:
+    """The rlimits of `limits` as the text `apply` reads ("NOFILE=1024,..."),
+    with `open_files` in place of the env's own when given (the template's)."""
+    values = {key: limits[key] for key in RLIMITS if key in limits}
+    if open_files is not None:
+        values["open_files"] = max(values.get("open_files", 0), open_files)
+    # A file size of 0 means "no limit" in the policy, not "no file at all".
+    return ",".join(f"{RLIMITS[key][0]}={value if value or key in _ZERO_MEANS_ZERO else 'unlimited'}"
+                    for key, value in values.items())

@@ -1,0 +1,80 @@
+"""The sandbox policy as data: sandbox/policy.toml and mounts/*.toml, read and located.
+
+    sandbox/policy.toml + mounts/*.toml --load_policy()--> Policy --> builder.SandboxSpec, limits.resolve
+
+Runs on the host (worker, and the trainer's early checks). The policy files
+are the reviewable part (what an env may see and do); this module finds them
+in the installation and reads them, and nothing more.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from boltzlabs.errors import SandboxUnavailable
+from boltzlabs.sandbox import limits as _limits
+from boltzlabs.units import parse_size
+
+__all__ = ["PACKAGE_DIR", "MOUNT_PROFILES", "Policy", "load_policy", "find_bwrap", "parse_size"]
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the boltzlabs package (bound into every sandbox)
+MOUNT_PROFILES = ("system", "interpreter", "runtime", "env")
+
+
+def _data_dir(name: str) -> Path:
+    # Installed wheels carry sandbox/ and mounts/ inside the package; a source
+    # checkout has them beside it.
+    for candidate in (PACKAGE_DIR / "_data" / name, PACKAGE_DIR.parent / name):
+        if candidate.is_dir():
+            return candidate
+    raise SandboxUnavailable(f"the boltzlabs installation is missing its {name}/ policy data; reinstall boltzlabs")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """The sandbox policy: sandbox/policy.toml plus the mount profiles."""
+
+    sandbox: dict
+    mounts: dict  # profile name -> list of mount entries
+
+    @property
+    def limits(self) -> dict:
+        return self.sandbox["limits"]
+
+    def env_limits(self, overrides: dict | None = None, memory_limit=None) -> dict:
+        """[env_limits] with a pool's overrides, checked (boltzlabs.sandbox.limits.resolve)."""
+        return _limits.resolve(self.sandbox.get("env_limits", {}), overrides, memory_limit)
+
+
+def load_policy() -> Policy:
+    """Read the policy shipped with this installation.
+
+    `BOLTZLABS_POLICY=/path/policy.toml` in the environment of the process
+    that starts the worker (the trainer, or `boltzlabs worker --listen`) puts
+    an operator's own policy.toml in place of the shipped one, whole: start
+    from a copy of sandbox/policy.toml. The mount profiles and seccomp.toml
+    stay the installation's."""
+    path = os.environ.get("BOLTZLABS_POLICY") or _data_dir("sandbox") / "policy.toml"
+    try:
+        with open(path, "rb") as f:
+            sandbox = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SandboxUnavailable(f"cannot read the sandbox policy {path} ({exc}); "
+                                 "fix it, or unset BOLTZLABS_POLICY to use the shipped one") from None
+    mounts = {}
+    for profile in MOUNT_PROFILES:
+        with open(_data_dir("mounts") / f"{profile}.toml", "rb") as f:
+            mounts[profile] = tomllib.load(f)
+    return Policy(sandbox, mounts)
+
+
+def find_bwrap() -> str:
+    path = shutil.which("bwrap")
+    if path is None:
+        raise SandboxUnavailable(
+            "bubblewrap (bwrap) is not installed; on Debian/Ubuntu run: sudo apt-get install -y bubblewrap")
+    return path

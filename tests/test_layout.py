@@ -1,0 +1,251 @@
+"""The house rules of the package layout, checked on every import of every module (issue #15).
+
+Where code runs decides what it may import:
+
+    adapters   gym, cluster, cli/*, remote/*, __main__,  anything below; nothing below imports them
+               testing, pytest_plugin (users' CI)
+    pool/      the trainer: RLPool and its links        wire, errors, units, pool/*
+    worker/    the worker process on the host           sandbox/*, runtime/*, wire, errors, units, worker/*
+    sandbox/   policy, builder, seccomp compile, ...    runtime/*, wire, errors, units, sandbox/*
+    runtime/   inside the sandbox (and the env shim)    stdlib, msgpack, wire, errors, runtime/*
+    wire       the frame format                         errors
+    errors, units                                       nothing of ours
+
+Every import is read with `ast`, function-level ones included, so a lazy
+import crosses a line as visibly as a top-level one. A failure names the
+file:line and the edge that broke the rule.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "boltzlabs"
+
+LEAVES = {"errors", "units"}
+ALLOWED = {  # layer -> the layers it may import
+    "errors": set(),
+    "units": set(),
+    "wire": {"errors"},
+    "runtime": {"errors", "wire", "runtime"},
+    "sandbox": {"errors", "units", "wire", "runtime", "sandbox"},
+    "worker": {"errors", "units", "wire", "runtime", "sandbox", "worker"},
+    "pool": {"errors", "units", "wire", "pool"},
+    "adapter": {"errors", "units", "wire", "runtime", "sandbox", "worker", "pool", "adapter", "root"},
+    "root": {"errors", "pool", "adapter"},  # boltzlabs/__init__.py's lazy names
+}
+ADAPTERS = {"gym", "cluster", "cli", "remote", "__main__", "testing", "pytest_plugin"}
+
+# Edges that break a rule today and could not be removed without a change of
+# behaviour within the layout move (issue #15 asks for each in a later step).
+# (importing module, imported module) -> why it is still there.
+EXCEPTIONS = {
+    ("boltzlabs.pool.client", "boltzlabs.cluster"):
+        "RLPool(..., cluster=...) returns a ClusterPool (RLPool.__new__); goes with the one pool protocol",
+    ("boltzlabs.pool.client", "boltzlabs.sandbox.cgroups"):
+        "the client removes the pool's cgroups after it SIGKILLed a worker that did not stop, since a killed "
+        "worker cannot (envs it froze ignore SIGKILL until thawed)",
+    ("boltzlabs.cluster", "boltzlabs.cli.doctor"):
+        "`boltzlabs doctor --cluster` (cli) fans cli.doctor's checks out to every Ray node through "
+        "cluster.doctor: a cycle between two adapters, no layer crossed",
+}
+
+
+def module_name(path: Path) -> str:
+    """boltzlabs/pool/client.py -> boltzlabs.pool.client; boltzlabs/cli/__init__.py -> boltzlabs.cli."""
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer(module: str) -> str | None:
+    """The layer a module of ours belongs to; None for a module not of ours."""
+    parts = module.split(".")
+    if parts[0] != "boltzlabs":
+        return None
+    if len(parts) == 1:
+        return "root"
+    top = parts[1]
+    if top == "env":  # the public shim `from boltzlabs.env import serve`: runs in the env
+        return "runtime"
+    if top in ADAPTERS:
+        return "adapter"
+    if top in ("runtime", "sandbox", "worker", "pool", "wire", "errors", "units"):
+        return top
+    return "unknown"
+
+
+def our_modules() -> dict[str, Path]:
+    """Every module of the package, by dotted name (runtime/gym_env/env.py included)."""
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py")) if "__pycache__" not in path.parts}
+
+
+def lazy_names() -> dict[str, str]:
+    """boltzlabs/__init__.py's _LAZY table: a name importable from `boltzlabs` -> the module that defines it."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_LAZY" for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError("boltzlabs/__init__.py has no _LAZY table")
+
+
+def imports(path: Path, name: str, modules: dict, lazy: dict) -> list[tuple[int, str]]:
+    """(line, module) for every import in the file, function-level included.
+
+    `from X import y` counts as importing X.y when that is a module of ours,
+    as the module behind y when X is the lazy top-level package, else X."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                if full in modules:
+                    found.append((node.lineno, full))
+                elif base == "boltzlabs" and alias.name in lazy:
+                    found.append((node.lineno, lazy[alias.name]))
+                else:
+                    found.append((node.lineno, base))
+    return found
+
+
+def edges() -> list[tuple[str, int, str, str]]:
+    """(importing module, line, imported module, file) for every import in the package."""
+    modules, lazy = our_modules(), lazy_names()
+    out = []
+    for name, path in modules.items():
+        for line, target in imports(path, name, modules, lazy):
+            out.append((name, line, target, str(path.relative_to(ROOT))))
+    return out
+
+
+def _where(edge) -> str:
+    source, line, target, file = edge
+    return f"{file}:{line}: {source} imports {target}"
+
+
+def test_every_module_has_a_layer():
+    unknown = [name for name in our_modules() if layer(name) == "unknown"]
+    assert not unknown, (f"modules outside every layer: {unknown}; put them in runtime/, sandbox/, worker/, pool/ "
+                         "or an adapter, or add the module to tests/test_layout.py's layers")
+
+
+def test_no_layer_imports_one_it_may_not():
+    broken = []
+    for edge in edges():
+        source, _, target, _ = edge
+        ours = layer(target)
+        if ours is None or (source, target) in EXCEPTIONS:
+            continue
+        if ours not in ALLOWED[layer(source)]:
+            broken.append(f"{_where(edge)} ({layer(source)} may import only {sorted(ALLOWED[layer(source)])})")
+    assert not broken, "imports that cross the layout's lines:\n" + "\n".join(broken)
+
+
+def test_runtime_imports_only_the_standard_library_and_msgpack():
+    """Every env pays for what runtime/ imports; gym_env/env.py is env code and may import gymnasium."""
+    broken = []
+    for edge in edges():
+        source, _, target, _ = edge
+        if layer(source) != "runtime" or layer(target) is not None:
+            continue
+        top = target.split(".")[0]
+        allowed = top in sys.stdlib_module_names or top == "msgpack" or top == "__future__"
+        if source == "boltzlabs.runtime.gym_env.env" and top == "gymnasium":
+            allowed = True
+        if not allowed:
+            broken.append(_where(edge))
+    assert not broken, "runtime/ must import only the standard library and msgpack:\n" + "\n".join(broken)
+
+
+def test_the_exceptions_are_still_needed():
+    """An excepted edge that is gone must leave the list, so the list says what is left to do."""
+    present = {(source, target) for source, _, target, _ in edges()}
+    stale = [edge for edge in EXCEPTIONS if edge not in present]
+    assert not stale, f"these exceptions no longer occur; remove them from EXCEPTIONS: {stale}"
+
+
+def _cycle(graph: dict[str, set]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def _package(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+@pytest.mark.parametrize("granularity", ["package", "module"])
+def test_no_import_cycle(granularity):
+    """No cycle between packages (boltzlabs.pool, boltzlabs.cluster, ...) nor between modules."""
+    group = _package if granularity == "package" else (lambda m: m)
+    graph: dict[str, set] = {}
+    where = {}
+    for edge in edges():
+        source, _, target, _ = edge
+        if layer(target) is None or (source, target) in EXCEPTIONS or layer(source) == "root":
+            continue
+        a, b = group(source), group(target)
+        if a != b and b != "boltzlabs":
+            graph.setdefault(a, set()).add(b)
+            where.setdefault((a, b), _where(edge))
+    cycle = _cycle(graph)
+    assert cycle is None, (f"import cycle {' -> '.join(cycle)}:\n"
+                           + "\n".join(where[(a, b)] for a, b in zip(cycle, cycle[1:])))
+
+
+def test_the_env_entry_point_loads_only_the_runtime():
+    """`from boltzlabs.env import serve` in a fresh interpreter loads the standard library, msgpack and
+    boltzlabs.{env, runtime.*, wire, errors}: nothing else (numpy, the client, the sandbox builder)."""
+    code = ("import sys; before = set(sys.modules); from boltzlabs.env import serve; "
+            "print(' '.join(sorted(set(sys.modules) - before)))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0, result.stderr
+    loaded = result.stdout.split()
+    ours = {"boltzlabs", "boltzlabs.env", "boltzlabs.wire", "boltzlabs.errors", "boltzlabs.runtime"}
+    extra = [m for m in loaded
+             if not (m in ours or m.startswith("boltzlabs.runtime.") or m.split(".")[0] in sys.stdlib_module_names
+                     or m.split(".")[0] == "msgpack"
+                     or m == "cython_runtime" or m.startswith("_cython_"))]  # what msgpack's C extension loads
+    assert not extra, f"`from boltzlabs.env import serve` loaded {extra}; every env would pay for them"
+    assert "boltzlabs.runtime.serve" in loaded
+
+
+def test_the_rules_catch_a_crossing(tmp_path):
+    """The checker itself: a runtime module that imports the pool, and one that imports numpy, are both named."""
+    fake = {"boltzlabs.runtime.bad": tmp_path / "bad.py", "boltzlabs.pool.client": tmp_path / "client.py"}
+    fake["boltzlabs.runtime.bad"].write_text("def f():\n    from boltzlabs.pool import client\n    import numpy\n")
+    found = imports(fake["boltzlabs.runtime.bad"], "boltzlabs.runtime.bad", fake, {})
+    assert found == [(2, "boltzlabs.pool.client"), (3, "numpy")]
+    assert "pool" not in ALLOWED[layer("boltzlabs.runtime.bad")]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
