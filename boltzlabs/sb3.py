@@ -39,10 +39,10 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("boltzlabs.sb3 needs Stable-Baselines3: pip install 'boltzlabs[sb3]'") from exc
 
-from boltzlabs.client import RLPool
+from boltzlabs.pool.client import RLPool
 from boltzlabs.cluster import ClusterPool
 from boltzlabs.errors import EnvError
-from boltzlabs.spaces import from_spec
+from boltzlabs.pool.spaces import from_spec
 
 __all__ = ["BoltzLabsSB3VecEnv"]
 

@@ -13,6 +13,7 @@ and under VecNormalize, VecMonitor and VecFrameStack. Part 3: hostile envs
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import importlib.util
@@ -744,8 +745,20 @@ def test_set_attr_gives_every_env_the_same_value_even_a_list():
 
 
 def test_only_boltzlabs_sb3_imports_sb3_and_torch():
-    code = ("import sys, boltzlabs, boltzlabs.client, boltzlabs.gym, boltzlabs.env, boltzlabs.worker; "
-            "from boltzlabs import RLPool; "
+    # Every import of every module, function-level ones included (as test_layout reads them).
+    offenders = []
+    for path in sorted((TESTS.parent / "boltzlabs").rglob("*.py")):
+        if path.name == "sb3.py" and path.parent.name == "boltzlabs":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                     if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path}:{node.lineno} imports {name}" for name in names
+                          if name.split(".")[0] in ("torch", "stable_baselines3") or name == "boltzlabs.sb3"]
+    assert offenders == []
+    # And at run time: the client, the Gymnasium adapter and the env shim load neither.
+    code = ("import sys, boltzlabs, boltzlabs.gym, boltzlabs.env; from boltzlabs import RLPool; "
             "print(sorted(m for m in ('torch', 'stable_baselines3') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                             env=dict(os.environ, PYTHONPATH=str(TESTS.parent)))
