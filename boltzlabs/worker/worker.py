@@ -6,8 +6,8 @@
     RLPool (client) <==one frame per call== Worker <--one frame per env-- sandboxes
 
 `python -m boltzlabs.worker --fd N` talks to its client over the socket on fd
-N. The client sends OPEN, then CALLs (step, reset, send, recv, render, memory,
-log, close) one at a time; the worker answers each with one REPLY or ERROR
+N. The client sends OPEN, then CALLs (step, reset, send, recv, render, attr,
+memory, log, close) one at a time; the worker answers each with one REPLY or ERROR
 frame. `send` returns before the envs answer: their replies are taken by the
 event loop, which also runs between calls, and held until a `recv`.
 
@@ -26,7 +26,7 @@ breaks any rule is killed and reported on its lane. Nothing here walks an
 env's value recursively: decoding is msgpack's C code under those limits,
 descriptions in errors go through reprlib (bounded depth and width).
 
-Which frames are due. Each request to an env (STEP, RESET, RENDER) carries a
+Which frames are due. Each request to an env (STEP, RESET, RENDER, ATTR) carries a
 fresh sequence number, and exactly one reply carrying that number is due
 until it comes. The env is BUSY from the request until that reply; a
 straggler (past its deadline) stays BUSY, so its one late reply to the number
@@ -1128,39 +1128,69 @@ class Worker:
     def render(self, indices) -> list:
         """One frame per lane in `indices` (None for a lane that has none)."""
         indices = self._check_lanes(indices)
+        frames, errors = self._ask(indices, wire.RENDERED, lambda seq, k: wire.encode([wire.RENDER, seq]), "render")
+        return [frames, {index: why for index, (_, why) in errors.items()}]
+
+    def attr(self, indices, op, name, args, kwargs, values=None) -> list:
+        """call / get_attr / set_attr on the lanes in `indices`: one ATTR
+        request each, as render(). `values` (set): one per lane, for args."""
+        indices = self._check_lanes(indices)
+        if op not in ("call", "get", "set") or not isinstance(name, str) or not isinstance(args, list) \
+                or not isinstance(kwargs, dict) or (values is not None and (not isinstance(values, list)
+                                                                           or len(values) != len(indices))):
+            raise ValueError("attr() takes an op (call, get, set), a name, args, kwargs and one value per lane")
+        same = {}
+
+        def frame(seq, k):
+            if values is not None:
+                return wire.encode([wire.ATTR, seq, op, name, [values[k]], kwargs])
+            if not same:  # the same request for every lane: encoded once
+                same[0] = wire.encode([wire.ATTR, seq, op, name, args, kwargs])
+            return same[0]
+
+        results, errors = self._ask(indices, wire.ATTR_DONE, frame, {"get": "get_attr", "set": "set_attr"}.get(op, op))
+        return [results, {index: list(error) for index, error in errors.items()}]
+
+    def _ask(self, indices, expect, frame, what: str):
+        """One request to each idle lane in `indices` (`frame(seq, k)` is the
+        k-th lane's, encoded), answered within the step deadline (render,
+        attr). Returns each lane's value (None if it has none) and, for each
+        lane that could not answer, (the env's exception message or "", why:
+        its traceback, the missed deadline, or the lane's state)."""
         seq = self._next_seq()
         op = Op(seq)
         self.op = op
-        for index in indices:
+        for k, index in enumerate(indices):
             env = self.envs[index]
             if env.state == IDLE:
                 env.seq = seq
                 env.state = BUSY
-                env.expect = wire.RENDERED
+                env.expect = expect
                 op.waiting.add(index)
                 if self.freezing:
                     self._thaw(env)
-                self._write(env, wire.encode([wire.RENDER, seq]))
+                self._write(env, frame(seq, k))
         self._wait(op, time.monotonic() + self.step_timeout)
         self.op = None
         for index in op.waiting:
             self._straggling(self.envs[index])
-        frames, errors = [], {}
+        values, errors = [], {}
         for index in indices:
-            if self.envs[index].state != BUSY:
-                self._unhold(self.envs[index])
+            env = self.envs[index]
+            if env.state != BUSY:
+                self._unhold(env)
             result = op.results.get(index)
-            if result and result[0] == wire.RENDERED:
-                frames.append(result[2])
+            if result and result[0] == expect:
+                values.append(result[2])
                 continue
-            frames.append(None)
+            values.append(None)
             if result:  # FAILED: the env's exception, with its traceback
-                errors[index] = result[4] or result[3]
+                errors[index] = (result[3], result[4] or result[3])
             elif index in op.waiting:
-                errors[index] = f"missed the render deadline of {self.step_timeout:g} s"
+                errors[index] = ("", f"missed the {what} deadline of {self.step_timeout:g} s")
             else:
-                errors[index] = f"env is {self.envs[index].state} ({self.envs[index].cause})"
-        return [frames, errors]
+                errors[index] = ("", f"env is {env.state} ({env.cause})")
+        return values, errors
 
     def memory(self) -> dict:
         shared = 0
@@ -1240,7 +1270,8 @@ class Worker:
             self._send([wire.ERROR, 0, type(exc).__name__, str(exc), {}])
             return
         self._send([wire.READY, ready])
-        calls = {"step": self.step, "reset": self.reset, "render": self.render, "memory": self.memory, "log": self.log,
+        calls = {"step": self.step, "reset": self.reset, "render": self.render, "attr": self.attr,
+                 "memory": self.memory, "log": self.log,
                  "states": self.states, "pids": self.pids, "send": self.send, "recv": self.recv,
                  "lane_states": self.lane_states, "shutdown": self.shutdown}
         while True:
@@ -1278,7 +1309,7 @@ def _check_reply(message: list):
     elif code == wire.RESET_DONE:
         if len(message) == 4 and type(message[3]) is dict:
             return message
-    elif code == wire.RENDERED:
+    elif code == wire.RENDERED or code == wire.ATTR_DONE:
         if len(message) == 3:
             return message
     elif code == wire.FAILED:
