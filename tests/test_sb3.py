@@ -16,7 +16,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import functools
-import importlib.util
 import logging
 import os
 import subprocess
@@ -37,26 +36,17 @@ from boltzlabs import RLPool  # noqa: E402
 from boltzlabs.errors import EnvError  # noqa: E402
 from boltzlabs.sb3 import BoltzLabsSB3VecEnv  # noqa: E402
 
-from conftest import TESTS  # noqa: E402
+from conftest import TESTS, env_class  # noqa: E402
 
 CUSTOM = TESTS / "envs" / "sb3_custom"
 DICT_ENV = TESTS / "envs" / "dict_env"
 EXAMPLE = TESTS.parent / "examples" / "sb3_ppo_cartpole.py"
 N_ENVS = 3
 VEC_ENV_WRAPPERS = [None, VecNormalize, VecFrameStack]
-NEEDS_CALL = pytest.mark.xfail(not hasattr(RLPool, "call"), strict=True, reason="needs RLPool.call (gymfix)")
 
 
-def _load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-custom = _load(CUSTOM / "env.py", "boltzlabs_test_sb3_custom")
-DictEnv = _load(DICT_ENV / "env.py", "boltzlabs_test_sb3_dict_env").DictEnv
-SPACES = custom.SPACES
+DictEnv = env_class(DICT_ENV, "DictEnv")
+SPACES = env_class(CUSTOM, "SPACES")
 
 
 def ours(n=N_ENVS, **params):
@@ -75,7 +65,6 @@ def wrap(vec_env, vec_env_wrapper):
 # -- Part 1: SB3's checks, ported ----------------------------------------------------------------
 
 
-@NEEDS_CALL
 @pytest.mark.parametrize("vec_env_wrapper", VEC_ENV_WRAPPERS)
 def test_vecenv_custom_calls(vec_env_wrapper):
     """Test access to methods/attributes of vectorized environments"""
@@ -734,7 +723,6 @@ def test_indices_out_of_range_are_refused_before_any_request(vec_envs):
     assert venv.get_attr("render_mode", indices=-1) == [None]
 
 
-@NEEDS_CALL
 def test_set_attr_gives_every_env_the_same_value_even_a_list():
     venv = ours()
     venv.set_attr("dummy", [1, 2, 3])  # SB3: one value for all, never one per env

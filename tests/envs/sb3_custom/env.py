@@ -132,11 +132,8 @@ def make_env(env: str = "custom", space: str = "box2", max_steps: int = 0, rende
 if __name__ == "__main__":
     from boltzlabs.env import params, serve
 
-    import inspect
-
     env = make_env(**params())
     # target=: pool.call / get_attr / set_attr reach this env as SB3's DummyVecEnv reaches its own.
-    reach = {"target": env} if "target" in inspect.signature(serve).parameters else {}
     serve(reset=lambda seed, options=None: env.reset(seed=seed, options=options), step=env.step,
           observation_space=env.observation_space, action_space=env.action_space,
-          metadata=env.metadata, render=env.render, render_mode=getattr(env, "render_mode", None), **reach)
+          metadata=env.metadata, render=env.render, render_mode=getattr(env, "render_mode", None), target=env)
