@@ -3,6 +3,8 @@
     from boltzlabs import RLPool            # the client (imports numpy)
     from boltzlabs.env import serve         # inside an env (stdlib + msgpack only)
     from boltzlabs.gym import BoltzLabsVecEnv   # the Gymnasium adapter (boltzlabs[gym])
+    from boltzlabs.sb3 import BoltzLabsSB3VecEnv   # the Stable-Baselines3 adapter (boltzlabs[sb3])
+    from boltzlabs.testing import assert_reproducible   # for your env's CI (pytest)
 
 Names are imported lazily: an env that does `from boltzlabs.env import serve`
 must not pay for numpy or the client, since every env of a pool pays for
@@ -17,6 +19,9 @@ _LAZY = {
     "MemoryReport": "boltzlabs.pool.client",
     "EnvContract": "boltzlabs.pool.client",
     "BoltzLabsVecEnv": "boltzlabs.gym",  # needs gymnasium (boltzlabs[gym])
+    "BoltzLabsSB3VecEnv": "boltzlabs.sb3",  # needs stable-baselines3 (boltzlabs[sb3])
+    "assert_reproducible": "boltzlabs.testing",
+    "NotReproducible": "boltzlabs.testing",
     "EnvError": "boltzlabs.errors",
     "BoltzLabsError": "boltzlabs.errors",
     "EnvStartError": "boltzlabs.errors",
