@@ -169,10 +169,7 @@ class Lifecycle:
         """Mark env dead with `cause`; close its fds; the op stops waiting for it,
         an async action in flight is finished with the failure."""
         self._close_channel(env)
-        if env.logfd >= 0:
-            self._unregister(env.logfd)
-            os.close(env.logfd)
-            env.logfd = -1
+        self._close_log(env)
         env.pid = -1
         was = env.on("die")
         env.cause = cause

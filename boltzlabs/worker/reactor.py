@@ -168,12 +168,9 @@ class Reactor:
     # -- reading an env ---------------------------------------------------------------
 
     def _read_channel(self, env: Lane) -> None:
-        try:
-            data = os.read(env.chan, READ_SIZE)
-        except BlockingIOError:
+        data = _read(env.chan)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self._close_channel(env)
             return
@@ -239,16 +236,11 @@ class Reactor:
         self._unhold(env)  # a straggler's one late reply: dropped
 
     def _read_log(self, env: Lane) -> None:
-        try:
-            data = os.read(env.logfd, READ_SIZE)
-        except BlockingIOError:
+        data = _read(env.logfd)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
-            self._unregister(env.logfd)
-            os.close(env.logfd)
-            env.logfd = -1
+            self._close_log(env)
             return
         log = env.log
         log += data
@@ -269,6 +261,12 @@ class Reactor:
             self._unregister(env.chan)
             os.close(env.chan)
             env.chan = -1
+
+    def _close_log(self, env: Lane) -> None:
+        if env.logfd >= 0:
+            self._unregister(env.logfd)
+            os.close(env.logfd)
+            env.logfd = -1
 
     # -- the pool's byte budget ---------------------------------------------------------
 
@@ -320,6 +318,16 @@ class Reactor:
         env.out = env.out[sent:]
         if not env.out:
             self.epoll.modify(env.chan, select.EPOLLIN)
+
+
+def _read(fd: int) -> bytes | None:
+    """What a non-blocking fd has: bytes, b"" at its end (or an error), None for nothing yet."""
+    try:
+        return os.read(fd, READ_SIZE)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
 
 
 def check_reply(message: list):
