@@ -128,7 +128,7 @@ def _model(process: str, flight: str, straggler: bool, event: str):
 
 
 def _axes(state: State) -> tuple[str, str]:
-    return state.process, "flying" if state is State.IN_FLIGHT else "finished" if state.held else "none"
+    return state.process, "flying" if state is State.IN_FLIGHT else "finished" if state.result_held else "none"
 
 
 @settings(max_examples=400, deadline=None)

@@ -51,7 +51,7 @@ class State(enum.Enum):
         self.process = process
         self.due = due
         self.dead = process == "dead"
-        self.held = shown == "finished"  # an async result waits for recv
+        self.result_held = shown == "finished"  # an async result waits for recv
 
     # Members are singletons compared by identity: hash them so too (Enum's own
     # __hash__ is Python code, and these are looked up on every reply).

@@ -165,7 +165,7 @@ class Stepping:
         if env.state is IN_FLIGHT:
             raise ValueError(f"cannot {what} env {index}: it is in flight (an action was sent and its result has "
                              "not been received); recv it first")
-        if env.state.held:
+        if env.state.result_held:
             raise ValueError(f"cannot {what} env {index}: it has finished and its result has not been received; "
                              "recv it first")
 
