@@ -25,11 +25,10 @@ class PoolConfig:
 
     n: int
     source_dir: str
-    workspace_size: int
+    workspace_size: int | None  # None: the policy's default_size
     params: dict
     spawn: str  # "template" or "exec"
     warmup: bool
-    warmup_timeout: float  # 0 when warmup is off
     start_timeout: float
     step_timeout: float
     gated: bool  # serialize_measurement: one env's step at a time
@@ -62,15 +61,13 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
     start_timeout = float(request.get("start_timeout") or limits["start_timeout"])
     step_timeout = float(request.get("step_timeout") or limits["step_timeout"])
     env_limits = policy.env_limits(request.get("limits"), request.get("memory_limit"))
-    warmup = bool(request.get("warmup", True))
     return PoolConfig(
         n=int(request["n"]),
         source_dir=request["source_dir"],
-        workspace_size=int(request["workspace_size"]),
+        workspace_size=request.get("workspace_size"),
         params=request.get("params") or {},
         spawn="template" if request.get("spawn", "template") == "template" else "exec",
-        warmup=warmup,
-        warmup_timeout=float(policy.sandbox["template"].get("warmup_timeout", 5.0)) if warmup else 0.0,
+        warmup=bool(request.get("warmup", True)),
         start_timeout=start_timeout,
         step_timeout=step_timeout,
         gated=bool(request.get("serialize_measurement")),

@@ -80,7 +80,7 @@ TRANSITIONS: dict[State, tuple[State, ...]] = {
 EVENTS: dict[str, dict[State, State]] = {
     "spawn": {DEAD: STARTING},
     "hello": {STARTING: IDLE},
-    "request": {IDLE: BUSY, FINISHED: FINISHED_BUSY},  # step, reset, render (render skips nothing idle)
+    "request": {IDLE: BUSY, FINISHED: FINISHED_BUSY},  # step, reset; render and attr (also of a lane whose result is held)
     "send": {IDLE: IN_FLIGHT},
     "refuse": {DEAD: FINISHED_DEAD, STRAGGLER: FINISHED_BUSY},  # send to a lane that cannot take it
     "reply": {BUSY: IDLE, STRAGGLER: IDLE, IN_FLIGHT: FINISHED, FINISHED_BUSY: FINISHED},

@@ -16,7 +16,7 @@ breaks any rule is killed and reported on its lane. Nothing here walks an
 env's value recursively: decoding is msgpack's C code under those limits,
 descriptions in errors go through reprlib (bounded depth and width).
 
-Which frames are due. Each request to an env (STEP, RESET, RENDER) carries a
+Which frames are due. Each request to an env (STEP, RESET, RENDER, ATTR) carries a
 fresh sequence number, and exactly one reply carrying that number is due
 until it comes (State.due, lanes.py). A straggler (past its deadline) still
 owes it, so its one late reply is legitimate: it frees the lane and is
@@ -340,7 +340,7 @@ def check_reply(message: list):
     elif code == wire.RESET_DONE:
         if len(message) == 4 and type(message[3]) is dict:
             return message
-    elif code == wire.RENDERED:
+    elif code == wire.RENDERED or code == wire.ATTR_DONE:
         if len(message) == 3:
             return message
     elif code == wire.FAILED:

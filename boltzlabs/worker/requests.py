@@ -1,4 +1,4 @@
-"""Synchronous requests: step, reset, render, and what the client reads (memory, log, states, pids).
+"""Synchronous requests: step, reset, render, attr, and what the client reads (memory, log, states, pids).
 
     client --CALL step(actions)--> step: one STEP frame per idle lane (Op: the lanes it waits for)
         reactor.py: each lane's one reply --> op.results        (until all came or step_timeout)
@@ -239,39 +239,69 @@ class Requests:
     def render(self, indices) -> list:
         """One frame per lane in `indices` (None for a lane that has none)."""
         indices = self._check_lanes(indices)
+        frames, errors = self._ask(indices, wire.RENDERED, lambda seq, k: wire.encode([wire.RENDER, seq]), "render")
+        return [frames, {index: why for index, (_, why) in errors.items()}]
+
+    def attr(self, indices, op, name, args, kwargs, values=None) -> list:
+        """call / get_attr / set_attr on the lanes in `indices`: one ATTR
+        request each, as render(). `values` (set): one per lane, for args."""
+        indices = self._check_lanes(indices)
+        if op not in ("call", "get", "set") or not isinstance(name, str) or not isinstance(args, list) \
+                or not isinstance(kwargs, dict) or (values is not None and (not isinstance(values, list)
+                                                                           or len(values) != len(indices))):
+            raise ValueError("attr() takes an op (call, get, set), a name, args, kwargs and one value per lane")
+        same = {}
+
+        def frame(seq, k):
+            if values is not None:
+                return wire.encode([wire.ATTR, seq, op, name, [values[k]], kwargs])
+            if not same:  # the same request for every lane: encoded once
+                same[0] = wire.encode([wire.ATTR, seq, op, name, args, kwargs])
+            return same[0]
+
+        results, errors = self._ask(indices, wire.ATTR_DONE, frame, {"get": "get_attr", "set": "set_attr"}.get(op, op))
+        return [results, {index: list(error) for index, error in errors.items()}]
+
+    def _ask(self, indices, expect, frame, what: str):
+        """One request to each idle lane in `indices` (`frame(seq, k)` is the
+        k-th lane's, encoded), answered within the step deadline (render,
+        attr). Returns each lane's value (None if it has none) and, for each
+        lane that could not answer, (the env's exception message or "", why:
+        its traceback, the missed deadline, or the lane's state)."""
         seq = self._next_seq()
         op = Op(seq)
         self.op = op
-        for index in indices:
+        for k, index in enumerate(indices):
             env = self.envs[index]
-            if env.state is IDLE or env.state is FINISHED:  # an env with a result held for recv may render
+            if env.state is IDLE or env.state is FINISHED:  # an env with a result held for recv may answer too
                 env.seq = seq
                 env.on("request")
-                env.expect = wire.RENDERED
+                env.expect = expect
                 op.waiting.add(index)
                 if self.freezing:
                     self._thaw(env)
-                self._write(env, wire.encode([wire.RENDER, seq]))
+                self._write(env, frame(seq, k))
         self._wait(op, time.monotonic() + self.step_timeout)
         self.op = None
         for index in op.waiting:
             self._straggling(self.envs[index])
-        frames, errors = [], {}
+        values, errors = [], {}
         for index in indices:
-            if not self.envs[index].state.due:
-                self._unhold(self.envs[index])
+            env = self.envs[index]
+            if not env.state.due:
+                self._unhold(env)
             result = op.results.get(index)
-            if result and result[0] == wire.RENDERED:
-                frames.append(result[2])
+            if result and result[0] == expect:
+                values.append(result[2])
                 continue
-            frames.append(None)
+            values.append(None)
             if result:  # FAILED: the env's exception, with its traceback
-                errors[index] = result[4] or result[3]
+                errors[index] = (result[3], result[4] or result[3])
             elif index in op.waiting:
-                errors[index] = f"missed the render deadline of {self.step_timeout:g} s"
+                errors[index] = ("", f"missed the {what} deadline of {self.step_timeout:g} s")
             else:
-                errors[index] = f"env is {self.envs[index].state.process} ({self.envs[index].cause})"
-        return [frames, errors]
+                errors[index] = ("", f"env is {env.state.process} ({env.cause})")
+        return values, errors
 
     def memory(self) -> dict:
         """Each env's memory charge and the pool's shared pages, and where the figures come from."""

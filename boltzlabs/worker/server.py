@@ -6,8 +6,8 @@
     RLPool (client) <==one frame per call== Worker <--one frame per env-- sandboxes
 
 `python -m boltzlabs.worker --fd N` talks to its client over the socket on fd
-N. The client sends OPEN (config.py), then CALLs (step, reset, render, memory,
-log: requests.py; send, recv, lane_states: stepping.py; shutdown) one at a
+N. The client sends OPEN (config.py), then CALLs (step, reset, render, attr,
+memory, log: requests.py; send, recv, lane_states: stepping.py; shutdown) one at a
 time; the worker answers each with one REPLY or ERROR frame. `send` returns
 before the envs answer: their replies are taken by the event loop
 (reactor.py), which also runs between calls, and held until a `recv`. Each
@@ -79,11 +79,13 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
         self.start_timeout, self.step_timeout, self.gated = config.start_timeout, config.step_timeout, config.gated
         self.limits, self.memory_limit = config.limits, config.memory_limit
         self.straggler_grace = config.straggler_grace
-        self.warmup, self.warmup_timeout = config.warmup, config.warmup_timeout
+        self.warmup = config.warmup
         find_bwrap()  # before the account's checks: a host without bwrap is told that first
         self.account = host_account(self.policy.sandbox.get("identity", {}))
+        # The policy compiled once (boltzlabs.sandbox.plan); both spawners use this spec's plan.
         self.spec = SandboxSpec(self.policy, config.source_dir, config.workspace_size, config.params,
                                 self.account, self.limits)
+        self.warmup_timeout = self.spec.plan.warmup_timeout if self.warmup else 0.0
         n = config.n
         raise_fd_limit(n)
         try:
@@ -187,7 +189,8 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
             self._send([wire.ERROR, 0, type(exc).__name__, str(exc), {}])
             return
         self._send([wire.READY, ready])
-        calls = {"step": self.step, "reset": self.reset, "render": self.render, "memory": self.memory, "log": self.log,
+        calls = {"step": self.step, "reset": self.reset, "render": self.render, "attr": self.attr,
+                 "memory": self.memory, "log": self.log,
                  "states": self.states, "pids": self.pids, "send": self.send, "recv": self.recv,
                  "lane_states": self.lane_states, "shutdown": self.shutdown}
         while True:
