@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 import psutil  # noqa: E402
 
 from boltzlabs import RLPool  # noqa: E402
-from boltzlabs.worker.worker import envs_within  # noqa: E402
+from boltzlabs.worker.config import envs_within  # noqa: E402
 
 
 def _fd_room() -> int:

@@ -398,7 +398,7 @@ def _pids_cgroup() -> list[Finding]:
 
 
 def _fd_limit(n: int) -> list[Finding]:
-    from boltzlabs.worker.worker import FD_SLACK, FDS_PER_ENV, envs_within, fds_needed
+    from boltzlabs.worker.config import FD_SLACK, FDS_PER_ENV, envs_within, fds_needed
 
     want = fds_needed(n)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

@@ -502,9 +502,9 @@ def run_worker(args: argparse.Namespace) -> int:
         print(f"token: {token}", flush=True)
 
     if args.parent:
-        from boltzlabs.worker.worker import _die_with
+        from boltzlabs.worker.server import die_with
 
-        _die_with(args.parent)  # SIGKILL: each pool's worker then dies with us, its sandboxes with it
+        die_with(args.parent)  # SIGKILL: each pool's worker then dies with us, its sandboxes with it
 
     def stop(signum, frame):
         raise KeyboardInterrupt

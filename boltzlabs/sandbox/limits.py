@@ -2,7 +2,7 @@
 
     sandbox/policy.toml [env_limits] + RLPool(limits=...) --resolve()--> limits (worker)
         memory, pids        --> the env's cgroup (boltzlabs/sandbox/cgroups.py)
-        straggler_grace     --> the worker's deadline kill (boltzlabs/worker/worker.py)
+        straggler_grace     --> the worker's deadline kill (boltzlabs/worker/reactor.py)
         open_files, file_size, core_size, msgqueue --encode()--> rlimits= of the plan's
             $BOLTZLABS_CONFINE (boltzlabs/sandbox/plan.py)
             --> boltzlabs/runtime/rlimits.py applies them inside the sandbox

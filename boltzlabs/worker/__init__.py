@@ -1,7 +1,17 @@
 """The worker process (host): owns the sandboxes of one pool, spawns them and drives them.
 
-`python -m boltzlabs.worker --fd N` (worker.py: the reactor and requests,
-spawn.py: exec and template spawners, ceilings.py: a remote client's limits).
+`python -m boltzlabs.worker --fd N`. The flow through its modules:
+
+    server.py     entry point (main), the OPEN and CALL loop, teardown
+    config.py     the OPEN request parsed and checked against the policy
+    reactor.py    the epoll loop: fds, frames in and out, the byte budget
+    lanes.py      a lane and its one state machine (State, TRANSITIONS, Lane.to)
+    lifecycle.py  spawning, starting, killing and reaping lanes; the freezer
+    requests.py   step (the hot path), reset, render, and the reads
+    stepping.py   send/recv and the serialize_measurement gate
+    spawn.py      exec and template spawners
+    ceilings.py   a remote client's limits
+
 May import sandbox/*, runtime/*, wire, errors, units and worker/*; never
 pool/ or an adapter: the trainer starts it as a process by module name.
 """

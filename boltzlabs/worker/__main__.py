@@ -1,7 +1,7 @@
-"""`python -m boltzlabs.worker --fd N`: the worker process (boltzlabs/worker/worker.py)."""
+"""`python -m boltzlabs.worker --fd N`: the worker process (boltzlabs/worker/server.py)."""
 
 import sys
 
-from boltzlabs.worker.worker import main
+from boltzlabs.worker.server import main
 
 sys.exit(main())

@@ -1,0 +1,320 @@
+"""A lane's life: spawned, started (its handshake), killed, reaped; and the freezer.
+
+    _start(lanes) --_spawn--> spawner.spawn (spawn.py) --> lane STARTING --HELLO (reactor.py)--> IDLE
+    _kill(lane, cause) --> spawner.kill + the cgroup's kill --> _release: DEAD, its fds closed
+    spawner --on_exit(lane, status)--> _release with why it died (exit code, signal, OOM, pids limit)
+
+Start-up overlaps spawns with handshakes: each lane is spawned and the loop
+polled at once, so 1000 sandboxes start in the time of a few. A death while
+an async action is in flight finishes it with a failure (stepping.py).
+
+serialize_measurement with a freezer: every env is frozen outside its turn
+and its own requests; an env's reply ends its work, so it is frozen before
+the reply can pass the gate on (_on_message_freezing).
+
+A mixin of server.Worker; it uses the reactor's _poll and fds.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import select
+import signal
+import time
+
+from boltzlabs import wire
+from boltzlabs.worker.lanes import IDLE, IN_FLIGHT, STARTING, Lane
+from boltzlabs.worker.reactor import Reactor
+from boltzlabs.worker.spawn import TemplateSpawner, TemplateUnavailable, reap_orphans
+from boltzlabs.worker.stepping import outcome
+
+ABANDONED = "start-up abandoned after another env failed"
+
+
+class StartFailure(Exception):
+    """A lane failed to start while the pool opened: which, why, its log and how many failed."""
+
+    def __init__(self, index: int, message: str, log: str, count: int):
+        super().__init__(message)
+        self.index, self.log, self.count = index, log, count
+
+
+class Lifecycle:
+    """Spawning, killing and reaping lanes, and the freezer (a mixin of server.Worker)."""
+
+    def _init_lifecycle(self) -> None:
+        self.envs: list[Lane] = []
+        self.spawner = None
+        self.cgroups = None
+        self.account = None
+        self.hello = None  # lane 0's handshake info, for the client's READY
+        # serialize_measurement with a freezer: every env is frozen outside its
+        # turn and its own requests (see _freeze); `freeze_pending`: lanes asked to
+        # freeze whose freeze is not confirmed yet.
+        self.freezing = False
+        self.freeze_pending: set[int] = set()
+
+    # -- start-up -------------------------------------------------------------------
+
+    def _spawn(self, env: Lane) -> None:
+        """Start env's sandbox. Its fds are registered; it is STARTING."""
+        if self.spawner.kind == "template" and not self.spawner.alive():
+            self.spawner = TemplateSpawner(self)  # the last one died; a new one for respawns
+        env.generation += 1
+        if self.cgroups is not None:
+            self._settle(env)
+            env.events_base = self.cgroups.events(env.index)
+        if self.freezing:
+            self._thaw(env)  # the template forks while in the env's cgroups: never into a frozen one
+        self.spawner.spawn(env)  # sets env.chan, env.logfd (and env.pid when known)
+        os.set_blocking(env.chan, False)
+        os.set_blocking(env.logfd, False)
+        env.on("spawn")
+        env.seq = -1
+        env.out = b""
+        env.reader = wire.FrameReader(self.hello_limits)
+        self._unhold(env)
+        env.started = time.monotonic()
+        for fd, kind in ((env.chan, "chan"), (env.logfd, "log")):
+            self.epoll.register(fd, select.EPOLLIN)
+            self.handlers[fd] = (kind, env)
+        if self.spawner.kind == "template":
+            self.spawner.deliver_exits()  # exits read while waiting for the fork
+
+    def _settle(self, env: Lane) -> None:
+        """Before env's sandbox is (re)spawned into its cgroup: wait until the
+        tasks of its last one are gone, killing any still there. They count
+        against pids.max until reaped (exec mode's bwrap is reaped by this
+        loop), and a fork bomb's leftovers would refuse the new sandbox's forks."""
+        deadline = time.monotonic() + 5.0
+        while self.cgroups.tasks(env.index) and time.monotonic() < deadline:
+            self.cgroups.kill(env.index)
+            self._poll(0.005)
+            reap_orphans()
+
+    def _start(self, envs: list[Lane], progress: bool = False) -> None:
+        """Spawn envs, overlapping spawns with handshakes, until all are IDLE or DEAD."""
+        deadline_of = lambda env: env.started + self.start_timeout  # noqa: E731
+        last_report = 0.0
+        for env in envs:
+            if not env.state.dead:
+                self._kill(env, "restarted")
+            try:
+                self._spawn(env)
+            except (OSError, TemplateUnavailable) as exc:
+                cause = f"could not spawn its sandbox: {exc}"
+                if env.state.dead:
+                    env.cause = cause
+                else:  # spawned, then failed: its fds go too
+                    self._kill(env, cause)
+            self._poll(0)
+            if progress and time.monotonic() - last_report > 0.1:
+                last_report = time.monotonic()
+                self._progress(envs)
+        while True:
+            starting = [e for e in envs if e.state is STARTING]
+            if not starting:
+                break
+            now = time.monotonic()
+            for env in starting:
+                if now >= deadline_of(env):
+                    self._kill(env, f"did not complete its handshake within {self.start_timeout:g} s")
+            earliest = min((deadline_of(e) for e in starting if e.state is STARTING), default=now)
+            self._poll(max(0.0, min(earliest - now, 0.1)))
+            if progress and time.monotonic() - last_report > 0.1:
+                last_report = time.monotonic()
+                self._progress(envs)
+            if progress and any(e.state.dead for e in envs):
+                # Fail fast: at pool start-up one broken env fails the pool.
+                for env in envs:
+                    if env.state is STARTING:
+                        self._kill(env, ABANDONED)
+        if progress:
+            self._progress(envs)
+
+    def _progress(self, envs: list[Lane]) -> None:
+        ready = sum(e.state is IDLE for e in envs)
+        self._send([wire.PROGRESS, ready, len(envs)])
+
+    # -- death ----------------------------------------------------------------------
+
+    def on_exit(self, env: Lane, status, cause: str = "") -> None:
+        """env's process is gone (the spawner reaped it): record why."""
+        if env.state.dead:
+            return
+        self._drain_log(env)
+        if not cause:
+            cause = describe_exit(status) + self._limits_hit(env, status)
+        self._release(env, f"died: {cause}")
+
+    def _limits_hit(self, env: Lane, status) -> str:
+        """What limit an env that died had hit, by name ('' if none is known)."""
+        notes = []
+        if self.cgroups is not None:
+            oom, refused = (now - base for now, base in zip(self.cgroups.events(env.index), env.events_base))
+            if oom > 0:
+                notes.append(f"OOM: killed by the kernel's OOM killer over its memory limit "
+                             f"(memory_limit={self.memory_limit} bytes)")
+            if refused > 0:
+                notes.append(f"pids limit: {refused} fork(s) refused at its limit of {self.limits['pids']} tasks")
+        signum = _exit_signal(status)
+        if signum == signal.SIGXFSZ:
+            notes.append(f"file size limit: it wrote past limits.file_size={self.limits.get('file_size')} bytes")
+        elif signum == signal.SIGXCPU:
+            notes.append("CPU time limit (RLIMIT_CPU)")
+        return "".join(f"; {note}" for note in notes)
+
+    def _release(self, env: Lane, cause: str) -> None:
+        """Mark env dead with `cause`; close its fds; the op stops waiting for it,
+        an async action in flight is finished with the failure."""
+        self._close_channel(env)
+        self._close_log(env)
+        env.pid = -1
+        was = env.on("die")
+        env.cause = cause
+        self.held -= env.held
+        env.held = 0
+        if was is IN_FLIGHT:
+            self._finish(env, outcome(None, cause))
+        op = self.op
+        if op is not None and env.index in op.waiting:
+            op.waiting.discard(env.index)
+            op.results[env.index] = None  # failure: see env.cause
+
+    def _kill(self, env: Lane, cause: str) -> None:
+        """Kill env's sandbox now, its whole tree; the spawner reaps it."""
+        if env.state.dead:
+            return
+        self.spawner.kill(env)
+        if self.cgroups is not None:
+            self.cgroups.kill(env.index)  # and thaws it: killed tasks die on the way out
+        self.freeze_pending.discard(env.index)
+        self._drain_log(env)
+        self._release(env, cause)
+
+    # -- the freezer (serialize_measurement) ------------------------------------------
+
+    def _on_message_freezing(self, env: Lane, message: list) -> None:
+        """_on_message of a pool that freezes its envs (serialize_measurement):
+        an env's handshake or reply ends its work, so it is frozen first, before
+        the reply can pass the gate on. If the message is refused, the kill thaws."""
+        if env.state is STARTING or (env.state.due and len(message) >= 2 and message[1] == env.seq):
+            self._freeze(env)
+        Reactor._on_message(self, env, message)
+
+    def _freeze(self, env: Lane) -> None:
+        try:
+            self.cgroups.freeze(env.index)
+        except OSError:
+            return  # its cgroup is gone: so is the env
+        self.freeze_pending.add(env.index)
+
+    def _thaw(self, env: Lane) -> None:
+        self.freeze_pending.discard(env.index)
+        try:
+            self.cgroups.thaw(env.index)
+        except OSError:
+            pass
+
+    def _all_frozen(self) -> None:
+        """Before a turn at the gate: wait until every env asked to freeze is
+        frozen. Freezing takes each task out of whatever it runs; one that
+        cannot be frozen in time is killed, so the gate's promise holds."""
+        now = time.monotonic()
+        deadline = now + min(self.step_timeout, 2.0)
+        spin_until = now + 0.002  # a freeze mostly lands within ~0.1 ms: re-read before sleeping
+        pause = 0.0001
+        while self.freeze_pending:
+            for index in list(self.freeze_pending):
+                env = self.envs[index]
+                try:
+                    done = env.state.dead or self.cgroups.frozen(index)
+                except OSError:
+                    done = True
+                if done:
+                    self.freeze_pending.discard(index)
+            if not self.freeze_pending:
+                return
+            if time.monotonic() >= deadline:
+                for index in list(self.freeze_pending):
+                    self.freeze_pending.discard(index)
+                    self._kill(self.envs[index], "could not be frozen outside its turn (serialize_measurement) "
+                                                 "and was killed")
+                return
+            if time.monotonic() >= spin_until:
+                time.sleep(pause)
+                pause = min(pause * 2, 0.005)
+
+
+def _exit_signal(status) -> int:
+    """The signal that ended a process, from its waitpid status (0: none).
+    bwrap reports a sandboxed process killed by signal S as exit 128+S."""
+    if not isinstance(status, int):
+        return 0
+    if os.WIFSIGNALED(status):
+        return os.WTERMSIG(status)
+    code = os.waitstatus_to_exitcode(status)
+    return code - 128 if code > 128 and code - 128 in signal.valid_signals() else 0
+
+
+def describe_exit(status: int) -> str:
+    """Plain words for a waitpid status of a bwrap process."""
+    if os.WIFSIGNALED(status):
+        return f"was killed by signal {signal.Signals(os.WTERMSIG(status)).name}"
+    code = os.waitstatus_to_exitcode(status)
+    if code > 128 and code - 128 in signal.valid_signals():
+        # bwrap reports a sandboxed process killed by signal S as exit 128+S.
+        return f"was killed by signal {signal.Signals(code - 128).name} (exit code {code})"
+    return f"exited with code {code}"
+
+
+def warmup_note(report: dict | None) -> str:
+    """The warning for a warm-up that failed (template.warm_up), or ''."""
+    if report is None:
+        return ""
+    notes = []
+    if report["error"]:
+        notes.append(f"the warm template's probe failed, so each env imports on its own what its reset and step "
+                     f"import (more memory per env); the pool runs. {report['error']}. Fix the env's reset/step, "
+                     "or pass serve(preload=[...]) the modules they import, or RLPool(warmup=False) to skip it")
+    failed = sorted(set(report["failed"]) & set(report["preload"]))
+    if failed:
+        notes.append("serve(preload=...) named modules the template could not import: "
+                     + "; ".join(f"{name}: {report['failed'][name]}" for name in failed[:8]))
+    return "\n".join(notes)
+
+
+def guard_frozen(paths: list[str]) -> None:
+    """Make sure frozen envs die with this worker, however it dies.
+
+    A task frozen by the cgroup v1 freezer does not act on SIGKILL until it is
+    thawed, so bwrap's --die-with-parent (and every other kill) would wait
+    forever if the worker died, SIGKILL included, while envs were frozen. A
+    forked guardian in a session of its own (a kill of our process group
+    misses it) waits for the end of a pipe this process holds, which closes
+    only when this process is gone, then kills, thaws and removes what is
+    left of the pool's cgroups: nothing, after a clean close.
+    """
+    from boltzlabs.sandbox.cgroups import remove_pool_dir
+
+    r, w = os.pipe()
+    if os.fork() == 0:
+        try:
+            os.setsid()
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                signal.signal(signum, signal.SIG_IGN)
+            # Nothing of the worker's but the pipe: the client's socket held
+            # here would hide the worker's death from the client.
+            os.closerange(3, r)
+            os.closerange(r + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+            while os.read(r, 1):
+                pass
+            remove_pool_dir(paths)
+        finally:
+            os._exit(0)
+    os.close(r)
+    _GUARD.append(w)  # held (close-on-exec, so no sandbox gets it) until this process ends
+
+
+_GUARD: list[int] = []
