@@ -62,6 +62,7 @@ import traceback
 import msgpack
 
 from boltzlabs import wire
+from boltzlabs.errors import ClientGone, StartFailure as _StartFailure
 from boltzlabs.sandbox.cgroups import CgroupPool, CgroupUnavailable
 from boltzlabs.sandbox.identity import host_account
 from boltzlabs.sandbox.builder import SandboxSpec
@@ -141,8 +142,6 @@ class Op:
         self.results: dict[int, list] = {}
 
 
-class ClientGone(Exception):
-    """The client closed its end: tear everything down."""
 
 
 def _warmup_note(report: dict | None) -> str:
@@ -1262,10 +1261,6 @@ class Worker:
             self._send([wire.REPLY, seq, worker_ms, result])
 
 
-class _StartFailure(Exception):
-    def __init__(self, index: int, message: str, log: str, count: int):
-        super().__init__(message)
-        self.index, self.log, self.count = index, log, count
 
 
 def _check_reply(message: list):
