@@ -45,8 +45,6 @@ ADAPTERS = {"gym", "cluster", "cli", "remote", "__main__"}
 # behaviour within the layout move (issue #15 asks for each in a later step).
 # (importing module, imported module) -> why it is still there.
 EXCEPTIONS = {
-    ("boltzlabs.pool.client", "boltzlabs.cluster"):
-        "RLPool(..., cluster=...) returns a ClusterPool (RLPool.__new__); goes with the one pool protocol",
     ("boltzlabs.pool.client", "boltzlabs.sandbox.cgroups"):
         "the client removes the pool's cgroups after it SIGKILLed a worker that did not stop, since a killed "
         "worker cannot (envs it froze ignore SIGKILL until thawed)",

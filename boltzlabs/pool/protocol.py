@@ -295,7 +295,7 @@ class Pool(abc.ABC):
         gym source, `env.render()` with the pool's render_mode), or None when
         the env has no frame. Raises EnvError if the env could not render."""
         self._check_open()
-        return self._render_lanes([self._index(env_index)])[0]
+        return self._render_lanes([self._env_index(env_index)])[0]
 
     def render_all(self) -> list:
         """Every env's frame, in lane order (as render() for each, in one request)."""
@@ -305,7 +305,7 @@ class Pool(abc.ABC):
     def log(self, index: int) -> str:
         """The tail of env `index`'s stdout and stderr (bounded; see policy log_tail)."""
         self._check_open()
-        return self._log(self._index(index))
+        return self._log(self._env_index(index))
 
     def lane_states(self) -> list:
         """Deprecated alias of states(), which now has this vocabulary."""
@@ -332,7 +332,7 @@ class Pool(abc.ABC):
 
     # -- argument checks, shared so every kind refuses alike ----------------------------
 
-    def _index(self, index) -> int:
+    def _env_index(self, index) -> int:
         if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < self.n:
             raise ValueError(f"env index must be in [0, {self.n}); got {index!r}")
         return int(index)
