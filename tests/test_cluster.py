@@ -16,13 +16,12 @@ import pytest
 # told this is a single-host setup; every node here is 127.0.0.1.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray  # noqa: E402 - after the variable above
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from boltzlabs import wire  # noqa: E402
 from boltzlabs.cluster import ClusterPool, doctor, placement  # noqa: E402
 from boltzlabs.errors import WorkerError  # noqa: E402
 
-from conftest import COUNTER, PROBE  # noqa: E402
+from conftest import COUNTER, PROBE, two_node_ray_cluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 100 << 20}
@@ -30,12 +29,7 @@ NODE = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 10
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args=dict(NODE, include_dashboard=False))
-    c.add_node(**NODE)
-    ray.init(address=c.address, _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    yield from two_node_ray_cluster()
 
 
 def listeners() -> list:

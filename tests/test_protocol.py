@@ -20,7 +20,7 @@ from boltzlabs import RLPool
 from boltzlabs.errors import PoolClosedError, WorkerError, WorkerSideError
 from boltzlabs.pool.protocol import Pool, StepResult
 
-from conftest import COUNTER, PROBE
+from conftest import COUNTER, PROBE, two_node_ray_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "boltzlabs"
@@ -81,17 +81,7 @@ def test_rlpool_with_cluster_says_to_make_a_cluster_pool():
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray = pytest.importorskip("ray")
-    from ray.cluster_utils import Cluster
-
-    node = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 100 << 20}
-    c = Cluster(initialize_head=True, head_node_args=dict(node, include_dashboard=False))
-    c.add_node(**node)
-    ray.init(address=c.address, _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    yield from two_node_ray_cluster()
 
 
 @pytest.fixture(scope="module", params=["local", "cluster"])
