@@ -233,7 +233,7 @@ class ClusterPool(Pool):
         try:
             plan = placement(len(lanes), self._alive_nodes(), self._envs_per_node, held)
         except ValueError as exc:
-            raise WorkerError(str(exc)) from None
+            raise WorkerError(str(exc)) from exc
         addresses = dict(ray.get([self._actor(node).address.remote() for node, _ in plan]))
         shards, start = [], 0
         for node, count in plan:

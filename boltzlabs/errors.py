@@ -82,7 +82,7 @@ class WorkerSideError(WorkerError):
         self.text = text
 
 
-def describe_exit(returncode: int) -> tuple[str, int | None]:
+def describe_returncode(returncode: int) -> tuple[str, int | None]:
     """("exited with code 3" or "was killed by SIGKILL (signal 9)", the signal or None)
     for a subprocess returncode (negative: killed by that signal)."""
     if returncode is not None and returncode < 0:

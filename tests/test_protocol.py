@@ -316,3 +316,41 @@ def test_a_remote_pool_is_judged_by_the_remote_policy_not_the_local_one(tmp_path
             RLPool(COUNTER, 1, worker=url, token=TOKEN, limits={"pids": 64})
     finally:
         _stop(proc)
+
+
+# -- the worker's guardian removes the pool's cgroups, not the client --------------------------
+
+
+def _guardian_of(worker_pid: int):
+    """The worker's cgroup guardian: its child in a session of its own."""
+    import psutil
+
+    for child in psutil.Process(worker_pid).children():
+        if os.getsid(child.pid) == child.pid:
+            return child
+    return None
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_a_killed_workers_cgroups_are_removed_by_its_guardian_without_the_client(gated):
+    import time
+
+    pool = RLPool(PROBE, 2, serialize_measurement=gated)
+    try:
+        pool.reset(seed=0)
+        if not pool._cgroup:
+            pytest.skip("no writable cgroups here")
+        guardian = _guardian_of(pool._proc.pid)
+        assert guardian is not None, "the worker forked no guardian"
+        uss = guardian.memory_full_info().uss
+        print(f"guardian USS {uss / 2**20:.2f} MiB (worker USS "
+              f"{__import__('psutil').Process(pool._proc.pid).memory_full_info().uss / 2**20:.2f} MiB)")
+        assert uss < 16 << 20, f"the guardian holds {uss} private bytes"
+        os.kill(pool._proc.pid, signal.SIGKILL)  # the client does nothing: no call, no close
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(os.path.exists(p) for p in pool._cgroup):
+            time.sleep(0.05)
+        assert not any(os.path.exists(p) for p in pool._cgroup), pool._cgroup
+        assert not guardian.is_running() or guardian.status() == "zombie"
+    finally:
+        pool.close()

@@ -15,6 +15,7 @@ rather than leave it half way.
 from __future__ import annotations
 
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -29,9 +30,8 @@ import numpy as np
 
 from boltzlabs import wire
 from boltzlabs.pool import sources
-from boltzlabs.sandbox.cgroups import remove_pool_dir
 from boltzlabs.errors import (EnvError, EnvStartError, PoolClosedError, SandboxUnavailable, WorkerError,
-                              WorkerSideError, describe_exit)
+                              WorkerSideError, describe_returncode)
 from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_n
 from boltzlabs.units import parse_size
 
@@ -256,10 +256,11 @@ class RLPool(Pool):
             observation_space=hello.get("observation_space"), action_space=hello.get("action_space"),
             metadata=hello.get("metadata") or {}, render_mode=hello.get("render_mode"), warmup=ready.get("warmup"))
         self.step_timeout = ready["step_timeout"]
-        self._cgroup = ready["cgroup"]
+        self._cgroup = ready["cgroup"]  # the worker's (and its guardian's) to remove; kept for diagnostics
+        self._link.watch_guardian(ready.get("guardian"))
         self.spawn = ready["spawn"]
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, self._link.shutdown, self._cgroup)
+        self._finalizer = weakref.finalize(self, self._link.shutdown)
         for note in (ready["memory_note"], ready["warning"]):
             if note:
                 import warnings
@@ -280,7 +281,7 @@ class RLPool(Pool):
         self._conn = self._link.conn
         self._conn.settimeout(1.0)  # _receive wakes each second to check that the worker lives
         self._closed = False
-        self._finalizer = weakref.finalize(self, self._link.shutdown, None)
+        self._finalizer = weakref.finalize(self, self._link.shutdown)
 
     def _open(self, config: dict, progress: bool) -> dict:
         self._conn.sendall(wire.encode([wire.OPEN, config]))
@@ -351,7 +352,7 @@ class RLPool(Pool):
         except (TypeError, ValueError, OverflowError) as exc:
             if diagnose is not None:
                 diagnose()  # raises, naming the culprit
-            raise TypeError(f"{name}() arguments cannot be serialized: {exc}") from None
+            raise TypeError(f"{name}() arguments cannot be serialized: {exc}") from exc
         self._seq += 1
         seq = self._seq
         started = time.perf_counter()
@@ -515,6 +516,7 @@ class _LocalLink:
     """The worker as our child process, over a socketpair (RLPool without worker=)."""
 
     kind = "local"
+    guardian = None  # a pidfd of the worker's cgroup guardian, once the pool is open
 
     def __init__(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -542,14 +544,15 @@ class _LocalLink:
     def died(self) -> WorkerError:
         self.stderr.seek(0)
         tail = self.stderr.read()[-4000:].decode("utf-8", "replace")
-        how, signum = describe_exit(self.proc.poll())
+        how, signum = describe_returncode(self.proc.poll())
         fix = ("if nobody here sent it, the kernel's OOM killer may have (see `dmesg`): give the host more "
                "memory or the pool fewer envs; " if signum is not None else "")
         return WorkerError(f"the boltzlabs worker (pid {self.proc.pid}) {how}; the pool is gone: {fix}create a "
                            f"new RLPool. Its output:\n{tail or '(none)'}", signal=signum)
 
-    def shutdown(self, cgroup) -> None:
-        """End the worker: ask, then insist. Runs once, from close(), GC or exit."""
+    def shutdown(self) -> None:
+        """End the worker: ask, then insist, then wait for its cgroup guardian.
+        Runs once, from close(), GC or exit."""
         proc, conn = self.proc, self.conn
         try:
             if proc.poll() is None:
@@ -565,11 +568,25 @@ class _LocalLink:
                 except ProcessLookupError:
                     pass
                 proc.wait()
-            if cgroup:
-                # A list, one per cgroup hierarchy. Also when the worker died on
-                # its own: envs it had frozen (serialize_measurement) ignore
-                # even SIGKILL until thawed, which this does.
-                remove_pool_dir(cgroup)
+            self._wait_guardian()
         finally:
             conn.close()
             self.stderr.close()
+            if self.guardian is not None:
+                os.close(self.guardian)
+                self.guardian = None
+
+    def watch_guardian(self, pid) -> None:
+        """Hold a pidfd of the worker's cgroup guardian (worker._guard_cgroups), so
+        shutdown() returns once the pool's cgroups are gone, and not before."""
+        if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
+            try:
+                self.guardian = os.pidfd_open(pid)
+            except OSError:  # already gone (nothing to wait for)
+                pass
+
+    def _wait_guardian(self, timeout: float = 10.0) -> None:
+        # The guardian removes the cgroups once the worker is gone, however it
+        # went; its pidfd turns readable when it exits.
+        if self.guardian is not None:
+            select.select([self.guardian], [], [], timeout)

@@ -256,6 +256,7 @@ class Worker:
                                 config.get("params") or {}, self.account, self.limits)
         n = int(config["n"])
         _raise_fd_limit(n)
+        guardian = None
         try:
             self.cgroups = CgroupPool(self.memory_limit, self.limits.get("pids"), freezer=self.gated)
             if self.limits.get("pids") and not self.cgroups.limits_pids:
@@ -270,11 +271,12 @@ class Worker:
                 self.limits_note = f"no cgroups here: the per-env pids limit ({self.limits['pids']} tasks) is not enforced"
             if self.memory_limit:
                 raise ValueError(f"memory_limit needs a writable memory cgroup, and this host has none ({exc})")
+        if self.cgroups is not None:
+            guardian = _guard_cgroups(self.cgroups.paths)  # however this worker dies, its cgroups go with it
         if self.gated:
             self.freezing = self.cgroups is not None and self.cgroups.freezes
             if self.freezing:
                 self._on_message = self._on_message_freezing
-                _guard_frozen(self.cgroups.paths)
             else:
                 why = self.cgroups.freezer_note if self.cgroups is not None else "no writable cgroups here"
                 self.gate_note = (f"serialize_measurement cannot freeze envs outside their turn ({why}): "
@@ -302,7 +304,8 @@ class Worker:
             "n": n,
             "memory_source": self.memory_source,
             "memory_note": self.memory_note,
-            "cgroup": self.cgroups.paths if self.cgroups else None,
+            "cgroup": self.cgroups.paths if self.cgroups else None,  # for tests and diagnostics only
+            "guardian": guardian,
             "hello": self.hello,
             "step_timeout": self.step_timeout,
             "spawn": self.spawner.kind,
@@ -1369,21 +1372,26 @@ def _raise_fd_limit(n: int) -> None:
                          f"raise it (ulimit -n {want}, or LimitNOFILE= for a service) or use fewer envs")
 
 
-def _guard_frozen(paths: list[str]) -> None:
-    """Make sure frozen envs die with this worker, however it dies.
+def _guard_cgroups(paths: list[str]) -> int:
+    """Make sure the pool's cgroups and every task in them go with this worker,
+    however it dies (SIGKILL included). Returns the guardian's pid.
 
-    A task frozen by the cgroup v1 freezer does not act on SIGKILL until it is
+    A killed worker removes nothing itself, and a task frozen by the cgroup v1
+    freezer (serialize_measurement) does not act on SIGKILL until it is
     thawed, so bwrap's --die-with-parent (and every other kill) would wait
-    forever if the worker died, SIGKILL included, while envs were frozen. A
-    forked guardian in a session of its own (a kill of our process group
-    misses it) waits for the end of a pipe this process holds, which closes
-    only when this process is gone, then kills, thaws and removes what is
-    left of the pool's cgroups: nothing, after a clean close.
+    forever for it. A forked guardian in a session of its own (a kill of our
+    process group misses it) waits for the end of a pipe this process holds,
+    which closes only when this process is gone, then kills, thaws and
+    removes what is left of the pool's cgroups: nothing, after a clean close.
+    The client, which only kills the worker, waits for the guardian to end.
+    A fork shares the worker's pages; it writes little (measured in
+    tests/test_protocol.py).
     """
     from boltzlabs.sandbox.cgroups import remove_pool_dir
 
     r, w = os.pipe()
-    if os.fork() == 0:
+    pid = os.fork()
+    if pid == 0:
         try:
             os.setsid()
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -1399,6 +1407,7 @@ def _guard_frozen(paths: list[str]) -> None:
             os._exit(0)
     os.close(r)
     _GUARD.append(w)  # held (close-on-exec, so no sandbox gets it) until this process ends
+    return pid
 
 
 _GUARD: list[int] = []
