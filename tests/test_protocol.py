@@ -322,11 +322,11 @@ def test_a_remote_pool_is_judged_by_the_remote_policy_not_the_local_one(tmp_path
 
 
 def _guardian_of(worker_pid: int):
-    """The worker's cgroup guardian: its child in a session of its own."""
+    """The worker's cgroup guardian: its child named so, in a session of its own."""
     import psutil
 
     for child in psutil.Process(worker_pid).children():
-        if os.getsid(child.pid) == child.pid:
+        if child.name() == "boltzlabs-guard" and os.getsid(child.pid) == child.pid:
             return child
     return None
 

@@ -1394,6 +1394,7 @@ def _guard_cgroups(paths: list[str]) -> int:
     if pid == 0:
         try:
             os.setsid()
+            _prctl(_PR_SET_NAME, GUARDIAN_NAME)  # what ps and /proc/<pid>/comm show
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 signal.signal(signum, signal.SIG_IGN)
             # Nothing of the worker's but the pipe: the client's socket held
@@ -1417,10 +1418,11 @@ def _terminate(signum, frame):
     raise ClientGone
 
 
-_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
+_PR_SET_PDEATHSIG, _PR_SET_NAME, _PR_SET_CHILD_SUBREAPER = 1, 15, 36
+GUARDIAN_NAME = b"boltzlabs-guard"  # 15 bytes: the kernel's comm holds at most 15
 
 
-def _prctl(option: int, value: int) -> None:
+def _prctl(option: int, value) -> None:
     import ctypes
 
     ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
