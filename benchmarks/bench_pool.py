@@ -2,6 +2,7 @@
 
     python benchmarks/bench_pool.py                  # n = 64, 256, 1000; steps adapted
     python benchmarks/bench_pool.py --n 64 256 --steps 2000
+    python benchmarks/bench_pool.py --env numpy      # benchmarks/envs/numpy_env and its twin
 
 For each n, in one run:
   * RLPool("examples/counter", n): start-up (construction), env-steps/s over
@@ -11,6 +12,11 @@ For each n, in one run:
   * gymnasium.vector.AsyncVectorEnv (fork, shared memory, SAME_STEP
     autoreset) over an equivalent gymnasium.Env: start-up, env-steps/s over
     the same S steps, USS per worker process.
+  * CPU microseconds per env-step by process, from each process's own
+    scheduler counter read before and after every timed chunk: client (this
+    process), worker, template and envs for boltzlabs; client and envs for
+    AsyncVectorEnv. Which step path the worker ran (pool.fast_path: native
+    or pure Python, BOLTZLABS_PURE=1) is in the table.
 Both stay open at one n and take turns in --rounds chunks of the S steps, so
 other work on a shared machine slows both alike. A markdown table goes to
 stdout, progress to stderr, and every figure to benchmarks/results/pool.json.
@@ -42,6 +48,7 @@ import boltzlabs
 from boltzlabs import RLPool
 
 COUNTER = ROOT / "examples" / "counter"
+NUMPY_ENV = ROOT / "benchmarks" / "envs" / "numpy_env"
 RESULTS = ROOT / "benchmarks" / "results" / "pool.json"
 MIB = float(1 << 20)
 WARMUP_STEPS = 20
@@ -124,26 +131,36 @@ def _runtime_ns(pid: int) -> int | None:
     return total
 
 
-def cpu_seconds(procs: list, self_last: bool) -> float:
-    """CPU seconds of this process and of `procs` (psutil.Process objects).
+def _proc_seconds(proc) -> float:
+    runtime = _runtime_ns(proc.pid)
+    if runtime is not None:
+        return runtime / 1e9
+    try:
+        times = proc.cpu_times()
+        return times.user + times.system
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0.0
+
+
+def cpu_split(groups: dict, self_last: bool) -> dict:
+    """CPU seconds of this process ("client") and of each group of `groups`
+    (name -> psutil.Process objects), each from the process's own counters.
 
     CPU time moves less than wall time when other work shares the machine.
     Read this process last before a loop and first after it, so the reading
-    itself is left out.
+    itself is left out. A process that ended between two readings drops out
+    of the second: the counter envs never end inside the timed loop (their
+    resets are soft), so nothing is lost there.
     """
     me = psutil.Process()
-    total = 0.0
-    for proc in (procs + [me]) if self_last else ([me] + procs):
-        runtime = _runtime_ns(proc.pid)
-        if runtime is not None:
-            total += runtime / 1e9
-            continue
-        try:
-            times = proc.cpu_times()
-            total += times.user + times.system
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return total
+    out = {}
+    if not self_last:
+        out["client"] = _proc_seconds(me)
+    for name, procs in groups.items():
+        out[name] = sum(_proc_seconds(proc) for proc in procs)
+    if self_last:
+        out["client"] = _proc_seconds(me)
+    return out
 
 
 def pick_steps(per_step_s: float, target_s: float, lo: int = HORIZON, hi: int = 100_000) -> int:
@@ -153,10 +170,11 @@ def pick_steps(per_step_s: float, target_s: float, lo: int = HORIZON, hi: int = 
     return max(HORIZON, round(steps / HORIZON) * HORIZON)
 
 
-def check(label: str, n: int, steps: int, reward: float, episodes: int) -> None:
-    """Every env must have stepped every time: reward 1 per env-step, one episode end per 100 steps."""
+def check(label: str, n: int, steps: int, reward: float | None, episodes: int) -> None:
+    """Every env must have stepped every time: reward 1 per env-step (the
+    counter; None: not checked), one episode end per 100 steps."""
     want_episodes = n * (steps // HORIZON)
-    if reward != n * steps or episodes != want_episodes:
+    if (reward is not None and reward != n * steps) or episodes != want_episodes:
         log(f"WARNING [{label}]: total reward {reward:g} (expected {n * steps}), episodes ended {episodes} "
             f"(expected {want_episodes}): some env-steps did not happen as they should")
 
@@ -169,39 +187,44 @@ class Side:
     """
 
     name = ""
+    exact_reward = True  # the counter's reward is 1 per env-step; the numpy env's is not
 
     def __init__(self, n: int):
         self.n = n
         self.seconds = 0.0
-        self.cpu = 0.0
+        self.cpu: dict = {}  # group -> CPU seconds over the timed loops
         self.steps = 0
         self.reward = 0.0
         self.episodes = 0
-        self.procs: list = []  # psutil.Process objects whose CPU counts for this side
+        self.groups: dict = {}  # group name -> psutil.Process objects whose CPU counts for this side
 
     def loop(self, steps: int, record: bool = False) -> tuple:
         """Run `steps` steps; returns (total reward, episodes ended)."""
         raise NotImplementedError
 
     def timed(self, steps: int) -> None:
-        cpu = cpu_seconds(self.procs, self_last=True)
+        before = cpu_split(self.groups, self_last=True)
         started = time.perf_counter()
         reward, episodes = self.loop(steps, record=True)
         self.seconds += time.perf_counter() - started
-        self.cpu += cpu_seconds(self.procs, self_last=False) - cpu
+        after = cpu_split(self.groups, self_last=False)
+        for name, value in after.items():
+            self.cpu[name] = self.cpu.get(name, 0.0) + value - before[name]
         self.steps += steps
         self.reward += reward
         self.episodes += episodes
 
     def figures(self) -> dict:
         n, steps = self.n, self.steps
-        check(f"{self.name} n={n}", n, steps, self.reward, self.episodes)
+        check(f"{self.name} n={n}", n, steps, self.reward if self.exact_reward else None, self.episodes)
         return {
             "steps": steps,
             "seconds": self.seconds,
             "env_steps_per_s": n * steps / self.seconds,
             "ms_per_step": 1000.0 * self.seconds / steps,
-            "cpu_us_per_env_step": 1e6 * self.cpu / (n * steps),
+            "cpu_us_per_env_step": 1e6 * sum(self.cpu.values()) / (n * steps),
+            # Per process group: client (this process), worker, template, envs.
+            "cpu_us_per_env_step_by": {name: 1e6 * value / (n * steps) for name, value in self.cpu.items()},
             "total_reward": self.reward,
             "episodes_ended": self.episodes,
         }
@@ -212,11 +235,12 @@ class Ours(Side):
 
     name = "boltzlabs"
 
-    def __init__(self, n: int, spawn: str | None):
+    def __init__(self, n: int, spawn: str | None, env: str = "counter"):
         super().__init__(n)
+        self.exact_reward = env == "counter"
         options = {"spawn": spawn} if spawn else {}  # else the library's default
         started = time.perf_counter()
-        self.pool = RLPool(COUNTER, n, progress=False, **options)
+        self.pool = RLPool(COUNTER if env == "counter" else NUMPY_ENV, n, progress=False, **options)
         self.startup = time.perf_counter() - started
         self.actions = [1] * n
         self.worker_ms: list = []
@@ -252,6 +276,7 @@ class Ours(Side):
             "worker_ms_median": float(np.median(self.worker_ms)),
             "roundtrip_ms_median": float(np.median(self.roundtrip_ms)),
             "spawn": getattr(pool, "spawn", None),
+            "fast_path": getattr(pool, "fast_path", None),
             "memory_per_env_mib": report.mean / MIB,
             "memory_shared_mib": getattr(report, "shared", 0) / MIB,
             "memory_source": report.source,
@@ -270,10 +295,17 @@ class Async(Side):
 
     name = "async"
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, env: str = "counter"):
         super().__init__(n)
+        self.exact_reward = env == "counter"
+        if env == "counter":
+            twin = CounterEnv
+        else:
+            from bench_spawn import NumpyEnv  # benchmarks/ is sys.path[0] when run as a script
+
+            twin = NumpyEnv
         started = time.perf_counter()
-        self.envs = AsyncVectorEnv([CounterEnv] * n, context="fork", autoreset_mode=AutoresetMode.SAME_STEP)
+        self.envs = AsyncVectorEnv([twin] * n, context="fork", autoreset_mode=AutoresetMode.SAME_STEP)
         self.startup = time.perf_counter() - started
         self.actions = np.ones(n, dtype=np.int64)
 
@@ -303,21 +335,43 @@ class Async(Side):
         self.envs.close()
 
 
-def bench(n: int, steps: int | None, target_s: float, spawn: str | None, rounds: int) -> tuple:
+def ours_groups(procs: list, pool) -> dict:
+    """The pool's processes by role: the worker, the envs (each env's host
+    pid and everything under it) and the template (the rest: its bwrap and
+    the warm interpreter the envs fork from)."""
+    worker = pool._proc.pid
+    env_pids = {pid for pid in pool.pids() if pid > 0}
+    parents = {p.pid: p.ppid() for p in procs}
+    groups = {"worker": [], "template": [], "envs": []}
+    for proc in procs:
+        pid, role = proc.pid, "template"
+        if pid == worker:
+            role = "worker"
+        else:
+            while pid in parents:  # an env's own children count as the env
+                if pid in env_pids:
+                    role = "envs"
+                    break
+                pid = parents[pid]
+        groups[role].append(proc)
+    return groups
+
+
+def bench(n: int, steps: int | None, target_s: float, spawn: str | None, rounds: int, env: str = "counter") -> tuple:
     """Both sides at one n: (ours figures, async figures)."""
     gc.collect()
     # AsyncVectorEnv first: its forked workers must not inherit the pool's socket.
     log(f"[n={n}] starting AsyncVectorEnv")
-    theirs = Async(n)
+    theirs = Async(n, env)
     ours = None
     try:
         log(f"[n={n}] async start-up {theirs.startup:.2f} s; starting RLPool")
-        ours = Ours(n, spawn)
+        ours = Ours(n, spawn, env)
         log(f"[n={n}] boltzlabs start-up {ours.startup:.2f} s")
         mine = {p.pid for p in theirs.envs.processes}
         everything = psutil.Process().children(recursive=True)
-        theirs.procs = [p for p in everything if p.pid in mine]
-        ours.procs = [p for p in everything if p.pid not in mine]  # the worker, template and sandboxes
+        theirs.groups = {"envs": [p for p in everything if p.pid in mine]}
+        ours.groups = ours_groups([p for p in everything if p.pid not in mine], ours.pool)
         for side in (ours, theirs):
             side.reset()
             side.loop(WARMUP_STEPS)
@@ -404,6 +458,22 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def cpu_table(rows: list) -> str:
+    """CPU microseconds per env-step, by process: where the time goes."""
+    head = ["n", "path", "client", "worker", "template", "envs", "ours total", "async client", "async envs",
+            "async total"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        o, a = row["boltzlabs"], row["async"]
+        by, theirs = o["cpu_us_per_env_step_by"], a["cpu_us_per_env_step_by"]
+        path = {True: "native", False: "pure", None: "n/a"}[o.get("fast_path")]
+        cells = [str(row["n"]), path] + [f"{by.get(k, 0.0):.1f}" for k in ("client", "worker", "template", "envs")]
+        cells += [f"{o['cpu_us_per_env_step']:.1f}", f"{theirs.get('client', 0.0):.1f}",
+                  f"{theirs.get('envs', 0.0):.1f}", f"{a['cpu_us_per_env_step']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, nargs="+", default=[64, 256, 1000], help="pool sizes (default 64 256 1000)")
@@ -415,6 +485,8 @@ def main(argv=None) -> int:
                         help="chunks the timed steps are split into, the two sides taking turns (default 10)")
     parser.add_argument("--spawn", choices=["template", "exec"], default=None,
                         help="RLPool(spawn=...) (default: the library's default)")
+    parser.add_argument("--env", choices=["counter", "numpy"], default="counter",
+                        help="examples/counter (default) or benchmarks/envs/numpy_env, each against its gymnasium twin")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON output (default {RESULTS.relative_to(ROOT)})")
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.n) or (args.steps is not None and args.steps < 1) or args.rounds < 1:
@@ -427,7 +499,7 @@ def main(argv=None) -> int:
     run_started = time.perf_counter()
     rows = []
     for n in args.n:
-        ours, theirs = bench(n, args.steps, args.target, args.spawn, args.rounds)  # same n, same steps
+        ours, theirs = bench(n, args.steps, args.target, args.spawn, args.rounds, args.env)  # same n, same steps
         rows.append({
             "n": n,
             "boltzlabs": ours,
@@ -441,6 +513,8 @@ def main(argv=None) -> int:
     load_after = os.getloadavg()
 
     print(table(rows))
+    print()
+    print(cpu_table(rows))
     print()
     print(f"speed ours/async: env-steps/s ratio (higher is better for boltzlabs). mem ours/async: "
           f"pool.memory().mean / AsyncVectorEnv worker USS (lower is better). Total run {total:.0f} s; "
@@ -456,7 +530,7 @@ def main(argv=None) -> int:
     payload = {
         **run_record(argv, total, load_before, load_after),
         "settings": {"warmup_steps": WARMUP_STEPS, "target_s": args.target, "steps": args.steps,
-                     "rounds": args.rounds, "spawn": args.spawn,
+                     "rounds": args.rounds, "spawn": args.spawn, "env": args.env,
                      "async": {"context": "fork", "shared_memory": True, "autoreset_mode": "SameStep"}},
         "results": rows,
     }

@@ -12,15 +12,23 @@ request as stepping the others, SAME_STEP resets the finished lanes right
 after the step (the finished episode's obs and info in infos["final_obs"] and
 infos["final_info"]), DISABLED leaves resets to you (options["reset_mask"]).
 
-Besides the envs' own keys, infos carry three keys of the runtime's (an env
-key of the same name wins; the shadowing is logged once):
+Every key of infos is in Gymnasium's vector format (an array per key and
+its `_key` mask; a dict of them for a nested dict), so DictInfoToList and the
+vector wrappers work on top. Besides the envs' own keys, infos carry two of
+the runtime's (an env key of the same name wins; the shadowing is logged once):
   episode_ids         the UUIDv7 episode id of every lane (object array)
-  completed_episodes  how many episodes ended on this step (an int, 0 when none)
   episode_record      for each lane whose episode ended on this step: its
                       "id", "seed" (None unless the reset that began it was
                       seeded), "length" and "return"; `_episode_record` masks them
+How many episodes ended on the latest step is `envs.completed_episodes` (a
+count for the batch has no place in a per-lane format).
 A lane whose env failed (exception, death, missed deadline) comes back
 truncated with infos["error"] and its last observation; autoreset respawns it.
+
+Seeds are checked as Gymnasium checks them, before anything runs;
+`np_random_seed` is the seed each lane's current generator was made from
+(-1 where none was given). `call`, `get_attr` and `set_attr` reach the envs
+in their sandboxes (RLPool.call and friends).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import logging
 
 import gymnasium
 import numpy as np
+from gymnasium import error as gym_error
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
@@ -40,7 +49,7 @@ from boltzlabs.pool.spaces import from_spec
 __all__ = ["BoltzLabsVecEnv"]
 
 logger = logging.getLogger("boltzlabs")
-_RUNTIME_KEYS = ("episode_ids", "completed_episodes", "episode_record")
+_RUNTIME_KEYS = ("episode_ids", "episode_record")
 
 
 class BoltzLabsVecEnv(VectorEnv):
@@ -81,6 +90,9 @@ class BoltzLabsVecEnv(VectorEnv):
         self._waiting = False  # a step_async() awaits its step_wait()
         self._waited: dict = {}  # lane -> its result, gathered by step_wait()
         self._episodes_ended: list = []
+        self._seeds = [-1] * self.num_envs  # the seed each lane was last reset with (-1: none yet)
+        self.completed_episodes = 0
+        """How many episodes ended on the latest step (0 after a reset)."""
 
     @classmethod
     def make(cls, source: str, num_envs: int = 1, *, autoreset_mode=AutoresetMode.NEXT_STEP, copy: bool = True,
@@ -130,23 +142,28 @@ class BoltzLabsVecEnv(VectorEnv):
 
     # -- the VectorEnv API --------------------------------------------------------------
 
+    @property
+    def np_random_seed(self) -> tuple:
+        """The seed each env's generator was made from, as SyncVectorEnv's
+        (42, 43) after reset(seed=42): the seed of the lane's latest seeded
+        reset, -1 (Gymnasium's "unknown") for a lane never seeded."""
+        return tuple(self._seeds)
+
     def reset(self, *, seed: int | list | None = None, options: dict | None = None):
+        """Reset every env (or those of options["reset_mask"]), as SyncVectorEnv.reset."""
         n = self.num_envs
-        if seed is None:
-            seeds = [None] * n
-        elif isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-            seeds = [int(seed) + i for i in range(n)]
-        else:
-            seeds = list(seed)
-            if len(seeds) != n:
-                raise ValueError(f"If seeds are passed as a list the length must match num_envs={n} "
-                                 f"but got length={len(seeds)}.")
+        seeds = _check_seeds(seed, n)
         lanes = list(range(n))
         if options is not None and "reset_mask" in options:
             options = dict(options)  # the caller's dict is left as it was (SyncVectorEnv pops from it)
             mask = _check_reset_mask(options.pop("reset_mask"), n)
             lanes = np.flatnonzero(mask).tolist()
+        if not options:
+            options = None  # an env's reset may take only the seed
         self.pool.reset(seed=seeds, where=lanes, options=options)
+        for i in lanes:
+            if seeds[i] is not None:
+                self._seeds[i] = seeds[i]
         infos: dict = {}
         failed = []
         observations = self.pool.observations
@@ -235,7 +252,8 @@ class BoltzLabsVecEnv(VectorEnv):
             for i in range(n):
                 if i in done:
                     final = obs[i] if obs[i] is not None else self._env_obs[i]
-                    infos = self._add_info(infos, {"final_obs": final, "final_info": env_infos[i]}, i)
+                    # The env's own (writable) arrays in SyncVectorEnv; ours are views of the frame.
+                    infos = self._add_info(infos, {"final_obs": _writable(final), "final_info": env_infos[i]}, i)
                     self._env_obs[i] = observations[i] if observations[i] is not None else final
                     infos = self._add_info(infos, pool.reset_infos[i], i)
                 else:
@@ -253,6 +271,21 @@ class BoltzLabsVecEnv(VectorEnv):
     def render(self):
         """One frame per env, as SyncVectorEnv.render() (None for each when render_mode is None)."""
         return tuple(self.pool.render_all())
+
+    def call(self, name: str, *args, **kwargs) -> tuple:
+        """`name(*args, **kwargs)` in every env, as SyncVectorEnv.call: a
+        method is called, any other attribute's value returned. One result
+        per env; AttributeError for a name the env lacks (RLPool.call)."""
+        return tuple(_writable(r) for r in self.pool.call(name, *args, **kwargs))
+
+    def get_attr(self, name: str) -> tuple:
+        """The attribute `name` of every env: SyncVectorEnv's get_attr, which is call(name)."""
+        return self.call(name)
+
+    def set_attr(self, name: str, values) -> None:
+        """Set `name` in every env: one value for all, or a list or tuple of
+        one per env (SyncVectorEnv.set_attr, its ValueError for a wrong length)."""
+        self.pool.set_attr(name, values)
 
     def close_extras(self, **kwargs) -> None:
         self.pool.close()
@@ -278,18 +311,19 @@ class BoltzLabsVecEnv(VectorEnv):
     def _add_runtime_info(self, infos: dict, completed) -> None:
         n = self.num_envs
         runtime = {"episode_ids": (np.array(self.pool.episode_ids, dtype=object), np.ones(n, dtype=np.bool_))}
-        if completed is not None:
-            runtime["completed_episodes"] = (len(completed), None)
-            if completed:
-                mask = np.zeros(n, dtype=np.bool_)
-                record = {"id": np.full(n, None, dtype=object), "seed": np.full(n, None, dtype=object),
-                          "length": np.zeros(n, dtype=np.int64), "return": np.zeros(n, dtype=np.float64)}
-                for episode in completed:
-                    i = episode["env"]
-                    mask[i] = True
-                    for key in record:
-                        record[key][i] = episode[key]
-                runtime["episode_record"] = (record, mask)
+        self.completed_episodes = len(completed or ())
+        if completed:
+            mask = np.zeros(n, dtype=np.bool_)
+            record = {"id": np.full(n, None, dtype=object), "seed": np.full(n, None, dtype=object),
+                      "length": np.zeros(n, dtype=np.int64), "return": np.zeros(n, dtype=np.float64)}
+            for episode in completed:
+                i = episode["env"]
+                mask[i] = True
+                for key in list(record):
+                    record[key][i] = episode[key]
+            for key in list(record):  # a nested dict has its masks too, as _add_info makes them
+                record[f"_{key}"] = mask.copy()
+            runtime["episode_record"] = (record, mask)
         for key, (value, mask) in runtime.items():
             if key in infos:
                 if key not in self._shadowed:
@@ -298,8 +332,7 @@ class BoltzLabsVecEnv(VectorEnv):
                                    key, key)
                 continue
             infos[key] = value
-            if mask is not None:
-                infos[f"_{key}"] = mask
+            infos[f"_{key}"] = mask
 
 
 def _space(spec, what: str) -> gymnasium.Space:
@@ -307,6 +340,45 @@ def _space(spec, what: str) -> gymnasium.Space:
         raise ValueError(f"the env declared no {what}; pass it to serve(..., {what}=...) in its env.py, "
                          f"or to BoltzLabsVecEnv(pool, {what}=...)")
     return from_spec(spec)
+
+
+def _check_seeds(seed, n: int) -> list:
+    """One seed (or None) per env, checked as Gymnasium checks them (SyncVectorEnv.reset,
+    then seeding.np_random in each env), with its exception types, before anything runs."""
+    if seed is None:
+        return [None] * n
+    if isinstance(seed, int):
+        seeds = [seed + i for i in range(n)]
+    else:
+        try:
+            seeds = list(seed)
+        except TypeError:
+            raise TypeError(f"seed must be an int, a list of {n} ints (or None) or None, not "
+                            f"{type(seed).__name__} (as SyncVectorEnv)") from None
+        if len(seeds) != n:
+            raise ValueError(f"If seeds are passed as a list the length must match num_envs={n} "
+                             f"but got length={len(seeds)}.")
+    for i, value in enumerate(seeds):
+        if value is None or (isinstance(value, int) and value >= 0):
+            continue
+        if not isinstance(value, int):
+            raise gym_error.Error(f"Seed must be a python integer, actual type: {type(value)} (env {i})")
+        raise gym_error.Error(f"Seed must be greater or equal to zero, actual value: {value} (env {i})")
+    return seeds
+
+
+def _writable(value):
+    """`value` with writable copies of the read-only arrays the wire hands out
+    (Gymnasium hands out the env's own arrays). Values came through the
+    worker, whose depth cap keeps this recursion short."""
+    if isinstance(value, np.ndarray):
+        return value if value.flags.writeable else value.copy()
+    kind = type(value)
+    if kind is list or kind is tuple:
+        return kind(_writable(v) for v in value)
+    if kind is dict:
+        return {k: _writable(v) for k, v in value.items()}
+    return value
 
 
 def _check_reset_mask(mask, n: int) -> np.ndarray:

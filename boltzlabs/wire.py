@@ -12,11 +12,23 @@ decodes with msgpack's length limits and, for frames from an env, caps on the
 objects one frame makes and on their depth (`Limits`), and a malformed frame
 raises `ProtocolError` for its caller to attribute to the peer that sent it.
 
-NumPy arrays travel as a msgpack extension (`ARRAY_EXT`): a short header
-(dtype string and shape) and the raw bytes. The worker never decodes them: it
-checks the header (`check_array_header`) and passes the ExtType on as is; the
-client and the env decode them lazily into read-only arrays over the frame's
-bytes (no copy).
+Three msgpack extension types carry what plain msgpack would change (a
+tuple would come back a list, a numpy scalar a Python scalar):
+
+  code  name        payload                                   decoded as
+  1     ARRAY_EXT   header "<dtype>:<dims>" + raw C-order bytes  read-only ndarray view (no copy)
+  2     TUPLE_EXT   a msgpack array of the items               tuple (items decoded as usual)
+  3     SCALAR_EXT  ARRAY_EXT's payload with shape ()          numpy scalar of that dtype
+
+Only plain numeric and bool dtypes travel as ARRAY_EXT and SCALAR_EXT (any
+other array goes as nested lists, other numpy scalars as Python values); a
+namedtuple goes as a plain tuple; subclasses of int, float, str, bytes, list
+and dict as their base type. The worker checks ARRAY_EXT and SCALAR_EXT
+headers (`check_array_header`) and passes them on without NumPy; it decodes a
+TUPLE_EXT's items under the same caps as the rest of the frame (its objects
+count toward `max_objects`, its levels toward `max_depth`, and tuples nest at
+most `MAX_TUPLE_NESTING` deep: each level is a nested decode), and encodes
+the tuple again when it passes it on.
 
 This module imports only the standard library and msgpack: it runs inside
 every env, and what an env imports every env pays for. NumPy is imported by
@@ -33,7 +45,7 @@ import msgpack
 
 from boltzlabs.errors import ProtocolError, TooMany  # noqa: F401 - wire.ProtocolError, its old home
 
-PROTOCOL_VERSION = 2  # 2: arrays as ARRAY_EXT, spaces in HELLO, RENDER
+PROTOCOL_VERSION = 3  # 2: arrays as ARRAY_EXT, spaces in HELLO, RENDER; 3: TUPLE_EXT, SCALAR_EXT, ATTR
 
 HEADER = struct.Struct("<I")
 
@@ -47,8 +59,13 @@ STEP = 10  # [STEP, seq, action, gated]
 RESET = 11  # [RESET, seq, seed, options]
 GO = 12  # [GO, seq]: the serialize_measurement gate is yours
 RENDER = 13  # [RENDER, seq]
-# env -> worker, answering RENDER
+# [ATTR, seq, op, name, args, kwargs]: op "call" (a method with args and
+# kwargs, or an attribute's value), "get" (an attribute's value) or "set"
+# (args is [value]); the env's serve(methods=, attributes=, target=)
+ATTR = 14
+# env -> worker, answering RENDER and ATTR
 RENDERED = 4  # [RENDERED, seq, frame]
+ATTR_DONE = 5  # [ATTR_DONE, seq, value]
 # client <-> worker
 OPEN = 20
 PROGRESS = 21
@@ -80,6 +97,11 @@ ACCEPTED = 35  # [ACCEPTED, {"pid": worker pid}]
 # array (object, str, datetime) is sent as nested lists, as before.
 
 ARRAY_EXT = 1
+TUPLE_EXT = 2  # payload: a msgpack array of the tuple's items (packed by this module: may hold ext types)
+SCALAR_EXT = 3  # payload: ARRAY_EXT's, with shape ()
+# Each tuple level is a nested msgpack decode (and encode), whose C unpacker
+# puts a ~40 KiB context on the stack: 32 levels stay far inside 8 MiB.
+MAX_TUPLE_NESTING = 32
 _HEAD = struct.Struct("<H")
 _MAX_NDIM = 32  # NumPy 1.x's NPY_MAXDIMS
 # The size an array's shape may describe, empty dimensions counted as 1. A
@@ -89,7 +111,7 @@ _NUMERIC = frozenset([("b", 1)] + [(k, s) for k in "iu" for s in (1, 2, 4, 8)]
                      + [("f", s) for s in (2, 4, 8, 16)] + [("c", s) for s in (8, 16, 32)])
 
 
-def _array_ext(array):
+def _array_ext(array, code: int = ARRAY_EXT):
     dtype = array.dtype
     if (dtype.kind, dtype.itemsize) not in _NUMERIC or dtype.fields is not None:
         return None
@@ -98,7 +120,7 @@ def _array_ext(array):
     head = _HEAD.pack(len(text) + pad) + text + b" " * pad
     # C-contiguous arrays are joined straight from their buffer: one copy.
     raw = array.data if array.flags.c_contiguous else array.tobytes()
-    return msgpack.ExtType(ARRAY_EXT, b"".join((head, raw)))
+    return msgpack.ExtType(code, b"".join((head, raw)))
 
 
 def check_array_header(data: bytes, max_bytes: int = _MAX_ARRAY_BYTES):
@@ -147,45 +169,66 @@ def check_array_header(data: bytes, max_bytes: int = _MAX_ARRAY_BYTES):
     return dtype, shape, start
 
 
-def _decode_ext(code: int, data: bytes):
-    if code != ARRAY_EXT:
-        return msgpack.ExtType(code, data)
-    dtype, shape, start = check_array_header(data)
+def _numpy():
     np = sys.modules.get("numpy")
     if np is None:
         import numpy as np
-    # Zero-copy: a read-only view of the payload's bytes.
-    return np.frombuffer(data, dtype=np.dtype(dtype), offset=start).reshape(shape)
+    return np
 
 
-def _check_ext(code: int, data: bytes):
-    if code != ARRAY_EXT:
-        raise ValueError(f"unknown msgpack extension type {code}")
-    check_array_header(data)
-    return msgpack.ExtType(code, data)
-
-
-_EXT_HOOKS = {"decode": _decode_ext, "check": _check_ext, "pass": None}
+def _scalar(data: bytes, check_only: bool):
+    dtype, shape, start = check_array_header(data)
+    if shape:
+        raise ValueError("scalar ext has the shape of an array")
+    if check_only:  # the worker: the header is checked, the bytes are passed on untouched
+        return msgpack.ExtType(SCALAR_EXT, data)
+    np = _numpy()
+    return np.frombuffer(data, dtype=np.dtype(dtype), offset=start)[0]
 
 
 def _default(obj):
-    # numpy values are converted only when they appear, so numpy is never
-    # imported here: an env that does not use it does not pay for it.
+    # The packer runs with strict_types: anything not exactly a msgpack type
+    # comes here. numpy values are converted only when they appear, so numpy
+    # is never imported here: an env that does not use it does not pay for it.
     cls = type(obj)
     if cls.__module__ == "numpy":
         if cls.__name__ == "ndarray":
             ext = _array_ext(obj)
             if ext is not None:
                 return ext
+        elif getattr(obj, "ndim", None) == 0 and hasattr(obj, "dtype"):
+            ext = _array_ext(_numpy().asarray(obj), SCALAR_EXT)  # a scalar keeps its dtype
+            if ext is not None:
+                return ext
         tolist = getattr(obj, "tolist", None)
         if tolist is not None:
-            return tolist()  # numpy scalars become Python scalars; odd arrays nested lists
+            return tolist()  # np.str_ and friends become Python values; odd arrays nested lists
+    if isinstance(obj, tuple):
+        return msgpack.ExtType(TUPLE_EXT, _pack_items(obj))
     if isinstance(obj, int):
-        raise TypeError(f"integer {obj} is out of msgpack's 64-bit range")
+        if cls is int:
+            raise TypeError(f"integer {obj} is out of msgpack's 64-bit range")
+        return int(obj)  # an IntEnum, say: as its value (bool is exact, never here)
+    for base in (float, str, bytes, list, dict):
+        if isinstance(obj, base):
+            return base(obj)
     raise TypeError(f"cannot serialize object of type {type(obj).__name__}")
 
 
-_packer = msgpack.Packer(default=_default, use_bin_type=True)
+_packer = msgpack.Packer(default=_default, use_bin_type=True, strict_types=True)
+_nesting = [0]  # tuples being packed inside one another
+
+
+def _pack_items(items) -> bytes:
+    # A packer is not reentrant: a tuple's items are packed by a fresh one.
+    if _nesting[0] >= MAX_TUPLE_NESTING:
+        raise ValueError(f"tuples nested more than {MAX_TUPLE_NESTING} deep cannot be sent (MAX_TUPLE_NESTING): "
+                         "use lists for deep structures")
+    _nesting[0] += 1
+    try:
+        return msgpack.packb(list(items), default=_default, use_bin_type=True, strict_types=True)
+    finally:
+        _nesting[0] -= 1
 
 
 def encode(message) -> bytes:
@@ -199,10 +242,11 @@ class Limits:
     (when `max_objects` is given) how many objects one frame may hold (lists
     and maps, and the items they hold) and how deep they may nest.
 
-    `arrays` says what happens to ARRAY_EXT values: "decode" (client, env:
-    read-only numpy arrays), "check" (worker, from an env: validate the
-    header, keep the ExtType; any other extension is malformed) or "pass"
-    (worker, from the client: keep every ExtType as is).
+    `arrays` says what happens to extension values: "decode" (client, env:
+    read-only numpy arrays, numpy scalars, tuples), "check" (worker, from an
+    env: validate array and scalar headers and keep their ExtType, decode
+    tuples under these same caps; any other extension is malformed) or
+    "pass" (worker, from the client: keep every ExtType as is).
 
     Objects are what make a frame cost more memory than its bytes: an empty
     list is one byte on the wire and 64 in the worker, a 2-byte string 51.
@@ -218,7 +262,7 @@ class Limits:
     (no recursion), after the decode.
     """
 
-    __slots__ = ("max_frame", "kwargs", "max_depth", "max_objects", "guarded", "_count", "made")
+    __slots__ = ("max_frame", "kwargs", "max_depth", "max_objects", "guarded", "_count", "made", "_inner")
 
     def __init__(self, max_frame: int, max_str_len: int = None, max_bin_len: int = None,
                  max_array_len: int = None, max_map_len: int = None, arrays: str = "decode",
@@ -238,9 +282,11 @@ class Limits:
             max_map_len=clamp(max_map_len),
             max_ext_len=cap,
         )
-        hook = _EXT_HOOKS[arrays]
-        if hook is not None:
-            self.kwargs["ext_hook"] = hook
+        # The decode options a tuple's items are decoded with: those of the
+        # frame around it (decode() switches it to the guarded ones).
+        self._inner = [self.kwargs]
+        if arrays != "pass":  # "pass" keeps every ExtType: msgpack's default, no hook
+            self.kwargs["ext_hook"] = _ext_hook(arrays, self._inner)
         self.max_depth = self.max_objects = None
         self.guarded = None
         self._count = [0, 0]  # objects, containers: of the frame being decoded
@@ -273,6 +319,54 @@ class Limits:
             self.guarded = dict(self.kwargs, list_hook=counted_list, object_hook=counted_map)
 
 
+def _ext_hook(mode: str, inner: list):
+    """The ext hook of a Limits in `mode` "decode" (client, env) or "check"
+    (worker, from an env: anything unknown is malformed). `inner[0]` holds
+    the decode options a tuple's items are decoded with."""
+    level = [0]  # tuples being decoded inside one another
+    check_only = mode == "check"
+
+    def items_of(data):
+        if level[0] >= MAX_TUPLE_NESTING:
+            raise ValueError(f"tuples nested more than {MAX_TUPLE_NESTING} deep (MAX_TUPLE_NESTING)")
+        level[0] += 1
+        try:
+            # The same caps: a tuple's items count toward the frame's objects.
+            items = msgpack.unpackb(data, **inner[0])
+        finally:
+            level[0] -= 1
+        if type(items) is not list:
+            raise ValueError("tuple ext does not hold an array of items")
+        return tuple(items)
+
+    # Hot path: an array is the common ext, tested first, decoded inline.
+    if check_only:
+        def hook(code: int, data: bytes):
+            if code == ARRAY_EXT:
+                check_array_header(data)
+                return msgpack.ExtType(code, data)
+            if code == TUPLE_EXT:
+                return items_of(data)
+            if code == SCALAR_EXT:
+                return _scalar(data, True)
+            raise ValueError(f"unknown msgpack extension type {code}")
+    else:
+        def hook(code: int, data: bytes):
+            if code == ARRAY_EXT:
+                dtype, shape, start = check_array_header(data)
+                np = sys.modules.get("numpy")
+                if np is None:
+                    import numpy as np
+                # Zero-copy: a read-only view of the payload's bytes.
+                return np.frombuffer(data, dtype=np.dtype(dtype), offset=start).reshape(shape)
+            if code == TUPLE_EXT:
+                return items_of(data)
+            if code == SCALAR_EXT:
+                return _scalar(data, False)
+            return msgpack.ExtType(code, data)
+    return hook
+
+
 # The deepest a Limits may allow: re-encoded inside a REPLY (3 more levels)
 # and decoded again, it stays under msgpack's 1024-level stack in C, and
 # under Python's default recursion limit (1000) for code that walks it.
@@ -291,7 +385,7 @@ def _too_deep(message, limit: int) -> bool:
             return True
         items = value.values() if type(value) is dict else value
         for item in items:
-            if type(item) is list or type(item) is dict:
+            if type(item) is list or type(item) is dict or type(item) is tuple:
                 push((item, depth + 1))
     return False
 
@@ -309,9 +403,12 @@ def decode(body, limits: Limits):
         else:
             count = limits._count
             count[0] = count[1] = 0
+            inner = limits._inner
+            inner[0] = guarded
             try:
                 message = msgpack.unpackb(body, **guarded)
             finally:
+                inner[0] = limits.kwargs
                 limits.made += count[0]
     except TooMany:
         error = (f"frame holds more than {limits.max_objects} objects (lists, maps and their items); "

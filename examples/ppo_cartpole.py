@@ -86,7 +86,7 @@ def train(args) -> tuple[list, list]:
             rew_buf[t] = reward
             obs = torch.as_tensor(next_obs)
             done = torch.as_tensor(terminated | truncated, dtype=torch.float32)
-            if infos.get("completed_episodes"):
+            if "episode_record" in infos:  # some episodes ended on this step
                 mask = infos["_episode_record"]
                 for ret in infos["episode_record"]["return"][mask]:
                     curve_steps.append(step)

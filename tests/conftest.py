@@ -58,6 +58,17 @@ def env_dir(tmp_path):
     return make
 
 
+def env_class(directory: Path, name: str):
+    """The class `name` of a test env's env.py, imported in this process (for
+    SyncVectorEnv beside the pool); the file serves only when run as a script."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"boltzlabs_test_{directory.name}", directory / "env.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
 def open_fds() -> set:
     return set(os.listdir("/proc/self/fd"))
 

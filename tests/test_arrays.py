@@ -87,8 +87,8 @@ def test_nested_in_messages_and_scalars_stay_scalars():
     value = {"obs": [np.ones((2, 2), np.float32), {"deep": np.array(3, np.int8)}], "r": np.float32(0.5)}
     got = roundtrip(value)
     assert_same_array(got["obs"][0], value["obs"][0])
-    assert_same_array(got["obs"][1]["deep"], value["obs"][1]["deep"])
-    assert type(got["r"]) is float
+    assert_same_array(got["obs"][1]["deep"], value["obs"][1]["deep"])  # a 0-d array stays an array
+    assert type(got["r"]) is np.float32 and got["r"] == 0.5  # a numpy scalar stays a scalar of its dtype
 
 
 def test_large_array_round_trips():

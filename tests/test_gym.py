@@ -11,7 +11,6 @@ and records, the env contract, render, and failures on a lane.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import uuid
 
@@ -26,21 +25,14 @@ from boltzlabs.pool import sources
 from boltzlabs.errors import EnvError
 from boltzlabs.gym import BoltzLabsVecEnv
 
-from conftest import TESTS
+from conftest import TESTS, env_class
 
 DICT_ENV = TESTS / "envs" / "dict_env"
 N = 3
-RUNTIME_KEYS = {"episode_ids", "_episode_ids", "completed_episodes", "episode_record", "_episode_record"}
+RUNTIME_KEYS = {"episode_ids", "_episode_ids", "episode_record", "_episode_record"}
 
 
-def _dict_env_class():
-    spec = importlib.util.spec_from_file_location("boltzlabs_test_dict_env", DICT_ENV / "env.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.DictEnv
-
-
-DictEnv = _dict_env_class()
+DictEnv = env_class(DICT_ENV, "DictEnv")
 
 # name: (source, params, in-process factory)
 CASES = {
@@ -171,7 +163,7 @@ def test_make_and_the_contract(monkeypatch):
         assert uuid.UUID(envs.env_id).version == 7
         contract = envs.env_contract
         assert contract.id == "CartPole-v1" and contract.render_mode is None
-        assert contract.protocol_version == 2
+        assert contract.protocol_version == 3
         assert contract.observation_space["type"] == "Box" and contract.action_space == envs.action_space_spec
         assert contract.metadata["render_fps"] == 50
         assert envs.metadata["autoreset_mode"] is AutoresetMode.NEXT_STEP
@@ -269,7 +261,7 @@ def test_episode_ids_and_records(pools, mode):
     _, infos = envs.reset(seed=[5, 6, 7])
     ids = list(infos["episode_ids"])
     assert all(uuid.UUID(i).version == 7 for i in ids) and len(set(ids)) == N
-    assert infos["_episode_ids"].all() and "completed_episodes" not in infos
+    assert infos["_episode_ids"].all() and envs.completed_episodes == 0
     returns, lengths, seeds = np.zeros(N), np.zeros(N, int), [5, 6, 7]
     pending_reset = np.zeros(N, bool)
     all_ids = set(ids)
@@ -280,7 +272,7 @@ def test_episode_ids_and_records(pools, mode):
         counted = ~pending_reset  # NEXT_STEP: a reset step counts toward no episode
         returns[counted] += rewards[counted]
         lengths[counted] += 1
-        assert infos["completed_episodes"] == int(done.sum())
+        assert envs.completed_episodes == int(done.sum())
         if done.any():
             record, mask = infos["episode_record"], infos["_episode_record"]
             np.testing.assert_array_equal(mask, done)
@@ -312,7 +304,7 @@ SHADOW = """
     from boltzlabs.env import serve
     from gymnasium import spaces
     serve(reset=lambda seed, options=None: (0, {"episode_ids": "mine"}),
-          step=lambda a: (0, 1.0, False, False, {"completed_episodes": "mine too"}),
+          step=lambda a: (0, 1.0, True, False, {"episode_record": "mine too"}),
           observation_space=spaces.Discrete(3), action_space=spaces.Discrete(2))
 """
 
@@ -323,10 +315,13 @@ def test_an_env_key_shadows_the_runtime_key_logged_once(env_dir, caplog):
         with caplog.at_level(logging.WARNING, logger="boltzlabs"):
             _, infos = envs.reset()
             assert list(infos["episode_ids"]) == ["mine", "mine"]
-            for _ in range(3):
+            for t in range(4):
                 _, _, _, _, infos = envs.step(np.array([0, 1]))
-                assert list(infos["completed_episodes"]) == ["mine too"] * 2
-                assert len(infos["episode_ids"]) == 2 and infos["episode_ids"][0] != "mine"
+                if t % 2 == 0:  # both episodes ended: the env's episode_record wins over ours
+                    assert list(infos["episode_record"]) == ["mine too"] * 2 and envs.completed_episodes == 2
+                    assert len(infos["episode_ids"]) == 2 and infos["episode_ids"][0] != "mine"
+                else:  # the next-step autoreset: its info's episode_ids wins
+                    assert list(infos["episode_ids"]) == ["mine", "mine"] and "episode_record" not in infos
         shadows = [r.getMessage() for r in caplog.records if "shadows" in r.getMessage()]
         assert len(shadows) == 2, shadows  # once per key, not once per step
     finally:

@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from boltzlabs import EnvStartError
+from framers import PATHS
 
 HOSTILE = """
     import os
@@ -48,9 +49,36 @@ HOSTILE = """
         payload = struct.pack("<H", len(text) + pad) + text + b" " * pad
         return msgpack.packb(msgpack.ExtType(wire.ARRAY_EXT, payload))
 
+    def tuple_ext(payload):
+        return msgpack.packb(msgpack.ExtType(wire.TUPLE_EXT, payload))
+
+    def deep_tuple(depth):  # ((((...)))): `depth` tuple exts, one inside the other
+        inner = msgpack.packb([])
+        for _ in range(depth):
+            inner = msgpack.packb([msgpack.ExtType(wire.TUPLE_EXT, inner)])
+        return tuple_ext(inner)
+
+    def scalar_ext(text, raw):
+        pad = -(2 + len(text)) % 16
+        return msgpack.packb(msgpack.ExtType(wire.SCALAR_EXT, struct.pack("<H", len(text) + pad) + text
+                                             + b" " * pad + raw))
+
     def attack(seq, action):
         op = action["op"]
-        if op == "deep":
+        if op == "deep_tuple":
+            put(stepped(seq, deep_tuple(action["depth"])))
+        elif op == "wide_tuple":  # one tuple of 1,000,000 empty lists: 1 MB on the wire
+            put(stepped(seq, tuple_ext(array32(1_000_000, b"\\x90"))))
+        elif op == "tuples_of_lists":  # 600 levels of [[( ... )]], 30 of them tuples: the depth cap counts tuples too
+            body = b"\\xc0"
+            for level in range(600):
+                body = b"\\x91" + body if level % 20 else tuple_ext(b"\\x91" + body)
+            put(stepped(seq, body))
+        elif op == "tuple_not_array":
+            put(stepped(seq, tuple_ext(msgpack.packb({"a": 1}))))
+        elif op == "bad_scalar":
+            put(stepped(seq, scalar_ext(action["text"].encode(), b"\\x00" * action["bytes"])))
+        elif op == "deep":
             put(stepped(seq, nest(action["depth"])))
         elif op == "deep_unsolicited":
             put(stepped(seq - 1, nest(action["depth"])))
@@ -109,10 +137,27 @@ HOSTILE = """
 """
 
 
+@pytest.fixture(autouse=True, params=PATHS)
+def path(request, monkeypatch):
+    """Every attack, on both of the worker's step paths (framers.PATHS):
+    native (boltzlabs.worker._fastpath) and pure Python (BOLTZLABS_PURE=1)."""
+    if request.param == "pure":
+        monkeypatch.setenv("BOLTZLABS_PURE", "1")
+    else:
+        monkeypatch.delenv("BOLTZLABS_PURE", raising=False)
+    return request.param
+
+
 @pytest.fixture
-def hostile_pool(env_dir, pool_factory):
+def hostile_pool(env_dir, pool_factory, path):
     source = env_dir(HOSTILE)
-    return lambda n=2, **kwargs: pool_factory(source, n, **kwargs)
+
+    def make(n=2, **kwargs):
+        pool = pool_factory(source, n, **kwargs)
+        assert pool.fast_path == (path == "native")
+        return pool
+
+    return make
 
 
 def assert_lane_failed(obs, dones, infos, lane, *words):
@@ -172,6 +217,32 @@ def test_array_header_with_absurd_shape_fails_its_lane(hostile_pool, shape):
     obs, _, dones, infos = pool.step([{"op": "bad_array", "shape": list(shape)}, 7])
     assert_lane_failed(obs, dones, infos, 0, "array")
     assert_normal(obs, dones, infos, 1)
+    assert_pool_recovers(pool, 0)
+
+
+# --- tuples and numpy scalars (issue 17, point 4) ----------------------------------------------
+
+
+@pytest.mark.parametrize("attack, words", [
+    ({"op": "deep_tuple", "depth": 40}, "tuples nested more than 32 deep"),
+    ({"op": "deep_tuple", "depth": 5000}, "tuples nested more than 32 deep"),
+    ({"op": "wide_tuple"}, "objects"),
+    ({"op": "tuples_of_lists"}, "nested deeper than 512"),
+    ({"op": "tuple_not_array"}, "tuple ext does not hold an array"),
+    ({"op": "bad_scalar", "text": "<f4:3", "bytes": 12}, "scalar ext has the shape of an array"),
+    ({"op": "bad_scalar", "text": "<f4:", "bytes": 3}, "does not match"),
+    ({"op": "bad_scalar", "text": "<O8:", "bytes": 8}, "unsupported dtype"),
+    ({"op": "bad_scalar", "text": "<f8:" + "0," * 40 + "0", "bytes": 0}, "bad shape"),
+], ids=["deep-40", "deep-5000", "wide", "tuples-of-lists", "not-an-array", "scalar-shaped", "scalar-short",
+        "scalar-object", "scalar-ndim"])
+def test_hostile_tuple_and_scalar_exts_fail_their_lane(hostile_pool, attack, words):
+    pool = hostile_pool(2)
+    pool.reset()
+    worker = pool._link.proc.pid
+    obs, _, dones, infos = pool.step([attack, 7])
+    assert_lane_failed(obs, dones, infos, 0, words)
+    assert_normal(obs, dones, infos, 1)
+    assert psutil.Process(worker).is_running()
     assert_pool_recovers(pool, 0)
 
 

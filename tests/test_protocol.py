@@ -100,7 +100,7 @@ def any_pool(request):
 BAD_INPUTS = [  # (what, call, exception, message)
     ("seed of a wrong type", lambda p: p.reset(seed="1"), TypeError, "seed must be an int"),
     ("seed list too short", lambda p: p.reset(seed=[1, 2]), ValueError, "one seed per env"),
-    ("a seed in the list no int", lambda p: p.reset(seed=[0, 1, "x", 3]), TypeError, "no int"),
+    ("a seed in the list no int", lambda p: p.reset(seed=[0, 1, 1.5, 3]), TypeError, "whole numbers"),
     ("where out of range", lambda p: p.reset(where=[7]), ValueError, "outside"),
     ("where mask of a wrong length", lambda p: p.reset(where=np.ones(3, bool)), ValueError, "needs 4 booleans"),
     ("too few actions", lambda p: p.step([1.0]), ValueError, "needs 4 actions"),
@@ -186,7 +186,7 @@ def test_vec_env_over_a_ray_cluster_steps_as_a_local_one(ray_cluster):
             for _ in range(60):  # long enough for CartPole episodes to end and autoreset
                 obs, rewards, terminated, truncated, infos = envs.step(rng.integers(0, 2, size=4))
                 assert len(set(infos["episode_ids"])) == 4
-                episodes += infos["completed_episodes"]
+                episodes += envs.completed_episodes
                 out.append((obs.copy(), rewards.copy(), terminated.copy(), truncated.copy()))
             return kind, out, episodes
         finally:
@@ -210,9 +210,11 @@ def test_every_exception_class_is_defined_in_errors_py():
         if path.name == "errors.py" and path.parent == PACKAGE:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
+            # AssertionError subclasses (boltzlabs.testing's failed checks for users' CI) are
+            # assertions pytest reports, not errors of the pool: they stay with their checks.
             if isinstance(node, ast.ClassDef) and any(
                     re.search(r"(Error|Exception|Unavailable|Refused|Gone)$", ast.unparse(base))
-                    for base in node.bases):
+                    and ast.unparse(base) != "AssertionError" for base in node.bases):
                 elsewhere.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name}")
     assert not elsewhere, f"exception classes outside boltzlabs/errors.py: {elsewhere}"
 

@@ -28,6 +28,7 @@ import pytest
 
 from boltzlabs import RLPool
 from boltzlabs.sandbox import seccomp
+from boltzlabs.sandbox.policy import load_policy
 from boltzlabs.errors import SandboxUnavailable
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="syscall numbers and the int 0x80 stub are x86_64's")
@@ -375,9 +376,9 @@ def denied(errno_: int) -> int:
 
 
 def test_compiled_program_refuses_every_rule_of_the_policy():
-    rules = seccomp.load_rules()
+    rules = load_policy().seccomp
     constants = rules["constants"]
-    filters = seccomp.compile_policy()
+    filters = seccomp.compile_rules(load_policy().seccomp)
     allowed_in_template = set(rules["template"]["allow"])
     checked = 0
     for rule in rules["deny"]:
@@ -416,7 +417,7 @@ def test_compiled_program_refuses_every_rule_of_the_policy():
 
 
 def test_compiled_program_refuses_the_32_bit_abis():
-    filters = seccomp.compile_policy()
+    filters = seccomp.compile_rules(load_policy().seccomp)
     for program in (filters.env, filters.template):
         assert run_bpf(program, 20, arch=AUDIT_ARCH_I386) == denied(errno.ENOSYS)  # int 0x80 getpid
         assert run_bpf(program, 0x40000000 | 39) == denied(errno.ENOSYS)  # x32 getpid
@@ -427,14 +428,14 @@ def test_compiled_program_refuses_the_32_bit_abis():
 
 
 def test_shipped_policy_compiles():
-    filters = seccomp.compile_policy()
+    filters = seccomp.compile_rules(load_policy().seccomp)
     for program in (filters.env, filters.template):
         assert program and len(program) % 8 == 0 and len(program) // 8 <= 4096
     assert filters.env != filters.template
 
 
 def policy_with(rule: dict) -> dict:
-    rules = seccomp.load_rules()
+    rules = load_policy().seccomp
     rules["deny"] = rules["deny"] + [rule]
     return rules
 
@@ -453,11 +454,11 @@ def test_a_bad_policy_gives_a_clear_error(rule, message):
     with pytest.raises(seccomp.SeccompPolicyError) as info:
         seccomp.compile_filter(policy_with(rule))
     assert message in str(info.value)
-    assert f"[[deny]] #{len(seccomp.load_rules()['deny']) + 1} ({rule['why']!r})" in str(info.value)
+    assert f"[[deny]] #{len(load_policy().seccomp['deny']) + 1} ({rule['why']!r})" in str(info.value)
 
 
 def test_template_allow_must_name_a_denied_call():
-    rules = seccomp.load_rules()
+    rules = load_policy().seccomp
     rules["template"] = {"allow": ["mount", "mkdir"]}
     with pytest.raises(seccomp.SeccompPolicyError, match=r"\['mkdir'\]"):
         seccomp.compile_filter(rules, template=True)
@@ -466,7 +467,7 @@ def test_template_allow_must_name_a_denied_call():
 def test_a_missing_libseccomp_says_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "pyseccomp", None)  # import fails, as without the library
     with pytest.raises(SandboxUnavailable, match="apt-get install -y libseccomp2"):
-        seccomp.compile_filter(seccomp.load_rules())
+        seccomp.compile_filter(load_policy().seccomp)
 
 
 def test_exec_modes_set_up_imports_no_host_half():

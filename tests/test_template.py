@@ -208,7 +208,12 @@ def reset(seed):
         mounts = [line.split() for line in f]
     top = {m[4]: m[2] for m in mounts}  # the last mount on a path is the one in use
     own = {top[path] for path in ("/workspace", "/dev/shm", "/proc")}
-    return {"same": os.stat("/workspace").st_dev == os.stat("/dev/shm").st_dev, "devices": sorted(own)}
+    # What this child left in its tmpfs, and the pid its proc shows: a new
+    # superblock of each after a hard reset shows neither.
+    marked = os.path.exists("/workspace/marker")
+    open("/workspace/marker", "w").close()
+    return {"same": os.stat("/workspace").st_dev == os.stat("/dev/shm").st_dev, "devices": sorted(own),
+            "marked": marked}
 
 serve(reset=reset, step=lambda action: (0, 0.0, False, {}))
 """
@@ -221,8 +226,11 @@ def test_each_child_mounts_one_tmpfs_for_its_workspace_and_dev_shm(env_dir):
         for obs in pool.reset():
             assert obs["same"] is True
             assert len(obs["devices"]) == 2, obs  # the tmpfs and the proc
-        first = pool.reset()[0]["devices"]
-        assert pool.reset(hard=True)[0]["devices"] != first  # a new tmpfs and proc per child
+        assert pool.reset()[0]["marked"] is True  # a soft reset keeps the tmpfs
+        # A new tmpfs per child. (Not compared by device number: a freed
+        # anonymous device's number is reused, so the new child may get the old one.)
+        after = pool.reset(hard=True)[0]
+        assert after["marked"] is False and len(after["devices"]) == 2, after
 
 
 

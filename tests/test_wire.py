@@ -8,7 +8,9 @@ or `ProtocolError` -- never another exception, a hang, or an unbounded buffer.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import enum
 import math
 import signal
 import struct
@@ -23,6 +25,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from boltzlabs import wire
+from framers import PATHS, make_reader
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,9 +110,10 @@ buffer_kinds = st.sampled_from(["bytes", "bytearray", "memoryview"])
 # --- 1. round trip under arbitrary chunking --------------------------------------
 
 
+@pytest.mark.parametrize("path", PATHS)
 @SETTINGS
 @given(msgs=message_lists, data=st.data())
-def test_round_trip_any_chunking(msgs, data):
+def test_round_trip_any_chunking(path, msgs, data):
     frames = [wire.encode(m) for m in msgs]
     stream = b"".join(frames)
     ends = []  # offset just past each frame
@@ -118,7 +122,7 @@ def test_round_trip_any_chunking(msgs, data):
     cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=20), label="cuts")
     kind = data.draw(buffer_kinds, label="buffer")
 
-    reader = wire.FrameReader(BIG)
+    reader = make_reader(path, BIG)
     got = []
     fed = 0
     for chunk in split(stream, cuts):
@@ -134,11 +138,12 @@ def test_round_trip_any_chunking(msgs, data):
     assert reader.pending == 0
 
 
+@pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(msgs=message_lists)
-def test_round_trip_one_byte_at_a_time(msgs):
+def test_round_trip_one_byte_at_a_time(path, msgs):
     stream = b"".join(wire.encode(m) for m in msgs)
-    reader = wire.FrameReader(BIG)
+    reader = make_reader(path, BIG)
     got = []
     for i in range(len(stream)):
         got.extend(reader.feed(stream[i:i + 1]))
@@ -148,11 +153,12 @@ def test_round_trip_one_byte_at_a_time(msgs):
     assert reader.pending == 0
 
 
+@pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(msg=messages)
-def test_round_trip_whole_frame_fast_path(msg):
+def test_round_trip_whole_frame_fast_path(path, msg):
     # One read carrying exactly one frame takes the no-buffering path.
-    reader = wire.FrameReader(BIG)
+    reader = make_reader(path, BIG)
     got = reader.feed(wire.encode(msg))
     assert len(got) == 1
     assert_same(got[0], msg)
@@ -274,12 +280,13 @@ def reference_parse(stream: bytes, limits: wire.Limits):
     return out, None, pos
 
 
-def check_hostile(stream: bytes, cuts, limits: wire.Limits):
-    """Feed `stream` cut at `cuts` and check the outcome exactly against the model:
-    the same messages in order, ProtocolError from exactly the read that delivers
-    the offending byte, never another exception, never a hang."""
+def check_hostile(stream: bytes, cuts, limits: wire.Limits, path: str = "pure"):
+    """Feed `stream` cut at `cuts` on `path` (framers.PATHS) and check the
+    outcome exactly against the model: the same messages in order,
+    ProtocolError from exactly the read that delivers the offending byte,
+    never another exception, never a hang."""
     expected, trigger, consumed = reference_parse(stream, limits)
-    reader = wire.FrameReader(limits)
+    reader = make_reader(path, limits)
     got = []
     fed = 0
     taken = 0  # bytes of whole frames handed out so far
@@ -309,38 +316,42 @@ def check_hostile(stream: bytes, cuts, limits: wire.Limits):
     return got
 
 
+@pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=500, deadline=None)
 @given(garbage=st.binary(max_size=2048), data=st.data())
-def test_random_bytes_give_messages_or_protocol_error(garbage, data):
+def test_random_bytes_give_messages_or_protocol_error(path, garbage, data):
     cuts = data.draw(st.lists(st.integers(0, len(garbage)), max_size=10), label="cuts")
-    check_hostile(garbage, cuts, wire.Limits(4096))
+    check_hostile(garbage, cuts, wire.Limits(4096), path)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=500, deadline=None)
 @given(body=st.binary(max_size=512), extra=st.binary(max_size=16), data=st.data())
-def test_valid_prefix_with_garbage_body(body, extra, data):
+def test_valid_prefix_with_garbage_body(path, body, extra, data):
     # A correct length prefix around arbitrary bytes: the cap never fires, so
     # every failure here comes from msgpack decoding or the message-shape check.
     stream = frame(body) + extra
     cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=6), label="cuts")
-    check_hostile(stream, cuts, wire.Limits(4096))
+    check_hostile(stream, cuts, wire.Limits(4096), path)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(msgs=st.lists(messages, min_size=1, max_size=4), garbage=st.binary(min_size=1, max_size=256),
        data=st.data())
-def test_valid_frames_then_garbage(msgs, garbage, data):
+def test_valid_frames_then_garbage(path, msgs, garbage, data):
     frames = [wire.encode(m) for m in msgs]
     stream = b"".join(frames) + garbage
     cuts = data.draw(st.lists(st.integers(0, len(stream)), max_size=8), label="cuts")
-    got = check_hostile(stream, cuts, wire.Limits(4096))
+    got = check_hostile(stream, cuts, wire.Limits(4096), path)
     for g, m in zip(got, msgs):  # the genuine messages come first, intact
         assert_same(g, m)
 
 
-def test_garbage_body_byte_by_byte():
+@pytest.mark.parametrize("path", PATHS)
+def test_garbage_body_byte_by_byte(path):
     stream = frame(b"\x92\x01\xc1")
-    check_hostile(stream, range(len(stream)), wire.Limits(4096))
+    check_hostile(stream, range(len(stream)), wire.Limits(4096), path)
 
 
 @pytest.mark.parametrize(
@@ -599,14 +610,23 @@ def test_encode_frame_layout():
 
 
 @pytest.mark.parametrize(
+    "value",
+    [np.int64(-7), np.uint64(2**64 - 1), np.int8(5), np.int32(-3), np.float32(0.1), np.float64(2.0),
+     np.float16(1.5), np.bool_(True), np.complex64(1 + 2j), np.float32(np.nan)],
+    ids=repr,
+)
+def test_numpy_scalars_keep_their_type_and_dtype(value):
+    # Issue 17, point 4: an env's np.float32 info must batch as float32, not float64.
+    msg = [wire.STEPPED, 0, value, {"obs": value, "in a list": [value], "in a tuple": (value,)}]
+    (got,) = wire.FrameReader(BIG).feed(wire.encode(msg))
+    for item in (got[2], got[3]["obs"], got[3]["in a list"][0], got[3]["in a tuple"][0]):
+        assert type(item) is type(value) and item.dtype == value.dtype
+        assert item == value or (np.isnan(item) and np.isnan(value))
+
+
+@pytest.mark.parametrize(
     "value, plain",
     [
-        (np.int64(-7), -7),
-        (np.uint64(2**64 - 1), 2**64 - 1),
-        (np.int8(5), 5),
-        (np.float32(0.1), float(np.float32(0.1))),
-        (np.float64(2.0), 2.0),
-        (np.bool_(True), True),
         (np.str_("hi"), "hi"),
         # arrays of dtypes the array extension does not carry fall back to lists
         (np.array(["a", "bc"]), ["a", "bc"]),
@@ -614,14 +634,97 @@ def test_encode_frame_layout():
     ],
     ids=repr,
 )
-def test_numpy_scalars_encode_as_plain_values(value, plain):
-    # Numeric arrays travel as ARRAY_EXT (tests/test_arrays.py); scalars stay plain.
+def test_other_numpy_values_encode_as_plain_values(value, plain):
     msg = [wire.STEPPED, 0, value, {"obs": value}]
     want = [wire.STEPPED, 0, plain, {"obs": plain}]
     data = wire.encode(msg)
     assert data == wire.encode(want)  # byte-identical to the plain-Python message
     (got,) = wire.FrameReader(BIG).feed(data)
     assert_same(got, want)
+
+
+class _Color(enum.IntEnum):
+    RED = 3
+
+
+_Point = collections.namedtuple("_Point", "x y")
+
+
+def test_tuples_stay_tuples_and_subclasses_travel_as_their_base():
+    msg = [wire.STEPPED, (), (1, (2, [3, (4,)])), {"key": (22, 7, 0)}, {(1, 2): "tuple key"},
+           _Point(1, 2), _Color.RED, collections.OrderedDict(a=1), [(), [()]]]
+    want = [wire.STEPPED, (), (1, (2, [3, (4,)])), {"key": (22, 7, 0)}, {(1, 2): "tuple key"},
+            (1, 2), 3, {"a": 1}, [(), [()]]]
+    for limits in (BIG, GUARDED):
+        for data in (wire.encode(msg), wire.encode(msg + ["x" * 100])):  # short and guarded decodes
+            (got,) = wire.FrameReader(limits).feed(data)
+            assert got[:len(want)] == want
+            assert [type(x) for x in got[:len(want)]] == [type(x) for x in want]
+            assert type(got[2][1][1][1]) is tuple and type(got[3]["key"]) is tuple
+
+
+def test_the_worker_passes_tuples_and_scalars_on_unchanged():
+    # The worker ("check") keeps scalars as checked ExtTypes and decodes tuples
+    # under its caps; what it re-encodes decodes, client side, to the env's values.
+    msg = [wire.STEPPED, 0, ((np.float32(1.5), np.arange(3, dtype=np.int16)),), {"x": np.int32(7)}, "y" * 100]
+    (checked,) = wire.FrameReader(GUARDED).feed(wire.encode(msg))
+    assert isinstance(checked[3]["x"], msgpack.ExtType) and type(checked[2]) is tuple
+    (got,) = wire.FrameReader(BIG).feed(wire.encode(checked))
+    assert type(got[2][0][0]) is np.float32 and got[2][0][1].dtype == np.int16 and type(got[3]["x"]) is np.int32
+
+
+@pytest.mark.parametrize("depth", [33, 100, 400])
+def test_tuples_nested_past_the_cap_are_refused_both_ways(depth):
+    value = ()
+    for _ in range(depth):
+        value = (value,)
+    with pytest.raises(ValueError, match="tuples nested more than 32 deep"):
+        wire.encode([1, value])
+    body = b""  # the same, hand-packed, as a hostile peer would send it
+    inner = msgpack.packb([])
+    for _ in range(depth):
+        inner = msgpack.packb([msgpack.ExtType(wire.TUPLE_EXT, inner)])
+    body = b"\x92\x01" + inner
+    for limits in (BIG, GUARDED):
+        with pytest.raises(wire.ProtocolError, match="tuples nested more than 32 deep"):
+            wire.FrameReader(limits).feed(frame(body))
+    ok = ()  # 32 tuples, the innermost empty
+    for _ in range(31):
+        ok = (ok,)
+    assert wire.FrameReader(GUARDED).feed(wire.encode([1, ok])) == [[1, ok]]
+
+
+def test_tuple_items_count_toward_the_frame_caps():
+    wide = [1, tuple(range(20_000))]
+    with pytest.raises(wire.ProtocolError, match="more than 10000 objects"):
+        wire.FrameReader(GUARDED).feed(wire.encode(wide))
+    deep_value = None
+    for k in range(70):  # lists and tuples: 70 levels, 24 of them tuples
+        deep_value = [deep_value] if k % 3 else (deep_value,)
+    with pytest.raises(wire.ProtocolError, match="nested deeper than 64"):
+        wire.FrameReader(GUARDED).feed(wire.encode([1, deep_value, "z" * 100]))
+
+
+@pytest.mark.parametrize("payload, match", [
+    (b"\x0e\x00<f4:1         \x00\x00\x00?", "shape"),  # a 1-element array, not a scalar
+    (b"\x0e\x00<f4:          \x00\x00", "does not match"),  # 2 bytes for a float32
+    (b"\x0e\x00<O8:          \x00" + b"\x00" * 7, "unsupported dtype"),  # an object pointer
+    (b"\x01", "shorter than its header"),
+], ids=["array-shape", "short", "object-dtype", "truncated"])
+def test_bogus_scalar_ext_is_refused(payload, match):
+    body = b"\x92\x01" + msgpack.packb(msgpack.ExtType(wire.SCALAR_EXT, payload))
+    for limits in (BIG, GUARDED):
+        with pytest.raises(wire.ProtocolError, match=match):
+            wire.FrameReader(limits).feed(frame(body))
+
+
+def test_a_tuple_ext_that_is_not_an_array_is_refused():
+    body = b"\x92\x01" + msgpack.packb(msgpack.ExtType(wire.TUPLE_EXT, msgpack.packb({"a": 1})))
+    with pytest.raises(wire.ProtocolError, match="tuple ext does not hold an array"):
+        wire.FrameReader(GUARDED).feed(frame(body))
+    body = b"\x92\x01" + msgpack.packb(msgpack.ExtType(wire.TUPLE_EXT, msgpack.packb([1]) + b"\x01"))
+    with pytest.raises(wire.ProtocolError, match="malformed frame"):
+        wire.FrameReader(GUARDED).feed(frame(body))
 
 
 @pytest.mark.parametrize("module", ["boltzlabs.env", "boltzlabs.wire"])

@@ -25,7 +25,9 @@ One env runs in a real pool (RLPool, one lane) and goes through, in order:
              an env that accepts it is a warning: the path was not exercised.
   replay     reset(seed, hard=True) and the same actions give the same
              episode byte for byte (obs, rewards, terminated, truncated,
-             compared as the msgpack bytes the env sent)
+             info, compared as the msgpack bytes the env sent), by the
+             comparison of boltzlabs.testing.assert_reproducible, whose
+             NotReproducible message a failure prints
 
 Each stage yields Findings (boltzlabs.cli.doctor.Finding: status ok, warn or
 fail) as it ends, so a caller can print them as they come.
@@ -41,6 +43,7 @@ import time
 import warnings
 
 from boltzlabs.cli.doctor import FAIL, OK, WARN, Finding
+from boltzlabs.testing import AFTER_HARD_RESET, Episode, NotReproducible, first_difference
 
 __all__ = ["check_env", "INVALID_ACTION", "PRELOAD_HINT"]
 
@@ -70,39 +73,6 @@ def _contains(space, obs) -> bool:
         return bool(space.contains(obs))
     except Exception:
         return False
-
-
-class _Episode:
-    """The steps of one episode as the bytes the env sent, for comparison."""
-
-    def __init__(self, obs):
-        from boltzlabs import wire
-
-        self._encode = wire.encode
-        self.records = [self._encode([obs])]
-        self.values = [obs]
-
-    def add(self, obs, reward: float, terminated: bool, truncated: bool) -> None:
-        self.records.append(self._encode([obs, reward, terminated, truncated]))
-        self.values.append((obs, reward, terminated, truncated))
-
-    @property
-    def steps(self) -> int:
-        return len(self.records) - 1
-
-    @property
-    def ended(self) -> bool:
-        return self.steps > 0 and (self.values[-1][2] or self.values[-1][3])
-
-    def first_difference(self, other: "_Episode") -> str | None:
-        """Where two episodes part, in words; None when byte-identical."""
-        for t, (a, b) in enumerate(zip(self.records, other.records)):
-            if a != b:
-                what = "the reset obs" if t == 0 else f"step {t} (obs, reward, terminated, truncated)"
-                return f"{what} differs: first {_short(self.values[t])}, then {_short(other.values[t])}"
-        if len(self.records) != len(other.records):
-            return f"the first episode had {len(self.records) - 1} steps, the replay {len(other.records) - 1}"
-        return None
 
 
 def _short(value, limit: int = 160) -> str:
@@ -177,14 +147,13 @@ def _stages(pool, actions, steps: int, seed: int, birth: "_Snapshot"):
         return
     if not (yield from _play(pool, replay, played, "replay", None)):
         return
-    difference = episode.first_difference(replay)
+    difference = first_difference(episode, replay)
     if difference is None:
         yield Finding("replay", OK, f"a hard reset with seed {seed} and the same {len(played)} action(s) gives a "
                       "byte-identical episode")
     else:
-        yield Finding("replay", FAIL, f"a hard reset with seed {seed} and the same actions gave a different "
-                      f"episode: {difference}. An env must take all its randomness from the seed given to reset "
-                      "(no time, os.urandom or unseeded generators)")
+        failure = NotReproducible(difference, lane=0, seed=seed, comparison=AFTER_HARD_RESET)
+        yield Finding("replay", FAIL, str(failure))
 
 
 def _spaces(contract):
@@ -229,10 +198,12 @@ def _reset(pool, seed: int, *, hard: bool, stage: str, obs_space):
         yield Finding(stage, WARN, f"{what} returned an obs outside the declared observation_space: {_short(obs)}")
     elif stage == "reset":
         yield Finding(stage, OK, f"{what} answered: obs {_short(obs, 80)}")
-    return _Episode(obs)
+    episode = Episode(0, seed)
+    episode.add_reset(obs, info)
+    return episode
 
 
-def _play(pool, episode: _Episode, actions: list, stage: str, obs_space):
+def _play(pool, episode: Episode, actions: list, stage: str, obs_space):
     """Step through `actions` until the episode ends; False after a failure."""
     flagged = False
     for t, action in enumerate(actions, 1):
@@ -242,7 +213,7 @@ def _play(pool, episode: _Episode, actions: list, stage: str, obs_space):
         if infos[0].get("error"):
             yield Finding(stage, FAIL, f"step {t} (action {_short(action, 80)}) failed: {infos[0]['error']}")
             return False
-        episode.add(obs[0], reward, terminated, truncated)
+        episode.add_step(obs[0], reward, terminated, truncated, infos[0])
         if not flagged and not math.isfinite(reward):
             yield Finding(stage, WARN, f"step {t} returned a reward that is not finite: {reward}")
             flagged = True

@@ -132,10 +132,11 @@ def _persist(name: str, value) -> str:
 
 def _seccomp() -> list[Finding]:
     from boltzlabs.sandbox import seccomp
+    from boltzlabs.sandbox.policy import load_policy
     from boltzlabs.errors import SandboxUnavailable
 
     try:
-        filters = seccomp.compile_policy()
+        filters = seccomp.compile_rules(load_policy().seccomp)
     except SandboxUnavailable as exc:
         return [Finding("seccomp", FAIL, str(exc), "sudo apt-get install -y libseccomp2 && pip install pyseccomp")]
     return [Finding("seccomp", OK, f"sandbox/seccomp.toml compiles: {len(filters.env) // 8} BPF instructions "

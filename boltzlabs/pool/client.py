@@ -14,6 +14,7 @@ rather than leave it half way.
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import signal
@@ -124,6 +125,11 @@ class EnvContract:
     # its steps, "steps", "seconds", "error": None or why the probe failed}.
     # None in exec mode or with RLPool(warmup=False).
     warmup: dict | None = None
+    # What pool.call / get_attr / set_attr reach (boltzlabs.env.serve's
+    # methods=, attributes=, target=): {"methods": [names], "attributes":
+    # {name: writable}, "target": the target's type name or None (None: only
+    # the names listed)}.
+    attributes: dict | None = None
 
     def __getitem__(self, key: str):
         """`contract["warmup"]` is `contract.warmup`, and so on for every field."""
@@ -161,7 +167,8 @@ class RLPool(Pool):
       limits: per-env limits overriding the policy's [env_limits] for this
         pool, e.g. {"pids": 64, "open_files": 256, "file_size": "16M",
         "straggler_grace": 2.0}; see docs/limits.md.
-      workspace_size: size of each env's private tmpfs workspace.
+      workspace_size: size of each env's private tmpfs workspace; None: the
+        sandbox policy's [workspace] default_size (64M as shipped).
       spawn: "template" (default) forks every env from one warm template
         that has already imported env.py: a fraction of the memory and
         start-up time. "exec" starts one interpreter per env. An env that
@@ -198,11 +205,13 @@ class RLPool(Pool):
     Episodes: every reset mints a UUIDv7 episode id per lane
     (`episode_ids`); `finished_episodes` lists the episodes the latest step
     ended (lane, id, seed, length, return, terminated). `env_id` is this
-    pool's UUIDv7, `env_contract` the env's handshake.
+    pool's UUIDv7, `env_contract` the env's handshake. `fast_path` says
+    whether the worker steps through the native path (boltzlabs.worker._fastpath)
+    or the pure-Python one (no extension built, or BOLTZLABS_PURE=1).
     """
 
     def __init__(self, source, n: int, *, step_timeout=None, serialize_measurement: bool = False,
-                 memory_limit=None, workspace_size="64M", spawn: str = "template", start_timeout=None,
+                 memory_limit=None, workspace_size=None, spawn: str = "template", start_timeout=None,
                  progress=None, batch_size=None, limits=None, worker=None, token=None, tls_ca=None, cluster=None,
                  warmup: bool = True, **params):
         self._closed = True
@@ -216,13 +225,15 @@ class RLPool(Pool):
         resolved = sources.resolve(source, params)
         config = {
             "source_dir": str(resolved.env_dir),
-            "params": resolved.params,
+            # As the sandbox will see them (JSON: a tuple is a list), not as the wire
+            # would carry them: the worker writes them out as JSON.
+            "params": json.loads(json.dumps(resolved.params, allow_nan=True)),
             "n": n,
             "step_timeout": _positive("step_timeout", step_timeout),
             "start_timeout": _positive("start_timeout", start_timeout),
             "serialize_measurement": bool(serialize_measurement),
             "memory_limit": parse_size(memory_limit) if memory_limit is not None else None,
-            "workspace_size": parse_size(workspace_size),
+            "workspace_size": None if workspace_size is None else parse_size(workspace_size),
             "spawn": spawn,
             "limits": limits,
             "warmup": bool(warmup),
@@ -254,11 +265,19 @@ class RLPool(Pool):
         self.env_contract = EnvContract(
             id=resolved.name, protocol_version=wire.PROTOCOL_VERSION,
             observation_space=hello.get("observation_space"), action_space=hello.get("action_space"),
-            metadata=hello.get("metadata") or {}, render_mode=hello.get("render_mode"), warmup=ready.get("warmup"))
+            metadata=hello.get("metadata") or {}, render_mode=hello.get("render_mode"), warmup=ready.get("warmup"),
+            attributes=_offered(hello.get("attributes")))
         self.step_timeout = ready["step_timeout"]
         self._cgroup = ready["cgroup"]  # the worker's (and its guardian's) to remove; kept for diagnostics
         self._link.watch_guardian(ready.get("guardian"))
         self.spawn = ready["spawn"]
+        # Which step path the worker runs: native (boltzlabs.worker._fastpath) or pure Python.
+        self.fast_path = bool(ready.get("fast_path"))
+        if ready.get("fast_path_note"):
+            import warnings
+
+            # Always the same text from the same line: Python shows it once per process.
+            warnings.warn(ready["fast_path_note"], RuntimeWarning, stacklevel=2)
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, self._link.shutdown)
         for note in (ready["memory_note"], ready["warning"]):
@@ -470,6 +489,68 @@ class RLPool(Pool):
                 raise TypeError(f"the action for env {i} cannot be sent ({exc}); actions must be msgpack-able "
                                 "values (numbers, str, bytes, lists, dicts, None) or numpy arrays") from exc
 
+    # -- methods and attributes of the envs (serve(methods=, attributes=, target=)) ------
+
+    def call(self, name: str, *args, env_ids=None, **kwargs) -> list:
+        """Call the env's method `name(*args, **kwargs)` in every env (or those
+        in `env_ids`); one result per lane, in lane order. For an attribute
+        that is not callable, its value (Gymnasium's VectorEnv.call).
+
+        A gym source reaches its Gymnasium env through its wrappers; an env
+        directory reaches only what its serve(methods=, attributes=, target=)
+        offers. Raises AttributeError (naming what the env offers) for any
+        other name, before anything is sent when the env listed its names;
+        EnvError (with the lane and the env's traceback) when an env raised,
+        died, missed the step deadline or returned a value that cannot cross
+        the wire; arguments and results travel like actions and observations.
+        """
+        return self._attr("call", name, env_ids, list(args), kwargs)
+
+    def get_attr(self, name: str, env_ids=None) -> list:
+        """The value of the env attribute `name` in every env (or those in
+        `env_ids`), one per lane. A method is not called (use call())."""
+        return self._attr("get", name, env_ids, [], {})
+
+    def set_attr(self, name: str, values, env_ids=None) -> None:
+        """Set the env attribute `name` in every env (or those in `env_ids`):
+        `values` is one value for all, or a list or tuple of one per lane
+        (Gymnasium's rule: a list meant for every env goes as [v] * n)."""
+        lanes = list(range(self.n)) if env_ids is None else self._env_ids(env_ids)
+        if not isinstance(values, (list, tuple)):
+            values = [values] * len(lanes)
+        if len(values) != len(lanes):
+            raise ValueError("Values must be a list or tuple with length equal to the number of environments. "
+                             f"Got `{len(values)}` values for {len(lanes)} environments.")
+        self._attr("set", name, lanes, [], {}, list(values))
+
+    def _attr(self, op: str, name, env_ids, args: list, kwargs: dict, values=None) -> list:
+        if not isinstance(name, str):
+            raise TypeError(f"the attribute name must be a str, not {type(name).__name__}")
+        lanes = list(range(self.n)) if env_ids is None else self._env_ids(env_ids)
+        offered = self.env_contract.attributes
+        if offered is not None and offered["target"] is None:  # the env listed everything it offers
+            methods, attributes = offered["methods"], offered["attributes"]
+            if not (name in attributes or (op == "call" and name in methods)):
+                raise AttributeError(_missing(op, name, methods, attributes, self.env_contract.id))
+            if op == "set" and not attributes[name]:
+                raise AttributeError(f"the env's attribute {name!r} is read-only (its serve(attributes=) gave it no "
+                                     "setter)")
+        if not lanes:
+            return []
+        verb = {"call": "call", "get": "get the attribute", "set": "set the attribute"}[op]
+        try:
+            results, errors = self._call("attr", lanes, op, name, args, kwargs, values)
+        except TypeError as exc:
+            raise TypeError(f"{verb} {name!r}: the arguments cannot cross the wire ({exc}); they must be "
+                            "msgpack-able values or numpy arrays, like actions") from None
+        if errors:
+            index, (message, detail) = min((int(k), v) for k, v in errors.items())
+            if message.startswith("AttributeError: "):  # the env's own: no such name (Gymnasium raises it too)
+                raise AttributeError(f"env {index}: {message[len('AttributeError: '):]}")
+            others = f" ({len(errors) - 1} other env(s) failed too)" if len(errors) > 1 else ""
+            raise EnvError(f"env {index} could not {verb} {name!r}{others}: {detail or message}", env_index=index)
+        return results
+
     def memory(self) -> MemoryReport:
         """Each env's memory in bytes (kernel accounting) and its source."""
         report = self._call("memory")
@@ -484,6 +565,27 @@ class RLPool(Pool):
     def pids(self) -> list:
         """Host pid of each env's sandbox (its bwrap process), -1 when dead."""
         return self._call("pids")
+
+
+def _offered(described):
+    """The env's handshake's list of methods and attributes, checked: an
+    env sends anything. None (ask the env) when it is missing or malformed."""
+    if not isinstance(described, dict):
+        return None
+    methods, attributes, target = described.get("methods"), described.get("attributes"), described.get("target")
+    if (not isinstance(methods, list) or not all(isinstance(m, str) for m in methods)
+            or not isinstance(attributes, dict) or not all(isinstance(k, str) and isinstance(v, bool)
+                                                           for k, v in attributes.items())
+            or not (target is None or isinstance(target, str))):
+        return None
+    return {"methods": methods, "attributes": attributes, "target": target}
+
+
+def _missing(op: str, name: str, methods: list, attributes: dict, source: str) -> str:
+    if op != "call" and name in methods:
+        return f"{name!r} is a method of the env, not an attribute: use call({name!r}, ...)"
+    return (f"the env {source!r} has no method or attribute {name!r}; it offers methods {sorted(methods)} and "
+            f"attributes {sorted(attributes)} (name them in serve(..., methods=, attributes=) in its env.py)")
 
 
 _POOL_OPTIONS = ("step_timeout", "serialize_measurement", "memory_limit", "workspace_size", "start_timeout",

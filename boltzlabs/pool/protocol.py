@@ -364,7 +364,8 @@ class Pool(abc.ABC):
             for i in lanes:
                 s = seed[i]
                 if s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer))):
-                    raise TypeError(f"reset(seed=[...]) has a seed for env {i} that is no int: {s!r}")
+                    # A float seed is refused, not truncated: 1.5 and 1 must not seed alike.
+                    raise TypeError(f"reset(seed=[...]) takes whole numbers or None; env {i}'s seed is {s!r}")
             return [None if seed[i] is None else int(seed[i]) for i in lanes]
         raise TypeError(f"seed must be an int, a list of n ints or None, not {type(seed).__name__}")
 

@@ -4,7 +4,9 @@
     adapter: from_spec(spec) --> gymnasium.spaces.Box(...)
 
 Runs in the trainer; `from_spec` imports numpy and Gymnasium when called.
-Supported: Box, Discrete, MultiDiscrete, MultiBinary, Dict, Tuple.
+Supported: Box, Discrete, MultiDiscrete, MultiBinary, Dict, Tuple. A Dict's spec lists
+its keys in the space's own order (pairs) and `from_spec` keeps it, so batched and
+flattened observations line up with the env's.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def from_spec(spec: dict | None):
         if kind == "MultiBinary":
             return spaces.MultiBinary(spec["n"])
         if kind == "Dict":
-            return spaces.Dict({key: from_spec(sub) for key, sub in spec["spaces"]})
+            # Pairs, not a dict: Dict sorts a dict's keys, and the env's order is the spec's.
+            return spaces.Dict([(key, from_spec(sub)) for key, sub in spec["spaces"]])
         if kind == "Tuple":
             return spaces.Tuple([from_spec(sub) for sub in spec["spaces"]])
     except (KeyError, TypeError, ValueError) as exc:

@@ -1,13 +1,18 @@
 """The last steps of a sandbox, made inside it before any env code runs: in both spawn modes.
 
-    sandbox/policy.toml [workspace], [quotas] --sandbox.py encode()--> $BOLTZLABS_CONFINE
-        --Plan(text)--> prepared system-call arguments, then
+    host: boltzlabs/sandbox/plan.py compiles the policy --Plan.child_text()--> $BOLTZLABS_CONFINE
+    here: parse() (bounded, checked) --> Plan: prepared system-call arguments, then
             exec mode:     `python -c BOOTSTRAP /env/env.py` (main below): rlimits, then
                            Plan.finish(): workspace, devpts, quotas, /proc read-only,
                            every capability dropped, the env's full seccomp filter
             template mode: the template mounts its own workspace and devpts (template.main);
-                           each forked child makes the same calls with the same prepared
-                           arguments (template._ChildPlan), then its own quotas
+                           each forked child unshares the plan's namespaces and makes the
+                           same calls with the same prepared arguments (template._ChildPlan)
+
+The text is "key=value" lines; every value comes from the compiled plan
+(workspace path and size, inode and pty caps, where /dev and /proc are,
+namespaces, ids, hostname, rlimits, sysctl.<name> quotas). Nothing here has a
+default of its own: a missing or malformed key is an error, and no env runs.
 
 bubblewrap 0.8 cannot do these itself: `--tmpfs` takes a size but no inode
 count, `--dev` mounts a devpts instance with no `max=`, and it cannot write
@@ -49,8 +54,8 @@ BOOTSTRAP = "import boltzlabs.runtime.confine as m; m.main()"
 SYSCTL_DIR = "/proc/sys/user"
 
 _libc = ctypes.CDLL(None, use_errno=True)
-# The template's VARIABLE text (template.main), for its children's Plan.
-prepared: str | None = None
+# The template's parsed VARIABLE (template.main), for its children's Plan.
+prepared: dict | None = None
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
 _PR_SET_NO_NEW_PRIVS, _PR_CAPBSET_DROP = 38, 24
 _PR_GET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 39, 22, 2
@@ -58,19 +63,43 @@ BPF_INSTRUCTION = 8  # bytes of one struct sock_filter
 _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 
 
-def encode(workspace: str, size: int, inodes: int, ptys: int, sysctls: dict) -> str:
-    """The text of VARIABLE: "workspace=/workspace,size=...,inodes=...,ptys=...,
-    max_inotify_instances=0,..." (sysctls: file name in SYSCTL_DIR -> value)."""
-    items = {"workspace": workspace, "size": size, "inodes": inodes, "ptys": ptys, **sysctls}
-    for key, value in items.items():
-        if any(c in f"{key}{value}" for c in ",=") or "/" in key:
-            raise ValueError(f"sandbox set-up value {key}={value!r}: no ',' or '=' anywhere, no '/' in a name")
-    return ",".join(f"{key}={value}" for key, value in items.items())
+# The text's bounds: it comes from the worker, and is still parsed as input.
+_MAX_TEXT, _MAX_ITEMS = 16384, 128
+_KEYS = {"unshare", "uid", "gid", "hostname", "workspace", "size", "inodes", "ptys", "dev", "proc", "rlimits",
+         "template_rlimits", "hidden_proc", "template_uid", "template_gid", "warmup", "memory"}
+_NAMESPACES = {"net", "ipc", "uts", "cgroup"}  # what a child unshares besides its user and pid namespaces
+
+
+def encode(items: dict) -> str:
+    """VARIABLE's text: one "key=value" line per item (a key of _KEYS, or
+    "sysctl.<name of SYSCTL_DIR>"). Raises ValueError for a key or value the
+    parser would refuse."""
+    text = "\n".join(f"{key}={value}" for key, value in items.items())
+    parse(text)
+    return text
 
 
 def parse(text: str) -> dict:
-    """{key: text} from VARIABLE's text."""
-    return dict(item.partition("=")[::2] for item in text.split(",") if item)
+    """{key: value text} from VARIABLE's text, checked: bounded, known keys,
+    no duplicates, and every key the set-up needs present."""
+    if not isinstance(text, str) or len(text) > _MAX_TEXT or "\0" in text:
+        raise ValueError(f"${VARIABLE} is missing, too long or not text")
+    lines = text.split("\n")
+    if len(lines) > _MAX_ITEMS:
+        raise ValueError(f"${VARIABLE} has more than {_MAX_ITEMS} items")
+    values = {}
+    for line in lines:
+        key, sep, value = line.partition("=")
+        known = key in _KEYS or (key.startswith("sysctl.") and key[7:].replace("_", "").isalpha()
+                                 and key[7:].islower())
+        if not sep or not known or key in values:
+            raise ValueError(f"${VARIABLE}: unknown, repeated or malformed item {line[:80]!r}")
+        values[key] = value
+    missing = {"unshare", "uid", "gid", "hostname", "workspace", "size", "inodes", "ptys", "dev", "proc",
+               "rlimits"} - set(values)
+    if missing:
+        raise ValueError(f"${VARIABLE} lacks {sorted(missing)}")
+    return values
 
 
 def _check(result: int, what: str) -> None:
@@ -148,38 +177,67 @@ def read_filter(fd: int) -> FilterLoader:
     return FilterLoader(program)
 
 
+def path_of(values: dict, key: str) -> str:
+    """The parsed plan's `key`, checked to be a normalized absolute path (not /)."""
+    path = values[key]
+    if not path.startswith("/") or path == "/" or "," in path or os.path.normpath(path) != path:
+        raise ValueError(f"${VARIABLE}: {key} must be a normalized absolute path, not {path!r}")
+    return path
+
+
+def number_of(values: dict, key: str, low: int = 0) -> int:
+    """The parsed plan's `key`, checked to be a whole number of at least `low`."""
+    value = values[key]
+    if not value.isdigit() or len(value) > 20 or int(value) < low:
+        raise ValueError(f"${VARIABLE}: {key} must be a whole number of at least {low}, not {value!r}")
+    return int(value)
+
+
 class Plan:
-    """The set-up's system calls, their arguments built once from VARIABLE's text.
+    """The set-up's system calls, their arguments built once from VARIABLE's parsed values.
 
     `mounts`: (mount(2)'s five arguments, what it is for an error message), in
-    order: the workspace tmpfs at /dev/shm (its two directories are made
-    next, `shm_dirs`), the workspace and /dev/shm bound from it, the devpts.
+    order: the workspace tmpfs at <dev>/shm (its two directories are made
+    next, `shm_dirs`), the workspace and <dev>/shm bound from it, the devpts.
     The workspace and /dev/shm are two directories of one capped tmpfs, the
     shm one bound over the tmpfs's own root, which no path reaches after: one
     superblock per env, not two (each costs every memory cgroup a slot in a
     per-cgroup table, docs/hard-reset.md). `sysctls`: (path, value) writes.
+    Also kept for template._ChildPlan: `unshare` (namespace names), `ids`,
+    `hostname`, `proc`, `rlimits` (text for rlimits.parse).
     """
 
-    def __init__(self, text: str):
-        values = parse(text)
-        self.workspace = values.pop("workspace").encode()
-        size, inodes, ptys = (int(values.pop(key)) for key in ("size", "inodes", "ptys"))
+    def __init__(self, values: dict):
+        unshare = values["unshare"].split(",") if values["unshare"] else []
+        if not set(unshare) <= _NAMESPACES or len(set(unshare)) != len(unshare):
+            raise ValueError(f"${VARIABLE}: unshare names {unshare!r}; only {sorted(_NAMESPACES)} are known")
+        self.unshare = frozenset(unshare)
+        self.ids = (number_of(values, "uid"), number_of(values, "gid"))
+        self.hostname = values["hostname"]
+        if "uts" not in self.unshare and self.hostname:
+            raise ValueError(f"${VARIABLE}: a hostname needs a uts namespace")
+        workspace, dev, self.proc = (path_of(values, key) for key in ("workspace", "dev", "proc"))
+        self.workspace = workspace.encode()
+        size, inodes, ptys = (number_of(values, key, 1) for key in ("size", "inodes", "ptys"))
+        self.rlimits = values["rlimits"]
         flags = _MS_NOSUID | _MS_NODEV
-        self.shm_dirs = [(b"/dev/shm/w", 0o755), (b"/dev/shm/s", 0o1777)]
+        shm = f"{dev}/shm"
+        self.shm_dirs = [(f"{shm}/w".encode(), 0o755), (f"{shm}/s".encode(), 0o1777)]
         mounts = [
-            ("tmpfs", "/dev/shm", "tmpfs", flags, f"size={size},nr_inodes={inodes},mode=0700",
+            ("tmpfs", shm, "tmpfs", flags, f"size={size},nr_inodes={inodes},mode=0700",
              "mount the workspace tmpfs"),
-            ("/dev/shm/w", self.workspace.decode(), None, _MS_BIND, None, "bind the workspace"),
-            ("/dev/shm/s", "/dev/shm", None, _MS_BIND, None, "bind /dev/shm"),
+            (f"{shm}/w", workspace, None, _MS_BIND, None, "bind the workspace"),
+            (f"{shm}/s", shm, None, _MS_BIND, None, f"bind {shm}"),
             # (not nodev: its ptmx and ptys are the devices it is for)
-            ("devpts", "/dev/pts", "devpts", _MS_NOSUID | _MS_NOEXEC,
-             f"newinstance,ptmxmode=0666,mode=620,max={ptys}", "mount /dev/pts"),
+            ("devpts", f"{dev}/pts", "devpts", _MS_NOSUID | _MS_NOEXEC,
+             f"newinstance,ptmxmode=0666,mode=620,max={ptys}", f"mount {dev}/pts"),
         ]
         self.mounts = [((a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode()), what)
                        for a, b, c, f, d, what in mounts]
-        self.sysctls = [(f"{SYSCTL_DIR}/{name}".encode(), value.encode()) for name, value in values.items()]
-        self.proc_read_only = ((None, b"/proc", None, ctypes.c_ulong(
-            _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags | _MS_NOEXEC), None), "make /proc read-only")
+        self.sysctls = [(f"{SYSCTL_DIR}/{key[7:]}".encode(), str(number_of(values, key)).encode())
+                        for key in values if key.startswith("sysctl.")]
+        self.proc_read_only = ((None, self.proc.encode(), None, ctypes.c_ulong(
+            _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags | _MS_NOEXEC), None), f"make {self.proc} read-only")
         self.capabilities = Capabilities()
 
     def mount_workspace_and_devpts(self) -> None:
@@ -218,8 +276,9 @@ def main(argv=None) -> None:
     """Exec mode's entry point: rlimits, the sandbox's last steps, then env.py."""
     from boltzlabs.runtime import rlimits as limits
 
-    limits.apply(os.environ.pop(limits.VARIABLE, None))
-    Plan(os.environ.pop(VARIABLE)).finish()
+    plan = Plan(parse(os.environ.pop(VARIABLE, "")))
+    limits.apply(plan.rlimits)
+    plan.finish()
     limits.run(argv)
 
 

@@ -1,6 +1,7 @@
-"""Per-env rlimits, the in-sandbox half: $BOLTZLABS_RLIMITS in, setrlimit out.
+"""Per-env rlimits, the in-sandbox half: the plan's rlimits text in, setrlimit out.
 
-    host (boltzlabs/sandbox/limits.py): policy [env_limits] --resolve(), encode()--> $BOLTZLABS_RLIMITS
+    host (boltzlabs/sandbox/limits.py): policy [env_limits] --resolve(), encode()--> rlimits= (and the
+        template's template_rlimits=) in $BOLTZLABS_CONFINE (boltzlabs/runtime/confine.py)
     in the sandbox, before any env code runs:
         exec mode:     `python -c BOOTSTRAP /env/env.py` (boltzlabs.runtime.confine.main) --apply(), run()
         template mode: the template before it imports env.py, and each child
@@ -20,8 +21,6 @@ import os
 import resource
 import sys
 
-VARIABLE = "BOLTZLABS_RLIMITS"
-
 # Policy key -> resource. Values are bytes (sizes) or counts.
 RLIMITS = {
     "open_files": ("NOFILE", resource.RLIMIT_NOFILE),
@@ -33,7 +32,7 @@ _BY_NAME = {name: number for name, number in RLIMITS.values()}
 
 
 def parse(text: str | None) -> list[tuple[int, int]]:
-    """[(RLIMIT_* number, value)] from the "name=value,..." text of VARIABLE."""
+    """[(RLIMIT_* number, value)] from the "name=value,..." text (limits.encode on the host)."""
     parsed = []
     for item in (text or "").split(","):
         if item:

@@ -1,7 +1,7 @@
 """The env side: `serve(reset=, step=)`, run inside every sandbox.
 
-    worker --STEP/RESET/GO frames--> [fd $BOLTZLABS_FD] serve() --> your reset/step
-    worker <--STEPPED/RESET_DONE/FAILED frames-- serve()
+    worker --STEP/RESET/GO/RENDER/ATTR frames--> [fd $BOLTZLABS_FD] serve() --> your reset/step/...
+    worker <--STEPPED/RESET_DONE/RENDERED/ATTR_DONE/FAILED frames-- serve()
 
 The worker starts the sandbox with the channel on its own file descriptor and
 stdout/stderr on a separate log pipe, so `print`, `sys.stdout.write` and
@@ -98,6 +98,86 @@ def _render_reply(seq, frame):
     return [wire.RENDERED, seq, frame]
 
 
+def _attr_reply(seq, value):
+    return [wire.ATTR_DONE, seq, value]
+
+
+class _Attributes:
+    """What `pool.call` / `get_attr` / `set_attr` reach in this env: the
+    `methods`, `attributes` and `target` given to serve()."""
+
+    def __init__(self, methods, attributes, target):
+        self.methods = dict(methods or {})
+        self.attributes = {}
+        for name, access in dict(attributes or {}).items():
+            if callable(access):
+                access = (access, None)
+            if (not isinstance(access, tuple) or len(access) != 2 or not callable(access[0])
+                    or not (access[1] is None or callable(access[1]))):
+                raise TypeError(f"serve(attributes={{{name!r}: ...}}) takes a getter, or a (getter, setter) pair "
+                                f"of callables (setter None: read-only); got {access!r}")
+            self.attributes[name] = access
+        for name, method in self.methods.items():
+            if not callable(method):
+                raise TypeError(f"serve(methods={{{name!r}: ...}}) takes callables; got {type(method).__name__}")
+        for name in (*self.methods, *self.attributes):
+            if not isinstance(name, str):
+                raise TypeError(f"serve(methods=, attributes=) names must be str, not {name!r}")
+        self.target = target
+
+    def describe(self) -> dict:
+        """For the HELLO: what the client may ask for before it sends anything."""
+        return {"methods": sorted(self.methods), "attributes": {k: v[1] is not None for k, v in self.attributes.items()},
+                "target": None if self.target is None else type(self.target).__name__}
+
+    def run(self, op: str, name: str, args: list, kwargs: dict):
+        if op == "call" and name in self.methods:
+            return self.methods[name](*args, **kwargs)
+        if name in self.attributes:
+            getter, setter = self.attributes[name]
+            if op == "set":
+                if setter is None:
+                    raise AttributeError(f"the env's attribute {name!r} is read-only (serve(attributes=) gave it "
+                                         "no setter)")
+                setter(*args)
+                return None
+            value = getter()
+            # call() on an attribute: Gymnasium's VectorEnv.call calls what is callable.
+            return value(*args, **kwargs) if op == "call" and callable(value) else value
+        if self.target is not None:
+            return self._on_target(op, name, args, kwargs)
+        if name in self.methods:
+            raise AttributeError(f"{name!r} is a method of this env, not an attribute: use call({name!r}, ...)")
+        raise AttributeError(f"the env has no method or attribute {name!r}; it offers methods "
+                             f"{sorted(self.methods)} and attributes {sorted(self.attributes)} "
+                             "(serve(..., methods=, attributes=) in its env.py)")
+
+    def _on_target(self, op, name, args, kwargs):
+        # Gymnasium's semantics: get_wrapper_attr looks through the wrappers,
+        # set_wrapper_attr sets where the name is defined (else on the outermost).
+        target = self.target
+        if op == "set":
+            setter = getattr(target, "set_wrapper_attr", None)
+            if setter is not None:
+                setter(name, *args)
+            else:
+                setattr(target, name, *args)
+            return None
+        try:
+            getter = getattr(target, "get_wrapper_attr", None)
+            value = getter(name) if getter is not None else getattr(target, name)
+        except AttributeError as exc:
+            inner = getattr(target, "unwrapped", target)
+            names = sorted(n for n in dir(inner) if not n.startswith("_"))
+            shown = ", ".join(names[:40]) + (", ..." if len(names) > 40 else "")
+            raise AttributeError(f"{exc}; {type(inner).__name__} has: {shown}") from None
+        return value(*args, **kwargs) if op == "call" and callable(value) else value
+
+
+_ATTRIBUTES = _Attributes(None, None, None)  # serve() sets this env's
+_ATTR_PHASES = {"call": "call", "get": "get_attr", "set": "set_attr"}
+
+
 def _reply(channel: _Channel, seq, phase: str, build, call):
     try:
         reply = build(seq, call())
@@ -109,25 +189,29 @@ def _reply(channel: _Channel, seq, phase: str, build, call):
             # msgpack's encoder stops at 1024 levels; say what that means here.
             raise ValueError(f"{phase}() returned a value nested deeper than msgpack can encode (1024 levels); "
                              f"the worker accepts at most {wire.MAX_DEPTH} (limits.max_depth): flatten it") from None
+        except TypeError as exc:
+            raise TypeError(f"{phase}() returned a value that cannot cross the wire ({exc}); send msgpack-able "
+                            "values (dict, list, tuple, str, numbers, bool, None, bytes) or numpy arrays") from None
     except Exception as exc:  # the env's bug: report it, keep serving
         data = wire.encode(_failure(seq, phase, exc))
     channel.write(data)
 
 
 def serve(reset, step, *, observation_space=None, action_space=None, metadata=None, render=None,
-          render_mode=None, preload=(), warmup_actions=None):
+          render_mode=None, preload=(), warmup_actions=None, methods=None, attributes=None, target=None):
     """Serve this env to the boltzlabs worker that started it. Never returns.
 
     Call it once, at the end of your `env.py`:
 
         serve(reset=reset, step=step)
 
-    `reset(seed)` (or `reset(seed, options=...)` when options are given)
+    `reset(seed)` (or `reset(seed, options=...)` when there are options: a non-empty dict)
     returns `obs` or `(obs, info)`. `step(action)` returns
     `(obs, reward, done, info)` or `(obs, reward, terminated, truncated, info)`.
-    Values must be msgpack-serializable (dict, list, str, int, float, bool,
-    None, bytes, numpy arrays; numpy scalars arrive as Python scalars, and
-    arrays received are read-only views of the frame).
+    Values must be msgpack-serializable (dict, list, tuple, str, int,
+    float, bool, None, bytes, numpy arrays and numeric numpy scalars). They
+    arrive as sent: tuples as tuples, numpy scalars with their dtype, arrays
+    as read-only views of the frame.
 
     `observation_space` and `action_space` (Gymnasium spaces), `metadata` (a
     msgpack-able dict) and `render_mode` travel to the pool in the handshake
@@ -146,13 +230,33 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
     reports it. `preload` names modules the template imports as well
     (e.g. `["scipy.special"]`, one your env imports only sometimes); one that
     fails to import is reported there, and the pool still starts.
+
+    What `pool.call(name, *args, **kwargs)`, `pool.get_attr(name)` and
+    `pool.set_attr(name, value)` (and the Gymnasium adapter's call,
+    get_attr, set_attr) reach, and nothing else:
+      methods={"name": callable}: call(name, ...) returns callable(...).
+      attributes={"name": getter} (read-only) or {"name": (getter, setter)}:
+        get_attr(name) returns getter(), set_attr(name, v) calls setter(v),
+        call(name, ...) calls getter()'s value if it is callable, else
+        returns it (Gymnasium's VectorEnv.call).
+      target=obj: every other name is looked up on `obj` with Gymnasium's
+        get_wrapper_attr / set_wrapper_attr (plain getattr / setattr for an
+        object without them); gym sources pass their env.
+    Any other name raises AttributeError naming what is offered (the client
+    checks the names of `methods` and `attributes`, which travel in the
+    handshake, before it sends anything). Arguments and results cross the
+    wire like observations, under the same limits, and a call has the step
+    deadline.
     """
     fd = os.environ.pop(_FD_VARIABLE, None)
     if fd is None:
         raise RuntimeError(
             "serve() talks to a boltzlabs worker and only runs inside a pool; "
             "start this env with boltzlabs.RLPool('path/to/env_dir', n)")
-    info = {"python": sys.version.split()[0], "metadata": metadata or {}, "render_mode": render_mode}
+    global _ATTRIBUTES
+    _ATTRIBUTES = _Attributes(methods, attributes, target)
+    info = {"python": sys.version.split()[0], "metadata": metadata or {}, "render_mode": render_mode,
+            "attributes": _ATTRIBUTES.describe()}
     if observation_space is not None or action_space is not None:
         from boltzlabs.runtime.spec import to_spec
 
@@ -245,11 +349,16 @@ def _serve_loop(channel: _Channel, reset, step, render, info: dict) -> None:
                 _reply(channel, seq, "step", _step_reply, lambda: step(action))
             elif code == wire.RESET:
                 _, seq, seed, options = message
-                call = (lambda: reset(seed)) if options is None else (lambda: reset(seed, options=options))
+                # Options only when there are any: an env's reset may take only the seed.
+                call = (lambda: reset(seed, options=options)) if options else (lambda: reset(seed))
                 _reply(channel, seq, "reset", _reset_reply, call)
             elif code == wire.RENDER:
                 seq = message[1]
                 _reply(channel, seq, "render", _render_reply, render if render is not None else lambda: None)
+            elif code == wire.ATTR:
+                _, seq, op, name, args, kwargs = message
+                _reply(channel, seq, _ATTR_PHASES[op], _attr_reply,
+                       lambda: _ATTRIBUTES.run(op, name, args, kwargs))
             else:
                 raise wire.ProtocolError(f"unexpected message code {code}")
     except EOFError:

@@ -6,14 +6,24 @@
     worker <== [FORKED, lane, generation] + (the child's pidfd) / [EXITED, lane, generation, status]
 
 `python -m boltzlabs.runtime.template /env/env.py` runs inside a bubblewrap sandbox
-that keeps CAP_SYS_ADMIN and CAP_SETPCAP (and nothing else) only for the
-template's own set-up: it mounts a second, fully visible proc at a hidden
-path, drops every capability, sets no_new_privs, reads the seccomp program
-its children will load (boltzlabs/sandbox/seccomp.py), and only then runs env.py,
-under the template's looser filter (bwrap --seccomp). env.py's `serve()` sees
-BOLTZLABS_TEMPLATE and turns into the fork server (`fork_server`). The
-template never runs reset or step, so each child starts from the same
-pristine state: a hard reset is "kill the child, fork another".
+built from the same plan as an exec-mode env's (boltzlabs/sandbox/plan.py),
+which keeps the capabilities of the policy's [template] cap_add (shipped:
+CAP_SYS_ADMIN, CAP_SETPCAP and CAP_SETFCAP) in the sandbox's user namespace
+only, and only for the template's own set-up: it mounts its workspace and
+devpts, a second, fully visible proc at a hidden path, enters a user
+namespace of its own as the plan's template ids (CAP_SETFCAP is for that
+map), drops every capability, sets no_new_privs, reads the seccomp program
+its children will load (compiled by boltzlabs/sandbox/seccomp.py), and only
+then runs env.py, under the template's looser filter (bwrap --seccomp).
+env.py's `serve()` sees BOLTZLABS_TEMPLATE and turns into the fork server
+(`fork_server`). The template never runs reset or step, so each child starts
+from the same pristine state: a hard reset is "kill the child, fork another".
+
+The template decides nothing about a child's sandbox: $BOLTZLABS_CONFINE,
+the plan's child part (boltzlabs.runtime.confine.parse), says which
+namespaces it unshares, its ids, hostname, workspace path and size, inode
+and pty caps, where /dev and /proc are, its rlimits and quotas; the template
+prepares those calls once (`_ChildPlan`) and each child makes them.
 
 Before its HELLO, the template warms itself for the env's real work
 (`warm_up`): a throwaway child, made exactly like an env's, runs reset and a
@@ -25,13 +35,14 @@ copied into each. The report travels in the HELLO (`pool.env_contract["warmup"]`
 Each child becomes its own sandbox before any env code runs in it:
 
     template --clone(NEWUSER|NEWPID)-->
-        child: pid 1 of its pid namespace; writes its own uid/gid maps;
-               unshare(NS|NET|IPC|UTS|CGROUP); mounts its own tmpfs
-               (workspace and /dev/shm, size and inode caps), devpts (pty
-               cap) and /proc, writes its user namespace's quotas (no more
-               namespaces, no inotify/fanotify), lo up, hostname, every
-               capability dropped, the env's full seccomp filter loaded;
-               then serves on its channel
+        child: pid 1 of its pid namespace; writes its own uid/gid maps (the
+               plan's ids inside); unshare(NS and the plan's others of
+               NET|IPC|UTS|CGROUP); mounts its own tmpfs (workspace and
+               /dev/shm, size and inode caps), devpts (pty cap) and /proc,
+               writes its user namespace's quotas (no more namespaces, no
+               inotify/fanotify), lo up (with a net namespace of its own),
+               hostname (with a uts one), every capability dropped, the
+               env's full seccomp filter loaded; then serves on its channel
     the template, its parent (and a child subreaper), reaps it.
 
 Kernel facts this depends on:
@@ -94,10 +105,9 @@ from boltzlabs.runtime import rlimits as limits
 
 FORK, KILL, FORKED, EXITED = 30, 31, 32, 33
 WARMED = 34  # the probe's report (warm_up)
-# The worker's word on the probe: "seconds,bytes": the seconds it may take
-# ([template] warmup_timeout of sandbox/policy.toml; 0: no probe, as with
-# RLPool(warmup=False)) and the env's memory limit (0: none).
-WARMUP_VARIABLE = "BOLTZLABS_WARMUP"
+# The worker's word on the probe comes in the plan: warmup= (the seconds it
+# may take, [template] warmup_timeout of sandbox/policy.toml; 0: no probe, as
+# with RLPool(warmup=False)) and memory= (the env's memory limit; 0: none).
 # Caps on what the probe reports (env code ran there: its report is as
 # hostile as anything an env sends): names, their length, the frame, and how
 # much of it goes into the HELLO (one SOCK_SEQPACKET packet the worker reads
@@ -115,6 +125,8 @@ _after_fork_parent = ctypes.pythonapi.PyOS_AfterFork_Parent
 _SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine)
 _CLONE_NEWNS, _CLONE_NEWCGROUP, _CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
 _CLONE_NEWIPC, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x08000000, 0x10000000, 0x20000000, 0x40000000
+_NAMESPACE_FLAGS = (("net", _CLONE_NEWNET), ("ipc", _CLONE_NEWIPC), ("uts", _CLONE_NEWUTS),
+                    ("cgroup", _CLONE_NEWCGROUP))
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
 _PR_SET_CHILD_SUBREAPER = 36
 _SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP, _IFF_RUNNING = 0x8913, 0x8914, 0x1, 0x40
@@ -230,12 +242,15 @@ class _ChildPlan:
     arguments. Measured on the counter env: ~0.3 MiB less per env.
     """
 
-    def __init__(self, confined: confine.Plan, hostname: str, rlimits: str, outside: tuple):
+    def __init__(self, confined: confine.Plan, outside: tuple):
         flags = _MS_NOSUID | _MS_NODEV
-        self.id_maps = _id_maps((0, 0), outside)  # root inside, the template outside
-        self.namespaces = ctypes.c_int(_CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS
-                                       | _CLONE_NEWCGROUP)
-        self.rlimits = limits.parse(rlimits)
+        self.id_maps = _id_maps(confined.ids, outside)  # the plan's ids inside, the template outside
+        # A mount namespace always (the set-up mounts); the others the plan
+        # names (the user and pid namespaces are made by the clone itself).
+        unshare = confined.unshare
+        self.namespaces = ctypes.c_int(_CLONE_NEWNS | sum(flag for name, flag in _NAMESPACE_FLAGS if name in unshare))
+        self.net = "net" in unshare  # bring up loopback: only in a namespace of its own
+        self.rlimits = limits.parse(confined.rlimits)
         self.open_max = min(os.sysconf("SC_OPEN_MAX"), 1 << 16)
         # (mount(2)'s five arguments, what it is for an error message):
         # boltzlabs.runtime.confine's (the workspace tmpfs, whose two directories are
@@ -244,11 +259,12 @@ class _ChildPlan:
         # quotas: the sysctls are written through it) /proc/sys read-only,
         # since sysctl writes are checked against the uid, not capabilities.
         self.shm_dirs = confined.shm_dirs
+        proc = confined.proc
         mounts = [
-            ("proc", "/proc", "proc", flags | _MS_NOEXEC, None, "mount /proc"),
-            ("/proc/sys", "/proc/sys", None, _MS_BIND, None, "bind /proc/sys"),
-            (None, "/proc/sys", None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags | _MS_NOEXEC, None,
-             "make /proc/sys read-only")]
+            ("proc", proc, "proc", flags | _MS_NOEXEC, None, f"mount {proc}"),
+            (f"{proc}/sys", f"{proc}/sys", None, _MS_BIND, None, f"bind {proc}/sys"),
+            (None, f"{proc}/sys", None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags | _MS_NOEXEC, None,
+             f"make {proc}/sys read-only")]
         self.mounts = confined.mounts + [
             ((a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode()), what)
             for a, b, c, f, d, what in mounts]
@@ -257,7 +273,7 @@ class _ChildPlan:
         # max_user_namespaces=0 among them: written in the child's own user
         # namespace, which counts everything the env makes.
         self.sysctls = confined.sysctls
-        self.hostname = hostname.encode()
+        self.hostname = confined.hostname.encode()  # empty: no uts namespace of its own, nothing to name
         self.sethostname = _libc.sethostname  # resolved here, not in every child
         self.workspace = confined.workspace
         self.lo_request = struct.pack("16sH14x", b"lo", 0)
@@ -303,17 +319,19 @@ class _ChildPlan:
                 os.close(fd)
         for arguments, what in mounts[after:]:
             _check(_libc.mount(*arguments), what)
-        _check(self.sethostname(self.hostname, len(self.hostname)), "sethostname")
-        # Interface ioctls on any socket reach its net namespace's devices, Unix
-        # ones included: so the template's filter may refuse every other family.
-        unix = _socket.socket(_socket.AF_UNIX, _socket.SOCK_DGRAM)
-        try:
-            flags = int.from_bytes(fcntl.ioctl(unix.fileno(), _SIOCGIFFLAGS, self.lo_request)[16:18], "little")
-            fcntl.ioctl(unix.fileno(), _SIOCSIFFLAGS,
-                        self.lo_request[:16] + (flags | _IFF_UP | _IFF_RUNNING).to_bytes(2, "little")
-                        + self.lo_request[18:])
-        finally:
-            unix.close()
+        if self.hostname:
+            _check(self.sethostname(self.hostname, len(self.hostname)), "sethostname")
+        if self.net:
+            # Interface ioctls on any socket reach its net namespace's devices, Unix
+            # ones included: so the template's filter may refuse every other family.
+            unix = _socket.socket(_socket.AF_UNIX, _socket.SOCK_DGRAM)
+            try:
+                flags = int.from_bytes(fcntl.ioctl(unix.fileno(), _SIOCGIFFLAGS, self.lo_request)[16:18], "little")
+                fcntl.ioctl(unix.fileno(), _SIOCSIFFLAGS,
+                            self.lo_request[:16] + (flags | _IFF_UP | _IFF_RUNNING).to_bytes(2, "little")
+                            + self.lo_request[18:])
+            finally:
+                unix.close()
         os.chdir(self.workspace)
         self.capabilities.drop()
 
@@ -602,6 +620,18 @@ def _probe_child(probe, memory: int):
     return run
 
 
+def _warmup(values: dict) -> tuple[float, int]:
+    """(seconds the warm-up's probe may take, 0: none; the env's memory limit
+    in bytes, 0: none) from the template's plan."""
+    try:
+        timeout, memory = float(values["warmup"]), int(values["memory"])
+    except (KeyError, ValueError):
+        raise ValueError("the template's plan has no valid warmup= and memory=") from None
+    if not 0 <= timeout < float("inf") or memory < 0:
+        raise ValueError(f"the template's plan: warmup={timeout!r}, memory={memory!r} are out of range")
+    return timeout, memory
+
+
 def _private_dirty() -> int:
     """Private_Dirty of this process, in bytes (its own /proc)."""
     try:
@@ -642,11 +672,6 @@ def fork_server(serve_child, channel_fd: int, probe=None, preload=()) -> None:
     """
     control = socket.socket(fileno=channel_fd)
     reason = _unsafe_to_fork(channel_fd)
-    # The template's own settings: popped, so a child's environment is an
-    # exec-mode env's environment exactly.
-    hostname = os.environ.pop("BOLTZLABS_HOSTNAME", "boltzlabs")
-    rlimits = os.environ.pop(limits.VARIABLE, "")
-    warmup = os.environ.pop(WARMUP_VARIABLE, "0")
     hello = {"pid": os.getpid(), "forkable": not reason, "reason": reason, "warmup": None}
     if reason:
         control.sendall(wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, hello]))
@@ -654,14 +679,11 @@ def fork_server(serve_child, channel_fd: int, probe=None, preload=()) -> None:
     if confine.prepared is None:
         raise RuntimeError("the template's set-up did not run (boltzlabs.runtime.template.main); refusing to fork envs")
     _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "child subreaper")
-    try:
-        timeout, memory = float(warmup.split(",")[0]), int(warmup.split(",")[1])
-    except (ValueError, IndexError):
-        timeout, memory = 0.0, 0
+    timeout, memory = _warmup(confine.prepared)
     if timeout > 0:
         # The probe's child is made from a plan of its own: the envs' plan is
         # made after the imports, next to the fork path (see below).
-        probe_plan = _ChildPlan(confine.Plan(confine.prepared), hostname, rlimits, (os.geteuid(), os.getegid()))
+        probe_plan = _ChildPlan(confine.Plan(confine.prepared), (os.geteuid(), os.getegid()))
         hello["warmup"] = warm_up(probe_plan, probe, preload, timeout, memory)
         del probe_plan
         if hello["warmup"]["imported"]:
@@ -676,7 +698,7 @@ def fork_server(serve_child, channel_fd: int, probe=None, preload=()) -> None:
     # before the forks share pages with the rest of the fork path, which
     # children touch anyway; main()'s sit among env.py's import-time objects
     # (a child touching them copied ~70 KiB more per env, measured).
-    plan = _ChildPlan(confine.Plan(confine.prepared), hostname, rlimits, (os.geteuid(), os.getegid()))
+    plan = _ChildPlan(confine.Plan(confine.prepared), (os.geteuid(), os.getegid()))
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
@@ -837,28 +859,39 @@ def main(argv=None) -> None:
     import runpy
 
     argv = sys.argv[1:] if argv is None else argv
-    # Binding on env.py's import code and everything it starts (limits.py).
-    limits.apply(os.environ.pop("BOLTZLABS_TEMPLATE_RLIMITS", ""))
-    # The template's own workspace (inode cap) and devpts (pty cap), for
-    # env.py's import code; each child mounts its own the same way.
+    # The plan (sandbox/plan.py on the host), parsed once: popped, so a
+    # child's environment is an exec-mode env's environment exactly. Every
+    # setting below comes from it; a missing one is an error, never a default.
     # (Kept in boltzlabs.runtime.confine: this module runs as __main__ here, and
     # env.py's serve() imports it again as boltzlabs.runtime.template.)
-    confine.prepared = os.environ.pop(confine.VARIABLE)
-    confine.Plan(confine.prepared).mount_workspace_and_devpts()
+    values = confine.parse(os.environ.pop(confine.VARIABLE, ""))
+    missing = {"template_rlimits", "hidden_proc", "template_uid", "template_gid", "warmup", "memory"} - set(values)
+    if missing:
+        raise RuntimeError(f"the template's plan lacks {sorted(missing)}; refusing to start")
+    _warmup(values)  # checked now, not after env.py's import
+    confine.prepared = values
+    # Binding on env.py's import code and everything it starts (limits.py).
+    limits.apply(values["template_rlimits"])
+    # The template's own workspace (inode cap) and devpts (pty cap), for
+    # env.py's import code; each child mounts its own the same way.
+    own = confine.Plan(values)
+    own.mount_workspace_and_devpts()
+    proc = own.proc
+    del own  # not kept alive in this frame under env.py's import (the children's pages sit among what follows)
     flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
-    hidden = os.environ.pop("BOLTZLABS_HIDDEN_PROC")
+    hidden = confine.path_of(values, "hidden_proc")
     _mount("proc", hidden, "proc", flags)
     # Cover its parent: the proc stays in the mount table, no path reaches it.
     _mount("tmpfs", os.path.dirname(hidden), "tmpfs", flags | _MS_RDONLY, "size=4k,mode=0000")
     # /proc stays writable here (children write their uid maps through it),
     # but not the sysctls: they are checked against the uid, not capabilities.
-    for path in ("/proc/sys", "/proc/sysrq-trigger"):
+    for path in (f"{proc}/sys", f"{proc}/sysrq-trigger"):
         if os.path.exists(path):
             _mount(path, path, None, _MS_BIND)
             _mount(None, path, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags)
     # A non-zero uid of our own, so that children may map their root to it
     # without CAP_SETFCAP (see sandbox/policy.toml, [template]).
-    uid, gid = (int(x) for x in os.environ.pop("BOLTZLABS_TEMPLATE_ID", "1000:1000").split(":"))
+    uid, gid = confine.number_of(values, "template_uid", 1), confine.number_of(values, "template_gid", 1)
     seccomp.receive_child_filter(int(os.environ.pop("BOLTZLABS_CHILD_FILTER_FD")))
     _enter_user_namespace((uid, gid), (os.geteuid(), os.getegid()))
     drop_capabilities()

@@ -1,18 +1,19 @@
-"""Per-env resource limits, the host half: policy data in, checked limits and $BOLTZLABS_RLIMITS out.
+"""Per-env resource limits, the host half: policy data in, checked limits and the rlimits' text out.
 
     sandbox/policy.toml [env_limits] + RLPool(limits=...) --resolve()--> limits (worker)
         memory, pids        --> the env's cgroup (boltzlabs/sandbox/cgroups.py)
         straggler_grace     --> the worker's deadline kill (boltzlabs/worker/worker.py)
-        open_files, file_size, core_size, msgqueue --encode()--> $BOLTZLABS_RLIMITS
+        open_files, file_size, core_size, msgqueue --encode()--> rlimits= of the plan's
+            $BOLTZLABS_CONFINE (boltzlabs/sandbox/plan.py)
             --> boltzlabs/runtime/rlimits.py applies them inside the sandbox
 """
 
 from __future__ import annotations
 
-from boltzlabs.runtime.rlimits import RLIMITS, VARIABLE
+from boltzlabs.runtime.rlimits import RLIMITS
 from boltzlabs.units import parse_size
 
-__all__ = ["RLIMITS", "VARIABLE", "resolve", "encode"]
+__all__ = ["RLIMITS", "resolve", "encode"]
 
 _SIZES = ("memory", "file_size", "core_size", "msgqueue")
 _ZERO_MEANS_ZERO = ("core_size", "msgqueue")  # the others: 0 is "no limit"

@@ -1,6 +1,7 @@
-"""The sandbox policy as data: sandbox/policy.toml and mounts/*.toml, read and located.
+"""The sandbox policy as data: sandbox/policy.toml, mounts/*.toml and sandbox/seccomp.toml, read and located.
 
-    sandbox/policy.toml + mounts/*.toml --load_policy()--> Policy --> builder.SandboxSpec, limits.resolve
+    sandbox/policy.toml + mounts/*.toml + sandbox/seccomp.toml --load_policy()--> Policy
+        --> plan.compile_plan (what every sandbox is made of), limits.resolve
 
 Runs on the host (worker, and the trainer's early checks). The policy files
 are the reviewable part (what an env may see and do); this module finds them
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from boltzlabs.errors import SandboxUnavailable
@@ -36,13 +37,17 @@ def _data_dir(name: str) -> Path:
 
 @dataclass(frozen=True)
 class Policy:
-    """The sandbox policy: sandbox/policy.toml plus the mount profiles."""
+    """The sandbox policy, every file read once: sandbox/policy.toml (`sandbox`,
+    from `path`), the mount profiles (`mounts`) and sandbox/seccomp.toml (`seccomp`)."""
 
     sandbox: dict
     mounts: dict  # profile name -> list of mount entries
+    seccomp: dict = field(default_factory=dict)
+    path: str = ""
 
     @property
     def limits(self) -> dict:
+        """[limits]: deadlines and the bounds on what an env sends."""
         return self.sandbox["limits"]
 
     def env_limits(self, overrides: dict | None = None, memory_limit=None) -> dict:
@@ -57,7 +62,8 @@ def load_policy() -> Policy:
     that starts the worker (the trainer, or `boltzlabs worker --listen`) puts
     an operator's own policy.toml in place of the shipped one, whole: start
     from a copy of sandbox/policy.toml. The mount profiles and seccomp.toml
-    stay the installation's."""
+    stay the installation's. Nothing else reads these files: the worker
+    compiles this Policy into each pool's plan (boltzlabs.sandbox.plan)."""
     path = os.environ.get("BOLTZLABS_POLICY") or _data_dir("sandbox") / "policy.toml"
     try:
         with open(path, "rb") as f:
@@ -65,14 +71,20 @@ def load_policy() -> Policy:
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise SandboxUnavailable(f"cannot read the sandbox policy {path} ({exc}); "
                                  "fix it, or unset BOLTZLABS_POLICY to use the shipped one") from None
-    mounts = {}
-    for profile in MOUNT_PROFILES:
-        with open(_data_dir("mounts") / f"{profile}.toml", "rb") as f:
-            mounts[profile] = tomllib.load(f)
-    return Policy(sandbox, mounts)
+    mounts = {profile: _read(_data_dir("mounts") / f"{profile}.toml") for profile in MOUNT_PROFILES}
+    return Policy(sandbox, mounts, _read(_data_dir("sandbox") / "seccomp.toml"), str(path))
+
+
+def _read(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise SandboxUnavailable(f"cannot read the sandbox policy file {path} ({exc}); reinstall boltzlabs") from None
 
 
 def find_bwrap() -> str:
+    """The path of bwrap, or SandboxUnavailable saying how to install it."""
     path = shutil.which("bwrap")
     if path is None:
         raise SandboxUnavailable(

@@ -1,6 +1,6 @@
 """The seccomp filter: sandbox/seccomp.toml in, BPF programs out, and how they are loaded.
 
-    host (worker): seccomp.toml --compile_policy(), libseccomp--> Filters(env, template)
+    host (worker): seccomp.toml --policy.load_policy()--> rules --compile_rules(), libseccomp--> Filters(env, template)
     spawn="exec":     Filters.env      --fd FILTER_FD--> bwrap --seccomp: every env's interpreter
     spawn="template": Filters.template --fd FILTER_FD--> bwrap --seccomp: the template (before env.py)
                       Filters.env      --fd CHILD_FILTER_FD--> template --apply()--> each forked env,
@@ -26,15 +26,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import functools
 import os
 from dataclasses import dataclass
 
 from boltzlabs.errors import SandboxUnavailable, SeccompPolicyError
 from boltzlabs.runtime import confine
-from boltzlabs.sandbox.policy import _data_dir
 
-__all__ = ["FILTER_FD", "CHILD_FILTER_FD", "Filters", "SeccompPolicyError", "load_rules", "compile_policy",
+__all__ = ["FILTER_FD", "CHILD_FILTER_FD", "Filters", "SeccompPolicyError", "compile_rules",
            "compile_filter", "program_fd"]
 
 FILTER_FD = 4  # where bubblewrap reads the program it loads (--seccomp)
@@ -53,19 +51,9 @@ class Filters:
     template: bytes
 
 
-def load_rules() -> dict:
-    """Read sandbox/seccomp.toml as shipped with this installation."""
-    import tomllib
-
-    path = _data_dir("sandbox") / "seccomp.toml"
-    with open(path, "rb") as f:
-        return tomllib.load(f)
-
-
-@functools.lru_cache(maxsize=1)
-def compile_policy() -> Filters:
-    """Both programs of the shipped policy (compiled once per process)."""
-    rules = load_rules()
+def compile_rules(rules: dict) -> Filters:
+    """Both programs of a parsed seccomp.toml (Policy.seccomp, read by
+    boltzlabs.sandbox.policy.load_policy with the rest of the policy)."""
     return Filters(env=compile_filter(rules), template=compile_filter(rules, template=True))
 
 

@@ -217,10 +217,8 @@ class TemplateSpawner:
         argv = worker.spec.template_argv(CHANNEL_FD, open_files=len(worker.envs) + 64, warmup=worker.warmup)
 
         def start(channel_fd: int, log_w: int) -> None:
-            filters = worker.spec.filters
             with _charged_to(worker, TEMPLATE_LANE):
-                self.bwrap_pid = _posix_spawn(argv, channel_fd, log_w, {
-                    seccomp.FILTER_FD: filters.template, seccomp.CHILD_FILTER_FD: filters.env})
+                self.bwrap_pid = _posix_spawn(argv, channel_fd, log_w, worker.spec.programs())
 
         parent, log_r = _open_channel(start, socket.SOCK_SEQPACKET)
         os.set_blocking(log_r, False)

@@ -6,8 +6,8 @@
     RLPool (client) <==one frame per call== Worker <--one frame per env-- sandboxes
 
 `python -m boltzlabs.worker --fd N` talks to its client over the socket on fd
-N. The client sends OPEN, then CALLs (step, reset, send, recv, render, memory,
-log, close) one at a time; the worker answers each with one REPLY or ERROR
+N. The client sends OPEN, then CALLs (step, reset, send, recv, render, attr,
+memory, log, close) one at a time; the worker answers each with one REPLY or ERROR
 frame. `send` returns before the envs answer: their replies are taken by the
 event loop, which also runs between calls, and held until a `recv`.
 
@@ -26,7 +26,7 @@ breaks any rule is killed and reported on its lane. Nothing here walks an
 env's value recursively: decoding is msgpack's C code under those limits,
 descriptions in errors go through reprlib (bounded depth and width).
 
-Which frames are due. Each request to an env (STEP, RESET, RENDER) carries a
+Which frames are due. Each request to an env (STEP, RESET, RENDER, ATTR) carries a
 fresh sequence number, and exactly one reply carrying that number is due
 until it comes. The env is BUSY from the request until that reply; a
 straggler (past its deadline) stays BUSY, so its one late reply to the number
@@ -63,6 +63,7 @@ import msgpack
 
 from boltzlabs import wire
 from boltzlabs.errors import ClientGone, StartFailure as _StartFailure
+from boltzlabs.worker import native
 from boltzlabs.sandbox.cgroups import CgroupPool, CgroupUnavailable
 from boltzlabs.sandbox.identity import host_account
 from boltzlabs.sandbox.builder import SandboxSpec
@@ -178,6 +179,9 @@ class Worker:
         self.shutdown_reason = None
         self.client_inbox: list = []
         self.epoll = select.epoll()
+        # The step's hot path in C (native.py), or None for pure Python; the
+        # client warns with the note when the extension is missing.
+        self.fastpath, self.fastpath_note = native.load()
         self.handlers: dict[int, tuple] = {}
         self.epoll.register(conn.fileno(), select.EPOLLIN)
         self.handlers[conn.fileno()] = ("client", None)
@@ -252,7 +256,8 @@ class Worker:
         self.straggler_grace = self.limits.get("straggler_grace", float("inf"))
         find_bwrap()  # before the account's checks: a host without bwrap is told that first
         self.account = host_account(self.policy.sandbox.get("identity", {}))
-        self.spec = SandboxSpec(self.policy, config["source_dir"], int(config["workspace_size"]),
+        # The policy compiled once (boltzlabs.sandbox.plan); both spawners use this spec's plan.
+        self.spec = SandboxSpec(self.policy, config["source_dir"], config.get("workspace_size"),
                                 config.get("params") or {}, self.account, self.limits)
         n = int(config["n"])
         _raise_fd_limit(n)
@@ -284,7 +289,7 @@ class Worker:
                                   "leaves running after its reply keep running during other envs' turns")
         self.envs = [Env(i, self.env_limits) for i in range(n)]
         self.warmup = bool(config.get("warmup", True))
-        self.warmup_timeout = float(self.policy.sandbox["template"].get("warmup_timeout", 5.0)) if self.warmup else 0.0
+        self.warmup_timeout = self.spec.plan.warmup_timeout if self.warmup else 0.0
         self.spawner = ExecSpawner(self)
         if config.get("spawn", "template") == "template":
             try:
@@ -309,6 +314,8 @@ class Worker:
             "hello": self.hello,
             "step_timeout": self.step_timeout,
             "spawn": self.spawner.kind,
+            "fast_path": self.fastpath is not None,
+            "fast_path_note": self.fastpath_note,
             "warning": "\n".join(note for note in (self.warning, self.limits_note, self.gate_note, warmup_note)
                                  if note),
             "warmup": warmup,
@@ -462,15 +469,17 @@ class Worker:
         self.client_inbox.extend(messages)
 
     def _read_channel(self, env: Env) -> None:
-        try:
-            data = os.read(env.chan, _READ_SIZE)
-        except BlockingIOError:
+        data = _read_ready(env.chan)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self._close_channel(env)
             return
+        self._take(env, data)
+
+    def _take(self, env: Env, data: bytes) -> None:
+        """Bytes read from env's channel (by the event loop, or by the native
+        step path): charged, framed, decoded under the limits, and handled."""
         if not self._charge(env, len(data)):
             return
         try:
@@ -585,12 +594,9 @@ class Worker:
                 pause = min(pause * 2, 0.005)
 
     def _read_log(self, env: Env) -> None:
-        try:
-            data = os.read(env.logfd, _READ_SIZE)
-        except BlockingIOError:
+        data = _read_ready(env.logfd)
+        if data is None:
             return
-        except OSError:
-            data = b""
         if not data:
             self._unregister(env.logfd)
             os.close(env.logfd)
@@ -760,6 +766,10 @@ class Worker:
         gated = self.gated
         freezing = self.freezing
         immediate: dict[int, str] = {}
+        # The native path writes, waits and reads in one call (_step_fast);
+        # the gate's turns stay in Python.
+        fast = self.fastpath is not None and not gated
+        lanes, frames = [], []
         # Hot path: one frame per idle env, written straight to its channel.
         for env, action in zip(self.envs, actions):
             if env.state == IDLE:
@@ -774,11 +784,18 @@ class Worker:
                 env.seq = seq
                 env.state = BUSY
                 op.waiting.add(env.index)
-                self._write(env, header(len(body)) + body)
+                if fast and not env.out:
+                    lanes.append(env)
+                    frames.append(header(len(body)) + body)
+                else:
+                    self._write(env, header(len(body)) + body)
             elif env.state == BUSY:
                 immediate[env.index] = "straggler"
             else:
                 immediate[env.index] = "dead"
+        deadline = time.monotonic() + self.step_timeout
+        if lanes:
+            self._step_fast(lanes, frames, deadline)
         stragglers = []
         if gated:
             for index in sorted(op.waiting - resets):
@@ -799,7 +816,7 @@ class Worker:
                                     "serialize_measurement gate, and was killed")
                     stragglers.append(index)
         if op.waiting:  # ungated steps, and resets (which the gate does not serialize)
-            self._wait(op, time.monotonic() + self.step_timeout)
+            self._wait(op, deadline if fast else time.monotonic() + self.step_timeout)
             stragglers.extend(op.waiting)
             for index in op.waiting:
                 self._straggling(self.envs[index])
@@ -844,6 +861,58 @@ class Worker:
             truncated[i] = 1
         self.held -= released
         return [obs, rewards.tobytes(), bytes(terminated), bytes(truncated), infos, stragglers]
+
+    def _step_fast(self, lanes: list, frames: list, deadline: float) -> None:
+        """Hot path, native (native/fastpath.c): write every lane's frame, wait
+        on epoll until each has answered or `deadline`, read each reply once,
+        all in one C call. Every byte read goes through _take, as the event
+        loop's reads do. Whatever it leaves (lanes not read yet: it returns
+        early when a log, pidfd, straggler or the client is ready, or at the
+        byte budget; short writes) is left to the pure path's _wait."""
+        fastpath = self.fastpath
+        why, results = fastpath.exchange(self.epoll.fileno(), [env.chan for env in lanes], frames, deadline,
+                                         self.env_limits.max_frame, self.max_pool_bytes - self.held)
+        limits = self.env_limits
+        small = limits.max_depth if limits.guarded is not None else -1  # env limits are always guarded
+        kwargs = limits.kwargs
+        unpackb = msgpack.unpackb
+        op = self.op
+        for env, frame, result in zip(lanes, frames, results):
+            if result is None:
+                continue
+            if type(result) is bytes:  # one whole reply
+                # The common case inline: a small frame (it can neither nest
+                # deeper nor hold more objects than limits.max_depth, so it is
+                # decoded with no hook, as wire.decode does) that is the reply
+                # due, well formed, within the budget. Anything else, and any
+                # decoding error, goes through _take, which says what is wrong.
+                size = len(result)
+                cost = size + (size - 4) * _OBJECT_COST
+                if (size - 4 <= small and not env.reader.pending and env.reader.limits is limits
+                        and self.held + cost <= self.max_pool_bytes):
+                    try:
+                        message = unpackb(memoryview(result)[4:], **kwargs)
+                    except Exception:  # noqa: BLE001 (msgpack raises several types; _take names it)
+                        message = None
+                    if (type(message) is list and len(message) > 1 and type(message[0]) is int
+                            and message[0] == env.expect and message[1] == env.seq and env.state == BUSY
+                            and env.flight == NONE and _check_reply(message)):
+                        env.held += cost
+                        self.held += cost
+                        env.state = IDLE
+                        op.waiting.discard(env.index)
+                        op.results[env.index] = message
+                        continue
+                self._take(env, result)
+                continue
+            kind, value = result
+            if kind == fastpath.UNUSUAL:  # not exactly one frame: FrameReader sorts it out
+                self._take(env, value)
+            elif kind == fastpath.EOF:
+                self._close_channel(env)
+            else:  # SHORT_WRITE_KIND: the rest is flushed by the event loop, as _write does
+                env.out = frame[value:]
+                self.epoll.modify(env.chan, select.EPOLLIN | select.EPOLLOUT)
 
     # -- asynchronous stepping (send / recv) ---------------------------------------------
     #
@@ -1130,39 +1199,69 @@ class Worker:
     def render(self, indices) -> list:
         """One frame per lane in `indices` (None for a lane that has none)."""
         indices = self._check_lanes(indices)
+        frames, errors = self._ask(indices, wire.RENDERED, lambda seq, k: wire.encode([wire.RENDER, seq]), "render")
+        return [frames, {index: why for index, (_, why) in errors.items()}]
+
+    def attr(self, indices, op, name, args, kwargs, values=None) -> list:
+        """call / get_attr / set_attr on the lanes in `indices`: one ATTR
+        request each, as render(). `values` (set): one per lane, for args."""
+        indices = self._check_lanes(indices)
+        if op not in ("call", "get", "set") or not isinstance(name, str) or not isinstance(args, list) \
+                or not isinstance(kwargs, dict) or (values is not None and (not isinstance(values, list)
+                                                                           or len(values) != len(indices))):
+            raise ValueError("attr() takes an op (call, get, set), a name, args, kwargs and one value per lane")
+        same = {}
+
+        def frame(seq, k):
+            if values is not None:
+                return wire.encode([wire.ATTR, seq, op, name, [values[k]], kwargs])
+            if not same:  # the same request for every lane: encoded once
+                same[0] = wire.encode([wire.ATTR, seq, op, name, args, kwargs])
+            return same[0]
+
+        results, errors = self._ask(indices, wire.ATTR_DONE, frame, {"get": "get_attr", "set": "set_attr"}.get(op, op))
+        return [results, {index: list(error) for index, error in errors.items()}]
+
+    def _ask(self, indices, expect, frame, what: str):
+        """One request to each idle lane in `indices` (`frame(seq, k)` is the
+        k-th lane's, encoded), answered within the step deadline (render,
+        attr). Returns each lane's value (None if it has none) and, for each
+        lane that could not answer, (the env's exception message or "", why:
+        its traceback, the missed deadline, or the lane's state)."""
         seq = self._next_seq()
         op = Op(seq)
         self.op = op
-        for index in indices:
+        for k, index in enumerate(indices):
             env = self.envs[index]
             if env.state == IDLE:
                 env.seq = seq
                 env.state = BUSY
-                env.expect = wire.RENDERED
+                env.expect = expect
                 op.waiting.add(index)
                 if self.freezing:
                     self._thaw(env)
-                self._write(env, wire.encode([wire.RENDER, seq]))
+                self._write(env, frame(seq, k))
         self._wait(op, time.monotonic() + self.step_timeout)
         self.op = None
         for index in op.waiting:
             self._straggling(self.envs[index])
-        frames, errors = [], {}
+        values, errors = [], {}
         for index in indices:
-            if self.envs[index].state != BUSY:
-                self._unhold(self.envs[index])
+            env = self.envs[index]
+            if env.state != BUSY:
+                self._unhold(env)
             result = op.results.get(index)
-            if result and result[0] == wire.RENDERED:
-                frames.append(result[2])
+            if result and result[0] == expect:
+                values.append(result[2])
                 continue
-            frames.append(None)
+            values.append(None)
             if result:  # FAILED: the env's exception, with its traceback
-                errors[index] = result[4] or result[3]
+                errors[index] = (result[3], result[4] or result[3])
             elif index in op.waiting:
-                errors[index] = f"missed the render deadline of {self.step_timeout:g} s"
+                errors[index] = ("", f"missed the {what} deadline of {self.step_timeout:g} s")
             else:
-                errors[index] = f"env is {self.envs[index].state} ({self.envs[index].cause})"
-        return [frames, errors]
+                errors[index] = ("", f"env is {env.state} ({env.cause})")
+        return values, errors
 
     def memory(self) -> dict:
         shared = 0
@@ -1242,7 +1341,8 @@ class Worker:
             self._send([wire.ERROR, 0, type(exc).__name__, str(exc), {}])
             return
         self._send([wire.READY, ready])
-        calls = {"step": self.step, "reset": self.reset, "render": self.render, "memory": self.memory, "log": self.log,
+        calls = {"step": self.step, "reset": self.reset, "render": self.render, "attr": self.attr,
+                 "memory": self.memory, "log": self.log,
                  "states": self.states, "pids": self.pids, "send": self.send, "recv": self.recv,
                  "lane_states": self.lane_states, "shutdown": self.shutdown}
         while True:
@@ -1266,6 +1366,17 @@ class Worker:
 
 
 
+def _read_ready(fd: int):
+    """One read of a non-blocking fd: its bytes, b"" at end of file or on an
+    error (the peer is gone either way), None when nothing was there."""
+    try:
+        return os.read(fd, _READ_SIZE)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""
+
+
 def _check_reply(message: list):
     """The reply if it has a valid shape, else None. Hostile envs send anything."""
     code = message[0]
@@ -1276,7 +1387,7 @@ def _check_reply(message: list):
     elif code == wire.RESET_DONE:
         if len(message) == 4 and type(message[3]) is dict:
             return message
-    elif code == wire.RENDERED:
+    elif code == wire.RENDERED or code == wire.ATTR_DONE:
         if len(message) == 3:
             return message
     elif code == wire.FAILED:

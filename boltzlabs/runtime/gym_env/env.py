@@ -31,5 +31,7 @@ def _metadata(metadata):
     return kept
 
 
+# target=env: pool.call / get_attr / set_attr reach the Gymnasium env itself,
+# through its wrappers (get_wrapper_attr / set_wrapper_attr), as SyncVectorEnv's do.
 serve(reset=reset, step=env.step, observation_space=env.observation_space, action_space=env.action_space,
-      metadata=_metadata(env.metadata), render=env.render, render_mode=env.render_mode)
+      metadata=_metadata(env.metadata), render=env.render, render_mode=env.render_mode, target=env)

@@ -1,0 +1,379 @@
+"""The plan: every policy file, read once, checked and compiled into what one pool's sandboxes are made of.
+
+    sandbox/policy.toml + mounts/*.toml + sandbox/seccomp.toml --load_policy()--> Policy (the TOML, as read)
+    Policy + env dir + workspace_size + limits + HostAccount --compile_plan()--> Plan (frozen)
+        Plan --builder.SandboxSpec--> spawn="exec":     bwrap argv per env (bwrap makes the namespaces)
+                                      spawn="template": the template's bwrap argv, with
+        Plan.child_text() --$BOLTZLABS_CONFINE--> runtime/confine.parse() --> the template executes it
+                                                   for every child; exec mode's confine, its last steps
+
+Runs on the host, in the worker. Every value of the policy that shapes a
+sandbox is read here and nowhere else, checked with an error that names its
+key and file, and handed on as data: the code inside a sandbox (runtime/)
+decides nothing, it executes the plan's child part (which namespaces a
+forked env unshares, its mounts and their sizes, its hostname and ids).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import site
+import sys
+import sysconfig
+from dataclasses import dataclass
+
+from boltzlabs.errors import SandboxUnavailable
+from boltzlabs.runtime import confine
+from boltzlabs.sandbox import limits as _limits
+from boltzlabs.sandbox import seccomp
+from boltzlabs.sandbox.identity import HostAccount
+from boltzlabs.sandbox.policy import MOUNT_PROFILES, PACKAGE_DIR, Policy
+from boltzlabs.units import parse_size
+
+__all__ = ["Plan", "compile_plan", "NAMESPACES"]
+
+# What [namespaces] unshare may name, and the bwrap flag of each. A mount
+# namespace is always made (bwrap does; so does each forked env).
+NAMESPACES = {
+    "user": "--unshare-user", "pid": "--unshare-pid", "net": "--unshare-net",
+    "ipc": "--unshare-ipc", "uts": "--unshare-uts", "cgroup": "--unshare-cgroup",
+}
+# Both spawn modes rest on these two: a user namespace is where the set-up's
+# capabilities live (and only there), and an env is pid 1 of its own pid
+# namespace, so one kill takes everything it started.
+_REQUIRED = ("user", "pid")
+_HOSTNAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,62}[A-Za-z0-9])?")
+_MAX_ID = (1 << 32) - 2  # (uid_t)-1 is "no id"
+
+
+def _below(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a sandbox of this pool is made of, compiled from the policy.
+
+    bwrap-side (exec mode's command line and the template's): `namespaces`,
+    `inside_ids`, `hostname`, `die_with_parent`, `new_session`, `cap_drop`,
+    `cap_add` (exec) / `template_cap_add`, `ops` (binds, symlinks, /dev and
+    /proc, in order), `remount_ro`, `environment`, `executable` and
+    `interpreter_flags`. Set-up inside (both modes, `child_text()`): the
+    workspace (`workspace`, `workspace_size`, `inodes`), `dev` (/dev/shm and
+    the devpts with `ptys`), `proc`, `sysctls`, the rlimits of `limits`.
+    Template only: `template_ids`, `hidden_proc`, `warmup_timeout`. And the
+    seccomp `filters`, and `default_workspace_size` (RLPool(workspace_size=None)).
+    """
+
+    source: str  # the policy file, for error messages
+    namespaces: tuple[str, ...]
+    inside_ids: tuple[int, int]
+    template_ids: tuple[int, int]
+    hostname: str
+    die_with_parent: bool
+    new_session: bool
+    cap_drop: tuple[str, ...]
+    cap_add: tuple[str, ...]
+    template_cap_add: tuple[str, ...]
+    env_dir: str
+    runtime_dir: str
+    workspace: str
+    workspace_size: int
+    default_workspace_size: int
+    inodes: int
+    tmp_link: str
+    ptys: int
+    sysctls: tuple[tuple[str, int], ...]
+    dev: str
+    proc: str
+    hidden_proc: str
+    ops: tuple[tuple[str, ...], ...]
+    remount_ro: tuple[str, ...]
+    environment: tuple[tuple[str, str], ...]
+    executable: str
+    interpreter_flags: tuple[str, ...]
+    warmup_timeout: float
+    limits: dict
+    filters: seccomp.Filters
+    relocations: tuple[tuple[str, str], ...]
+    relocate_tmp: str
+
+    def inside(self, path: str) -> str:
+        """Where a host path is bound inside the sandbox: the interpreter and
+        its site-packages at neutral paths (`relocations`); else the same
+        path, except below /tmp, which inside is the env's workspace. A host
+        path there is bound below `relocate_tmp` instead."""
+        return _inside(path, self.relocations, self.tmp_link, self.relocate_tmp)
+
+    def child_text(self) -> str:
+        """The set-up every sandbox makes inside (exec mode's confine, each
+        child of the template): $BOLTZLABS_CONFINE's text (runtime/confine.py)."""
+        return confine.encode(self._child_items())
+
+    def template_text(self, open_files: int, warmup: bool) -> str:
+        """The template's $BOLTZLABS_CONFINE: `child_text()`'s items and its own:
+        its rlimits (room for `open_files`), its hidden proc and ids, the
+        warm-up's seconds (0: none) and the env's memory limit."""
+        return confine.encode({
+            **self._child_items(),
+            "template_rlimits": _limits.encode(self.limits, open_files),
+            "hidden_proc": self.hidden_proc,
+            "template_uid": self.template_ids[0], "template_gid": self.template_ids[1],
+            "warmup": self.warmup_timeout if warmup else 0.0,
+            "memory": int(self.limits.get("memory") or 0),
+        })
+
+    def _child_items(self) -> dict:
+        return {
+            "unshare": ",".join(ns for ns in self.namespaces if ns not in _REQUIRED),
+            "uid": self.inside_ids[0], "gid": self.inside_ids[1],
+            "hostname": self.hostname, "workspace": self.workspace, "size": self.workspace_size,
+            "inodes": self.inodes, "ptys": self.ptys, "dev": self.dev, "proc": self.proc,
+            "rlimits": _limits.encode(self.limits),
+            **{f"sysctl.{name}": value for name, value in self.sysctls},
+        }
+
+
+class _Reader:
+    """Typed reads of the policy's tables, each failure naming its key and file."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+        self.source = policy.path or "sandbox/policy.toml"
+
+    def fail(self, key: str, what: str, value) -> SandboxUnavailable:
+        hint = ("fix it, or unset BOLTZLABS_POLICY to use the shipped one" if os.environ.get("BOLTZLABS_POLICY")
+                else "fix it, or reinstall boltzlabs")
+        return SandboxUnavailable(f"the sandbox policy {self.source}: {key} must be {what}, not {value!r}; {hint}")
+
+    def get(self, table: str, name: str, default=None):
+        node = self.policy.sandbox
+        for part in table.split("."):
+            node = node.get(part, {}) if isinstance(node, dict) else {}
+        if not isinstance(node, dict):
+            raise self.fail(f"[{table}]", "a table", node)
+        if name not in node:
+            if default is None:
+                raise self.fail(f"[{table}] {name}", "set", None)
+            return default
+        return node[name]
+
+    def integer(self, table: str, name: str, low: int, high: int = 1 << 62, default=None) -> int:
+        value = self.get(table, name, default)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise self.fail(f"[{table}] {name}", f"a whole number from {low} to {high}", value)
+        return value
+
+    def number(self, table: str, name: str, default=None) -> float:
+        value = self.get(table, name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            raise self.fail(f"[{table}] {name}", "a number of seconds, 0 or more", value)
+        return float(value)
+
+    def flag(self, table: str, name: str) -> bool:
+        value = self.get(table, name, False)
+        if not isinstance(value, bool):
+            raise self.fail(f"[{table}] {name}", "true or false", value)
+        return value
+
+    def path(self, table: str, name: str, default=None) -> str:
+        value = self.get(table, name, default)
+        if not isinstance(value, str) or not value.startswith("/") or os.path.normpath(value) != value \
+                or value == "/" or any(c in value for c in ",\n\0"):
+            raise self.fail(f"[{table}] {name}", "an absolute path (normalized, not /, no ',')", value)
+        return value
+
+    def names(self, table: str, name: str, default=None) -> tuple[str, ...]:
+        value = self.get(table, name, default)
+        if not isinstance(value, list) or not all(isinstance(v, str) and v and "\n" not in v for v in value):
+            raise self.fail(f"[{table}] {name}", "a list of strings", value)
+        return tuple(value)
+
+
+def _inside(path: str, relocations, tmp: str, relocate_tmp: str) -> str:
+    for host, inside in relocations:
+        if _below(path, host):
+            return inside + path[len(host):]
+    if tmp and _below(path, tmp):
+        return relocate_tmp + path[len(tmp):]
+    return path
+
+
+def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, limits: dict | None = None,
+                 account: HostAccount | None = None) -> Plan:
+    """Check the policy and compile the plan of one pool's sandboxes.
+
+    `source_dir`: the env's directory; `workspace_size`: bytes, None for the
+    policy's [workspace] default_size; `limits`: the pool's resolved env
+    limits (None: the policy's); `account`: who bwrap runs as on the host
+    (None: the current user, nothing staged). Raises SandboxUnavailable
+    naming the policy key that is wrong, and what it must be."""
+    read = _Reader(policy)
+    namespaces = read.names("namespaces", "unshare")
+    unknown = [ns for ns in namespaces if ns not in NAMESPACES]
+    missing = [ns for ns in _REQUIRED if ns not in namespaces]
+    if unknown or missing or len(set(namespaces)) != len(namespaces):
+        raise read.fail("[namespaces] unshare", f"a list of distinct names from {sorted(NAMESPACES)} that holds "
+                        f"{' and '.join(map(repr, _REQUIRED))}", list(namespaces))
+    inside_ids = (read.integer("identity", "uid", 0, _MAX_ID), read.integer("identity", "gid", 0, _MAX_ID))
+    # Not 0: mapping a parent namespace's id 0 needs CAP_SETFCAP there (policy.toml says why).
+    template_ids = (read.integer("template", "uid", 1, _MAX_ID), read.integer("template", "gid", 1, _MAX_ID))
+    hostname = read.get("process", "hostname", "")
+    if not isinstance(hostname, str) or (hostname and not _HOSTNAME.fullmatch(hostname)):
+        raise read.fail("[process] hostname", "a host name (letters, digits, '.', '-'; at most 64)", hostname)
+    if hostname and "uts" not in namespaces:
+        raise read.fail("[process] hostname", 'empty when [namespaces] unshare has no "uts" (the host\'s '
+                        "name is not the sandbox's to change)", hostname)
+    env_dir, runtime_dir = read.path("process", "env_dir"), read.path("process", "runtime_dir")
+    workspace = read.path("workspace", "path")
+    default_size = read.get("workspace", "default_size")
+    try:
+        default_size = parse_size(default_size)
+        if default_size <= 0:
+            raise ValueError
+    except (ValueError, TypeError):
+        raise read.fail("[workspace] default_size", 'a positive size like "64M"', default_size) from None
+    size = default_size if workspace_size is None else int(workspace_size)
+    if size <= 0:
+        raise ValueError(f"workspace_size must be a positive number of bytes, not {workspace_size!r}")
+    bytes_per_inode = read.integer("workspace", "bytes_per_inode", 1)
+    tmp_link = read.get("workspace", "tmp_link", "")
+    if tmp_link:
+        tmp_link = read.path("workspace", "tmp_link")
+    ptys = read.integer("quotas", "ptys", 1, 1 << 20)
+    quotas = read.get("quotas", "user_namespace", {})
+    if not isinstance(quotas, dict):
+        raise read.fail("[quotas.user_namespace]", "a table", quotas)
+    # Only the limits this kernel has (max_fanotify_* came in 5.13): the
+    # host's /proc/sys/user lists the same kernel's.
+    sysctls = []
+    for name in quotas:
+        value = read.integer("quotas.user_namespace", name, 0, (1 << 31) - 1)
+        if not re.fullmatch(r"[a-z_]{1,64}", name):
+            raise read.fail(f"[quotas.user_namespace] {name}", "a name of /proc/sys/user", name)
+        if os.path.exists(f"{confine.SYSCTL_DIR}/{name}"):
+            sysctls.append((name, value))
+    relocations, site_packages = _relocations(policy.mounts["interpreter"])
+    relocate_tmp = read.path("workspace", "relocate_tmp")
+    values = {
+        "base_prefix": sys.base_prefix,
+        "site_packages": site_packages,
+        "source_dir": str(source_dir),
+        "env_dir": env_dir,
+        "runtime_dir": runtime_dir,
+        "package_dir": str(PACKAGE_DIR),
+        "workspace": workspace,
+        "site_path": ":".join(_inside(p, relocations, tmp_link, relocate_tmp)
+                              for p in site.getsitepackages() if os.path.isdir(p)),
+    }
+    ops = _mount_ops(policy, values, account, lambda p: _inside(p, relocations, tmp_link, relocate_tmp))
+    specials = {op[0][2:]: op[1] for op in ops if op[0] in ("--dev", "--proc")}
+    if "dev" not in specials or "proc" not in specials:
+        raise SandboxUnavailable(f"the mount profiles (mounts/*.toml) need a [[special]] of kind \"dev\" and one of "
+                                 f"kind \"proc\" (the set-up inside mounts /dev/shm, devpts and proc there); "
+                                 f"they have {sorted(specials)}; reinstall boltzlabs")
+    for op in ops:
+        if _below(op[-1], workspace):
+            raise read.fail("[workspace] path", f"no parent of a mounted path (it would hide {op[-1]})", workspace)
+    remount_ro = read.names("finish", "remount_ro", [])
+    if not all(path.startswith("/") and os.path.normpath(path) == path for path in remount_ro):
+        raise read.fail("[finish] remount_ro", "a list of absolute paths", list(remount_ro))
+    environment = policy.sandbox.get("environment")
+    if not isinstance(environment, dict):
+        raise read.fail("[environment]", "a table of variables", environment)
+    try:
+        environment = tuple((name, str(value).format(**values)) for name, value in environment.items())
+    except (KeyError, IndexError, ValueError) as exc:
+        raise read.fail("[environment]", "strings whose {placeholders} are " + ", ".join(sorted(values)),
+                        str(exc)) from None
+    flags = read.names("interpreter", "flags")
+    if not all(flag.startswith("-") for flag in flags):
+        raise read.fail("[interpreter] flags", "a list of interpreter options, each starting with '-'", list(flags))
+    libdir = sysconfig.get_config_var("LIBDIR")
+    # A shared libpython is found through the binary's RUNPATH, which names
+    # the host prefix: relocated, the loader needs to be told.
+    if sysconfig.get_config_var("Py_ENABLE_SHARED") and libdir \
+            and _inside(libdir, relocations, tmp_link, relocate_tmp) != libdir:
+        environment += (("LD_LIBRARY_PATH", _inside(libdir, relocations, tmp_link, relocate_tmp)),)
+    return Plan(
+        source=read.source,
+        namespaces=namespaces,
+        inside_ids=inside_ids,
+        template_ids=template_ids,
+        hostname=hostname,
+        die_with_parent=read.flag("process", "die_with_parent"),
+        new_session=read.flag("process", "new_session"),
+        cap_drop=read.names("process", "cap_drop", []),
+        cap_add=read.names("process", "cap_add", []),
+        template_cap_add=read.names("template", "cap_add", []),
+        env_dir=env_dir,
+        runtime_dir=runtime_dir,
+        workspace=workspace,
+        workspace_size=size,
+        default_workspace_size=default_size,
+        inodes=max(64, size // bytes_per_inode),
+        tmp_link=tmp_link,
+        ptys=ptys,
+        sysctls=tuple(sysctls),
+        dev=specials["dev"],
+        proc=specials["proc"],
+        hidden_proc=read.path("template", "hidden_proc"),
+        ops=tuple(ops),
+        remount_ro=remount_ro,
+        environment=environment,
+        executable=_inside(os.path.realpath(sys.executable), relocations, tmp_link, relocate_tmp),
+        interpreter_flags=flags,
+        warmup_timeout=read.number("template", "warmup_timeout"),
+        limits=policy.env_limits() if limits is None else limits,
+        # sandbox/seccomp.toml, read with the rest by load_policy, compiled here.
+        filters=seccomp.compile_rules(policy.seccomp),
+        relocations=tuple(relocations),
+        relocate_tmp=relocate_tmp,
+    )
+
+
+def _relocations(interpreter: dict) -> tuple[list, list]:
+    """(host path, inside) pairs for the interpreter and its site-packages
+    (mounts/interpreter.toml), and those site-packages."""
+    relocations = []
+    if not _below(sys.base_prefix, "/usr"):
+        relocations.append((sys.base_prefix, interpreter["python_dir"]))
+    site_packages = []
+    for path in site.getsitepackages():
+        if os.path.isdir(path) and not _below(path, sys.base_prefix) and not _below(path, "/usr") \
+                and os.path.realpath(path) not in map(os.path.realpath, site_packages):
+            relocations.append((path, f"{interpreter['site_dir']}/{len(site_packages)}"))
+            site_packages.append(path)
+    return relocations, site_packages
+
+
+def _expand(text: str, values: dict) -> list[str]:
+    key = text[1:-1] if text.startswith("{") and text.endswith("}") else None
+    if key is not None and isinstance(values.get(key), list):
+        return list(values[key])
+    return [text.format(**values)]
+
+
+def _mount_ops(policy: Policy, values: dict, account: HostAccount | None, inside) -> list[tuple]:
+    """(flag, [source,] dest) operations from the mount profiles, in order."""
+    ops, seen = [], set()
+    for profile in MOUNT_PROFILES:
+        for entry in policy.mounts[profile].get("mount", []):
+            for source in _expand(entry["source"], values):
+                dest = _expand(entry["dest"], values)[0] if "dest" in entry else inside(source)
+                if dest in seen:
+                    continue
+                if not os.path.lexists(source):
+                    if entry.get("optional"):
+                        continue
+                    raise SandboxUnavailable(f"mount profile {profile!r} needs {source}, which does not exist")
+                seen.add(dest)
+                if os.path.islink(source):
+                    ops.append(("--symlink", os.readlink(source), dest))
+                else:
+                    flag = "--ro-bind" if entry.get("mode", "ro") == "ro" else "--bind"
+                    ops.append((flag, account.source(source) if account else source, dest))
+        for special in policy.mounts[profile].get("special", []):
+            ops.append((f"--{special['kind']}", special["dest"]))
+    return ops

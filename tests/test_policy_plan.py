@@ -1,0 +1,233 @@
+"""The policy is compiled once and both spawn modes follow it (issue #15, "Policy compiled once").
+
+Each test writes an operator policy (BOLTZLABS_POLICY: a copy of the shipped
+sandbox/policy.toml with one change), starts a real pool in each spawn mode
+and asks the env what its sandbox is: namespaces (compared by inode with this
+process's, which shares the worker's and the host's), hostname, workspace
+size (statvfs). A mode that falls back to the other would prove nothing, so
+each test checks `pool.spawn` too.
+"""
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from boltzlabs import RLPool
+from boltzlabs.errors import SandboxUnavailable
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = (ROOT / "sandbox" / "policy.toml").read_text()
+
+FACTS = """
+import os
+from boltzlabs.env import serve
+
+def facts():
+    workspace, shm = os.statvfs(os.getcwd()), os.statvfs("/dev/shm")
+    return {
+        "ns": {kind: os.readlink(f"/proc/self/ns/{kind}") for kind in ("net", "ipc", "uts", "cgroup")},
+        "hostname": os.uname().nodename,
+        "cwd": os.getcwd(),
+        "workspace": workspace.f_blocks * workspace.f_frsize,
+        "shm": shm.f_blocks * shm.f_frsize,
+        "uid": os.getuid(),
+        "gid": os.getgid(),
+    }
+
+def reset(seed):
+    return facts()
+
+def step(action):
+    return facts(), 0.0, False, {}
+
+serve(reset=reset, step=step)
+"""
+
+
+def _host_ns(kind: str) -> str:
+    return os.readlink(f"/proc/self/ns/{kind}")
+
+
+@pytest.fixture
+def policy(tmp_path, monkeypatch):
+    """`policy((pattern, replacement), ...)`: the shipped policy with each
+    regex substitution made (each must match), in force for this test."""
+
+    def write(*changes) -> Path:
+        text = SHIPPED
+        for pattern, replacement in changes:
+            text, count = re.subn(pattern, replacement, text, count=1, flags=re.M)
+            assert count == 1, f"the shipped policy has no line matching {pattern!r}"
+        path = tmp_path / "policy.toml"
+        path.write_text(text)
+        monkeypatch.setenv("BOLTZLABS_POLICY", str(path))
+        return path
+
+    return write
+
+
+@pytest.fixture
+def facts_env(env_dir):
+    return env_dir(FACTS)
+
+
+def _facts(directory, spawn, n=2, **kwargs):
+    """Each env's facts, at reset and after a step, and after a hard reset (a fresh sandbox)."""
+    with RLPool(directory, n, spawn=spawn, step_timeout=10, **kwargs) as pool:
+        assert pool.spawn == spawn, f"the pool fell back to spawn={pool.spawn!r}"
+        seen = list(pool.reset(seed=0))
+        seen += pool.step([0] * n)[0]
+        seen += pool.reset(seed=0, hard=True)
+    return seen
+
+
+def test_shipped_policy_unshares_every_namespace(facts_env, spawn):
+    """The control: with the shipped policy no env shares a namespace with the host."""
+    for seen in _facts(facts_env, spawn):
+        for kind, link in seen["ns"].items():
+            assert link != _host_ns(kind), (kind, seen)
+        assert seen["hostname"] == "boltzlabs"
+        assert seen["workspace"] == 64 << 20 and seen["cwd"] == "/workspace"
+
+
+def test_no_net_namespace_when_the_policy_drops_it(facts_env, spawn, policy):
+    policy((r'^unshare = \[.*\]$', 'unshare = ["user", "pid", "ipc", "uts", "cgroup"]'))
+    seen = _facts(facts_env, spawn)
+    for facts in seen:
+        assert facts["ns"]["net"] == _host_ns("net"), facts
+        assert facts["ns"]["ipc"] != _host_ns("ipc") and facts["ns"]["uts"] != _host_ns("uts")
+    # Sandboxes of one pool: separate ipc namespaces, still (and one shared net: the host's).
+    assert len({facts["ns"]["ipc"] for facts in seen[:2]}) == 2
+
+
+def test_ipc_and_cgroup_namespaces_follow_the_policy(facts_env, spawn, policy):
+    policy((r'^unshare = \[.*\]$', 'unshare = ["user", "pid", "net", "uts"]'))
+    for facts in _facts(facts_env, spawn):
+        assert facts["ns"]["net"] != _host_ns("net")
+        # The env shares its ipc and cgroup namespaces with its sandbox's
+        # creator: the host's in exec mode, the template's (so the host's:
+        # its bwrap did not unshare them either) in template mode.
+        assert facts["ns"]["ipc"] == _host_ns("ipc"), facts
+        assert facts["ns"]["cgroup"] == _host_ns("cgroup"), facts
+
+
+def test_only_the_required_namespaces(facts_env, spawn, policy):
+    """Only "user" and "pid", no hostname: no child unshares net, ipc, uts or
+    cgroup, brings up a loopback or names a host (each would fail without
+    its namespace), in either mode."""
+    policy((r'^unshare = \[.*\]$', 'unshare = ["user", "pid"]'), (r'^hostname = .*$', 'hostname = ""'))
+    for facts in _facts(facts_env, spawn):
+        for kind in ("net", "ipc", "uts", "cgroup"):
+            assert facts["ns"][kind] == _host_ns(kind), (kind, facts)
+        assert facts["hostname"] == os.uname().nodename
+
+
+def test_hostname_follows_the_policy(facts_env, spawn, policy):
+    policy((r'^hostname = .*$', 'hostname = "operator-box"'))
+    for facts in _facts(facts_env, spawn):
+        assert facts["hostname"] == "operator-box"
+
+
+def test_workspace_default_size_follows_the_policy(facts_env, spawn, policy):
+    policy((r'^default_size = .*$', 'default_size = "24M"'))
+    for facts in _facts(facts_env, spawn):
+        # One tmpfs holds the workspace and /dev/shm (confine.py): both say its size.
+        assert facts["workspace"] == facts["shm"] == 24 << 20, facts
+    # A pool's own workspace_size still wins over the policy's default.
+    for facts in _facts(facts_env, spawn, n=1, workspace_size="8M"):
+        assert facts["workspace"] == 8 << 20
+
+
+def test_workspace_path_follows_the_policy(facts_env, spawn, policy):
+    policy((r'^path = "/workspace"$', 'path = "/scratch"'))
+    for facts in _facts(facts_env, spawn):
+        assert facts["cwd"] == "/scratch", facts
+        assert (facts["uid"], facts["gid"]) == (0, 0), facts  # [identity] uid, gid
+
+
+BOGUS = {
+    "namespace": ((r'^unshare = \[.*\]$', 'unshare = ["user", "pid", "net", "moon"]'), "[namespaces] unshare"),
+    "no user namespace": ((r'^unshare = \[.*\]$', 'unshare = ["pid", "net"]'), "[namespaces] unshare"),
+    "default_size": ((r'^default_size = .*$', 'default_size = "lots"'), "[workspace] default_size"),
+    "hostname": ((r'^hostname = .*$', 'hostname = "a,b"'), "[process] hostname"),
+    "ptys": ((r'^ptys = .*$', 'ptys = -3'), "[quotas] ptys"),
+    "warmup_timeout": ((r'^warmup_timeout = .*$', 'warmup_timeout = "soon"'), "[template] warmup_timeout"),
+    "template uid": ((r'^uid = 1000$', 'uid = "x"'), "[template] uid"),
+    "bytes_per_inode": ((r'^bytes_per_inode = .*$', 'bytes_per_inode = 0'), "[workspace] bytes_per_inode"),
+    "workspace path": ((r'^path = "/workspace"$', 'path = "relative"'), "[workspace] path"),
+    "interpreter flags": ((r'^flags = .*$', 'flags = "-S"'), "[interpreter] flags"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BOGUS))
+def test_a_bogus_policy_value_is_named(facts_env, spawn, policy, case):
+    change, key = BOGUS[case]
+    policy(change)
+    with pytest.raises(SandboxUnavailable) as caught:
+        RLPool(facts_env, 1, spawn=spawn, step_timeout=5)
+    assert key in str(caught.value), str(caught.value)
+    assert "BOLTZLABS_POLICY" in str(caught.value) or "policy.toml" in str(caught.value)
+
+
+# -- the plan's child part, as the sandbox reads it ($BOLTZLABS_CONFINE) ----------------------
+
+from boltzlabs.runtime import confine  # noqa: E402
+from boltzlabs.sandbox.builder import SandboxSpec, load_policy  # noqa: E402
+
+
+def _child_values() -> dict:
+    return confine.parse(SandboxSpec(load_policy(), ROOT / "examples" / "counter").plan.child_text())
+
+
+def test_the_child_part_round_trips():
+    plan = SandboxSpec(load_policy(), ROOT / "examples" / "counter").plan
+    values = confine.parse(plan.child_text())
+    built = confine.Plan(values)
+    assert built.unshare == {"net", "ipc", "uts", "cgroup"} and built.ids == (0, 0)
+    assert built.hostname == "boltzlabs" and built.workspace == b"/workspace" and built.proc == "/proc"
+    assert values["size"] == str(64 << 20) and values["inodes"] == str((64 << 20) // 4096)
+    template = confine.parse(plan.template_text(100, warmup=False))
+    assert template["warmup"] == "0.0" and template["hidden_proc"] == "/.template/proc"
+
+
+@pytest.mark.parametrize("text, complaint", [
+    ("x" * 20000, "too long"),
+    ("\n".join(f"sysctl.max_{chr(97 + i % 26) * (1 + i // 26)}=0" for i in range(200)), "more than"),
+    ("unshare=net\nunshare=net", "repeated"),
+    ("bogus=1", "unknown"),
+    ("sysctl.../../kernel/core_pattern=|/x", "unknown"),
+    ("sysctl.Max=1", "unknown"),
+    ("no equals sign", "malformed"),
+    ("unshare=net\0", "not text"),
+    ("unshare=net", "lacks"),
+    (None, "missing"),
+])
+def test_a_hostile_plan_text_is_refused(text, complaint):
+    with pytest.raises(ValueError, match=complaint):
+        confine.parse(text)
+
+
+@pytest.mark.parametrize("key, value", [
+    ("unshare", "net,moon"), ("unshare", "user"), ("unshare", "net,net"),
+    ("workspace", "relative"), ("workspace", "/a/../etc"), ("workspace", "/"), ("dev", "/dev,x"),
+    ("proc", ""), ("size", "-1"), ("size", "0"), ("size", "1e9"), ("size", "9" * 30), ("ptys", "x"),
+    ("uid", "-5"), ("sysctl.max_user_namespaces", "-1"),
+])
+def test_a_bad_plan_value_is_refused(key, value):
+    values = dict(_child_values(), **{key: value})
+    with pytest.raises(ValueError, match=r"BOLTZLABS_CONFINE"):
+        confine.Plan(values)
+
+
+def test_a_hostname_without_a_uts_namespace_is_refused():
+    values = dict(_child_values(), unshare="net,ipc")
+    with pytest.raises(ValueError, match="uts"):
+        confine.Plan(values)
+    confine.Plan(dict(values, hostname=""))  # no uts namespace, no name: fine
+
+
+def test_the_host_refuses_to_encode_what_the_sandbox_would_refuse():
+    with pytest.raises(ValueError):
+        confine.encode({"hostname": "a\nsysctl.max_user_namespaces=99"})
