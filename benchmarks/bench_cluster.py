@@ -8,7 +8,7 @@ Three pools of examples/counter stay open and take turns in --rounds chunks
 of the steps (so load on a shared machine slows all alike):
   * local:   RLPool(counter, n)                       (worker on this host)
   * remote:  RLPool(counter, n, worker="tcp://127.0.0.1:...")  (one remote worker)
-  * cluster: RLPool(counter, n, cluster=<2-node Ray cluster>)  (n/2 lanes per node)
+  * cluster: ClusterPool(counter, n, cluster=<2-node Ray cluster>)  (n/2 lanes per node)
 Every node of the test cluster is this same 2-core machine, so the cluster
 row measures the hop's overhead (two workers, two TCP round trips, threads),
 not extra capacity. A markdown table goes to stdout and the figures to
@@ -35,6 +35,7 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from boltzlabs import RLPool  # noqa: E402
+from boltzlabs.cluster import ClusterPool  # noqa: E402
 
 COUNTER = ROOT / "examples" / "counter"
 RESULTS = ROOT / "benchmarks" / "results" / "cluster.json"
@@ -87,8 +88,8 @@ def main() -> int:
     try:
         for name, make in (("local", lambda: RLPool(COUNTER, n)),
                            ("remote", lambda: RLPool(COUNTER, n, worker=url, token=token)),
-                           ("cluster", lambda: RLPool(COUNTER, n, cluster=cluster.address,
-                                                      envs_per_node=(n + 1) // 2))):
+                           ("cluster", lambda: ClusterPool(COUNTER, n, cluster=cluster.address,
+                                                           envs_per_node=(n + 1) // 2))):
             started = time.perf_counter()
             pools[name] = make()
             figures[name] = {"start_s": time.perf_counter() - started, "seconds": 0.0, "worker": [], "roundtrip": []}

@@ -8,7 +8,7 @@ two: its channel and its log pipe; exec mode adds a pidfd). When this process's 
 hold the whole pool in one worker and cannot be raised (no
 CAP_SYS_RESOURCE), the pool is split over local worker processes: a Ray
 cluster of that many nodes on this machine (`ray.cluster_utils`, every node
-127.0.0.1), i.e. RLPool(..., cluster=address, envs_per_node=...). The line
+127.0.0.1), i.e. ClusterPool(..., cluster=address, envs_per_node=...). The line
 says which. Needs `pip install 'boltzlabs[ray]'` only in that case.
 
 Prints the wall time of each phase, env-steps/s over --steps batched steps,
@@ -83,7 +83,12 @@ def main() -> None:
     try:
         available = psutil.virtual_memory().available
         started = time.monotonic()
-        pool = RLPool(args.source, n, start_timeout=600, **kwargs)
+        if cluster is not None:
+            from boltzlabs.cluster import ClusterPool
+
+            pool = ClusterPool(args.source, n, start_timeout=600, **kwargs)
+        else:
+            pool = RLPool(args.source, n, start_timeout=600, **kwargs)
         start = time.monotonic() - started
         print(f"{n} envs ready in {start:.1f} s", flush=True)
         pool.reset(seed=0)

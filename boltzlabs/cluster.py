@@ -20,8 +20,11 @@ connection closes) loses nothing silently: its lanes come back done, reward
 0, `info["error"]` naming the node; at their next reset they are placed again
 on the nodes that are left, or the reset says the cluster has no room.
 
-Not a subclass of RLPool: `RLPool(source, n, cluster="ray")` returns a
-ClusterPool, which keeps RLPool's calls and their meaning.
+ClusterPool and RLPool are the two kinds of one protocol
+(boltzlabs.pool.protocol.Pool): the public calls, their argument checks and
+the episode bookkeeping are Pool's, so the same input means the same on both.
+Make one with `ClusterPool(source, n, cluster="ray", envs_per_node=...)`;
+`BoltzLabsVecEnv.make(..., cluster="ray")` does.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from boltzlabs.errors import EnvError, PoolClosedError, WorkerError
 from boltzlabs.pool.client import MemoryReport, RLPool, Timing
-from boltzlabs.errors import PoolClosedError, WorkerError
+from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_n
 
 __all__ = ["ClusterPool", "NodeWorker", "doctor", "placement"]
 
@@ -52,7 +56,7 @@ def _ray():
     try:
         import ray
     except ImportError:
-        raise ImportError("RLPool(cluster=...) needs Ray: pip install 'boltzlabs[ray]'") from None
+        raise ImportError("ClusterPool needs Ray: pip install 'boltzlabs[ray]'") from None
     return ray
 
 
@@ -158,10 +162,10 @@ class _Shard:
     lost: str = ""  # why the node was lost, once it is
 
 
-class ClusterPool:
+class ClusterPool(Pool):
     """n envs spread over a Ray cluster's nodes, behind RLPool's API.
 
-        pool = RLPool("./my_env", 4096, cluster="ray")   # or a cluster address
+        pool = ClusterPool("./my_env", 4096, cluster="ray")   # or a cluster address
         obs = pool.reset(seed=0)
         obs, rewards, dones, infos = pool.step(actions)
 
@@ -173,16 +177,16 @@ class ClusterPool:
     spawn, memory_limit, ...) applies on every node.
     """
 
-    def __init__(self, source, n: int, *, cluster="ray", envs_per_node=None, **kwargs):
+    def __init__(self, source, n: int, *, cluster="ray", envs_per_node=None, batch_size=None, **kwargs):
         self._closed = True
         self._shards: list[_Shard] = []
         self._actors: dict = {}
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"n must be a whole number of envs, at least 1; got {n!r}")
+        n = check_n(n)
+        self.batch_size = check_batch_size(batch_size, n)
         for name in ("worker", "token"):
             if kwargs.get(name) is not None:
-                raise ValueError(f"RLPool(cluster=...) places its own workers; do not pass {name}=")
-        self.n = int(n)
+                raise TypeError(f"ClusterPool places its own workers, one per node; do not pass {name}=")
+        self._init_lanes(n)
         self.source = str(source)
         kwargs.pop("progress", None)  # each node's pool starts quietly
         self._kwargs = kwargs
@@ -229,7 +233,7 @@ class ClusterPool:
         try:
             plan = placement(len(lanes), self._alive_nodes(), self._envs_per_node, held)
         except ValueError as exc:
-            raise WorkerError(str(exc)) from None
+            raise WorkerError(str(exc)) from exc
         addresses = dict(ray.get([self._actor(node).address.remote() for node, _ in plan]))
         shards, start = [], 0
         for node, count in plan:
@@ -274,7 +278,7 @@ class ClusterPool:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise PoolClosedError("this pool is closed; create a new one")
+            raise PoolClosedError("this ClusterPool is closed; create a new one")
 
     def _fan_out(self, calls: dict) -> dict:
         """Run {shard: fn(pool)} concurrently; {shard: result or exception}.
@@ -295,11 +299,9 @@ class ClusterPool:
                              roundtrip_ms=(time.perf_counter() - started) * 1000.0, nodes=nodes)
         return results
 
-    def _split(self, values, lanes: list, what: str) -> dict:
+    def _split(self, values, lanes: list) -> dict:
         """{shard: (local lanes, global lanes, values)} for `lanes` (global), values
-        aligned with them; shard None holds the lanes on no node (a lost one's)."""
-        if len(values) != len(lanes):
-            raise ValueError(f"{what} needs {len(lanes)} actions, one per env; got {len(values)}")
+        aligned with them (checked by Pool); shard None holds the lanes on no node (a lost one's)."""
         out = {}
         for value, lane in zip(values, lanes):
             shard, local = self._lane_shard.get(lane, (None, None))
@@ -309,31 +311,28 @@ class ClusterPool:
             vals.append(value)
         return out
 
-    @staticmethod
-    def _rows(actions) -> list:
-        if isinstance(actions, np.ndarray):
-            return actions.tolist() if actions.ndim == 1 else list(actions)
-        try:
-            return list(actions)
-        except TypeError:
-            raise TypeError(f"actions must be a sequence, not {type(actions).__name__}") from None
-
     def _lost_lane(self, lane: int) -> str:
         for shard in self._shards:
             if shard.lost and lane in shard.lanes:
                 return shard.lost + "; reset this env to place it on another node"
         return "this env is on no node; reset it"
 
-    # -- the API ---------------------------------------------------------------------
+    # -- the protocol's hooks (boltzlabs.pool.protocol.Pool) -------------------------------
 
-    def step(self, actions):
-        """Step every env (RLPool.step): (obs, rewards float32[n], dones, infos)."""
-        self._check_open()
-        rows = self._rows(actions)
-        if len(rows) != self.n:
-            raise ValueError(f"step() needs {self.n} actions, one per env; got {len(rows)}")
-        split = self._split(rows, list(range(self.n)), "step()")
-        calls = {shard: (lambda pool, a=vals: pool._step(a)) for shard, (_, _, vals) in split.items() if shard}
+    def _by_shard(self, lanes) -> dict:
+        """{shard: [local lane, ...]} for global `lanes` that are on a node."""
+        out: dict = {}
+        for lane in lanes:
+            if lane in self._lane_shard:
+                shard, local = self._lane_shard[lane]
+                out.setdefault(shard, []).append(local)
+        return out
+
+    def _step_lanes(self, actions: list, resets) -> StepResult:
+        split = self._split(actions, list(range(self.n)))
+        local_resets = self._by_shard(resets or [])
+        calls = {shard: (lambda pool, a=vals, r=local_resets.get(shard): pool.step_full(a, r))
+                 for shard, (_, _, vals) in split.items() if shard}
         results = self._fan_out(calls)
         obs, infos = [None] * self.n, [None] * self.n
         rewards = np.zeros(self.n, dtype=np.float64)
@@ -342,69 +341,53 @@ class ClusterPool:
         stragglers = []
         for shard, (_, lanes, _) in split.items():
             result = results.get(shard)
-            if isinstance(result, tuple):
-                o, r, te, tr, inf = result
+            if isinstance(result, StepResult):
                 for k, lane in enumerate(lanes):
-                    obs[lane], infos[lane] = o[k], inf[k]
-                rewards[lanes], terminated[lanes], truncated[lanes] = r, te, tr
+                    obs[lane], infos[lane] = result.obs[k], result.infos[k]
+                rewards[lanes], terminated[lanes], truncated[lanes] = result.rewards, result.terminated, result.truncated
                 stragglers += [shard.lanes[i] for i in shard.pool.timing.stragglers]
             else:
                 for lane in lanes:
                     infos[lane] = {"error": self._lost_lane(lane)}
                 truncated[lanes] = True
-        self.rewards, self.terminated, self.truncated = rewards, terminated, truncated
         self.timing.stragglers = sorted(stragglers)
-        return obs, rewards.astype(np.float32), terminated | truncated, infos
+        return StepResult(obs, rewards, terminated, truncated, infos)
 
-    def reset(self, seed=None, where=None, hard: bool = False, options=None) -> list:
-        """Reset envs (RLPool.reset). Lanes of a lost node are placed again on
-        the nodes left (WorkerError when the cluster has no room for them)."""
-        self._check_open()
-        lanes = RLPool._lanes(self, where)
-        if seed is None:
-            seeds = None
-        elif isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-            seeds = {lane: int(seed) + lane for lane in lanes}
-        elif isinstance(seed, (list, tuple, np.ndarray)) and len(seed) == self.n:
-            seeds = {lane: seed[lane] for lane in lanes}
-        else:
-            raise ValueError(f"seed must be an int, a list of n={self.n} ints or None")
+    def _reset_lanes(self, lanes: list, seeds, hard: bool, options) -> tuple:
+        """Lanes of a lost node are placed again on the nodes left (WorkerError
+        when the cluster has no room for them)."""
+        by_lane = None if seeds is None else dict(zip(lanes, seeds))
         homeless = [lane for lane in lanes if lane not in self._lane_shard]
         if homeless:
             self._place(homeless)
-        by_shard: dict = {}
-        for lane in lanes:
-            shard, local = self._lane_shard[lane]
-            by_shard.setdefault(shard, []).append(local)
 
         def call(shard, locals_):
             def run(pool):
-                shard_seeds = None if seeds is None else [
-                    seeds.get(lane) if i in locals_ else None for i, lane in enumerate(shard.lanes)]
+                shard_seeds = None if by_lane is None else [
+                    by_lane.get(lane) if i in locals_ else None for i, lane in enumerate(shard.lanes)]
                 return pool.reset(seed=shard_seeds, where=locals_, hard=hard, options=options)
             return run
 
-        results = self._fan_out({shard: call(shard, locals_) for shard, locals_ in by_shard.items()})
-        obs = [None] * self.n
-        for shard in self._shards:
-            result = results.get(shard)
-            if shard.lost or isinstance(result, Exception):
-                continue
-            current = result if result is not None else shard.pool._obs
-            for local, lane in enumerate(shard.lanes):
-                obs[lane] = current[local]
+        results = self._fan_out({shard: call(shard, locals_) for shard, locals_ in self._by_shard(lanes).items()})
+        obs, infos = [], []
+        for lane in lanes:
+            shard, local = self._lane_shard.get(lane, (None, None))
+            if shard is None or isinstance(results.get(shard), Exception):
+                obs.append(None)
+                infos.append({"error": self._lost_lane(lane)})
+            else:
+                obs.append(results[shard][local])
+                infos.append(shard.pool.reset_infos[local])
         self._flying[lanes] = False
-        return obs
+        self._ready = [r for r in self._ready if r[0] not in set(lanes)]
+        return obs, infos
 
-    def send(self, actions, env_ids=None) -> None:
-        """Hand actions to envs and return at once (RLPool.send), one request per node."""
-        self._check_open()
-        lanes = list(range(self.n)) if env_ids is None else RLPool._env_ids(self, env_ids)
-        rows = self._rows(actions)
+    def _send_lanes(self, actions: list, lanes: list, resets) -> None:
         if self._flying[lanes].any():
             raise ValueError("send() to an env that is in flight or has a result not yet received")
-        split = self._split(rows, lanes, "send()")
-        results = self._fan_out({shard: (lambda pool, l=loc, a=vals: pool.send(a, l))
+        split = self._split(actions, lanes)
+        local_resets = self._by_shard(resets or [])
+        results = self._fan_out({shard: (lambda pool, l=loc, a=vals, r=local_resets.get(shard): pool.send(a, l, r))
                                  for shard, (loc, _, vals) in split.items() if shard})
         self._flying[lanes] = True
         for shard, (_, globals_, _) in split.items():
@@ -412,14 +395,13 @@ class ClusterPool:
                 for lane in globals_:
                     self._ready.append((lane, None, 0.0, False, True, {"error": self._lost_lane(lane)}))
 
-    def recv(self, batch_size=None, timeout=None):
-        """The first batch_size envs to finish, over every node (RLPool.recv)."""
-        self._check_open()
+    def _recv_lanes(self, batch_size, timeout) -> RecvResult:
         flying = int(self._flying.sum())
-        want = flying if batch_size is None else int(batch_size)
-        if not 1 <= want <= max(flying, 1) or flying == 0:
-            raise ValueError(f"recv() batch_size must be in [1, {flying}] (envs in flight or finished)")
-        deadline = None if timeout is None else time.monotonic() + float(timeout)
+        want = flying if batch_size is None else batch_size
+        if flying == 0 or want > flying:
+            raise ValueError(f"recv(batch_size={want}) would wait forever: only {flying} result(s) can come "
+                             "(envs in flight or finished); send() to more envs first")
+        deadline = None if timeout is None else time.monotonic() + timeout
         started = time.perf_counter()
         while len(self._ready) < want:
             held = {r[0] for r in self._ready}
@@ -434,7 +416,7 @@ class ClusterPool:
             # One node: block on it. Several: poll each briefly, so one slow
             # node does not hold back the results another already has.
             wait = left if len(pending) == 1 else (0.005 if left is None else min(0.005, left))
-            results = self._fan_out({shard: (lambda pool, k=k, w=wait: pool._recv(k, w))
+            results = self._fan_out({shard: (lambda pool, k=k, w=wait: pool.recv_full(k, w))
                                      for shard, k in pending.items()})
             for shard, result in results.items():
                 if isinstance(result, Exception):
@@ -442,20 +424,48 @@ class ClusterPool:
                         if self._flying[lane] and lane not in held:
                             self._ready.append((lane, None, 0.0, False, True, {"error": self._lost_lane(lane)}))
                     continue
-                ids, obs, rewards, terminated, truncated, infos = result
-                for k, local in enumerate(ids.tolist()):
-                    self._ready.append((shard.lanes[local], obs[k], float(rewards[k]), bool(terminated[k]),
-                                        bool(truncated[k]), infos[k]))
+                for k, local in enumerate(result.env_ids.tolist()):
+                    self._ready.append((shard.lanes[local], result.obs[k], float(result.rewards[k]),
+                                        bool(result.terminated[k]), bool(result.truncated[k]), result.infos[k]))
             if deadline is not None and time.monotonic() >= deadline:
                 break
         taken, self._ready = self._ready[:want], self._ready[want:]
         env_ids = np.array([r[0] for r in taken], dtype=np.int64)
         self._flying[env_ids] = False
-        rewards = np.array([r[2] for r in taken], dtype=np.float64)
-        terminated = np.array([r[3] for r in taken], dtype=np.bool_)
-        truncated = np.array([r[4] for r in taken], dtype=np.bool_)
         self.timing.roundtrip_ms = (time.perf_counter() - started) * 1000.0
-        return env_ids, [r[1] for r in taken], rewards.astype(np.float32), terminated | truncated, [r[5] for r in taken]
+        return RecvResult(env_ids, [r[1] for r in taken], np.array([r[2] for r in taken], dtype=np.float64),
+                          np.array([r[3] for r in taken], dtype=np.bool_),
+                          np.array([r[4] for r in taken], dtype=np.bool_), [r[5] for r in taken])
+
+    def _render_lanes(self, lanes: list) -> list:
+        for lane in lanes:
+            self._locate(lane)  # a lane on no node is an error, before any request
+
+        def run(pool):
+            try:
+                return pool.render_all()
+            except EnvError as exc:
+                return exc
+
+        wanted = self._by_shard(lanes)
+        results = self._fan_out({shard: run for shard in wanted})
+        frames = {}
+        for shard, locals_ in wanted.items():
+            result = results[shard]
+            if isinstance(result, EnvError):
+                lane = shard.lanes[result.env_index]
+                raise EnvError(f"env {lane} (env {result.env_index} of node {shard.node}) could not render: "
+                               f"{str(result).partition('could not render: ')[2]}", env_index=lane) from result
+            if isinstance(result, Exception):
+                raise WorkerError(f"env {shard.lanes[locals_[0]]}: {shard.lost}; reset it to place it on another "
+                                  "node") from result
+            for local in locals_:
+                frames[shard.lanes[local]] = result[local]
+        return [frames[lane] for lane in lanes]
+
+    def _log(self, index: int) -> str:
+        shard, local = self._locate(index)
+        return shard.pool.log(local)
 
     def memory(self) -> MemoryReport:
         """Each env's memory in lane order (0 for a lost node's lanes), and what each node's pool shares."""
@@ -470,10 +480,6 @@ class ClusterPool:
                 sources.add(report.source)
         return MemoryReport(per_env, "; ".join(sorted(sources)) + f" (over {len(results)} node(s))",
                             shared=shared)
-
-    def envs_per_gb(self) -> float:
-        """Envs per GiB over the whole cluster (RLPool.envs_per_gb)."""
-        return (1 << 30) / max(1.0, self.memory().mean)
 
     def pids(self) -> list:
         """Each env's host pid on its node (-1 for a lost node's lanes)."""
@@ -491,40 +497,13 @@ class ClusterPool:
         return out
 
     def states(self) -> list:
-        """Each lane's state (RLPool.states); 'lost' for a lane whose node was lost."""
+        """Each lane's state (Pool.states); 'lost' for a lane whose node was lost."""
         return self._per_lane(lambda pool: pool.states(), "lost")
 
-    def lane_states(self) -> list:
-        """Each lane's async state (RLPool.lane_states); 'lost' for a lost node's lanes."""
-        return self._per_lane(lambda pool: pool.lane_states(), "lost")
-
-    def _locate(self, index) -> tuple:
-        if isinstance(index, bool) or not isinstance(index, (int, np.integer)) or not 0 <= index < self.n:
-            raise ValueError(f"env index must be in [0, {self.n}); got {index!r}")
-        if int(index) not in self._lane_shard:
-            raise WorkerError(f"env {index}: {self._lost_lane(int(index))}")
-        return self._lane_shard[int(index)]
-
-    def log(self, index: int) -> str:
-        """The tail of env `index`'s output (RLPool.log), from its node."""
-        self._check_open()
-        shard, local = self._locate(index)
-        return shard.pool.log(local)
-
-    def render(self, env_index: int = 0):
-        """Env `env_index`'s frame (RLPool.render), from its node."""
-        self._check_open()
-        shard, local = self._locate(env_index)
-        return shard.pool.render(local)
-
-    @property
-    def reset_infos(self) -> list:
-        """Each lane's latest reset info (RLPool.reset_infos)."""
-        out = [None] * self.n
-        for shard in self._live():
-            for local, lane in enumerate(shard.lanes):
-                out[lane] = shard.pool.reset_infos[local]
-        return out
+    def _locate(self, index: int) -> tuple:
+        if index not in self._lane_shard:
+            raise WorkerError(f"env {index}: {self._lost_lane(index)}")
+        return self._lane_shard[index]
 
     def shutdown(self, reason: str = "owner shutdown") -> bool:
         """Ask every node's worker to stop its share now (RLPool.shutdown), then close."""
@@ -547,15 +526,6 @@ class ClusterPool:
     @property
     def closed(self) -> bool:
         return self._closed
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __enter__(self) -> "ClusterPool":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def close(self) -> None:
         """Close every node's pool and remove every actor this pool created. Idempotent."""

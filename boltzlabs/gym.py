@@ -1,8 +1,8 @@
-"""The Gymnasium adapter: an RLPool as a `gymnasium.vector.VectorEnv`.
+"""The Gymnasium adapter: any pool (RLPool, ClusterPool) as a `gymnasium.vector.VectorEnv`.
 
     training loop / Gymnasium wrappers
         | reset(seed=, options=) / step(actions) / render()
-    BoltzLabsVecEnv --iterate(action_space)--> RLPool --one request--> worker
+    BoltzLabsVecEnv --iterate(action_space)--> Pool (RLPool or ClusterPool) --one request--> worker(s)
         | <--concatenate(observation_space)-- per-lane obs as the envs sent them
 
 The adapter follows SyncVectorEnv (Gymnasium 1.x) step for step, so a seed
@@ -42,7 +42,7 @@ from gymnasium import error as gym_error
 from gymnasium.vector import AutoresetMode, VectorEnv
 from gymnasium.vector.utils import batch_space, concatenate, create_empty_array, iterate
 
-from boltzlabs.pool.client import RLPool
+from boltzlabs.pool.protocol import Pool
 from boltzlabs.errors import EnvError
 from boltzlabs.pool.spaces import from_spec
 
@@ -53,23 +53,24 @@ _RUNTIME_KEYS = ("episode_ids", "episode_record")
 
 
 class BoltzLabsVecEnv(VectorEnv):
-    """A Gymnasium vector env over an RLPool; each env in its own sandbox.
+    """A Gymnasium vector env over a pool (RLPool or ClusterPool); each env in its own sandbox.
 
         envs = BoltzLabsVecEnv.make("CartPole-v1", num_envs=8)
         obs, infos = envs.reset(seed=42)
         obs, rewards, terminations, truncations, infos = envs.step(envs.action_space.sample())
 
-    `pool`: an open RLPool whose env declared its spaces in serve() (gym
+    `pool`: an open pool (boltzlabs.pool.protocol.Pool) whose env declared its spaces in serve() (gym
     sources always do); the adapter owns it from now on and close() closes
     it. `observation_space` / `action_space` override the declared ones.
     `copy`: return copies of the batched observations (as SyncVectorEnv).
     """
 
-    def __init__(self, pool: RLPool, *, autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
+    def __init__(self, pool: Pool, *, autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
                  observation_space: gymnasium.Space | None = None, action_space: gymnasium.Space | None = None,
                  copy: bool = True):
-        if not isinstance(pool, RLPool):
-            raise TypeError(f"BoltzLabsVecEnv wraps an RLPool, not {type(pool).__name__}")
+        if not isinstance(pool, Pool):
+            raise TypeError(f"BoltzLabsVecEnv wraps a pool (an RLPool or a boltzlabs.cluster.ClusterPool), "
+                            f"not {type(pool).__name__}")
         self.pool = pool
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         contract = pool.env_contract
@@ -99,8 +100,17 @@ class BoltzLabsVecEnv(VectorEnv):
         """A pool of `num_envs` sandboxes of `source` ("CartPole-v1",
         "gym://Pendulum-v1" or an env directory) behind the adapter. `kwargs`
         are RLPool's options (step_timeout, memory_limit, ...) and the env's
-        params (render_mode="rgb_array", ...), checked before any sandbox starts."""
-        pool = RLPool(source, num_envs, **kwargs)
+        params (render_mode="rgb_array", ...), checked before any sandbox starts.
+        `cluster="ray"` (or a Ray cluster's address, with `envs_per_node=`)
+        spreads the envs over a Ray cluster (boltzlabs.cluster.ClusterPool)."""
+        if kwargs.get("cluster") is not None:
+            from boltzlabs.cluster import ClusterPool
+
+            pool = ClusterPool(source, num_envs, **kwargs)
+        else:
+            from boltzlabs.pool.client import RLPool
+
+            pool = RLPool(source, num_envs, **kwargs)
         try:
             return cls(pool, autoreset_mode=autoreset_mode, copy=copy)
         except BaseException:
@@ -156,12 +166,13 @@ class BoltzLabsVecEnv(VectorEnv):
                 self._seeds[i] = seeds[i]
         infos: dict = {}
         failed = []
+        observations = self.pool.observations
         for i in lanes:
             info = self.pool.reset_infos[i]
-            if self.pool._obs[i] is None and "error" in info:
+            if observations[i] is None and "error" in info:
                 failed.append(i)
                 continue
-            self._env_obs[i] = self.pool._obs[i]
+            self._env_obs[i] = observations[i]
             infos = self._add_info(infos, info, i)
         if failed:
             raise EnvError(f"env {failed[0]} could not be reset: {self.pool.reset_infos[failed[0]]['error']}",
@@ -172,14 +183,14 @@ class BoltzLabsVecEnv(VectorEnv):
 
     def step(self, actions):
         items, resets = self._prepare(actions)
-        return self._stepped(*self.pool._step(items, resets))
+        return self._stepped(*self.pool.step_full(items, resets))
 
     def step_async(self, actions) -> None:
         """Send every env its action and return at once (the first half of
         step(), as Gymnasium 0.x's VectorEnv had it); step_wait() gives the
         step's results. Between the two the trainer is free to work."""
         items, resets = self._prepare(actions)
-        self.pool._send(items, None, resets)
+        self.pool.send(items, None, resets)
         self._waiting = True
 
     def step_wait(self, timeout=None):
@@ -192,7 +203,7 @@ class BoltzLabsVecEnv(VectorEnv):
         n = self.num_envs
         # Results come in the order envs finish; put them back in lane order.
         outstanding = n - len(self._waited)
-        env_ids, obs, rewards, terminated, truncated, infos = pool._recv(outstanding, timeout)
+        env_ids, obs, rewards, terminated, truncated, infos = pool.recv_full(outstanding, timeout)
         self._episodes_ended.extend(pool.finished_episodes)
         for k, i in enumerate(env_ids.tolist()):
             self._waited[i] = (obs[k], rewards[k], terminated[k], truncated[k], infos[k])
@@ -237,12 +248,13 @@ class BoltzLabsVecEnv(VectorEnv):
             done = np.flatnonzero(terminated | truncated).tolist()
             if done:
                 pool.reset(where=done)
+            observations = pool.observations
             for i in range(n):
                 if i in done:
                     final = obs[i] if obs[i] is not None else self._env_obs[i]
                     # The env's own (writable) arrays in SyncVectorEnv; ours are views of the frame.
                     infos = self._add_info(infos, {"final_obs": _writable(final), "final_info": env_infos[i]}, i)
-                    self._env_obs[i] = pool._obs[i] if pool._obs[i] is not None else final
+                    self._env_obs[i] = observations[i] if observations[i] is not None else final
                     infos = self._add_info(infos, pool.reset_infos[i], i)
                 else:
                     self._lane_obs(i, obs[i])
@@ -258,13 +270,13 @@ class BoltzLabsVecEnv(VectorEnv):
 
     def render(self):
         """One frame per env, as SyncVectorEnv.render() (None for each when render_mode is None)."""
-        return tuple(self.pool._render(list(range(self.num_envs))))
+        return tuple(self.pool.render_all())
 
     def call(self, name: str, *args, **kwargs) -> tuple:
         """`name(*args, **kwargs)` in every env, as SyncVectorEnv.call: a
         method is called, any other attribute's value returned. One result
         per env; AttributeError for a name the env lacks (RLPool.call)."""
-        return tuple(_writable(r) for r in self.pool._attr("call", name, None, list(args), kwargs))
+        return tuple(_writable(r) for r in self.pool.call(name, *args, **kwargs))
 
     def get_attr(self, name: str) -> tuple:
         """The attribute `name` of every env: SyncVectorEnv's get_attr, which is call(name)."""

@@ -331,7 +331,7 @@ def _run(pool, seeds: list, steps: int, plan: "_Plan", *, hard: bool, run: str) 
         episode.add_reset(obs[lane], info)
     ended: list = []
     for t in range(1, steps + 1):
-        obs, rewards, terminated, truncated, infos = pool._step(plan.actions(t, obs), resets=ended)
+        obs, rewards, terminated, truncated, infos = pool.step_full(plan.actions(t, obs), resets=ended)
         for lane, episode in enumerate(episodes):
             _raise_if_failed(pool, episode, t, infos[lane], run)
             if lane in ended:

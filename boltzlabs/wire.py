@@ -43,6 +43,8 @@ import sys
 
 import msgpack
 
+from boltzlabs.errors import ProtocolError, TooMany  # noqa: F401 - wire.ProtocolError, its old home
+
 PROTOCOL_VERSION = 3  # 2: arrays as ARRAY_EXT, spaces in HELLO, RENDER; 3: TUPLE_EXT, SCALAR_EXT, ATTR
 
 HEADER = struct.Struct("<I")
@@ -83,8 +85,6 @@ BLOB = 34  # [BLOB, tar bytes]
 ACCEPTED = 35  # [ACCEPTED, {"pid": worker pid}]
 
 
-class ProtocolError(Exception):
-    """A peer sent bytes that are not a valid frame."""
 
 
 # --- arrays ---------------------------------------------------------------------
@@ -306,14 +306,14 @@ class Limits:
                 count[0] += 1 + len(obj)
                 count[1] += 1
                 if count[0] > limit:
-                    raise _TooMany
+                    raise TooMany
                 return obj
 
             def counted_map(obj):
                 count[0] += 1 + 2 * len(obj)
                 count[1] += 1
                 if count[0] > limit:
-                    raise _TooMany
+                    raise TooMany
                 return obj
 
             self.guarded = dict(self.kwargs, list_hook=counted_list, object_hook=counted_map)
@@ -373,8 +373,6 @@ def _ext_hook(mode: str, inner: list):
 MAX_DEPTH = 512
 
 
-class _TooMany(Exception):
-    pass
 
 
 def _too_deep(message, limit: int) -> bool:
@@ -412,7 +410,7 @@ def decode(body, limits: Limits):
             finally:
                 inner[0] = limits.kwargs
                 limits.made += count[0]
-    except _TooMany:
+    except TooMany:
         error = (f"frame holds more than {limits.max_objects} objects (lists, maps and their items); "
                  "send big data as numpy arrays or bytes")
     except Exception as exc:  # msgpack raises several types for bad input

@@ -81,3 +81,21 @@ def intervals(obs) -> list:
 def overlaps(spans) -> bool:
     """Whether any two of the sorted intervals overlap."""
     return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+
+
+def two_node_ray_cluster():
+    """A real two-node Ray cluster on this host (Ray's cluster_utils), every node
+    127.0.0.1, and this process connected to it: a generator for a fixture."""
+    # Ray swaps a loopback address for the machine's interface address unless
+    # told this is a single-host setup.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    node = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 100 << 20}
+    c = Cluster(initialize_head=True, head_node_args=dict(node, include_dashboard=False))
+    c.add_node(**node)
+    ray.init(address=c.address, _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
+    yield c
+    ray.shutdown()
+    c.shutdown()

@@ -22,7 +22,7 @@ def drain(pool):
     """Receive everything outstanding: {env: (obs, reward, done, info)}."""
     out = {}
     while True:
-        states = pool.lane_states()
+        states = pool.states()
         if not any(s in ("in_flight", "finished") for s in states):
             return out
         ids, obs, rewards, dones, infos = pool.recv(1)
@@ -32,10 +32,10 @@ def drain(pool):
 
 
 def wait_for(pool, lane, state, limit=10.0):
-    """Poll lane_states until `lane` is in `state` (a busy host may be slow; bounded)."""
+    """Poll states() until `lane` is in `state` (a busy host may be slow; bounded)."""
     give_up = time.monotonic() + limit
-    while pool.lane_states()[lane] != state:
-        assert time.monotonic() < give_up, f"env {lane} never became {state}: {pool.lane_states()}"
+    while pool.states()[lane] != state:
+        assert time.monotonic() < give_up, f"env {lane} never became {state}: {pool.states()}"
         time.sleep(0.01)
 
 
@@ -53,18 +53,18 @@ def test_recv_gives_the_first_envs_to_finish(probe_pool):
     assert ids.dtype == np.int64 and rewards.dtype == np.float32 and dones.dtype == np.bool_
     assert dict(zip(ids.tolist(), rewards.tolist())) == {1: 1.0, 2: 2.0}
     assert [o["t"] for o in obs] == [1, 1] and not dones.any() and infos == [{"t": 1}, {"t": 1}]
-    assert pool.lane_states() == ["in_flight", "idle", "idle", "in_flight"]
+    assert pool.states() == ["in_flight", "idle", "idle", "in_flight"]
     ids, obs, rewards, dones, infos = pool.recv()  # default: everything outstanding
     assert sorted(ids.tolist()) == [0, 3]
     assert [o["out"] for o in obs] == [{"slept": 1.0}] * 2
-    assert pool.lane_states() == ["idle"] * 4
+    assert pool.states() == ["idle"] * 4
 
 
 def test_send_to_some_envs_with_aligned_actions(probe_pool):
     pool = probe_pool(4)
     pool.reset(seed=0)
     pool.send(np.array([7, 5]), env_ids=[3, 1])
-    assert pool.lane_states()[0] == "idle" and pool.lane_states()[2] == "idle"
+    assert pool.states()[0] == "idle" and pool.states()[2] == "idle"
     results = drain(pool)
     assert {i: r[1] for i, r in results.items()} == {3: 7.0, 1: 5.0}
     # rewards/terminated/_obs of the pool track the lanes received
@@ -92,7 +92,7 @@ def test_recv_timeout_returns_what_finished(probe_pool):
     pool.send([1, sleep(1.5)])
     ids, obs, rewards, dones, infos = pool.recv(2, timeout=0.5)
     assert ids.tolist() == [0]
-    assert pool.lane_states() == ["idle", "in_flight"]
+    assert pool.states() == ["idle", "in_flight"]
     assert pool.recv(1, timeout=0)[0].tolist() == []  # 0: only what has finished
     with pytest.raises(ValueError, match="timeout"):
         pool.recv(1, timeout=-1)
@@ -116,13 +116,13 @@ def test_episodes_are_counted_per_received_lane(probe_pool):
 def test_every_state_and_transition(probe_pool):
     pool = probe_pool(5, step_timeout=2.0)
     pool.reset(seed=0)
-    assert pool.lane_states() == ["idle"] * 5
+    assert pool.states() == ["idle"] * 5
     pool.send([sleep(10.0), {"op": "exit"}], env_ids=[3, 4])  # a straggler-to-be, a dead-to-be
     drain(pool)
-    assert pool.lane_states() == ["idle", "idle", "idle", "straggler", "dead"]
+    assert pool.states() == ["idle", "idle", "idle", "straggler", "dead"]
     pool.send([1, sleep(1.5)], env_ids=[0, 1])
     wait_for(pool, 0, "finished")
-    assert pool.lane_states() == ["finished", "in_flight", "idle", "straggler", "dead"]
+    assert pool.states() == ["finished", "in_flight", "idle", "straggler", "dead"]
 
     # refused, and nothing was sent: the states are unchanged
     with pytest.raises(ValueError, match="env 0: it has finished .* recv it first"):
@@ -139,18 +139,18 @@ def test_every_state_and_transition(probe_pool):
         pool.reset(where=[0])
     with pytest.raises(ValueError, match="cannot reset"):
         pool.reset()
-    assert pool.lane_states() == ["finished", "in_flight", "idle", "straggler", "dead"]
+    assert pool.states() == ["finished", "in_flight", "idle", "straggler", "dead"]
 
     # allowed: reset of idle, straggler and dead envs between sends, others in flight
     obs = pool.reset(where=[2, 3, 4], seed=7)
     assert [obs[i]["seed"] for i in (2, 3, 4)] == [9, 10, 11]
-    states = pool.lane_states()
+    states = pool.states()
     assert states[0] == "finished" and states[1] in ("in_flight", "finished") and states[2:] == ["idle"] * 3
 
     # finished -> idle by recv; in flight -> finished -> idle
     assert pool.recv(1)[0].tolist() == [0]
     assert pool.recv(1)[0].tolist() == [1]
-    assert pool.lane_states() == ["idle"] * 5
+    assert pool.states() == ["idle"] * 5
     with pytest.raises(ValueError, match="would wait forever"):
         pool.recv(1)
     assert pool.step([1] * 5)[1].tolist() == [1.0] * 5  # step() works once nothing is outstanding
@@ -162,7 +162,7 @@ def test_send_to_dead_or_straggler_fails_at_once_as_step_does(probe_pool):
     pool.send([sleep(3.0), {"op": "exit"}], env_ids=[0, 1])
     drain(pool)
     pool.send([1, 1, 1])
-    assert pool.lane_states()[:2] == ["finished", "finished"]
+    assert pool.states()[:2] == ["finished", "finished"]
     results = drain(pool)
     assert results[0][2] and results[0][3]["straggler"] and "reset it" in results[0][3]["error"]
     assert results[1][2] and "env is dead" in results[1][3]["error"] and results[1][1] == 0.0
@@ -182,7 +182,7 @@ def test_bad_sends_are_refused_before_anything_is_sent(probe_pool):
         pool.send([1, object()], env_ids=[0, 1])
     with pytest.raises(ValueError, match="batch_size"):
         pool.recv(0)
-    assert pool.lane_states() == ["idle"] * 3
+    assert pool.states() == ["idle"] * 3
 
 
 # -- 3. deadlines per env, faults in flight --------------------------------------------------
@@ -204,14 +204,14 @@ def test_deadline_is_kept_between_calls(probe_pool):
     pool.reset(seed=0)
     pool.send([sleep(5.0), 1])
     time.sleep(1.0)  # no call runs: the worker keeps the deadline itself
-    assert pool.lane_states()[0] == "finished"
+    assert pool.states()[0] == "finished"
     wait_for(pool, 1, "finished")
     ids, obs, rewards, dones, infos = pool.recv(2)
     got = dict(zip(ids.tolist(), infos))
     assert got[0]["straggler"] and "missed the step deadline of 0.5 s" in got[0]["error"]
     assert pool.timing.stragglers == [0]
     assert dones[ids.tolist().index(0)] and rewards[ids.tolist().index(0)] == 0.0
-    assert pool.lane_states() == ["straggler", "idle"]
+    assert pool.states() == ["straggler", "idle"]
     pool.reset(where=[0])  # kills and respawns the straggler
     pool.send([1, 1])
     assert sorted(drain(pool)) == [0, 1]
@@ -232,7 +232,7 @@ def test_faults_in_flight_come_back_in_recv(probe_pool, fault, state, expect):
     obs, reward, done, info = results[1]
     assert obs is None and reward == 0.0 and done and expect in info["error"], info
     assert results[0][1] == 1.0 and results[2][0]["out"] == {"slept": 0.2}
-    assert pool.lane_states() == ["idle", state, "idle"]
+    assert pool.states() == ["idle", state, "idle"]
     if fault["op"] == "raise":
         assert "Traceback" in info["error"]
     pool.reset(where=[1], seed=0)
@@ -243,7 +243,7 @@ def test_faults_in_flight_come_back_in_recv(probe_pool, fault, state, expect):
 def test_autoreset_lanes_in_a_send(probe_pool):
     pool = probe_pool(2)
     pool.reset(seed=0)
-    pool._send([1, 1], None, resets=[1])
+    pool.send([1, 1], None, resets=[1])
     results = drain(pool)
     assert results[0][0]["t"] == 1 and results[1][0]["t"] == 0 and results[1][1] == 0.0 and not results[1][2]
 
@@ -277,7 +277,7 @@ def test_gate_holder_that_overruns_under_async_is_killed(spawn):
         results = drain(pool)
         info = results[1][3]
         assert info["straggler"] and "holding the serialize_measurement gate" in info["error"]
-        assert pool.lane_states() == ["idle", "dead", "idle"]
+        assert pool.states() == ["idle", "dead", "idle"]
         assert not overlaps(intervals([results[0][0], results[2][0]]))
 
 
@@ -322,7 +322,7 @@ def test_nothing_lost_across_random_interleavings(spawn):
         def __init__(self):
             super().__init__()
             self.outstanding = {}  # env -> the reward its result must carry, or "fault"
-            self.dead = {i for i, s in enumerate(pool.lane_states()) if s == "dead"}
+            self.dead = {i for i, s in enumerate(pool.states()) if s == "dead"}
             self.sent = self.received = 0
 
         def idle(self):
@@ -404,7 +404,7 @@ def test_nothing_lost_across_random_interleavings(spawn):
 
         @invariant()
         def states_match(self):
-            for i, state in enumerate(pool.lane_states()):
+            for i, state in enumerate(pool.states()):
                 if i in self.outstanding:
                     assert state in ("in_flight", "finished"), (i, state)
                 else:

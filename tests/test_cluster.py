@@ -16,13 +16,12 @@ import pytest
 # told this is a single-host setup; every node here is 127.0.0.1.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import ray  # noqa: E402 - after the variable above
-from ray.cluster_utils import Cluster  # noqa: E402
 
-from boltzlabs import RLPool, wire  # noqa: E402
+from boltzlabs import wire  # noqa: E402
 from boltzlabs.cluster import ClusterPool, doctor, placement  # noqa: E402
 from boltzlabs.errors import WorkerError  # noqa: E402
 
-from conftest import COUNTER, PROBE  # noqa: E402
+from conftest import COUNTER, PROBE, two_node_ray_cluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 100 << 20}
@@ -30,12 +29,7 @@ NODE = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 10
 
 @pytest.fixture(scope="module")
 def cluster():
-    c = Cluster(initialize_head=True, head_node_args=dict(NODE, include_dashboard=False))
-    c.add_node(**NODE)
-    ray.init(address=c.address, _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    yield from two_node_ray_cluster()
 
 
 def listeners() -> list:
@@ -67,7 +61,7 @@ def test_placement_splits_by_cpus_within_each_nodes_room():
 
 
 def test_lanes_spread_over_two_nodes_in_the_users_order(cluster):
-    with RLPool(PROBE, 6, cluster=cluster.address, envs_per_node=3, step_timeout=10) as pool:
+    with ClusterPool(PROBE, 6, cluster=cluster.address, envs_per_node=3, step_timeout=10) as pool:
         assert isinstance(pool, ClusterPool)
         assert len(pool.nodes) == 2
         assert sorted(pool.lane_nodes.count(node) for node in pool.nodes) == [3, 3]
@@ -90,7 +84,7 @@ def test_lanes_spread_over_two_nodes_in_the_users_order(cluster):
 
 
 def test_hard_reset_and_async_stepping_across_nodes(cluster):
-    with RLPool(COUNTER, 4, cluster=cluster.address, envs_per_node=2) as pool:
+    with ClusterPool(COUNTER, 4, cluster=cluster.address, envs_per_node=2) as pool:
         def episode():
             out = [pool.reset(seed=1, hard=True)]
             for _ in range(4):
@@ -112,7 +106,7 @@ def test_hard_reset_and_async_stepping_across_nodes(cluster):
 
 def test_a_lost_node_loses_nothing_silently(cluster):
     extra = cluster.add_node(**NODE)
-    pool = RLPool(COUNTER, 6, cluster=cluster.address, envs_per_node=3)
+    pool = ClusterPool(COUNTER, 6, cluster=cluster.address, envs_per_node=3)
     try:
         nodes = pool.lane_nodes
         lost_node = extra.node_id
@@ -142,7 +136,7 @@ def test_a_lost_node_loses_nothing_silently(cluster):
 
 def test_a_cluster_without_room_says_so(cluster):
     extra = cluster.add_node(**NODE)
-    pool = RLPool(COUNTER, 6, cluster=cluster.address, envs_per_node=2)
+    pool = ClusterPool(COUNTER, 6, cluster=cluster.address, envs_per_node=2)
     try:
         lost = [lane for lane, node in enumerate(pool.lane_nodes) if node == extra.node_id]
         cluster.remove_node(extra)
@@ -157,7 +151,7 @@ def test_a_cluster_without_room_says_so(cluster):
 
 def test_close_removes_every_actor_and_sandbox(cluster):
     before = {p.pid for p in listeners()}
-    pool = RLPool(COUNTER, 4, cluster=cluster.address, envs_per_node=2)
+    pool = ClusterPool(COUNTER, 4, cluster=cluster.address, envs_per_node=2)
     pool.reset()
     pids = pool.pids()
     ours = [p for p in listeners() if p.pid not in before]
@@ -171,9 +165,9 @@ DRIVER = textwrap.dedent("""
     import os, sys
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
-    from boltzlabs import RLPool
+    from boltzlabs.cluster import ClusterPool
     ray.init(address=sys.argv[2], _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
-    pool = RLPool(sys.argv[1], 4, cluster=sys.argv[2], envs_per_node=2)
+    pool = ClusterPool(sys.argv[1], 4, cluster=sys.argv[2], envs_per_node=2)
     pool.reset()
     print(" ".join(map(str, pool.pids())), flush=True)
     pool.step([{"op": "sleep", "s": 60}] * 4)
@@ -219,9 +213,9 @@ def test_doctor_command_runs_on_the_cluster(cluster):
 
 
 def test_per_lane_calls_and_shutdown(cluster):
-    pool = RLPool(PROBE, 4, cluster=cluster.address, envs_per_node=2, progress=True)
+    pool = ClusterPool(PROBE, 4, cluster=cluster.address, envs_per_node=2, progress=True)
     pool.reset(seed=0)
-    assert pool.states() == ["idle"] * 4 and pool.lane_states() == ["idle"] * 4
+    assert pool.states() == ["idle"] * 4
     assert "reset called" in pool.log(3)
     assert all(info is not None for info in pool.reset_infos)
     pids = pool.pids()

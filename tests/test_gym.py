@@ -468,7 +468,7 @@ def test_render_faults_are_typed_and_leave_other_envs_alone(env_dir, fault, erro
         pool.reset()
         pool.step([fault, "ok"])
         with pytest.raises(EnvError, match=error) as caught:
-            pool._render([0, 1])
+            pool.render_all()
         assert caught.value.env_index == 0
         assert pool.render(1) == [1]
         _, _, dones, infos = pool.step(["ok", "ok"])

@@ -46,11 +46,6 @@ ADAPTERS = {"gym", "sb3", "cluster", "cli", "remote", "__main__", "testing", "py
 # behaviour within the layout move (issue #15 asks for each in a later step).
 # (importing module, imported module) -> why it is still there.
 EXCEPTIONS = {
-    ("boltzlabs.pool.client", "boltzlabs.cluster"):
-        "RLPool(..., cluster=...) returns a ClusterPool (RLPool.__new__); goes with the one pool protocol",
-    ("boltzlabs.pool.client", "boltzlabs.sandbox.cgroups"):
-        "the client removes the pool's cgroups after it SIGKILLed a worker that did not stop, since a killed "
-        "worker cannot (envs it froze ignore SIGKILL until thawed)",
     ("boltzlabs.cluster", "boltzlabs.cli.doctor"):
         "`boltzlabs doctor --cluster` (cli) fans cli.doctor's checks out to every Ray node through "
         "cluster.doctor: a cycle between two adapters, no layer crossed",

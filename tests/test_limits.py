@@ -316,7 +316,7 @@ def test_a_straggler_burning_cpu_is_killed_after_its_grace(pool_factory):
     pool.send([{"op": "spin"}], env_ids=[0])
     _, _, _, _, infos = pool.recv()
     assert infos[0]["straggler"]
-    assert wait_until(lambda: pool.lane_states()[0] == "dead")
+    assert wait_until(lambda: pool.states()[0] == "dead")
 
 
 # -- bounded input ---------------------------------------------------------------------
@@ -513,7 +513,7 @@ import time; time.sleep(1)
 """
 
 
-@pytest.mark.parametrize("who, gated", [("client", False), ("worker", False),
+@pytest.mark.parametrize("who, gated", [("client", False), ("worker", False), ("both", False),
                                         # serialize_measurement freezes idle envs, and a frozen
                                         # task ignores SIGKILL until thawed
                                         ("client", True), ("worker", True), ("both", True)])

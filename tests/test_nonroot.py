@@ -36,9 +36,10 @@ def host_uids(pid: int) -> tuple[list[int], list[int]]:
 
 
 def sandbox_processes(pool) -> list[psutil.Process]:
-    """Every process of the pool below the worker: bwraps, the template, envs."""
+    """Every process of the pool below the worker: bwraps, the template, envs
+    (not the worker's cgroup guardian, a fork of the worker that stays root)."""
     worker = psutil.Process(pool._proc.pid)
-    return worker.children(recursive=True)
+    return [p for p in worker.children(recursive=True) if p.name() != "boltzlabs-guard"]
 
 
 @as_root

@@ -241,8 +241,9 @@ def test_worker_death_is_a_clear_error_and_kills_every_sandbox(spawn):
     pids = pool.pids()
     os.kill(pool._proc.pid, signal.SIGKILL)
     from boltzlabs import WorkerError
-    with pytest.raises(WorkerError, match="worker .* exited"):
+    with pytest.raises(WorkerError, match=r"worker \(pid \d+\) was killed by SIGKILL \(signal 9\).*create a new") as err:
         pool.step([1, 1])
+    assert err.value.signal is signal.SIGKILL and "exit code" not in str(err.value)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.05)

@@ -25,6 +25,8 @@ import argparse
 import json
 import sys
 
+from boltzlabs.errors import UsageError
+
 __all__ = ["main", "build_parser", "COMMANDS", "EXIT_OK", "EXIT_PROBLEM", "EXIT_USAGE"]
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
@@ -36,8 +38,6 @@ exit codes:
 _LABELS = {"ok": "PASS", "warn": "WARN", "fail": "FAIL"}
 
 
-class UsageError(Exception):
-    """The command line asks for something that cannot be done (exit 2)."""
 
 
 # -- argument types ----------------------------------------------------------------------------

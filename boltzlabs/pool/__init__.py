@@ -1,5 +1,7 @@
 """The trainer's side: RLPool and what it needs to reach a worker, local or remote.
 
+protocol.py (Pool: the one protocol of every pool kind, its argument checks and
+episode bookkeeping; ClusterPool in boltzlabs/cluster.py is its other kind),
 client.py (RLPool), sources.py (what a source names), ids.py (UUIDv7),
 spaces.py (specs back to Gymnasium spaces), remote_link.py (the TCP client).
 May import wire, errors, units and pool/*; never sandbox/builder,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -30,9 +31,9 @@ import numpy as np
 
 from boltzlabs import wire
 from boltzlabs.pool import sources
-from boltzlabs.sandbox.cgroups import remove_pool_dir
-from boltzlabs.errors import EnvError, EnvStartError, PoolClosedError, SandboxUnavailable, WorkerError
-from boltzlabs.pool.ids import uuid7
+from boltzlabs.errors import (EnvError, EnvStartError, PoolClosedError, SandboxUnavailable, WorkerError,
+                              WorkerSideError, describe_returncode)
+from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_n
 from boltzlabs.units import parse_size
 
 __all__ = ["RLPool", "Timing", "MemoryReport", "EnvContract"]
@@ -60,7 +61,7 @@ class Timing:
     finished in the worker before this recv() took them. High: envs wait
     for the trainer; a larger batch_size (or fewer envs) keeps them busy.
 
-    nodes: for a pool spread over a cluster (RLPool(cluster=...)), each
+    nodes: for a pool spread over a cluster (boltzlabs.cluster.ClusterPool), each
     node's worker_ms in that call; worker_ms is then the slowest node's.
     """
 
@@ -145,7 +146,7 @@ def _positive(name: str, value, allow_none: bool = True):
     return float(value)
 
 
-class RLPool:
+class RLPool(Pool):
     """n live envs, each in its own bubblewrap sandbox, behind one batched step.
 
         with RLPool("./my_env", 1000) as pool:
@@ -191,10 +192,9 @@ class RLPool:
         timing.worker_ms is measured there, roundtrip_ms here.
       token: the remote worker's token (default: $BOLTZLABS_TOKEN).
       tls_ca: for tls://, the worker's certificate or its CA (PEM) to verify it.
-      cluster: "ray" (or a Ray cluster's address) spreads the pool over the
-        cluster's nodes, one boltzlabs worker per node; the result is a
-        boltzlabs.cluster.ClusterPool with this same API (see its docstring;
-        `envs_per_node=` sizes it).
+      cluster: refused (TypeError): a pool over a Ray cluster is
+        boltzlabs.cluster.ClusterPool(source, n, cluster="ray", ...), the
+        same protocol (boltzlabs.pool.protocol.Pool).
       **params: construction params. A Gymnasium source passes them to
         gymnasium.make(id, **params), checked against the env's constructor
         here; an env directory reads them with boltzlabs.env.params().
@@ -210,28 +210,19 @@ class RLPool:
     or the pure-Python one (no extension built, or BOLTZLABS_PURE=1).
     """
 
-    def __new__(cls, *args, cluster=None, **kwargs):
-        if cluster is not None and cls is RLPool:
-            from boltzlabs.cluster import ClusterPool
-
-            return ClusterPool(*args, cluster=cluster, **kwargs)
-        return super().__new__(cls)
-
     def __init__(self, source, n: int, *, step_timeout=None, serialize_measurement: bool = False,
                  memory_limit=None, workspace_size=None, spawn: str = "template", start_timeout=None,
                  progress=None, batch_size=None, limits=None, worker=None, token=None, tls_ca=None, cluster=None,
                  warmup: bool = True, **params):
         self._closed = True
         self._closed_reason = None
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"n must be a whole number of envs, at least 1; got {n!r}")
-        if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer))
-                                       or not 1 <= batch_size <= n):
-            raise ValueError(f"batch_size must be a whole number in [1, n={n}], or None; got {batch_size!r}")
-        self.batch_size = None if batch_size is None else int(batch_size)
+        if cluster is not None:
+            raise TypeError("RLPool(..., cluster=...) no longer makes a cluster pool: make it with "
+                            "boltzlabs.cluster.ClusterPool(source, n, cluster='ray', ...) (same options)")
+        n = check_n(n)
+        self.batch_size = check_batch_size(batch_size, n)
         _warn_pool_option_typos(params)
         resolved = sources.resolve(source, params)
-        self.n = n = int(n)
         config = {
             "source_dir": str(resolved.env_dir),
             # As the sandbox will see them (JSON: a tuple is a list), not as the wire
@@ -256,20 +247,8 @@ class RLPool:
             raise TypeError(f"worker must be an address like 'tcp://host:port', not {type(worker).__name__}")
         self.source = str(source)
         self._resolved = resolved
-        self.env_id = uuid7()
+        self._init_lanes(n)
         self.timing = Timing()
-        self.reset_infos: list = [None] * n
-        self._obs: list = [None] * n
-        self.terminated = np.zeros(n, dtype=np.bool_)
-        self.truncated = np.zeros(n, dtype=np.bool_)
-        self.rewards = np.zeros(n, dtype=np.float64)  # the latest step's, exactly as the envs returned them
-        self.episode_ids: list = [None] * n
-        self.finished_episodes: list = []
-        self._episode_seeds: list = [None] * n
-        self._episode_lengths = np.zeros(n, dtype=np.int64)
-        self._episode_returns = np.zeros(n, dtype=np.float64)
-        self._episode_open = np.zeros(n, dtype=np.bool_)
-        self._pending_resets: set = set()  # lanes sent as autoresets, not yet received
         self._seq = 0
         self._reader = wire.FrameReader(wire.Limits(1 << 30))
         self._inbox: list = []
@@ -289,7 +268,8 @@ class RLPool:
             metadata=hello.get("metadata") or {}, render_mode=hello.get("render_mode"), warmup=ready.get("warmup"),
             attributes=_offered(hello.get("attributes")))
         self.step_timeout = ready["step_timeout"]
-        self._cgroup = ready["cgroup"]
+        self._cgroup = ready["cgroup"]  # the worker's (and its guardian's) to remove; kept for diagnostics
+        self._link.watch_guardian(ready.get("guardian"))
         self.spawn = ready["spawn"]
         # Which step path the worker runs: native (boltzlabs.worker._fastpath) or pure Python.
         self.fast_path = bool(ready.get("fast_path"))
@@ -299,7 +279,7 @@ class RLPool:
             # Always the same text from the same line: Python shows it once per process.
             warnings.warn(ready["fast_path_note"], RuntimeWarning, stacklevel=2)
         self._finalizer.detach()
-        self._finalizer = weakref.finalize(self, self._link.shutdown, self._cgroup)
+        self._finalizer = weakref.finalize(self, self._link.shutdown)
         for note in (ready["memory_note"], ready["warning"]):
             if note:
                 import warnings
@@ -320,7 +300,7 @@ class RLPool:
         self._conn = self._link.conn
         self._conn.settimeout(1.0)  # _receive wakes each second to check that the worker lives
         self._closed = False
-        self._finalizer = weakref.finalize(self, self._link.shutdown, None)
+        self._finalizer = weakref.finalize(self, self._link.shutdown)
 
     def _open(self, config: dict, progress: bool) -> dict:
         self._conn.sendall(wire.encode([wire.OPEN, config]))
@@ -357,7 +337,8 @@ class RLPool:
                         raise ValueError(text)
                     if kind == "SandboxUnavailable":  # the host or the policy: the text says what to change
                         raise SandboxUnavailable(text)
-                    raise WorkerError(f"the worker could not start the pool: {kind}: {text}")
+                    raise WorkerError(f"the worker could not start the pool: {kind} (the worker's account is the "
+                                      "cause, above)", kind=kind) from WorkerSideError(kind, text)
         finally:
             if bar is not None:
                 bar.close()
@@ -384,16 +365,13 @@ class RLPool:
         return self._link.died()
 
     def _call(self, name: str, *args, diagnose=None):
-        if self._closed:
-            if self._closed_reason is not None:
-                raise PoolClosedError(f"this RLPool was shut down ({self._closed_reason}); create a new one")
-            raise PoolClosedError("this RLPool is closed; create a new one")
+        self._check_open()
         try:
             frame = wire.encode([wire.CALL, self._seq + 1, name, list(args)])
         except (TypeError, ValueError, OverflowError) as exc:
             if diagnose is not None:
                 diagnose()  # raises, naming the culprit
-            raise TypeError(f"{name}() arguments cannot be serialized: {exc}") from None
+            raise TypeError(f"{name}() arguments cannot be serialized: {exc}") from exc
         self._seq += 1
         seq = self._seq
         started = time.perf_counter()
@@ -413,8 +391,10 @@ class RLPool:
                 if message[0] == wire.ERROR:
                     _, _, kind, text, _ = message
                     if kind in ("ValueError", "TypeError", "IndexError", "KeyError"):
-                        raise ValueError(text)
-                    raise WorkerError(f"{kind}: {text}")
+                        raise ValueError(text)  # the worker's check of an argument: its text says what
+                    raise WorkerError(f"the worker failed {name}() with {kind} (the worker's traceback is the "
+                                      f"cause, above); the pool may be unusable: close it and create a new one",
+                                      kind=kind) from WorkerSideError(kind, text)
         except (ValueError, WorkerError):
             raise
         except BaseException:
@@ -449,15 +429,6 @@ class RLPool:
         if hasattr(self, "_finalizer"):
             self._finalizer()
 
-    def __enter__(self) -> "RLPool":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def __len__(self) -> int:
-        return self.n
-
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"RLPool({self.source!r}, {self.n}, {state})"
@@ -466,174 +437,48 @@ class RLPool:
     def closed(self) -> bool:
         return self._closed
 
-    # -- the API --------------------------------------------------------------------
+    # -- the protocol's hooks (boltzlabs.pool.protocol.Pool) -------------------------------
 
-    def step(self, actions):
-        """Step every env with its action. ONE request to the worker.
+    def _check_open(self) -> None:
+        if self._closed:
+            if self._closed_reason is not None:
+                raise PoolClosedError(f"this RLPool was shut down ({self._closed_reason}); create a new one")
+            raise PoolClosedError("this RLPool is closed; create a new one")
 
-        `actions`: a length-n sequence of msgpack-able values or numpy
-        arrays, or an array whose first dimension is n (a 1-d array gives
-        each env a Python scalar, an (n, ...) array each env its row as an
-        array). Returns (obs: list, rewards: float32[n], dones: bool[n],
-        infos: list). A lane that failed (exception, death, bad frame, missed
-        deadline) comes back done with reward 0, obs None and
-        `info["error"]` saying why (`info["straggler"]` for a missed
-        deadline). `self.terminated` and `self.truncated` keep the two kinds
-        of `done` apart (failures count as truncated); `self.rewards` holds
-        the rewards as float64, exactly as the envs returned them.
-        """
-        obs, rewards, terminated, truncated, infos = self._step(actions)
-        return obs, rewards.astype(np.float32), terminated | truncated, infos
-
-    def _step(self, actions, resets=None):
-        """step() with exact float64 rewards; the lanes in `resets` (indices)
-        are reset instead of stepped, in the same request (next-step autoreset)."""
-        n = self.n
-        actions = self._actions(actions, n, "step()")
-        resets = list(resets) if resets is not None and len(resets) else None
+    def _step_lanes(self, actions: list, resets) -> StepResult:
         obs, rewards, terminated, truncated, infos, stragglers = self._call(
             "step", actions, resets, diagnose=lambda: self._raise_unserializable(actions))
         # Hot path: the arrays come as raw bytes, one copy each.
-        self.terminated = np.frombuffer(terminated, dtype=np.bool_).copy()
-        self.truncated = np.frombuffer(truncated, dtype=np.bool_).copy()
-        self.rewards = np.frombuffer(rewards, dtype=np.float64).copy()
         self.timing.stragglers = stragglers
-        self._obs = obs
-        self._count_episodes(resets)
-        return obs, self.rewards, self.terminated, self.truncated, infos
+        return StepResult(obs, np.frombuffer(rewards, dtype=np.float64).copy(),
+                          np.frombuffer(terminated, dtype=np.bool_).copy(),
+                          np.frombuffer(truncated, dtype=np.bool_).copy(), infos)
 
-    # -- asynchronous stepping ----------------------------------------------------------
-
-    def send(self, actions, env_ids=None) -> None:
-        """Hand `actions` to the envs `env_ids` (all when None) and return at once.
-
-        `actions` is aligned with `env_ids` (a sequence or an array whose first
-        dimension is len(env_ids)). Each env then runs its step; `recv()`
-        collects the results. Refused (ValueError, nothing sent) when an env
-        is in flight or has a result not yet received. A dead env, or a
-        straggler still busy, gets a failure result at once (as in step()).
-        """
-        self._send(actions, env_ids)
-
-    def _send(self, actions, env_ids=None, resets=None) -> None:
-        lanes = list(range(self.n)) if env_ids is None else self._env_ids(env_ids)
-        actions = self._actions(actions, len(lanes), "send()")
-        resets = list(resets) if resets is not None and len(resets) else None
+    def _send_lanes(self, actions: list, lanes: list, resets) -> None:
         self._call("send", actions, lanes, resets, diagnose=lambda: self._raise_unserializable(actions))
-        if resets:
-            self._begin_episodes(resets, None)
-            self._pending_resets.update(resets)
 
-    def recv(self, batch_size=None, timeout=None):
-        """The first `batch_size` envs to finish since their send().
-
-        Returns (env_ids: int64[k], obs: list, rewards: float32[k], dones:
-        bool[k], infos: list), aligned with env_ids, in the order the envs
-        finished. batch_size defaults to the pool's batch_size, else every
-        env in flight or finished. k < batch_size only when `timeout`
-        (seconds; 0 takes only what has finished) passes first. An env that missed its deadline (counted from
-        its send) or failed comes back as in step(): done, reward 0, obs
-        None, info["error"] (and info["straggler"]). Refused (ValueError)
-        when batch_size is more than can come.
-        """
-        env_ids, obs, rewards, terminated, truncated, infos = self._recv(batch_size, timeout)
-        return env_ids, obs, rewards.astype(np.float32), terminated | truncated, infos
-
-    def _recv(self, batch_size=None, timeout=None):
-        """recv() with float64 rewards and terminated/truncated apart."""
-        if batch_size is None:
-            batch_size = self.batch_size
-        if batch_size is not None and (isinstance(batch_size, bool)
-                                       or not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
-            raise ValueError(f"recv() batch_size must be a whole number >= 1, not {batch_size!r}")
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-                raise ValueError(f"recv() timeout must be a number of seconds >= 0 (0: only what has finished), "
-                                 f"not {timeout!r}")
-            timeout = float(timeout)
+    def _recv_lanes(self, batch_size, timeout) -> RecvResult:
         lanes, obs, rewards, terminated, truncated, infos, stragglers, wait_ms, queued_ms = self._call(
-            "recv", None if batch_size is None else int(batch_size), timeout)
-        env_ids = np.array(lanes, dtype=np.int64)
-        rewards = np.frombuffer(rewards, dtype=np.float64).copy()
-        terminated = np.frombuffer(terminated, dtype=np.bool_).copy()
-        truncated = np.frombuffer(truncated, dtype=np.bool_).copy()
+            "recv", batch_size, timeout)
         self.timing.wait_ms, self.timing.queued_ms, self.timing.stragglers = wait_ms, queued_ms, stragglers
-        # New arrays and list, not in-place writes: what earlier calls returned stays as it was.
-        self._obs = list(self._obs)
-        for i, o in zip(lanes, obs):
-            if o is not None:
-                self._obs[i] = o
-        self.rewards = self.rewards.copy()
-        self.terminated = self.terminated.copy()
-        self.truncated = self.truncated.copy()
-        self.rewards[env_ids] = rewards
-        self.terminated[env_ids] = terminated
-        self.truncated[env_ids] = truncated
-        # Autoreset lanes (sent with resets) began their episode at send: not a step.
-        stepped = [i for i in lanes if i not in self._pending_resets]
-        self._pending_resets.difference_update(lanes)
-        self._count_episodes(None, stepped)
-        return env_ids, obs, rewards, terminated, truncated, infos
+        return RecvResult(np.array(lanes, dtype=np.int64), obs, np.frombuffer(rewards, dtype=np.float64).copy(),
+                          np.frombuffer(terminated, dtype=np.bool_).copy(),
+                          np.frombuffer(truncated, dtype=np.bool_).copy(), infos)
 
-    def lane_states(self) -> list:
-        """Each env's one state: 'idle', 'in_flight' (sent, not finished),
-        'finished' (a result waiting for recv), 'straggler' (its result was
-        given, it is still busy; reset it) or 'dead' (reset it to respawn)."""
-        return self._call("lane_states")
+    def _reset_lanes(self, lanes: list, seeds, hard: bool, options) -> tuple:
+        _, obs, infos = self._call("reset", lanes, seeds, hard, options)
+        self.timing.stragglers = [i for i, info in zip(lanes, infos) if info.get("straggler")]
+        return obs, infos
 
-    def _env_ids(self, env_ids) -> list:
-        ids = np.asarray(env_ids)
-        if ids.ndim != 1 or (ids.size and not np.issubdtype(ids.dtype, np.integer)) or ids.dtype == np.bool_:
-            raise ValueError("env_ids must be a sequence of env indices")
-        lanes = [int(i) for i in ids]
-        if any(not 0 <= i < self.n for i in lanes):
-            raise ValueError(f"env_ids has an env index outside [0, {self.n})")
-        if len(set(lanes)) != len(lanes):
-            raise ValueError("env_ids has an env index twice")
-        return lanes
+    def _render_lanes(self, lanes: list) -> list:
+        frames, errors = self._call("render", lanes)
+        if errors:
+            index, error = min((int(k), v) for k, v in errors.items())
+            raise EnvError(f"env {index} could not render: {error}", env_index=index)
+        return frames
 
-    def _actions(self, actions, count: int, what: str) -> list:
-        if isinstance(actions, np.ndarray):
-            if actions.ndim == 0 or actions.shape[0] != count:
-                raise ValueError(f"{what} needs {count} actions (an array whose first dimension is {count}); "
-                                 f"got an array of shape {actions.shape}")
-            return actions.tolist() if actions.ndim == 1 else list(actions)
-        try:
-            got = len(actions)
-        except TypeError:
-            raise TypeError(f"{what} needs a sequence of {count} actions, not {type(actions).__name__}") from None
-        if got != count:
-            raise ValueError(f"{what} needs {count} actions, one per env; got {got}")
-        return list(actions)
-
-    def _count_episodes(self, resets, lanes=None) -> None:
-        """Episode bookkeeping after a step (of `lanes` only, when given):
-        lengths, returns, finished episodes."""
-        stepped = self._episode_open.copy()
-        if lanes is not None:
-            received = np.zeros(self.n, dtype=np.bool_)
-            received[lanes] = True
-            stepped &= received
-        if resets:
-            stepped[resets] = False
-            self._begin_episodes(resets, None)
-        self._episode_lengths[stepped] += 1
-        self._episode_returns[stepped] += self.rewards[stepped]
-        ended = stepped & (self.terminated | self.truncated)
-        self._episode_open[ended] = False
-        self.finished_episodes = [
-            {"env": i, "id": self.episode_ids[i], "seed": self._episode_seeds[i],
-             "length": int(self._episode_lengths[i]), "return": float(self._episode_returns[i]),
-             "terminated": bool(self.terminated[i])}
-            for i in np.flatnonzero(ended).tolist()]
-
-    def _begin_episodes(self, lanes, seeds) -> None:
-        for k, i in enumerate(lanes):
-            self.episode_ids[i] = uuid7()
-            self._episode_seeds[i] = None if seeds is None else seeds[k]
-        self._episode_lengths[lanes] = 0
-        self._episode_returns[lanes] = 0.0
-        self._episode_open[lanes] = True
+    def _log(self, index: int) -> str:
+        return self._call("log", index)
 
     @staticmethod
     def _raise_unserializable(actions):
@@ -642,75 +487,7 @@ class RLPool:
                 wire.encode(action)
             except (TypeError, ValueError, OverflowError) as exc:
                 raise TypeError(f"the action for env {i} cannot be sent ({exc}); actions must be msgpack-able "
-                                "values (numbers, str, bytes, lists, dicts, None) or numpy arrays") from None
-
-    def _lanes(self, where) -> list:
-        n = self.n
-        if where is None:
-            return list(range(n))
-        mask = np.asarray(where)
-        if mask.dtype == np.bool_:
-            if mask.shape != (n,):
-                raise ValueError(f"reset(where=...) as a mask needs {n} booleans; got shape {mask.shape}")
-            return np.flatnonzero(mask).tolist()
-        if mask.ndim != 1 or (mask.size and not np.issubdtype(mask.dtype, np.integer)):
-            raise ValueError("reset(where=...) takes a boolean mask of length n or a list of env indices")
-        lanes = sorted(set(int(i) for i in mask))
-        if lanes and (lanes[0] < 0 or lanes[-1] >= n):
-            raise ValueError(f"reset(where=...) has an env index outside [0, {n})")
-        return lanes
-
-    def reset(self, seed=None, where=None, hard: bool = False, options=None) -> list:
-        """Reset envs and return all n observations.
-
-        seed: an int gives env i the seed `seed + i`; a list gives one per env
-        (length n); None lets each env choose. where: a bool mask or a list of
-        indices; only those lanes reset, the others' latest observations are
-        spliced in place. hard=True kills and respawns the selected sandboxes
-        on a fresh workspace before resetting them (byte-identical starts).
-        A lane whose reset failed gets obs None and `reset_infos[i]["error"]`.
-        """
-        lanes = self._lanes(where)
-        if seed is None:
-            seeds = None
-        elif isinstance(seed, (int, np.integer)) and not isinstance(seed, bool):
-            seeds = [int(seed) + i for i in lanes]
-        elif isinstance(seed, (list, tuple, np.ndarray)):
-            if len(seed) != self.n:
-                raise ValueError(f"reset(seed=[...]) needs one seed per env ({self.n}); got {len(seed)}")
-            seeds = [None if seed[i] is None else _whole(seed[i], i) for i in lanes]
-        else:
-            raise TypeError(f"seed must be an int, a list of n ints or None, not {type(seed).__name__}")
-        if not lanes:
-            return list(self._obs)
-        _, obs, infos = self._call("reset", lanes, seeds, bool(hard), options)
-        self.timing.stragglers = [i for i, info in zip(lanes, infos) if info.get("straggler")]
-        # New list and arrays, not in-place writes: what step() returned stays as it was.
-        self._obs = list(self._obs)
-        for i, o, info in zip(lanes, obs, infos):
-            self._obs[i] = o
-            self.reset_infos[i] = info
-        self.terminated = self.terminated.copy()
-        self.truncated = self.truncated.copy()
-        self.terminated[lanes] = False
-        self.truncated[lanes] = False
-        self._begin_episodes(lanes, seeds)
-        return list(self._obs)
-
-    def render(self, env_index: int = 0):
-        """The frame of env `env_index` (from its `serve(render=...)`; for a
-        gym source, `env.render()` with the pool's render_mode), or None when
-        the env has no frame. Raises EnvError if the env could not render."""
-        if isinstance(env_index, bool) or not isinstance(env_index, (int, np.integer)) or not 0 <= env_index < self.n:
-            raise ValueError(f"env index must be in [0, {self.n}); got {env_index!r}")
-        return self._render([int(env_index)])[0]
-
-    def _render(self, lanes: list) -> list:
-        frames, errors = self._call("render", lanes)
-        if errors:
-            index, error = min((int(k), v) for k, v in errors.items())
-            raise EnvError(f"env {index} could not render: {error}", env_index=index)
-        return frames
+                                "values (numbers, str, bytes, lists, dicts, None) or numpy arrays") from exc
 
     # -- methods and attributes of the envs (serve(methods=, attributes=, target=)) ------
 
@@ -779,33 +556,15 @@ class RLPool:
         report = self._call("memory")
         return MemoryReport(report["per_env"], report["source"], report["note"], report["shared"])
 
-    def envs_per_gb(self) -> float:
-        """Envs per GiB: 2**30 / (pool memory / n), from the kernel's accounting.
-
-        Pool memory is every env's charge plus what they share (the template).
-        """
-        return (1 << 30) / max(1.0, self.memory().mean)
-
-    def log(self, index: int) -> str:
-        """The tail of env `index`'s stdout and stderr (bounded; see policy log_tail)."""
-        if not isinstance(index, (int, np.integer)) or not 0 <= index < self.n:
-            raise ValueError(f"env index must be in [0, {self.n}); got {index!r}")
-        return self._call("log", int(index))
-
     def states(self) -> list:
-        """Each lane's state: 'idle', 'busy' (a straggler), 'starting' or 'dead'."""
-        return self._call("states")
+        """Each lane's one state: 'idle', 'in_flight' (sent, not finished),
+        'finished' (a result waiting for recv), 'straggler' (its result was
+        given, it is still busy; reset it) or 'dead' (reset it to respawn)."""
+        return self._call("lane_states")
 
     def pids(self) -> list:
         """Host pid of each env's sandbox (its bwrap process), -1 when dead."""
         return self._call("pids")
-
-
-def _whole(seed, index: int) -> int:
-    # A float seed is refused, not truncated: 1.5 and 1 must not seed alike.
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-        raise TypeError(f"reset(seed=[...]) takes whole numbers or None; env {index}'s seed is {seed!r}")
-    return int(seed)
 
 
 def _offered(described):
@@ -859,6 +618,7 @@ class _LocalLink:
     """The worker as our child process, over a socketpair (RLPool without worker=)."""
 
     kind = "local"
+    guardian = None  # a pidfd of the worker's cgroup guardian, once the pool is open
 
     def __init__(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -886,11 +646,15 @@ class _LocalLink:
     def died(self) -> WorkerError:
         self.stderr.seek(0)
         tail = self.stderr.read()[-4000:].decode("utf-8", "replace")
-        return WorkerError(f"the boltzlabs worker (pid {self.proc.pid}) exited with code {self.proc.poll()}; "
-                           f"its output:\n{tail or '(none)'}")
+        how, signum = describe_returncode(self.proc.poll())
+        fix = ("if nobody here sent it, the kernel's OOM killer may have (see `dmesg`): give the host more "
+               "memory or the pool fewer envs; " if signum is not None else "")
+        return WorkerError(f"the boltzlabs worker (pid {self.proc.pid}) {how}; the pool is gone: {fix}create a "
+                           f"new RLPool. Its output:\n{tail or '(none)'}", signal=signum)
 
-    def shutdown(self, cgroup) -> None:
-        """End the worker: ask, then insist. Runs once, from close(), GC or exit."""
+    def shutdown(self) -> None:
+        """End the worker: ask, then insist, then wait for its cgroup guardian.
+        Runs once, from close(), GC or exit."""
         proc, conn = self.proc, self.conn
         try:
             if proc.poll() is None:
@@ -906,11 +670,25 @@ class _LocalLink:
                 except ProcessLookupError:
                     pass
                 proc.wait()
-            if cgroup:
-                # A list, one per cgroup hierarchy. Also when the worker died on
-                # its own: envs it had frozen (serialize_measurement) ignore
-                # even SIGKILL until thawed, which this does.
-                remove_pool_dir(cgroup)
+            self._wait_guardian()
         finally:
             conn.close()
             self.stderr.close()
+            if self.guardian is not None:
+                os.close(self.guardian)
+                self.guardian = None
+
+    def watch_guardian(self, pid) -> None:
+        """Hold a pidfd of the worker's cgroup guardian (worker._guard_cgroups), so
+        shutdown() returns once the pool's cgroups are gone, and not before."""
+        if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
+            try:
+                self.guardian = os.pidfd_open(pid)
+            except OSError:  # already gone (nothing to wait for)
+                pass
+
+    def _wait_guardian(self, timeout: float = 10.0) -> None:
+        # The guardian removes the cgroups once the worker is gone, however it
+        # went; its pidfd turns readable when it exits.
+        if self.guardian is not None:
+            select.select([self.guardian], [], [], timeout)

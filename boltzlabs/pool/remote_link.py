@@ -158,7 +158,10 @@ class RemoteLink:
         return WorkerError(f"the boltzlabs worker at {self.url} closed the connection (it stopped, or the network "
                            "failed); the pool is gone: create a new RLPool")
 
-    def shutdown(self, cgroup=None) -> None:
+    def watch_guardian(self, pid) -> None:
+        """A remote worker's guardian is on its own host: nothing to watch here."""
+
+    def shutdown(self) -> None:
         """Ask the worker to end the pool, wait a little for it, close."""
         try:
             self.conn.settimeout(5.0)
@@ -185,7 +188,7 @@ def connect(url: str, token: str | None, source, tls_ca=None, timeout: float = 3
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:
         raise WorkerError(f"cannot reach the boltzlabs worker at {url}: {exc}; is `boltzlabs worker --listen "
-                          f"{host}:{port}` running there?") from None
+                          f"{host}:{port}` running there?") from exc
     try:
         _tune(sock)
         if scheme == "tls":
@@ -194,7 +197,7 @@ def connect(url: str, token: str | None, source, tls_ca=None, timeout: float = 3
                 sock = context.wrap_socket(sock, server_hostname=host)
             except ssl.SSLError as exc:
                 raise WorkerError(f"TLS with the worker at {url} failed: {exc}; give the worker's certificate "
-                                  "(or its CA) as tls_ca=") from None
+                                  "(or its CA) as tls_ca=") from exc
         peer = _Peer(sock, 1 << 20, time.monotonic() + timeout)
         message = peer.receive()
         if message[0] == wire.ERROR:
@@ -228,4 +231,4 @@ def connect(url: str, token: str | None, source, tls_ca=None, timeout: float = 3
         sock.close()
         if isinstance(exc, (WorkerError, ValueError)):
             raise
-        raise WorkerError(f"the handshake with the worker at {url} failed: {exc}") from None
+        raise WorkerError(f"the handshake with the worker at {url} failed: {exc}") from exc

@@ -45,6 +45,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from boltzlabs.errors import UnpackRefused  # noqa: F401 - envcache.UnpackRefused, its old home
+
 __all__ = ["UnpackRefused", "Entry", "plan", "EnvCache"]
 
 MAX_DEPTH = 32  # directories below the env dir
@@ -57,8 +59,6 @@ _PR_SET_PDEATHSIG, _PR_SET_DUMPABLE = 1, 4
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-class UnpackRefused(Exception):
-    """The archive is not a plain tree of files and directories within the caps."""
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 from boltzlabs import wire
+from boltzlabs.errors import HandshakeRefused as _Refused
 from boltzlabs.pool.remote_link import (_HANDSHAKE_TIMEOUT, _PRE_AUTH_FRAME, DEFAULT_PORT, RemoteLink, _Peer, _proof,
                                         _tune, connect, pack_env_dir)
 from boltzlabs.worker.ceilings import CEILINGS, NO_LIMIT, apply_ceilings, ceiling_value, default_ceilings
@@ -59,8 +60,6 @@ __all__ = ["Listener", "RemoteLink", "connect", "pack_env_dir", "main", "CEILING
 
 # -- the worker side -------------------------------------------------------------------
 
-class _Refused(Exception):
-    """The handshake ends here; the message goes to the client."""
 
 
 class _Slot:

@@ -53,9 +53,9 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from boltzlabs.errors import CgroupUnavailable  # noqa: F401 - cgroups.CgroupUnavailable, its old home
 
-class CgroupUnavailable(Exception):
-    """No writable memory cgroup here; the message says why."""
+
 
 
 def _own_cgroups():

@@ -45,7 +45,7 @@ def default_ceilings() -> dict:
 def ceiling_value(key: str, value):
     """A ceiling given as text or a default (CEILINGS[key]) as a number, or None for none."""
     if value is None or str(value).lower() == "none":
-        return None  # no ceiling: what the client asks goes (a private listener, e.g. RLPool(cluster=...)'s)
+        return None  # no ceiling: what the client asks goes (a private listener, e.g. a ClusterPool's)
     kind = CEILINGS[key][2]
     if kind == "size":
         return 0 if value in (0, "0") else parse_size(value)

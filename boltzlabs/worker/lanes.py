@@ -24,11 +24,7 @@ from __future__ import annotations
 import enum
 
 from boltzlabs import wire
-from boltzlabs.errors import BoltzLabsError
-
-
-class LaneStateError(BoltzLabsError):
-    """The worker tried a state change its transition table does not declare (a bug in the worker)."""
+from boltzlabs.errors import LaneStateError  # noqa: F401 (raised here; tests import it from here too)
 
 
 class State(enum.Enum):

@@ -27,17 +27,10 @@ from boltzlabs import wire
 from boltzlabs.worker.lanes import IDLE, IN_FLIGHT, STARTING, Lane
 from boltzlabs.worker.reactor import Reactor
 from boltzlabs.worker.spawn import TemplateSpawner, TemplateUnavailable, reap_orphans
+from boltzlabs.errors import StartFailure  # noqa: F401 (re-exported: server.py raises it)
 from boltzlabs.worker.stepping import outcome
 
 ABANDONED = "start-up abandoned after another env failed"
-
-
-class StartFailure(Exception):
-    """A lane failed to start while the pool opened: which, why, its log and how many failed."""
-
-    def __init__(self, index: int, message: str, log: str, count: int):
-        super().__init__(message)
-        self.index, self.log, self.count = index, log, count
 
 
 class Lifecycle:
@@ -285,23 +278,29 @@ def warmup_note(report: dict | None) -> str:
     return "\n".join(notes)
 
 
-def guard_frozen(paths: list[str]) -> None:
-    """Make sure frozen envs die with this worker, however it dies.
+def guard_cgroups(paths: list[str]) -> int:
+    """Make sure the pool's cgroups and every task in them go with this worker,
+    however it dies (SIGKILL included). Returns the guardian's pid.
 
-    A task frozen by the cgroup v1 freezer does not act on SIGKILL until it is
+    A killed worker removes nothing itself, and a task frozen by the cgroup v1
+    freezer (serialize_measurement) does not act on SIGKILL until it is
     thawed, so bwrap's --die-with-parent (and every other kill) would wait
-    forever if the worker died, SIGKILL included, while envs were frozen. A
-    forked guardian in a session of its own (a kill of our process group
-    misses it) waits for the end of a pipe this process holds, which closes
-    only when this process is gone, then kills, thaws and removes what is
-    left of the pool's cgroups: nothing, after a clean close.
+    forever for it. A forked guardian in a session of its own (a kill of our
+    process group misses it) waits for the end of a pipe this process holds,
+    which closes only when this process is gone, then kills, thaws and
+    removes what is left of the pool's cgroups: nothing, after a clean close.
+    The client, which only kills the worker, waits for the guardian to end.
+    A fork shares the worker's pages; it writes little (measured in
+    tests/test_protocol.py).
     """
     from boltzlabs.sandbox.cgroups import remove_pool_dir
 
     r, w = os.pipe()
-    if os.fork() == 0:
+    pid = os.fork()
+    if pid == 0:
         try:
             os.setsid()
+            _set_name(GUARDIAN_NAME)  # what ps and /proc/<pid>/comm show
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 signal.signal(signum, signal.SIG_IGN)
             # Nothing of the worker's but the pipe: the client's socket held
@@ -315,6 +314,17 @@ def guard_frozen(paths: list[str]) -> None:
             os._exit(0)
     os.close(r)
     _GUARD.append(w)  # held (close-on-exec, so no sandbox gets it) until this process ends
+    return pid
+
+
+GUARDIAN_NAME = b"boltzlabs-guard"  # 15 bytes: the kernel's comm holds at most 15
+_PR_SET_NAME = 15
+
+
+def _set_name(name: bytes) -> None:
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name, 0, 0, 0)
 
 
 _GUARD: list[int] = []

@@ -44,15 +44,12 @@ import select
 import time
 
 from boltzlabs import wire
+from boltzlabs.errors import ClientGone
 from boltzlabs.worker.lanes import BUSY, IN_FLIGHT, STARTING, Lane
 from boltzlabs.worker.stepping import outcome
 
 OBJECT_COST = 64  # bytes a decoded object is charged to the pool's budget (an empty list is 56, a dict 64+)
 READ_SIZE = 1 << 16
-
-
-class ClientGone(Exception):
-    """The client closed its end (or broke the stream, or sent CLOSE): tear everything down."""
 
 
 class Reactor:

@@ -45,7 +45,7 @@ from boltzlabs.sandbox.identity import host_account
 from boltzlabs.sandbox.policy import find_bwrap, load_policy
 from boltzlabs.worker.config import parse_open, raise_fd_limit
 from boltzlabs.worker.lanes import IDLE, Lane
-from boltzlabs.worker.lifecycle import ABANDONED, Lifecycle, StartFailure, guard_frozen, warmup_note
+from boltzlabs.worker.lifecycle import ABANDONED, Lifecycle, StartFailure, guard_cgroups, warmup_note
 from boltzlabs.worker.reactor import ClientGone, Reactor, describe
 from boltzlabs.worker.requests import Requests, tail
 from boltzlabs.worker.spawn import ExecSpawner, TemplateSpawner, TemplateUnavailable, reap_orphans
@@ -92,6 +92,7 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
         self.warmup_timeout = self.spec.plan.warmup_timeout if self.warmup else 0.0
         n = config.n
         raise_fd_limit(n)
+        guardian = None
         try:
             self.cgroups = CgroupPool(self.memory_limit, self.limits.get("pids"), freezer=self.gated)
             if self.limits.get("pids") and not self.cgroups.limits_pids:
@@ -106,11 +107,12 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
                 self.limits_note = f"no cgroups here: the per-env pids limit ({self.limits['pids']} tasks) is not enforced"
             if self.memory_limit:
                 raise ValueError(f"memory_limit needs a writable memory cgroup, and this host has none ({exc})")
+        if self.cgroups is not None:
+            guardian = guard_cgroups(self.cgroups.paths)  # however this worker dies, its cgroups go with it
         if self.gated:
             self.freezing = self.cgroups is not None and self.cgroups.freezes
             if self.freezing:
                 self._on_message = self._on_message_freezing
-                guard_frozen(self.cgroups.paths)
             else:
                 why = self.cgroups.freezer_note if self.cgroups is not None else "no writable cgroups here"
                 self.gate_note = (f"serialize_measurement cannot freeze envs outside their turn ({why}): "
@@ -135,7 +137,8 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
             "n": n,
             "memory_source": self.memory_source,
             "memory_note": self.memory_note,
-            "cgroup": self.cgroups.paths if self.cgroups else None,
+            "cgroup": self.cgroups.paths if self.cgroups else None,  # for tests and diagnostics only
+            "guardian": guardian,
             "hello": self.hello,
             "step_timeout": self.step_timeout,
             "spawn": self.spawner.kind,

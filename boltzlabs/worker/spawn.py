@@ -30,14 +30,12 @@ import time
 from boltzlabs import wire
 from boltzlabs.runtime import template
 from boltzlabs.sandbox import seccomp
-from boltzlabs.errors import BoltzLabsError
+from boltzlabs.errors import TemplateUnavailable  # noqa: F401 - spawn.TemplateUnavailable, its old home
 
 CHANNEL_FD = 3  # where an env (and the template) finds its channel
 TEMPLATE_LANE = "template"  # the template's cgroup name
 
 
-class TemplateUnavailable(BoltzLabsError):
-    """The env cannot be forked from a template; the message says why."""
 
 
 def _open_channel(start, kind=socket.SOCK_STREAM):
