@@ -199,7 +199,7 @@ class BoltzLabsSB3VecEnv(VecEnv):
             warnings.warn(f"The render mode is {self.render_mode}, but this method assumes it is `rgb_array` "
                           "to obtain images.")
             return [None] * self.num_envs
-        return self.pool._render(list(range(self.num_envs)))
+        return self.pool.render_all()
 
     def render(self, mode: str | None = None):
         """All envs' frames tiled into one image (VecEnv.render)."""

@@ -24,7 +24,7 @@ from conftest import COUNTER, PROBE, two_node_ray_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "boltzlabs"
-ADAPTERS = [PACKAGE / "gym.py", PACKAGE / "cluster.py"]
+ADAPTERS = [PACKAGE / "gym.py", PACKAGE / "cluster.py", PACKAGE / "sb3.py", PACKAGE / "testing.py"]
 
 
 # -- the adapters call public names only ------------------------------------------------
