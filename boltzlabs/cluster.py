@@ -463,6 +463,29 @@ class ClusterPool(Pool):
                 frames[shard.lanes[local]] = result[local]
         return [frames[lane] for lane in lanes]
 
+    def _attr(self, op: str, name, env_ids, args: list, kwargs: dict, values=None) -> list:
+        # Each node's lanes in one request (RLPool.call/get_attr/set_attr), joined in lane order.
+        lanes = list(range(self.n)) if env_ids is None else self._env_ids(env_ids)
+        for lane in lanes:
+            self._locate(lane)  # a lane on no node is an error, before any request
+        split = self._split(values if values is not None else [None] * len(lanes), lanes)
+
+        def run(locals_, vals):
+            if op == "call":
+                return lambda pool: pool.call(name, *args, env_ids=locals_, **kwargs)
+            if op == "get":
+                return lambda pool: pool.get_attr(name, env_ids=locals_)
+            return lambda pool: pool.set_attr(name, vals, env_ids=locals_)
+
+        results = self._fan_out({shard: run(locals_, vals) for shard, (locals_, _, vals) in split.items()})
+        out = {}
+        for shard, (_, globals_, _) in split.items():
+            result = results[shard]
+            if isinstance(result, Exception):  # the node was lost during the call
+                raise WorkerError(f"env {globals_[0]}: {self._lost_lane(globals_[0])}") from result
+            out.update(zip(globals_, result or [None] * len(globals_)))
+        return [out[lane] for lane in lanes]
+
     def _log(self, index: int) -> str:
         shard, local = self._locate(index)
         return shard.pool.log(local)

@@ -201,6 +201,27 @@ def test_vec_env_over_a_ray_cluster_steps_as_a_local_one(ray_cluster):
             np.testing.assert_array_equal(x, y)
 
 
+def test_call_get_attr_set_attr_reach_every_lane_over_a_ray_cluster_as_locally(ray_cluster):
+    """The env's methods and attributes through either kind of pool: each node's
+    lanes in one request, results joined in lane order."""
+    pytest.importorskip("gymnasium")
+    from boltzlabs.cluster import ClusterPool
+
+    def run(pool):
+        with pool:
+            pool.reset(seed=5)
+            before = pool.get_attr("metadata")  # the real Gymnasium env's attribute, per lane
+            pool.set_attr("marker", [10, 11, 12, 13])
+            some = pool.get_attr("marker", env_ids=[3, 0])
+            pool.set_attr("marker", 7, env_ids=[1])
+            return ([metadata["render_fps"] for metadata in before], some, pool.get_attr("marker"),
+                    pool.call("get_wrapper_attr", "marker"))
+
+    local = run(RLPool("gym://CartPole-v1", 4))
+    remote = run(ClusterPool("gym://CartPole-v1", 4, cluster=ray_cluster.address, envs_per_node=2))
+    assert local == remote == ([50] * 4, [13, 10], [10, 7, 12, 13], [10, 7, 12, 13])
+
+
 # -- errors: typed, chained, named -----------------------------------------------------------
 
 

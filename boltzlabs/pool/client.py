@@ -491,38 +491,6 @@ class RLPool(Pool):
 
     # -- methods and attributes of the envs (serve(methods=, attributes=, target=)) ------
 
-    def call(self, name: str, *args, env_ids=None, **kwargs) -> list:
-        """Call the env's method `name(*args, **kwargs)` in every env (or those
-        in `env_ids`); one result per lane, in lane order. For an attribute
-        that is not callable, its value (Gymnasium's VectorEnv.call).
-
-        A gym source reaches its Gymnasium env through its wrappers; an env
-        directory reaches only what its serve(methods=, attributes=, target=)
-        offers. Raises AttributeError (naming what the env offers) for any
-        other name, before anything is sent when the env listed its names;
-        EnvError (with the lane and the env's traceback) when an env raised,
-        died, missed the step deadline or returned a value that cannot cross
-        the wire; arguments and results travel like actions and observations.
-        """
-        return self._attr("call", name, env_ids, list(args), kwargs)
-
-    def get_attr(self, name: str, env_ids=None) -> list:
-        """The value of the env attribute `name` in every env (or those in
-        `env_ids`), one per lane. A method is not called (use call())."""
-        return self._attr("get", name, env_ids, [], {})
-
-    def set_attr(self, name: str, values, env_ids=None) -> None:
-        """Set the env attribute `name` in every env (or those in `env_ids`):
-        `values` is one value for all, or a list or tuple of one per lane
-        (Gymnasium's rule: a list meant for every env goes as [v] * n)."""
-        lanes = list(range(self.n)) if env_ids is None else self._env_ids(env_ids)
-        if not isinstance(values, (list, tuple)):
-            values = [values] * len(lanes)
-        if len(values) != len(lanes):
-            raise ValueError("Values must be a list or tuple with length equal to the number of environments. "
-                             f"Got `{len(values)}` values for {len(lanes)} environments.")
-        self._attr("set", name, lanes, [], {}, list(values))
-
     def _attr(self, op: str, name, env_ids, args: list, kwargs: dict, values=None) -> list:
         if not isinstance(name, str):
             raise TypeError(f"the attribute name must be a str, not {type(name).__name__}")
