@@ -40,6 +40,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("boltzlabs.sb3 needs Stable-Baselines3: pip install 'boltzlabs[sb3]'") from exc
 
 from boltzlabs.pool.client import RLPool
+from boltzlabs.runtime.serve import WRAPPER_CLASSES
 from boltzlabs.cluster import ClusterPool
 from boltzlabs.errors import EnvError
 from boltzlabs.pool.spaces import from_spec
@@ -189,9 +190,20 @@ class BoltzLabsSB3VecEnv(VecEnv):
         return self.pool.call(method_name, *method_args, env_ids=self._lanes(indices), **method_kwargs)
 
     def env_is_wrapped(self, wrapper_class, indices=None) -> list[bool]:
-        """False for each env: a wrapper class of this process never wraps an
-        env inside its sandbox (wrap the VecEnv instead: VecMonitor, not Monitor)."""
-        return [False] * len(self._lanes(indices))
+        """Whether each env is wrapped in `wrapper_class` (or a subclass), as
+        DummyVecEnv says. A Gymnasium source's env names its wrappers' classes
+        (the ones gymnasium.make put around it: TimeLimit, OrderEnforcing, ...);
+        the class is matched by module and qualified name, since no class
+        crosses the wire. An env directory's env is False: what it wraps
+        inside itself is its own. SB3's Monitor never wraps an env in a
+        sandbox: wrap the VecEnv instead (VecMonitor)."""
+        lanes = self._lanes(indices)
+        offered = self.pool.env_contract.attributes
+        if not lanes or offered is None or WRAPPER_CLASSES not in offered["methods"]:
+            return [False] * len(lanes)
+        name = f"{wrapper_class.__module__}.{wrapper_class.__qualname__}"
+        return [isinstance(classes, list) and name in classes
+                for classes in self.pool.call(WRAPPER_CLASSES, env_ids=lanes)]
 
     def get_images(self) -> Sequence[np.ndarray | None]:
         """Each env's frame (render_mode "rgb_array"), in one request."""

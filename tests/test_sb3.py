@@ -321,6 +321,25 @@ def test_vec_env_is_wrapped():
     vec_env.close()
 
 
+def test_env_is_wrapped_names_the_wrappers_gymnasium_make_put_inside_as_dummy_vec_env_does():
+    """A gym source's env is wrapped inside its sandbox by gymnasium.make:
+    env_is_wrapped says so for those classes and their bases, as DummyVecEnv
+    says for the same env in this process (Monitor: False on both)."""
+    import gymnasium
+    from gymnasium.wrappers import OrderEnforcing, PassiveEnvChecker, TimeLimit
+
+    ref = DummyVecEnv([lambda: gymnasium.make("CartPole-v1")] * 2)
+    venv = BoltzLabsSB3VecEnv("CartPole-v1", 2)
+    try:
+        for wrapper in (TimeLimit, OrderEnforcing, PassiveEnvChecker, gymnasium.Wrapper, Monitor, VecFrameStack):
+            assert venv.env_is_wrapped(wrapper) == ref.env_is_wrapped(wrapper), wrapper
+        assert venv.env_is_wrapped(TimeLimit) == [True, True]
+        assert venv.env_is_wrapped(TimeLimit, indices=[1]) == [True]
+    finally:
+        venv.close()
+        ref.close()
+
+
 def test_vec_deterministic():
     vec_env = ours()
     vec_env.seed(3)

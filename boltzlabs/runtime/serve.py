@@ -175,6 +175,8 @@ class _Attributes:
 
 
 _ATTRIBUTES = _Attributes(None, None, None)  # serve() sets this env's
+# The method a Gymnasium source's env offers (runtime/gym_env) naming its wrappers' classes.
+WRAPPER_CLASSES = "boltzlabs_wrapper_classes"
 _ATTR_PHASES = {"call": "call", "get": "get_attr", "set": "set_attr"}
 
 

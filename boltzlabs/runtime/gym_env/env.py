@@ -7,7 +7,7 @@ the params (boltzlabs/pool/sources.py); they arrive here as
 
 import gymnasium
 
-from boltzlabs.runtime.serve import params, serve
+from boltzlabs.runtime.serve import WRAPPER_CLASSES, params, serve
 
 spec = params()
 env = gymnasium.make(spec["id"], **spec["kwargs"])
@@ -31,7 +31,19 @@ def _metadata(metadata):
     return kept
 
 
+def wrapper_classes():
+    """Every class (each wrapper's MRO, as `module.qualname`) of the wrappers
+    around the env: what the SB3 adapter's env_is_wrapped() looks in, as an
+    isinstance() over the wrapper chain would (no class object crosses the wire)."""
+    names, layer = [], env
+    while isinstance(layer, gymnasium.Wrapper):
+        names += [f"{cls.__module__}.{cls.__qualname__}" for cls in type(layer).__mro__]
+        layer = layer.env
+    return sorted(set(names))
+
+
 # target=env: pool.call / get_attr / set_attr reach the Gymnasium env itself,
 # through its wrappers (get_wrapper_attr / set_wrapper_attr), as SyncVectorEnv's do.
 serve(reset=reset, step=env.step, observation_space=env.observation_space, action_space=env.action_space,
-      metadata=_metadata(env.metadata), render=env.render, render_mode=env.render_mode, target=env)
+      metadata=_metadata(env.metadata), render=env.render, render_mode=env.render_mode, target=env,
+      methods={WRAPPER_CLASSES: wrapper_classes})
