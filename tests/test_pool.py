@@ -302,3 +302,42 @@ def test_a_host_without_bwrap_is_told_what_to_install():
                          env={**os.environ, "PATH": "/nonexistent"})
     assert out.returncode == 0, out.stderr
     assert "bubblewrap (bwrap) is not installed" in out.stdout and "apt-get install -y bubblewrap" in out.stdout
+
+
+def test_a_trainer_holding_fd_numbers_past_1024_opens_and_closes_pools():
+    """select() refuses fd numbers from 1024 up; a trainer with many envs,
+    loaders or sockets open holds such numbers, and the pool's own fds (the
+    worker's socket, the guardian's pidfd) then land there too."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1400:
+        pytest.skip(f"the fd hard limit here is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1400), hard))
+    filler = []
+    try:
+        while len(filler) < 1100:  # every number below ~1100 taken
+            filler.append(os.open(os.devnull, os.O_RDONLY))
+        with RLPool(COUNTER, 2) as pool:
+            pool.reset(seed=0)
+            pool.step([1, 1])
+            pool.reset(hard=True)
+        assert pool.closed
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_spawners_wait_on_fd_numbers_past_1024():
+    from boltzlabs.worker.spawn import _readable
+
+    r, w = os.pipe()
+    high = os.dup2(r, 2000)
+    try:
+        assert _readable([high], 0) == set()
+        os.write(w, b"x")
+        assert _readable([high, r], 1.0) == {high, r}
+    finally:
+        for fd in (r, w, high):
+            os.close(fd)

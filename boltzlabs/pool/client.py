@@ -659,4 +659,7 @@ class _LocalLink:
         # The guardian removes the cgroups once the worker is gone, however it
         # went; its pidfd turns readable when it exits.
         if self.guardian is not None:
-            select.select([self.guardian], [], [], timeout)
+            # poll, not select: a trainer may well hold fd numbers past 1024 (select's limit).
+            poller = select.poll()
+            poller.register(self.guardian, select.POLLIN)
+            poller.poll(int(timeout * 1000))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import math
 import os
 import select
 import signal
@@ -176,7 +177,7 @@ class ExecSpawner:
     def close(self, deadline: float) -> None:
         for pidfd, pid in list(self.reaping.items()):
             remaining = max(0.0, deadline - time.monotonic())
-            if select.select([pidfd], [], [], remaining)[0]:
+            if _readable([pidfd], remaining):
                 self._reap(pidfd)
         for pidfd, pid in self.reaping.items():
             os.close(pidfd)  # a zombie we could not wait for: init will
@@ -245,8 +246,8 @@ class TemplateSpawner:
         """Wait for the template's HELLO; returns its info."""
         while True:
             remaining = deadline - time.monotonic()
-            ready = select.select([self.control, self.pidfd], [], [], max(0.0, remaining))[0]
-            if self.control in ready:
+            ready = _readable([self.control, self.pidfd], remaining)
+            if self.control.fileno() in ready:
                 data = self.control.recv(1 << 16)
                 # The handshake's own caps: a warm-up report has more items than a control message.
                 reader = wire.FrameReader(wire.Limits(1 << 16, max_depth=5, max_objects=1 << 13))
@@ -257,8 +258,8 @@ class TemplateSpawner:
                 if messages and messages[0][0] == wire.HELLO and len(messages[0]) == 3 \
                         and isinstance(messages[0][2], dict):
                     return messages[0][2]
-                select.select([self.pidfd], [], [], max(0.0, deadline - time.monotonic()))
-                ready = [self.pidfd]  # EOF or anything but a HELLO: it is done for
+                _readable([self.pidfd], deadline - time.monotonic())
+                ready = {self.pidfd}  # EOF or anything but a HELLO: it is done for
             if self.pidfd in ready or remaining <= 0:
                 self.log += _drain(self.logfd)
                 what = "exited" if self.pidfd in ready else f"did not start within {self.worker.start_timeout:g} s"
@@ -277,7 +278,7 @@ class TemplateSpawner:
         def start(channel_fd: int, log_w: int) -> None:
             fds = array.array("i", [channel_fd, log_w]).tobytes()
             # The template's pid is moved between cgroups: it must still be ours.
-            if select.select([self.template_pidfd], [], [], 0)[0]:
+            if _readable([self.template_pidfd], 0):
                 raise OSError("the template is gone")
             with _charged_to(worker, env.index, self.pid, TEMPLATE_LANE):
                 self.control.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
@@ -305,7 +306,7 @@ class TemplateSpawner:
                     self.pending = [m for m in self.pending if m[0] != template.FORKED]
                     return
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not select.select([self.control], [], [], remaining)[0]:
+            if remaining <= 0 or not _readable([self.control], remaining):
                 raise OSError("the template did not answer a fork request in time")
             if not self._read_control():
                 raise OSError("the template is gone")
@@ -450,7 +451,7 @@ class TemplateSpawner:
         _close_pidfd(self.template_pidfd)
         self.template_pidfd = -1
         _signal_pidfd(self.pidfd)  # our own child: bwrap's pid namespace takes every env with it
-        select.select([self.pidfd], [], [], max(0.0, deadline - time.monotonic()))
+        _readable([self.pidfd], deadline - time.monotonic())
         try:
             if os.waitpid(self.bwrap_pid, os.WNOHANG)[0]:
                 _reaped(self.bwrap_pid)
@@ -489,6 +490,17 @@ def _warmup_report(report) -> dict | None:
 
 
 _PIDFD_SPACE = socket.CMSG_SPACE(4 * 4)  # a FORKED brings one fd; more are closed (or cut by the kernel)
+
+
+def _readable(fds, timeout: float) -> set[int]:
+    """The fd numbers among `fds` (ints, or objects with fileno()) that are
+    readable, closed or in error within `timeout` seconds. poll, not select:
+    select refuses fd numbers from 1024 up, and a worker with a thousand envs
+    holds thousands."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return {fd for fd, _ in poller.poll(math.ceil(max(0.0, timeout) * 1000))}
 
 
 def _received_fds(ancillary) -> list[int]:
