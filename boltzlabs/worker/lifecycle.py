@@ -300,7 +300,7 @@ def guard_cgroups(paths: list[str]) -> int:
     if pid == 0:
         try:
             os.setsid()
-            _set_name(GUARDIAN_NAME)  # what ps and /proc/<pid>/comm show
+            prctl(PR_SET_NAME, GUARDIAN_NAME)  # what ps and /proc/<pid>/comm show
             for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 signal.signal(signum, signal.SIG_IGN)
             # Nothing of the worker's but the pipe: the client's socket held
@@ -318,13 +318,14 @@ def guard_cgroups(paths: list[str]) -> int:
 
 
 GUARDIAN_NAME = b"boltzlabs-guard"  # 15 bytes: the kernel's comm holds at most 15
-_PR_SET_NAME = 15
+PR_SET_PDEATHSIG, PR_SET_NAME, PR_SET_CHILD_SUBREAPER = 1, 15, 36
 
 
-def _set_name(name: bytes) -> None:
+def prctl(option: int, value) -> None:
+    """prctl(2) with one argument (an int, or bytes for PR_SET_NAME); the worker's one caller of it."""
     import ctypes
 
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name, 0, 0, 0)
+    ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
 
 
 _GUARD: list[int] = []

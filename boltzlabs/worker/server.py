@@ -45,7 +45,8 @@ from boltzlabs.sandbox.identity import host_account
 from boltzlabs.sandbox.policy import find_bwrap, load_policy
 from boltzlabs.worker.config import parse_open, raise_fd_limit
 from boltzlabs.worker.lanes import IDLE, Lane
-from boltzlabs.worker.lifecycle import ABANDONED, Lifecycle, StartFailure, guard_cgroups, warmup_note
+from boltzlabs.worker.lifecycle import (ABANDONED, PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, Lifecycle, StartFailure,
+                                        guard_cgroups, prctl, warmup_note)
 from boltzlabs.worker.reactor import ClientGone, Reactor, describe
 from boltzlabs.worker.requests import Requests, tail
 from boltzlabs.worker.spawn import ExecSpawner, TemplateSpawner, TemplateUnavailable, reap_orphans
@@ -225,18 +226,9 @@ def _terminate(signum, frame):
     raise ClientGone
 
 
-_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
-
-
-def _prctl(option: int, value: int) -> None:
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
-
-
 def die_with(parent: int) -> None:
     """SIGKILL us if `parent` dies (then bwrap's --die-with-parent ends every sandbox)."""
-    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if parent and os.getppid() != parent:  # it died before the prctl
         os._exit(1)
 
@@ -265,7 +257,7 @@ def main(argv=None) -> int:
         die_with(args.parent)
     # Orphans of killed sandboxes (an exec sandbox's inner bwrap) come to us,
     # not to a host init that may reap them late: reap_orphans() takes them.
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    prctl(PR_SET_CHILD_SUBREAPER, 1)
     # SIGTERM (the listener stopping, a service manager) ends the pool cleanly.
     signal.signal(signal.SIGTERM, _terminate)
     worker = Worker(conn, remote)
