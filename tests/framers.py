@@ -46,7 +46,8 @@ class NativeReader:
         self._theirs.sendall(data)
         got = b""
         while len(got) < len(data):
-            why, (result,) = FASTPATH.exchange(self._epoll.fileno(), [self._ours.fileno()], [None],
+            fd = self._ours.fileno()
+            why, (result,) = FASTPATH.exchange(self._epoll.fileno(), [fd], [fd], [None],
                                                time.monotonic() + 5.0, self.limits.max_frame, 1 << 40)
             assert why == FASTPATH.DONE, why
             if type(result) is bytes:

@@ -66,8 +66,8 @@ class Lanes:
 
     def exchange(self, frames=None, timeout=2.0, max_frame=1 << 20, budget=1 << 30, fds=None):
         frames = [None] * len(self.pairs) if frames is None else frames
-        return fp.exchange(self.epoll.fileno(), self.fds if fds is None else fds, frames,
-                           time.monotonic() + timeout, max_frame, budget)
+        fds = self.fds if fds is None else fds
+        return fp.exchange(self.epoll.fileno(), fds, fds, frames, time.monotonic() + timeout, max_frame, budget)
 
     def close(self):
         self.epoll.close()
@@ -229,17 +229,20 @@ def test_a_signal_handler_that_raises_interrupts_the_wait(lanes):
 
 
 @native
-@pytest.mark.parametrize("fds, frames, error", [
-    ([3, 3], [None, None], ValueError),  # one fd for two lanes
-    ([-1], [None], ValueError),          # a lane with no channel
-    ([1 << 30], [None], ValueError),     # no such fd
-    ([0], [b"x", b"y"], ValueError),     # counts differ
-    ([0], ["text"], TypeError),          # not bytes
+@pytest.mark.parametrize("fds, wfds, frames, error", [
+    ([3, 3], [3, 3], [None, None], ValueError),  # one fd for two lanes
+    ([-1], [-1], [None], ValueError),          # a lane with no channel
+    ([0], [-1], [None], ValueError),           # a lane with no write end
+    ([1 << 30], [0], [None], ValueError),      # no such fd
+    ([0], [1 << 30], [None], ValueError),      # no such write fd
+    ([0], [0], [b"x", b"y"], ValueError),      # counts differ
+    ([0], [0, 1], [None], ValueError),         # counts differ
+    ([0], [0], ["text"], TypeError),           # not bytes
 ])
-def test_bad_arguments_are_refused_before_any_write(lanes, fds, frames, error):
+def test_bad_arguments_are_refused_before_any_write(lanes, fds, wfds, frames, error):
     ls = lanes(1)
     with pytest.raises(error):
-        fp.exchange(ls.epoll.fileno(), fds, frames, time.monotonic() + 1, 1 << 20, 1 << 30)
+        fp.exchange(ls.epoll.fileno(), fds, wfds, frames, time.monotonic() + 1, 1 << 20, 1 << 30)
 
 
 @native
@@ -459,7 +462,7 @@ def test_a_wheel_built_from_the_tree_carries_the_extension_and_uses_it(tmp_path)
 @pytest.mark.parametrize("deadline", [float("nan"), float("-inf")])
 def test_a_deadline_that_is_not_a_time_waits_for_nothing(lanes, deadline):
     ls = lanes(1)
-    why, results = fp.exchange(ls.epoll.fileno(), ls.fds, [None], deadline, 1 << 20, 1 << 30)
+    why, results = fp.exchange(ls.epoll.fileno(), ls.fds, ls.fds, [None], deadline, 1 << 20, 1 << 30)
     assert why == fp.TIMEOUT and results == [None]
 
 
@@ -467,5 +470,5 @@ def test_a_deadline_that_is_not_a_time_waits_for_nothing(lanes, deadline):
 def test_an_infinite_deadline_still_returns_when_every_lane_answered(lanes):
     ls = lanes(1)
     ls.env(0).sendall(REPLY)
-    why, results = fp.exchange(ls.epoll.fileno(), ls.fds, [None], float("inf"), 1 << 20, 1 << 30)
+    why, results = fp.exchange(ls.epoll.fileno(), ls.fds, ls.fds, [None], float("inf"), 1 << 20, 1 << 30)
     assert why == fp.DONE and results == [REPLY]
