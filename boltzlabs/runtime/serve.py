@@ -4,7 +4,7 @@
     worker <--STEPPED/RESET_DONE/RENDERED/ATTR_DONE/FAILED frames-- serve()
 
 The worker starts the sandbox with the channel on its own file descriptors
-(two pipes, read on 3 and written on 4, or one socket on 3) and
+(two pipes, written on 3 and read on 4, or one socket on 3) and
 stdout/stderr on a separate log pipe, so `print`, `sys.stdout.write` and
 `os.write(1, ...)` (at import, in reset or in step) land in the env's log and
 can never corrupt the channel. Frames are written with `os.write`, unbuffered.
@@ -40,14 +40,14 @@ def params() -> dict:
 
 
 def _channel_fds(value: str) -> tuple[int, ...]:
-    """$BOLTZLABS_FD, set by the worker: "3" (a socket) or "3,4" (the pipe it
+    """$BOLTZLABS_FD, set by the worker: "3" (a socket) or "4,3" (the pipe it
     reads, the pipe it writes). Checked, since a wrong fd would fail obscurely later."""
     parts = value.split(",") if len(value) <= 16 else []
     if (len(parts) in (1, 2) and all(p.isascii() and p.isdigit() and 3 <= int(p) < 1024 for p in parts)
             and len(set(map(int, parts))) == len(parts)):
         return tuple(map(int, parts))
     raise RuntimeError(f"{_FD_VARIABLE}={value[:40]!r}: expected the channel's fd ('3') or its read and write "
-                       "pipes' fds ('3,4'), as the boltzlabs worker sets it; start this env with RLPool")
+                       "pipes' fds ('4,3'), as the boltzlabs worker sets it; start this env with RLPool")
 
 
 class _Channel:

@@ -1,7 +1,7 @@
 """The warm template: one pre-imported env that forks every env of the pool.
 
     worker ==control socket (SOCK_SEQPACKET, fds by SCM_RIGHTS)==> template
-        [FORK, lane, generation] + (channel fd(s), log fd) --> fork a child (channel: a socket, or 2 pipes)
+        [FORK, lane, generation] + (channel fd(s), log fd) --> fork a child (a socket, or 2 pipes)
         [KILL, lane, generation]                          --> kill that child
     worker <== [FORKED, lane, generation] + (the child's pidfd) / [EXITED, lane, generation, status]
 
@@ -293,15 +293,17 @@ class _ChildPlan:
                 os.close(fd)
         _check(_libc.unshare(self.namespaces), "unshare namespaces")
         os.environ["BOLTZLABS_ENV_INDEX"] = str(lane)
-        # The channel's ends onto 3 (and 4: pipes, read then write), the log
-        # onto 1 and 2. No source is a target met earlier: the template holds
-        # 0-3 (3, its control socket, is replaced here), so a received fd is
-        # 4 or above, and 4 is the last target.
+        # fds: the channel (a socket; or the pipe it reads, the pipe it writes)
+        # and the log. The log onto 1 and 2, the socket or the pipe it writes
+        # onto 3, the pipe it reads onto 4. No source is a target met earlier:
+        # the template holds 0-3 (3, its control socket, is replaced here), so
+        # a received fd is 4 or above, and 4 is the last target.
         log = fds[-1]
         os.dup2(log, 1)
         os.dup2(log, 2)
-        for target, fd in enumerate(fds[:-1], 3):
-            os.dup2(fd, target)
+        os.dup2(fds[-2], 3)
+        if len(fds) == 3:
+            os.dup2(fds[0], 4)
         _signal.set_wakeup_fd(-1)
         _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
         os.closerange(2 + len(fds), self.open_max)
@@ -670,7 +672,8 @@ def fork_server(serve_child, channel_fd: int, probe=None, preload=()) -> None:
     """serve()'s template mode: fork a child per request. Never returns.
 
     `serve_child(channel)` is what a child runs once it is a sandbox: the
-    ordinary serve loop on its own channel ((3,): a socket; (3, 4): pipes). `probe` (boltzlabs.runtime.serve._Probe:
+    ordinary serve loop on its own channel ((3,): a socket; (4, 3): the pipe
+    it reads, the pipe it writes). `probe` (boltzlabs.runtime.serve._Probe:
     `prepare()`, then `run(report)`) is the env's real work, run once in a
     throwaway child before the first fork (`warm_up`); `preload` names
     modules to import here besides what the probe's work imported.
@@ -849,7 +852,7 @@ def _child(serve_child, lane, fds, plan: _ChildPlan) -> None:
     try:
         plan.become_sandbox(lane, fds)
         seccomp.apply_child_filter()  # the env's full filter, before any env code
-        serve_child((3,) if len(fds) == 2 else (3, 4))
+        serve_child((3,) if len(fds) == 2 else (4, 3))  # (the fd it reads, the fd it writes)
         code = 0
     except BaseException as exc:
         try:

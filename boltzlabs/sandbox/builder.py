@@ -132,7 +132,7 @@ class SandboxSpec:
     def argv(self, channel_fds: tuple, env_index: int) -> list[str]:
         """The full command line of one env's sandbox, its channel on
         `channel_fds` (a socket's fd, or the read then the write pipe's:
-        $BOLTZLABS_FD, "3" or "3,4"). boltzlabs.runtime.confine sets the env's
+        $BOLTZLABS_FD, "3" or "4,3"). boltzlabs.runtime.confine sets the env's
         rlimits, finishes the sandbox, then runs env.py."""
         plan = self.plan
         return self._head + [

@@ -4,8 +4,9 @@ r"""How the worker makes sandboxes: one interpreter per env, or forks of a templ
                        \-> TemplateSpawner: [FORK] to one warm template (boltzlabs.runtime.template)
     Worker <--on_exit(env, status)-- either, when an env's process is gone
 
-Both hand the env its channel (two pipes as fds 3 and 4, or a socketpair end
-as fd 3: `Worker.channel`, docs/wire.md#the-channel) and its log pipe (fds 1 and 2), start it inside its own cgroup, and report its exit status.
+Both hand the env its channel (two pipes, the one it writes as fd 3 and the
+one it reads as fd 4, or a socketpair end as fd 3: `Worker.channel`,
+docs/wire.md#the-channel) and its log pipe (fds 1 and 2), start it inside its own cgroup, and report its exit status.
 The worker owns everything else (the channel protocol, deadlines, state).
 
 Signals go through pidfds only, never to a pid number learnt later: a pid
@@ -35,15 +36,17 @@ from boltzlabs.sandbox import seccomp
 from boltzlabs.worker.config import PIPES, SOCKETPAIR
 from boltzlabs.errors import TemplateUnavailable  # noqa: F401 - spawn.TemplateUnavailable, its old home
 
-CHANNEL_FD = 3  # where an env (and the template) finds its channel: a socket on 3, or pipes on 3 (read), 4 (write)
+CHANNEL_FD = 3  # where an env (and the template) finds its channel: a socket, or the pipe it writes (then 4: reads)
 TEMPLATE_LANE = "template"  # the template's cgroup name
 LOG_PIPE_SIZE = 4096  # one page: an env's output is rarely written, and every page counts against the pipe quota
 F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ from Python 3.10 on; the number is the kernel's
 
 
 def channel_fds(channel: str) -> tuple[int, ...]:
-    """The fd numbers an env finds its channel on ($BOLTZLABS_FD): read first."""
-    return (CHANNEL_FD, CHANNEL_FD + 1) if channel == PIPES else (CHANNEL_FD,)
+    """The fd numbers an env finds its channel on ($BOLTZLABS_FD), the one it
+    reads first: (4, 3) for pipes, (3,) for a socket. An env writes its
+    replies on fd 3 either way."""
+    return (CHANNEL_FD + 1, CHANNEL_FD) if channel == PIPES else (CHANNEL_FD,)
 
 
 def _open_channel(start, channel: str = SOCKETPAIR, kind=socket.SOCK_STREAM):
@@ -119,8 +122,9 @@ def _reaped(pid: int) -> None:
 
 
 def _posix_spawn(argv, channel: tuple, log_w: int, programs: dict) -> int:
-    """Start bwrap with the channel on fd 3 (and 4: pipes), the log pipe on 1
-    and 2, and each seccomp program of `programs` ({fd number: BPF bytes}) on its fd."""
+    """Start bwrap with the channel (`channel`: the socket, or the pipes' read
+    and write ends) on channel_fds, the log pipe on 1 and 2, and each seccomp
+    program of `programs` ({fd number: BPF bytes}) on its fd."""
     with contextlib.ExitStack() as stack:
         # The actions run in order, so no source may be a target met earlier:
         # sources are moved to fd 10 or above (as program_fd's are).
@@ -132,7 +136,8 @@ def _posix_spawn(argv, channel: tuple, log_w: int, programs: dict) -> int:
             return high
 
         channel, log_w = [above(fd) for fd in channel], above(log_w)
-        actions = [(os.POSIX_SPAWN_DUP2, fd, CHANNEL_FD + i) for i, fd in enumerate(channel)] + [
+        targets = channel_fds(PIPES if len(channel) == 2 else SOCKETPAIR)
+        actions = [(os.POSIX_SPAWN_DUP2, fd, target) for fd, target in zip(channel, targets)] + [
             (os.POSIX_SPAWN_DUP2, log_w, 1),
             (os.POSIX_SPAWN_DUP2, log_w, 2),
             (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
