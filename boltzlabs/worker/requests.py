@@ -104,7 +104,7 @@ class Requests:
                 env.seq = seq
                 env.to(BUSY)
                 op.waiting.add(env.index)
-                if fast and not env.out:
+                if fast and not env.out and env.chan >= 0:  # (a channel closed at EOF waits for its deadline)
                     lanes.append(env)
                     frames.append(header(len(body)) + body)
                 else:
