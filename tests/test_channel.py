@@ -297,6 +297,21 @@ def test_an_env_that_puts_its_channel_over_stdout_hurts_only_its_lane(channel_po
     recovers(pool, 0)
 
 
+def test_the_socketpair_channel_withstands_the_same_misuse(channel_pool, monkeypatch):
+    """The fallback's lanes: an env that closes its socket (EOF while it
+    lives: the native step once refused the closed fd and the worker died),
+    writes after its reply, or stops reading fails only its own lane."""
+    monkeypatch.setenv("BOLTZLABS_CHANNEL", "socketpair")
+    pool = channel_pool()
+    assert pool.channel == "socketpair"
+    for op, action in [("close_write_then_hang", 7), ("frames_after_reply", 7), ("stop_reading", "a" * (1 << 20))]:
+        pool.step([{"op": op}, 7])
+        obs, _, dones, infos = pool.step([action, 7])
+        assert dones[0] and obs[0] is None, (op, infos[0])
+        normal(obs, infos, 1)
+        recovers(pool, 0)
+
+
 # --- the fd limit decides the channel ----------------------------------------------------------
 
 FALLBACK_CLIENT = r"""
