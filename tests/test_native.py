@@ -1,6 +1,6 @@
 """The native step path (boltzlabs.worker._fastpath, native/fastpath.c; issue 16).
 
-exchange() is driven directly over real AF_UNIX socketpairs and a real epoll
+exchange() is driven directly over real AF_UNIX socketpairs (and pipe lanes) and a real epoll
 set, one case per outcome (a whole frame, each unusual read, EOF, timeout, a
 foreign fd, a short write, the byte budget, a signal), then fuzzed: its framer
 against the Python one on random bytes, and random streams cut at random
@@ -11,6 +11,7 @@ test_wire.py and the attacks of test_hostile_wire.py run on both paths too.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import select
@@ -472,3 +473,69 @@ def test_an_infinite_deadline_still_returns_when_every_lane_answered(lanes):
     ls.env(0).sendall(REPLY)
     why, results = fp.exchange(ls.epoll.fileno(), ls.fds, ls.fds, [None], float("inf"), 1 << 20, 1 << 30)
     assert why == fp.DONE and results == [REPLY]
+
+
+# --- a lane of two pipes (the default channel: docs/wire.md#the-channel) -------------------------
+
+
+class PipeLane:
+    """One lane as the worker holds a pipe channel: it writes `wfd` (the env
+    reads `env_r`) and reads `rfd` (the env writes `env_w`), rfd in epoll."""
+
+    def __init__(self):
+        self.env_r, self.wfd = os.pipe()
+        self.rfd, self.env_w = os.pipe()
+        os.set_blocking(self.rfd, False)
+        os.set_blocking(self.wfd, False)
+        self.epoll = select.epoll()
+        self.epoll.register(self.rfd, select.EPOLLIN)
+
+    def exchange(self, frame, timeout=2.0):
+        return fp.exchange(self.epoll.fileno(), [self.rfd], [self.wfd], [frame], time.monotonic() + timeout,
+                           1 << 20, 1 << 30)
+
+    def close(self):
+        self.epoll.close()
+        for fd in (self.env_r, self.wfd, self.rfd, self.env_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def pipe_lane():
+    lane = PipeLane()
+    yield lane
+    lane.close()
+
+
+@native
+def test_a_pipe_lane_is_written_on_its_write_end_and_read_on_its_read_end(pipe_lane):
+    os.write(pipe_lane.env_w, REPLY)
+    why, results = pipe_lane.exchange(b"request")
+    assert why == fp.DONE and results == [REPLY]
+    assert os.read(pipe_lane.env_r, 100) == b"request"
+
+
+@native
+def test_a_full_pipe_is_a_short_write(pipe_lane):
+    capacity = fcntl.fcntl(pipe_lane.wfd, 1032)  # F_GETPIPE_SZ
+    why, results = pipe_lane.exchange(b"x" * (capacity + 100))
+    assert why == fp.SHORT_WRITE and results == [(fp.SHORT_WRITE_KIND, capacity)]
+
+
+@native
+def test_a_pipe_whose_reader_is_gone_fails_the_write_without_a_signal(pipe_lane):
+    """EPIPE, not SIGPIPE (Python ignores it): the write counts as done, as
+    on a closed socket, and the lane waits for its reply or its deadline."""
+    os.close(pipe_lane.env_r)
+    why, results = pipe_lane.exchange(b"request", timeout=0.2)
+    assert why == fp.TIMEOUT and results == [None]
+
+
+@native
+def test_a_write_end_waiting_for_room_is_the_event_loops_business(pipe_lane):
+    pipe_lane.epoll.register(pipe_lane.wfd, select.EPOLLOUT)  # as reactor._watch_out does
+    why, results = pipe_lane.exchange(None)
+    assert why == fp.FOREIGN and results == [None]
