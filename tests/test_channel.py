@@ -25,7 +25,7 @@ from boltzlabs import RLPool
 from boltzlabs.runtime.serve import _channel_fds
 from boltzlabs.worker.config import FD_SLACK, FDS_PER_ENV, envs_within, fds_needed
 from conftest import COUNTER
-from framers import PATHS
+from framers import PATHS, use_path
 
 F_SETPIPE_SZ, F_GETPIPE_SZ = 1031, 1032
 SIGPIPE_BIT = 1 << 12  # signal 13 in /proc/<pid>/status SigIgn
@@ -105,11 +105,7 @@ serve(reset=lambda seed: {"lane": int(os.environ["BOLTZLABS_ENV_INDEX"])}, step=
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
     """Both of the worker's step paths: native (_fastpath) and pure Python."""
-    if request.param == "pure":
-        monkeypatch.setenv("BOLTZLABS_PURE", "1")
-    else:
-        monkeypatch.delenv("BOLTZLABS_PURE", raising=False)
-    return request.param
+    return use_path(request, monkeypatch)
 
 
 @pytest.fixture
