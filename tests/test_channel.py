@@ -79,6 +79,11 @@ def step(action):
         return out, 0.0, False, {}
     if op == "big":
         return b"x" * action["size"], 0.0, False, {}
+    if op == "chatter":  # far more output than the one-page log pipe holds
+        for i in range(action["lines"]):
+            print(f"chatter {i:06d} " + "." * 100)
+        print("chatter done", flush=True)
+        return {"lane": lane, "action": op}, 1.0, False, {}
     if op == "shrink":  # an env may shrink its own pipes: it costs only its own lane's speed
         for fd in (3, 4):
             fcntl.fcntl(fd, F_SETPIPE_SZ, 4096)
@@ -212,6 +217,17 @@ def test_an_env_that_shrinks_its_pipes_to_one_page_still_gets_big_frames_through
     obs, _, _, infos = pool.step([action, 7])
     assert obs[0] == {"lane": 0, "action": action}, infos[0]
     normal(obs, infos, 1)
+
+
+def test_an_env_printing_far_more_than_its_log_pipe_holds_steps_on(channel_pool):
+    """The log pipe is one page: 300 KiB of prints per step cost the env
+    waits for the worker to read its log, not its lane."""
+    pool = channel_pool()
+    for _ in range(2):
+        obs, _, _, infos = pool.step([{"op": "chatter", "lines": 3000}, 7])
+        normal(obs, infos, 0, "chatter")
+        normal(obs, infos, 1)
+    assert "chatter done" in pool.log(0)
 
 
 # --- hostile channels: each costs its own lane only ------------------------------------------

@@ -49,7 +49,7 @@ def channel_fds(channel: str) -> tuple[int, ...]:
     return (CHANNEL_FD + 1, CHANNEL_FD) if channel == PIPES else (CHANNEL_FD,)
 
 
-def _open_channel(start, channel: str = SOCKETPAIR, kind=socket.SOCK_STREAM):
+def _open_channel(start, channel: str = SOCKETPAIR, kind=socket.SOCK_STREAM, log_size: int | None = LOG_PIPE_SIZE):
     """Make a sandbox's channel and log pipe, and run `start(channel_fds, log_w)`
     with the sandbox's ends (a tuple: the socket, or the pipes' read then
     write end). Returns ours: (read fd, write fd, log pipe read end); the two
@@ -67,10 +67,11 @@ def _open_channel(start, channel: str = SOCKETPAIR, kind=socket.SOCK_STREAM):
         a, b = socket.socketpair(socket.AF_UNIX, kind)
         ours, theirs = (a.detach(),) * 2, (b.detach(),)
     log_r, log_w = os.pipe()
-    try:
-        fcntl.fcntl(log_r, F_SETPIPE_SZ, LOG_PIPE_SIZE)  # shrinking is always allowed
-    except OSError:
-        pass
+    if log_size is not None:
+        try:
+            fcntl.fcntl(log_r, F_SETPIPE_SZ, log_size)  # shrinking is always allowed
+        except OSError:
+            pass
     try:
         start(theirs, log_w)
     except BaseException:
@@ -257,7 +258,9 @@ class TemplateSpawner:
                 self.bwrap_pid = _posix_spawn(argv, channel, log_w, worker.spec.programs())
 
         # Its control channel is a socket whatever the envs' channels are: fds travel on it (SCM_RIGHTS).
-        control, _, log_r = _open_channel(start, SOCKETPAIR, socket.SOCK_SEQPACKET)
+        # Its log pipe keeps its 64 KiB: the handshake below does not read it,
+        # and env.py's import-time output must not stall the template there.
+        control, _, log_r = _open_channel(start, SOCKETPAIR, socket.SOCK_SEQPACKET, log_size=None)
         parent = socket.socket(fileno=control)
         os.set_blocking(log_r, False)
         # Sends to the template never block for long: a template that stops
