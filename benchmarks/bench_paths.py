@@ -1,10 +1,13 @@
-"""The worker's two step paths side by side: native (boltzlabs.worker._fastpath) vs pure Python.
+"""The worker's step paths and channels side by side: native (boltzlabs.worker._fastpath)
+vs pure Python, and pipes vs the socketpair channel (docs/wire.md#the-channel).
 
     python benchmarks/bench_paths.py                     # n = 64 and 512, counter env
     python benchmarks/bench_paths.py --n 64 --steps 3000 --env numpy
+    python benchmarks/bench_paths.py --channels pipes socketpair   # four pools per n
 
-For each n, two pools of the same env are open at once, one started with
-BOLTZLABS_PURE=1 (the worker reads it at start), and they take turns in
+For each n, a pool per (path, channel) of the same env is open at once, each
+started with BOLTZLABS_PURE=1 or not and BOLTZLABS_CHANNEL (the worker reads
+both at start), and they take turns in
 --rounds chunks of the same steps (ABBA), so load from other work on a shared
 machine hits both alike: a paired comparison where bench_pool.py's absolute
 figures swing with the load. For each path: env-steps/s, and the worker's CPU
@@ -36,17 +39,20 @@ RESULTS = ROOT / "benchmarks" / "results" / "paths.json"
 class Lane:
     """One pool on one path, with its counters."""
 
-    def __init__(self, path: str, source: Path, n: int):
+    def __init__(self, path: str, channel: str, source: Path, n: int):
         if path == "pure":
             os.environ["BOLTZLABS_PURE"] = "1"
         else:
             os.environ.pop("BOLTZLABS_PURE", None)
+        os.environ["BOLTZLABS_CHANNEL"] = channel
         try:
             self.pool = RLPool(source, n, progress=False)
         finally:
             os.environ.pop("BOLTZLABS_PURE", None)
+            os.environ.pop("BOLTZLABS_CHANNEL", None)
         assert self.pool.fast_path == (path == "native"), f"asked for {path}, got fast_path={self.pool.fast_path}"
-        self.path, self.n = path, n
+        assert self.pool.channel == channel, f"asked for {channel}, got {self.pool.channel}"
+        self.path, self.channel, self.n = path, channel, n
         self.worker = psutil.Process(self.pool._proc.pid)
         everything = psutil.Process().children(recursive=True)
         mine = {self.worker.pid} | {p.pid for p in self.worker.children(recursive=True)}
@@ -80,7 +86,7 @@ class Lane:
     def figures(self) -> dict:
         env_steps = self.n * self.steps
         return {
-            "path": self.path, "n": self.n, "steps": self.steps,
+            "path": self.path, "channel": self.channel, "n": self.n, "steps": self.steps,
             "env_steps_per_s": env_steps / self.seconds,
             "worker_user_us": 1e6 * self.user / env_steps,
             "worker_system_us": 1e6 * self.system / env_steps,
@@ -94,6 +100,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=2000, help="timed steps per path (default 2000)")
     parser.add_argument("--rounds", type=int, default=10, help="chunks the two paths alternate in (default 10)")
     parser.add_argument("--env", choices=["counter", "numpy"], default="counter")
+    parser.add_argument("--paths", nargs="+", choices=["native", "pure"], default=["native", "pure"])
+    parser.add_argument("--channels", nargs="+", choices=["pipes", "socketpair"], default=["pipes"])
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     source = COUNTER if args.env == "counter" else NUMPY_ENV
@@ -101,8 +109,8 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     rows = []
     for n in args.n:
-        log(f"[n={n}] starting a native and a pure pool of {args.env}")
-        lanes = [Lane("native", source, n), Lane("pure", source, n)]
+        log(f"[n={n}] starting a pool of {args.env} per path {args.paths} and channel {args.channels}")
+        lanes = [Lane(path, channel, source, n) for path in args.paths for channel in args.channels]
         try:
             for lane in lanes:
                 lane.run(HORIZON // 5, timed=False)  # warm-up
@@ -114,20 +122,20 @@ def main(argv=None) -> int:
         finally:
             for lane in lanes:
                 lane.pool.close()
-        native, pure = rows[-1]
-        log(f"[n={n}] native {native['env_steps_per_s']:,.0f}/s, pure {pure['env_steps_per_s']:,.0f}/s")
+        log(f"[n={n}] " + ", ".join(f"{f['path']}/{f['channel']} {f['env_steps_per_s']:,.0f}/s" for f in rows[-1]))
     total = time.perf_counter() - started
     load_after = os.getloadavg()
-    head = ["n", "path", "env-steps/s", "worker user us", "worker sys us", "worker us", "envs us", "client us"]
+    head = ["n", "path", "channel", "env-steps/s", "worker user us", "worker sys us", "worker us", "envs us",
+            "client us"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for pair in rows:
         for f in pair:
             by = f["cpu_us_per_env_step_by"]
-            print(f"| {f['n']} | {f['path']} | {f['env_steps_per_s']:,.0f} | {f['worker_user_us']:.1f} | "
+            print(f"| {f['n']} | {f['path']} | {f['channel']} | {f['env_steps_per_s']:,.0f} | {f['worker_user_us']:.1f} | "
                   f"{f['worker_system_us']:.1f} | {by.get('worker', 0):.1f} | {by.get('envs', 0):.1f} | "
                   f"{by.get('client', 0):.1f} |")
-    print(f"\n{args.env} env; {args.steps} timed steps per path in {args.rounds} alternating chunks; "
+    print(f"\n{args.env} env; {args.steps} timed steps per pool in {args.rounds} alternating chunks; "
           f"1-min load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; {total:.0f} s.")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({**run_record(argv, total, load_before, load_after),

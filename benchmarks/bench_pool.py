@@ -277,6 +277,7 @@ class Ours(Side):
             "roundtrip_ms_median": float(np.median(self.roundtrip_ms)),
             "spawn": getattr(pool, "spawn", None),
             "fast_path": getattr(pool, "fast_path", None),
+            "channel": getattr(pool, "channel", None),  # "pipes" or "socketpair" (docs/wire.md#the-channel)
             "memory_per_env_mib": report.mean / MIB,
             "memory_shared_mib": getattr(report, "shared", 0) / MIB,
             "memory_source": report.source,

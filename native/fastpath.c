@@ -1,7 +1,7 @@
 /* boltzlabs.worker._fastpath: the worker's step fan-out and fan-in in C (issue #16).
  *
- *     worker.step() --frames--> exchange() --write--> every lane's channel
- *                   <--replies- exchange() <--read--- (epoll, with a deadline)
+ *     worker.step() --frames--> exchange() --write--> every lane's channel (its write fd)
+ *                   <--replies- exchange() <--read--- (epoll, with a deadline; its read fd)
  *
  * One call writes each lane's pre-framed request (wire.py's frames: a 4-byte
  * little-endian body length, then the msgpack body), waits on the worker's
@@ -115,10 +115,11 @@ static PyObject *outcome(int kind, PyObject *value)
 }
 
 PyDoc_STRVAR(exchange_doc,
-"exchange(epfd, fds, frames, deadline, max_frame, budget) -> (why, results)\n\n"
-"Write frames[i] (bytes, or None for nothing) to fds[i], then wait on the epoll\n"
-"set epfd until each fd has been read once, time.monotonic() reaches deadline,\n"
-"an fd that is not in fds is ready, or the bytes read pass budget.\n"
+"exchange(epfd, rfds, wfds, frames, deadline, max_frame, budget) -> (why, results)\n\n"
+"Write frames[i] (bytes, or None for nothing) to wfds[i], then wait on the epoll\n"
+"set epfd until each of rfds has been read once, time.monotonic() reaches deadline,\n"
+"an fd that is not in rfds is ready, or the bytes read pass budget. rfds[i] and\n"
+"wfds[i] are lane i's channel: one socket (the same fd twice) or two pipes.\n"
 "results[i]: None (nothing read yet), bytes (exactly one frame, prefix\n"
 "included), or (kind, value): (EOF, b''), (UNUSUAL, bytes read),\n"
 "(SHORT_WRITE, bytes written). why: DONE, TIMEOUT, FOREIGN, SHORT_WRITE or BUDGET.");
@@ -126,19 +127,20 @@ PyDoc_STRVAR(exchange_doc,
 static PyObject *exchange(PyObject *self, PyObject *args)
 {
     int epfd;
-    PyObject *fds_obj, *frames_obj;
+    PyObject *fds_obj, *wfds_obj, *frames_obj;
     double deadline;
     unsigned long long max_frame;
     long long budget;
-    if (!PyArg_ParseTuple(args, "iO!O!dKL:exchange", &epfd, &PyList_Type, &fds_obj, &PyList_Type, &frames_obj,
-                          &deadline, &max_frame, &budget))
+    if (!PyArg_ParseTuple(args, "iO!O!O!dKL:exchange", &epfd, &PyList_Type, &fds_obj, &PyList_Type, &wfds_obj,
+                          &PyList_Type, &frames_obj, &deadline, &max_frame, &budget))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(fds_obj);
-    if (PyList_GET_SIZE(frames_obj) != n) {
-        PyErr_Format(PyExc_ValueError, "exchange: %zd fds but %zd frames", n, PyList_GET_SIZE(frames_obj));
+    if (PyList_GET_SIZE(frames_obj) != n || PyList_GET_SIZE(wfds_obj) != n) {
+        PyErr_Format(PyExc_ValueError, "exchange: %zd read fds, %zd write fds and %zd frames", n,
+                     PyList_GET_SIZE(wfds_obj), PyList_GET_SIZE(frames_obj));
         return NULL;
     }
-    int *fds = NULL, *lane_of = NULL;
+    int *fds = NULL, *wfds = NULL, *lane_of = NULL;
     PyObject *results = NULL;
     struct epoll_event *events = NULL;
     int max_fd = -1, why = DONE, max_events;
@@ -147,16 +149,22 @@ static PyObject *exchange(PyObject *self, PyObject *args)
 
     /* Check everything before the first byte is written. */
     fds = PyMem_Malloc(sizeof(int) * (size_t)(n ? n : 1));
-    if (fds == NULL)
+    wfds = PyMem_Malloc(sizeof(int) * (size_t)(n ? n : 1));
+    if (fds == NULL || wfds == NULL)
         goto nomem;
     for (Py_ssize_t i = 0; i < n; i++) {
         long fd = PyLong_AsLong(PyList_GET_ITEM(fds_obj, i));
         if (fd == -1 && PyErr_Occurred())
             goto fail;
-        if (fd < 0 || fd >= (1L << 24)) { /* fds are below RLIMIT_NOFILE, far under 2**24 */
-            PyErr_Format(PyExc_ValueError, "exchange: lane %zd has no channel (fd %ld)", i, fd);
+        long wfd = PyLong_AsLong(PyList_GET_ITEM(wfds_obj, i));
+        if (wfd == -1 && PyErr_Occurred())
+            goto fail;
+        /* fds are below RLIMIT_NOFILE, far under 2**24 */
+        if (fd < 0 || fd >= (1L << 24) || wfd < 0 || wfd >= (1L << 24)) {
+            PyErr_Format(PyExc_ValueError, "exchange: lane %zd has no channel (fds %ld, %ld)", i, fd, wfd);
             goto fail;
         }
+        wfds[i] = (int)wfd;
         PyObject *frame = PyList_GET_ITEM(frames_obj, i);
         if (frame != Py_None && !PyBytes_Check(frame)) {
             PyErr_Format(PyExc_TypeError, "exchange: frame %zd is %.100s, not bytes or None", i,
@@ -197,7 +205,7 @@ static PyObject *exchange(PyObject *self, PyObject *args)
         const char *data = PyBytes_AS_STRING(frame);
         Py_ssize_t size = PyBytes_GET_SIZE(frame), sent = 0;
         while (sent < size) {
-            ssize_t w = write(fds[i], data + sent, (size_t)(size - sent));
+            ssize_t w = write(wfds[i], data + sent, (size_t)(size - sent));
             if (w < 0 && errno == EINTR)
                 continue;
             if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
@@ -295,6 +303,7 @@ static PyObject *exchange(PyObject *self, PyObject *args)
     }
 out:
     PyMem_Free(fds);
+    PyMem_Free(wfds);
     PyMem_Free(lane_of);
     PyMem_Free(events);
     {
@@ -305,6 +314,7 @@ nomem:
     PyErr_NoMemory();
 fail:
     PyMem_Free(fds);
+    PyMem_Free(wfds);
     PyMem_Free(lane_of);
     PyMem_Free(events);
     Py_XDECREF(results);

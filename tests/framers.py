@@ -24,6 +24,16 @@ PATHS = ["pure", pytest.param("native", marks=pytest.mark.skipif(FASTPATH is Non
                                                                   reason="boltzlabs.worker._fastpath is not built"))]
 
 
+def use_path(request, monkeypatch) -> str:
+    """For a fixture parametrized over PATHS: pools made in the test run the
+    worker's step path request.param (BOLTZLABS_PURE=1 for "pure")."""
+    if request.param == "pure":
+        monkeypatch.setenv("BOLTZLABS_PURE", "1")
+    else:
+        monkeypatch.delenv("BOLTZLABS_PURE", raising=False)
+    return request.param
+
+
 class NativeReader:
     """FrameReader's interface over a socketpair read by _fastpath.exchange()."""
 
@@ -46,7 +56,8 @@ class NativeReader:
         self._theirs.sendall(data)
         got = b""
         while len(got) < len(data):
-            why, (result,) = FASTPATH.exchange(self._epoll.fileno(), [self._ours.fileno()], [None],
+            fd = self._ours.fileno()
+            why, (result,) = FASTPATH.exchange(self._epoll.fileno(), [fd], [fd], [None],
                                                time.monotonic() + 5.0, self.limits.max_frame, 1 << 40)
             assert why == FASTPATH.DONE, why
             if type(result) is bytes:

@@ -189,6 +189,7 @@ def test_symlinks_planted_in_the_workspace_are_never_followed_by_the_host(attack
 QUOTA_ENV = r'''
 import ctypes
 import errno
+import fcntl
 import os
 
 from boltzlabs.env import serve
@@ -199,6 +200,21 @@ FAN_CLASS_NOTIF, FAN_REPORT_FID = 0, 0x200
 
 def ptmx(i):
     return os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY)
+
+pipes = []  # read ends of the pipes taken; their write ends are in `held`
+
+def make_pipe(i):
+    r, w = os.pipe()
+    pipes.append(r)
+    held.append(w)
+    return r
+
+def pipe_sizes():
+    sizes = {}
+    for fd in pipes:
+        size = fcntl.fcntl(fd, 1032)  # F_GETPIPE_SZ
+        sizes[size] = sizes.get(size, 0) + 1
+    return {"held": sizes, "channel": [fcntl.fcntl(fd, 1032) for fd in (3, 4)]}
 
 def c_call(fn):
     def call(i):
@@ -211,6 +227,7 @@ def c_call(fn):
 
 TAKE = {
     "ptys": ptmx,
+    "pipes": make_pipe,
     "inotify": c_call(lambda i: libc.inotify_init1(0)),
     "fanotify": c_call(lambda i: libc.fanotify_init(FAN_CLASS_NOTIF | FAN_REPORT_FID, os.O_RDONLY)),
     "mqueue": c_call(lambda i: libc.mq_open(f"/boltzlabs-q{os.getpid()}-{i}".encode(), os.O_CREAT | os.O_RDWR,
@@ -242,6 +259,8 @@ def step(action):
         return {"alive": True}, float(action), False, {}
     if action["op"] == "take":
         out = take(action["kind"], action["most"])
+    elif action["op"] == "pipe_sizes":
+        out = pipe_sizes()
     elif action["op"] == "pty_number":
         out = pty_number()
     elif action["op"] == "open":
@@ -321,6 +340,26 @@ def test_one_env_cannot_use_up_the_host_accounts_quota(quota_pool, kind, refused
     assert out == {"took": 0, "errno": refused}, out
     assert _host_account_takes(kind) == 0
     assert _take(quota_pool(), kind, 1)["errno"] == refused  # refused by policy, not by exhaustion
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the worker's pipes are the account's own when it is not root")
+def test_an_env_spending_the_accounts_pipe_quota_leaves_other_pools_channels_whole(quota_pool):
+    """fs.pipe-user-pages-soft (16384 pages) counts per host account, and every
+    sandbox shares one: past it, the account's new pipes get 2 pages. An env
+    can spend it (this one holds 1500 pipes, 1024 fill it) and so shrink the
+    pipes other envs make for themselves; but the channels and log pipes
+    are the worker's (root, held to no such quota here), made before any
+    env runs: another pool's channel pipes keep their 64 KiB."""
+    pool = quota_pool(limits={"open_files": 4096})
+    assert _take(pool, "pipes", 1500) == {"took": 1500, "errno": 0}
+    sizes = pool.step([{"op": "pipe_sizes"}, 1.0])[0][0]["out"]
+    assert min(int(size) for size in sizes["held"]) < 65536, sizes  # the account's quota is spent
+    other = quota_pool()
+    assert other.channel == "pipes"
+    assert _take(other, "pipes", 1) == {"took": 1, "errno": 0}
+    other_sizes = other.step([{"op": "pipe_sizes"}, 1.0])[0][0]["out"]
+    assert other_sizes["channel"] == [65536, 65536], other_sizes
+    assert max(map(int, other_sizes["held"])) < 65536, other_sizes  # its own pipe: the account's, spent
 
 
 def test_a_lane_cannot_open_another_lanes_pty(quota_pool):

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from boltzlabs import EnvStartError
-from framers import PATHS
+from framers import PATHS, use_path
 
 HOSTILE = """
     import os
@@ -141,11 +141,7 @@ HOSTILE = """
 def path(request, monkeypatch):
     """Every attack, on both of the worker's step paths (framers.PATHS):
     native (boltzlabs.worker._fastpath) and pure Python (BOLTZLABS_PURE=1)."""
-    if request.param == "pure":
-        monkeypatch.setenv("BOLTZLABS_PURE", "1")
-    else:
-        monkeypatch.delenv("BOLTZLABS_PURE", raising=False)
-    return request.param
+    return use_path(request, monkeypatch)
 
 
 @pytest.fixture

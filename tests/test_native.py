@@ -1,6 +1,6 @@
 """The native step path (boltzlabs.worker._fastpath, native/fastpath.c; issue 16).
 
-exchange() is driven directly over real AF_UNIX socketpairs and a real epoll
+exchange() is driven directly over real AF_UNIX socketpairs (and pipe lanes) and a real epoll
 set, one case per outcome (a whole frame, each unusual read, EOF, timeout, a
 foreign fd, a short write, the byte budget, a signal), then fuzzed: its framer
 against the Python one on random bytes, and random streams cut at random
@@ -11,6 +11,7 @@ test_wire.py and the attacks of test_hostile_wire.py run on both paths too.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import select
@@ -66,8 +67,8 @@ class Lanes:
 
     def exchange(self, frames=None, timeout=2.0, max_frame=1 << 20, budget=1 << 30, fds=None):
         frames = [None] * len(self.pairs) if frames is None else frames
-        return fp.exchange(self.epoll.fileno(), self.fds if fds is None else fds, frames,
-                           time.monotonic() + timeout, max_frame, budget)
+        fds = self.fds if fds is None else fds
+        return fp.exchange(self.epoll.fileno(), fds, fds, frames, time.monotonic() + timeout, max_frame, budget)
 
     def close(self):
         self.epoll.close()
@@ -229,17 +230,20 @@ def test_a_signal_handler_that_raises_interrupts_the_wait(lanes):
 
 
 @native
-@pytest.mark.parametrize("fds, frames, error", [
-    ([3, 3], [None, None], ValueError),  # one fd for two lanes
-    ([-1], [None], ValueError),          # a lane with no channel
-    ([1 << 30], [None], ValueError),     # no such fd
-    ([0], [b"x", b"y"], ValueError),     # counts differ
-    ([0], ["text"], TypeError),          # not bytes
+@pytest.mark.parametrize("fds, wfds, frames, error", [
+    ([3, 3], [3, 3], [None, None], ValueError),  # one fd for two lanes
+    ([-1], [-1], [None], ValueError),          # a lane with no channel
+    ([0], [-1], [None], ValueError),           # a lane with no write end
+    ([1 << 30], [0], [None], ValueError),      # no such fd
+    ([0], [1 << 30], [None], ValueError),      # no such write fd
+    ([0], [0], [b"x", b"y"], ValueError),      # counts differ
+    ([0], [0, 1], [None], ValueError),         # counts differ
+    ([0], [0], ["text"], TypeError),           # not bytes
 ])
-def test_bad_arguments_are_refused_before_any_write(lanes, fds, frames, error):
+def test_bad_arguments_are_refused_before_any_write(lanes, fds, wfds, frames, error):
     ls = lanes(1)
     with pytest.raises(error):
-        fp.exchange(ls.epoll.fileno(), fds, frames, time.monotonic() + 1, 1 << 20, 1 << 30)
+        fp.exchange(ls.epoll.fileno(), fds, wfds, frames, time.monotonic() + 1, 1 << 20, 1 << 30)
 
 
 @native
@@ -459,7 +463,7 @@ def test_a_wheel_built_from_the_tree_carries_the_extension_and_uses_it(tmp_path)
 @pytest.mark.parametrize("deadline", [float("nan"), float("-inf")])
 def test_a_deadline_that_is_not_a_time_waits_for_nothing(lanes, deadline):
     ls = lanes(1)
-    why, results = fp.exchange(ls.epoll.fileno(), ls.fds, [None], deadline, 1 << 20, 1 << 30)
+    why, results = fp.exchange(ls.epoll.fileno(), ls.fds, ls.fds, [None], deadline, 1 << 20, 1 << 30)
     assert why == fp.TIMEOUT and results == [None]
 
 
@@ -467,5 +471,71 @@ def test_a_deadline_that_is_not_a_time_waits_for_nothing(lanes, deadline):
 def test_an_infinite_deadline_still_returns_when_every_lane_answered(lanes):
     ls = lanes(1)
     ls.env(0).sendall(REPLY)
-    why, results = fp.exchange(ls.epoll.fileno(), ls.fds, [None], float("inf"), 1 << 20, 1 << 30)
+    why, results = fp.exchange(ls.epoll.fileno(), ls.fds, ls.fds, [None], float("inf"), 1 << 20, 1 << 30)
     assert why == fp.DONE and results == [REPLY]
+
+
+# --- a lane of two pipes (the default channel: docs/wire.md#the-channel) -------------------------
+
+
+class PipeLane:
+    """One lane as the worker holds a pipe channel: it writes `wfd` (the env
+    reads `env_r`) and reads `rfd` (the env writes `env_w`), rfd in epoll."""
+
+    def __init__(self):
+        self.env_r, self.wfd = os.pipe()
+        self.rfd, self.env_w = os.pipe()
+        os.set_blocking(self.rfd, False)
+        os.set_blocking(self.wfd, False)
+        self.epoll = select.epoll()
+        self.epoll.register(self.rfd, select.EPOLLIN)
+
+    def exchange(self, frame, timeout=2.0):
+        return fp.exchange(self.epoll.fileno(), [self.rfd], [self.wfd], [frame], time.monotonic() + timeout,
+                           1 << 20, 1 << 30)
+
+    def close(self):
+        self.epoll.close()
+        for fd in (self.env_r, self.wfd, self.rfd, self.env_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def pipe_lane():
+    lane = PipeLane()
+    yield lane
+    lane.close()
+
+
+@native
+def test_a_pipe_lane_is_written_on_its_write_end_and_read_on_its_read_end(pipe_lane):
+    os.write(pipe_lane.env_w, REPLY)
+    why, results = pipe_lane.exchange(b"request")
+    assert why == fp.DONE and results == [REPLY]
+    assert os.read(pipe_lane.env_r, 100) == b"request"
+
+
+@native
+def test_a_full_pipe_is_a_short_write(pipe_lane):
+    capacity = fcntl.fcntl(pipe_lane.wfd, 1032)  # F_GETPIPE_SZ
+    why, results = pipe_lane.exchange(b"x" * (capacity + 100))
+    assert why == fp.SHORT_WRITE and results == [(fp.SHORT_WRITE_KIND, capacity)]
+
+
+@native
+def test_a_pipe_whose_reader_is_gone_fails_the_write_without_a_signal(pipe_lane):
+    """EPIPE, not SIGPIPE (Python ignores it): the write counts as done, as
+    on a closed socket, and the lane waits for its reply or its deadline."""
+    os.close(pipe_lane.env_r)
+    why, results = pipe_lane.exchange(b"request", timeout=0.2)
+    assert why == fp.TIMEOUT and results == [None]
+
+
+@native
+def test_a_write_end_waiting_for_room_is_the_event_loops_business(pipe_lane):
+    pipe_lane.epoll.register(pipe_lane.wfd, select.EPOLLOUT)  # as reactor._watch_out does
+    why, results = pipe_lane.exchange(None)
+    assert why == fp.FOREIGN and results == [None]

@@ -203,7 +203,7 @@ def _sandbox(bwrap: str | None) -> list[Finding]:
     try:
         bare = _env_dir(root, "bare", f"print({marker!r})\n")
         spec = SandboxSpec(load_policy(), bare, 16 << 20)
-        argv = spec.argv(3, 0)
+        argv = spec.argv((3,), 0)
         try:
             with contextlib.ExitStack() as stack:
                 # The policy's command line reads its filters from FILTER_FD and
@@ -398,7 +398,7 @@ def _pids_cgroup() -> list[Finding]:
 
 
 def _fd_limit(n: int) -> list[Finding]:
-    from boltzlabs.worker.config import FD_SLACK, FDS_PER_ENV, envs_within, fds_needed
+    from boltzlabs.worker.config import FD_SLACK, FDS_PER_ENV, PIPES, SOCKETPAIR, envs_within, fds_needed
 
     want = fds_needed(n)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -406,13 +406,17 @@ def _fd_limit(n: int) -> list[Finding]:
     show = lambda v: "unlimited" if v == resource.RLIM_INFINITY else str(v)  # noqa: E731
     most = lambda limit: "any number of" if limit == resource.RLIM_INFINITY else str(envs_within(limit))  # noqa: E731
     detail = (f"open files: soft {show(soft)}, hard {show(hard)}; a pool of {n} envs needs ~{want} "
-              f"({FDS_PER_ENV} per env + {FD_SLACK})")
+              f"({FDS_PER_ENV[PIPES]} per env + {FD_SLACK}; {FDS_PER_ENV[SOCKETPAIR]} per env on the "
+              f"socketpair channel a worker falls back to, ~{fds_needed(n, SOCKETPAIR)})")
     if hard == resource.RLIM_INFINITY or hard >= want:
         return [Finding("fd limit", OK, detail + f"; the worker raises its soft limit itself "
                         f"(room for {most(hard)} envs)")]
     if os.geteuid() == 0 and nr_open >= want:
         return [Finding("fd limit", OK, detail + f"; as root the worker raises the hard limit itself "
                         f"(fs.nr_open = {nr_open}: room for {most(nr_open)} envs)")]
+    if hard != resource.RLIM_INFINITY and fds_needed(n, SOCKETPAIR) <= hard < want:
+        return [Finding("fd limit", OK, detail + f"; this hard limit holds them on socketpairs (room for "
+                        f"{most(hard)} envs), which cost the worker more CPU per step than pipes")]
     fix = (f"ulimit -Hn {want} && ulimit -n {want}   # as root; for a service: LimitNOFILE={want}; "
            f"persist in /etc/security/limits.conf: '* hard nofile {want}'")
     if nr_open and want > nr_open:  # no process may have more than fs.nr_open

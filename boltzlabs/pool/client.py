@@ -207,7 +207,10 @@ class RLPool(Pool):
     ended (lane, id, seed, length, return, terminated). `env_id` is this
     pool's UUIDv7, `env_contract` the env's handshake. `fast_path` says
     whether the worker steps through the native path (boltzlabs.worker._fastpath)
-    or the pure-Python one (no extension built, or BOLTZLABS_PURE=1).
+    or the pure-Python one (no extension built, or BOLTZLABS_PURE=1);
+    `channel` whether each env talks to it over two pipes ("pipes") or, when
+    the worker's open-file limit cannot hold 4 fds per env, a socketpair
+    ("socketpair", 3 fds per env; BOLTZLABS_CHANNEL=socketpair forces it).
     """
 
     def __init__(self, source, n: int, *, step_timeout=None, serialize_measurement: bool = False,
@@ -273,6 +276,9 @@ class RLPool(Pool):
         self.spawn = ready["spawn"]
         # Which step path the worker runs: native (boltzlabs.worker._fastpath) or pure Python.
         self.fast_path = bool(ready.get("fast_path"))
+        # Each env's channel: "pipes", or "socketpair" when the worker's fd limit
+        # cannot hold two pipes per env (docs/wire.md#the-channel).
+        self.channel = ready.get("channel", "socketpair")
         if ready.get("fast_path_note"):
             import warnings
 

@@ -1,9 +1,10 @@
 """The env side: `serve(reset=, step=)`, run inside every sandbox.
 
-    worker --STEP/RESET/GO/RENDER/ATTR frames--> [fd $BOLTZLABS_FD] serve() --> your reset/step/...
+    worker --STEP/RESET/GO/RENDER/ATTR frames--> [fds $BOLTZLABS_FD] serve() --> your reset/step/...
     worker <--STEPPED/RESET_DONE/RENDERED/ATTR_DONE/FAILED frames-- serve()
 
-The worker starts the sandbox with the channel on its own file descriptor and
+The worker starts the sandbox with the channel on its own file descriptors
+(two pipes, written on 3 and read on 4, or one socket on 3) and
 stdout/stderr on a separate log pipe, so `print`, `sys.stdout.write` and
 `os.write(1, ...)` (at import, in reset or in step) land in the env's log and
 can never corrupt the channel. Frames are written with `os.write`, unbuffered.
@@ -38,11 +39,23 @@ def params() -> dict:
     return json.loads(os.environ.get(_PARAMS_VARIABLE) or "{}")
 
 
-class _Channel:
-    """Blocking frame I/O on the env's end of its channel."""
+def _channel_fds(value: str) -> tuple[int, ...]:
+    """$BOLTZLABS_FD, set by the worker: "3" (a socket) or "4,3" (the pipe it
+    reads, the pipe it writes). Checked, since a wrong fd would fail obscurely later."""
+    parts = value.split(",") if len(value) <= 16 else []
+    if (len(parts) in (1, 2) and all(p.isascii() and p.isdigit() and 3 <= int(p) < 1024 for p in parts)
+            and len(set(map(int, parts))) == len(parts)):
+        return tuple(map(int, parts))
+    raise RuntimeError(f"{_FD_VARIABLE}={value[:40]!r}: expected the channel's fd ('3') or its read and write "
+                       "pipes' fds ('4,3'), as the boltzlabs worker sets it; start this env with RLPool")
 
-    def __init__(self, fd: int):
-        self.fd = fd
+
+class _Channel:
+    """Blocking frame I/O on the env's end of its channel: `rfd` the fd it
+    reads, `wfd` the fd it writes (the same socket, or two pipes)."""
+
+    def __init__(self, rfd: int, wfd: int):
+        self.rfd, self.wfd = rfd, wfd
         # The worker is trusted more than an env, but a cap still costs nothing.
         self.reader = wire.FrameReader(wire.Limits(1 << 30))
         self.inbox = []
@@ -50,11 +63,11 @@ class _Channel:
     def write(self, data: bytes) -> None:
         view = memoryview(data)
         while view:
-            view = view[os.write(self.fd, view):]
+            view = view[os.write(self.wfd, view):]
 
     def receive(self):
         while not self.inbox:
-            data = os.read(self.fd, 1 << 16)  # small: a 1 MiB read buffer costs every env heap pages
+            data = os.read(self.rfd, 1 << 16)  # small: a 1 MiB read buffer costs every env heap pages
             if not data:
                 raise EOFError
             self.inbox.extend(self.reader.feed(data))
@@ -265,16 +278,20 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
         info["observation_space"] = to_spec(observation_space)
         info["action_space"] = to_spec(action_space)
 
-    def run(channel_fd: int) -> None:
-        _serve_loop(_Channel(channel_fd), reset, step, render, info)
+    fds = _channel_fds(fd)
+
+    def run(channel: tuple) -> None:
+        _serve_loop(_Channel(channel[0], channel[-1]), reset, step, render, info)
 
     if os.environ.pop("BOLTZLABS_TEMPLATE", None):
         from boltzlabs.runtime import template
 
+        if len(fds) != 1:
+            raise RuntimeError(f"{_FD_VARIABLE}: a template's control channel is one socket, not {fds}")
         _warm_up()
         probe = _Probe(reset, step, action_space, warmup_actions)
-        template.fork_server(run, int(fd), probe, list(preload or ()))  # never returns
-    run(int(fd))
+        template.fork_server(run, fds[0], probe, list(preload or ()))  # never returns
+    run(fds)
     sys.stdout.flush()
     os._exit(0)
 
@@ -299,7 +316,7 @@ def _warm_up(steps: int = 24) -> None:
         # A stand-in handshake too: nobody reads this socketpair until it is
         # closed, and a HELLO bigger than its buffer (large metadata or
         # spaces) would block the template here for good.
-        _serve_loop(_Channel(theirs.fileno()), lambda seed: 0, lambda action: (0, 0.0, False, {}), None,
+        _serve_loop(_Channel(theirs.fileno(), theirs.fileno()), lambda seed: 0, lambda action: (0, 0.0, False, {}), None,
                     {"warm_up": True})
     finally:
         ours.close()

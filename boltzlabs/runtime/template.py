@@ -1,7 +1,7 @@
 """The warm template: one pre-imported env that forks every env of the pool.
 
     worker ==control socket (SOCK_SEQPACKET, fds by SCM_RIGHTS)==> template
-        [FORK, lane, generation] + (channel fd, log fd)   --> fork a child
+        [FORK, lane, generation] + (channel fd(s), log fd) --> fork a child (a socket, or 2 pipes)
         [KILL, lane, generation]                          --> kill that child
     worker <== [FORKED, lane, generation] + (the child's pidfd) / [EXITED, lane, generation, status]
 
@@ -293,13 +293,20 @@ class _ChildPlan:
                 os.close(fd)
         _check(_libc.unshare(self.namespaces), "unshare namespaces")
         os.environ["BOLTZLABS_ENV_INDEX"] = str(lane)
-        channel, log = fds
+        # fds: the channel (a socket; or the pipe it reads, the pipe it writes)
+        # and the log. The log onto 1 and 2, the socket or the pipe it writes
+        # onto 3, the pipe it reads onto 4. No source is a target met earlier:
+        # the template holds 0-3 (3, its control socket, is replaced here), so
+        # a received fd is 4 or above, and 4 is the last target.
+        log = fds[-1]
         os.dup2(log, 1)
         os.dup2(log, 2)
-        os.dup2(channel, 3)
+        os.dup2(fds[-2], 3)
+        if len(fds) == 3:
+            os.dup2(fds[0], 4)
         _signal.set_wakeup_fd(-1)
         _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
-        os.closerange(4, self.open_max)
+        os.closerange(2 + len(fds), self.open_max)
         # The env's own rlimits: the template's file limit has room for the
         # pipes it holds (closed above, before the limit drops below them).
         limits.apply_parsed(self.rlimits)
@@ -578,7 +585,7 @@ def _take_report(data: bytes, status, report: dict) -> None:
 
 def _probe_child(probe, memory: int):
     """What the probe's child runs once it is a sandbox: the env's real work,
-    then its report on `channel_fd`: [WARMED, new module names, how many,
+    then its report on its channel: [WARMED, new module names, how many,
     Private_Dirty before reset, after the work, steps, error text or None].
 
     It is born in the template's cgroup, which has no memory limit (the
@@ -586,7 +593,7 @@ def _probe_child(probe, memory: int):
     rlimit here: the data it holds now (the template's, shared) plus the
     limit. An env over it fails in the probe with MemoryError, not the host."""
 
-    def run(channel_fd: int) -> None:
+    def run(channel: tuple) -> None:
         error = None
         report = {"steps": 0}
         if memory > 0:
@@ -615,7 +622,7 @@ def _probe_child(probe, memory: int):
                              after, int(report["steps"]), error and error[:2000]])
         view = memoryview(frame)
         while view:
-            view = view[os.write(channel_fd, view):]
+            view = view[os.write(channel[-1], view):]
 
     return run
 
@@ -664,8 +671,9 @@ def _fit_hello(hello: dict) -> bytes:
 def fork_server(serve_child, channel_fd: int, probe=None, preload=()) -> None:
     """serve()'s template mode: fork a child per request. Never returns.
 
-    `serve_child(channel_fd)` is what a child runs once it is a sandbox: the
-    ordinary serve loop on its own channel. `probe` (boltzlabs.runtime.serve._Probe:
+    `serve_child(channel)` is what a child runs once it is a sandbox: the
+    ordinary serve loop on its own channel ((3,): a socket; (4, 3): the pipe
+    it reads, the pipe it writes). `probe` (boltzlabs.runtime.serve._Probe:
     `prepare()`, then `run(report)`) is the env's real work, run once in a
     throwaway child before the first fork (`warm_up`); `preload` names
     modules to import here besides what the probe's work imported.
@@ -742,7 +750,8 @@ def fork_server(serve_child, channel_fd: int, probe=None, preload=()) -> None:
             if not data:
                 os._exit(0)  # the worker is gone
             for message in reader.feed(data):
-                if message[0] == FORK and len(fds) == 2:
+                # The channel (a socket; or two pipes, read then write) and the log pipe.
+                if message[0] == FORK and len(fds) in (2, 3):
                     _, lane, generation = message
                     key = (lane, generation)
                     try:
@@ -810,7 +819,7 @@ def _kill(pid: int) -> None:
 
 
 _RECEIVE_BUFFER = bytearray(1 << 16)
-_ANCILLARY_SPACE = socket.CMSG_SPACE(4 * 4)  # a FORK brings two fds; extra ones are closed
+_ANCILLARY_SPACE = socket.CMSG_SPACE(4 * 4)  # a FORK brings two or three fds; extra ones are closed
 
 
 def _receive(control: socket.socket):
@@ -843,7 +852,7 @@ def _child(serve_child, lane, fds, plan: _ChildPlan) -> None:
     try:
         plan.become_sandbox(lane, fds)
         seccomp.apply_child_filter()  # the env's full filter, before any env code
-        serve_child(3)
+        serve_child((3,) if len(fds) == 2 else (4, 3))  # (the fd it reads, the fd it writes)
         code = 0
     except BaseException as exc:
         try:

@@ -113,7 +113,7 @@ class SandboxSpec:
         loads the env's full filter from CHILD_FILTER_FD."""
         return {seccomp.FILTER_FD: self.plan.filters.template, seccomp.CHILD_FILTER_FD: self.plan.filters.env}
 
-    def template_argv(self, channel_fd: int, open_files: int = 0, warmup: bool = True) -> list[str]:
+    def template_argv(self, channel_fds: tuple, open_files: int = 0, warmup: bool = True) -> list[str]:
         """The command line of the warm template (spawn="template"). Its plan
         (Plan.template_text) carries each child's set-up and rlimits, the
         template's own rlimits (room for `open_files`: it holds a pipe for
@@ -122,21 +122,23 @@ class SandboxSpec:
         env's memory limit it is held to (template.warm_up)."""
         plan = self.plan
         return self._template_head + [
-            "--setenv", "BOLTZLABS_FD", str(channel_fd),
+            "--setenv", "BOLTZLABS_FD", ",".join(map(str, channel_fds)),
             "--setenv", confine.VARIABLE, plan.template_text(open_files, warmup),
             "--setenv", "BOLTZLABS_CHILD_FILTER_FD", str(seccomp.CHILD_FILTER_FD),
             "--", plan.executable, *plan.interpreter_flags,
             "-m", "boltzlabs.runtime.template", f"{plan.env_dir}/env.py",
         ]
 
-    def argv(self, channel_fd: int, env_index: int) -> list[str]:
-        """The full command line of one env's sandbox. boltzlabs.runtime.confine sets
-        the env's rlimits, finishes the sandbox, then runs env.py."""
+    def argv(self, channel_fds: tuple, env_index: int) -> list[str]:
+        """The full command line of one env's sandbox, its channel on
+        `channel_fds` (a socket's fd, or the read then the write pipe's:
+        $BOLTZLABS_FD, "3" or "4,3"). boltzlabs.runtime.confine sets the env's
+        rlimits, finishes the sandbox, then runs env.py."""
         plan = self.plan
         return self._head + [
             "--setenv", confine.VARIABLE, self._child_text,
             "--setenv", "BOLTZLABS_CHILD_FILTER_FD", str(seccomp.CHILD_FILTER_FD),
-            "--setenv", "BOLTZLABS_FD", str(channel_fd),
+            "--setenv", "BOLTZLABS_FD", ",".join(map(str, channel_fds)),
             "--setenv", "BOLTZLABS_ENV_INDEX", str(env_index),
             "--", plan.executable, *plan.interpreter_flags, "-c", confine.BOOTSTRAP, f"{plan.env_dir}/env.py",
         ]

@@ -6,12 +6,14 @@
 The OPEN request is untrusted when the client is remote: the listener's
 ceilings (ceilings.py) cap what it may ask, and it never names the env
 directory. Everything here is parsing; nothing starts. The open-file limit a
-pool of n envs needs is computed here too (the CLI's doctor and bench_scale
-read it).
+pool of n envs needs, and so which channel its envs get (pipes, or the
+socketpair when the limit cannot hold two pipes per env), is decided here
+too (the CLI's doctor and bench_scale read it).
 """
 
 from __future__ import annotations
 
+import os
 import resource
 from dataclasses import dataclass
 
@@ -84,35 +86,56 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
     )
 
 
-# File descriptors the worker plans per env (channel, log pipe and a pidfd:
-# of its bwrap in exec mode, of its pid 1 in template mode) and for itself.
-FDS_PER_ENV, FD_SLACK = 3, 256
+# An env's channel (docs/wire.md#the-channel): two pipes (worker -> env,
+# env -> worker), the default, or one AF_UNIX socketpair, which costs the
+# worker more kernel time per frame but one fd fewer.
+PIPES, SOCKETPAIR = "pipes", "socketpair"
+CHANNEL_ENV = "BOLTZLABS_CHANNEL"  # "socketpair" in the pool's environment forces the socketpair
+# File descriptors the worker holds per env (its channel's one or two, the log
+# pipe's read end and a pidfd: of its bwrap in exec mode, of its pid 1 in
+# template mode), and for itself.
+FDS_PER_ENV = {PIPES: 4, SOCKETPAIR: 3}
+FD_SLACK = 256
 
 
-def fds_needed(n: int) -> int:
-    """The open-file limit a worker needs for a pool of n envs."""
-    return FDS_PER_ENV * n + FD_SLACK
+def fds_needed(n: int, channel: str = PIPES) -> int:
+    """The open-file limit a worker needs for a pool of n envs on `channel`."""
+    return FDS_PER_ENV[channel] * n + FD_SLACK
 
 
-def envs_within(fd_limit: int) -> int:
-    """How many envs one worker can hold under an open-file limit of fd_limit."""
-    return max(0, (fd_limit - FD_SLACK) // FDS_PER_ENV)
+def envs_within(fd_limit: int, channel: str = SOCKETPAIR) -> int:
+    """How many envs one worker can hold under an open-file limit of fd_limit
+    (the most with the socketpair channel, which the pool falls back to)."""
+    return max(0, (fd_limit - FD_SLACK) // FDS_PER_ENV[channel])
 
 
-def raise_fd_limit(n: int) -> None:
-    """Make room for fds_needed(n) open files, or ValueError saying how."""
-    want = fds_needed(n)
+def raise_fd_limit(n: int) -> str:
+    """Make room for a pool of n envs: the channel it will use (PIPES when the
+    open-file limit can be raised to hold 4 fds per env, else SOCKETPAIR if it
+    can hold 3), or ValueError saying how to raise the limit."""
+    forced = os.environ.get(CHANNEL_ENV, "").strip()
+    if forced not in ("", PIPES, SOCKETPAIR):
+        raise ValueError(f"{CHANNEL_ENV}={forced[:40]!r}: use {PIPES!r} (the default) or {SOCKETPAIR!r}")
+    for channel in ((SOCKETPAIR,) if forced == SOCKETPAIR else (PIPES, SOCKETPAIR)):
+        if _fd_room(fds_needed(n, channel)):
+            return channel
+    want = fds_needed(n, SOCKETPAIR)
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    raise ValueError(f"a pool of {n} envs needs about {want} file descriptors and the limit is {soft}; "
+                     f"raise it (ulimit -n {fds_needed(n)}, or LimitNOFILE= for a service) or use fewer envs")
+
+
+def _fd_room(want: int) -> bool:
+    """Raise the soft open-file limit to `want` if it can be (the hard limit
+    too, with CAP_SYS_RESOURCE); whether it now holds `want`."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft >= want or soft == resource.RLIM_INFINITY:
-        return
+        return True
     if hard != resource.RLIM_INFINITY and hard < want:
         try:  # only with CAP_SYS_RESOURCE (root): raise the hard limit too
             resource.setrlimit(resource.RLIMIT_NOFILE, (want, want))
-            return
+            return True
         except (ValueError, OSError):
-            pass
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard) if hard != resource.RLIM_INFINITY else want, hard))
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < want:
-        raise ValueError(f"a pool of {n} envs needs about {want} file descriptors and the limit is {soft}; "
-                         f"raise it (ulimit -n {want}, or LimitNOFILE= for a service) or use fewer envs")
+            return False
+    resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0] >= want

@@ -98,14 +98,16 @@ SHOWN = tuple(dict.fromkeys(state.shown for state in State))
 class Lane:
     """One env's sandbox as the worker sees it: process, channel, log and state."""
 
-    __slots__ = ("index", "state", "pid", "chan", "logfd", "reader", "log", "seq",
+    __slots__ = ("index", "state", "pid", "chan", "wchan", "logfd", "reader", "log", "seq",
                  "out", "cause", "held", "started", "events_base", "generation", "expect",
                  "result", "deadline", "done_at")
 
     def __init__(self, index: int, limits: wire.Limits):
         self.index = index
         self.state = DEAD
-        self.pid = self.chan = self.logfd = -1
+        # Its channel: `chan` is the fd the worker reads (in epoll for EPOLLIN),
+        # `wchan` the fd it writes: the same socket, or two pipes (spawn.py).
+        self.pid = self.chan = self.wchan = self.logfd = -1
         self.reader = wire.FrameReader(limits)
         self.log = bytearray()
         self.seq = -1

@@ -60,8 +60,10 @@ class Lifecycle:
             env.events_base = self.cgroups.events(env.index)
         if self.freezing:
             self._thaw(env)  # the template forks while in the env's cgroups: never into a frozen one
-        self.spawner.spawn(env)  # sets env.chan, env.logfd (and env.pid when known)
+        self.spawner.spawn(env)  # sets env.chan, env.wchan, env.logfd (and env.pid when known)
+        # Never blocked by an env: a full channel buffers in env.out (reactor._write).
         os.set_blocking(env.chan, False)
+        os.set_blocking(env.wchan, False)
         os.set_blocking(env.logfd, False)
         env.on("spawn")
         env.seq = -1

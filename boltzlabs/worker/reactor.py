@@ -5,7 +5,7 @@
                                                 the sync request's Op (requests.py) or recv's queue (stepping.py)
     env log pipe  --bytes---> _read_log (a bounded tail)
     pidfds, the template's control socket --> the spawners' callbacks (spawn.py, via watch())
-    _write / _flush: frames to an env's channel, buffered when its pipe is full
+    _write / _flush: frames to an env's channel (its write end, wchan), buffered when it is full
 
 Everything an env writes is untrusted: frames are capped and decoded with
 limits (size, lengths, objects per frame, nesting depth: wire.Limits, from
@@ -93,6 +93,8 @@ class Reactor:
                     self._flush(env)
                 if events & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
                     self._read_channel(env)
+            elif kind == "wchan":  # a pipe channel's write end, watched only while a frame waits
+                self._flush(env)
             elif kind == "log":
                 self._read_log(env)
             elif kind == "call":
@@ -260,10 +262,16 @@ class Reactor:
                 return
 
     def _close_channel(self, env: Lane) -> None:
+        """Close both ends the worker holds (one fd for a socket, two for pipes)."""
+        if env.wchan >= 0 and env.wchan != env.chan:
+            self._unregister(env.wchan)
+            os.close(env.wchan)
+        env.wchan = -1
         if env.chan >= 0:
             self._unregister(env.chan)
             os.close(env.chan)
             env.chan = -1
+        env.out = b""
 
     def _close_log(self, env: Lane) -> None:
         if env.logfd >= 0:
@@ -301,26 +309,43 @@ class Reactor:
             env.out += data
             return
         try:
-            sent = os.write(env.chan, data)
+            sent = os.write(env.wchan, data)
         except BlockingIOError:
             sent = 0
         except OSError:
-            return  # the channel is gone; EOF or the pidfd will tell why
+            # EPIPE (the worker ignores SIGPIPE, as Python does): the env closed
+            # its end or exited; EBADF: closed already. The channel is gone, as
+            # at EOF; the pidfd or the deadline says what became of the env.
+            self._close_channel(env)
+            return
         if sent < len(data):
             env.out = data[sent:]
-            self.epoll.modify(env.chan, select.EPOLLIN | select.EPOLLOUT)
+            self._watch_out(env, True)
 
     def _flush(self, env: Lane) -> None:
         try:
-            sent = os.write(env.chan, env.out)
+            sent = os.write(env.wchan, env.out)
         except BlockingIOError:
             return
         except OSError:
-            env.out = b""
+            self._close_channel(env)
             return
         env.out = env.out[sent:]
         if not env.out:
-            self.epoll.modify(env.chan, select.EPOLLIN)
+            self._watch_out(env, False)
+
+    def _watch_out(self, env: Lane, on: bool) -> None:
+        """Wake the loop when env's channel can take more (EPOLLOUT) while
+        env.out holds a frame's rest, and only then: a pipe's write end is
+        always writable while the env reads, so it is in the epoll set only
+        with something to write. A socket is one fd: its EPOLLIN stays."""
+        if env.wchan == env.chan:
+            self.epoll.modify(env.chan, select.EPOLLIN | select.EPOLLOUT if on else select.EPOLLIN)
+        elif on:
+            self.epoll.register(env.wchan, select.EPOLLOUT)
+            self.handlers[env.wchan] = ("wchan", env)
+        else:
+            self._unregister(env.wchan)
 
 
 def _read(fd: int) -> bytes | None:

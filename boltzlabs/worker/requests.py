@@ -17,7 +17,6 @@ A mixin of server.Worker; it uses the reactor (_poll, _write), the lifecycle
 from __future__ import annotations
 
 import array
-import select
 import time
 
 import msgpack
@@ -105,7 +104,7 @@ class Requests:
                 env.seq = seq
                 env.to(BUSY)
                 op.waiting.add(env.index)
-                if fast and not env.out:
+                if fast and not env.out and env.chan >= 0:  # (a channel closed at EOF waits for its deadline)
                     lanes.append(env)
                     frames.append(header(len(body)) + body)
                 else:
@@ -192,7 +191,8 @@ class Requests:
         early when a log, pidfd, straggler or the client is ready, or at the
         byte budget; short writes) is left to the pure path's _wait."""
         fastpath = self.fastpath
-        why, results = fastpath.exchange(self.epoll.fileno(), [env.chan for env in lanes], frames, deadline,
+        why, results = fastpath.exchange(self.epoll.fileno(), [env.chan for env in lanes],
+                                         [env.wchan for env in lanes], frames, deadline,
                                          self.env_limits.max_frame, self.max_pool_bytes - self.held)
         limits = self.env_limits
         small = limits.max_depth if limits.guarded is not None else -1  # env limits are always guarded
@@ -234,7 +234,7 @@ class Requests:
                 self._close_channel(env)
             else:  # SHORT_WRITE_KIND: the rest is flushed by the event loop, as _write does
                 env.out = frame[value:]
-                self.epoll.modify(env.chan, select.EPOLLIN | select.EPOLLOUT)
+                self._watch_out(env, True)
 
     def _check_lanes(self, indices) -> list:
         n = len(self.envs)

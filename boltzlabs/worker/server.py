@@ -43,7 +43,7 @@ from boltzlabs.sandbox.builder import SandboxSpec
 from boltzlabs.sandbox.cgroups import CgroupPool, CgroupUnavailable
 from boltzlabs.sandbox.identity import host_account
 from boltzlabs.sandbox.policy import find_bwrap, load_policy
-from boltzlabs.worker.config import parse_open, raise_fd_limit
+from boltzlabs.worker.config import PIPES, parse_open, raise_fd_limit
 from boltzlabs.worker.lanes import IDLE, Lane
 from boltzlabs.worker.lifecycle import (ABANDONED, PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, Lifecycle, StartFailure,
                                         guard_cgroups, prctl, warmup_note)
@@ -73,6 +73,7 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
         # The step's hot path in C (native.py), or None for pure Python; the
         # client warns with the note when the extension is missing.
         self.fastpath, self.fastpath_note = native.load()
+        self.channel = PIPES  # each env's channel: PIPES or SOCKETPAIR, decided by open()
 
     def open(self, request) -> dict:
         """Start the pool OPEN asks for; the READY info, or an exception saying why not."""
@@ -92,7 +93,8 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
                                 self.account, self.limits)
         self.warmup_timeout = self.spec.plan.warmup_timeout if self.warmup else 0.0
         n = config.n
-        raise_fd_limit(n)
+        # Two pipes per env, or a socketpair when the fd limit cannot hold them (config.py).
+        self.channel = raise_fd_limit(n)
         guardian = None
         try:
             self.cgroups = CgroupPool(self.memory_limit, self.limits.get("pids"), freezer=self.gated)
@@ -145,6 +147,7 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
             "spawn": self.spawner.kind,
             "fast_path": self.fastpath is not None,
             "fast_path_note": self.fastpath_note,
+            "channel": self.channel,
             "warning": "\n".join(note for note in (self.warning, self.limits_note, self.gate_note,
                                                    warmup_note(warmup)) if note),
             "warmup": warmup,
