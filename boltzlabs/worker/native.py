@@ -35,3 +35,12 @@ def load():
                       "gcc and the Python headers (bash ci/setup.sh does) and reinstall boltzlabs to build it; set "
                       f"{PURE_ENV}=1 to choose the pure path and silence this.")
     return _fastpath, ""
+
+
+def caps(limits) -> tuple:
+    """The caps of `limits` (a guarded wire.Limits: the worker's env limits)
+    as _fastpath.step() takes them: (max_frame, max_str_len, max_bin_len,
+    max_array_len, max_map_len, max_ext_len, max_depth, max_objects)."""
+    kwargs = limits.kwargs
+    return (limits.max_frame, kwargs["max_str_len"], kwargs["max_bin_len"], kwargs["max_array_len"],
+            kwargs["max_map_len"], kwargs["max_ext_len"], limits.max_depth, limits.max_objects)
