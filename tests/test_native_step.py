@@ -444,7 +444,7 @@ def test_lanes_answer_done_or_handed_back_and_compose_matches_the_pure_reply(cha
     with pytest.raises(ValueError, match="lane 5"):
         batch.compose({3: overrides[3], 4: overrides[4]}, wire.pack([]))
     with pytest.raises(TypeError, match="lane 3"):
-        batch.compose(dict(overrides, **{3: ("not bytes", 0.0, False, False, b"\x80")}), wire.pack([]))
+        batch.compose({**overrides, 3: ("not bytes", 0.0, False, False, b"\x80")}, wire.pack([]))
 
 
 def test_eof_short_write_and_budget_are_handed_back(channels):
