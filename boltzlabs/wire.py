@@ -233,7 +233,7 @@ def _pack_items(items) -> bytes:
 
 def encode(message) -> bytes:
     """One frame: length prefix and msgpack body. Raises TypeError/ValueError."""
-    if type(message[-1]) is Raw:
+    if type(message) is list and message and type(message[-1]) is Raw:
         # The last item is msgpack already (the native step's result): the
         # rest is packed with a nil in its place, and the nil (always the
         # body's last byte) is replaced by the raw bytes.

@@ -1,5 +1,10 @@
 /* boltzlabs.worker._fastpath: the worker's step fan-out and fan-in in C (issue #16).
  *
+ * Two entry points. step() (second half of this file) is what the worker's
+ * synchronous step runs: frames built, replies vouched for and forwarded
+ * undecoded. exchange() (this half) only moves bytes; it is kept for its
+ * tests and as the simplest form of the fan-out and fan-in step() extends.
+ *
  *     worker.step() --frames--> exchange() --write--> every lane's channel
  *                   <--replies- exchange() <--read--- (epoll, with a deadline)
  *

@@ -544,3 +544,38 @@ def test_pools_agree_on_faults_lane_by_lane(pool_factory, monkeypatch):
     failed = out[2]
     assert [bool(info.get("error")) for info in failed[4]] == [True, True, True, True, True, False]
     assert failed[4][3].get("straggler") is True and failed[1][5] == 2.5
+
+
+def test_a_lane_holding_part_of_a_frame_is_judged_as_the_pure_path_judges_it(pool_factory, monkeypatch, env_dir):
+    """Two stray bytes after a reply (a frame's start) are held by the lane's
+    reader while it is idle; the next reply completes a garbled frame on
+    both paths: C, which reads only what comes now, must not vouch for it."""
+    source = env_dir("""
+        import os, threading, time
+        from boltzlabs.env import serve
+
+        def stray():
+            time.sleep(0.2)
+            os.write(3, b"\\x05\\x00")
+
+        def reset(seed):
+            return 0
+
+        def step(action):
+            if action == 1:
+                threading.Thread(target=stray).start()
+            return action, 1.0, False, {}
+
+        serve(reset=reset, step=step)
+    """)
+
+    def script(pool):
+        out = [pool.reset()]
+        for action in ([0, 1], [0, 0], [0, 0]):
+            r = pool.step_full(action)
+            out.append((r.obs, r.rewards, r.truncated, [sorted(info) for info in r.infos]))
+            time.sleep(0.5)
+        return out
+
+    out = both(pool_factory, monkeypatch, source, 2, script)
+    assert out[2][2].tolist() == [False, True]  # lane 1's next reply completed the garbled frame

@@ -191,8 +191,10 @@ class Requests:
         chans = []
         for env in envs:
             if env.state is IDLE:
-                if env.out or env.chan < 0:
-                    return None  # a channel still draining (or gone): the pure path queues behind it
+                if env.out or env.chan < 0 or env.reader.pending:
+                    # A request still draining, a channel gone, or part of a frame
+                    # held (C reads only what comes now): the pure path runs this batch.
+                    return None
                 chans.append(env.chan)
             else:
                 chans.append(-1)
