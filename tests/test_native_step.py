@@ -155,7 +155,8 @@ def float32_reward(obs, reward, info) -> bytes:
     return wire.HEADER.pack(len(body)) + body
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@pytest.mark.timeout(900)
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(values, rewards, st.booleans(), st.booleans(), infos)
 def test_valid_replies_are_vouched_for_and_reach_the_client_unchanged(obs, reward, terminated, truncated, info):
     data = stepped(obs, reward, terminated, truncated, info)
@@ -164,7 +165,8 @@ def test_valid_replies_are_vouched_for_and_reach_the_client_unchanged(obs, rewar
     assert check_vouch(float32_reward(obs, 0.5, info)) == (True, True)
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=list(HealthCheck))
+@pytest.mark.timeout(900)
+@settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
 @given(values, rewards, infos, st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255),
                                                   st.sampled_from(["flip", "insert", "delete", "cut"])),
                                         min_size=1, max_size=4), st.booleans())
