@@ -114,6 +114,53 @@ static double monotonic_now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
+/* Write data to a non-blocking fd: the bytes written, fewer than size when
+ * it would block. Any other error counts as all written, as the pure path
+ * ignores it: the channel is gone, and EOF or the pidfd says why. */
+static size_t write_all(int fd, const unsigned char *data, size_t size)
+{
+    size_t sent = 0;
+    while (sent < size) {
+        ssize_t w = write(fd, data + sent, size - sent);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            break;
+        if (w < 0)
+            return size;
+        sent += (size_t)w;
+    }
+    return sent;
+}
+
+/* epoll_wait on epfd until something is ready or `deadline` (time.monotonic())
+ * passes, the GIL released: the number of events, 0 at the deadline, or -1
+ * with an exception set (an epoll error, or a signal handler that raised:
+ * e.g. SIGTERM's). */
+static int wait_ready(int epfd, struct epoll_event *events, int max_events, double deadline)
+{
+    for (;;) {
+        double left = deadline - monotonic_now();
+        if (!(left > 0)) /* NaN included: no (int) cast of it below */
+            return 0;
+        /* Round up: waking a little after the deadline, never before it. */
+        double ms = left * 1000.0 + 1.0;
+        int timeout = ms > 86400000.0 ? 86400000 : (int)ms;
+        int ready;
+        Py_BEGIN_ALLOW_THREADS
+        ready = epoll_wait(epfd, events, max_events, timeout);
+        Py_END_ALLOW_THREADS
+        if (ready > 0)
+            return ready;
+        if (ready < 0 && errno != EINTR) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        if (ready < 0 && PyErr_CheckSignals() < 0)
+            return -1;
+    }
+}
+
 /* (kind, value) as a new tuple; steals nothing. */
 static PyObject *outcome(int kind, PyObject *value)
 {
@@ -200,20 +247,8 @@ static PyObject *exchange(PyObject *self, PyObject *args)
         PyObject *frame = PyList_GET_ITEM(frames_obj, i);
         if (frame == Py_None)
             continue;
-        const char *data = PyBytes_AS_STRING(frame);
-        Py_ssize_t size = PyBytes_GET_SIZE(frame), sent = 0;
-        while (sent < size) {
-            ssize_t w = write(fds[i], data + sent, (size_t)(size - sent));
-            if (w < 0 && errno == EINTR)
-                continue;
-            if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
-                break;
-            if (w < 0) {
-                sent = size;
-                break;
-            }
-            sent += w;
-        }
+        Py_ssize_t size = PyBytes_GET_SIZE(frame);
+        Py_ssize_t sent = (Py_ssize_t)write_all(fds[i], (const unsigned char *)PyBytes_AS_STRING(frame), (size_t)size);
         if (sent < size) {
             PyObject *count = PyLong_FromSsize_t(sent), *item = NULL;
             if (count != NULL)
@@ -234,26 +269,12 @@ static PyObject *exchange(PyObject *self, PyObject *args)
     if (events == NULL)
         goto nomem;
     while (waiting > 0) {
-        double left = deadline - monotonic_now();
-        if (!(left > 0)) { /* NaN included: no (int) cast of it below */
+        int ready = wait_ready(epfd, events, max_events, deadline);
+        if (ready < 0)
+            goto fail;
+        if (ready == 0) {
             why = TIMEOUT;
             goto out;
-        }
-        /* Round up: waking a little after the deadline, never before it. */
-        double ms = left * 1000.0 + 1.0;
-        int timeout = ms > 86400000.0 ? 86400000 : (int)ms;
-        int ready;
-        Py_BEGIN_ALLOW_THREADS
-        ready = epoll_wait(epfd, events, max_events, timeout);
-        Py_END_ALLOW_THREADS
-        if (ready < 0) {
-            if (errno == EINTR) {
-                if (PyErr_CheckSignals() < 0) /* e.g. SIGTERM's handler raising */
-                    goto fail;
-                continue;
-            }
-            PyErr_SetFromErrno(PyExc_OSError);
-            goto fail;
         }
         int foreign = 0;
         for (int e = 0; e < ready; e++) {
@@ -397,43 +418,45 @@ static inline uint64_t big_endian(const unsigned char *p, int n)
     return v;
 }
 
+/* A big-endian length of `width` bytes at buf[*pos], if it lies before `limit`. */
+static inline int take_len(const unsigned char *buf, size_t *pos, size_t limit, int width, uint64_t *out)
+{
+    if (limit - *pos < (size_t)width)
+        return 0;
+    *out = big_endian(buf + *pos, width);
+    *pos += (size_t)width;
+    return 1;
+}
+
 /* Python's strict UTF-8 decoder: no overlong forms, no surrogates, nothing past U+10FFFF. */
 static int utf8_ok(const unsigned char *s, uint64_t n)
 {
     uint64_t i = 0;
     while (i < n) {
-        unsigned c = s[i];
+        unsigned c = s[i], lo = 0x80, hi = 0xbf; /* the range of the second byte */
+        uint64_t need;
         if (c < 0x80) {
             i++;
             continue;
         }
-        if (c >= 0xc2 && c <= 0xdf) {
-            if (n - i < 2 || (s[i + 1] & 0xc0) != 0x80)
+        if (c >= 0xc2 && c <= 0xdf)
+            need = 2;
+        else if (c >= 0xe0 && c <= 0xef) {
+            need = 3;
+            lo = c == 0xe0 ? 0xa0 : lo; /* overlong */
+            hi = c == 0xed ? 0x9f : hi; /* surrogates */
+        } else if (c >= 0xf0 && c <= 0xf4) {
+            need = 4;
+            lo = c == 0xf0 ? 0x90 : lo; /* overlong */
+            hi = c == 0xf4 ? 0x8f : hi; /* past U+10FFFF */
+        } else
+            return 0;
+        if (n - i < need || s[i + 1] < lo || s[i + 1] > hi)
+            return 0;
+        for (uint64_t k = 2; k < need; k++)
+            if ((s[i + k] & 0xc0) != 0x80)
                 return 0;
-            i += 2;
-            continue;
-        }
-        if (c >= 0xe0 && c <= 0xef) {
-            if (n - i < 3)
-                return 0;
-            unsigned c1 = s[i + 1];
-            unsigned lo = c == 0xe0 ? 0xa0 : 0x80, hi = c == 0xed ? 0x9f : 0xbf;
-            if (c1 < lo || c1 > hi || (s[i + 2] & 0xc0) != 0x80)
-                return 0;
-            i += 3;
-            continue;
-        }
-        if (c >= 0xf0 && c <= 0xf4) {
-            if (n - i < 4)
-                return 0;
-            unsigned c1 = s[i + 1];
-            unsigned lo = c == 0xf0 ? 0x90 : 0x80, hi = c == 0xf4 ? 0x8f : 0xbf;
-            if (c1 < lo || c1 > hi || (s[i + 2] & 0xc0) != 0x80 || (s[i + 3] & 0xc0) != 0x80)
-                return 0;
-            i += 4;
-            continue;
-        }
-        return 0;
+        i += need;
     }
     return 1;
 }
@@ -557,48 +580,31 @@ static int walk(const unsigned char *buf, size_t *pos_io, size_t end, uint64_t d
         case 0xcd: case 0xd1: width = 2; goto skip;
         case 0xca: case 0xce: case 0xd2: width = 4; goto skip;
         case 0xcb: case 0xcf: case 0xd3: width = 8; goto skip;
+        /* A length of 1, 2 or 4 bytes (8, 16, 32 bits) after the marker. */
         case 0xd9: case 0xda: case 0xdb:
-            width = b == 0xd9 ? 1 : b == 0xda ? 2 : 4;
-            if (limit - pos < (size_t)width)
+            if (!take_len(buf, &pos, limit, 1 << (b - 0xd9), &len))
                 return 0;
-            len = big_endian(buf + pos, width);
-            pos += width;
             goto str;
         case 0xc4: case 0xc5: case 0xc6:
-            width = b == 0xc4 ? 1 : b == 0xc5 ? 2 : 4;
-            if (limit - pos < (size_t)width)
-                return 0;
-            len = big_endian(buf + pos, width);
-            pos += width;
-            if (caps && len > caps->max_bin)
-                return 0;
-            if (len > limit - pos)
+            if (!take_len(buf, &pos, limit, 1 << (b - 0xc4), &len) || (caps && len > caps->max_bin) ||
+                len > limit - pos)
                 return 0;
             pos += len;
             continue;
         case 0xdc: case 0xdd:
-            width = b == 0xdc ? 2 : 4;
-            if (limit - pos < (size_t)width)
+            if (!take_len(buf, &pos, limit, 2 << (b - 0xdc), &n))
                 return 0;
-            n = big_endian(buf + pos, width);
-            pos += width;
             goto array;
         case 0xde: case 0xdf:
-            width = b == 0xde ? 2 : 4;
-            if (limit - pos < (size_t)width)
+            if (!take_len(buf, &pos, limit, 2 << (b - 0xde), &n))
                 return 0;
-            n = big_endian(buf + pos, width);
-            pos += width;
             goto map;
         case 0xd4: case 0xd5: case 0xd6: case 0xd7: case 0xd8:
             len = (uint64_t)1 << (b - 0xd4);
             goto ext;
         case 0xc7: case 0xc8: case 0xc9:
-            width = b == 0xc7 ? 1 : b == 0xc8 ? 2 : 4;
-            if (limit - pos < (size_t)width)
+            if (!take_len(buf, &pos, limit, 1 << (b - 0xc7), &len))
                 return 0;
-            len = big_endian(buf + pos, width);
-            pos += width;
             goto ext;
         default: /* 0xc1, reserved: Python names it */
             return 0;
@@ -668,13 +674,7 @@ static int walk(const unsigned char *buf, size_t *pos_io, size_t end, uint64_t d
             unsigned h = buf[pos++];
             if (h >= 0x90 && h <= 0x9f)
                 n = h & 0x0f;
-            else if (h == 0xdc || h == 0xdd) {
-                width = h == 0xdc ? 2 : 4;
-                if (tend - pos < (size_t)width)
-                    return 0;
-                n = big_endian(buf + pos, width);
-                pos += width;
-            } else
+            else if ((h != 0xdc && h != 0xdd) || !take_len(buf, &pos, tend, 2 << (h - 0xdc), &n))
                 return 0;
             if (n > caps->max_array || n > tend - pos || depth + (uint64_t)top + 1 > max_depth || top >= STACK_MAX)
                 return 0;
@@ -744,13 +744,7 @@ static int vouch(const unsigned char *buf, size_t got, const Caps *caps, int res
     unsigned b = buf[pos++];
     if (b >= 0x90 && b <= 0x9f)
         n = b & 0x0f;
-    else if (b == 0xdc || b == 0xdd) {
-        int width = b == 0xdc ? 2 : 4;
-        if (end - pos < (size_t)width)
-            return 0;
-        n = big_endian(buf + pos, width);
-        pos += width;
-    } else
+    else if ((b != 0xdc && b != 0xdd) || !take_len(buf, &pos, end, 2 << (b - 0xdc), &n))
         return 0;
     if (n != (reset ? 4u : 7u) || n > caps->max_array || caps->max_depth < 1)
         return 0;
@@ -861,39 +855,22 @@ static void batch_dealloc(Batch *self)
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static size_t array_head_size(Py_ssize_t n) { return n < 16 ? 1 : n < 65536 ? 3 : 5; }
-static size_t bin_head_size(size_t n) { return n < 256 ? 2 : n < 65536 ? 3 : 5; }
-
-static unsigned char *put_array_head(unsigned char *p, Py_ssize_t n)
+/* msgpack's minimal header for an array of n items or a bin of n bytes, as msgpack.Packer writes it. */
+static size_t head_size(size_t n, int array)
 {
-    if (n < 16) {
-        *p++ = (unsigned char)(0x90 | n);
-    } else if (n < 65536) {
-        *p++ = 0xdc;
-        *p++ = (unsigned char)(n >> 8);
-        *p++ = (unsigned char)n;
-    } else {
-        *p++ = 0xdd;
-        for (int s = 24; s >= 0; s -= 8)
-            *p++ = (unsigned char)((uint64_t)n >> s);
-    }
-    return p;
+    return n < (array ? 16u : 0u) ? 1 : n < (array ? 0u : 256u) ? 2 : n < 65536 ? 3 : 5;
 }
 
-static unsigned char *put_bin_head(unsigned char *p, size_t n)
+static unsigned char *put_head(unsigned char *p, size_t n, int array)
 {
-    if (n < 256) {
-        *p++ = 0xc4;
-        *p++ = (unsigned char)n;
-    } else if (n < 65536) {
-        *p++ = 0xc5;
-        *p++ = (unsigned char)(n >> 8);
-        *p++ = (unsigned char)n;
-    } else {
-        *p++ = 0xc6;
-        for (int s = 24; s >= 0; s -= 8)
-            *p++ = (unsigned char)((uint64_t)n >> s);
+    size_t size = head_size(n, array);
+    if (size == 1) {
+        *p++ = (unsigned char)(0x90 | n);
+        return p;
     }
+    *p++ = size == 2 ? 0xc4 : array ? (size == 3 ? 0xdc : 0xdd) : (size == 3 ? 0xc5 : 0xc6);
+    for (int s = 8 * ((int)size - 2); s >= 0; s -= 8)
+        *p++ = (unsigned char)((uint64_t)n >> s);
     return p;
 }
 
@@ -961,8 +938,8 @@ static PyObject *batch_compose(Batch *self, PyObject *args)
         goto out;
     }
     /* Pass 1: every lane's part (overrides checked and held), and the size. */
-    size_t size = 1 + 2 * array_head_size(n) + bin_head_size(8 * (size_t)n) + 8 * (size_t)n +
-                  2 * (bin_head_size((size_t)n) + (size_t)n) + (size_t)strag.len;
+    size_t size = 1 + 2 * head_size((size_t)n, 1) + head_size(8 * (size_t)n, 0) + 8 * (size_t)n +
+                  2 * (head_size((size_t)n, 0) + (size_t)n) + (size_t)strag.len;
     for (Py_ssize_t i = 0; i < n; i++) {
         Lane *l = &self->lanes[i];
         Part *part = &parts[i];
@@ -988,21 +965,21 @@ static PyObject *batch_compose(Batch *self, PyObject *args)
     /* Pass 2: the bytes, in the order of the result's items. */
     unsigned char *start = (unsigned char *)PyBytes_AS_STRING(result), *p = start;
     *p++ = 0x96;
-    p = put_array_head(p, n);
+    p = put_head(p, (size_t)n, 1);
     for (Py_ssize_t i = 0; i < n; i++) {
         memcpy(p, parts[i].obs, parts[i].obs_len);
         p += parts[i].obs_len;
     }
-    p = put_bin_head(p, 8 * (size_t)n);
+    p = put_head(p, 8 * (size_t)n, 0);
     for (Py_ssize_t i = 0; i < n; i++, p += 8)
         memcpy(p, &parts[i].reward, 8); /* array('d').tobytes(): the host's order, as the client reads it */
-    p = put_bin_head(p, (size_t)n);
+    p = put_head(p, (size_t)n, 0);
     for (Py_ssize_t i = 0; i < n; i++)
         *p++ = (unsigned char)parts[i].terminated;
-    p = put_bin_head(p, (size_t)n);
+    p = put_head(p, (size_t)n, 0);
     for (Py_ssize_t i = 0; i < n; i++)
         *p++ = (unsigned char)parts[i].truncated;
-    p = put_array_head(p, n);
+    p = put_head(p, (size_t)n, 1);
     for (Py_ssize_t i = 0; i < n; i++) {
         memcpy(p, parts[i].info, parts[i].info_len);
         p += parts[i].info_len;
@@ -1235,19 +1212,7 @@ static PyObject *step(PyObject *self, PyObject *args)
             continue;
         waiting++;
         const unsigned char *data = frames + frame_at[i];
-        size_t size = frame_at[i + 1] - frame_at[i], sent = 0;
-        while (sent < size) {
-            ssize_t w = write(wfds[i], data + sent, size - sent);
-            if (w < 0 && errno == EINTR)
-                continue;
-            if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
-                break;
-            if (w < 0) {
-                sent = size;
-                break;
-            }
-            sent += (size_t)w;
-        }
+        size_t size = frame_at[i + 1] - frame_at[i], sent = write_all(wfds[i], data, size);
         if (sent < size) {
             if (rest_add(batch, i, KIND_SHORT_WRITE,
                          PyBytes_FromStringAndSize((const char *)data + sent, (Py_ssize_t)(size - sent))) < 0)
@@ -1269,25 +1234,12 @@ static PyObject *step(PyObject *self, PyObject *args)
         goto done;
     }
     while (waiting > 0) {
-        double left = deadline - monotonic_now();
-        if (!(left > 0)) {
+        int ready = wait_ready(epfd, events, max_events, deadline);
+        if (ready < 0)
+            goto done;
+        if (ready == 0) {
             batch->why = TIMEOUT;
             break;
-        }
-        double ms = left * 1000.0 + 1.0;
-        int timeout = ms > 86400000.0 ? 86400000 : (int)ms;
-        int ready;
-        Py_BEGIN_ALLOW_THREADS
-        ready = epoll_wait(epfd, events, max_events, timeout);
-        Py_END_ALLOW_THREADS
-        if (ready < 0) {
-            if (errno == EINTR) {
-                if (PyErr_CheckSignals() < 0)
-                    goto done;
-                continue;
-            }
-            PyErr_SetFromErrno(PyExc_OSError);
-            goto done;
         }
         int foreign = 0, stop = 0;
         for (int e = 0; e < ready && !stop; e++) {

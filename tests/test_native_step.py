@@ -13,7 +13,6 @@ path's, and real pools (both spawn modes) with BOLTZLABS_PURE=1.
 from __future__ import annotations
 
 import math
-import select
 import socket
 import struct
 import time
@@ -27,6 +26,7 @@ from hypothesis import strategies as st
 from boltzlabs import wire
 from boltzlabs.worker.native import caps
 from boltzlabs.worker.reactor import check_reply
+from tests.test_native import Lanes
 
 try:
     from boltzlabs.worker import _fastpath as fp
@@ -340,30 +340,13 @@ def test_python_agrees_the_edge_forms_it_accepts_are_accepted():
 # --- step(): the frames, over real sockets ----------------------------------------------------
 
 
-class Channels:
-    """n socketpairs: ours (non-blocking, in an epoll set) and the env's end."""
+class Channels(Lanes):
+    """test_native's socketpairs in an epoll set, driven by step()."""
 
-    def __init__(self, n: int):
-        self.epoll = select.epoll()
-        self.pairs = [socket.socketpair() for _ in range(n)]
-        for ours, _ in self.pairs:
-            ours.setblocking(False)
-            self.epoll.register(ours.fileno(), select.EPOLLIN)
-
-    def step(self, actions, seq=SEQ, resets=None, timeout=2.0, budget=1 << 30, limits=ENV, fds=None):
+    def step(self, actions, seq=SEQ, resets=None, timeout=2.0, budget=1 << 30, limits=ENV):
         n = len(self.pairs)
-        fds = [ours.fileno() for ours, _ in self.pairs] if fds is None else fds
-        return fp.step(self.epoll.fileno(), fds, fds, WORKER_PACK.pack(actions), seq,
+        return fp.step(self.epoll.fileno(), self.fds, self.fds, WORKER_PACK.pack(actions), seq,
                        bytes(resets or bytes(n)), time.monotonic() + timeout, caps(limits), budget)
-
-    def env(self, i: int) -> socket.socket:
-        return self.pairs[i][1]
-
-    def close(self):
-        self.epoll.close()
-        for a, b in self.pairs:
-            a.close()
-            b.close()
 
 
 @pytest.fixture
@@ -406,8 +389,7 @@ def test_step_writes_exactly_the_frames_wire_encode_writes(channels, seq):
 
 def test_actions_it_cannot_split_write_nothing(channels):
     ch = channels(2)
-    epfd = ch.epoll.fileno()
-    fds = [ours.fileno() for ours, _ in ch.pairs]
+    epfd, fds = ch.epoll.fileno(), ch.fds
     for packed in (WORKER_PACK.pack([1]), WORKER_PACK.pack([1, 2, 3]), WORKER_PACK.pack([1, 2]) + b"\x00",
                    b"\x92\x01", b"\x92\xc1\x01", b"\xc0", b"", b"\xdd\xff\xff\xff\xff"):
         assert fp.step(epfd, fds, fds, packed, 1, bytes(2), time.monotonic() + 1, caps(ENV), 1 << 30) is None
@@ -520,10 +502,21 @@ def test_pools_agree_on_typed_values(pool_factory, monkeypatch):
          steps(lambda t, n: [t % 3] * n, 8, lambda t: [0] if t == 5 else None))
 
 
-def test_pools_agree_on_numpy_observations(pool_factory, monkeypatch):
-    from tests.conftest import TESTS
-    both(pool_factory, monkeypatch, TESTS.parent / "benchmarks" / "envs" / "numpy_env", 3,
-         steps(lambda t, n: [np.zeros(4, np.float32) + t] * n if False else [t % 2] * n, 6))
+def test_pools_agree_on_numpy_observations(pool_factory, monkeypatch, env_dir):
+    source = env_dir("""
+        import numpy as np
+        from boltzlabs.env import serve
+
+        def reset(seed):
+            return np.zeros((2, 3), np.float32), {"seed": seed}
+
+        def step(action):
+            obs = np.arange(6, dtype=np.float32).reshape(2, 3) * action
+            return obs, np.float32(action), action > 4, False, {"n": np.int64(action), "v": obs[0].astype(np.uint8)}
+
+        serve(reset=reset, step=step)
+    """)
+    both(pool_factory, monkeypatch, source, 3, steps(lambda t, n: [t] * n, 6, lambda t: [2] if t == 3 else None))
 
 
 def test_pools_agree_on_faults_lane_by_lane(pool_factory, monkeypatch):
