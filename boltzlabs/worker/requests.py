@@ -3,6 +3,8 @@
     client --CALL step(actions)--> step: one STEP frame per idle lane (Op: the lanes it waits for)
         reactor.py: each lane's one reply --> op.results        (until all came or step_timeout)
     client <--REPLY [obs, rewards, terminated, truncated, infos, stragglers]-- step: gathered in lane order
+    (native: _fastpath.step() does all of the above in one C call for the replies it vouches
+     for, and composes the REPLY's result from their bytes undecoded; docs/native-step.md)
 
 A call sends one frame per lane, waits in the reactor until every lane
 answered or the deadline passed, and answers with n results in lane order:
