@@ -233,8 +233,26 @@ def _pack_items(items) -> bytes:
 
 def encode(message) -> bytes:
     """One frame: length prefix and msgpack body. Raises TypeError/ValueError."""
-    body = _packer.pack(message)
+    if type(message) is list and message and type(message[-1]) is Raw:
+        # The last item is msgpack already (the native step's result): the
+        # rest is packed with a nil in its place, and the nil (always the
+        # body's last byte) is replaced by the raw bytes.
+        body = _packer.pack(message[:-1] + [None])[:-1] + message[-1]
+    else:
+        body = _packer.pack(message)
     return HEADER.pack(len(body)) + body
+
+
+def pack(value) -> bytes:
+    """One value's msgpack bytes, as encode packs it inside a frame."""
+    return _packer.pack(value)
+
+
+class Raw(bytes):
+    """The msgpack bytes of one value, already encoded: as the last item of a
+    message given to `encode`, spliced into the frame as they are."""
+
+    __slots__ = ()
 
 
 class Limits:

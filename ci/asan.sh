@@ -53,4 +53,4 @@ PYTHONPATH="$tmp" LD_PRELOAD="$libasan" "$PY" -c \
 # test runs no C, and its sitecustomize would shadow the one above.
 PYTHONPATH="$tmp" LD_PRELOAD="$libasan" "$PY" -m pytest -q -p no:cacheprovider \
   -k "not pure and not costs_the_worker_little and not warn_once" \
-  tests/test_native.py tests/test_wire.py tests/test_faults.py tests/test_hostile_wire.py "$@"
+  tests/test_native.py tests/test_native_step.py tests/test_wire.py tests/test_faults.py tests/test_hostile_wire.py "$@"

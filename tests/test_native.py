@@ -376,7 +376,7 @@ def test_a_pool_runs_the_native_path_and_the_environment_can_force_python(monkey
 @native
 def test_log_output_mid_step_returns_to_the_event_loop_and_the_step_completes(env_dir, monkeypatch):
     """An env that prints in every step makes its log pipe ready during the
-    native wait: exchange returns FOREIGN, the event loop reads the log, and
+    native wait: the native call returns FOREIGN, the event loop reads the log, and
     the step finishes with every lane's reply."""
     monkeypatch.delenv("BOLTZLABS_PURE", raising=False)
     source = env_dir("""

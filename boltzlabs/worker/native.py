@@ -2,12 +2,14 @@
 source in native/fastpath.c) or pure Python. Worker side: only the worker
 imports this (the client learns the answer from the worker's READY), never an env.
 
-    worker.step() --native: one _fastpath.exchange() call per batch--> channels
+    worker.step() --native: one _fastpath.step() call per batch--> channels
                   --pure: one os.write / epoll round / os.read per lane--> channels
 
-Both paths put the same frames on the wire and hand what they read to the same
-Python code (FrameReader, wire.Limits, the reply checks), so they differ only in
-who does the system calls. The native path is picked when the extension was
+Both paths put the same frames on the wire. The native one vouches in C for
+each reply that wire.decode and the reply checks would accept (a bounded
+msgpack walker, native/fastpath.c) and splices those replies' bytes into the
+REPLY undecoded; every other read goes to the same Python code as the pure
+path's (FrameReader, wire.Limits, the reply checks). The native path is picked when the extension was
 built; `BOLTZLABS_PURE=1` in the environment forces the pure path (the worker
 inherits the client's environment). A missing extension comes with a note the
 client turns into one RuntimeWarning (the same text from the same line, which
@@ -35,3 +37,12 @@ def load():
                       "gcc and the Python headers (bash ci/setup.sh does) and reinstall boltzlabs to build it; set "
                       f"{PURE_ENV}=1 to choose the pure path and silence this.")
     return _fastpath, ""
+
+
+def caps(limits) -> tuple:
+    """The caps of `limits` (a guarded wire.Limits: the worker's env limits)
+    as _fastpath.step() takes them: (max_frame, max_str_len, max_bin_len,
+    max_array_len, max_map_len, max_ext_len, max_depth, max_objects)."""
+    kwargs = limits.kwargs
+    return (limits.max_frame, kwargs["max_str_len"], kwargs["max_bin_len"], kwargs["max_array_len"],
+            kwargs["max_map_len"], kwargs["max_ext_len"], limits.max_depth, limits.max_objects)

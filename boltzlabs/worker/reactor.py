@@ -177,7 +177,7 @@ class Reactor:
 
     def _take(self, env: Lane, data: bytes) -> None:
         """Bytes read from env's channel (by the event loop, or by the native
-        step path, requests._step_fast): charged, framed, decoded under the
+        step path, requests._step_native): charged, framed, decoded under the
         limits, and handled."""
         if not self._charge(env, len(data)):
             return

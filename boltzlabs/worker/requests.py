@@ -3,6 +3,8 @@
     client --CALL step(actions)--> step: one STEP frame per idle lane (Op: the lanes it waits for)
         reactor.py: each lane's one reply --> op.results        (until all came or step_timeout)
     client <--REPLY [obs, rewards, terminated, truncated, infos, stragglers]-- step: gathered in lane order
+    (native: _fastpath.step() does all of the above in one C call for the replies it vouches
+     for, and composes the REPLY's result from their bytes undecoded; docs/native-step.md)
 
 A call sends one frame per lane, waits in the reactor until every lane
 answered or the deadline passed, and answers with n results in lane order:
@@ -19,11 +21,9 @@ from __future__ import annotations
 import array
 import time
 
-import msgpack
-
 from boltzlabs import wire
+from boltzlabs.worker import native
 from boltzlabs.worker.lanes import BUSY, FINISHED, IDLE, Lane
-from boltzlabs.worker.reactor import OBJECT_COST, check_reply
 from boltzlabs.worker.spawn import TEMPLATE_LANE
 
 
@@ -63,14 +63,15 @@ class Requests:
                 return
             self._poll(deadline - now)
 
-    def step(self, actions: list, resets=None) -> list:
+    def step(self, actions: list, resets=None):
         """Step every env; the lanes in `resets` are reset (seed and options
         None) instead, their actions ignored: Gymnasium's next-step autoreset
-        in the same round trip.
+        in the same round trip. Returns the result list, or (native path) its
+        msgpack bytes as a wire.Raw.
 
         THE HOT PATH. The batch is fanned out (one frame per idle lane), its
-        replies waited for and gathered into arrays allocated once, all here:
-        a native fan-out/gather slots in at the loop marked below."""
+        replies waited for and gathered into arrays allocated once. An ungated
+        pool with the extension does all of that in C (_step_native)."""
         n = len(self.envs)
         if not isinstance(actions, list) or len(actions) != n:
             raise ValueError(f"step() needs {n} actions, one per env; got {len(actions) if isinstance(actions, list) else type(actions).__name__}")
@@ -81,16 +82,16 @@ class Requests:
         seq = self._next_seq()
         op = Op(seq)
         self.op = op
+        if self.fastpath is not None and not self.gated:
+            result = self._step_native(actions, resets, op)
+            if result is not None:
+                return result
         pack = self._packer.pack
         header = wire.HEADER.pack
         gated = self.gated
         freezing = self.freezing
         immediate: dict[int, str] = {}
-        # The native path writes, waits and reads in one call (_step_fast);
-        # the gate's turns stay in Python.
-        fast = self.fastpath is not None and not gated
-        lanes, frames = [], []
-        # Hot path, fan-out: one frame per idle env, written straight to its channel.
+        # Hot path (pure), fan-out: one frame per idle env, written straight to its channel.
         for env, action in zip(self.envs, actions):
             if env.state is IDLE:
                 if resets and env.index in resets:
@@ -104,18 +105,11 @@ class Requests:
                 env.seq = seq
                 env.to(BUSY)
                 op.waiting.add(env.index)
-                if fast and not env.out and env.chan >= 0:  # (a channel closed at EOF waits for its deadline)
-                    lanes.append(env)
-                    frames.append(header(len(body)) + body)
-                else:
-                    self._write(env, header(len(body)) + body)
+                self._write(env, header(len(body)) + body)
             elif env.state.due:
                 immediate[env.index] = "straggler"
             else:
                 immediate[env.index] = "dead"
-        deadline = time.monotonic() + self.step_timeout
-        if lanes:
-            self._step_fast(lanes, frames, deadline)
         stragglers = []
         if gated:
             for index in sorted(op.waiting - resets):
@@ -136,12 +130,12 @@ class Requests:
                                     "serialize_measurement gate, and was killed")
                     stragglers.append(index)
         if op.waiting:  # ungated steps, and resets (which the gate does not serialize)
-            self._wait(op, deadline if fast else time.monotonic() + self.step_timeout)
+            self._wait(op, time.monotonic() + self.step_timeout)
             stragglers.extend(op.waiting)
             for index in op.waiting:
                 self._straggling(self.envs[index])
         self.op = None
-        # Hot path, gather: the REPLY in lane order, its arrays allocated once.
+        # Hot path (pure), gather: the REPLY in lane order, its arrays allocated once.
         rewards = array.array("d", bytes(8 * n))
         terminated = bytearray(n)
         truncated = bytearray(n)
@@ -155,86 +149,113 @@ class Requests:
             if result:
                 released += env.held  # its reply leaves with this call's REPLY
                 env.held = 0
-                kind = result[0]
-                if kind == wire.STEPPED:
-                    obs[i] = result[2]
-                    rewards[i] = result[3]
-                    terminated[i] = result[4]
-                    truncated[i] = result[5]
-                    infos[i] = result[6]
-                    continue
-                if kind == wire.RESET_DONE:  # an autoreset lane: reward 0, not done
-                    obs[i] = result[2]
-                    infos[i] = result[3]
-                    continue
-                infos[i] = {"error": result[4] or result[3]}  # the env's exception, with traceback
-            elif i in stragglers and not env.state.dead:
-                infos[i] = {"straggler": True, "error": f"missed the step deadline of {self.step_timeout:g} s"}
-            elif i in stragglers:
-                infos[i] = {"straggler": True, "error": env.cause}
-            elif immediate.get(i) == "straggler":
-                infos[i] = {"straggler": True, "error": "still busy with an earlier step it has not answered; "
-                                                        "reset it (it will be killed and respawned)"}
-            elif immediate.get(i) == "dead":
-                infos[i] = {"error": f"env is dead ({env.cause}); reset it to respawn"}
-            else:
-                infos[i] = {"error": env.cause}
-            truncated[i] = 1
+            obs[i], rewards[i], terminated[i], truncated[i], infos[i] = self._lane_result(
+                env, result, i in stragglers, immediate.get(i))
         self.held -= released
         return [obs, rewards.tobytes(), bytes(terminated), bytes(truncated), infos, stragglers]
 
-    def _step_fast(self, lanes: list, frames: list, deadline: float) -> None:
-        """Hot path, native (native/fastpath.c): write every lane's frame, wait
-        on epoll until each has answered or `deadline`, read each reply once,
-        all in one C call. Every byte read goes through _take, as the event
-        loop's reads do. Whatever it leaves (lanes not read yet: it returns
-        early when a log, pidfd, straggler or the client is ready, or at the
-        byte budget; short writes) is left to the pure path's _wait."""
+    def _lane_result(self, env: Lane, result, straggler: bool, immediate: str | None) -> tuple:
+        """(obs, reward, terminated, truncated, info) of one lane's step: its
+        reply (decoded), or a failure (reward 0, truncated, info["error"])."""
+        if result:
+            kind = result[0]
+            if kind == wire.STEPPED:
+                return result[2], result[3], result[4], result[5], result[6]
+            if kind == wire.RESET_DONE:  # an autoreset lane: reward 0, not done
+                return result[2], 0.0, False, False, result[3]
+            info = {"error": result[4] or result[3]}  # the env's exception, with traceback
+        elif straggler and not env.state.dead:
+            info = {"straggler": True, "error": f"missed the step deadline of {self.step_timeout:g} s"}
+        elif straggler:
+            info = {"straggler": True, "error": env.cause}
+        elif immediate == "straggler":
+            info = {"straggler": True, "error": "still busy with an earlier step it has not answered; "
+                                                "reset it (it will be killed and respawned)"}
+        elif immediate == "dead":
+            info = {"error": f"env is dead ({env.cause}); reset it to respawn"}
+        else:
+            info = {"error": env.cause}
+        return None, 0.0, False, True, info
+
+    def _step_native(self, actions: list, resets: set, op: Op):
+        """THE HOT PATH, native (native/fastpath.c): one C call frames every
+        idle lane's request, writes it, waits on epoll until each answered or
+        the deadline, and vouches for each reply it can (exactly what
+        wire.decode and check_reply accept, walked in C), which then stays
+        undecoded: its obs and info bytes go into the REPLY as the env sent
+        them, and the lane never leaves IDLE (nothing can see it inside the
+        call). Only the lanes C did not complete are handled here, exactly as
+        the pure path does: BUSY, what C read fed to _take, _wait until the
+        deadline, their outcome packed as an override. None (nothing done)
+        when C will not take this batch: the pure path runs it."""
+        envs = self.envs
+        chans, wchans = [], []
+        for env in envs:
+            if env.state is IDLE:
+                if env.out or env.chan < 0 or env.wchan < 0 or env.reader.pending:
+                    # A request still draining, a channel gone, or part of a frame
+                    # held (C reads only what comes now): the pure path runs this batch.
+                    return None
+                chans.append(env.chan)
+                wchans.append(env.wchan)
+            else:
+                chans.append(-1)
+                wchans.append(-1)
+        try:
+            packed = self._packer.pack(actions)
+        except (TypeError, ValueError, OverflowError):
+            return None  # the pure path packs each lane's action and says which failed
+        flags = bytearray(len(envs))
+        for index in resets:
+            flags[index] = 1
+        seq = op.seq
         fastpath = self.fastpath
-        why, results = fastpath.exchange(self.epoll.fileno(), [env.chan for env in lanes],
-                                         [env.wchan for env in lanes], frames, deadline,
-                                         self.env_limits.max_frame, self.max_pool_bytes - self.held)
-        limits = self.env_limits
-        small = limits.max_depth if limits.guarded is not None else -1  # env limits are always guarded
-        kwargs = limits.kwargs
-        unpackb = msgpack.unpackb
-        op = self.op
-        for env, frame, result in zip(lanes, frames, results):
-            if result is None:
-                continue
-            if type(result) is bytes:  # one whole reply
-                # The common case inline: a small frame (it can neither nest
-                # deeper nor hold more objects than limits.max_depth, so it is
-                # decoded with no hook, as wire.decode does) that is the reply
-                # due, well formed, within the budget. Anything else, and any
-                # decoding error, goes through _take, which says what is wrong.
-                size = len(result)
-                cost = size + (size - 4) * OBJECT_COST
-                if (size - 4 <= small and not env.reader.pending and env.reader.limits is limits
-                        and self.held + cost <= self.max_pool_bytes):
-                    try:
-                        message = unpackb(memoryview(result)[4:], **kwargs)
-                    except Exception:  # noqa: BLE001 (msgpack raises several types; _take names it)
-                        message = None
-                    if (type(message) is list and len(message) > 1 and type(message[0]) is int
-                            and message[0] == env.expect and message[1] == env.seq and env.state is BUSY
-                            and check_reply(message)):
-                        env.held += cost
-                        self.held += cost
-                        env.on("reply")
-                        op.waiting.discard(env.index)
-                        op.results[env.index] = message
-                        continue
-                self._take(env, result)
-                continue
-            kind, value = result
-            if kind == fastpath.UNUSUAL:  # not exactly one frame: FrameReader sorts it out
+        deadline = time.monotonic() + self.step_timeout
+        batch = fastpath.step(self.epoll.fileno(), chans, wchans, packed, seq, bytes(flags), deadline,
+                              native.caps(self.env_limits), self.max_pool_bytes - self.held)
+        if batch is None:
+            return None  # C would not split the actions; nothing was written
+        self.held += batch.held  # the replies C holds count against the pool's budget until the REPLY
+        rest = batch.rest
+        for index, kind, value in rest:
+            env = envs[index]
+            env.seq = seq
+            env.expect = wire.RESET_DONE if index in resets else wire.STEPPED
+            env.to(BUSY)
+            op.waiting.add(index)
+            if kind == fastpath.UNUSUAL:  # not a reply C vouches for: Python decodes it and names what is wrong
                 self._take(env, value)
             elif kind == fastpath.EOF:
                 self._close_channel(env)
-            else:  # SHORT_WRITE_KIND: the rest is flushed by the event loop, as _write does
-                env.out = frame[value:]
+            elif kind == fastpath.SHORT_WRITE_KIND:  # the rest is flushed by the event loop, as _write does
+                env.out = value
                 self._watch_out(env, True)
+        stragglers = []
+        if op.waiting:
+            self._wait(op, deadline)
+            stragglers.extend(op.waiting)
+            for index in op.waiting:
+                self._straggling(envs[index])
+        self.op = None
+        overrides = {}
+        if batch.done < len(envs):
+            pack = wire.pack
+            results = op.results
+            released = 0
+            lanes = [index for index, fd in enumerate(chans) if fd < 0] + [index for index, _, _ in rest]
+            for index in lanes:
+                env = envs[index]
+                result = results.get(index, False)
+                if result:
+                    released += env.held
+                    env.held = 0
+                immediate = None if chans[index] >= 0 else "straggler" if env.state.due else "dead"
+                obs, reward, terminated, truncated, info = self._lane_result(env, result, index in stragglers,
+                                                                             immediate)
+                overrides[index] = (pack(obs), reward, terminated, truncated, pack(info))
+            self.held -= released
+        self.held -= batch.held
+        return wire.Raw(batch.compose(overrides, wire.pack(stragglers)))
 
     def _check_lanes(self, indices) -> list:
         n = len(self.envs)

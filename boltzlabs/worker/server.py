@@ -17,7 +17,9 @@ Arrays in observations and actions are passed through, never decoded: an
 array is a msgpack ExtType whose header the worker checks (wire "check"
 limits) and re-packs as is. The rest of a reply is decoded under the policy's
 limits and re-encoded into the client's REPLY; the depth cap keeps that
-re-encoding (three levels deeper) inside msgpack's own limit.
+re-encoding (three levels deeper) inside msgpack's own limit. On the native
+step path (requests._step_native) a reply whose bytes C vouches for (what
+that decoding would accept) is spliced into the REPLY undecoded (wire.Raw).
 
 The client's socket stays in the epoll set during every wait, so a client
 that dies tears the pool down even in the middle of a step; bubblewrap's
