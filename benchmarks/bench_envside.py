@@ -22,9 +22,12 @@ which an unprivileged process may take on itself). Layers and policies take
 turns in --rounds chunks, so load from elsewhere hits all alike. `--loops main
 worktree` runs both serve loops side by side: main's boltzlabs/runtime/serve.py
 (from git) and this checkout's, for a before/after paired in one run. Printed per
-(layer, policy): the children's CPU per env-step from their own counters
-(user and system from /proc/PID/stat, total from /proc/PID/sched), their
+(layer, policy): the children's CPU per env-step from the scheduler's own
+counter (/proc/PID/sched; /proc/PID/stat's user and system times are
+10 ms ticks, too coarse for a child that runs a few ms per chunk), their
 voluntary and involuntary context switches per env-step, and env-steps/s.
+`perf record -p <children>` beside a run splits the time further
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -48,24 +51,31 @@ sys.path.insert(0, str(ROOT))
 from boltzlabs import wire  # noqa: E402
 from boltzlabs.runtime import serve as serve_module  # noqa: E402
 
-TICK = os.sysconf("SC_CLK_TCK")
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC, _CLONE_NEWUSER, _CLONE_NEWNET = (
     0x00020000, 0x04000000, 0x08000000, 0x10000000, 0x40000000)
 
 
-def reset(seed):
-    """examples/counter's reset."""
-    state["t"] = 0
-    return {"t": 0}
+def counter_env() -> tuple:
+    """(reset, step) of examples/counter/env.py, taken from its serve() call."""
+    import types
+
+    given = {}
+    stub = types.ModuleType("boltzlabs.env")
+    stub.serve = lambda **kwargs: given.update(kwargs)
+    real = sys.modules.get("boltzlabs.env")
+    sys.modules["boltzlabs.env"] = stub
+    try:
+        path = ROOT / "examples" / "counter" / "env.py"
+        exec(compile(path.read_text(), str(path), "exec"), {"__name__": "counter_env"})
+    finally:
+        if real is None:
+            del sys.modules["boltzlabs.env"]
+        else:
+            sys.modules["boltzlabs.env"] = real
+    return given["reset"], given["step"]
 
 
-def step(action):
-    """examples/counter's step."""
-    state["t"] += 1
-    return {"t": state["t"]}, float(action), state["t"] >= 100, {}
-
-
-state = {"t": 0}
+reset, step = counter_env()
 
 
 def env_filter() -> bytes:
@@ -167,12 +177,9 @@ class Children:
                     left -= 1
 
     def counters(self) -> tuple:
-        """Sum over the children: (user s, system s, runtime s, voluntary cs, involuntary cs)."""
-        user = system = runtime = vol = invol = 0
+        """Sum over the children: (CPU s, voluntary cs, involuntary cs)."""
+        runtime = vol = invol = 0
         for pid in self.pids:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            user += int(fields[11])
-            system += int(fields[12])
             for line in Path(f"/proc/{pid}/sched").read_text().splitlines():
                 if line.startswith("se.sum_exec_runtime"):
                     runtime += float(line.split(":")[1]) / 1e3  # ms -> s
@@ -181,7 +188,7 @@ class Children:
                     vol += int(line.split()[1])
                 elif line.startswith("nonvoluntary_ctxt_switches"):
                     invol += int(line.split()[1])
-        return user / TICK, system / TICK, runtime, vol, invol
+        return runtime, vol, invol
 
     def close(self) -> None:
         self.epoll.close()
@@ -215,8 +222,8 @@ def main() -> None:
         cgroups = own_memcg() / f"bench-envside-{os.getpid()}"
         cgroups.mkdir()
     loops = {name: serve_loop_of(name) for name in args.loops}
-    print("| n | loop | layer | sched | env-steps/s | user us | system us | total us (sched) | voluntary cs | involuntary cs |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| n | loop | layer | sched | env-steps/s | CPU us | voluntary cs | involuntary cs |")
+    print("|---|---|---|---|---|---|---|---|")
     load_before = os.getloadavg()[0]
     try:
         for n in args.n:
@@ -226,7 +233,7 @@ def main() -> None:
                 steps = args.steps or max(20, int(400_000 / n / 8))
                 for children in sets.values():
                     children.steps(20)
-                totals = {kind: [0.0] * 6 for kind in kinds}
+                totals = {kind: [0.0] * 4 for kind in kinds}
                 for _ in range(args.rounds):
                     for kind, children in sets.items():
                         before = children.counters()
@@ -236,13 +243,13 @@ def main() -> None:
                         after = children.counters()
                         total = totals[kind]
                         total[0] += elapsed
-                        for i in range(5):
+                        for i in range(3):
                             total[i + 1] += after[i] - before[i]
                 for kind, total in totals.items():
                     env_steps = n * steps * args.rounds
-                    per = [value * 1e6 / env_steps for value in total[1:4]]
-                    print(f"| {n} | {kind[0]} | {kind[1]} | {kind[2]} | {env_steps / total[0]:,.0f} | {per[0]:.1f} | {per[1]:.1f} | "
-                          f"{per[2]:.1f} | {total[4] / env_steps:.2f} | {total[5] / env_steps:.2f} |", flush=True)
+                    print(f"| {n} | {kind[0]} | {kind[1]} | {kind[2]} | {env_steps / total[0]:,.0f} | "
+                          f"{total[1] * 1e6 / env_steps:.1f} | {total[2] / env_steps:.2f} | {total[3] / env_steps:.2f} |",
+                          flush=True)
             finally:
                 for children in sets.values():
                     children.close()
