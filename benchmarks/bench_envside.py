@@ -191,6 +191,7 @@ class Children:
         return runtime, vol, invol
 
     def close(self) -> None:
+        """Kill and reap every child, remove its cgroup."""
         self.epoll.close()
         for end in self.ends:
             end.close()
@@ -202,6 +203,7 @@ class Children:
 
 
 def main() -> None:
+    """Run every (loop, layer, policy) at each n, interleaved, and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--layers", nargs="+", default=["bare", "seccomp", "memcg", "ns", "all"],
