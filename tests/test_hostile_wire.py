@@ -102,9 +102,9 @@ HOSTILE = """
 
     original = runtime._reply
 
-    def reply(channel, seq, phase, build, call):
+    def reply(channel, seq, phase, build, call, *args):
         try:
-            result = call()
+            result = call(*args)
         except Exception as exc:
             def again(exc=exc):
                 raise exc

@@ -59,19 +59,49 @@ class _Channel:
         # The worker is trusted more than an env, but a cap still costs nothing.
         self.reader = wire.FrameReader(wire.Limits(1 << 30))
         self.inbox = []
+        self.wait = _readable_waiter(rfd)
 
     def write(self, data: bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self.wfd, view):]
+        # Hot path: a reply goes out in one write; a short one (a big
+        # observation over a full pipe or socket buffer) loops on what is left.
+        sent = os.write(self.wfd, data)
+        if sent != len(data):
+            view = memoryview(data)[sent:]
+            while view:
+                view = view[os.write(self.wfd, view):]
 
     def receive(self):
-        while not self.inbox:
+        inbox = self.inbox
+        while not inbox:
+            if self.wait is not None:
+                self.wait()
             data = os.read(self.rfd, 1 << 16)  # small: a 1 MiB read buffer costs every env heap pages
             if not data:
                 raise EOFError
-            self.inbox.extend(self.reader.feed(data))
-        return self.inbox.pop(0)
+            inbox += self.reader.feed(data)
+        return inbox.pop(0)
+
+
+def _readable_waiter(fd: int):
+    """For a socket channel: a call that sleeps until `fd` is readable (poll), else None.
+
+    An env blocked in read() on a stream socket sleeps on the socket's one
+    wait queue, and the worker's read of the env's own reply frees its buffer
+    and wakes every sleeper there to say the socket is writable (unix_write_space):
+    the env woke twice per step, once for nothing. poll() sleeps for POLLIN
+    only (the kernel filters wake-ups by event), so each step costs one wake-up
+    and one poll call instead (measured: benchmarks/bench_envside.py,
+    docs/performance.md). A pipe has a wait queue per direction: no need.
+    """
+    import stat
+
+    if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+        return None
+    import select  # the template has it already: shared by every forked env
+
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return poller.poll
 
 
 def _failure(seq, phase: str, exc: BaseException):
@@ -193,9 +223,10 @@ WRAPPER_CLASSES = "boltzlabs_wrapper_classes"
 _ATTR_PHASES = {"call": "call", "get": "get_attr", "set": "set_attr"}
 
 
-def _reply(channel: _Channel, seq, phase: str, build, call):
+def _reply(channel: _Channel, seq, phase: str, build, call, *args):
+    """Answer request `seq` with build(seq, call(*args)), or FAILED with what it raised."""
     try:
-        reply = build(seq, call())
+        reply = build(seq, call(*args))
         try:
             data = wire.encode(reply)
         except ValueError as exc:
@@ -355,17 +386,19 @@ class _Probe:
 def _serve_loop(channel: _Channel, reset, step, render, info: dict) -> None:
     """Answer the worker's requests until it closes the channel."""
     channel.write(wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, dict(info, pid=os.getpid())]))
+    receive = channel.receive
+    STEP = wire.STEP
     try:
         while True:
-            message = channel.receive()
+            message = receive()
             code = message[0]
-            if code == wire.STEP:
+            if code == STEP:  # the hot path: one per env-step, no closure made
                 _, seq, action, gated = message
                 if gated:
                     # serialize_measurement: decoded already, now wait for our turn.
-                    while channel.receive()[:2] != [wire.GO, seq]:
+                    while receive()[:2] != [wire.GO, seq]:
                         pass
-                _reply(channel, seq, "step", _step_reply, lambda: step(action))
+                _reply(channel, seq, "step", _step_reply, step, action)
             elif code == wire.RESET:
                 _, seq, seed, options = message
                 # Options only when there are any: an env's reset may take only the seed.
@@ -376,8 +409,7 @@ def _serve_loop(channel: _Channel, reset, step, render, info: dict) -> None:
                 _reply(channel, seq, "render", _render_reply, render if render is not None else lambda: None)
             elif code == wire.ATTR:
                 _, seq, op, name, args, kwargs = message
-                _reply(channel, seq, _ATTR_PHASES[op], _attr_reply,
-                       lambda: _ATTRIBUTES.run(op, name, args, kwargs))
+                _reply(channel, seq, _ATTR_PHASES[op], _attr_reply, _ATTRIBUTES.run, op, name, args, kwargs)
             else:
                 raise wire.ProtocolError(f"unexpected message code {code}")
     except EOFError:
