@@ -46,8 +46,8 @@ AFTER = []  # what the env does once its reply is written
 
 original = runtime._reply
 
-def reply(channel, seq, phase, build, call):
-    original(channel, seq, phase, build, call)
+def reply(channel, seq, phase, build, call, *args):
+    original(channel, seq, phase, build, call, *args)
     while AFTER:
         AFTER.pop(0)(seq)
 
