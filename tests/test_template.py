@@ -306,3 +306,25 @@ def test_a_template_handshake_sent_by_another_process_moves_only_the_template(en
         assert pool.spawn == "template"
         check_cgroups(pool)
         assert pool.step([0, 0])[1].tolist() == [1.0, 1.0]
+
+
+def test_the_worker_byte_compiles_what_every_sandbox_imports(tmp_path):
+    """The package is read-only inside the sandboxes, which cannot write
+    __pycache__; an env whose runtime has no .pyc compiles it in every
+    template (measured: ~80 KiB more private memory per forked env). The
+    worker compiles it on the host before the first spawn."""
+    import importlib.util
+
+    from boltzlabs.sandbox.policy import PACKAGE_DIR
+
+    source = PACKAGE_DIR / "runtime" / "serve.py"
+    cached = Path(importlib.util.cache_from_source(str(source)))
+    if not os.access(cached.parent if cached.parent.exists() else source.parent, os.W_OK):
+        pytest.skip("the installed package is not writable here (a wheel carries its .pyc files)")
+    cached.unlink(missing_ok=True)
+    pool = RLPool(COUNTER, n=1)
+    try:
+        assert cached.exists(), "the worker did not byte-compile runtime/serve.py"
+        pool.reset(seed=0)
+    finally:
+        pool.close()

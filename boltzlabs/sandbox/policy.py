@@ -20,10 +20,32 @@ from boltzlabs.errors import SandboxUnavailable
 from boltzlabs.sandbox import limits as _limits
 from boltzlabs.units import parse_size
 
-__all__ = ["PACKAGE_DIR", "MOUNT_PROFILES", "Policy", "load_policy", "find_bwrap", "parse_size"]
+__all__ = ["PACKAGE_DIR", "MOUNT_PROFILES", "Policy", "load_policy", "find_bwrap", "parse_size", "compile_sandbox_code"]
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the boltzlabs package (bound into every sandbox)
 MOUNT_PROFILES = ("system", "interpreter", "runtime", "env")
+
+
+def compile_sandbox_code() -> None:
+    """Byte-compile, on the host, what every sandbox imports from this package
+    (boltzlabs/runtime/ and the package's top-level modules), best effort.
+
+    The package is bound read-only into every sandbox, where Python cannot
+    write __pycache__: a module without a current .pyc (an editable install or
+    a fresh checkout whose host side never imported it) is compiled from
+    source by every template and every exec-mode env, and each env forked from
+    the template carries the compiler's leftovers in pages it copies: measured
+    ~80 KiB more private memory per env with runtime/serve.py uncompiled. An
+    up-to-date .pyc costs one stat here; a directory we cannot write is left
+    as it is (a wheel installed by pip carries its .pyc files already).
+    """
+    import compileall
+
+    try:
+        compileall.compile_dir(PACKAGE_DIR, maxlevels=0, quiet=2)
+        compileall.compile_dir(PACKAGE_DIR / "runtime", maxlevels=1, quiet=2)  # and runtime/gym_env
+    except OSError:
+        pass
 
 
 def _data_dir(name: str) -> Path:

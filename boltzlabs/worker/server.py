@@ -44,7 +44,7 @@ from boltzlabs.worker import native
 from boltzlabs.sandbox.builder import SandboxSpec
 from boltzlabs.sandbox.cgroups import CgroupPool, CgroupUnavailable
 from boltzlabs.sandbox.identity import host_account
-from boltzlabs.sandbox.policy import find_bwrap, load_policy
+from boltzlabs.sandbox.policy import compile_sandbox_code, find_bwrap, load_policy
 from boltzlabs.worker.config import PIPES, parse_open, raise_fd_limit
 from boltzlabs.worker.lanes import IDLE, Lane
 from boltzlabs.worker.lifecycle import (ABANDONED, PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, Lifecycle, StartFailure,
@@ -89,6 +89,7 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
         self.straggler_grace = config.straggler_grace
         self.warmup = config.warmup
         find_bwrap()  # before the account's checks: a host without bwrap is told that first
+        compile_sandbox_code()  # what every sandbox imports, as .pyc: the sandbox cannot write them
         self.account = host_account(self.policy.sandbox.get("identity", {}))
         # The policy compiled once (boltzlabs.sandbox.plan); both spawners use this spec's plan.
         self.spec = SandboxSpec(self.policy, config.source_dir, config.workspace_size, config.params,
