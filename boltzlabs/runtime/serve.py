@@ -328,30 +328,45 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
 
 
 def _warm_up(steps: int = 24) -> None:
-    """Template mode: run the serve loop once over a socketpair, with stand-in
-    callables (never the env's reset or step), before the template forks.
+    """Template mode: run the serve loop with stand-in callables (never the
+    env's reset or step) before the template forks, once over each kind of
+    channel a child may get: two pipes (the default) and a socketpair (the
+    fallback; it also waits in poll before each read).
 
     CPython 3.11 rewrites a function's bytecode on its first calls
     (quickening, then specialization), and those writes would copy the
-    template's pages into every env; done here once, the children start
-    with the loop's code already settled (~70 KiB less per env, measured).
+    template's pages into every env; done here once for the path the
+    children take, they start with the loop's code already settled (~70 KiB
+    less per env, measured; a warm-up over the other channel kind only left
+    ~100 KiB per env to copy).
     """
     import socket
 
-    ours, theirs = socket.socketpair()
-    try:
-        frames = [wire.encode([wire.RESET, 0, 0, None])]
-        frames += [wire.encode([wire.STEP, seq, 0, False]) for seq in range(1, steps)]
-        ours.sendall(b"".join(frames))  # ~0.5 KiB each way: within the socket buffers
-        ours.shutdown(socket.SHUT_WR)
-        # A stand-in handshake too: nobody reads this socketpair until it is
-        # closed, and a HELLO bigger than its buffer (large metadata or
-        # spaces) would block the template here for good.
-        _serve_loop(_Channel(theirs.fileno(), theirs.fileno()), lambda seed: 0, lambda action: (0, 0.0, False, {}), None,
-                    {"warm_up": True})
-    finally:
-        ours.close()
-        theirs.close()
+    frames = [wire.encode([wire.RESET, 0, 0, None])]
+    frames += [wire.encode([wire.STEP, seq, 0, False]) for seq in range(1, steps)]
+    requests = b"".join(frames)  # ~0.5 KiB each way: within any pipe's or socket's buffer
+    for pipes in (True, False):
+        # The replies go to a socket nobody reads until it is closed: a HELLO
+        # bigger than a pipe (large metadata or spaces) fits its buffer, where
+        # it would block the template here for good.
+        ours, theirs = socket.socketpair()
+        fds = []
+        try:
+            if pipes:
+                fds[:] = os.pipe()
+                os.write(fds[1], requests)
+                os.close(fds.pop())
+                channel = _Channel(fds[0], theirs.fileno())
+            else:
+                ours.sendall(requests)
+                ours.shutdown(socket.SHUT_WR)
+                channel = _Channel(theirs.fileno(), theirs.fileno())
+            _serve_loop(channel, lambda seed: 0, lambda action: (0, 0.0, False, {}), None, {"warm_up": True})
+        finally:
+            for fd in fds:
+                os.close(fd)
+            ours.close()
+            theirs.close()
 
 
 class _Probe:
