@@ -1,5 +1,6 @@
 """Shared fixtures: real pools over real sandboxes; nothing is mocked."""
 
+import fcntl
 import os
 import textwrap
 from pathlib import Path
@@ -11,6 +12,8 @@ from boltzlabs import RLPool
 TESTS = Path(__file__).resolve().parent
 PROBE = TESTS / "envs" / "probe"
 COUNTER = TESTS.parent / "examples" / "counter"
+# Held while a test process has a Ray cluster up (two_node_ray_cluster).
+RAY_LOCK = "/tmp/boltzlabs-tests-ray.lock"
 
 
 @pytest.fixture(params=["template", "exec"])
@@ -93,9 +96,16 @@ def two_node_ray_cluster():
     from ray.cluster_utils import Cluster
 
     node = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 100 << 20}
-    c = Cluster(initialize_head=True, head_node_args=dict(node, include_dashboard=False))
-    c.add_node(**node)
-    ray.init(address=c.address, _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    # One Ray cluster on this host at a time: CI runs the suite on both step paths at
+    # once (ci/test.sh), and two clusters would race for Ray's default ports and
+    # /tmp/ray, and starve each other's raylets of the two cores.
+    with open(RAY_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        c = Cluster(initialize_head=True, head_node_args=dict(node, include_dashboard=False))
+        try:
+            c.add_node(**node)
+            ray.init(address=c.address, _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
+            yield c
+        finally:
+            ray.shutdown()
+            c.shutdown()

@@ -33,10 +33,17 @@ def cluster():
 
 
 def listeners() -> list:
-    """Every `boltzlabs worker --listen` process on this host."""
+    """Every `boltzlabs worker --listen` process of this test process's clusters.
+
+    Only those below this process (its clusters' raylets are its children, the
+    actors theirs, each listener its actor's): CI runs the suite on both step
+    paths at once, each session with its own clusters and listeners."""
     out = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = proc.info["cmdline"] or []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmd = proc.cmdline()
+        except psutil.Error:
+            continue
         if "boltzlabs" in cmd and "worker" in cmd and "--listen" in cmd:
             out.append(proc)
     return out
