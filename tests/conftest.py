@@ -1,5 +1,6 @@
 """Shared fixtures: real pools over real sandboxes; nothing is mocked."""
 
+import contextlib
 import fcntl
 import os
 import textwrap
@@ -12,8 +13,27 @@ from boltzlabs import RLPool
 TESTS = Path(__file__).resolve().parent
 PROBE = TESTS / "envs" / "probe"
 COUNTER = TESTS.parent / "examples" / "counter"
-# Held while a test process has a Ray cluster up (two_node_ray_cluster).
-RAY_LOCK = "/tmp/boltzlabs-tests-ray.lock"
+
+
+@contextlib.contextmanager
+def host_lock(name: str):
+    """Held by one test process on this host at a time (an flock in /tmp). CI runs the
+    suite on both step paths at once (ci/test.sh); what two sessions must not do
+    together takes one of these."""
+    with open(f"/tmp/boltzlabs-tests-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _slow_tests_one_at_a_time(request):
+    """A test marked `slow` (a 1000-env pool) holds the host: two of them at once, one
+    per CI session, would share two cores between 2000 sandboxes."""
+    if request.node.get_closest_marker("slow") is None:
+        yield
+        return
+    with host_lock("slow"):
+        yield
 
 
 @pytest.fixture(params=["template", "exec"])
@@ -76,6 +96,16 @@ def open_fds() -> set:
     return set(os.listdir("/proc/self/fd"))
 
 
+def has_ended(process) -> bool:
+    """Whether a psutil.Process has exited (a zombie has)."""
+    import psutil
+
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def intervals(obs) -> list:
     """(start, end) of each probe {"op": "interval"} result, sorted by start."""
     return sorted((o["out"]["start"], o["out"]["end"]) for o in obs)
@@ -99,8 +129,7 @@ def two_node_ray_cluster():
     # One Ray cluster on this host at a time: CI runs the suite on both step paths at
     # once (ci/test.sh), and two clusters would race for Ray's default ports and
     # /tmp/ray, and starve each other's raylets of the two cores.
-    with open(RAY_LOCK, "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with host_lock("ray"):
         c = Cluster(initialize_head=True, head_node_args=dict(node, include_dashboard=False))
         try:
             c.add_node(**node)
