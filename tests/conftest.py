@@ -1,5 +1,7 @@
 """Shared fixtures: real pools over real sandboxes; nothing is mocked."""
 
+import contextlib
+import fcntl
 import os
 import textwrap
 from pathlib import Path
@@ -11,6 +13,27 @@ from boltzlabs import RLPool
 TESTS = Path(__file__).resolve().parent
 PROBE = TESTS / "envs" / "probe"
 COUNTER = TESTS.parent / "examples" / "counter"
+
+
+@contextlib.contextmanager
+def host_lock(name: str):
+    """Held by one test process on this host at a time (an flock in /tmp). CI runs the
+    suite on both step paths at once (ci/test.sh); what two sessions must not do
+    together takes one of these."""
+    with open(f"/tmp/boltzlabs-tests-{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _slow_tests_one_at_a_time(request):
+    """A test marked `slow` (a 1000-env pool) holds the host: two of them at once, one
+    per CI session, would share two cores between 2000 sandboxes."""
+    if request.node.get_closest_marker("slow") is None:
+        yield
+        return
+    with host_lock("slow"):
+        yield
 
 
 @pytest.fixture(params=["template", "exec"])
@@ -73,6 +96,16 @@ def open_fds() -> set:
     return set(os.listdir("/proc/self/fd"))
 
 
+def has_ended(process) -> bool:
+    """Whether a psutil.Process has exited (a zombie has)."""
+    import psutil
+
+    try:
+        return not process.is_running() or process.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def intervals(obs) -> list:
     """(start, end) of each probe {"op": "interval"} result, sorted by start."""
     return sorted((o["out"]["start"], o["out"]["end"]) for o in obs)
@@ -93,9 +126,15 @@ def two_node_ray_cluster():
     from ray.cluster_utils import Cluster
 
     node = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 100 << 20}
-    c = Cluster(initialize_head=True, head_node_args=dict(node, include_dashboard=False))
-    c.add_node(**node)
-    ray.init(address=c.address, _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
-    yield c
-    ray.shutdown()
-    c.shutdown()
+    # One Ray cluster on this host at a time: CI runs the suite on both step paths at
+    # once (ci/test.sh), and two clusters would race for Ray's default ports and
+    # /tmp/ray, and starve each other's raylets of the two cores.
+    with host_lock("ray"):
+        c = Cluster(initialize_head=True, head_node_args=dict(node, include_dashboard=False))
+        try:
+            c.add_node(**node)
+            ray.init(address=c.address, _node_ip_address="127.0.0.1", logging_level="ERROR", log_to_driver=False)
+            yield c
+        finally:
+            ray.shutdown()
+            c.shutdown()

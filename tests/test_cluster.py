@@ -21,7 +21,7 @@ from boltzlabs import wire  # noqa: E402
 from boltzlabs.cluster import ClusterPool, doctor, placement  # noqa: E402
 from boltzlabs.errors import WorkerError  # noqa: E402
 
-from conftest import COUNTER, PROBE, two_node_ray_cluster  # noqa: E402
+from conftest import COUNTER, PROBE, has_ended, two_node_ray_cluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 100 << 20}
@@ -33,10 +33,17 @@ def cluster():
 
 
 def listeners() -> list:
-    """Every `boltzlabs worker --listen` process on this host."""
+    """Every `boltzlabs worker --listen` process of this test process's clusters.
+
+    Only those below this process (its clusters' raylets are its children, the
+    actors theirs, each listener its actor's): CI runs the suite on both step
+    paths at once, each session with its own clusters and listeners."""
     out = []
-    for proc in psutil.process_iter(["cmdline"]):
-        cmd = proc.info["cmdline"] or []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmd = proc.cmdline()
+        except psutil.Error:
+            continue
         if "boltzlabs" in cmd and "worker" in cmd and "--listen" in cmd:
             out.append(proc)
     return out
@@ -49,6 +56,20 @@ def wait_until(predicate, what: str, timeout: float = 30.0) -> None:
             return
         time.sleep(0.2)
     raise AssertionError(what)
+
+
+def remove_node(cluster, node) -> None:
+    """Remove a node and wait until every process it ran has ended: the raylet's
+    actors, their listeners, workers and sandboxes. On a loaded machine they
+    outlive the raylet for seconds, and a step sent meanwhile still reaches them."""
+    family = []
+    for name, proc in node.live_processes():
+        if name == "raylet":
+            root = psutil.Process(proc.pid)
+            family += [root] + root.children(recursive=True)
+    assert family, "the node has no raylet"
+    cluster.remove_node(node)
+    wait_until(lambda: all(has_ended(p) for p in family), "a removed node's processes outlived it", 60)
 
 
 def test_placement_splits_by_cpus_within_each_nodes_room():
@@ -113,7 +134,7 @@ def test_a_lost_node_loses_nothing_silently(cluster):
         lost = [lane for lane, node in enumerate(nodes) if node == lost_node]
         assert len(lost) == 2 and len(set(nodes)) == 3
         pool.reset()
-        cluster.remove_node(extra)
+        remove_node(cluster, extra)
         obs, rewards, dones, infos = pool.step([1] * 6)
         for lane in range(6):
             if lane in lost:
@@ -139,7 +160,7 @@ def test_a_cluster_without_room_says_so(cluster):
     pool = ClusterPool(COUNTER, 6, cluster=cluster.address, envs_per_node=2)
     try:
         lost = [lane for lane, node in enumerate(pool.lane_nodes) if node == extra.node_id]
-        cluster.remove_node(extra)
+        remove_node(cluster, extra)
         pool.step([1] * 6)
         with pytest.raises(WorkerError, match="room for 0 more env"):
             pool.reset(where=lost)

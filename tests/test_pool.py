@@ -168,30 +168,34 @@ def _descendants():
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-def _our_cgroups():
+def _our_cgroups(*workers: int) -> set:
+    """The pool cgroups of these worker pids (named boltzlabs-<worker pid>-<tag>) in
+    this process's memory cgroup, which other test sessions share (CI runs two at once)."""
     own = next(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
                if ":memory:" in line)
     home = Path("/sys/fs/cgroup/memory") / own.lstrip("/")
-    return {p.name for p in home.glob("boltzlabs-*")}
+    return {p.name for worker in workers for p in home.glob(f"boltzlabs-{worker}-*")}
 
 
 def test_close_leaves_nothing_behind(spawn):
-    fds, children, groups = open_fds(), _descendants(), _our_cgroups()
+    fds, children = open_fds(), _descendants()
     pool = RLPool(PROBE, 4, step_timeout=0.5, spawn=spawn)
     pool.reset(seed=0)
     pool.step([1, {"op": "sleep", "s": 60}, 1, 1])  # a busy env at close too
     assert len(_descendants()) > len(children)
-    assert len(_our_cgroups() - groups) == 1  # the pool made one cgroup
+    worker = pool._proc.pid
+    assert len(_our_cgroups(worker)) == 1  # the pool made one cgroup
     pool.close()
     assert _descendants() == children
     assert open_fds() == fds
-    assert not _our_cgroups() - groups  # none of ours left (a stale one from elsewhere may be swept)
+    assert not _our_cgroups(worker)
 
 
 def test_interrupted_call_and_dropped_pool_leave_nothing_behind(spawn):
-    fds, children, groups = open_fds(), _descendants(), _our_cgroups()
+    fds, children = open_fds(), _descendants()
     pool = RLPool(PROBE, 2, step_timeout=30, spawn=spawn)
     pool.reset(seed=0)
+    workers = [pool._proc.pid]
     signal.signal(signal.SIGALRM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     signal.setitimer(signal.ITIMER_REAL, 0.3)
     try:
@@ -203,10 +207,11 @@ def test_interrupted_call_and_dropped_pool_leave_nothing_behind(spawn):
     with pytest.raises(PoolClosedError):
         pool.step([1, 1])
     pool2 = RLPool(PROBE, 2, spawn=spawn)
+    workers.append(pool2._proc.pid)
     del pool2  # garbage collection closes it
     assert _descendants() == children
     assert open_fds() == fds
-    assert not _our_cgroups() - groups  # none of ours left (a stale one from elsewhere may be swept)
+    assert not _our_cgroups(*workers)
 
 
 CLIENT = """
@@ -215,24 +220,23 @@ sys.path.insert(0, {root!r})
 from boltzlabs import RLPool
 pool = RLPool({probe!r}, 3, spawn={spawn!r})
 pool.reset(seed=0)
-print(pool.pids(), flush=True)
+print((pool.pids(), pool._proc.pid), flush=True)
 {ending}
 """
 
 
 @pytest.mark.parametrize("ending", ["pass  # interpreter exit", "import os; os.kill(os.getpid(), 9)"])
 def test_client_exit_or_death_leaves_no_sandbox(spawn, ending):
-    groups = _our_cgroups()
     code = CLIENT.format(root=str(Path(__file__).parent.parent), probe=str(PROBE), ending=ending, spawn=spawn)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    pids = eval(out.stdout.strip().splitlines()[0])
+    pids, worker = eval(out.stdout.strip().splitlines()[0])
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(psutil.pid_exists(p) for p in pids):
         time.sleep(0.05)
     assert not any(psutil.pid_exists(p) for p in pids)
-    while time.monotonic() < deadline and _our_cgroups() - groups:
+    while time.monotonic() < deadline and _our_cgroups(worker):
         time.sleep(0.05)
-    assert not _our_cgroups() - groups  # none of ours left (a stale one from elsewhere may be swept)
+    assert not _our_cgroups(worker)
 
 
 def test_worker_death_is_a_clear_error_and_kills_every_sandbox(spawn):
