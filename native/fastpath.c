@@ -163,6 +163,42 @@ static int wait_ready(int epfd, struct epoll_event *events, int max_events, doub
     }
 }
 
+/* Coalescing the fan-in's wake-ups. Every time the worker sleeps in
+ * epoll_wait, the next env to answer wakes it (a context switch for the
+ * worker, and the wake-up's cost for the env), and it reads the one or two
+ * replies in by then: measured 0.40-0.58 worker sleeps per env-step, most of
+ * the worker's CPU after the step moved to C. So between two waits, while
+ * more than NAP_MIN_WAITING lanes are still out, the worker first naps for an
+ * eighth of the time the fan-in has taken so far (at most NAP_MAX), letting
+ * replies pile up to be read in one round; an env that writes while the
+ * worker naps wakes nobody. The nap never reaches past the deadline, so a
+ * step answers a little later than its last reply (by at most an eighth of
+ * its duration) and never later than the deadline. Measured, paired:
+ * 1.3-1.4x the env-steps/s at n = 64 and 512, worker CPU per env-step 13 ->
+ * 7-8 us (docs/performance.md). */
+#define NAP_MIN_WAITING 8
+#define NAP_DIVISOR 8.0
+#define NAP_MAX 0.001  /* seconds */
+#define NAP_MIN 0.00001 /* a shorter nap would cost more than it saves */
+
+static int nap(double since, double deadline)
+{
+    double now = monotonic_now();
+    double length = (now - since) / NAP_DIVISOR;
+    if (length > NAP_MAX)
+        length = NAP_MAX;
+    if (!(length >= NAP_MIN) || !(now + length < deadline)) /* NaN: no nap */
+        return 0;
+    struct timespec ts = {0, (long)(length * 1e9)};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = nanosleep(&ts, NULL);
+    Py_END_ALLOW_THREADS
+    if (rc < 0 && errno == EINTR && PyErr_CheckSignals() < 0)
+        return -1; /* a signal handler raised (SIGTERM's): as wait_ready does */
+    return 0;
+}
+
 /* (kind, value) as a new tuple; steals nothing. */
 static PyObject *outcome(int kind, PyObject *value)
 {
@@ -1245,7 +1281,11 @@ static PyObject *step(PyObject *self, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
+    double fan_in_start = monotonic_now();
+    int rounds = 0;
     while (waiting > 0) {
+        if (rounds++ > 0 && waiting > NAP_MIN_WAITING && nap(fan_in_start, deadline) < 0)
+            goto done;
         int ready = wait_ready(epfd, events, max_events, deadline);
         if (ready < 0)
             goto done;

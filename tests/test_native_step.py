@@ -541,6 +541,41 @@ def test_pools_agree_on_faults_lane_by_lane(pool_factory, monkeypatch):
     assert failed[4][3].get("straggler") is True and failed[1][5] == 2.5
 
 
+def test_pools_agree_when_many_lanes_answer_at_staggered_times_and_one_hangs(pool_factory, monkeypatch, env_dir):
+    """The native fan-in naps between its epoll waits while more than 8 lanes
+    are out (fastpath.c nap()): replies that come while it naps are all read,
+    in lane order, and a lane that hangs is a straggler at the deadline, as on
+    the pure path. The time bound only catches a nap that overran the deadline."""
+    source = env_dir("""
+        import os, time
+        from boltzlabs.env import serve
+
+        def step(action):
+            lane = int(os.environ["BOLTZLABS_ENV_INDEX"])  # set in each env, not in the template
+            time.sleep(30 if action == "hang" else (lane % 7) * 0.002)
+            return lane * 10 + action, float(lane), False, {"lane": lane}
+
+        serve(reset=lambda seed: int(os.environ["BOLTZLABS_ENV_INDEX"]), step=step)
+    """)
+    n, timeout = 24, 1.5
+
+    def script(pool):
+        out = [pool.reset(seed=list(range(n)))]
+        for t in range(4):
+            actions = [t] * n if t != 2 else [t] * (n - 1) + ["hang"]
+            started = time.monotonic()
+            r = pool.step_full(actions, resets=[n - 1] if t == 3 else None)
+            assert time.monotonic() - started < timeout + 5.0
+            out.append((r.obs, r.rewards, r.terminated, r.truncated,
+                        [{k: v for k, v in info.items() if k != "error"} for info in r.infos]))
+        return out
+
+    out = both(pool_factory, monkeypatch, source, n, script, step_timeout=timeout)
+    assert out[1][0] == [lane * 10 for lane in range(n)]
+    assert out[3][0][:n - 1] == [lane * 10 + 2 for lane in range(n - 1)]
+    assert out[3][4][n - 1].get("straggler") is True
+
+
 def test_a_lane_holding_part_of_a_frame_is_judged_as_the_pure_path_judges_it(pool_factory, monkeypatch, env_dir):
     """Two stray bytes after a reply (a frame's start) are held by the lane's
     reader while it is idle; the next reply completes a garbled frame on
