@@ -13,6 +13,7 @@ import pytest
 
 from boltzlabs import RLPool
 from boltzlabs.sandbox.policy import load_policy
+from conftest import host_lock
 
 ATTACK_ENV = r'''
 import errno
@@ -349,17 +350,24 @@ def test_an_env_spending_the_accounts_pipe_quota_leaves_other_pools_channels_who
     can spend it (this one holds 1500 pipes, 1024 fill it) and so shrink the
     pipes other envs make for themselves; but the channels and log pipes
     are the worker's (root, held to no such quota here), made before any
-    env runs: another pool's channel pipes keep their 64 KiB."""
-    pool = quota_pool(limits={"open_files": 4096})
-    assert _take(pool, "pipes", 1500) == {"took": 1500, "errno": 0}
-    sizes = pool.step([{"op": "pipe_sizes"}, 1.0])[0][0]["out"]
-    assert min(int(size) for size in sizes["held"]) < 65536, sizes  # the account's quota is spent
-    other = quota_pool()
-    assert other.channel == "pipes"
-    assert _take(other, "pipes", 1) == {"took": 1, "errno": 0}
-    other_sizes = other.step([{"op": "pipe_sizes"}, 1.0])[0][0]["out"]
-    assert other_sizes["channel"] == [65536, 65536], other_sizes
-    assert max(map(int, other_sizes["held"])) < 65536, other_sizes  # its own pipe: the account's, spent
+    env runs: another pool's channel pipes keep their 64 KiB.
+
+    It holds a host lock: in CI the other session runs this test too, and its
+    env, spending the same account's quota first and then closing its pipes,
+    would leave this one's env holding only small pipes under the limit."""
+    with host_lock("pipe-quota"):
+        pool = quota_pool(limits={"open_files": 4096})
+        assert _take(pool, "pipes", 1500) == {"took": 1500, "errno": 0}
+        sizes = pool.step([{"op": "pipe_sizes"}, 1.0])[0][0]["out"]
+        assert min(int(size) for size in sizes["held"]) < 65536, sizes  # the account's quota is spent
+        other = quota_pool()
+        assert other.channel == "pipes"
+        assert _take(other, "pipes", 1) == {"took": 1, "errno": 0}
+        other_sizes = other.step([{"op": "pipe_sizes"}, 1.0])[0][0]["out"]
+        assert other_sizes["channel"] == [65536, 65536], other_sizes
+        assert max(map(int, other_sizes["held"])) < 65536, other_sizes  # its own pipe: the account's, spent
+        other.close()
+        pool.close()  # inside the lock: its env's pipes are spent quota until it is gone
 
 
 def test_a_lane_cannot_open_another_lanes_pty(quota_pool):
