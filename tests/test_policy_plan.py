@@ -15,18 +15,35 @@ from pathlib import Path
 import pytest
 
 from boltzlabs import RLPool
-from boltzlabs.errors import SandboxUnavailable
+from boltzlabs.errors import EnvStartError, SandboxUnavailable
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = (ROOT / "sandbox" / "policy.toml").read_text()
 
 FACTS = """
+import ctypes
 import os
 from boltzlabs.env import serve
 
+libc = ctypes.CDLL(None, use_errno=True)
+
+def unshare_user():
+    # 0 if this env could make a user namespace of its own (it must not), else the errno.
+    return 0 if libc.unshare(0x10000000) == 0 else ctypes.get_errno()
+
+def wrote():
+    with open("probe", "w") as f:
+        f.write("x")
+    return os.stat("probe").st_uid
+
 def facts():
     workspace, shm = os.statvfs(os.getcwd()), os.statvfs("/dev/shm")
+    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
     return {
+        "cap_eff": int(status["CapEff"], 16),
+        "sys_read_only": bool(os.statvfs("/proc/sys").f_flag & os.ST_RDONLY),
+        "unshare_user": unshare_user(),
+        "wrote_as": wrote(),
         "ns": {kind: os.readlink(f"/proc/self/ns/{kind}") for kind in ("net", "ipc", "uts", "cgroup")},
         "hostname": os.uname().nodename,
         "cwd": os.getcwd(),
@@ -83,6 +100,16 @@ def _facts(directory, spawn, n=2, **kwargs):
     return seen
 
 
+def _confined(facts: dict, uid: int, gid: int) -> None:
+    """What every env is, whatever its ids: those ids, no capability, a read-only
+    /proc/sys, no user namespace of its own, a workspace it writes as itself."""
+    assert (facts["uid"], facts["gid"]) == (uid, gid), facts
+    assert facts["cap_eff"] == 0, facts
+    assert facts["sys_read_only"], facts
+    assert facts["unshare_user"] != 0, facts
+    assert facts["wrote_as"] == uid, facts
+
+
 def test_shipped_policy_unshares_every_namespace(facts_env, spawn):
     """The control: with the shipped policy no env shares a namespace with the host."""
     for seen in _facts(facts_env, spawn):
@@ -90,6 +117,19 @@ def test_shipped_policy_unshares_every_namespace(facts_env, spawn):
             assert link != _host_ns(kind), (kind, seen)
         assert seen["hostname"] == "boltzlabs"
         assert seen["workspace"] == 64 << 20 and seen["cwd"] == "/workspace"
+        _confined(seen, 0, 0)
+
+
+def test_identity_uid_and_gid_follow_the_policy(facts_env, spawn, policy):
+    """[identity] uid and gid other than 0 (software that refuses to run as
+    root): the env is that uid and gid, confined as any env is. Both modes
+    failed to start before (bubblewrap's --uid made the set-up's mounts fail)."""
+    policy((r'^uid = 0$', 'uid = 1000'), (r'^gid = 0$', 'gid = 1001'))
+    seen = _facts(facts_env, spawn)
+    assert len(seen) == 6
+    for facts in seen:
+        _confined(facts, 1000, 1001)
+        assert facts["workspace"] == 64 << 20 and facts["cwd"] == "/workspace"
 
 
 def test_no_net_namespace_when_the_policy_drops_it(facts_env, spawn, policy):
@@ -231,3 +271,19 @@ def test_a_hostname_without_a_uts_namespace_is_refused():
 def test_the_host_refuses_to_encode_what_the_sandbox_would_refuse():
     with pytest.raises(ValueError):
         confine.encode({"hostname": "a\nsysctl.max_user_namespaces=99"})
+
+
+def test_a_failed_sandbox_set_up_is_not_blamed_on_the_env(facts_env, policy):
+    """A policy that breaks the set-up inside the sandbox (exec mode's set-up
+    capabilities without CAP_SYS_ADMIN: its first mount fails): the error shows
+    the set-up's traceback and says it is the policy or the host, not env.py.
+    (A template whose set-up fails falls back to exec mode with its traceback
+    in the warning: test_template.py.)"""
+    policy((r'^cap_add = \["CAP_SYS_ADMIN", "CAP_SYS_RESOURCE", "CAP_SETPCAP"\]$',
+            'cap_add = ["CAP_SYS_RESOURCE", "CAP_SETPCAP"]'))
+    with pytest.raises(EnvStartError) as caught:
+        RLPool(facts_env, 1, spawn="exec", start_timeout=30).close()
+    text = str(caught.value)
+    assert "mount the workspace tmpfs: Operation not permitted" in text, text
+    assert "set-up failed before any env code ran" in text and "boltzlabs doctor" in text, text
+    assert "Fix the error in" not in text, text

@@ -162,6 +162,9 @@ def test_start_up_failure_names_env_and_shows_its_output(env_dir, spawn, source,
     assert f"env {caught.value.env_index}" in str(caught.value)
     if "broken" in expected:
         assert "Traceback" in caught.value.log
+        # The env's own error: the message sends the user to env.py, not to the sandbox's set-up.
+        assert f"Fix the error in {directory}/env.py" in str(caught.value)
+        assert "set-up failed" not in str(caught.value)
 
 
 def _descendants():

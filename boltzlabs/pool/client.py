@@ -330,9 +330,15 @@ class RLPool(Pool):
                         others = detail["failed"] - 1
                         more = f" ({others} other env(s) failed too)" if others > 0 else ""
                         gym_id = self._resolved.gym_id
-                        fix = (f"gymnasium.make({gym_id!r}, **{config['params']['kwargs']!r}) failed inside the "
-                               "sandbox (its traceback is above)." if gym_id else
-                               f"Fix the error in {config['source_dir']}/env.py (its traceback is above).")
+                        if _set_up_failed(detail["log"]):
+                            fix = ("The sandbox's own set-up failed before any env code ran (boltzlabs.runtime, "
+                                   "above): not your env's doing. Check the policy (sandbox/policy.toml, or "
+                                   "$BOLTZLABS_POLICY) and the host: `boltzlabs doctor` says what it lacks.")
+                        elif gym_id:
+                            fix = (f"gymnasium.make({gym_id!r}, **{config['params']['kwargs']!r}) failed inside "
+                                   "the sandbox (its traceback is above).")
+                        else:
+                            fix = f"Fix the error in {config['source_dir']}/env.py (its traceback is above)."
                         raise EnvStartError(
                             f"{text}{more}.\n--- the tail of env {detail['env']}'s output ---\n{detail['log']}\n"
                             f"--- end ---\n{fix}",
@@ -669,3 +675,13 @@ class _LocalLink:
             poller = select.poll()
             poller.register(self.guardian, select.POLLIN)
             poller.poll(int(timeout * 1000))
+
+
+def _set_up_failed(log: str) -> bool:
+    """Whether an env's start-up output ends in a traceback raised by the
+    sandbox's set-up (boltzlabs.runtime.confine or template: mounts, ids,
+    quotas, the filter) rather than by the env's code."""
+    tail = log[log.rfind("Traceback (most recent call last):"):] if "Traceback" in log else ""
+    frames = [line for line in tail.splitlines() if line.lstrip().startswith('File "')]
+    return bool(frames) and "/boltzlabs/runtime/" in frames[-1] \
+        and not any("/boltzlabs/runtime/serve.py" in frame or "env.py" in frame for frame in frames)

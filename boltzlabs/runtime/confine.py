@@ -3,7 +3,8 @@
     host: boltzlabs/sandbox/plan.py compiles the policy --Plan.child_text()--> $BOLTZLABS_CONFINE
     here: parse() (bounded, checked) --> Plan: prepared system-call arguments, then
             exec mode:     `python -c BOOTSTRAP /env/env.py` (main below): rlimits, then
-                           Plan.finish(): workspace, devpts, quotas, /proc read-only,
+                           Plan.finish(): workspace, devpts, the env's ids ([identity]),
+                           quotas, /proc read-only,
                            every capability dropped, the env's full seccomp filter
             template mode: the template mounts its own workspace and devpts (template.main);
                            each forked child unshares the plan's namespaces and makes the
@@ -57,6 +58,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 # The template's parsed VARIABLE (template.main), for its children's Plan.
 prepared: dict | None = None
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
+_CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
 _PR_SET_NO_NEW_PRIVS, _PR_CAPBSET_DROP = 38, 24
 _PR_GET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 39, 22, 2
 BPF_INSTRUCTION = 8  # bytes of one struct sock_filter
@@ -106,6 +108,23 @@ def _check(result: int, what: str) -> None:
     if result != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def id_maps(inside: tuple, outside: tuple) -> list[tuple[str, bytes]]:
+    """The (file, text) writes that map uid/gid `inside` to `outside` in a new user namespace."""
+    return [("/proc/self/setgroups", b"deny"),
+            ("/proc/self/uid_map", f"{inside[0]} {outside[0]} 1".encode()),
+            ("/proc/self/gid_map", f"{inside[1]} {outside[1]} 1".encode())]
+
+
+def write_id_maps(inside: tuple, outside: tuple) -> None:
+    """Map uid/gid `inside` to `outside` in the user namespace we are in (new)."""
+    for path, data in id_maps(inside, outside):
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
 
 
 class _CapHeader(ctypes.Structure):
@@ -251,6 +270,21 @@ class Plan:
             _check(_libc.mount(*arguments), what)
         os.chdir(self.workspace)
 
+    def become_ids(self) -> None:
+        """Exec mode, [identity] uid/gid not 0: become them in a user namespace
+        of our own (and a mount namespace it owns, for /proc's read-only remount).
+
+        bubblewrap starts every sandbox as uid 0 of its user namespace: the
+        set-up's mounts need it (a process that bubblewrap's --uid makes some
+        other uid keeps CAP_SYS_ADMIN, yet the kernel refuses it a tmpfs). So
+        once the workspace is mounted, the env's ids are mapped onto that 0,
+        the way each template child maps them onto the template's. Mapping a
+        parent's uid 0 needs CAP_SETFCAP there (the plan adds it to the set-up's
+        capabilities, dropped with the others before env.py). The quotas are
+        then written in this namespace, the one the env's own count against."""
+        _check(_libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS), "unshare a user namespace for [identity] uid and gid")
+        write_id_maps(self.ids, (0, 0))
+
     def write_sysctls(self) -> None:
         """The per-user-namespace limits of the namespace we are in."""
         for path, value in self.sysctls:
@@ -266,6 +300,8 @@ class Plan:
         functools) would cost every exec-mode env ~2 MiB."""
         env_filter = read_filter(int(os.environ.pop("BOLTZLABS_CHILD_FILTER_FD")))
         self.mount_workspace_and_devpts()
+        if self.ids != (0, 0):
+            self.become_ids()
         self.write_sysctls()
         _check(_libc.mount(*self.proc_read_only[0]), self.proc_read_only[1])
         self.capabilities.drop()

@@ -151,21 +151,7 @@ def drop_capabilities() -> None:
 def _enter_user_namespace(inside: tuple, outside: tuple) -> None:
     """unshare(CLONE_NEWUSER), mapping uid/gid `inside` to `outside` (ours)."""
     _check(_libc.unshare(_CLONE_NEWUSER), "unshare user namespace")
-    _write_id_maps(inside, outside)
-
-
-def _id_maps(inside: tuple, outside: tuple) -> list[tuple[str, bytes]]:
-    """The (file, text) writes that map uid/gid `inside` to `outside` in a new user namespace."""
-    return [("/proc/self/setgroups", b"deny"),
-            ("/proc/self/uid_map", f"{inside[0]} {outside[0]} 1".encode()),
-            ("/proc/self/gid_map", f"{inside[1]} {outside[1]} 1".encode())]
-
-
-def _write_id_maps(inside: tuple, outside: tuple) -> None:
-    """Map uid/gid `inside` to `outside` in the user namespace we are in (new)."""
-    for path, data in _id_maps(inside, outside):
-        with open(path, "wb") as f:
-            f.write(data)
+    confine.write_id_maps(inside, outside)
 
 
 # Built once: what the template does between two forks is copied into the
@@ -244,7 +230,7 @@ class _ChildPlan:
 
     def __init__(self, confined: confine.Plan, outside: tuple):
         flags = _MS_NOSUID | _MS_NODEV
-        self.id_maps = _id_maps(confined.ids, outside)  # the plan's ids inside, the template outside
+        self.id_maps = confine.id_maps(confined.ids, outside)  # the plan's ids inside, the template outside
         # A mount namespace always (the set-up mounts); the others the plan
         # names (the user and pid namespaces are made by the clone itself).
         unshare = confined.unshare

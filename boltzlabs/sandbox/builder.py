@@ -67,7 +67,11 @@ class SandboxSpec:
         plan = self.plan
         args = [*(self.account.prefix if self.account else ()), bwrap]
         args += [NAMESPACES[ns] for ns in plan.namespaces]
-        args += ["--uid", str(plan.inside_ids[0]), "--gid", str(plan.inside_ids[1])]
+        # Root of its own user namespace, whatever [identity] uid and gid say: the
+        # set-up inside needs it; the env then gets those ids in a user namespace
+        # of its own (boltzlabs.runtime.confine.Plan.become_ids; a template's
+        # children map them when forked).
+        args += ["--uid", "0", "--gid", "0"]
         if plan.die_with_parent:
             args.append("--die-with-parent")
         if plan.new_session:

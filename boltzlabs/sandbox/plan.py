@@ -200,6 +200,17 @@ def _inside(path: str, relocations, tmp: str, relocate_tmp: str) -> str:
     return path
 
 
+def _with_setfcap(cap_add: tuple, inside_ids: tuple) -> tuple:
+    """Exec mode's set-up capabilities: [process] cap_add, and CAP_SETFCAP when
+    [identity] uid or gid is not 0. The set-up maps them onto uid 0 of
+    bubblewrap's namespace (boltzlabs.runtime.confine.Plan.become_ids), which
+    the kernel allows only with CAP_SETFCAP there; dropped with the rest
+    before any env code."""
+    if inside_ids != (0, 0) and "CAP_SETFCAP" not in cap_add:
+        return (*cap_add, "CAP_SETFCAP")
+    return tuple(cap_add)
+
+
 def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, limits: dict | None = None,
                  account: HostAccount | None = None) -> Plan:
     """Check the policy and compile the plan of one pool's sandboxes.
@@ -305,7 +316,7 @@ def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, 
         die_with_parent=read.flag("process", "die_with_parent"),
         new_session=read.flag("process", "new_session"),
         cap_drop=read.names("process", "cap_drop", []),
-        cap_add=read.names("process", "cap_add", []),
+        cap_add=_with_setfcap(read.names("process", "cap_add", []), inside_ids),
         template_cap_add=read.names("template", "cap_add", []),
         env_dir=env_dir,
         runtime_dir=runtime_dir,
