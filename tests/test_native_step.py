@@ -519,6 +519,31 @@ def test_pools_agree_on_numpy_observations(pool_factory, monkeypatch, env_dir):
     both(pool_factory, monkeypatch, source, 3, steps(lambda t, n: [t] * n, 6, lambda t: [2] if t == 3 else None))
 
 
+def test_pools_agree_on_image_observations_bigger_than_a_read(pool_factory, monkeypatch, env_dir):
+    """Atari-sized frames (100,800 bytes) and bigger: over C's 64 KiB read and
+    the pipe's capacity, so each env writes its reply in parts and C hands
+    the lane to Python after the first read; both paths give the same values."""
+    source = env_dir("""
+        import numpy as np
+        from boltzlabs.env import serve
+
+        frame = np.zeros((210, 160, 3), np.uint8)
+
+        def reset(seed):
+            frame[:] = seed % 251
+            return frame, {}
+
+        def step(action):
+            frame[action % 210] = action % 256
+            obs = frame if action % 3 else np.tile(frame, (3, 1, 1))
+            return obs, float(action), False, action % 5 == 4, {"sum": int(frame.sum())}
+
+        serve(reset=reset, step=step)
+    """)
+    out = both(pool_factory, monkeypatch, source, 3, steps(lambda t, n: [t + lane for lane in range(n)], 6))
+    assert {obs.shape for obs in out[-1][0]} <= {(210, 160, 3), (630, 160, 3)}
+
+
 def test_pools_agree_on_faults_lane_by_lane(pool_factory, monkeypatch):
     from tests.conftest import PROBE
     faults = [{"op": "raise"}, {"op": "garbage", "fd": 3}, {"op": "exit", "code": 3}, {"op": "sleep", "s": 3},
