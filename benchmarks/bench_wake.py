@@ -26,8 +26,10 @@ calibration run per configuration sets its rounds so a run takes about
 ABCABC), so load from elsewhere hits all alike; each figure is the median over
 --repeat runs, with its spread (min-max). Printed: the load average before
 and after, and a markdown table per n of the parent's user and system CPU per
-child-round (getrusage), the children's, child-rounds per second and the
-parent's epoll waits per round. Everything, with the machine and the load, goes
+child-round (getrusage), the parent's total over the first configuration's
+(pipe/other by default) in the same repeat (paired: the runs were seconds
+apart), the children's CPU, child-rounds per second and the parent's epoll
+waits per round. Everything, with the machine and the load, goes
 to benchmarks/results/wake.json (git-ignored). A run that does not finish
 within --timeout seconds is killed (its children die with it) and reported.
 """
@@ -140,13 +142,16 @@ def cell(figure: dict, digits: int = 2) -> str:
 
 def table(n: int, summary: dict) -> str:
     """The markdown table of one n: one row per configuration."""
-    lines = [f"n = {n}: CPU microseconds per child-round, median (min-max) over the repeats",
+    base = "/".join(next(iter(summary)))
+    lines = [f"n = {n}: CPU microseconds per child-round, median (min-max) over the repeats; "
+             f"'parent / {base}' is the parent total over {base}'s in the same repeat",
              "",
-             "| mode | children | parent user | parent sys | parent total | children total | child-rounds/s | waits/round |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"| mode | children | parent user | parent sys | parent total | parent / {base} | children total "
+             "| child-rounds/s | waits/round |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for (mode, sched), figures in summary.items():
         lines.append(f"| {mode} | {sched} | {cell(figures['parent_user_us'])} | {cell(figures['parent_sys_us'])} | "
-                     f"**{cell(figures['parent_us'])}** | {cell(figures['child_us'])} | "
+                     f"**{cell(figures['parent_us'])}** | {cell(figures['parent_vs_base'])} | {cell(figures['child_us'])} | "
                      f"{cell(figures['child_rounds_per_s'], 0)} | {cell(figures['waits_per_round'])} |")
     return "\n".join(lines)
 
@@ -200,6 +205,10 @@ def main() -> None:
                               f"{figures['child_rounds_per_s']:,.0f} child-rounds/s", file=sys.stderr, flush=True)
                 summary[n] = {config: {figure: spread([r[figure] for r in raw[n][config]]) for figure in FIGURES}
                               for config in configs}
+                base = configs[0]
+                for config in configs:  # paired: each run against the baseline's run of the same repeat
+                    summary[n][config]["parent_vs_base"] = spread(
+                        [mine["parent_us"] / theirs["parent_us"] for mine, theirs in zip(raw[n][config], raw[n][base])])
         except RunFailed as error:
             sys.exit(f"bench_wake: {error}")
     load_after = os.getloadavg()
