@@ -37,43 +37,41 @@ def binary(tmp_path_factory):
     return _bench_wake().build(os.environ.get("CC", "cc"), tmp_path_factory.mktemp("wake"), name)
 
 
-def _alive(name: str) -> list:
-    """Pids of live (not zombie) processes named `name`."""
-    pids = []
+def _processes():
+    """(pid, name, state, parent pid) of every process /proc shows."""
     for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
         try:
             stat = (entry / "stat").read_text()
         except (OSError, ValueError):
             continue
-        comm, state = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2]
-        if comm == name and state != "Z":
-            pids.append(int(entry.name))
-    return pids
+        after = stat[stat.rindex(")") + 2:].split()
+        yield int(entry.name), stat[stat.index("(") + 1:stat.rindex(")")], after[0], int(after[1])
+
+
+def _alive(name: str) -> list:
+    """Pids of live (not zombie) processes named `name`."""
+    return [pid for pid, comm, state, _ in _processes() if comm == name and state != "Z"]
 
 
 def _none_left(name: str, within: float = 5.0) -> list:
+    """The processes named `name` still alive after up to `within` seconds."""
     deadline = time.monotonic() + within
     while (left := _alive(name)) and time.monotonic() < deadline:
         time.sleep(0.05)
     return left
 
 
-def _children(pid: int, count: int, within: float = 10.0) -> list:
-    """The pids of `pid`'s children, once there are `count` of them."""
+def _children(parent: int, count: int, within: float = 10.0) -> list:
+    """The pids of `parent`'s children, once there are `count` of them."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        kids = []
-        for entry in Path("/proc").iterdir():
-            try:
-                stat = (entry / "stat").read_text()
-            except (OSError, ValueError):
-                continue
-            if int(stat[stat.rindex(")") + 2:].split()[1]) == pid:
-                kids.append(int(entry.name))
+        kids = [pid for pid, _, _, ppid in _processes() if ppid == parent]
         if len(kids) >= count:
             return kids
         time.sleep(0.05)
-    raise AssertionError(f"wake_bench (pid {pid}) had not forked {count} children after {within} s")
+    raise AssertionError(f"wake_bench (pid {parent}) had not forked {count} children after {within} s")
 
 
 def test_bench_wake_runs_quickly_and_writes_every_figure(tmp_path):
