@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import host_lock
+
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_WAKE = ROOT / "benchmarks" / "bench_wake.py"
 
@@ -74,12 +76,19 @@ def _children(parent: int, count: int, within: float = 10.0) -> list:
     raise AssertionError(f"wake_bench (pid {parent}) had not forked {count} children after {within} s")
 
 
+def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run bench_wake.py. Its runs are named wake_bench: one test session at a time
+    (CI runs two), so counting them by name sees only its own."""
+    with host_lock("bench_wake"):
+        return subprocess.run([sys.executable, str(BENCH_WAKE), *args], capture_output=True, text=True,
+                              timeout=timeout)
+
+
 def test_bench_wake_runs_quickly_and_writes_every_figure(tmp_path):
     """The documented quick look finishes well under a minute and records every mode."""
     out = tmp_path / "wake.json"
     started = time.monotonic()
-    done = subprocess.run([sys.executable, str(BENCH_WAKE), "--n", "8", "--repeat", "1", "--json", str(out)],
-                          capture_output=True, text=True, timeout=120)
+    done = _bench("--n", "8", "--repeat", "1", "--json", str(out))
     assert done.returncode == 0, done.stderr
     assert time.monotonic() - started < 60  # a bound to catch a hang or a runaway calibration, not a timing
     record = json.loads(out.read_text())
@@ -90,6 +99,35 @@ def test_bench_wake_runs_quickly_and_writes_every_figure(tmp_path):
         assert result["n"] == 8 and {r["sched"] for r in record["results"]} == {"other", "batch"}
         assert result["parent_us"]["median"] > 0 and result["child_rounds_per_s"]["median"] > 0
     assert "| pipe | other |" in done.stdout and "load average before" in done.stdout
+
+
+def test_a_run_that_hangs_past_its_timeout_is_killed_with_its_children(tmp_path):
+    with host_lock("bench_wake"):
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, str(BENCH_WAKE), "--n", "16", "--modes", "pipe", "--sched", "other",
+                               "--repeat", "1", "--rounds", "100000000", "--timeout", "1",
+                               "--json", str(tmp_path / "w.json")], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 1
+        assert "pipe/other n=16 rounds=100000000 did not finish in 1 s and was killed" in done.stderr
+        assert time.monotonic() - started < 30
+        assert _none_left("wake_bench") == []
+    assert not (tmp_path / "w.json").exists()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--n", "0"], "must be >= 1"), (["--repeat", "0"], "must be >= 1"), (["--rounds", "-5"], "must be >= 1"),
+    (["--seconds", "0"], "--seconds > 0"), (["--modes", "shm"], "invalid choice"),
+    (["--sched", "fifo"], "invalid choice"), (["--n", "x"], "invalid int value"),
+])
+def test_bench_wake_refuses_bad_options(args, says):
+    done = _bench(*args, timeout=30)
+    assert done.returncode == 2 and says in done.stderr
+
+
+def test_bench_wake_without_a_compiler_says_so(tmp_path):
+    done = _bench("--cc", "no-such-cc", "--json", str(tmp_path / "w.json"), timeout=30)
+    assert done.returncode == 1
+    assert "no C compiler ('no-such-cc' is not on PATH)" in done.stderr and "apt-get install gcc" in done.stderr
 
 
 @pytest.mark.parametrize("mode", ["pipe", "futex", "bcast", "pipe+bcast", "uring"])
