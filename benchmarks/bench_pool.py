@@ -3,6 +3,7 @@
     python benchmarks/bench_pool.py                  # n = 64, 256, 1000; steps adapted
     python benchmarks/bench_pool.py --n 64 256 --steps 2000
     python benchmarks/bench_pool.py --env numpy      # benchmarks/envs/numpy_env and its twin
+    python benchmarks/bench_pool.py --env image      # benchmarks/envs/image_env: Atari-sized frames
 
 For each n, in one run:
   * RLPool("examples/counter", n): start-up (construction), env-steps/s over
@@ -49,6 +50,8 @@ from boltzlabs import RLPool
 
 COUNTER = ROOT / "examples" / "counter"
 NUMPY_ENV = ROOT / "benchmarks" / "envs" / "numpy_env"
+IMAGE_ENV = ROOT / "benchmarks" / "envs" / "image_env"
+SOURCES = {"counter": COUNTER, "numpy": NUMPY_ENV, "image": IMAGE_ENV}
 RESULTS = ROOT / "benchmarks" / "results" / "pool.json"
 MIB = float(1 << 20)
 WARMUP_STEPS = 20
@@ -80,6 +83,39 @@ class CounterEnv(gym.Env):
     def step(self, action):
         self.t += 1
         return self.t, float(action), self.t >= HORIZON, False, {}
+
+
+class ImageEnv(gym.Env):
+    """benchmarks/envs/image_env/env.py as a gymnasium.Env: the same frames and
+    drawing (AsyncVectorEnv passes observations through shared memory)."""
+
+    metadata = {"render_modes": []}
+    HEIGHT, WIDTH, SPRITE = 210, 160, 12
+
+    def __init__(self):
+        self.observation_space = gym.spaces.Box(0, 255, (self.HEIGHT, self.WIDTH, 3), np.uint8)
+        self.action_space = gym.spaces.Discrete(2)
+        self.frame, self.t, self.y, self.x = None, 0, 0, 0
+
+    def _draw(self, value: int) -> None:
+        self.frame[self.y:self.y + self.SPRITE, self.x:self.x + self.SPRITE] = value
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        rng = np.random.default_rng(seed)
+        self.frame = np.zeros((self.HEIGHT, self.WIDTH, 3), np.uint8)
+        self.t = 0
+        self.y, self.x = int(rng.integers(self.HEIGHT - self.SPRITE)), int(rng.integers(self.WIDTH - self.SPRITE))
+        self._draw(255)
+        return self.frame, {}
+
+    def step(self, action):
+        self.t += 1
+        self._draw(0)
+        self.x = (self.x + (3 if action else -3)) % (self.WIDTH - self.SPRITE)
+        self.y = (self.y + 1) % (self.HEIGHT - self.SPRITE)
+        self._draw(255)
+        return self.frame, self.x / self.WIDTH, self.t >= HORIZON, False, {}
 
 
 # -- helpers -------------------------------------------------------------------------------
@@ -240,7 +276,7 @@ class Ours(Side):
         self.exact_reward = env == "counter"
         options = {"spawn": spawn} if spawn else {}  # else the library's default
         started = time.perf_counter()
-        self.pool = RLPool(COUNTER if env == "counter" else NUMPY_ENV, n, progress=False, **options)
+        self.pool = RLPool(SOURCES[env], n, progress=False, **options)
         self.startup = time.perf_counter() - started
         self.actions = [1] * n
         self.worker_ms: list = []
@@ -301,6 +337,8 @@ class Async(Side):
         self.exact_reward = env == "counter"
         if env == "counter":
             twin = CounterEnv
+        elif env == "image":
+            twin = ImageEnv
         else:
             from bench_spawn import NumpyEnv  # benchmarks/ is sys.path[0] when run as a script
 
@@ -486,8 +524,8 @@ def main(argv=None) -> int:
                         help="chunks the timed steps are split into, the two sides taking turns (default 10)")
     parser.add_argument("--spawn", choices=["template", "exec"], default=None,
                         help="RLPool(spawn=...) (default: the library's default)")
-    parser.add_argument("--env", choices=["counter", "numpy"], default="counter",
-                        help="examples/counter (default) or benchmarks/envs/numpy_env, each against its gymnasium twin")
+    parser.add_argument("--env", choices=sorted(SOURCES), default="counter",
+                        help="examples/counter (default), benchmarks/envs/numpy_env or benchmarks/envs/image_env (Atari-sized frames), each against its gymnasium twin")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON output (default {RESULTS.relative_to(ROOT)})")
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.n) or (args.steps is not None and args.steps < 1) or args.rounds < 1:
