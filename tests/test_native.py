@@ -535,7 +535,11 @@ def test_a_pipe_whose_reader_is_gone_fails_the_write_without_a_signal(pipe_lane)
 
 
 @native
-def test_a_write_end_waiting_for_room_is_the_event_loops_business(pipe_lane):
+def test_a_write_end_waiting_for_room_is_the_event_loops_business(pipe_lane, lanes):
     pipe_lane.epoll.register(pipe_lane.wfd, select.EPOLLOUT)  # as reactor._watch_out does
     batch = pipe_lane.step()
+    assert batch.why == fp.FOREIGN and batch.rest == [(0, fp.PENDING, None)]
+    ls = lanes(1)  # a socket lane: the one fd watched for room is also the lane's read fd
+    ls.epoll.modify(ls.fds[0], select.EPOLLIN | select.EPOLLOUT)
+    batch = ls.step(timeout=5)
     assert batch.why == fp.FOREIGN and batch.rest == [(0, fp.PENDING, None)]
