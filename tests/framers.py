@@ -3,25 +3,45 @@
 `make_reader("pure", limits)` is wire.FrameReader: the event loop's os.read
 chunks fed straight in. `make_reader("native", limits)` sends each chunk
 through a real AF_UNIX socketpair and reads it back with
-boltzlabs.worker._fastpath.exchange() on a real epoll set, as the worker's native
-step path does, then feeds what exchange returned into a FrameReader; on
-the way it checks the C framer's verdict against the Python framer's.
+boltzlabs.worker._fastpath.step() on a real epoll set, as the worker's native
+step path does (one lane: step() writes its request, reads the env side's
+bytes as the reply), then feeds what step() read into a FrameReader. On the
+way it checks each read step() vouched for against Python: the same bytes,
+decoded alone, must be the reply due and reach the client as the same values.
+
+`Lanes` is the socket harness both use: n socketpairs in one epoll set,
+driven by step().
 """
 
 from __future__ import annotations
 
+import math
 import select
 import socket
+import struct
 import time
 
+import msgpack
+import numpy as np
 import pytest
 
 from boltzlabs import wire
 from boltzlabs.worker import native
+from boltzlabs.worker.reactor import check_reply
 
-FASTPATH, _ = native.load()
+try:  # the C module itself, whichever path pools run (BOLTZLABS_PURE only steers the worker)
+    from boltzlabs.worker import _fastpath as fp
+except ImportError:
+    fp = None
+
+FASTPATH, _ = native.load()  # what the worker runs: None under BOLTZLABS_PURE=1
 PATHS = ["pure", pytest.param("native", marks=pytest.mark.skipif(FASTPATH is None,
                                                                   reason="boltzlabs.worker._fastpath is not built"))]
+
+# The worker's env limits with sandbox/policy.toml's defaults (config.parse_open).
+ENV = wire.Limits(16 << 20, 4 << 20, 16 << 20, 1 << 20, 1 << 18, arrays="check", max_depth=512, max_objects=1 << 19)
+WORKER_PACK = msgpack.Packer(use_bin_type=True)  # the worker's packer of requests to envs
+SEQ = 77
 
 
 def use_path(request, monkeypatch) -> str:
@@ -34,50 +54,164 @@ def use_path(request, monkeypatch) -> str:
     return request.param
 
 
+def same(a, b) -> bool:
+    """Equal and of the same types all the way down (dict key order included)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+    if isinstance(a, np.generic):
+        return a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    if type(a) is float:
+        return struct.pack("<d", a) == struct.pack("<d", b) or (math.isnan(a) and math.isnan(b))
+    if type(a) in (list, tuple):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if type(a) is dict:
+        return len(a) == len(b) and all(same(x, y) and same(a[x], b[y]) for x, y in zip(a, b))
+    return a == b
+
+
+def caps_of(limits: wire.Limits) -> tuple:
+    """step()'s caps for `limits`. An unguarded Limits (no object cap: the
+    tests' plain ones) gets wire.MAX_DEPTH and no object cap: walk() is then
+    at least as strict as Python's decode under those limits."""
+    if limits.max_objects is not None:
+        return native.caps(limits)
+    kw = limits.kwargs
+    return (limits.max_frame, kw["max_str_len"], kw["max_bin_len"], kw["max_array_len"], kw["max_map_len"],
+            kw["max_ext_len"], wire.MAX_DEPTH, 2**64 - 1)
+
+
+def request(action, seq: int, reset: bool) -> bytes:
+    """The frame step() writes to a lane, as wire.encode frames it."""
+    body = WORKER_PACK.pack([wire.RESET, seq, None, None] if reset else [wire.STEP, seq, action, False])
+    return wire.HEADER.pack(len(body)) + body
+
+
+class Lanes:
+    """n socketpairs: `ours[i]` (non-blocking, in an epoll set) as the
+    worker's channel, `theirs[i]` (`env(i)`) as the env's end."""
+
+    def __init__(self, n: int):
+        self.epoll = select.epoll()
+        self.pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(n)]
+        for ours, _ in self.pairs:
+            ours.setblocking(False)
+            self.epoll.register(ours.fileno(), select.EPOLLIN)
+
+    @property
+    def fds(self) -> list:
+        return [ours.fileno() for ours, _ in self.pairs]
+
+    def env(self, i: int) -> socket.socket:
+        return self.pairs[i][1]
+
+    def step(self, actions=None, seq=SEQ, resets=None, timeout=2.0, budget=1 << 30, limits=ENV, fds=None):
+        """_fastpath.step() over these lanes (`fds`: each lane's fd, -1 for a
+        lane not in the call): actions default to 0, resets to none."""
+        n = len(self.pairs)
+        fds = self.fds if fds is None else fds
+        return fp.step(self.epoll.fileno(), fds, fds, WORKER_PACK.pack([0] * n if actions is None else actions),
+                       seq, bytes(resets or bytes(n)), time.monotonic() + timeout, caps_of(limits), budget)
+
+    def close(self):
+        self.epoll.close()
+        for a, b in self.pairs:
+            a.close()
+            b.close()
+
+
 class NativeReader:
-    """FrameReader's interface over a socketpair read by _fastpath.exchange()."""
+    """FrameReader's interface over a socketpair read by _fastpath.step()."""
 
     def __init__(self, limits: wire.Limits):
         self.limits = limits
+        self.vouched = 0  # reads step() vouched for: the tests of this file can ask for some
         self._reader = wire.FrameReader(limits)
-        self._ours, self._theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._ours.setblocking(False)
-        self._epoll = select.epoll()
-        self._epoll.register(self._ours.fileno(), select.EPOLLIN)
+        self._lanes = Lanes(1)
+        self._env = self._lanes.env(0)
+        self._env.setblocking(False)
 
     @property
     def pending(self) -> int:
         return self._reader.pending
 
+    def _due(self, data: bytes) -> tuple:
+        """(seq, reset) of the reply the lane waits for when `data` is read:
+        those of `data`'s message when it is one whole frame Python decodes,
+        so a valid reply among the fuzzed bytes is the reply due and walk()
+        must judge it; else (0, False)."""
+        if self._reader.pending:
+            return 0, False  # the worker runs the pure path for a lane holding part of a frame
+        reader = wire.FrameReader(self.limits)
+        try:
+            messages = reader.feed(data)
+        except wire.ProtocolError:
+            return 0, False
+        if len(messages) != 1 or reader.pending or len(messages[0]) < 2:
+            return 0, False
+        seq = messages[0][1]
+        if type(seq) is not int or not 0 <= seq < 2**64:
+            return 0, False
+        return seq, messages[0][0] == wire.RESET_DONE
+
+    def _check_vouched(self, batch, data: bytes, seq: int, reset: bool) -> None:
+        """step() vouched for `data` as the reply due: Python, decoding it
+        alone, must agree, and the REPLY must hold the values it decodes."""
+        reader = wire.FrameReader(self.limits)
+        try:
+            messages = reader.feed(data)
+        except wire.ProtocolError as exc:
+            raise AssertionError(f"step() vouched for a read Python refuses ({exc}): {data[:200]!r}") from exc
+        assert len(messages) == 1 and not reader.pending, data[:200]
+        message = messages[0]
+        assert check_reply(message) is not None and message[1] == seq, message
+        assert message[0] == (wire.RESET_DONE if reset else wire.STEPPED), message
+        obs, rewards, terminated, truncated, infos, stragglers = msgpack.unpackb(
+            batch.compose({}, wire.pack([])), **self.limits.kwargs)
+        assert stragglers == [] and same(obs[0], message[2])
+        if reset:
+            assert same(infos[0], message[3]) and (rewards, terminated, truncated) == (bytes(8), b"\0", b"\0")
+        else:
+            assert same(struct.unpack("<d", rewards)[0], float(message[3]))
+            assert (terminated, truncated) == (bytes([message[4]]), bytes([message[5]]))
+            assert same(infos[0], message[6])
+
     def feed(self, data) -> list:
         data = bytes(data)
         if not data:
             return self._reader.feed(data)
-        self._theirs.sendall(data)
-        got = b""
-        while len(got) < len(data):
-            fd = self._ours.fileno()
-            why, (result,) = FASTPATH.exchange(self._epoll.fileno(), [fd], [fd], [None],
-                                               time.monotonic() + 5.0, self.limits.max_frame, 1 << 40)
-            assert why == FASTPATH.DONE, why
-            if type(result) is bytes:
-                chunk = result
-                # The C framer said "exactly one frame, message-shaped": so
-                # must the Python one, when it starts from an empty buffer.
-                assert FASTPATH.frame_kind(chunk, self.limits.max_frame) == FASTPATH.FRAME_ONE
-                assert len(chunk) >= 6 and int.from_bytes(chunk[:4], "little") == len(chunk) - 4
-                assert int.from_bytes(chunk[:4], "little") <= self.limits.max_frame
+        seq, reset = self._due(data)
+        sent = got = 0
+        pieces = []  # what step() read, read after read
+        while got < len(data):
+            if sent < len(data):  # a chunk over the socket's buffer goes in as step() reads it
+                try:
+                    sent += self._env.send(data[sent:])
+                except BlockingIOError:
+                    pass
+            batch = self._lanes.step([0], seq=seq, resets=bytes([reset]), timeout=5.0, budget=1 << 40,
+                                     limits=self.limits)
+            want = request(0, seq, reset)
+            assert self._env.recv(len(want) + 1) == want  # the lane's request, written whole
+            assert batch.why == fp.DONE, batch.why
+            if batch.done:
+                # Vouched: step() read batch.held bytes, which its REPLY holds undecoded.
+                piece = data[got:got + batch.held]
+                self._check_vouched(batch, piece, seq, reset)
+                self.vouched += 1
             else:
-                kind, chunk = result
-                assert kind == FASTPATH.UNUSUAL, result
-            got += chunk
-        assert got == data  # nothing lost, nothing added, in order
-        return self._reader.feed(got)
+                ((lane, kind, piece),) = batch.rest
+                assert lane == 0 and kind == fp.UNUSUAL and 0 < len(piece) <= fp.READ_SIZE, (lane, kind)
+            pieces.append(piece)
+            got += len(piece)
+            seq, reset = 0, False  # the rest of a chunk that took several reads: no reply is whole
+        read = b"".join(pieces)
+        assert read == data  # nothing lost, nothing added, in order
+        return self._reader.feed(read)
 
     def close(self) -> None:
-        self._epoll.close()
-        self._ours.close()
-        self._theirs.close()
+        self._lanes.close()
 
     def __del__(self):
         try:

@@ -1,12 +1,16 @@
 """The native step path (boltzlabs.worker._fastpath, native/fastpath.c; issue 16).
 
-exchange() is driven directly over real AF_UNIX socketpairs (and pipe lanes) and a real epoll
-set, one case per outcome (a whole frame, each unusual read, EOF, timeout, a
-foreign fd, a short write, the byte budget, a signal), then fuzzed: its framer
-against the Python one on random bytes, and random streams cut at random
-points through a real socket. The pool-level tests check which path a pool
-runs and that both give the same results. The frame fuzz tests of
-test_wire.py and the attacks of test_hostile_wire.py run on both paths too.
+step(), the worker's entry point, is driven directly over real AF_UNIX
+socketpairs (and pipe lanes) and a real epoll set, one case per outcome (a
+reply vouched for, each unusual read, EOF, the deadline, a foreign fd, a short
+write, the byte budget, a signal, bad arguments), then fuzzed: streams of
+replies and garbage cut at random points go through a real socket and step()
+(framers.NativeReader), which must vouch for every whole reply and hand
+everything else back byte for byte. The pool-level tests check which path a
+pool runs and that both give the same results. The walker itself, the frames
+step() writes and Batch.compose are tests/test_native_step.py's; the frame
+fuzz tests of test_wire.py and the attacks of test_hostile_wire.py run on
+both paths too.
 """
 
 from __future__ import annotations
@@ -16,23 +20,20 @@ import os
 import shutil
 import select
 import signal
-import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from boltzlabs import RLPool, wire
-
-try:  # the C module itself, whichever path pools run (BOLTZLABS_PURE only steers the worker)
-    from boltzlabs.worker import _fastpath as fp
-except ImportError:
-    fp = None
+from framers import ENV, SEQ, WORKER_PACK, Lanes, NativeReader, caps_of, fp, request, same
 
 ROOT = Path(__file__).resolve().parent.parent
 COUNTER = ROOT / "examples" / "counter"
@@ -44,37 +45,30 @@ def frame(body: bytes) -> bytes:
     return struct.pack("<I", len(body)) + body
 
 
-REPLY = wire.encode([wire.STEPPED, 7, {"t": 1}, 1.0, False, False, {}])
+REPLY = wire.encode([wire.STEPPED, SEQ, {"t": 1}, 1.0, False, False, {}])
 
 
-class Lanes:
-    """n socketpairs: `ours[i]` (non-blocking, in an epoll set) as the
-    worker's channel, `theirs[i]` as the env's end."""
+def rest_of(batch) -> dict:
+    """Batch.rest as {lane: (kind, value)}."""
+    rest = {lane: (kind, value) for lane, kind, value in batch.rest}
+    assert len(rest) == len(batch.rest), batch.rest  # a lane at most once
+    return rest
 
-    def __init__(self, n: int):
-        self.epoll = select.epoll()
-        self.pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(n)]
-        for ours, _ in self.pairs:
-            ours.setblocking(False)
-            self.epoll.register(ours.fileno(), select.EPOLLIN)
 
-    @property
-    def fds(self) -> list:
-        return [ours.fileno() for ours, _ in self.pairs]
+def obs_of(batch, n: int) -> list:
+    """The obs of the REPLY Batch.compose makes of n lanes: None for each
+    lane step() did not complete (compose takes an override only for those)."""
+    overrides = {lane: (wire.pack(None), 0.0, False, True, wire.pack({})) for lane in range(n)}
+    return msgpack.unpackb(batch.compose(overrides, wire.pack([])), **ENV.kwargs)[0]
 
-    def env(self, i: int) -> socket.socket:
-        return self.pairs[i][1]
 
-    def exchange(self, frames=None, timeout=2.0, max_frame=1 << 20, budget=1 << 30, fds=None):
-        frames = [None] * len(self.pairs) if frames is None else frames
-        fds = self.fds if fds is None else fds
-        return fp.exchange(self.epoll.fileno(), fds, fds, frames, time.monotonic() + timeout, max_frame, budget)
-
-    def close(self):
-        self.epoll.close()
-        for a, b in self.pairs:
-            a.close()
-            b.close()
+def nothing_to_read(sock) -> bool:
+    sock.setblocking(False)
+    try:
+        sock.recv(1)
+    except BlockingIOError:
+        return True
+    return False
 
 
 @pytest.fixture
@@ -94,53 +88,72 @@ def lanes():
 
 
 @native
-def test_whole_replies_come_back_as_read_and_frames_are_written(lanes):
+def test_lanes_answer_and_a_lane_outside_the_call_is_neither_written_nor_read(lanes):
     ls = lanes(3)
-    for i in range(3):
-        ls.env(i).sendall(REPLY)
-    why, results = ls.exchange([b"abc", None, b"xyz"])
-    assert why == fp.DONE
-    assert results == [REPLY, REPLY, REPLY]
-    assert ls.env(0).recv(100) == b"abc" and ls.env(2).recv(100) == b"xyz"
-    ls.env(1).setblocking(False)
-    with pytest.raises(BlockingIOError):  # None: nothing written
-        ls.env(1).recv(100)
+    ls.env(0).sendall(REPLY)
+    ls.env(2).sendall(REPLY)
+    fds = ls.fds
+    outside = [fds[0], -1, fds[2]]  # lane 1 is busy or dead: the worker leaves it out
+    batch = ls.step([5, 6, 7], fds=outside)
+    assert batch.why == fp.DONE and batch.done == 2 and batch.rest == []
+    assert batch.held == 2 * len(REPLY)
+    assert ls.env(0).recv(100) == request(5, SEQ, False) and ls.env(2).recv(100) == request(7, SEQ, False)
+    assert nothing_to_read(ls.env(1))  # nothing written to lane 1
+    with pytest.raises(ValueError, match="lane 1"):  # a lane outside the call is Python's to fill in
+        batch.compose({}, wire.pack([]))
+    assert obs_of(batch, 3) == [{"t": 1}, None, {"t": 1}]
+    # Its channel ready during a later call is the event loop's business: foreign, left unread.
+    ls.env(1).sendall(REPLY)
+    batch = ls.step(fds=outside, timeout=5)
+    assert batch.why == fp.FOREIGN and rest_of(batch) == {0: (fp.PENDING, None), 2: (fp.PENDING, None)}
+    assert ls.pairs[1][0].recv(100) == REPLY
 
 
 @native
-@pytest.mark.parametrize("data, kind", [
-    (REPLY[:5], "FRAME_SHORT"),                      # a partial frame
-    (REPLY[:3], "FRAME_SHORT"),                      # not even a whole prefix
-    (REPLY + REPLY, "FRAME_EXTRA"),                  # two frames in one read
-    (REPLY + b"\x00", "FRAME_EXTRA"),                # a frame and the start of another
-    (struct.pack("<I", 2**32 - 1) + b"x" * 8, "FRAME_BIG"),  # a prefix over the cap
-    (frame(b"\xc0"), "FRAME_SHAPE"),                 # one frame, but not an array
-    (frame(b"\x90\x01"), "FRAME_SHAPE"),             # an empty array
-    (frame(b"\x92\xa1x\x01"), "FRAME_SHAPE"),        # an array led by a string
-    (frame(b"\x92\xff\x01"), "FRAME_SHAPE"),         # led by a negative int
-    (frame(b"\xdc\x00"), "FRAME_SHAPE"),             # array16 cut short
-])
-def test_unusual_reads_are_handed_back_whole(lanes, data, kind):
-    assert fp.frame_kind(data, 1 << 20) == getattr(fp, kind)
+@pytest.mark.parametrize("data", [
+    REPLY[:5],                                      # a partial frame
+    REPLY[:3],                                      # not even a whole prefix
+    REPLY + REPLY,                                  # two frames in one read
+    REPLY + b"\x00",                                # a frame and the start of another
+    struct.pack("<I", 2**32 - 1) + b"x" * 8,        # a prefix over the cap
+    frame(b"\xc0"),                                 # one frame, but not an array
+    frame(b"\x90\x01"),                             # an empty array
+    frame(b"\x92\xa1x\x01"),                        # an array led by a string
+    frame(b"\x92\xff\x01"),                         # led by a negative int
+    frame(b"\xdc\x00"),                             # array16 cut short
+    wire.encode([wire.STEPPED, SEQ + 1, 1, 1.0, False, False, {}]),  # a reply, but not the one due
+], ids=["partial", "part-prefix", "two-frames", "frame-and-a-bit", "prefix-over-cap", "not-array", "empty-array",
+        "led-by-str", "led-by-negative", "array16-cut", "stale-seq"])
+def test_unusual_reads_are_handed_back_whole(lanes, data):
     ls = lanes(2)
     ls.env(0).sendall(data)
     ls.env(1).sendall(REPLY)
-    why, results = ls.exchange()
-    assert why == fp.DONE
-    assert results == [(fp.UNUSUAL, data), REPLY]  # the other lane is untouched
+    batch = ls.step()
+    assert batch.why == fp.DONE and batch.done == 1  # the other lane is untouched
+    assert batch.rest == [(0, fp.UNUSUAL, data)]
 
 
 @native
-@pytest.mark.parametrize("body, first", [(b"\xdc\x00\x02\x01\xc0", 7), (b"\xdd\x00\x00\x00\x02\x01\xc0", 9)])
-def test_array16_and_array32_messages_are_whole_frames(body, first):
-    assert fp.frame_kind(frame(body), 1 << 20) == fp.FRAME_ONE
+@pytest.mark.parametrize("head", [b"\xdc\x00\x07", b"\xdd\x00\x00\x00\x07"], ids=["array16", "array32"])
+def test_array16_and_array32_messages_are_vouched_for(lanes, head):
+    body = wire.pack([wire.STEPPED, SEQ, [1, 2], 0.5, False, True, {"k": 1}])
+    reply = frame(head + body[1:])  # the same message, its array header in a wider form
+    ls = lanes(1)
+    ls.env(0).sendall(reply)
+    batch = ls.step()
+    assert batch.why == fp.DONE and batch.done == 1 and obs_of(batch, 1) == [[1, 2]]
 
 
 @native
-def test_the_cap_is_inclusive(lanes):
-    data = frame(b"\x91\x01")
-    assert fp.frame_kind(data, 2) == fp.FRAME_ONE
-    assert fp.frame_kind(data, 1) == fp.FRAME_BIG
+def test_the_frame_cap_is_inclusive(lanes):
+    body_size = len(REPLY) - 4
+    for max_frame, done in ((body_size, 1), (body_size - 1, 0)):
+        ls = lanes(1)
+        ls.env(0).sendall(REPLY)
+        limits = wire.Limits(max_frame, arrays="check", max_depth=8, max_objects=100)
+        batch = ls.step(limits=limits)
+        assert batch.why == fp.DONE and batch.done == done
+        assert batch.rest == ([] if done else [(0, fp.UNUSUAL, REPLY)])
 
 
 @native
@@ -148,9 +161,9 @@ def test_eof_and_a_closed_peer(lanes):
     ls = lanes(2)
     ls.env(0).close()
     ls.env(1).sendall(REPLY)
-    why, results = ls.exchange()
-    assert why == fp.DONE
-    assert results == [(fp.EOF, b""), REPLY]
+    batch = ls.step()
+    assert batch.why == fp.DONE and batch.done == 1
+    assert batch.rest == [(0, fp.EOF, b"")]
 
 
 @native
@@ -158,13 +171,15 @@ def test_the_deadline_leaves_silent_lanes_pending(lanes):
     ls = lanes(2)
     ls.env(1).sendall(REPLY)
     started = time.monotonic()
-    why, results = ls.exchange(timeout=0.2)
+    batch = ls.step(timeout=0.2)
     waited = time.monotonic() - started
-    assert why == fp.TIMEOUT
-    assert results == [None, REPLY]
+    assert batch.why == fp.TIMEOUT and batch.done == 1
+    assert batch.rest == [(0, fp.PENDING, None)]
     assert 0.2 <= waited < 10  # never before the deadline; a bound only to catch a hang
-    why, results = ls.exchange(timeout=-1)  # a deadline already past: no wait at all
-    assert why == fp.TIMEOUT and results == [None, None]
+    ls.env(0).sendall(REPLY)
+    batch = ls.step(timeout=-1)  # a deadline already past: written, but no wait and no read at all
+    assert batch.why == fp.TIMEOUT and batch.done == 0
+    assert rest_of(batch) == {0: (fp.PENDING, None), 1: (fp.PENDING, None)}
 
 
 @native
@@ -175,9 +190,9 @@ def test_a_foreign_fd_returns_to_the_event_loop(lanes):
         ls.epoll.register(r, select.EPOLLIN)  # a log pipe, a pidfd, the client: not a lane
         os.write(w, b"log line")
         ls.env(0).sendall(REPLY)
-        why, results = ls.exchange(timeout=5)
-        assert why == fp.FOREIGN
-        assert results[1] is None
+        batch = ls.step(timeout=5)
+        assert batch.why == fp.FOREIGN
+        assert rest_of(batch)[1] == (fp.PENDING, None)
         assert os.read(r, 100) == b"log line"  # left unread, for the event loop
     finally:
         ls.epoll.unregister(r)
@@ -186,31 +201,22 @@ def test_a_foreign_fd_returns_to_the_event_loop(lanes):
 
 
 @native
-def test_a_short_write_returns_before_waiting(lanes):
-    ls = lanes(2)
-    big = b"\x00" * (8 << 20)  # more than a socket buffer holds
-    ls.env(1).sendall(REPLY)
-    why, results = ls.exchange([big, b"hi"])
-    assert why == fp.SHORT_WRITE
-    kind, sent = results[0]
-    assert kind == fp.SHORT_WRITE_KIND and 0 < sent < len(big)
-    assert results[1] is None  # written, not read: the pure path takes over from here
-    assert ls.env(1).recv(10) == b"hi"
-
-
-@native
 def test_the_byte_budget_stops_reading(lanes):
     ls = lanes(3)
     for i in range(3):
         ls.env(i).sendall(REPLY)
-    why, results = ls.exchange(budget=len(REPLY) + 1)
-    assert why == fp.BUDGET
-    assert sum(r is not None for r in results) == 2  # the read that passed the budget, and no more
-    assert sum(len(r) for r in results if r is not None) == 2 * len(REPLY)
+    batch = ls.step(budget=len(REPLY) + 1)
+    assert batch.why == fp.BUDGET
+    # The first read is within the budget (vouched for, held); the one that passes it is
+    # handed back unvouched; no third read.
+    assert batch.done == 1 and batch.held == len(REPLY)
+    assert sorted((kind, value) for _, kind, value in batch.rest) == [(fp.PENDING, None), (fp.UNUSUAL, REPLY)]
 
 
 @native
-def test_a_signal_handler_that_raises_interrupts_the_wait(lanes):
+def test_a_sigterm_handler_that_raises_interrupts_the_wait(lanes):
+    """The worker's SIGTERM handler raises to stop it: step() must let it out
+    of its epoll wait (as the pure path's epoll.poll does), not wait on."""
     ls = lanes(1)
 
     class Stop(Exception):
@@ -219,37 +225,55 @@ def test_a_signal_handler_that_raises_interrupts_the_wait(lanes):
     def handler(signum, frame_):
         raise Stop
 
-    old = signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, 0.1)
+    old = signal.signal(signal.SIGTERM, handler)
+    timer = threading.Timer(0.1, signal.pthread_kill, (threading.main_thread().ident, signal.SIGTERM))
+    timer.start()
+    started = time.monotonic()
     try:
-        with pytest.raises(Stop):
-            ls.exchange(timeout=20)
+        with pytest.raises(Stop) as caught:
+            ls.step(timeout=20)
+        assert time.monotonic() - started < 15  # the signal, not the deadline, ended it
+        assert "step" in [entry.name for entry in caught.traceback]  # raised inside the call, not before it
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+        timer.cancel()
+        timer.join()
+        signal.signal(signal.SIGTERM, old)
+
+
+def _bad_calls(fd, other):
+    """(rfds, wfds, packed actions, resets, caps, the exception) of step() calls refused before any write."""
+    one, two, caps = WORKER_PACK.pack([0]), WORKER_PACK.pack([0, 0]), caps_of(ENV)
+    return {
+        "same-fd-twice": ([fd, fd], [fd, fd], two, bytes(2), caps, ValueError),
+        "fd-below-minus-1": ([-2], [fd], one, bytes(1), caps, ValueError),
+        "no-write-end": ([fd], [-1], one, bytes(1), caps, ValueError),
+        "no-such-fd": ([1 << 30], [fd], one, bytes(1), caps, ValueError),
+        "no-such-write-fd": ([fd], [1 << 30], one, bytes(1), caps, ValueError),
+        "fd-past-long": ([1 << 70], [fd], one, bytes(1), caps, OverflowError),
+        "fd-not-int": (["3"], [fd], one, bytes(1), caps, TypeError),
+        "fds-not-list": ((fd,), [fd], one, bytes(1), caps, TypeError),
+        "fewer-write-fds": ([fd, other], [fd], two, bytes(2), caps, ValueError),
+        "fewer-resets": ([fd, other], [fd, other], two, bytes(1), caps, ValueError),
+        "actions-not-bytes": ([fd], [fd], "text", bytes(1), caps, TypeError),
+        "caps-too-few": ([fd], [fd], one, bytes(1), caps[:7], TypeError),
+        "caps-deeper-than-the-stack": ([fd], [fd], one, bytes(1), caps[:6] + (1025, caps[7]), ValueError),
+    }
 
 
 @native
-@pytest.mark.parametrize("fds, wfds, frames, error", [
-    ([3, 3], [3, 3], [None, None], ValueError),  # one fd for two lanes
-    ([-1], [-1], [None], ValueError),          # a lane with no channel
-    ([0], [-1], [None], ValueError),           # a lane with no write end
-    ([1 << 30], [0], [None], ValueError),      # no such fd
-    ([0], [1 << 30], [None], ValueError),      # no such write fd
-    ([0], [0], [b"x", b"y"], ValueError),      # counts differ
-    ([0], [0, 1], [None], ValueError),         # counts differ
-    ([0], [0], ["text"], TypeError),           # not bytes
-])
-def test_bad_arguments_are_refused_before_any_write(lanes, fds, wfds, frames, error):
-    ls = lanes(1)
+@pytest.mark.parametrize("case", sorted(_bad_calls(3, 4)))
+def test_bad_arguments_are_refused_before_any_write(lanes, case):
+    ls = lanes(2)
+    rfds, wfds, actions, resets, caps, error = _bad_calls(*ls.fds)[case]
     with pytest.raises(error):
-        fp.exchange(ls.epoll.fileno(), fds, wfds, frames, time.monotonic() + 1, 1 << 20, 1 << 30)
+        fp.step(ls.epoll.fileno(), rfds, wfds, actions, SEQ, resets, time.monotonic() + 1, caps, 1 << 30)
+    assert nothing_to_read(ls.env(0)) and nothing_to_read(ls.env(1))
 
 
 @native
 def test_a_reply_bigger_than_one_read_is_handed_back_in_pieces(lanes):
     ls = lanes(1)
-    big = wire.encode([wire.STEPPED, 1, b"x" * (200 << 10), 0.0, False, False, {}])
+    big = wire.encode([wire.STEPPED, SEQ, b"x" * (200 << 10), 0.0, False, False, {}])
     ls.env(0).setblocking(False)
     sent = ls.env(0).send(big)
     got = b""
@@ -261,9 +285,9 @@ def test_a_reply_bigger_than_one_read_is_handed_back_in_pieces(lanes):
                 sent += ls.env(0).send(big[sent:])
             except BlockingIOError:
                 pass
-        why, (result,) = ls.exchange(max_frame=1 << 22)
-        assert why == fp.DONE
-        kind, data = result
+        batch = ls.step(limits=wire.Limits(1 << 22, arrays="check", max_depth=8, max_objects=100))
+        assert batch.why == fp.DONE and batch.done == 0
+        ((_, kind, data),) = batch.rest
         assert kind == fp.UNUSUAL and 0 < len(data) <= fp.READ_SIZE
         got += data
         messages += reader.feed(data)
@@ -273,85 +297,51 @@ def test_a_reply_bigger_than_one_read_is_handed_back_in_pieces(lanes):
 # --- fuzz -------------------------------------------------------------------------------------
 
 
-def python_kind(data: bytes, max_frame: int):
-    """The Python framer's view of one read from an empty buffer, in
-    frame_kind's terms, and the messages it decoded (None: it raised)."""
-    reader = wire.FrameReader(wire.Limits(max_frame))
-    try:
-        messages = reader.feed(data)
-    except wire.ProtocolError as exc:
-        messages = None
-        if "over the cap" in str(exc) and int.from_bytes(data[:4], "little") > max_frame:
-            return fp.FRAME_BIG, None
-    if len(data) < 4:
-        return fp.FRAME_SHORT, messages
-    length = int.from_bytes(data[:4], "little")
-    assert length <= max_frame  # else the framer raised above
-    if len(data) - 4 < length:
-        assert messages == [] and reader.pending == len(data)
-        return fp.FRAME_SHORT, messages
-    if len(data) - 4 > length:
-        return fp.FRAME_EXTRA, messages
-    return fp.FRAME_ONE, messages
-
-
 ints64 = st.integers(-(2**63), 2**64 - 1)
-frames_st = st.lists(st.builds(lambda code, rest: wire.encode([code, *rest]), st.integers(0, 200),
-                               st.lists(ints64 | st.text(max_size=8) | st.none(), max_size=3)),
-                     max_size=4)
-
-
-@native
-@settings(max_examples=1000, deadline=None)
-@given(data=st.binary(max_size=64) | frames_st.map(b"".join), max_frame=st.sampled_from([0, 1, 5, 64, 4096]))
-def test_frame_kind_agrees_with_the_python_framer(data, max_frame):
-    """The same frame boundaries and cap as the Python framer; a message it
-    decodes led by a code in 0..127 (every code there is) is FRAME_ONE, and
-    FRAME_SHAPE only refuses what is not such a message (a body that does not
-    decode, or a code over 127): those go the pure way, which names them."""
-    kind = fp.frame_kind(data, max_frame)
-    theirs, messages = python_kind(data, max_frame)
-    if theirs == fp.FRAME_ONE:
-        decoded = messages is not None and len(messages) == 1
-        if decoded and 0 <= messages[0][0] <= 127:
-            assert kind == fp.FRAME_ONE
-        elif kind == fp.FRAME_SHAPE:
-            assert not decoded or not 0 <= messages[0][0] <= 127
-        else:  # FRAME_ONE for a body that does not decode: the pure decoder refuses it
-            assert kind == fp.FRAME_ONE and not decoded
-    else:
-        assert kind == theirs
+plain = st.recursive(st.none() | st.booleans() | ints64 | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                                 max_size=3), max_leaves=8)
+seqs = st.integers(0, 2**64 - 1)
+infos = st.dictionaries(st.text(max_size=4), plain, max_size=3)
+replies = (st.builds(lambda seq, obs, reward, t, u, info: wire.encode([wire.STEPPED, seq, obs, reward, t, u, info]),
+                     seqs, plain, st.floats() | ints64, st.booleans(), st.booleans(), infos)
+           | st.builds(lambda seq, obs, info: wire.encode([wire.RESET_DONE, seq, obs, info]), seqs, plain, infos))
 
 
 @native
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(frames=frames_st, garbage=st.binary(max_size=32), data=st.data())
-def test_random_streams_cut_anywhere_lose_no_byte(frames, garbage, data):
-    """A stream (frames, then garbage) written to a real socket in random
-    pieces: whatever exchange returns, read after read, is each piece as
-    written (a piece under one read size comes back in one read), so the
-    FrameReader that is fed it sees exactly what the pure path's reads give."""
+@given(frames=st.lists(replies, max_size=4), garbage=st.binary(max_size=32), data=st.data())
+def test_random_reply_streams_cut_anywhere_are_vouched_for_or_handed_back_whole(frames, garbage, data):
+    """Replies, then garbage, written to a real socket in random pieces and
+    read by step() (framers.NativeReader checks each read it vouches for
+    against Python's decode, and that every byte comes back in order): a
+    piece that is exactly one whole reply, due (its seq), is vouched for;
+    no other piece is; the messages are the pure FrameReader's."""
     stream = b"".join(frames) + garbage
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=8), label="cuts"))
-    pieces = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
-    ls = Lanes(1)
+    pieces = [p for p in (stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])) if p]
+    ends, at = {}, 0  # where each reply starts -> where it ends
+    for f in frames:
+        ends[at] = at + len(f)
+        at += len(f)
+    whole, at = 0, 0
+    for piece in pieces:
+        whole += ends.get(at) == at + len(piece)
+        at += len(piece)
+    ours, theirs = NativeReader(ENV), wire.FrameReader(ENV)
     try:
-        got = []
         for piece in pieces:
-            if not piece:
-                continue
-            ls.env(0).sendall(piece)
-            why, (result,) = ls.exchange(max_frame=4096)
-            assert why == fp.DONE
-            if type(result) is bytes:
-                assert fp.frame_kind(result, 4096) == fp.FRAME_ONE
-                got.append(result)
-            else:
-                assert result[0] == fp.UNUSUAL and fp.frame_kind(result[1], 4096) != fp.FRAME_ONE
-                got.append(result[1])
-        assert got == [piece for piece in pieces if piece]
+            try:
+                want = theirs.feed(piece)
+            except wire.ProtocolError:
+                with pytest.raises(wire.ProtocolError):
+                    ours.feed(piece)
+                break
+            got = ours.feed(piece)
+            assert same(got, want)
+        assert ours.vouched == whole
     finally:
-        ls.close()
+        ours.close()
 
 
 # --- the pool --------------------------------------------------------------------------------
@@ -463,16 +453,19 @@ def test_a_wheel_built_from_the_tree_carries_the_extension_and_uses_it(tmp_path)
 @pytest.mark.parametrize("deadline", [float("nan"), float("-inf")])
 def test_a_deadline_that_is_not_a_time_waits_for_nothing(lanes, deadline):
     ls = lanes(1)
-    why, results = fp.exchange(ls.epoll.fileno(), ls.fds, ls.fds, [None], deadline, 1 << 20, 1 << 30)
-    assert why == fp.TIMEOUT and results == [None]
+    ls.env(0).sendall(REPLY)
+    batch = fp.step(ls.epoll.fileno(), ls.fds, ls.fds, WORKER_PACK.pack([0]), SEQ, bytes(1), deadline, caps_of(ENV),
+                    1 << 30)
+    assert batch.why == fp.TIMEOUT and batch.rest == [(0, fp.PENDING, None)]
 
 
 @native
 def test_an_infinite_deadline_still_returns_when_every_lane_answered(lanes):
     ls = lanes(1)
     ls.env(0).sendall(REPLY)
-    why, results = fp.exchange(ls.epoll.fileno(), ls.fds, ls.fds, [None], float("inf"), 1 << 20, 1 << 30)
-    assert why == fp.DONE and results == [REPLY]
+    batch = fp.step(ls.epoll.fileno(), ls.fds, ls.fds, WORKER_PACK.pack([0]), SEQ, bytes(1), float("inf"),
+                    caps_of(ENV), 1 << 30)
+    assert batch.why == fp.DONE and batch.done == 1 and batch.rest == []
 
 
 # --- a lane of two pipes (the default channel: docs/wire.md#the-channel) -------------------------
@@ -490,9 +483,9 @@ class PipeLane:
         self.epoll = select.epoll()
         self.epoll.register(self.rfd, select.EPOLLIN)
 
-    def exchange(self, frame, timeout=2.0):
-        return fp.exchange(self.epoll.fileno(), [self.rfd], [self.wfd], [frame], time.monotonic() + timeout,
-                           1 << 20, 1 << 30)
+    def step(self, action=0, timeout=2.0):
+        return fp.step(self.epoll.fileno(), [self.rfd], [self.wfd], WORKER_PACK.pack([action]), SEQ, bytes(1),
+                       time.monotonic() + timeout, caps_of(ENV), 1 << 30)
 
     def close(self):
         self.epoll.close()
@@ -513,16 +506,23 @@ def pipe_lane():
 @native
 def test_a_pipe_lane_is_written_on_its_write_end_and_read_on_its_read_end(pipe_lane):
     os.write(pipe_lane.env_w, REPLY)
-    why, results = pipe_lane.exchange(b"request")
-    assert why == fp.DONE and results == [REPLY]
-    assert os.read(pipe_lane.env_r, 100) == b"request"
+    batch = pipe_lane.step("request")
+    assert batch.why == fp.DONE and batch.done == 1 and batch.rest == []
+    assert os.read(pipe_lane.env_r, 100) == request("request", SEQ, False)
 
 
 @native
-def test_a_full_pipe_is_a_short_write(pipe_lane):
+def test_a_full_pipe_is_a_short_write_with_the_unsent_rest(pipe_lane):
     capacity = fcntl.fcntl(pipe_lane.wfd, 1032)  # F_GETPIPE_SZ
-    why, results = pipe_lane.exchange(b"x" * (capacity + 100))
-    assert why == fp.SHORT_WRITE and results == [(fp.SHORT_WRITE_KIND, capacity)]
+    action = b"x" * (capacity + 100)
+    want = request(action, SEQ, False)
+    batch = pipe_lane.step(action)
+    assert batch.why == fp.SHORT_WRITE and batch.done == 0
+    assert batch.rest == [(0, fp.SHORT_WRITE_KIND, want[capacity:])]  # the event loop writes the rest
+    written = b""
+    while len(written) < capacity:
+        written += os.read(pipe_lane.env_r, capacity - len(written))
+    assert written == want[:capacity]
 
 
 @native
@@ -530,12 +530,16 @@ def test_a_pipe_whose_reader_is_gone_fails_the_write_without_a_signal(pipe_lane)
     """EPIPE, not SIGPIPE (Python ignores it): the write counts as done, as
     on a closed socket, and the lane waits for its reply or its deadline."""
     os.close(pipe_lane.env_r)
-    why, results = pipe_lane.exchange(b"request", timeout=0.2)
-    assert why == fp.TIMEOUT and results == [None]
+    batch = pipe_lane.step(timeout=0.2)
+    assert batch.why == fp.TIMEOUT and batch.rest == [(0, fp.PENDING, None)]
 
 
 @native
-def test_a_write_end_waiting_for_room_is_the_event_loops_business(pipe_lane):
+def test_a_write_end_waiting_for_room_is_the_event_loops_business(pipe_lane, lanes):
     pipe_lane.epoll.register(pipe_lane.wfd, select.EPOLLOUT)  # as reactor._watch_out does
-    why, results = pipe_lane.exchange(None)
-    assert why == fp.FOREIGN and results == [None]
+    batch = pipe_lane.step()
+    assert batch.why == fp.FOREIGN and batch.rest == [(0, fp.PENDING, None)]
+    ls = lanes(1)  # a socket lane: the one fd watched for room is also the lane's read fd
+    ls.epoll.modify(ls.fds[0], select.EPOLLIN | select.EPOLLOUT)
+    batch = ls.step(timeout=5)
+    assert batch.why == fp.FOREIGN and batch.rest == [(0, fp.PENDING, None)]

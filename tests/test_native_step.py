@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from boltzlabs import wire
 from boltzlabs.worker.native import caps
 from boltzlabs.worker.reactor import check_reply
-from tests.test_native import Lanes
+from framers import ENV, SEQ, WORKER_PACK, Lanes, same
 
 try:
     from boltzlabs.worker import _fastpath as fp
@@ -35,11 +35,7 @@ except ImportError:
 
 pytestmark = pytest.mark.skipif(fp is None, reason="boltzlabs.worker._fastpath is not built")
 
-# The worker's env limits with sandbox/policy.toml's defaults (config.parse_open).
-ENV = wire.Limits(16 << 20, 4 << 20, 16 << 20, 1 << 20, 1 << 18, arrays="check", max_depth=512, max_objects=1 << 19)
 CLIENT = wire.Limits(1 << 30)  # how the client decodes the REPLY
-WORKER_PACK = msgpack.Packer(use_bin_type=True)  # the worker's packer of requests to envs
-SEQ = 77
 
 
 def python_reply(data: bytes, reset: bool, seq: int, limits: wire.Limits):
@@ -63,23 +59,6 @@ def python_reply(data: bytes, reset: bool, seq: int, limits: wire.Limits):
 
 def client(data: bytes):
     return msgpack.unpackb(data, **CLIENT.kwargs)
-
-
-def same(a, b) -> bool:
-    """Equal and of the same types all the way down (dict key order included)."""
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, np.ndarray):
-        return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-    if isinstance(a, np.generic):
-        return a.dtype == b.dtype and a.tobytes() == b.tobytes()
-    if type(a) is float:
-        return struct.pack("<d", a) == struct.pack("<d", b) or (math.isnan(a) and math.isnan(b))
-    if type(a) in (list, tuple):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    if type(a) is dict:
-        return len(a) == len(b) and all(same(x, y) and same(a[x], b[y]) for x, y in zip(a, b))
-    return a == b
 
 
 def check_vouch(data: bytes, reset: bool = False, seq: int = SEQ, limits: wire.Limits = ENV):
@@ -340,21 +319,13 @@ def test_python_agrees_the_edge_forms_it_accepts_are_accepted():
 # --- step(): the frames, over real sockets ----------------------------------------------------
 
 
-class Channels(Lanes):
-    """test_native's socketpairs in an epoll set, driven by step()."""
-
-    def step(self, actions, seq=SEQ, resets=None, timeout=2.0, budget=1 << 30, limits=ENV):
-        n = len(self.pairs)
-        return fp.step(self.epoll.fileno(), self.fds, self.fds, WORKER_PACK.pack(actions), seq,
-                       bytes(resets or bytes(n)), time.monotonic() + timeout, caps(limits), budget)
-
-
 @pytest.fixture
 def channels():
+    """framers.Lanes: socketpairs in an epoll set, driven by step()."""
     made = []
 
     def make(n):
-        made.append(Channels(n))
+        made.append(Lanes(n))
         return made[-1]
 
     yield make
