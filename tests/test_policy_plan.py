@@ -287,3 +287,65 @@ def test_a_failed_sandbox_set_up_is_not_blamed_on_the_env(facts_env, policy):
     assert "mount the workspace tmpfs: Operation not permitted" in text, text
     assert "set-up failed before any env code ran" in text and "boltzlabs doctor" in text, text
     assert "Fix the error in" not in text, text
+
+
+CALLS = """
+import ctypes
+from boltzlabs.env import serve
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+def calls():
+    # [modify_ldt(0: read, buf, 16), syncfs(0)]: each its result, or -errno. Both harmless;
+    # the shipped filter refuses modify_ldt (EPERM) and allows syncfs.
+    buf = ctypes.create_string_buffer(16)
+    out = []
+    for result in (libc.syscall(154, 0, buf, 16), libc.syncfs(0)):
+        out.append(result if result >= 0 else -ctypes.get_errno())
+    return out
+
+def reset(seed):
+    return calls()
+
+def step(action):
+    return calls(), 0.0, False, {}
+
+serve(reset=reset, step=step)
+"""
+
+LDT_RULE = '''[[deny]]
+why = "16-bit segments: a historic source of kernel information leaks"
+syscalls = ["modify_ldt"]
+errno = "EPERM"
+'''
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="modify_ldt is x86's")
+def test_an_operators_seccomp_file_is_the_filter(env_dir, spawn, tmp_path, monkeypatch):
+    """BOLTZLABS_SECCOMP names a copy of sandbox/seccomp.toml, edited: the
+    envs run under it, in both modes. The copy drops the rule that refuses
+    modify_ldt (an env that needs a call the shipped list refuses) and adds
+    one refusing syncfs with EACCES (a host that refuses more)."""
+    source = env_dir(CALLS)
+    shipped = (ROOT / "sandbox" / "seccomp.toml").read_text()
+    assert LDT_RULE in shipped
+    with RLPool(source, 1, spawn=spawn) as pool:
+        assert pool.spawn == spawn
+        assert pool.reset(seed=0)[0] == [-1, 0]  # modify_ldt: EPERM; syncfs: done
+    path = tmp_path / "seccomp.toml"
+    path.write_text(shipped.replace(LDT_RULE, "") + '\n[[deny]]\nwhy = "a test"\nsyscalls = ["syncfs"]\nerrno = "EACCES"\n')
+    monkeypatch.setenv("BOLTZLABS_SECCOMP", str(path))
+    with RLPool(source, 1, spawn=spawn) as pool:
+        assert pool.spawn == spawn
+        assert pool.reset(seed=0)[0] == [0, -13]  # modify_ldt: no LDT, 0 bytes read; syncfs: EACCES
+        assert pool.step([0])[0][0] == [0, -13]
+
+
+def test_an_unreadable_seccomp_file_is_named(facts_env, monkeypatch, tmp_path):
+    monkeypatch.setenv("BOLTZLABS_SECCOMP", str(tmp_path / "missing.toml"))
+    with pytest.raises(SandboxUnavailable, match="missing.toml.*unset BOLTZLABS_SECCOMP"):
+        RLPool(facts_env, 1)
+    (tmp_path / "bad.toml").write_text("[[deny]\n")
+    monkeypatch.setenv("BOLTZLABS_SECCOMP", str(tmp_path / "bad.toml"))
+    with pytest.raises(SandboxUnavailable, match="bad.toml.*unset BOLTZLABS_SECCOMP"):
+        RLPool(facts_env, 1)

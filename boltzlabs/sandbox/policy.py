@@ -83,26 +83,31 @@ def load_policy() -> Policy:
     `BOLTZLABS_POLICY=/path/policy.toml` in the environment of the process
     that starts the worker (the trainer, or `boltzlabs worker --listen`) puts
     an operator's own policy.toml in place of the shipped one, whole: start
-    from a copy of sandbox/policy.toml. The mount profiles and seccomp.toml
-    stay the installation's. Nothing else reads these files: the worker
-    compiles this Policy into each pool's plan (boltzlabs.sandbox.plan)."""
+    from a copy of sandbox/policy.toml. `BOLTZLABS_SECCOMP=/path/seccomp.toml`
+    does the same for the seccomp filter's deny list (start from a copy of
+    sandbox/seccomp.toml: an env that needs a call the shipped list refuses,
+    or a host that wants more refused). The mount profiles stay the
+    installation's. Nothing else reads these files: the worker compiles this
+    Policy into each pool's plan (boltzlabs.sandbox.plan)."""
     path = os.environ.get("BOLTZLABS_POLICY") or _data_dir("sandbox") / "policy.toml"
-    try:
-        with open(path, "rb") as f:
-            sandbox = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise SandboxUnavailable(f"cannot read the sandbox policy {path} ({exc}); "
-                                 "fix it, or unset BOLTZLABS_POLICY to use the shipped one") from None
+    sandbox = _read(path, "BOLTZLABS_POLICY")
     mounts = {profile: _read(_data_dir("mounts") / f"{profile}.toml") for profile in MOUNT_PROFILES}
-    return Policy(sandbox, mounts, _read(_data_dir("sandbox") / "seccomp.toml"), str(path))
+    seccomp = _read(os.environ.get("BOLTZLABS_SECCOMP") or _data_dir("sandbox") / "seccomp.toml", "BOLTZLABS_SECCOMP")
+    return Policy(sandbox, mounts, seccomp, str(path))
 
 
-def _read(path: Path) -> dict:
+def _read(path, variable: str | None = None) -> dict:
+    """A policy file as TOML; SandboxUnavailable naming it (and `variable`, the
+    environment variable that can name an operator's own file instead) if not."""
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise SandboxUnavailable(f"cannot read the sandbox policy file {path} ({exc}); reinstall boltzlabs") from None
+        if variable and os.environ.get(variable):
+            fix = f"fix it, or unset {variable} to use the shipped one"
+        else:
+            fix = "reinstall boltzlabs"
+        raise SandboxUnavailable(f"cannot read the sandbox policy file {path} ({exc}); {fix}") from None
 
 
 def find_bwrap() -> str:
