@@ -16,9 +16,10 @@ cd "$(dirname "$0")/.."
 bash ci/setup.sh
 
 # Files whose tests never start a pool, so never reach the step path: the lane state
-# machine, the module layout, and the wire format (whose tests run both framers,
-# native and pure, in-process whichever path the session's pools take).
-PURE_SKIPS=(tests/test_lanes.py tests/test_layout.py tests/test_wire.py)
+# machine, the module layout, the wire format (whose tests run both framers,
+# native and pure, in-process whichever path the session's pools take), and the
+# wake benchmark's checks (a C program, no boltzlabs).
+PURE_SKIPS=(tests/test_lanes.py tests/test_layout.py tests/test_wire.py tests/test_benchmarks.py)
 
 logs=$(mktemp -d /tmp/boltzlabs-ci.XXXXXX)
 trap 'rm -rf "$logs"' EXIT
