@@ -525,7 +525,8 @@ def main(argv=None) -> int:
     parser.add_argument("--spawn", choices=["template", "exec"], default=None,
                         help="RLPool(spawn=...) (default: the library's default)")
     parser.add_argument("--env", choices=sorted(SOURCES), default="counter",
-                        help="examples/counter (default), benchmarks/envs/numpy_env or benchmarks/envs/image_env (Atari-sized frames), each against its gymnasium twin")
+                        help="examples/counter (default), benchmarks/envs/numpy_env or benchmarks/envs/image_env "
+                             "(Atari-sized frames), each against its gymnasium twin")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON output (default {RESULTS.relative_to(ROOT)})")
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.n) or (args.steps is not None and args.steps < 1) or args.rounds < 1:

@@ -333,7 +333,8 @@ def test_an_operators_seccomp_file_is_the_filter(env_dir, spawn, tmp_path, monke
         assert pool.spawn == spawn
         assert pool.reset(seed=0)[0] == [-1, 0]  # modify_ldt: EPERM; syncfs: done
     path = tmp_path / "seccomp.toml"
-    path.write_text(shipped.replace(LDT_RULE, "") + '\n[[deny]]\nwhy = "a test"\nsyscalls = ["syncfs"]\nerrno = "EACCES"\n')
+    path.write_text(shipped.replace(LDT_RULE, "")
+                    + '\n[[deny]]\nwhy = "a test"\nsyscalls = ["syncfs"]\nerrno = "EACCES"\n')
     monkeypatch.setenv("BOLTZLABS_SECCOMP", str(path))
     with RLPool(source, 1, spawn=spawn) as pool:
         assert pool.spawn == spawn

@@ -681,7 +681,7 @@ def _set_up_failed(log: str) -> bool:
     """Whether an env's start-up output ends in a traceback raised by the
     sandbox's set-up (boltzlabs.runtime.confine or template: mounts, ids,
     quotas, the filter) rather than by the env's code."""
-    tail = log[log.rfind("Traceback (most recent call last):"):] if "Traceback" in log else ""
-    frames = [line for line in tail.splitlines() if line.lstrip().startswith('File "')]
+    start = log.rfind("Traceback (most recent call last):")
+    frames = [line for line in log[start:].splitlines() if line.lstrip().startswith('File "')] if start >= 0 else []
     return bool(frames) and "/boltzlabs/runtime/" in frames[-1] \
         and not any("/boltzlabs/runtime/serve.py" in frame or "env.py" in frame for frame in frames)

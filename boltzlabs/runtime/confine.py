@@ -117,8 +117,9 @@ def id_maps(inside: tuple, outside: tuple) -> list[tuple[str, bytes]]:
             ("/proc/self/gid_map", f"{inside[1]} {outside[1]} 1".encode())]
 
 
-def write_id_maps(inside: tuple, outside: tuple) -> None:
-    """Map uid/gid `inside` to `outside` in the user namespace we are in (new)."""
+def enter_user_namespace(inside: tuple, outside: tuple, also: int = 0) -> None:
+    """unshare(CLONE_NEWUSER | also), mapping uid/gid `inside` to `outside` (ours)."""
+    _check(_libc.unshare(_CLONE_NEWUSER | also), "unshare a user namespace")
     for path, data in id_maps(inside, outside):
         fd = os.open(path, os.O_WRONLY)
         try:
@@ -282,8 +283,7 @@ class Plan:
         parent's uid 0 needs CAP_SETFCAP there (the plan adds it to the set-up's
         capabilities, dropped with the others before env.py). The quotas are
         then written in this namespace, the one the env's own count against."""
-        _check(_libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNS), "unshare a user namespace for [identity] uid and gid")
-        write_id_maps(self.ids, (0, 0))
+        enter_user_namespace(self.ids, (0, 0), also=_CLONE_NEWNS)
 
     def write_sysctls(self) -> None:
         """The per-user-namespace limits of the namespace we are in."""

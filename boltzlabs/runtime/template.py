@@ -148,12 +148,6 @@ def drop_capabilities() -> None:
     confine.Capabilities().drop()
 
 
-def _enter_user_namespace(inside: tuple, outside: tuple) -> None:
-    """unshare(CLONE_NEWUSER), mapping uid/gid `inside` to `outside` (ours)."""
-    _check(_libc.unshare(_CLONE_NEWUSER), "unshare user namespace")
-    confine.write_id_maps(inside, outside)
-
-
 # Built once: what the template does between two forks is copied into the
 # older child (every page it writes), so the fork path allocates nothing.
 _CLONE_ARGUMENTS = tuple(ctypes.c_long(value) for value in (
@@ -888,7 +882,7 @@ def main(argv=None) -> None:
     # without CAP_SETFCAP (see sandbox/policy.toml, [template]).
     uid, gid = confine.number_of(values, "template_uid", 1), confine.number_of(values, "template_gid", 1)
     seccomp.receive_child_filter(int(os.environ.pop("BOLTZLABS_CHILD_FILTER_FD")))
-    _enter_user_namespace((uid, gid), (os.geteuid(), os.getegid()))
+    confine.enter_user_namespace((uid, gid), (os.geteuid(), os.getegid()))
     drop_capabilities()
     os.environ["BOLTZLABS_TEMPLATE"] = "1"
     sys.argv = argv

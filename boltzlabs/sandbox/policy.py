@@ -92,7 +92,8 @@ def load_policy() -> Policy:
     path = os.environ.get("BOLTZLABS_POLICY") or _data_dir("sandbox") / "policy.toml"
     sandbox = _read(path, "BOLTZLABS_POLICY")
     mounts = {profile: _read(_data_dir("mounts") / f"{profile}.toml") for profile in MOUNT_PROFILES}
-    seccomp = _read(os.environ.get("BOLTZLABS_SECCOMP") or _data_dir("sandbox") / "seccomp.toml", "BOLTZLABS_SECCOMP")
+    seccomp_path = os.environ.get("BOLTZLABS_SECCOMP") or _data_dir("sandbox") / "seccomp.toml"
+    seccomp = _read(seccomp_path, "BOLTZLABS_SECCOMP")
     return Policy(sandbox, mounts, seccomp, str(path))
 
 
