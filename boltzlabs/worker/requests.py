@@ -106,10 +106,8 @@ class Requests:
                 env.to(BUSY)
                 op.waiting.add(env.index)
                 self._write(env, header(len(body)) + body)
-            elif env.state.due:
-                immediate[env.index] = "straggler"
             else:
-                immediate[env.index] = "dead"
+                immediate[env.index] = _not_sent(env)
         stragglers = []
         if gated:
             for index in sorted(op.waiting - resets):
@@ -249,7 +247,7 @@ class Requests:
                 if result:
                     released += env.held
                     env.held = 0
-                immediate = None if chans[index] >= 0 else "straggler" if env.state.due else "dead"
+                immediate = None if chans[index] >= 0 else _not_sent(env)
                 obs, reward, terminated, truncated, info = self._lane_result(env, result, index in stragglers,
                                                                              immediate)
                 overrides[index] = (pack(obs), reward, terminated, truncated, pack(info))
@@ -443,3 +441,9 @@ def _pss_tree(pid: int) -> int:
         return total
     except psutil.NoSuchProcess:
         return 0
+
+
+def _not_sent(env: Lane) -> str:
+    """Why a step sent nothing to a lane that was not idle, for _lane_result:
+    "straggler" (still busy with a request it has not answered) or "dead"."""
+    return "straggler" if env.state.due else "dead"
