@@ -236,10 +236,12 @@ def encode(message) -> bytes:
     if type(message) is list and message and type(message[-1]) is Raw:
         # The last item is msgpack already (the native step's result): the
         # rest is packed with a nil in its place, and the nil (always the
-        # body's last byte) is replaced by the raw bytes.
-        body = _packer.pack(message[:-1] + [None])[:-1] + message[-1]
-    else:
-        body = _packer.pack(message)
+        # body's last byte) is replaced by the raw bytes, joined with the
+        # prefix in one copy (a step of image observations is megabytes).
+        head = _packer.pack(message[:-1] + [None])[:-1]
+        raw = message[-1].data
+        return b"".join((HEADER.pack(len(head) + len(raw)), head, raw))
+    body = _packer.pack(message)
     return HEADER.pack(len(body)) + body
 
 
@@ -248,11 +250,15 @@ def pack(value) -> bytes:
     return _packer.pack(value)
 
 
-class Raw(bytes):
-    """The msgpack bytes of one value, already encoded: as the last item of a
-    message given to `encode`, spliced into the frame as they are."""
+class Raw:
+    """The msgpack bytes of one value, already encoded (`data`): as the last
+    item of a message given to `encode`, spliced into the frame as they are.
+    It holds the bytes, not a copy of them."""
 
-    __slots__ = ()
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes):
+        self.data = data
 
 
 class Limits:

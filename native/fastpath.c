@@ -515,6 +515,7 @@ static int read_uint(const unsigned char *buf, size_t *pos, size_t end, uint64_t
 /* What vouch() found in one reply: where obs and info lie, and the scalars. */
 typedef struct {
     size_t obs, obs_len, info, info_len; /* offsets into the bytes read */
+    size_t start, have, want; /* LANE_PARTIAL: its frame's place in Batch.buf, bytes read, frame size */
     double reward;
     unsigned char terminated, truncated, state;
 } Lane;
@@ -625,6 +626,7 @@ static int parse_caps(PyObject *obj, Caps *caps)
 /* Lane.state */
 #define LANE_OUT 0  /* not in this call, or left to Python */
 #define LANE_DONE 1 /* a reply vouched for: spliced by compose() */
+#define LANE_PARTIAL 2 /* a frame longer than its first read: the rest is read into its reserved place */
 
 typedef struct {
     PyObject_HEAD
@@ -815,6 +817,26 @@ static PyTypeObject BatchType = {
     .tp_methods = batch_methods,
     .tp_members = batch_members,
 };
+
+/* Room for `more` bytes after Batch.used (buf may move: lanes hold offsets).
+ * -1 when malloc refuses: with MemoryError set if `strict`, else quietly. */
+static int reserve(Batch *b, size_t more, int strict)
+{
+    if (b->cap - b->used >= more)
+        return 0;
+    size_t cap = b->cap ? 2 * b->cap : 4 * READ_SIZE;
+    while (cap - b->used < more)
+        cap *= 2;
+    unsigned char *grown = PyMem_Realloc(b->buf, cap);
+    if (grown == NULL) {
+        if (strict)
+            PyErr_NoMemory();
+        return -1;
+    }
+    b->buf = grown;
+    b->cap = cap;
+    return 0;
+}
 
 static int rest_add(Batch *b, Py_ssize_t lane, int kind, PyObject *value) /* steals value */
 {
@@ -1044,46 +1066,88 @@ static PyObject *step(PyObject *self, PyObject *args)
                 foreign = 1;
                 continue;
             }
-            if (batch->cap - batch->used < READ_SIZE) {
-                size_t cap = batch->cap ? 2 * batch->cap : 4 * READ_SIZE;
-                while (cap - batch->used < READ_SIZE)
-                    cap *= 2;
-                unsigned char *grown = PyMem_Realloc(batch->buf, cap);
-                if (grown == NULL) {
-                    PyErr_NoMemory();
-                    goto done;
+            Lane *l = &batch->lanes[lane];
+            int reset = ((unsigned char *)resets.buf)[lane] != 0;
+            if (l->state == LANE_PARTIAL) {
+                /* The rest of a long frame: exactly what is missing, into its place. */
+                unsigned char *at = batch->buf + l->start;
+                ssize_t got = read(fd, at + l->have, l->want - l->have);
+                if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+                    continue;
+                if (got <= 0) { /* end of file mid-frame: Python takes the part and finds the end itself */
+                    lane_of[fd] = -1;
+                    waiting--;
+                    l->state = LANE_OUT;
+                    if (rest_add(batch, lane, KIND_UNUSUAL, PyBytes_FromStringAndSize((const char *)at, (Py_ssize_t)l->have)) < 0)
+                        goto done;
+                    continue;
                 }
-                batch->buf = grown;
-                batch->cap = cap;
+                l->have += (size_t)got; /* read_total counted the whole frame when it was reserved */
+                if (l->have == l->want) {
+                    lane_of[fd] = -1;
+                    waiting--;
+                    if (vouch(at, l->want, &caps, reset, seq, l)) {
+                        l->obs += l->start;
+                        l->info += l->start;
+                        l->state = LANE_DONE;
+                        batch->held += (long long)l->want;
+                        batch->done++;
+                    } else {
+                        l->state = LANE_OUT;
+                        if (rest_add(batch, lane, KIND_UNUSUAL, PyBytes_FromStringAndSize((const char *)at, (Py_ssize_t)l->want)) < 0)
+                            goto done;
+                    }
+                }
+                continue;
             }
+            if (reserve(batch, READ_SIZE, 1) < 0)
+                goto done;
             unsigned char *at = batch->buf + batch->used;
             ssize_t got = read(fd, at, READ_SIZE);
             if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
                 continue;
-            lane_of[fd] = -1; /* read once: a second event for it is foreign */
-            waiting--;
             if (got <= 0) {
+                lane_of[fd] = -1; /* read once: a second event for it is foreign */
+                waiting--;
                 if (rest_add(batch, lane, KIND_EOF, PyBytes_FromStringAndSize(NULL, 0)) < 0)
                     goto done;
-            } else {
-                Lane *l = &batch->lanes[lane];
-                int reset = ((unsigned char *)resets.buf)[lane] != 0;
-                read_total += got;
-                if (read_total <= budget && vouch(at, (size_t)got, &caps, reset, seq, l)) {
-                    /* The hot path: a reply vouched for, kept as read. */
-                    l->obs += batch->used;
-                    l->info += batch->used;
-                    l->state = LANE_DONE;
-                    batch->used += (size_t)got;
-                    batch->held += got;
-                    batch->done++;
-                } else if (rest_add(batch, lane, KIND_UNUSUAL, PyBytes_FromStringAndSize((const char *)at, got)) < 0) {
-                    goto done;
-                }
-                if (read_total > budget) {
-                    batch->why = BUDGET;
-                    stop = 1;
-                }
+                continue;
+            }
+            read_total += got;
+            uint64_t want = got >= 4 ? 4 + ((uint64_t)at[0] | ((uint64_t)at[1] << 8) | ((uint64_t)at[2] << 16) |
+                                            ((uint64_t)at[3] << 24))
+                                     : 0;
+            if (want > (uint64_t)got && want - 4 <= caps.max_frame &&
+                (long long)want <= budget - (read_total - got) && reserve(batch, (size_t)want, 0) == 0) {
+                /* A frame longer than this read (an image, say): its whole size
+                 * is reserved here and counted against the budget at once (so
+                 * what all lanes reserve stays within it), and the rest is read
+                 * into it as the env writes it. A reservation malloc refuses
+                 * leaves the lane to Python, as before. */
+                l->start = batch->used;
+                l->have = (size_t)got;
+                l->want = (size_t)want;
+                l->state = LANE_PARTIAL;
+                batch->used += (size_t)want;
+                read_total += (long long)want - got; /* the whole frame counts against the budget now */
+                continue;
+            }
+            lane_of[fd] = -1; /* read once: a second event for it is foreign */
+            waiting--;
+            if (read_total <= budget && vouch(at, (size_t)got, &caps, reset, seq, l)) {
+                /* The hot path: a reply vouched for, kept as read. */
+                l->obs += batch->used;
+                l->info += batch->used;
+                l->state = LANE_DONE;
+                batch->used += (size_t)got;
+                batch->held += got;
+                batch->done++;
+            } else if (rest_add(batch, lane, KIND_UNUSUAL, PyBytes_FromStringAndSize((const char *)at, got)) < 0) {
+                goto done;
+            }
+            if (read_total > budget) {
+                batch->why = BUDGET;
+                stop = 1;
             }
         }
         if (stop)
@@ -1094,8 +1158,16 @@ static PyObject *step(PyObject *self, PyObject *args)
         }
     }
 finish:
-    for (Py_ssize_t i = 0; i < n; i++) /* the lanes not read: pending */
+    for (Py_ssize_t i = 0; i < n; i++) /* the lanes not read whole: pending, or the part read */
         if (rfds[i] >= 0 && rfds[i] <= max_fd && lane_of[rfds[i]] == (int)i) {
+            Lane *l = &batch->lanes[i];
+            if (l->state == LANE_PARTIAL) {
+                l->state = LANE_OUT;
+                if (rest_add(batch, i, KIND_UNUSUAL,
+                             PyBytes_FromStringAndSize((const char *)batch->buf + l->start, (Py_ssize_t)l->have)) < 0)
+                    goto done;
+                continue;
+            }
             Py_INCREF(Py_None);
             if (rest_add(batch, i, KIND_PENDING, Py_None) < 0)
                 goto done;
