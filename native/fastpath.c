@@ -9,13 +9,17 @@
  * One call writes each lane's request (wire.py's frames: a 4-byte
  * little-endian body length, then the msgpack body), waits on the worker's
  * own epoll set until every lane has answered or the deadline passes, and
- * reads each lane's reply ONCE. A reply walk() vouches for stays undecoded;
- * every other lane goes back to Python (Batch.rest), so everything unusual
- * takes the pure-Python path unchanged:
+ * reads each lane's reply: in one read, or, when the first read's prefix
+ * announces a longer frame (an image observation; within max_frame and the
+ * byte budget), in as many as it takes, each read taking exactly what is
+ * still missing into the space reserved for that frame. A reply walk()
+ * vouches for stays undecoded; every other lane goes back to Python
+ * (Batch.rest), so everything unusual takes the pure-Python path unchanged:
  *
- *   - a read not vouched for (a partial frame, several frames, an oversized
- *     or garbled prefix, a value walk() is unsure of) -> (UNUSUAL, the bytes
- *     read), fed to the lane's FrameReader;
+ *   - a read not vouched for (several frames, an oversized or garbled
+ *     prefix, a value walk() is unsure of, a long frame cut short by the
+ *     deadline or end of file) -> (UNUSUAL, the bytes read), fed to the
+ *     lane's FrameReader;
  *   - end of file or a read error -> (EOF, b"");
  *   - a short write -> (SHORT_WRITE_KIND, the frame's bytes not written), and
  *     the call returns before waiting: the event loop writes the rest;
@@ -26,8 +30,8 @@
  * the client's socket, a straggler's channel: the worker's event loop handles
  * them), when the deadline passes, and when the bytes it has read pass
  * `budget` (the pool's byte budget, limits.max_pool_bytes, less what the pool
- * holds). Every lane is read at most once per call, so the bytes held are
- * bounded by budget + one read.
+ * holds). A long frame's whole size counts against the budget when its
+ * space is reserved, so the bytes held are bounded by budget + one read.
  *
  * Everything read here comes from an untrusted env: the only parsing is
  * vouch() and walk() below, bounded as their comment says.
@@ -42,6 +46,9 @@
 #include <sys/epoll.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef __GLIBC__
+#include <malloc.h>
+#endif
 
 /* Batch.rest's kinds: how a lane Python must finish was left. */
 #define KIND_PENDING 0 /* nothing read yet */
@@ -153,7 +160,7 @@ static int nap(double since, double deadline)
  * step(): the whole synchronous step of an ungated pool in one call (issue #16).
  *
  *     requests.step --actions, packed once--> step() --one STEP/RESET frame per lane--> channels
- *                   <--Batch: replies vouched for, undecoded-- step() <--one read per lane-- (epoll)
+ *                   <--Batch: replies vouched for, undecoded-- step() <--a read per lane (a long frame: until whole)-- (epoll)
  *     Batch.compose(overrides) --> the REPLY's result, raw msgpack, spliced from the env's own bytes
  *
  * The frames are built here exactly as wire.encode builds them
@@ -871,9 +878,10 @@ PyDoc_STRVAR(step_doc,
 "array of n actions (the worker's packer's). For every lane with rfds[i] >= 0:\n"
 "write [STEP, seq, actions[i], False] (or [RESET, seq, None, None] where\n"
 "resets[i]) framed as wire.encode does to wfds[i], then wait on epfd until\n"
-"each has been read once, the deadline passes, a foreign fd is ready or the\n"
-"bytes read pass budget. A reply walk() vouches for is done (Batch.compose\n"
-"splices it); every other lane is in Batch.rest. caps: (max_frame,\n"
+"each has answered (a frame longer than one read is read whole), the\n"
+"deadline passes, a foreign fd is ready or the bytes read pass budget. A\n"
+"reply walk() vouches for is done (Batch.compose splices it); every other\n"
+"lane is in Batch.rest. caps: (max_frame,\n"
 "max_str_len, max_bin_len, max_array_len, max_map_len, max_ext_len, max_depth,\n"
 "max_objects) of the env limits. None, with nothing written, when actions is\n"
 "not an array of n values walk() can split.");
@@ -1039,7 +1047,7 @@ static PyObject *step(PyObject *self, PyObject *args)
     if (batch->why == SHORT_WRITE)
         goto finish;
 
-    /* Fan-in: each lane read once, vouched for or handed back. */
+    /* Fan-in: each lane read (a long frame until whole), vouched for or handed back. */
     max_events = n + 16 < MAX_EVENTS ? (int)n + 16 : MAX_EVENTS;
     events = PyMem_Malloc(sizeof(struct epoll_event) * (size_t)max_events);
     if (events == NULL) {
@@ -1232,8 +1240,29 @@ out:
     return ret;
 }
 
+PyDoc_STRVAR(keep_heap_doc,
+"keep_heap() -> bool\n\n"
+"Ask glibc's malloc to serve blocks under 32 MiB from the heap and to keep up\n"
+"to 128 MiB of it once freed (mallopt M_MMAP_THRESHOLD and M_TRIM_THRESHOLD).\n"
+"With big observations the worker allocates and frees the same megabytes\n"
+"every step (the replies read, the REPLY composed, its frame); given back to\n"
+"the kernel each time, every 4 KiB of them faulted in again on the next step\n"
+"(44% of the worker's CPU at n = 256 image envs, docs/performance.md). The\n"
+"worker calls it once (native.load); an env never imports this module.\n"
+"False where the C library is not glibc or refuses a setting.");
+
+static PyObject *keep_heap(PyObject *self, PyObject *noargs)
+{
+#ifdef __GLIBC__
+    if (mallopt(M_MMAP_THRESHOLD, 32 << 20) && mallopt(M_TRIM_THRESHOLD, 128 << 20))
+        Py_RETURN_TRUE;
+#endif
+    Py_RETURN_FALSE;
+}
+
 static PyMethodDef methods[] = {
     {"step", step, METH_VARARGS, step_doc},
+    {"keep_heap", keep_heap, METH_NOARGS, keep_heap_doc},
     {"vouch", py_vouch, METH_VARARGS, vouch_doc},
     {NULL, NULL, 0, NULL},
 };
