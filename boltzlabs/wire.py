@@ -464,20 +464,55 @@ class FrameReader:
     keeps a partial frame for the next call. A length over the cap or a body
     that does not decode raises `ProtocolError`; after that the stream is
     unusable (frame boundaries are lost) and the peer must be dropped.
+
+    With `allocate` (a callable returning a writable buffer of n bytes, e.g.
+    numpy.empty(n, uint8)), a frame of at least DIRECT_MIN bytes whose prefix
+    has arrived gets a buffer of its own: `room()` is the part still missing,
+    for the caller to `recv_into`, and `filled(n)` says how many bytes went
+    in. The client uses it for the worker's REPLY, megabytes with image
+    observations, which would otherwise be read in 64 KiB pieces and copied
+    into a growing bytearray. Never for a peer that is not trusted: the
+    buffer is allocated when the prefix announces the frame.
     """
 
-    __slots__ = ("limits", "_buf")
+    __slots__ = ("limits", "_buf", "_allocate", "_frame", "_have")
+    DIRECT_MIN = 1 << 18
 
-    def __init__(self, limits: Limits):
+    def __init__(self, limits: Limits, allocate=None):
         self.limits = limits
         self._buf = bytearray()
+        self._allocate = allocate
+        self._frame = None  # a long frame read in place (allocate given), and how much of it is in
+        self._have = 0
 
     @property
     def pending(self) -> int:
         """Bytes of an incomplete frame held back."""
-        return len(self._buf)
+        return self._have if self._frame is not None else len(self._buf)
+
+    def room(self):
+        """The rest of a long frame still to come, as a writable memoryview
+        (release it before the next call), or None: then read and feed()."""
+        if self._frame is None:
+            return None
+        return memoryview(self._frame).cast("B")[self._have:]
+
+    def filled(self, n: int) -> list:
+        """n bytes were read into room(): the frame's message once it is whole."""
+        self._have += n
+        if self._have < len(self._frame):
+            return []
+        frame, self._frame, self._have = self._frame, None, 0
+        with memoryview(frame) as view:
+            return [decode(view.cast("B")[4:], self.limits)]
 
     def feed(self, data) -> list:
+        if self._frame is not None:  # the rest of a long frame came by feed(), not room()
+            with self.room() as room:
+                n = min(len(room), len(data))
+                room[:n] = data[:n]
+            out = self.filled(n)
+            return out + self.feed(data[n:]) if n < len(data) else out
         # Hot path: most reads deliver exactly one whole frame and nothing else.
         buf = self._buf
         if not buf and len(data) >= 4:
@@ -496,6 +531,12 @@ class FrameReader:
             if length > self.limits.max_frame:
                 self._too_big(length)
             if end - start - 4 < length:
+                if self._allocate is not None and length >= self.DIRECT_MIN:
+                    self._frame = self._allocate(4 + length)
+                    self._have = end - start
+                    with memoryview(self._frame) as into:
+                        into.cast("B")[:self._have] = buf[start:end]
+                    start = end
                 break
             with memoryview(buf) as view:
                 out.append(decode(view[start + 4:start + 4 + length], self.limits))

@@ -825,3 +825,66 @@ def test_empty_arrays_with_sane_shapes_still_pass():
         pad = -(2 + len(text)) % 16
         payload = struct.pack("<H", len(text) + pad) + text + b" " * pad
         assert wire.check_array_header(payload)[1] == shape
+
+
+# --- FrameReader(allocate=): a long frame read in place (the client's REPLY) ------------------
+
+
+def _read_in_place(reader, stream: bytes, cuts) -> list:
+    """Drive `reader` as the client does: recv_into room() while there is one, else feed a piece."""
+    messages, at = [], 0
+    for size in cuts:
+        if at >= len(stream):
+            break
+        room = reader.room()
+        if room is None:
+            messages += reader.feed(stream[at:at + size])
+            at += size
+        else:
+            n = min(size, len(room), len(stream) - at)
+            room[:n] = stream[at:at + n]
+            room.release()
+            messages += reader.filled(n)
+            at += n
+    while at < len(stream):  # the rest in one go
+        room = reader.room()
+        if room is None:
+            messages += reader.feed(stream[at:])
+            break
+        n = min(len(room), len(stream) - at)
+        room[:n] = stream[at:at + n]
+        room.release()
+        messages += reader.filled(n)
+        at += n
+    return messages
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.sampled_from([10, 5_000, wire.FrameReader.DIRECT_MIN - 5, wire.FrameReader.DIRECT_MIN,
+                                       600_000]), min_size=1, max_size=5),
+       cuts=st.lists(st.integers(1, 300_000), max_size=40), numpy_buffers=st.booleans())
+def test_long_frames_read_in_place_give_the_same_messages(sizes, cuts, numpy_buffers):
+    messages = [[wire.STEPPED, i, bytes([i]) * size, 0.5, False, False, {}] for i, size in enumerate(sizes)]
+    stream = b"".join(wire.encode(m) for m in messages)
+    allocate = (lambda n: np.empty(n, np.uint8)) if numpy_buffers else bytearray
+    reader = wire.FrameReader(wire.Limits(1 << 22), allocate=allocate)
+    got = _read_in_place(reader, stream, cuts)
+    assert got == messages and reader.pending == 0 and reader.room() is None
+
+
+def test_a_long_frame_can_be_finished_by_feed_and_what_follows_is_parsed():
+    limits = wire.Limits(1 << 22)
+    big = [wire.STEPPED, 1, b"x" * 400_000, 0.0, False, False, {}]
+    small = [wire.STEPPED, 2, b"y", 0.0, False, False, {}]
+    stream = wire.encode(big) + wire.encode(small)
+    reader = wire.FrameReader(limits, allocate=bytearray)
+    assert reader.feed(stream[:1000]) == [] and reader.room() is not None and reader.pending == 1000
+    assert reader.feed(stream[1000:]) == [big, small] and reader.pending == 0
+
+
+def test_a_prefix_over_the_cap_is_refused_before_anything_is_allocated():
+    allocated = []
+    reader = wire.FrameReader(wire.Limits(1 << 20), allocate=lambda n: allocated.append(n) or bytearray(n))
+    with pytest.raises(wire.ProtocolError, match="over the cap"):
+        reader.feed(struct.pack("<I", (1 << 20) + 1) + b"\x97")
+    assert allocated == []

@@ -44,6 +44,11 @@ _PROGRESS_MIN_ENVS = 64
 _RECV_SIZE = 1 << 16
 
 
+def _frame_buffer(size: int):
+    """A long frame's own buffer (wire.FrameReader(allocate=)): not zeroed, it is read over."""
+    return np.empty(size, np.uint8)
+
+
 @dataclass
 class Timing:
     """Timing of the latest call (`step()`, `reset()`, `send()`, `recv()`, ...).
@@ -253,7 +258,8 @@ class RLPool(Pool):
         self._init_lanes(n)
         self.timing = Timing()
         self._seq = 0
-        self._reader = wire.FrameReader(wire.Limits(1 << 30))
+        # A long REPLY (image observations) is read straight into a buffer of its own.
+        self._reader = wire.FrameReader(wire.Limits(1 << 30), allocate=_frame_buffer)
         self._inbox: list = []
         self._start_worker(worker, token, tls_ca, resolved)
         if progress is None:
@@ -358,18 +364,22 @@ class RLPool(Pool):
     def _receive(self) -> list:
         """Next message from the worker; never blocks past the worker's death."""
         while not self._inbox:
+            room = self._reader.room()  # the rest of a long frame, read in place
             try:
-                data = self._conn.recv(_RECV_SIZE)
+                data = self._conn.recv(_RECV_SIZE) if room is None else self._conn.recv_into(room)
             except socket.timeout:
                 if not self._link.alive():
                     raise self._worker_died() from None
                 continue
             except OSError:
                 data = b""
+            finally:
+                if room is not None:
+                    room.release()
             if not data:
                 self._link.wait_dead()
                 raise self._worker_died()
-            self._inbox.extend(self._reader.feed(data))
+            self._inbox.extend(self._reader.feed(data) if room is None else self._reader.filled(data))
         return self._inbox.pop(0)
 
     def _worker_died(self) -> WorkerError:
