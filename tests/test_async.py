@@ -303,20 +303,14 @@ def test_wait_and_queued_timing(probe_pool):
 # -- nothing is lost: random interleavings -------------------------------------------------------
 
 
-def test_nothing_lost_across_random_interleavings(spawn):
-    """Thousands of random send/recv/reset calls (with faults) on a small pool:
-    every action sent gives exactly one result, with its own reward, and the
-    lane states always match a model of them."""
-    pytest.importorskip("hypothesis")
-    from hypothesis import HealthCheck, settings
+def interleavings(pool, calls: dict):
+    """The model of test_nothing_lost_across_random_interleavings, on `pool`
+    (shared by every example) and counting what it does in `calls`."""
     from hypothesis import strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-    n = 4
-    pool = RLPool(PROBE, n, step_timeout=10.0, spawn=spawn)
-    pool.reset(seed=0)
+    n = pool.n
     counter = [0]
-    calls = {"send": 0, "recv": 0, "reset": 0, "refused": 0, "results": 0}
 
     class Interleavings(RuleBasedStateMachine):
         def __init__(self):
@@ -421,10 +415,23 @@ def test_nothing_lost_across_random_interleavings(spawn):
                 self.outstanding.pop(i)
                 self.received += 1
 
+    return Interleavings
+
+
+def test_nothing_lost_across_random_interleavings(spawn):
+    """Thousands of random send/recv/reset calls (with faults) on a small pool:
+    every action sent gives exactly one result, with its own reward, and the
+    lane states always match a model of them."""
+    pytest.importorskip("hypothesis")
+    from hypothesis import HealthCheck, settings
+
+    pool = RLPool(PROBE, 4, step_timeout=10.0, spawn=spawn)
+    pool.reset(seed=0)
+    calls = {"send": 0, "recv": 0, "reset": 0, "refused": 0, "results": 0}
     try:
         from hypothesis.stateful import run_state_machine_as_test
 
-        run_state_machine_as_test(Interleavings, settings=settings(
+        run_state_machine_as_test(interleavings(pool, calls), settings=settings(
             max_examples=50, stateful_step_count=80, deadline=None, suppress_health_check=list(HealthCheck)))
         print(calls)
         assert sum(calls.values()) - calls["results"] >= 1000, calls  # thousands of calls, with lane_states
