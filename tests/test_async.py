@@ -471,9 +471,9 @@ def test_an_example_cut_short_leaves_the_next_a_clean_pool(probe_pool, end):
     awaited a lane never sent, its teardown's recv asked for more than could
     come (a ValueError hypothesis ignores in an example it stopped), the lanes
     really in flight stayed unreceived, and the next example found one
-    "finished" where its model had "idle" (seen twice in CI's runs, and in 3
-    of 44 runs here at any load). An example that fails must leave the same
-    clean pool, its teardown adding no error of its own."""
+    "finished" where its model had "idle" (about one run in 25 of the old
+    test, at any load). An example that fails must leave the same clean
+    pool, its teardown adding no error of its own."""
     pytest.importorskip("hypothesis")
     from hypothesis.errors import StopTest
 
