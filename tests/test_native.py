@@ -309,6 +309,30 @@ def test_a_frame_announcing_more_than_the_caps_allow_reserves_nothing(lanes, ann
 
 
 @native
+@pytest.mark.parametrize("obs", [
+    [None] * (ENV.kwargs["max_array_len"] - 1) + [[None] * 100_000],  # a huge count of tiny objects
+    "nest",                                                               # deeper than max_depth
+], ids=["tiny-objects", "deep"])
+def test_a_long_hostile_frame_is_walked_whole_and_handed_back(lanes, obs):
+    """A frame longer than one read is still walked under every cap before
+    anything is vouched for: over max_objects or max_depth it goes back to
+    Python whole (which refuses it), never into the REPLY."""
+    if obs == "nest":
+        body = b"\x97\x01" + bytes([SEQ]) + b"\x91" * (ENV.max_depth + 10) + b"\xc0" * 1 + b"\x00" * 70_000
+        data = frame(body)
+    else:
+        data = wire.encode([wire.STEPPED, SEQ, obs, 0.0, False, False, {}])
+    assert len(data) > fp.READ_SIZE
+    ls = lanes(1)
+    writer = send_later(ls.env(0), data, 0)
+    batch = ls.step(timeout=10)
+    writer.join()
+    assert batch.done == 0 and batch.rest == [(0, fp.UNUSUAL, data)]
+    with pytest.raises(wire.ProtocolError):
+        wire.FrameReader(ENV).feed(data)
+
+
+@native
 def test_a_long_frame_that_is_not_the_reply_due_is_handed_back_whole(lanes):
     ls = lanes(1)
     stale, _ = image_reply(seq=SEQ + 1)
