@@ -9,6 +9,7 @@ its slot wrongly, dies or stops answering ends the run with that child named."""
 import importlib.util
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -180,15 +181,28 @@ def test_interrupted_or_killed_mid_run_leaves_no_child(binary, mode, how):
     assert _none_left(binary.name) == []
 
 
-@pytest.mark.parametrize("mode", ["pipe", "futex", "bcast", "pipe+bcast"])
-def test_a_child_that_dies_mid_run_is_reported_and_the_rest_are_killed(binary, mode):
+def _signal_a_child_mid_run(binary, mode: str, how: int, within: float) -> tuple:
+    """Run `mode` with 16 children for good, send `how` to one child 0.2 s in, and wait
+    up to `within` seconds for the program to end (killed, children and all, if it
+    does not). Returns (the child's pid, the exit status, stderr)."""
     proc = subprocess.Popen([str(binary), mode, "other", "16", "100000000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    victim = sorted(_children(proc.pid, 16))[5]
-    time.sleep(0.2)
-    os.kill(victim, signal.SIGKILL)
-    _, err = proc.communicate(timeout=20)
-    assert proc.returncode == 1
+    try:
+        victim = sorted(_children(proc.pid, 16))[5]
+        time.sleep(0.2)
+        os.kill(victim, how)
+        _, err = proc.communicate(timeout=within)
+    finally:
+        if proc.poll() is None:  # it did not end by itself: leave nothing behind
+            proc.kill()
+            proc.communicate()
+    return victim, proc.returncode, err
+
+
+@pytest.mark.parametrize("mode", ["pipe", "futex", "bcast", "pipe+bcast"])
+def test_a_child_that_dies_mid_run_is_reported_and_the_rest_are_killed(binary, mode):
+    _, status, err = _signal_a_child_mid_run(binary, mode, signal.SIGKILL, within=20)
+    assert status == 1
     assert "closed its reply pipe" in err and f"wake_bench {mode} n=16" in err
     assert _none_left(binary.name) == []
 
@@ -197,14 +211,9 @@ def test_a_child_that_dies_mid_run_is_reported_and_the_rest_are_killed(binary, m
 def test_a_child_that_dies_mid_run_in_shared_memory_is_named(binary, mode):
     """No pipe tells the parent: its slot just stops moving. Once a round is slow the
     parent looks for exited children, and names the one it finds."""
-    proc = subprocess.Popen([str(binary), mode, "other", "16", "100000000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    victim = sorted(_children(proc.pid, 16))[5]
-    time.sleep(0.2)
-    os.kill(victim, signal.SIGKILL)
-    _, err = proc.communicate(timeout=20)
-    assert proc.returncode == 1
-    assert f"wake_bench {mode} n=16: child 5 (pid {victim}) ended with signal 9 in round" in err
+    victim, status, err = _signal_a_child_mid_run(binary, mode, signal.SIGKILL, within=20)
+    assert status == 1
+    assert re.search(rf"wake_bench {re.escape(mode)} n=16: child \d+ \(pid {victim}\) ended with signal 9 in round", err)
     assert _none_left(binary.name) == []
 
 
@@ -212,19 +221,9 @@ def test_a_child_that_dies_mid_run_in_shared_memory_is_named(binary, mode):
 def test_a_child_that_stops_answering_in_shared_memory_ends_the_run_at_the_deadline(binary, mode):
     """A stopped child is alive and silent: the round's deadline (10 s) ends the run,
     whether the parent naps (shm) or sleeps on the doorbell (shm+wake)."""
-    proc = subprocess.Popen([str(binary), mode, "other", "16", "100000000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    victim = sorted(_children(proc.pid, 16))[5]
-    time.sleep(0.2)
-    os.kill(victim, signal.SIGSTOP)
-    try:
-        _, err = proc.communicate(timeout=40)
-    finally:
-        if proc.poll() is None:  # the deadline failed: leave nothing behind
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 1
-    assert "of 16 children had not answered after 10 s (child 5 first)" in err
+    _, status, err = _signal_a_child_mid_run(binary, mode, signal.SIGSTOP, within=40)
+    assert status == 1
+    assert re.search(r"1 of 16 children had not answered after 10 s \(child \d+ first\)", err)
     assert _none_left(binary.name) == []
 
 
