@@ -213,7 +213,8 @@ def test_a_child_that_dies_mid_run_in_shared_memory_is_named(binary, mode):
     parent looks for exited children, and names the one it finds."""
     victim, status, err = _signal_a_child_mid_run(binary, mode, signal.SIGKILL, within=20)
     assert status == 1
-    assert re.search(rf"wake_bench {re.escape(mode)} n=16: child \d+ \(pid {victim}\) ended with signal 9 in round", err)
+    says = rf"wake_bench {re.escape(mode)} n=16: child \d+ \(pid {victim}\) ended with signal 9 in round"
+    assert re.search(says, err)
     assert _none_left(binary.name) == []
 
 
