@@ -1,7 +1,7 @@
 """What waking N envs costs the waker, by wake-up mechanism (issue 16).
 
     python benchmarks/bench_wake.py                          # n = 64 and 512, ~2 s per run, 3 repeats
-    python benchmarks/bench_wake.py --n 8 --repeat 1         # a quick look (~25 s)
+    python benchmarks/bench_wake.py --n 8 --repeat 1         # a quick look (~35 s)
     python benchmarks/bench_wake.py --modes pipe bcast --sched other --rounds 5000
     python benchmarks/bench_wake.py --modes pipe bcast shm shm+wake --sched other --nap-divisor 2
 
