@@ -39,9 +39,9 @@
  * clock around them: parent_wake_us), child-rounds per second and the
  * parent's waits per round: epoll waits, or in the shm modes its sleeps
  * (nanosleep and FUTEX_WAIT calls); and the replies it accepted in the timed
- * rounds (N * ROUNDS when every child answered every round). Exit status: 0; 1 on an error (said on
- * stderr); 2 for a usage error; 3 when MODE cannot run here (io_uring_setup
- * refused: containers often forbid it).
+ * rounds (N * ROUNDS when every child answered every round). Exit status: 0;
+ * 1 on an error (said on stderr); 2 for a usage error; 3 when MODE cannot run
+ * here (io_uring_setup refused: containers often forbid it).
  *
  * Process hygiene: the children run in a process group of their own, die with
  * the parent (PR_SET_PDEATHSIG), and leave at the end by the mode's own stop
