@@ -7,7 +7,8 @@
  * worker's step in miniature: wake every child; each child answers with one
  * 16-byte write to its own reply pipe; the parent waits in epoll, napping
  * between waits as native/fastpath.c's nap() does, and reads every reply.
- * MODE is how the parent wakes the children:
+ * MODE is how the parent wakes the children (and, in the shm modes, how the
+ * replies come back):
  *
  *     pipe        one 16-byte write per child to its request pipe (today's channel)
  *     futex       a futex word per child in shared memory: a store and one FUTEX_WAKE per child
@@ -16,22 +17,45 @@
  *     pipe+bcast  a write per child to a pipe nobody sleeps on, then one broadcast wake;
  *                 each child reads its pipe non-blocking once woken
  *     uring       the per-child pipe writes of a round submitted by one io_uring_enter
+ *     shm         the whole channel in shared memory: each request written into its
+ *                 child's request slot, one broadcast wake (as bcast); each child
+ *                 writes its reply into its own reply slot (payload, then a release
+ *                 store of the slot's sequence word) and no pipe exists. The parent
+ *                 makes no system call per child: it naps (nanosleep, nap()'s rule
+ *                 but never shorter than NAP_MIN) and scans the sequence words
+ *                 (acquire loads), copying each new reply out once
+ *     shm+wake    as shm, but a child that has replied also bumps a doorbell word
+ *                 and does FUTEX_WAKE(1) on it; the parent sleeps in FUTEX_WAIT on
+ *                 the doorbell instead of napping blind, scans after every wake,
+ *                 and lets at least NAP_MIN pass between two scans
  *
  * SCHED is the children's policy: other (SCHED_OTHER) or batch (SCHED_BATCH,
  * which the scheduler does not let preempt a running task on wake-up).
  *
  * Output, one JSON line on stdout: the parent's user and system CPU per
  * child-round (getrusage over the timed rounds), the children's (each child's
- * RUSAGE_THREAD over the same window, summed), child-rounds per second and the
- * parent's epoll waits per round. Exit status: 0; 1 on an error (said on
- * stderr); 2 for a usage error; 3 when MODE cannot run here (io_uring_setup
- * refused: containers often forbid it).
+ * RUSAGE_THREAD over the same window, summed), the part of the parent's CPU
+ * spent waking (writing the requests and the wake-up calls, by its thread CPU
+ * clock around them: parent_wake_us), child-rounds per second and the
+ * parent's waits per round: epoll waits, or in the shm modes its sleeps
+ * (nanosleep and FUTEX_WAIT calls); and the replies it accepted in the timed
+ * rounds (N * ROUNDS when every child answered every round). Exit status: 0;
+ * 1 on an error (said on stderr); 2 for a usage error; 3 when MODE cannot run
+ * here (io_uring_setup refused: containers often forbid it).
  *
  * Process hygiene: the children run in a process group of their own, die with
  * the parent (PR_SET_PDEATHSIG), and leave at the end by the mode's own stop
  * (end of file on their pipe, or a STOP value in their word). On any error,
  * SIGINT, SIGTERM or SIGHUP the parent kills that group and reaps it, and the
- * final reaping has a deadline, so no child outlives the benchmark. */
+ * final reaping has a deadline, so no child outlives the benchmark.
+ *
+ * The reply slots are written by the children: the parent treats them as
+ * untrusted. A sequence word that is neither this round's nor the last, a
+ * payload that is not the expected 16 bytes, or a child that has not answered
+ * by the round's deadline (or has exited: checked once a round is slow) ends
+ * the run with the child named. For the tests of those checks, the variable
+ * WAKE_BENCH_FAULT=CHILD:KIND (KIND seq or payload) makes child CHILD write a
+ * bad sequence word or payload in the shm modes; nothing else reads it. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -54,8 +78,8 @@
 #include <time.h>
 #include <unistd.h>
 
-enum mode { PIPE, FUTEX, BCAST, PIPE_BCAST, URING };
-static const char *const MODE_NAMES[] = {"pipe", "futex", "bcast", "pipe+bcast", "uring"};
+enum mode { PIPE, FUTEX, BCAST, PIPE_BCAST, URING, SHM, SHM_WAKE };
+static const char *const MODE_NAMES[] = {"pipe", "futex", "bcast", "pipe+bcast", "uring", "shm", "shm+wake"};
 
 #define MSG_SIZE 16
 static const char MSG[MSG_SIZE + 1] = "0123456789abcdef";
@@ -63,13 +87,18 @@ static const char MSG[MSG_SIZE + 1] = "0123456789abcdef";
 #define ROUND_DEADLINE 10.0       /* seconds a round may take before the run is called hung */
 #define EXIT_DEADLINE 5.0         /* seconds the children have to exit at the end */
 #define MAX_N 100000
+#define LIVENESS_AFTER 0.1        /* shm modes: a round this slow (s) checks for exited children */
 
 /* The fan-in's nap, as native/fastpath.c's nap(): between two epoll waits,
  * while more than NAP_MIN_WAITING children are still out, sleep an eighth of
  * the time the fan-in has taken so far (at most 1 ms), so replies pile up and
- * are read after one wake-up instead of one each. */
+ * are read after one wake-up instead of one each. The shm mode has no epoll to
+ * sleep in, so it always naps, at least NAP_MIN. NAP_DIVISOR can be set at
+ * build time (cc -DNAP_DIVISOR=2; bench_wake.py --nap-divisor). */
 #define NAP_MIN_WAITING 8
+#ifndef NAP_DIVISOR
 #define NAP_DIVISOR 8.0
+#endif
 #define NAP_MAX 0.001
 #define NAP_MIN 0.00001
 
@@ -82,17 +111,33 @@ struct slot {                 /* one per child, a cache line each */
     char fill[64 - 8 - 4 * sizeof(double)];
 };
 struct shared {
-    _Atomic unsigned gen;     /* bcast modes: the round number, or STOP */
+    _Atomic unsigned gen;     /* bcast and shm modes: the round number, or STOP */
     char fill1[60];
     _Atomic unsigned phase;   /* 0 warm-up, 1 timed, 2 done: children snapshot their CPU on change */
     char fill2[60];
+    _Atomic unsigned doorbell; /* shm+wake: bumped by every reply; the parent's futex */
+    char fill3[60];
     struct slot slot[];
 };
 
+/* shm modes: one request and one reply slot per child, each a cache line of its
+ * own (the parent writes one, the child the other). The writer stores the
+ * payload, then the sequence word (the round) with release order; the reader
+ * loads the word with acquire order, then copies the payload. */
+struct message {
+    _Alignas(64) _Atomic unsigned seq;
+    char payload[MSG_SIZE];
+};
+
+_Static_assert(sizeof(struct slot) == 64 && sizeof(struct message) == 64 && sizeof(struct shared) % 64 == 0,
+               "every slot a cache line of its own");
+
 static struct shared *shm;
+static struct message *requests, *replies; /* n each, in the shared mapping after the slots */
 static pid_t group = 0;       /* the children's process group (the first child's pid) */
 static int n;
 static enum mode mode;
+static long replies_taken;    /* replies the parent accepted in the timed rounds */
 
 /* ---- failure: kill and reap every child, then exit ---- */
 
@@ -134,6 +179,13 @@ static double now(void)
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
 
+static double thread_cpu(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
 static void cpu_times(int who, double *user, double *sys)
 {
     struct rusage r;
@@ -151,6 +203,23 @@ static long futex_wait(_Atomic unsigned *word, unsigned expected)
 static long futex_wake(_Atomic unsigned *word, int count)
 {
     return syscall(SYS_futex, word, FUTEX_WAKE, count, NULL, NULL, 0);
+}
+
+static long futex_wait_for(_Atomic unsigned *word, unsigned expected, double seconds)
+{
+    struct timespec ts = {(time_t)seconds, (long)((seconds - (time_t)seconds) * 1e9)};
+    return syscall(SYS_futex, word, FUTEX_WAIT, expected, &ts, NULL, 0);
+}
+
+static void sleep_for(double seconds)
+{
+    struct timespec ts = {(time_t)seconds, (long)((seconds - (time_t)seconds) * 1e9)};
+    nanosleep(&ts, NULL);
+}
+
+static int shm_mode(void)
+{
+    return mode == SHM || mode == SHM_WAKE;
 }
 
 /* ---- io_uring, raw system calls (no liburing) ---- */
@@ -239,8 +308,39 @@ static void snapshot(struct slot *mine, int at)
     cpu_times(RUSAGE_THREAD, &mine->cpu[at], &mine->cpu[at + 1]);
 }
 
+/* WAKE_BENCH_FAULT, for the tests: which child misbehaves, and how. */
+static int fault_child = -1;
+static enum { FAULT_SEQ, FAULT_PAYLOAD } fault_kind;
+
+/* shm modes: take this round's request from the child's request slot and
+ * write the reply into its reply slot, the sequence word last (release). */
+static void shm_answer(int index, unsigned round)
+{
+    struct message *request = &requests[index], *reply = &replies[index];
+    char got[MSG_SIZE];
+    if (atomic_load_explicit(&request->seq, memory_order_acquire) != round)
+        _exit(1); /* the parent publishes the request before the round: cannot happen */
+    memcpy(got, request->payload, MSG_SIZE);
+    if (memcmp(got, MSG, MSG_SIZE) != 0)
+        _exit(1);
+    memcpy(reply->payload, MSG, MSG_SIZE);
+    unsigned seq = round;
+    if (index == fault_child && round > 20) { /* after the warm-up's first rounds */
+        if (fault_kind == FAULT_SEQ)
+            seq = round + 1000;
+        else
+            reply->payload[3] ^= 0x5a;
+    }
+    atomic_store_explicit(&reply->seq, seq, memory_order_release);
+    if (mode == SHM_WAKE) {
+        atomic_fetch_add(&shm->doorbell, 1);
+        futex_wake(&shm->doorbell, 1);
+    }
+}
+
 /* One 16-byte reply per request; exits when its mode says stop. `request` is
- * its request pipe's read end (-1 in the futex-only modes). */
+ * its request pipe's read end (-1 in the futex-only modes); `reply` its reply
+ * pipe's write end (-1 in the shm modes). */
 static void child(int index, int request, int reply, int batch)
 {
     struct slot *mine = &shm->slot[index];
@@ -263,7 +363,7 @@ static void child(int index, int request, int reply, int batch)
                 continue;
             if (got != MSG_SIZE)
                 _exit(1);
-        } else if (mode == FUTEX || mode == BCAST) {
+        } else if (mode == FUTEX || mode == BCAST || shm_mode()) {
             _Atomic unsigned *word = mode == FUTEX ? &mine->word : &shm->gen;
             unsigned value;
             while ((value = atomic_load(word)) == seen)
@@ -288,7 +388,9 @@ static void child(int index, int request, int reply, int batch)
             if (got != MSG_SIZE)
                 _exit(1);
         }
-        if (write(reply, MSG, MSG_SIZE) != MSG_SIZE)
+        if (shm_mode())
+            shm_answer(index, seen);
+        else if (write(reply, MSG, MSG_SIZE) != MSG_SIZE)
             _exit(1);
         unsigned p = atomic_load(&shm->phase);
         if (p != phase) { /* the timed window opened (1) or closed (2) */
@@ -305,12 +407,14 @@ static void child(int index, int request, int reply, int batch)
 /* ---- the parent ---- */
 
 static int *request_w, *reply_r;
+static pid_t *pids;
 
 static void fork_children(int batch)
 {
     for (int i = 0; i < n; i++) {
-        int request[2] = {-1, -1}, reply[2];
-        if ((mode != FUTEX && mode != BCAST && pipe2(request, O_CLOEXEC) < 0) || pipe2(reply, O_CLOEXEC) < 0)
+        int request[2] = {-1, -1}, reply[2] = {-1, -1};
+        int wakes_by_futex = mode == FUTEX || mode == BCAST || shm_mode();
+        if ((!wakes_by_futex && pipe2(request, O_CLOEXEC) < 0) || (!shm_mode() && pipe2(reply, O_CLOEXEC) < 0))
             die("pipe2 for child %d: %s (raise the fd limit: ulimit -n)", i, strerror(errno));
         pid_t parent = getpid(), pid = fork();
         if (pid < 0)
@@ -326,13 +430,15 @@ static void fork_children(int batch)
             for (int j = 0; j < i; j++) { /* the earlier children's pipe ends */
                 if (request_w[j] >= 0)
                     close(request_w[j]);
-                close(reply_r[j]);
+                if (reply_r[j] >= 0)
+                    close(reply_r[j]);
             }
             if (ring.fd >= 0)
                 close(ring.fd);
             if (request[1] >= 0)
                 close(request[1]);
-            close(reply[0]);
+            if (reply[0] >= 0)
+                close(reply[0]);
             if (mode == PIPE_BCAST)
                 fcntl(request[0], F_SETFL, O_NONBLOCK);
             child(i, request[0], reply[1], batch);
@@ -344,10 +450,13 @@ static void fork_children(int batch)
             group = pid;
         if (request[0] >= 0)
             close(request[0]);
-        close(reply[1]);
+        if (reply[1] >= 0) {
+            close(reply[1]);
+            fcntl(reply[0], F_SETFL, O_NONBLOCK);
+        }
         request_w[i] = request[1];
         reply_r[i] = reply[0];
-        fcntl(reply[0], F_SETFL, O_NONBLOCK);
+        pids[i] = pid;
     }
 }
 
@@ -375,8 +484,15 @@ static void wake_all(unsigned round)
         break;
     case PIPE_BCAST:
     case BCAST:
+    case SHM:
+    case SHM_WAKE:
         if (mode == PIPE_BCAST) /* the requests first: the wake must find them there */
             write_requests();
+        if (shm_mode())
+            for (int i = 0; i < n; i++) {
+                memcpy(requests[i].payload, MSG, MSG_SIZE);
+                atomic_store_explicit(&requests[i].seq, round, memory_order_release);
+            }
         atomic_store(&shm->gen, round);
         futex_wake(&shm->gen, INT_MAX);
         break;
@@ -430,9 +546,99 @@ static long gather(int epfd, struct epoll_event *events, unsigned char *answered
                     i, round, got, answered[i] ? " more" : "", MSG_SIZE);
             answered[i] = 1;
             waiting--;
+            replies_taken++;
         }
     }
     return waits;
+}
+
+/* shm modes: copy out every reply of `round` that has appeared since the last
+ * scan (from child *first on: the ones before have all answered); returns
+ * how many. The slot is the child's to write, so its sequence word is checked,
+ * and the payload is checked in the parent's own copy, which a child cannot
+ * change after the check. */
+static int scan(unsigned char *answered, char (*out)[MSG_SIZE], unsigned round, int *first)
+{
+    int got = 0;
+    for (int i = *first; i < n; i++) {
+        if (answered[i])
+            continue;
+        unsigned seq = atomic_load_explicit(&replies[i].seq, memory_order_acquire);
+        if (seq == round - 1)
+            continue; /* not yet */
+        if (seq != round)
+            die("child %d's reply slot holds sequence %u in round %u (expected %u or %u): "
+                "a child wrote its slot out of turn", i, seq, round, round - 1, round);
+        memcpy(out[i], replies[i].payload, MSG_SIZE);
+        if (memcmp(out[i], MSG, MSG_SIZE) != 0)
+            die("child %d's reply in round %u is not the %d bytes every reply must be", i, round, MSG_SIZE);
+        answered[i] = 1;
+        got++;
+        replies_taken++;
+    }
+    while (*first < n && answered[*first])
+        (*first)++;
+    return got;
+}
+
+/* shm modes, once a round is slow: die naming a child that has exited (its
+ * slot will never move on); the deadline catches one that is alive but stuck. */
+static void check_alive(unsigned round)
+{
+    int status;
+    pid_t pid = waitpid(-group, &status, WNOHANG);
+    if (pid <= 0)
+        return;
+    int i = 0;
+    while (i < n && pids[i] != pid)
+        i++;
+    die("child %d (pid %d) ended with %s %d in round %u", i, pid,
+        WIFEXITED(status) ? "exit code" : "signal", WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status),
+        round);
+}
+
+/* The shm modes' fan-in: no system call per child. Scan the reply slots; while
+ * some are still out, sleep: shm naps (nap()'s length, but at least NAP_MIN,
+ * since there is no epoll to sleep in), shm+wake waits on the doorbell until a
+ * reply rings it, then lets at least NAP_MIN pass since the last scan, so
+ * wake-ups that come faster (or spurious ones) cannot make it spin. The
+ * doorbell is read before the scan: a reply the scan misses has moved it on,
+ * and FUTEX_WAIT then returns at once. Returns the parent's sleeps (nanosleep
+ * and FUTEX_WAIT calls). A round longer than ROUND_DEADLINE is an error. */
+static long gather_shm(unsigned char *answered, char (*out)[MSG_SIZE], unsigned round)
+{
+    int waiting = n, first = 0;
+    long sleeps = 0;
+    double start = now(), deadline = start + ROUND_DEADLINE;
+    memset(answered, 0, (size_t)n);
+    for (;;) {
+        unsigned bell = atomic_load_explicit(&shm->doorbell, memory_order_acquire);
+        waiting -= scan(answered, out, round, &first);
+        if (waiting == 0)
+            return sleeps;
+        double t = now();
+        if (t >= deadline)
+            die("round %u: %d of %d children had not answered after %.0f s (child %d first); "
+                "is the machine overloaded? rerun with fewer children", round, waiting, n, ROUND_DEADLINE, first);
+        if (t - start >= LIVENESS_AFTER)
+            check_alive(round);
+        if (mode == SHM) {
+            double length = (t - start) / NAP_DIVISOR;
+            length = length < NAP_MIN ? NAP_MIN : length > NAP_MAX ? NAP_MAX : length;
+            sleep_for(length < deadline - t ? length : deadline - t);
+            sleeps++;
+            continue;
+        }
+        /* Woken, timed out or EAGAIN: scan. At most LIVENESS_AFTER, so a dead child,
+         * which rings no bell, is looked for as in shm. */
+        futex_wait_for(&shm->doorbell, bell, deadline - t < LIVENESS_AFTER ? deadline - t : LIVENESS_AFTER);
+        sleeps++;
+        double gap = now() - t;
+        if (gap < NAP_MIN) {
+            sleep_for(NAP_MIN - gap);
+            sleeps++;
+        }
+    }
 }
 
 /* Tell the children to stop, the mode's own way, and reap them by a deadline. */
@@ -471,7 +677,7 @@ static void stop_children(void)
 int main(int argc, char **argv)
 {
     if (argc != 5) {
-        fprintf(stderr, "usage: wake_bench pipe|futex|bcast|pipe+bcast|uring other|batch N ROUNDS\n");
+        fprintf(stderr, "usage: wake_bench pipe|futex|bcast|pipe+bcast|uring|shm|shm+wake other|batch N ROUNDS\n");
         return 2;
     }
     int found = 0;
@@ -483,11 +689,24 @@ int main(int argc, char **argv)
     long n_arg = strtol(argv[3], &end1, 10), rounds = strtol(argv[4], &end2, 10);
     if (!found || (!batch && strcmp(argv[2], "other") != 0) || *end1 || *end2 ||
         n_arg < 1 || n_arg > MAX_N || rounds < 1 || rounds > 100000000) {
-        fprintf(stderr, "wake_bench: bad arguments (MODE one of pipe futex bcast pipe+bcast uring; "
+        fprintf(stderr, "wake_bench: bad arguments (MODE one of pipe futex bcast pipe+bcast uring shm shm+wake; "
                         "SCHED other or batch; 1 <= N <= %d; ROUNDS >= 1)\n", MAX_N);
         return 2;
     }
     n = (int)n_arg;
+    const char *fault = getenv("WAKE_BENCH_FAULT");
+    if (fault && *fault) {
+        char *kind;
+        long child_arg = strtol(fault, &kind, 10);
+        if (kind == fault || *kind != ':' || child_arg < 0 || child_arg >= n ||
+            (strcmp(kind + 1, "seq") != 0 && strcmp(kind + 1, "payload") != 0)) {
+            fprintf(stderr, "wake_bench: bad WAKE_BENCH_FAULT %.40s (CHILD:seq or CHILD:payload, 0 <= CHILD < N)\n",
+                    fault);
+            return 2;
+        }
+        fault_child = (int)child_arg;
+        fault_kind = strcmp(kind + 1, "seq") == 0 ? FAULT_SEQ : FAULT_PAYLOAD;
+    }
 
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
@@ -501,20 +720,24 @@ int main(int argc, char **argv)
                         "filtered here; the other modes still run\n", strerror(errno));
         return 3;
     }
-    size_t shm_size = sizeof(struct shared) + (size_t)n * sizeof(struct slot);
+    size_t shm_size = sizeof(struct shared) + (size_t)n * (sizeof(struct slot) + 2 * sizeof(struct message));
     shm = mmap(NULL, shm_size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
     request_w = calloc((size_t)n, sizeof *request_w);
     reply_r = calloc((size_t)n, sizeof *reply_r);
+    pids = calloc((size_t)n, sizeof *pids);
     unsigned char *answered = malloc((size_t)n);
+    char (*out)[MSG_SIZE] = malloc((size_t)n * MSG_SIZE);
     struct epoll_event *events = calloc((size_t)n, sizeof *events);
-    if (shm == MAP_FAILED || !request_w || !reply_r || !answered || !events)
+    if (shm == MAP_FAILED || !request_w || !reply_r || !pids || !answered || !out || !events)
         die("out of memory");
+    requests = (struct message *)&shm->slot[n]; /* both 64-byte aligned: the slots are 64 bytes each */
+    replies = requests + n;
 
     fork_children(batch);
     int epfd = epoll_create1(EPOLL_CLOEXEC);
     if (epfd < 0)
         die("epoll_create1: %s", strerror(errno));
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; i < n && !shm_mode(); i++) {
         struct epoll_event ev = {.events = EPOLLIN, .data.u32 = (unsigned)i};
         if (epoll_ctl(epfd, EPOLL_CTL_ADD, reply_r[i], &ev) < 0)
             die("epoll_ctl: %s", strerror(errno));
@@ -523,16 +746,20 @@ int main(int argc, char **argv)
     long warmup = rounds / 10 < 10 ? 10 : rounds / 10 > 200 ? 200 : rounds / 10;
     unsigned round = 0;
     long waits = 0;
-    double user0 = 0, sys0 = 0, t0 = 0;
+    double user0 = 0, sys0 = 0, t0 = 0, waking = 0;
     for (long r = 0; r < warmup + rounds; r++) {
         if (r == warmup) {
             atomic_store(&shm->phase, 1);
             cpu_times(RUSAGE_SELF, &user0, &sys0);
             t0 = now();
             waits = 0;
+            waking = 0;
+            replies_taken = 0;
         }
+        double before = thread_cpu();
         wake_all(++round);
-        waits += gather(epfd, events, answered, round);
+        waking += thread_cpu() - before;
+        waits += shm_mode() ? gather_shm(answered, out, round) : gather(epfd, events, answered, round);
     }
     double user1, sys1, t1 = now();
     cpu_times(RUSAGE_SELF, &user1, &sys1);
@@ -546,9 +773,9 @@ int main(int argc, char **argv)
     }
     printf("{\"mode\": \"%s\", \"sched\": \"%s\", \"n\": %d, \"rounds\": %ld, \"seconds\": %.6f, "
            "\"parent_user_us\": %.4f, \"parent_sys_us\": %.4f, \"child_user_us\": %.4f, \"child_sys_us\": %.4f, "
-           "\"child_rounds_per_s\": %.1f, \"waits_per_round\": %.4f}\n",
+           "\"parent_wake_us\": %.4f, \"child_rounds_per_s\": %.1f, \"waits_per_round\": %.4f, \"replies\": %ld}\n",
            MODE_NAMES[mode], batch ? "batch" : "other", n, rounds, t1 - t0,
-           (user1 - user0) * per, (sys1 - sys0) * per, child_user * per, child_sys * per,
-           (double)rounds * n / (t1 - t0), (double)waits / rounds);
+           (user1 - user0) * per, (sys1 - sys0) * per, child_user * per, child_sys * per, waking * per,
+           (double)rounds * n / (t1 - t0), (double)waits / rounds, replies_taken);
     return 0;
 }
