@@ -426,6 +426,7 @@ static void fork_children(int batch)
             signal(SIGINT, SIG_DFL);
             signal(SIGTERM, SIG_DFL);
             signal(SIGHUP, SIG_DFL);
+            signal(SIGPIPE, SIG_DFL);
             setpgid(0, group ? group : 0);
             for (int j = 0; j < i; j++) { /* the earlier children's pipe ends */
                 if (request_w[j] >= 0)
@@ -463,8 +464,11 @@ static void fork_children(int batch)
 static void write_requests(void)
 {
     for (int i = 0; i < n; i++)
-        if (write(request_w[i], MSG, MSG_SIZE) != MSG_SIZE)
+        if (write(request_w[i], MSG, MSG_SIZE) != MSG_SIZE) {
+            if (errno == EPIPE)
+                die("child %d closed its request pipe (it exited or was killed)", i);
             die("write to child %d's request pipe: %s", i, strerror(errno));
+        }
 }
 
 static void wake_all(unsigned round)
@@ -714,6 +718,10 @@ int main(int argc, char **argv)
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGHUP, &sa, NULL);
+    /* A child that dies leaves its request pipe without a reader: the next
+     * write there is EPIPE, reported as its death, not a SIGPIPE that kills
+     * the parent before it can name the child (children get SIG_DFL back). */
+    signal(SIGPIPE, SIG_IGN);
 
     if (mode == URING && ring_init(n < 4096 ? (unsigned)n : 4096u) < 0) {
         fprintf(stderr, "wake_bench uring: io_uring_setup refused (%s): io_uring is disabled or "
