@@ -55,7 +55,9 @@
  * by the round's deadline (or has exited: checked once a round is slow) ends
  * the run with the child named. For the tests of those checks, the variable
  * WAKE_BENCH_FAULT=CHILD:KIND (KIND seq or payload) makes child CHILD write a
- * bad sequence word or payload in the shm modes; nothing else reads it. */
+ * bad sequence word or payload in the shm modes, and WAKE_BENCH_ROUND_DEADLINE
+ * (seconds, 0.1-3600) shortens the round's deadline for a test that waits for
+ * it; nothing else reads them. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -84,7 +86,7 @@ static const char *const MODE_NAMES[] = {"pipe", "futex", "bcast", "pipe+bcast",
 #define MSG_SIZE 16
 static const char MSG[MSG_SIZE + 1] = "0123456789abcdef";
 #define STOP 0xffffffffu          /* a futex word's value that tells children to exit */
-#define ROUND_DEADLINE 10.0       /* seconds a round may take before the run is called hung */
+static double ROUND_DEADLINE = 10.0; /* seconds a round may take before the run is called hung */
 #define EXIT_DEADLINE 5.0         /* seconds the children have to exit at the end */
 #define MAX_N 100000
 #define LIVENESS_AFTER 0.1        /* shm modes: a round this slow (s) checks for exited children */
@@ -698,6 +700,16 @@ int main(int argc, char **argv)
         return 2;
     }
     n = (int)n_arg;
+    const char *deadline_arg = getenv("WAKE_BENCH_ROUND_DEADLINE");
+    if (deadline_arg && *deadline_arg) {
+        char *end;
+        double value = strtod(deadline_arg, &end);
+        if (end == deadline_arg || *end || !(value >= 0.1 && value <= 3600)) {
+            fprintf(stderr, "wake_bench: bad WAKE_BENCH_ROUND_DEADLINE %.40s (seconds, 0.1-3600)\n", deadline_arg);
+            return 2;
+        }
+        ROUND_DEADLINE = value;
+    }
     const char *fault = getenv("WAKE_BENCH_FAULT");
     if (fault && *fault) {
         char *kind;

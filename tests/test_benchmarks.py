@@ -88,10 +88,12 @@ def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 def test_bench_wake_runs_quickly_and_writes_every_figure(tmp_path):
-    """The documented quick look finishes well under a minute and records every mode."""
+    """The documented quick look (here with the children SCHED_OTHER only: SCHED_BATCH
+    runs in test_every_mode_ends_with_its_children_gone, and the suite's time is counted)
+    finishes well under a minute and records every mode and figure."""
     out = tmp_path / "wake.json"
     started = time.monotonic()
-    done = _bench("--n", "8", "--repeat", "1", "--json", str(out))
+    done = _bench("--n", "8", "--repeat", "1", "--sched", "other", "--json", str(out))
     assert done.returncode == 0, done.stderr
     assert time.monotonic() - started < 60  # a bound to catch a hang or a runaway calibration, not a timing
     record = json.loads(out.read_text())
@@ -100,7 +102,7 @@ def test_bench_wake_runs_quickly_and_writes_every_figure(tmp_path):
     assert modes == everywhere | {"uring"} or (modes == everywhere and "uring left out" in record["notes"][0])
     assert record["nap_divisor"] == 8
     for result in record["results"]:
-        assert result["n"] == 8 and {r["sched"] for r in record["results"]} == {"other", "batch"}
+        assert result["n"] == 8 and result["sched"] == "other"
         assert result["parent_us"]["median"] > 0 and result["child_rounds_per_s"]["median"] > 0
         assert 0 < result["parent_wake_us"]["median"]
         assert all(run["replies"] == 8 * run["rounds"] for run in result["runs"])
@@ -181,11 +183,11 @@ def test_interrupted_or_killed_mid_run_leaves_no_child(binary, mode, how):
     assert _none_left(binary.name) == []
 
 
-def _signal_a_child_mid_run(binary, mode: str, how: int, within: float) -> tuple:
+def _signal_a_child_mid_run(binary, mode: str, how: int, within: float, env=None) -> tuple:
     """Run `mode` with 16 children for good, send `how` to one child 0.2 s in, and wait
     up to `within` seconds for the program to end (killed, children and all, if it
     does not). Returns (the child's pid, the exit status, stderr)."""
-    proc = subprocess.Popen([str(binary), mode, "other", "16", "100000000"],
+    proc = subprocess.Popen([str(binary), mode, "other", "16", "100000000"], env={**os.environ, **(env or {})},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         victim = sorted(_children(proc.pid, 16))[5]
@@ -221,11 +223,13 @@ def test_a_child_that_dies_mid_run_in_shared_memory_is_named(binary, mode):
 
 @pytest.mark.parametrize("mode", SHM_MODES)
 def test_a_child_that_stops_answering_in_shared_memory_ends_the_run_at_the_deadline(binary, mode):
-    """A stopped child is alive and silent: the round's deadline (10 s) ends the run,
-    whether the parent naps (shm) or sleeps on the doorbell (shm+wake)."""
-    _, status, err = _signal_a_child_mid_run(binary, mode, signal.SIGSTOP, within=40)
+    """A stopped child is alive and silent: the round's deadline (10 s; 1 s here, by
+    WAKE_BENCH_ROUND_DEADLINE) ends the run, whether the parent naps (shm) or sleeps
+    on the doorbell (shm+wake)."""
+    _, status, err = _signal_a_child_mid_run(binary, mode, signal.SIGSTOP, within=40,
+                                             env={"WAKE_BENCH_ROUND_DEADLINE": "1"})
     assert status == 1
-    assert re.search(r"1 of 16 children had not answered after 10 s \(child \d+ first\)", err)
+    assert re.search(r"1 of 16 children had not answered after 1 s \(child \d+ first\)", err)
     assert _none_left(binary.name) == []
 
 
@@ -261,3 +265,10 @@ def test_a_bad_fault_variable_is_refused_before_any_fork(binary, fault):
     done = subprocess.run([str(binary), "shm", "other", "8", "10"], capture_output=True, text=True, timeout=10,
                           env={**os.environ, "WAKE_BENCH_FAULT": fault})
     assert done.returncode == 2 and "bad WAKE_BENCH_FAULT" in done.stderr and done.stdout == ""
+
+
+@pytest.mark.parametrize("value", ["0", "0.05", "4000", "nan", "1x", "-1"])
+def test_a_bad_round_deadline_is_refused_before_any_fork(binary, value):
+    done = subprocess.run([str(binary), "pipe", "other", "8", "10"], capture_output=True, text=True, timeout=10,
+                          env={**os.environ, "WAKE_BENCH_ROUND_DEADLINE": value})
+    assert done.returncode == 2 and "bad WAKE_BENCH_ROUND_DEADLINE" in done.stderr and done.stdout == ""
