@@ -208,6 +208,12 @@ typedef struct {
 /* One walker: walk() runs with the GIL held and calls no Python, so one serves every call. */
 static Level stack[STACK_MAX];
 
+/* A frame's body length: its 4-byte little-endian prefix (wire.HEADER). */
+static inline uint64_t body_length(const unsigned char *p)
+{
+    return (uint64_t)p[0] | ((uint64_t)p[1] << 8) | ((uint64_t)p[2] << 16) | ((uint64_t)p[3] << 24);
+}
+
 static inline uint64_t big_endian(const unsigned char *p, int n)
 {
     uint64_t v = 0;
@@ -535,7 +541,7 @@ static int vouch(const unsigned char *buf, size_t got, const Caps *caps, int res
 {
     if (got < 5)
         return 0;
-    uint64_t body = (uint64_t)buf[0] | ((uint64_t)buf[1] << 8) | ((uint64_t)buf[2] << 16) | ((uint64_t)buf[3] << 24);
+    uint64_t body = body_length(buf);
     if (body > caps->max_frame || body != got - 4)
         return 0;
     size_t pos = 4, end = got;
@@ -857,6 +863,24 @@ static int rest_add(Batch *b, Py_ssize_t lane, int kind, PyObject *value) /* ste
     return r;
 }
 
+/* The `size` bytes at Batch.buf + base that lane read: kept for compose()
+ * when `vouched` (vouch() filled in the lane's offsets, relative to base),
+ * else handed back to Python as (UNUSUAL, the bytes). -1 on an error. */
+static int settle(Batch *b, Py_ssize_t lane, size_t base, size_t size, int vouched)
+{
+    Lane *l = &b->lanes[lane];
+    if (!vouched) {
+        l->state = LANE_OUT;
+        return rest_add(b, lane, KIND_UNUSUAL, PyBytes_FromStringAndSize((const char *)b->buf + base, (Py_ssize_t)size));
+    }
+    l->obs += base;
+    l->info += base;
+    l->state = LANE_DONE;
+    b->held += (long long)size;
+    b->done++;
+    return 0;
+}
+
 static size_t uint_size(uint64_t v) { return v < 128 ? 1 : v < 256 ? 2 : v < 65536 ? 3 : v < ((uint64_t)1 << 32) ? 5 : 9; }
 
 static unsigned char *put_uint(unsigned char *p, uint64_t v) /* msgpack's minimal form, as msgpack.Packer */
@@ -1085,8 +1109,7 @@ static PyObject *step(PyObject *self, PyObject *args)
                 if (got <= 0) { /* end of file mid-frame: Python takes the part and finds the end itself */
                     lane_of[fd] = -1;
                     waiting--;
-                    l->state = LANE_OUT;
-                    if (rest_add(batch, lane, KIND_UNUSUAL, PyBytes_FromStringAndSize((const char *)at, (Py_ssize_t)l->have)) < 0)
+                    if (settle(batch, lane, l->start, l->have, 0) < 0)
                         goto done;
                     continue;
                 }
@@ -1094,17 +1117,8 @@ static PyObject *step(PyObject *self, PyObject *args)
                 if (l->have == l->want) {
                     lane_of[fd] = -1;
                     waiting--;
-                    if (vouch(at, l->want, &caps, reset, seq, l)) {
-                        l->obs += l->start;
-                        l->info += l->start;
-                        l->state = LANE_DONE;
-                        batch->held += (long long)l->want;
-                        batch->done++;
-                    } else {
-                        l->state = LANE_OUT;
-                        if (rest_add(batch, lane, KIND_UNUSUAL, PyBytes_FromStringAndSize((const char *)at, (Py_ssize_t)l->want)) < 0)
-                            goto done;
-                    }
+                    if (settle(batch, lane, l->start, l->want, vouch(at, l->want, &caps, reset, seq, l)) < 0)
+                        goto done;
                 }
                 continue;
             }
@@ -1122,9 +1136,7 @@ static PyObject *step(PyObject *self, PyObject *args)
                 continue;
             }
             read_total += got;
-            uint64_t want = got >= 4 ? 4 + ((uint64_t)at[0] | ((uint64_t)at[1] << 8) | ((uint64_t)at[2] << 16) |
-                                            ((uint64_t)at[3] << 24))
-                                     : 0;
+            uint64_t want = got >= 4 ? 4 + body_length(at) : 0;
             if (want > (uint64_t)got && want - 4 <= caps.max_frame &&
                 (long long)want <= budget - (read_total - got) && reserve(batch, (size_t)want, 0) == 0) {
                 /* A frame longer than this read (an image, say): its whole size
@@ -1142,17 +1154,12 @@ static PyObject *step(PyObject *self, PyObject *args)
             }
             lane_of[fd] = -1; /* read once: a second event for it is foreign */
             waiting--;
-            if (read_total <= budget && vouch(at, (size_t)got, &caps, reset, seq, l)) {
-                /* The hot path: a reply vouched for, kept as read. */
-                l->obs += batch->used;
-                l->info += batch->used;
-                l->state = LANE_DONE;
-                batch->used += (size_t)got;
-                batch->held += got;
-                batch->done++;
-            } else if (rest_add(batch, lane, KIND_UNUSUAL, PyBytes_FromStringAndSize((const char *)at, got)) < 0) {
+            /* The hot path: a reply vouched for, kept as read (else its bytes go back and the space is reused). */
+            int vouched = read_total <= budget && vouch(at, (size_t)got, &caps, reset, seq, l);
+            if (settle(batch, lane, batch->used, (size_t)got, vouched) < 0)
                 goto done;
-            }
+            if (vouched)
+                batch->used += (size_t)got;
             if (read_total > budget) {
                 batch->why = BUDGET;
                 stop = 1;
@@ -1170,9 +1177,7 @@ finish:
         if (rfds[i] >= 0 && rfds[i] <= max_fd && lane_of[rfds[i]] == (int)i) {
             Lane *l = &batch->lanes[i];
             if (l->state == LANE_PARTIAL) {
-                l->state = LANE_OUT;
-                if (rest_add(batch, i, KIND_UNUSUAL,
-                             PyBytes_FromStringAndSize((const char *)batch->buf + l->start, (Py_ssize_t)l->have)) < 0)
+                if (settle(batch, i, l->start, l->have, 0) < 0)
                     goto done;
                 continue;
             }
@@ -1248,7 +1253,8 @@ PyDoc_STRVAR(keep_heap_doc,
 "every step (the replies read, the REPLY composed, its frame); given back to\n"
 "the kernel each time, every 4 KiB of them faulted in again on the next step\n"
 "(44% of the worker's CPU at n = 256 image envs, docs/performance.md). The\n"
-"worker calls it once (native.load); an env never imports this module.\n"
+"worker calls it once, at start (server.Worker); an env never imports this\n"
+"module.\n"
 "False where the C library is not glibc or refuses a setting.");
 
 static PyObject *keep_heap(PyObject *self, PyObject *noargs)
