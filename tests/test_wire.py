@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import itertools
 import math
 import signal
 import struct
@@ -831,11 +832,12 @@ def test_empty_arrays_with_sane_shapes_still_pass():
 
 
 def _read_in_place(reader, stream: bytes, cuts) -> list:
-    """Drive `reader` as the client does: recv_into room() while there is one, else feed a piece."""
+    """Drive `reader` as the client does: recv_into room() while there is one, else
+    feed a piece; pieces of the sizes in `cuts`, then whatever is left at once."""
     messages, at = [], 0
-    for size in cuts:
-        if at >= len(stream):
-            break
+    sizes = itertools.chain(cuts, itertools.repeat(len(stream)))
+    while at < len(stream):
+        size = next(sizes)
         room = reader.room()
         if room is None:
             messages += reader.feed(stream[at:at + size])
@@ -846,16 +848,6 @@ def _read_in_place(reader, stream: bytes, cuts) -> list:
             room.release()
             messages += reader.filled(n)
             at += n
-    while at < len(stream):  # the rest in one go
-        room = reader.room()
-        if room is None:
-            messages += reader.feed(stream[at:])
-            break
-        n = min(len(room), len(stream) - at)
-        room[:n] = stream[at:at + n]
-        room.release()
-        messages += reader.filled(n)
-        at += n
     return messages
 
 
