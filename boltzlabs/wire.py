@@ -84,6 +84,18 @@ NEED = 33  # [NEED, bool]: send the env directory's bytes
 BLOB = 34  # [BLOB, tar bytes]
 ACCEPTED = 35  # [ACCEPTED, {"pid": worker pid}]
 
+# The warm template's control channel (boltzlabs/runtime/template.py, the
+# worker's TemplateSpawner), and the report of its warm-up probe.
+FORK = 40  # worker -> template: [FORK, lane, generation, probe] + the child's channel and log fds
+KILL = 41  # worker -> template: [KILL, lane, generation]
+WARM = 42  # worker -> template: [WARM, module names]: import them, then fork envs
+FORKED = 43  # template -> worker: [FORKED, lane, generation] + the child's pidfd
+EXITED = 44  # template -> worker: [EXITED, lane, generation, wait status]
+WARMED = 45  # template -> worker: [WARMED, {imported, failed, refused, import_seconds, forkable, reason}]
+# probe -> worker, on the probe's channel: [PROBED, module names, how many,
+# private bytes at birth, after, steps, error or None, serve(preload=) names]
+PROBED = 46
+
 
 
 

@@ -181,15 +181,28 @@ def test_a_fork_bomb_at_import_is_bounded_too(env_dir, spawn):
         warnings.simplefilter("always")
         pool = RLPool(env_dir(BOMB_AT_IMPORT), 2, spawn=spawn, limits={"pids": 24})
     with pool:
-        if spawn == "template":
-            # The bomb ran in the template, bounded by the env's pids limit on the
-            # template's own cgroup; it left processes running, so the pool fell
-            # back to exec mode (and the template's namespace took them with it).
-            assert pool.spawn == "exec"
-            assert any("left processes running at import" in str(w.message) for w in caught), caught
+        # In both modes the bomb runs in the env itself (the template never
+        # imports env.py), bounded by the env's own pids limit.
+        assert pool.spawn == spawn, [str(w.message) for w in caught]
         forked = pool.reset(seed=0)
         assert all(0 < f < 24 for f in forked), forked
         assert pool.step([1, 1])[0] == forked
+    assert descendants() == before
+
+
+def test_a_fork_bomb_at_import_in_a_trusted_template_is_bounded_by_the_templates_cgroup(env_dir):
+    """In a trusted template the bomb runs in the template, bounded by the env's
+    pids limit on the template's own cgroup; it left processes running, so the
+    pool fell back to exec mode (and the template's namespace took them with it)."""
+    before = descendants()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pool = RLPool(env_dir(BOMB_AT_IMPORT), 2, spawn="template", trust_env=True, limits={"pids": 24})
+    with pool:
+        assert pool.spawn == "exec"
+        assert any("env.py's import left processes running" in str(w.message) for w in caught), caught
+        forked = pool.reset(seed=0)
+        assert all(0 < f < 24 for f in forked), forked
     assert descendants() == before
 
 

@@ -228,8 +228,10 @@ def test_the_child_part_round_trips():
     assert built.unshare == {"net", "ipc", "uts", "cgroup"} and built.ids == (0, 0)
     assert built.hostname == "boltzlabs" and built.workspace == b"/workspace" and built.proc == "/proc"
     assert values["size"] == str(64 << 20) and values["inodes"] == str((64 << 20) // 4096)
-    template = confine.parse(plan.template_text(100, warmup=False))
-    assert template["warmup"] == "0.0" and template["hidden_proc"] == "/.template/proc"
+    template = confine.parse(plan.template_text(100, trusted=True, namespaces=472))
+    assert template["warmup"] == "5.0" and template["hidden_proc"] == "/.template/proc"
+    assert template["trusted"] == "1" and template["namespaces"] == "472"
+    assert confine.parse(plan.template_text(100))["trusted"] == "0"
 
 
 @pytest.mark.parametrize("text, complaint", [

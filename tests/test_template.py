@@ -106,20 +106,41 @@ def check_hard_reset(pool):
     assert "FileNotFoundError" in obs[0]["out"]["denied"]
 
 
-@pytest.mark.parametrize("source, reason", [
+UNFORKABLE_AT_IMPORT = [
     ("import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n",
-     "started threads at import"),
-    ("import socket\nheld = socket.socketpair()\n", "holds open sockets at import"),
+     "env.py's import started threads"),
+    ("import socket\nheld = socket.socketpair()\n", "env.py's import left sockets open"),
     # A process left running (here a daemon, reparented to the sandbox's init):
     # children would not have it, and the gate's freezer would not reach it.
     ("import os, time\nif os.fork() == 0:\n    if os.fork() == 0:\n        time.sleep(60)\n    os._exit(0)\n"
-     "os.wait()\n", "left processes running at import"),
-])
-def test_unforkable_env_falls_back_to_exec_with_a_warning(env_dir, source, reason):
-    directory = env_dir(source + "from boltzlabs.env import serve\n"
-                        "serve(reset=lambda seed: 0, step=lambda a: (0, 1.0, False, {}))\n")
-    with pytest.warns(RuntimeWarning, match=reason):
+     "os.wait()\n", "env.py's import left processes running"),
+]
+UNFORKABLE_SERVE = ("from boltzlabs.env import serve\nimport threading\n"
+                    "serve(reset=lambda seed: threading.active_count(), step=lambda a: (0, 1.0, False, {}))\n")
+
+
+@pytest.mark.parametrize("source, reason", UNFORKABLE_AT_IMPORT)
+def test_what_env_py_does_at_import_is_its_own_envs_business_in_the_zygote(env_dir, source, reason):
+    """Threads, sockets and processes made at import cannot be forked; in the
+    zygote env.py is imported by each env itself, once it is a sandbox, so
+    each env has its own and the pool stays forked from the template."""
+    directory = env_dir(source + UNFORKABLE_SERVE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
         pool = RLPool(directory, 2, spawn="template")
+    with pool:
+        assert pool.spawn == "template"
+        counts = pool.reset(seed=0)
+        assert pool.step([0, 0])[1].tolist() == [1.0, 1.0]
+        if "threads" in reason:
+            assert counts == [2, 2]  # each env started its own thread
+
+
+@pytest.mark.parametrize("source, reason", UNFORKABLE_AT_IMPORT)
+def test_an_unforkable_trusted_template_falls_back_to_exec_with_a_warning(env_dir, source, reason):
+    directory = env_dir(source + UNFORKABLE_SERVE)
+    with pytest.warns(RuntimeWarning, match=reason):
+        pool = RLPool(directory, 2, spawn="template", trust_env=True)
     with pool:
         assert pool.spawn == "exec"
         pool.reset(seed=0)
@@ -141,7 +162,8 @@ def test_killing_the_template_fails_lanes_cleanly_and_reset_recovers():
         _, rewards, dones, infos = pool.step([1, 1])
         assert dones.all() and "template" in infos[0]["error"]
         pool.reset(seed=0)  # a new template, new children
-        assert pool.step([1, 1])[1].tolist() == [1.0, 1.0]
+        result = pool.step([1, 1])
+        assert result[1].tolist() == [1.0, 1.0], result
 
 
 def test_exec_and_template_give_the_same_episodes():
@@ -261,21 +283,33 @@ serve(reset=reset, step=step)
 
 
 @pytest.mark.parametrize("prot", ["PROT_READ | PROT_WRITE", "PROT_READ"])
-def test_a_shared_mapping_made_at_import_falls_back_to_exec_and_lanes_stay_apart(env_dir, prot):
+def test_a_shared_mapping_made_at_import_falls_back_to_exec_in_a_trusted_template(env_dir, prot):
     """A MAP_SHARED mapping in the template would be one memory for every lane,
     kept across hard resets: the pool must not fork such a template."""
     directory = env_dir(SHARED_MAPPING.format(prot=prot))
-    with pytest.warns(RuntimeWarning, match=r"shared writable memory mapping at import \(anonymous shared memory"):
-        pool = RLPool(directory, 2, spawn="template")
+    with pytest.warns(RuntimeWarning, match=r"shared writable memory mapping \(anonymous shared memory"):
+        pool = RLPool(directory, 2, spawn="template", trust_env=True)
     with pool:
         assert pool.spawn == "exec"
-        pool.reset(seed=0)
-        obs, *_ = pool.step(["lane0", None])
-        assert obs == ["lane0", ""]
-        obs, *_ = pool.step([None, "lane1"])
-        assert obs == ["lane0", "lane1"]
-        pool.reset(hard=True, where=[0])
-        assert pool.step([None, None])[0] == ["", "lane1"]
+        check_lanes_apart(pool)
+
+
+@pytest.mark.parametrize("prot", ["PROT_READ | PROT_WRITE", "PROT_READ"])
+def test_a_shared_mapping_made_at_import_is_each_envs_own_in_the_zygote(env_dir, prot):
+    """env.py's import runs in each env: its mapping is that env's alone."""
+    with RLPool(env_dir(SHARED_MAPPING.format(prot=prot)), 2, spawn="template") as pool:
+        assert pool.spawn == "template"
+        check_lanes_apart(pool)
+
+
+def check_lanes_apart(pool):
+    pool.reset(seed=0)
+    obs, *_ = pool.step(["lane0", None])
+    assert obs == ["lane0", ""]
+    obs, *_ = pool.step([None, "lane1"])
+    assert obs == ["lane0", "lane1"]
+    pool.reset(hard=True, where=[0])
+    assert pool.step([None, None])[0] == ["", "lane1"]
 
 
 FORGED_TEMPLATE_HANDSHAKE = """
@@ -301,10 +335,17 @@ def test_a_template_handshake_sent_by_another_process_moves_only_the_template(en
     pid. It once took that pid from the credentials of the first message on
     the template's channel: a process of import-time code was moved instead
     (a host process, once that pid is reused) and the envs were born in the
-    template's cgroup."""
-    with RLPool(env_dir(FORGED_TEMPLATE_HANDSHAKE), 2, spawn="template") as pool:
-        assert pool.spawn == "template"
-        check_cgroups(pool)
+    template's cgroup. No pid is learnt from a message now, and a template
+    that says HELLO twice has broken its protocol: it is given up. (Only a
+    trusted template runs import-time code.)"""
+    with pytest.warns(RuntimeWarning, match=r"the template failed .*HELLO"):
+        pool = RLPool(env_dir(FORGED_TEMPLATE_HANDSHAKE), 2, spawn="template", trust_env=True)
+    with pool:
+        assert pool.spawn == "exec"
+        pool.reset(seed=0)
+        for i, pid in enumerate(pool.pids()):
+            line = next(l for l in Path(f"/proc/{pid}/cgroup").read_text().splitlines() if ":memory:" in l)
+            assert line.endswith(f"/env-{i}"), line
         assert pool.step([0, 0])[1].tolist() == [1.0, 1.0]
 
 

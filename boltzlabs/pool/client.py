@@ -151,6 +151,21 @@ def _positive(name: str, value, allow_none: bool = True):
     return float(value)
 
 
+def _preload(names):
+    """RLPool(preload=...) as a list of str (the worker checks each name)."""
+    if names is None:
+        return None
+    if isinstance(names, str) or not all(isinstance(name, str) for name in names):
+        raise TypeError(f"preload must be a list of module names, like ['scipy.special'], not {names!r:.80}")
+    return list(names)
+
+
+def _flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, not {value!r:.80}")
+    return value
+
+
 class RLPool(Pool):
     """n live envs, each in its own bubblewrap sandbox, behind one batched step.
 
@@ -175,17 +190,31 @@ class RLPool(Pool):
       workspace_size: size of each env's private tmpfs workspace; None: the
         sandbox policy's [workspace] default_size (64M as shipped).
       spawn: "template" (default) forks every env from one warm template
-        that has already imported env.py: a fraction of the memory and
-        start-up time. "exec" starts one interpreter per env. An env that
-        cannot be forked safely (threads or sockets at import) falls back
-        to "exec" with a warning; `pool.spawn` says which is in use.
+        that has imported the library modules the env uses (never env.py:
+        each forked env runs env.py once it is a sandbox): a fraction of the
+        memory and start-up time. "exec" starts one interpreter per env. A
+        template that cannot be forked safely (threads or sockets left by an
+        import) falls back to "exec" with a warning; `pool.spawn` says which
+        is in use.
       start_timeout: seconds each env has to complete its handshake.
-      warmup: with spawn="template", run the env's reset and a few steps
-        once in a throwaway sandbox before the first fork and import in the
-        template what they imported (numpy.random, say), so no env pays for
-        it on its own; the template's own state stays as env.py's import left
-        it. A probe that fails is a warning, never a failed pool.
-        `env_contract["warmup"]` reports it. False turns it off.
+      warmup: with spawn="template", run env.py, its reset and a few steps
+        once in a throwaway sandbox (confined like an env, held to its
+        limits) before the first fork, and import in the template the
+        library modules that work imported (numpy.random, say), so no env
+        pays for them on its own. A probe that fails is a warning, never a
+        failed pool. `env_contract["warmup"]` reports it. False turns it off.
+      preload: library modules the template imports besides what the
+        warm-up finds (e.g. ["scipy.special"], one your env imports only
+        sometimes); a `boltzlabs.toml` beside env.py can list more
+        (`[boltzlabs] preload = [...]`). Names only: the template resolves
+        them on the read-only library mounts, never in the env's directory.
+      trust_env: with spawn="template", import env.py in the template itself
+        (the trusted mode, for env code you wrote): module-level state made
+        at import (tables, a loaded model) is then shared copy on write by
+        every env, and env.py's import-time code keeps every power the
+        template has over each env it forks (docs/templates.md says what
+        that gives up). Default False. A remote worker refuses it unless its
+        operator allows it (`boltzlabs worker --allow-trust-env`).
       batch_size: the default batch_size of recv() (asynchronous stepping:
         send() actions, recv() the first batch_size envs to finish).
       progress: show a progress bar while starting (default: on a terminal,
@@ -221,7 +250,7 @@ class RLPool(Pool):
     def __init__(self, source, n: int, *, step_timeout=None, serialize_measurement: bool = False,
                  memory_limit=None, workspace_size=None, spawn: str = "template", start_timeout=None,
                  progress=None, batch_size=None, limits=None, worker=None, token=None, tls_ca=None, cluster=None,
-                 warmup: bool = True, **params):
+                 warmup: bool = True, preload=None, trust_env: bool = False, **params):
         self._closed = True
         self._closed_reason = None
         if cluster is not None:
@@ -245,6 +274,8 @@ class RLPool(Pool):
             "spawn": spawn,
             "limits": limits,
             "warmup": bool(warmup),
+            "preload": _preload(preload),
+            "trust_env": _flag("trust_env", trust_env),
         }
         # The limits (against the policy of the worker that runs the pool, local
         # or remote) and bwrap are checked by the worker, before any sandbox

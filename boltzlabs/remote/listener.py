@@ -99,7 +99,7 @@ class Listener:
                  cache_size: int = 1 << 30, cache_files: int = 100_000, max_code_files: int = 10_000,
                  tls: ssl.SSLContext | None = None, handshake_timeout: float = _HANDSHAKE_TIMEOUT,
                  max_handshakes: int = 64, max_handshakes_per_address: int = 8, ceilings: dict | None = None,
-                 log=sys.stderr):
+                 allow_trust_env: bool = False, log=sys.stderr):
         if not token:
             raise ValueError("a worker needs a token")
         self.token = token
@@ -109,6 +109,9 @@ class Listener:
         self.tls = tls
         self.handshake_timeout = handshake_timeout
         self.ceilings = {**default_ceilings(), **(ceilings or {})}
+        # The listener decides trust, never its client: a client's trust_env=True
+        # (env.py imported in the template) is refused unless the operator allowed it.
+        self.allow_trust_env = bool(allow_trust_env)
         self.log = log
         self.cache = EnvCache(self.cache_dir, max_bytes=cache_size, max_files=cache_files,
                               max_code_files=min(max_code_files, cache_files), account=_unpack_account(),
@@ -323,7 +326,7 @@ class Listener:
         argv = [sys.executable, "-m", "boltzlabs.worker", "--fd", str(theirs.fileno()), "--remote",
                 "--source-dir", source_dir, "--max-envs", str(self.max_envs), "--max-frame",
                 str(max(self.max_code_size, 64 << 20)), "--parent", str(os.getpid()),
-                "--ceilings", json.dumps(self.ceilings)]
+                "--ceilings", json.dumps(self.ceilings)] + (["--allow-trust-env"] if self.allow_trust_env else [])
         try:
             proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
                                     start_new_session=True, env=_worker_environment())
@@ -450,6 +453,9 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-handshakes-per-address", type=int, default=8,
                         help="connections not yet authenticated from one address (an IPv6 /64); when full its "
                              "oldest is dropped (default %(default)s)")
+    parser.add_argument("--allow-trust-env", action="store_true",
+                        help="let a client ask for trust_env=True: its env.py is then imported in the template "
+                             "that forks its envs, outside any env's sandbox (default: refused)")
     parser.add_argument("--handshake-timeout", type=float, default=_HANDSHAKE_TIMEOUT,
                         help="seconds a client has to authenticate and ship its code (default %(default)s)")
 
@@ -489,7 +495,8 @@ def run_worker(args: argparse.Namespace) -> int:
                             max_code_size=parse_size(args.max_code_size), cache_size=parse_size(args.cache_size),
                             cache_files=args.cache_files, max_code_files=args.max_code_files,
                             tls=tls, handshake_timeout=args.handshake_timeout, max_handshakes=args.max_handshakes,
-                            max_handshakes_per_address=args.max_handshakes_per_address, ceilings=ceilings)
+                            max_handshakes_per_address=args.max_handshakes_per_address, ceilings=ceilings,
+                            allow_trust_env=args.allow_trust_env)
     except OSError as exc:
         print(f"boltzlabs worker: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return 1

@@ -68,7 +68,8 @@ _PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 # The text's bounds: it comes from the worker, and is still parsed as input.
 _MAX_TEXT, _MAX_ITEMS = 16384, 128
 _KEYS = {"unshare", "uid", "gid", "hostname", "workspace", "size", "inodes", "ptys", "dev", "proc", "rlimits",
-         "template_rlimits", "hidden_proc", "template_uid", "template_gid", "warmup", "memory"}
+         "template_rlimits", "hidden_proc", "template_uid", "template_gid", "warmup", "memory", "trusted",
+         "namespaces"}
 _NAMESPACES = {"net", "ipc", "uts", "cgroup"}  # what a child unshares besides its user and pid namespaces
 
 

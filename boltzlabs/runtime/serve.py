@@ -264,18 +264,21 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
     (`pool.env_contract`). `render()`, when given, answers `pool.render()`
     with a frame (e.g. an RGB array); without it, frames are None.
 
-    In a pool with spawn="template" this process is the template: serve()
-    becomes a fork server and each env is a forked child that runs the loop.
-    Before the first fork it learns what the env's real work imports: a
-    throwaway child, sandboxed like any env, runs `reset(0)` and a few steps
-    (actions from `warmup_actions` if given, else sampled from
-    `action_space` seeded with 0, else none), and the template imports the
-    modules that work imported (numpy.random, say), so no env pays for them
-    on its own. The template itself never runs reset or step.
+    In a pool with spawn="template" (the default) each env is forked from a
+    warm template that imported only library modules, and runs this file
+    itself once it is confined. Before the first fork the pool learns what
+    the env's real work imports: a throwaway sandbox, confined like any
+    env, runs this file, `reset(0)` and a few steps (actions from
+    `warmup_actions` if given, else sampled from `action_space` seeded with
+    0, else none), and the template imports the library modules they
+    imported (numpy.random, say), so no env pays for them on its own.
     `RLPool(..., warmup=False)` turns this off; `pool.env_contract["warmup"]`
-    reports it. `preload` names modules the template imports as well
-    (e.g. `["scipy.special"]`, one your env imports only sometimes); one that
-    fails to import is reported there, and the pool still starts.
+    reports it. `preload` names library modules the template imports as
+    well (e.g. `["scipy.special"]`, one your env imports only sometimes);
+    the probe carries the list, so it needs the warm-up; `RLPool(...,
+    preload=[...])` or a `boltzlabs.toml` beside env.py does the same
+    without it (docs/templates.md). A name that fails to import is reported
+    there, and the pool still starts.
 
     What `pool.call(name, *args, **kwargs)`, `pool.get_attr(name)` and
     `pool.set_attr(name, value)` (and the Gymnasium adapter's call,
@@ -314,14 +317,20 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
     def run(channel: tuple) -> None:
         _serve_loop(_Channel(channel[0], channel[-1]), reset, step, render, info)
 
+    if os.environ.pop("BOLTZLABS_PROBE", None):
+        # The template's warm-up probe (a throwaway sandbox): the env's real
+        # work once, its imports reported, then exit (runtime/template.py).
+        from boltzlabs.runtime import template
+
+        template.finish_probe(_Probe(reset, step, action_space, warmup_actions, preload))  # never returns
     if os.environ.pop("BOLTZLABS_TEMPLATE", None):
+        # RLPool(trust_env=True): this process is the template, env.py imported
+        # in it; serve() becomes its fork server.
         from boltzlabs.runtime import template
 
         if len(fds) != 1:
             raise RuntimeError(f"{_FD_VARIABLE}: a template's control channel is one socket, not {fds}")
-        _warm_up()
-        probe = _Probe(reset, step, action_space, warmup_actions)
-        template.fork_server(run, fds[0], probe, list(preload or ()))  # never returns
+        template.serve_trusted(run, fds[0], _Probe(reset, step, action_space, warmup_actions, preload))
     run(fds)
     sys.stdout.flush()
     os._exit(0)
@@ -371,11 +380,13 @@ def _warm_up(steps: int = 24) -> None:
 
 class _Probe:
     """The env's real work, run once by the template's warm-up in a throwaway
-    child (boltzlabs.runtime.template.warm_up), the way the serve loop runs it:
-    actions decoded from a frame, replies built and encoded."""
+    sandbox (boltzlabs.runtime.template.finish_probe), the way the serve loop
+    runs it: actions decoded from a frame, replies built and encoded.
+    `preload`: serve(preload=...), names the probe's report carries."""
 
-    def __init__(self, reset, step, action_space, actions, steps: int = 8):
+    def __init__(self, reset, step, action_space, actions, preload=(), steps: int = 8):
         self.reset, self.step, self.space, self.actions, self.steps = reset, step, action_space, actions, steps
+        self.preload = list(preload or ())
 
     def prepare(self) -> None:
         """The actions, as the worker would deliver them (decoded from a frame)."""

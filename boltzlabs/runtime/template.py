@@ -1,36 +1,48 @@
-"""The warm template: one pre-imported env that forks every env of the pool.
+"""The warm template: a zygote that forks every env of the pool, and never runs env code.
 
     worker ==control socket (SOCK_SEQPACKET, fds by SCM_RIGHTS)==> template
-        [FORK, lane, generation] + (channel fd(s), log fd) --> fork a child (a socket, or 2 pipes)
-        [KILL, lane, generation]                          --> kill that child
-    worker <== [FORKED, lane, generation] + (the child's pidfd) / [EXITED, lane, generation, status]
+        [FORK, lane, generation, probe] + (channel fd(s), log fd) --> fork a child (a socket, or 2 pipes)
+        [WARM, module names]                             --> import them: library modules only
+        [KILL, lane, generation]                         --> kill that child
+    worker <== [HELLO, ...] / [WARMED, report] / [FORKED, lane, generation] + (the child's pidfd)
+               / [EXITED, lane, generation, status]
 
-`python -m boltzlabs.runtime.template /env/env.py` runs inside a bubblewrap sandbox
-built from the same plan as an exec-mode env's (boltzlabs/sandbox/plan.py),
-which keeps the capabilities of the policy's [template] cap_add (shipped:
+`python -c BOOTSTRAP /env/env.py` runs inside a bubblewrap sandbox built
+from the same plan as an exec-mode env's (boltzlabs/sandbox/plan.py), which
+keeps the capabilities of the policy's [template] cap_add (shipped:
 CAP_SYS_ADMIN, CAP_SETPCAP and CAP_SETFCAP) in the sandbox's user namespace
 only, and only for the template's own set-up: it mounts its workspace and
 devpts, a second, fully visible proc at a hidden path, enters a user
 namespace of its own as the plan's template ids (CAP_SETFCAP is for that
-map), drops every capability, sets no_new_privs, reads the seccomp program
-its children will load (compiled by boltzlabs/sandbox/seccomp.py), and only
-then runs env.py, under the template's looser filter (bwrap --seccomp).
-env.py's `serve()` sees BOLTZLABS_TEMPLATE and turns into the fork server
-(`fork_server`). The template never runs reset or step, so each child starts
-from the same pristine state: a hard reset is "kill the child, fork another".
+map), writes that namespace's quotas (what all its children together may
+make), drops every capability, sets no_new_privs and reads the seccomp
+program its children will load (compiled by boltzlabs/sandbox/seccomp.py).
+
+Then, as Android's zygote preloads the framework and never an app's code,
+the template imports library modules only (`warm`: names from the worker,
+resolved on the read-only mounts of the interpreter, its site-packages and
+the runtime) and forks. Each child becomes its own sandbox first and only
+then runs env.py, which calls serve() and serves its channel as in exec
+mode (`_env_main`). What to import is data: the pool's preload list
+(RLPool(preload=...), the env directory's boltzlabs.toml) and the report of
+the warm-up probe, a throwaway child confined exactly like an env (and in a
+memory cgroup of its own with the env's limit) that runs env.py, its reset
+and a few steps, and reports which library modules that work imported
+(`_probe_main`, `finish_probe`). The template never runs reset or step,
+so each child starts from the same pristine state: a hard reset is "kill
+the child, fork another".
+
+RLPool(trust_env=True) is the trusted mode: env.py is imported here, before
+the first fork, and its serve() becomes the fork server; module state made
+at import is then shared copy on write by every child, and the env's
+import-time code keeps every power this process has over its children
+(docs/templates.md says exactly what that gives up).
 
 The template decides nothing about a child's sandbox: $BOLTZLABS_CONFINE,
 the plan's child part (boltzlabs.runtime.confine.parse), says which
 namespaces it unshares, its ids, hostname, workspace path and size, inode
 and pty caps, where /dev and /proc are, its rlimits and quotas; the template
 prepares those calls once (`_ChildPlan`) and each child makes them.
-
-Before its HELLO, the template warms itself for the env's real work
-(`warm_up`): a throwaway child, made exactly like an env's, runs reset and a
-few steps and reports the modules they imported; the template imports those
-(and serve(preload=...)), then freezes its heap and forks. Lazily imported
-modules (numpy.random: ~5 MiB) are then shared by every env instead of
-copied into each. The report travels in the HELLO (`pool.env_contract["warmup"]`).
 
 Each child becomes its own sandbox before any env code runs in it:
 
@@ -42,8 +54,11 @@ Each child becomes its own sandbox before any env code runs in it:
                writes its user namespace's quotas (no more namespaces, no
                inotify/fanotify), lo up (with a net namespace of its own),
                hostname (with a uts one), every capability dropped, the
-               env's full seccomp filter loaded; then serves on its channel
+               env's full seccomp filter loaded; then runs env.py
     the template, its parent (and a child subreaper), reaps it.
+
+The worker checks each child from outside before its first request (its
+/proc/<pid>/status and /proc/<pid>/ns/*: boltzlabs/worker/confinement.py).
 
 Kernel facts this depends on:
 - A nested user namespace may mount a fresh proc only if its mount namespace
@@ -55,7 +70,13 @@ Kernel facts this depends on:
   the mount table, not paths, so children may mount their own /proc while
   nobody can reach the template's.
 - sysctl writes are checked against the writer's uid, not its capabilities,
-  so each child's /proc/sys is bound read-only.
+  so each child's /proc/sys is bound read-only. The sysctls of /proc/sys/user
+  belong to the user namespace of whoever looks them up, and need
+  CAP_SYS_RESOURCE there: the template writes its own namespace's through
+  an fd on the hidden proc, after it enters that namespace.
+- User-namespace counts (ucounts) are hierarchical: a namespace a child
+  makes counts in the child's user namespace and in every parent, this
+  template's included, so a cap here bounds what the whole pool can make.
 - clone(CLONE_NEWUSER | CLONE_NEWPID) makes the child pid 1 of a new pid
   namespace owned by its new user namespace, with no intermediate process
   (unshare(CLONE_NEWPID) would move only the caller's future children,
@@ -103,16 +124,18 @@ from boltzlabs.runtime import confine
 from boltzlabs.runtime import filter as seccomp
 from boltzlabs.runtime import rlimits as limits
 
-FORK, KILL, FORKED, EXITED = 30, 31, 32, 33
-WARMED = 34  # the probe's report (warm_up)
-# The worker's word on the probe comes in the plan: warmup= (the seconds it
-# may take, [template] warmup_timeout of sandbox/policy.toml; 0: no probe, as
-# with RLPool(warmup=False)) and memory= (the env's memory limit; 0: none).
-# Caps on what the probe reports (env code ran there: its report is as
-# hostile as anything an env sends): names, their length, the frame, and how
-# much of it goes into the HELLO (one SOCK_SEQPACKET packet the worker reads
-# with a 64 KiB buffer).
-_MAX_NAMES, _MAX_NAME_LEN, _MAX_REPORT, _MAX_FAILED, _MAX_HELLO = 2048, 200, 1 << 20, 32, 60000
+# Entry point inside the template's sandbox. Not `-m`: that imports runpy (and
+# runs this module as __main__, a second copy beside the one env.py's serve()
+# imports).
+BOOTSTRAP = "import boltzlabs.runtime.template as t; t.main()"
+# The plan says: warmup= (the seconds the warm-up's imports may take,
+# [template] warmup_timeout of sandbox/policy.toml), memory= (the env's memory
+# limit, which holds the probe; 0: none), trusted= (1: RLPool(trust_env=True))
+# and namespaces= (what all children together may make of each namespace kind).
+# Caps on names (the probe's report is as hostile as anything an env sends,
+# and the worker checks it; WARM brings what is left), their length, failures
+# reported, and one SOCK_SEQPACKET packet the worker reads with a 64 KiB buffer.
+MAX_NAMES, MAX_NAME_LEN, _MAX_FAILED, _MAX_HELLO = 2048, 200, 32, 60000
 
 _libc = ctypes.CDLL(None, use_errno=True)
 # The GIL stays held across clone(), as in os.fork.
@@ -323,11 +346,13 @@ class _ChildPlan:
         self.capabilities.drop()
 
 
-def _unsafe_to_fork(channel_fd: int) -> str:
-    """Why this process cannot be forked safely, or '' if it can."""
+def _unsafe_to_fork(channel_fd: int, origin: str) -> str:
+    """Why this process cannot be forked safely, or '' if it can. `origin`
+    names what ran here (env.py's import in a trusted template, library
+    imports in a zygote)."""
     threads = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
     if threads:
-        return f"env.py started threads at import ({', '.join(threads)}); forked children would lack them"
+        return f"{origin} started threads ({', '.join(threads)}); forked children would lack them"
     sockets = []
     for name in os.listdir("/proc/self/fd"):
         fd = int(name)
@@ -340,14 +365,14 @@ def _unsafe_to_fork(channel_fd: int) -> str:
         if target.startswith("socket:"):
             sockets.append(fd)
     if sockets:
-        return f"env.py holds open sockets at import (fds {sockets}); forked children would share them"
+        return f"{origin} left sockets open (fds {sockets}); forked children would share them"
     others = _other_processes()
     if others:
-        return (f"env.py left processes running at import (pids {others[:8]} in the template's sandbox); forked "
+        return (f"{origin} left processes running (pids {others[:8]} in the template's sandbox); forked "
                 "children would not have them, and nothing would freeze them under serialize_measurement")
     shared = _shared_writable_mappings()
     if shared:
-        return (f"env.py made a shared writable memory mapping at import ({'; '.join(shared[:4])}); forked "
+        return (f"{origin} made a shared writable memory mapping ({'; '.join(shared[:4])}); forked "
                 "children would all read and write the same memory, kept across hard resets")
     return ""
 
@@ -394,37 +419,36 @@ def _shared_writable_mappings() -> list[str]:
     return found
 
 
-def warm_up(plan: _ChildPlan, probe, preload, timeout: float, memory: int = 0) -> dict:
-    """Make the template warm for the env's real work; returns the report
-    (`pool.env_contract["warmup"]`).
+def warm(names, timeout: float, env_dir: str, workspace: str) -> dict:
+    """Import `names` (the worker's WARM: the pool's preload list and what its
+    probe found) here, library modules only; returns what happened, for the
+    pool's warm-up report: {"imported", "failed", "refused", "import_seconds"}.
 
-    env.py's import is all the template ran; numpy's random, linalg, ... and
-    whatever else reset and step import on first use would otherwise be
-    imported by every env, each writing its own private copy (~5.6 MiB for
-    numpy.random). So the env's work runs once in a throwaway child that is a
-    sandbox like any env's (`_probe_child`), which reports the modules it
-    imported; the template imports those (and `preload`), nothing else. The
-    template never runs reset or step itself: its module globals and RNGs
-    stay as env.py's import left them, so episodes match exec mode's and hard
-    resets stay byte-identical. The child's files die with its tmpfs.
-    `memory`: the env's memory limit, held to in the child (`_probe_child`).
+    The zygote's rule: the template never imports code of the env's author.
+    Its sys.path holds the read-only mounts of the interpreter, its
+    site-packages and the runtime (main() takes the working directory off
+    it; the env's directory is never on it), so a name resolves to a library
+    module or to nothing. A name whose top-level package the env's directory
+    holds too is skipped: the env's own `import x` must find its own x, as in
+    exec mode. Every module a preload brought in is then checked to lie
+    outside the env's directory and the workspace (`foreign_modules`).
+    The template never runs reset or step: its module state stays as the
+    imports left it, so episodes match exec mode's and hard resets stay
+    byte-identical.
     """
-    report = {"modules": [], "preload": [], "imported": [], "failed": {}, "private_birth": 0, "private_after": 0,
-              "steps": 0, "seconds": 0.0, "error": None, "refused": 0}
-    preload = [name for name in (preload or ()) if type(name) is str][:_MAX_NAMES]
-    report["preload"] = preload
-    if probe is not None:
-        try:
-            _run_probe(plan, probe, timeout, memory, report)
-        except Exception as exc:  # a limit hit making the child: the pool still starts
-            report["error"] = f"the probe could not run: {exc}"
+    report = {"imported": [], "failed": {}, "refused": 0}
+    try:
+        own = {entry.split(".", 1)[0] for entry in os.listdir(env_dir)}
+    except OSError:
+        own = set()
     had_numpy_random = "numpy.random" in sys.modules
-    names = sorted(set(report["modules"]) | {name for name in preload if _valid_name(name)})
-    for name in preload:
-        if not _valid_name(name) and len(report["failed"]) < _MAX_FAILED:
-            report["failed"][name[:_MAX_NAME_LEN]] = "not a module name (dotted identifiers only)"
-    deadline = time.monotonic() + timeout  # import-time code can hang as well
-    for name in names:
+    started = time.monotonic()
+    deadline = started + timeout  # a library's import can hang as well
+    for name in sorted({name for name in names if valid_name(name)})[:MAX_NAMES]:
+        if name.split(".", 1)[0] in own:
+            _note_failure(report, name, f"not imported here: the env's directory has its own "
+                                        f"{name.split('.', 1)[0]!r}, which each env imports itself")
+            continue
         if name in sys.modules:
             report["imported"].append(name)
             continue
@@ -437,10 +461,28 @@ def warm_up(plan: _ChildPlan, probe, preload, timeout: float, memory: int = 0) -
             _note_failure(report, name, f"{type(exc).__name__}: {exc}")
         else:
             report["imported"].append(name)
+    for name in names:
+        if not valid_name(name):
+            _note_failure(report, name[:MAX_NAME_LEN] if type(name) is str else repr(name)[:MAX_NAME_LEN],
+                          "not a module name (dotted identifiers only)")
     if not had_numpy_random and "numpy.random" in sys.modules:
         _reseed_numpy_in_children()
-    report["import_seconds"] = round(time.monotonic() - deadline + timeout, 4)
+    report["import_seconds"] = round(time.monotonic() - started, 4)
     return report
+
+
+def foreign_modules(env_dir: str, workspace: str) -> list[str]:
+    """Modules of this process loaded from the env's directory or the
+    workspace: code the template must never hold (see `warm`)."""
+    roots = tuple(root.rstrip("/") + "/" for root in (env_dir, workspace) if root)
+    found = []
+    for name, module in list(sys.modules.items()):
+        spec = getattr(module, "__spec__", None)
+        places = [getattr(module, "__file__", None), getattr(spec, "origin", None),
+                  *list(getattr(spec, "submodule_search_locations", None) or ())]
+        if any(type(place) is str and (place + "/").startswith(roots) for place in places):
+            found.append(str(name))
+    return sorted(found)
 
 
 def _note_failure(report: dict, name: str, text: str) -> None:
@@ -456,160 +498,22 @@ def _reseed_numpy_in_children() -> None:
     mode, or a template without the warm-up) each env gets its own stream;
     imported here by the warm-up it would be one stream, the same in every
     child. So each child reseeds it from the OS at fork, as CPython's
-    `random` does (one C-level call; measured ~0 MiB per env). If env.py
-    imported numpy.random itself, nothing changes: that template already
-    shared it before the warm-up existed."""
+    `random` does (one C-level call; measured ~0 MiB per env)."""
     mtrand = sys.modules.get("numpy.random.mtrand")
     seed = getattr(getattr(mtrand, "_rand", None), "seed", None)
     if callable(seed):
         os.register_at_fork(after_in_child=seed)
 
 
-def _valid_name(name) -> bool:
+def valid_name(name) -> bool:
     """A module name worth an import attempt: dotted ASCII identifiers, bounded."""
-    return (type(name) is str and 0 < len(name) <= _MAX_NAME_LEN and name.isascii()
+    return (type(name) is str and 0 < len(name) <= MAX_NAME_LEN and name.isascii()
             and all(part.isidentifier() for part in name.split(".")))
 
 
-def _run_probe(plan: _ChildPlan, probe, timeout: float, memory: int, report: dict) -> None:
-    """Fork the probe's child, read its report within `timeout`, kill and reap it."""
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    log = os.dup(2)  # what the probe prints goes to the template's log
-    started = time.monotonic()
-    try:
-        pid = _fork_child(_probe_child(probe, memory), 0, [theirs.detach(), log], plan)
-    except BaseException:
-        ours.close()
-        raise
-    pidfd = os.pidfd_open(pid)
-    data, status, deadline = bytearray(), None, started + timeout
-    try:
-        ours.setblocking(False)
-        poller = select.poll()
-        poller.register(ours.fileno(), select.POLLIN)
-        poller.register(pidfd, select.POLLIN)
-        reading = True
-        while status is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            for fd, _ in poller.poll(remaining * 1000):
-                if fd == pidfd:
-                    status = os.waitpid(pid, 0)[1]
-                elif reading:
-                    chunk = b""
-                    try:
-                        chunk = ours.recv(1 << 16)
-                    except BlockingIOError:
-                        continue
-                    data += chunk
-                    if not chunk or len(data) > _MAX_REPORT:
-                        reading = False
-                        poller.unregister(ours.fileno())
-        if status is None:
-            _kill(pid)  # pid 1 of its namespace: everything it started goes with it
-            os.waitpid(pid, 0)
-            report["error"] = f"the probe did not finish within {timeout:g} s ([template] warmup_timeout): killed"
-        while reading and len(data) <= _MAX_REPORT:  # what it wrote before it exited
-            try:
-                chunk = ours.recv(1 << 16)
-            except OSError:  # BlockingIOError: nothing more
-                break
-            if not chunk:
-                break
-            data += chunk
-    finally:
-        os.close(pidfd)
-        ours.close()
-    report["seconds"] = round(time.monotonic() - started, 4)
-    _take_report(bytes(data), status, report)
-
-
-def _take_report(data: bytes, status, report: dict) -> None:
-    """Fill `report` from the probe's frame, trusting nothing in it."""
-    message = None
-    if len(data) <= _MAX_REPORT:
-        reader = wire.FrameReader(wire.Limits(_MAX_REPORT, max_str_len=4096, max_bin_len=0,
-                                              max_array_len=_MAX_NAMES, max_map_len=0, max_depth=3,
-                                              max_objects=_MAX_NAMES + 16))
-        try:
-            messages = reader.feed(data)
-            message = messages[0] if len(messages) == 1 else None
-        except Exception:
-            message = None
-    valid = (type(message) is list and len(message) == 7 and message[0] == WARMED and type(message[1]) is list
-             and all(type(x) is int and x >= 0 for x in message[2:6])
-             and (message[6] is None or type(message[6]) is str))
-    if valid:
-        _, names, total, birth, after, steps, error = message
-        good = sorted({name for name in names if _valid_name(name)})
-        report.update(modules=good, private_birth=birth, private_after=after, steps=steps,
-                      refused=report["refused"] + max(0, total - len(good)))
-        if error is not None and report["error"] is None:
-            report["error"] = f"the probe's reset/step raised {error[:1000]}"
-    if report["error"] is not None:
-        return
-    if status is not None and status != 0:
-        if os.WIFSIGNALED(status):
-            sig = os.WTERMSIG(status)
-            try:
-                what = f"was killed by {signal.Signals(sig).name}"
-            except ValueError:
-                what = f"was killed by signal {sig}"
-        else:
-            what = f"exited with status {os.waitstatus_to_exitcode(status)}"
-        report["error"] = f"the probe (the env's reset and steps, run once in a throwaway sandbox) {what}"
-    elif not valid:
-        report["error"] = "the probe sent no valid report (its output was refused)"
-
-
-def _probe_child(probe, memory: int):
-    """What the probe's child runs once it is a sandbox: the env's real work,
-    then its report on its channel: [WARMED, new module names, how many,
-    Private_Dirty before reset, after the work, steps, error text or None].
-
-    It is born in the template's cgroup, which has no memory limit (the
-    template's imports are the pool's), so the env's limit, if any, is an
-    rlimit here: the data it holds now (the template's, shared) plus the
-    limit. An env over it fails in the probe with MemoryError, not the host."""
-
-    def run(channel: tuple) -> None:
-        error = None
-        report = {"steps": 0}
-        if memory > 0:
-            import resource
-
-            with open("/proc/self/status") as status:
-                held = next((int(line.split()[1]) * 1024 for line in status if line.startswith("VmData:")), 0)
-            resource.setrlimit(resource.RLIMIT_DATA, (held + memory, held + memory))
-        try:
-            probe.prepare()  # actions sampled first: what sampling imports is not the env's work
-        except BaseException as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        before = set(sys.modules)
-        birth = _private_dirty()
-        if error is None:
-            try:
-                probe.run(report)
-            except BaseException as exc:
-                error = f"{type(exc).__name__}: {exc}"
-        # Only modules an import made (with a spec): Cython, for one, puts
-        # a bookkeeping module of its own in sys.modules that nobody can import.
-        names = [name for name, module in list(sys.modules.items())
-                 if type(name) is str and name not in before and getattr(module, "__spec__", None) is not None]
-        after = _private_dirty()
-        frame = wire.encode([WARMED, sorted(name[:_MAX_NAME_LEN + 1] for name in names)[:_MAX_NAMES], len(names), birth,
-                             after, int(report["steps"]), error and error[:2000]])
-        view = memoryview(frame)
-        while view:
-            view = view[os.write(channel[-1], view):]
-
-    return run
-
-
 def _warmup(values: dict) -> tuple[float, int]:
-    """(seconds the warm-up's probe may take, 0: none; the env's memory limit
-    in bytes, 0: none) from the template's plan."""
+    """(seconds the warm-up's imports, and the probe, may take; the env's memory
+    limit in bytes, 0: none) from the template's plan."""
     try:
         timeout, memory = float(values["warmup"]), int(values["memory"])
     except (KeyError, ValueError):
@@ -631,72 +535,180 @@ def _private_dirty() -> int:
     return 0
 
 
-def _fit_hello(hello: dict) -> bytes:
-    """The HELLO frame, its warm-up lists cut (and marked "truncated") until
-    it fits one packet the worker reads."""
-    frame = wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, hello])
-    report = hello.get("warmup")
-    while len(frame) > _MAX_HELLO and report is not None:
-        longest = max(("modules", "imported", "preload"), key=lambda key: len(report[key]))
-        if not report[longest]:
-            if not report["failed"]:
-                break  # nothing of ours left to cut: the worker refuses the HELLO, the pool runs exec mode
-            report["failed"] = {}
-        report[longest] = report[longest][:len(report[longest]) // 2]
-        report["truncated"] = True
-        frame = wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, hello])
-    return frame
+# -- the probe: the env's real work, once, in a throwaway sandbox -------------------
+
+class _ProbeRun:
+    """What a probe child notes at its birth, before any env code: the modules
+    it has (the template's), its private memory, and where it reports."""
+
+    def __init__(self, channel: tuple, memory: int, env_dir: str, workspace: str):
+        self.rfd, self.wfd = channel[0], channel[-1]
+        self.env_dir, self.workspace = env_dir, workspace
+        self.baseline = set(sys.modules)
+        self.birth = _private_dirty()
+        self.sampling: set = set()
+        if memory > 0:
+            # The probe's cgroup holds the env's memory limit (the worker makes
+            # it); RLIMIT_DATA on top makes a big allocation a MemoryError the
+            # report can name, where the cgroup's OOM killer leaves a SIGKILL.
+            import resource
+
+            with open("/proc/self/status") as status:
+                held = next((int(line.split()[1]) * 1024 for line in status if line.startswith("VmData:")), 0)
+            resource.setrlimit(resource.RLIMIT_DATA, (held + memory, held + memory))
+
+    def report(self, steps: int, error: str | None, preload) -> None:
+        """Write [PROBED, new library module names, how many, Private_Dirty at
+        birth, now, steps, error text or None, serve(preload=) names] and exit.
+        Only modules an import made (with a spec; Cython puts a bookkeeping
+        module of its own in sys.modules that nobody can import), from outside
+        the env's directory and the workspace. Env code ran here: the worker
+        trusts nothing of this frame, and the template imports library modules only."""
+        roots = tuple(root.rstrip("/") + "/" for root in (self.env_dir, self.workspace))
+        names = []
+        for name, module in list(sys.modules.items()):
+            if type(name) is not str or name in self.baseline or name in self.sampling:
+                continue
+            spec = getattr(module, "__spec__", None)
+            if spec is None:
+                continue
+            places = [getattr(spec, "origin", None), *list(getattr(spec, "submodule_search_locations", None) or ())]
+            if not any(type(place) is str and (place + "/").startswith(roots) for place in places):
+                names.append(name)
+        wanted = [name[:MAX_NAME_LEN + 1] for name in (preload or ()) if type(name) is str][:MAX_NAMES]
+        frame = wire.encode([wire.PROBED, sorted(name[:MAX_NAME_LEN + 1] for name in names)[:MAX_NAMES],
+                             len(names), self.birth, _private_dirty(), steps, error and error[:2000], wanted])
+        view = memoryview(frame)
+        while view:
+            view = view[os.write(self.wfd, view):]
+        # Alive until the worker has checked this process from outside and
+        # closes the channel (or kills it).
+        try:
+            while os.read(self.rfd, 4096):
+                pass
+        except OSError:
+            pass
+        os._exit(0)
 
 
-def fork_server(serve_child, channel_fd: int, probe=None, preload=()) -> None:
-    """serve()'s template mode: fork a child per request. Never returns.
+_probe_run: _ProbeRun | None = None  # set in a probe child, read by finish_probe
 
-    `serve_child(channel)` is what a child runs once it is a sandbox: the
-    ordinary serve loop on its own channel ((3,): a socket; (4, 3): the pipe
-    it reads, the pipe it writes). `probe` (boltzlabs.runtime.serve._Probe:
-    `prepare()`, then `run(report)`) is the env's real work, run once in a
-    throwaway child before the first fork (`warm_up`); `preload` names
-    modules to import here besides what the probe's work imported.
+
+def finish_probe(probe) -> None:
+    """In a probe child: run the env's work (boltzlabs.runtime.serve._Probe:
+    `prepare()`, then `run(report)`), report, exit. serve() calls it when it
+    finds $BOLTZLABS_PROBE; a trusted template's probe child calls it directly."""
+    run = _probe_run
+    if run is None:
+        raise RuntimeError("$BOLTZLABS_PROBE is set, but this process is no probe of a template")
+    error, steps = None, {"steps": 0}
+    before = set(sys.modules)
+    try:
+        probe.prepare()  # actions sampled first: what sampling imports is not the env's work
+    except BaseException as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    run.sampling = set(sys.modules) - before
+    if error is None:
+        try:
+            probe.run(steps)
+        except BaseException as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    run.report(int(steps["steps"]), error and f"the probe's reset/step raised {error}", probe.preload)
+
+
+def _env_main(env_file: str):
+    """What a child of an untrusted template runs once it is a sandbox: env.py,
+    as exec mode runs it, on its channel ((3,): a socket; (4, 3): pipes)."""
+
+    def run(channel: tuple) -> None:
+        os.environ["BOLTZLABS_FD"] = ",".join(map(str, channel))
+        sys.path.insert(0, "")  # limits.run puts env.py's directory there
+        limits.run([env_file])
+
+    return run
+
+
+def _probe_main(env_file: str, memory: int, workspace: str):
+    """What an untrusted template's probe child runs once it is a sandbox:
+    env.py, whose serve() finds $BOLTZLABS_PROBE and calls finish_probe."""
+
+    def run(channel: tuple) -> None:
+        global _probe_run
+        _probe_run = _ProbeRun(channel, memory, os.path.dirname(env_file), workspace)
+        os.environ["BOLTZLABS_FD"] = ",".join(map(str, channel))
+        os.environ["BOLTZLABS_PROBE"] = "1"
+        sys.path.insert(0, "")
+        try:
+            limits.run([env_file])
+            error = "env.py returned without calling serve()"
+        except BaseException as exc:
+            error = f"env.py raised {type(exc).__name__}: {exc}"
+        _probe_run.report(0, error, ())
+
+    return run
+
+
+def trusted_probe_main(probe, memory: int, env_file: str, workspace: str):
+    """A trusted template's probe child: env.py was imported in the template,
+    so its reset and step are here already."""
+
+    def run(channel: tuple) -> None:
+        global _probe_run
+        _probe_run = _ProbeRun(channel, memory, os.path.dirname(env_file), workspace)
+        finish_probe(probe)
+
+    return run
+
+
+def serve_trusted(run, channel_fd: int, probe) -> None:
+    """serve() in a trusted template (RLPool(trust_env=True)): env.py was
+    imported here, so children run the serve loop over its callables (`run`)
+    and the probe runs them (`probe`). Never returns."""
+    _, memory = _warmup(confine.prepared)
+    workspace = confine.path_of(confine.prepared, "workspace")
+    fork_server(run, channel_fd, trusted_probe_main(probe, memory, _ENV_FILE[0], workspace), "env.py's import",
+                trusted=True)
+
+
+# -- the fork server -----------------------------------------------------------------
+
+def fork_server(child_main, channel_fd: int, probe_main, origin: str, trusted: bool = False) -> None:
+    """The template's loop: fork a child per request. Never returns.
+
+    `child_main(channel)` is what an env's child runs once it is a sandbox
+    (untrusted: env.py; trusted: the serve loop over env.py's callables),
+    `probe_main(channel)` what the probe's child runs; `origin` names what
+    ran in this process before (for why it cannot fork); `trusted`: env.py
+    was imported here (else no module may come from the env's directory or
+    the workspace). The worker drives:
+
+        template: [HELLO, protocol, {pid, forkable, reason}]
+        worker:   [FORK, -1, g, True] + fds  (the probe, if the pool warms up)
+        worker:   [WARM, names]              --> [WARMED, {imported, failed, ..., forkable, reason}]
+        worker:   [FORK, lane, g, False] + fds, [KILL, lane, g] ...
+        template: [FORKED, lane, g] + pidfd, [EXITED, lane, g, status] ...
     """
     control = socket.socket(fileno=channel_fd)
-    reason = _unsafe_to_fork(channel_fd)
-    hello = {"pid": os.getpid(), "forkable": not reason, "reason": reason, "warmup": None}
+    reason = _unsafe_to_fork(channel_fd, origin)
+    control.sendall(wire.encode([wire.HELLO, wire.PROTOCOL_VERSION,
+                                 {"pid": os.getpid(), "forkable": not reason, "reason": reason}]))
     if reason:
-        control.sendall(wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, hello]))
         os._exit(0)
     if confine.prepared is None:
         raise RuntimeError("the template's set-up did not run (boltzlabs.runtime.template.main); refusing to fork envs")
     _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "child subreaper")
-    timeout, memory = _warmup(confine.prepared)
-    if timeout > 0:
-        # The probe's child is made from a plan of its own: the envs' plan is
-        # made after the imports, next to the fork path (see below).
-        probe_plan = _ChildPlan(confine.Plan(confine.prepared), (os.geteuid(), os.getegid()))
-        hello["warmup"] = warm_up(probe_plan, probe, preload, timeout, memory)
-        del probe_plan
-        if hello["warmup"]["imported"]:
-            reason = _unsafe_to_fork(channel_fd)
-            if reason:
-                reason = f"after importing what the env's reset/step import (the warm-up): {reason}"
-                hello.update(forkable=False, reason=reason)
-    control.sendall(_fit_hello(hello))
-    if reason:
-        os._exit(0)
-    # A Plan of its own, made now rather than main()'s: objects made just
-    # before the forks share pages with the rest of the fork path, which
-    # children touch anyway; main()'s sit among env.py's import-time objects
-    # (a child touching them copied ~70 KiB more per env, measured).
-    plan = _ChildPlan(confine.Plan(confine.prepared), (os.geteuid(), os.getegid()))
+    timeout, _ = _warmup(confine.prepared)
+    env_dir = os.path.dirname(_ENV_FILE[0])
+    workspace = confine.path_of(confine.prepared, "workspace")
+    # The probe's child is made from a plan of its own: the envs' plan is
+    # made after the imports, next to the fork path (see WARM below).
+    probe_plan = _ChildPlan(confine.Plan(confine.prepared), (os.geteuid(), os.getegid()))
+    plan = None
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: dict[int, tuple] = {}  # pid (our namespace) -> (lane, generation)
     lanes: dict[tuple, int] = {}
-    # Everything imported so far is shared, copy-on-write, by every child;
-    # freezing keeps the collector from writing to (and so copying) it.
-    _child_hooks.take_out_threading()  # before freeze: get_referrers skips frozen objects
-    gc.collect()
-    gc.freeze()
     # Replies queue here and go out only when the socket takes them: the
     # template must never block on a send while the worker is blocked
     # sending to it (1000 kills answered by 1000 exits would deadlock).
@@ -705,7 +717,7 @@ def fork_server(serve_child, channel_fd: int, probe=None, preload=()) -> None:
     control.setblocking(False)
     poller = select.poll()
     poller.register(wake_r, select.POLLIN)
-    reader = wire.FrameReader(wire.Limits(1 << 16))
+    reader = wire.FrameReader(wire.Limits(1 << 16, max_array_len=MAX_NAMES + 8, max_objects=MAX_NAMES + 64))
     control_fd = control.fileno()
     waiting_to_send = None
     while True:
@@ -730,27 +742,46 @@ def fork_server(serve_child, channel_fd: int, probe=None, preload=()) -> None:
             if not data:
                 os._exit(0)  # the worker is gone
             for message in reader.feed(data):
+                code = message[0]
                 # The channel (a socket; or two pipes, read then write) and the log pipe.
-                if message[0] == FORK and len(fds) in (2, 3):
-                    _, lane, generation = message
+                if code == wire.FORK and len(message) == 4 and len(fds) in (2, 3):
+                    _, lane, generation, probe = message
                     key = (lane, generation)
+                    if probe is not True and plan is None:
+                        _protocol_error("an env's FORK came before WARM")
+                    main, child_plan = (probe_main, probe_plan) if probe is True else (child_main, plan)
                     try:
-                        pid = _fork_child(serve_child, lane, fds, plan)
+                        pid = _fork_child(main, 0 if probe is True else lane, fds, child_plan)
                     except OSError as exc:  # pids.max, memory, a namespace limit: the lane's failure
                         os.write(2, f"boltzlabs: could not make env {lane}'s sandbox: {exc}\n".encode())
-                        forked.append((wire.encode([FORKED, lane, generation]), -1))
-                        outbox += wire.encode([EXITED, lane, generation, 1 << 8])
+                        forked.append((wire.encode([wire.FORKED, lane, generation]), -1))
+                        outbox += wire.encode([wire.EXITED, lane, generation, 1 << 8])
                     else:
                         children[pid] = key
                         lanes[key] = pid
                         # The worker signals the child through this, never by pid:
                         # we reap it, and its pid is free for anyone from then on.
-                        forked.append((wire.encode([FORKED, lane, generation]), os.pidfd_open(pid)))
+                        forked.append((wire.encode([wire.FORKED, lane, generation]), os.pidfd_open(pid)))
                     fds = []  # closed by _fork_child
-                elif message[0] == KILL:
+                elif code == wire.KILL and len(message) == 3:
                     pid = lanes.get((message[1], message[2]))
                     if pid is not None:
                         _kill(pid)
+                elif code == wire.WARM and len(message) == 2 and plan is None and type(message[1]) is list:
+                    report = warm(message[1], timeout, env_dir, workspace)
+                    reason = _unsafe_to_fork(channel_fd, f"{origin} or the warm-up's imports")
+                    foreign = [] if trusted else foreign_modules(env_dir, workspace)
+                    if foreign and not reason:
+                        reason = (f"the warm-up's imports loaded code from the env's directory or the "
+                                  f"workspace ({', '.join(foreign[:4])}); the template holds library modules only")
+                    report.update(forkable=not reason, reason=reason)
+                    outbox += _fit_warmed(report)
+                    if reason:
+                        _flush_all(control, outbox)
+                        os._exit(0)
+                    plan = _ready_to_fork()
+                else:
+                    _protocol_error(f"unexpected control message {str(message)[:100]}")
                 for fd_ in fds:
                     os.close(fd_)
                 fds = []
@@ -764,8 +795,58 @@ def fork_server(serve_child, channel_fd: int, probe=None, preload=()) -> None:
             key = children.pop(pid, None)
             if key is not None:
                 lanes.pop(key, None)
-                outbox += wire.encode([EXITED, key[0], key[1], status])
+                outbox += wire.encode([wire.EXITED, key[0], key[1], status])
         _flush(control, forked, outbox)
+
+
+def _ready_to_fork() -> "_ChildPlan":
+    """After WARM: the envs' plan, and everything imported frozen, shared copy
+    on write by every child."""
+    from boltzlabs.runtime import serve as serving
+
+    serving._warm_up()  # the serve loop's bytecode settled once, here (its docstring)
+    # A Plan of its own, made now rather than main()'s: objects made just
+    # before the forks share pages with the rest of the fork path, which
+    # children touch anyway; main()'s sit among the imports' objects
+    # (a child touching them copied ~70 KiB more per env, measured).
+    plan = _ChildPlan(confine.Plan(confine.prepared), (os.geteuid(), os.getegid()))
+    # Freezing keeps the collector from writing to (and so copying) them.
+    _child_hooks.take_out_threading()  # before freeze: get_referrers skips frozen objects
+    gc.collect()
+    gc.freeze()
+    return plan
+
+
+def _protocol_error(what: str) -> None:
+    """The worker broke the control protocol: nothing here can be trusted to go on."""
+    os.write(2, f"boltzlabs template: {what}; exiting\n".encode())
+    os._exit(3)
+
+
+def _fit_warmed(report: dict) -> bytes:
+    """The WARMED frame, its lists cut (and marked "truncated") until it fits
+    one packet the worker reads."""
+    frame = wire.encode([wire.WARMED, report])
+    while len(frame) > _MAX_HELLO:
+        report["truncated"] = True
+        if len(report["imported"]) > 1:
+            report["imported"] = report["imported"][:len(report["imported"]) // 2]
+        elif report["failed"]:
+            report["failed"] = {}
+        else:
+            break
+        frame = wire.encode([wire.WARMED, report])
+    return frame
+
+
+def _flush_all(control: socket.socket, outbox: bytearray) -> None:
+    """Send what is queued, waiting for the socket (the template is about to exit)."""
+    control.setblocking(True)
+    control.settimeout(5.0)
+    try:
+        control.sendall(outbox)
+    except OSError:
+        pass
 
 
 def _flush(control: socket.socket, forked: list, outbox: bytearray) -> None:
@@ -812,64 +893,113 @@ def _receive(control: socket.socket):
     return data, list(fds)
 
 
-def _fork_child(serve_child, lane, fds, plan: _ChildPlan) -> int:
-    """Clone the env's child into a new user and pid namespace (it makes the
-    others); returns its pid. The template is in the env's cgroup meanwhile
-    (the worker moves it), so the child and its namespaces are charged there."""
+def _fork_child(main, index: int, fds, plan: _ChildPlan) -> int:
+    """Clone a child into a new user and pid namespace (it makes the others)
+    that becomes a sandbox and runs main(channel); returns its pid. The
+    template is in the child's cgroup meanwhile (the worker moves it), so
+    the child and its namespaces are charged there."""
     try:
         pid = _clone_sandbox()
         if pid == 0:
-            _child(serve_child, lane, fds, plan)
+            _child(main, index, fds, plan)
     finally:
         for fd in fds:
             os.close(fd)
     return pid
 
 
-def _child(serve_child, lane, fds, plan: _ChildPlan) -> None:
-    """The env process. Becomes a sandbox, then serves. Never returns."""
+def _child(main, index: int, fds, plan: _ChildPlan) -> None:
+    """The env process. Becomes a sandbox, then runs main. Never returns."""
     code = 1
     try:
-        plan.become_sandbox(lane, fds)
+        plan.become_sandbox(index, fds)
         seccomp.apply_child_filter()  # the env's full filter, before any env code
-        serve_child((3,) if len(fds) == 2 else (4, 3))  # (the fd it reads, the fd it writes)
-        code = 0
     except BaseException as exc:
         try:
             os.write(2, f"boltzlabs: env child failed before serving: {exc!r}\n".encode())
         except OSError:
             pass
+        os._exit(code)
+    try:
+        main((3,) if len(fds) == 2 else (4, 3))  # (the fd it reads, the fd it writes)
+        code = 0
+    except SystemExit as exc:  # env.py's sys.exit(), as an interpreter would exit
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            _print_exception(exc, traceback=False)
+    except BaseException as exc:  # env.py's error: its traceback, as an interpreter prints it
+        _print_exception(exc)
     finally:
         os._exit(code)
 
 
-def main(argv=None) -> None:
-    """Template entry point: set up, drop privileges, run env.py as __main__."""
-    import runpy
+def _print_exception(exc: BaseException, traceback: bool = True) -> None:
+    try:
+        if traceback:
+            import traceback as tb  # only on failure: what an interpreter would print
 
+            text = "".join(tb.format_exception(exc))
+        else:
+            text = f"{exc.code}\n"
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.write(2, text.encode("utf-8", "replace"))
+    except BaseException:
+        pass
+
+
+_ENV_FILE: list[str] = []  # env.py's path inside, from main's argv
+
+
+def _write_own_quotas(proc_root: int, values: dict) -> None:
+    """The [quotas] sysctls of the template's own user namespace, the one
+    every child's namespaces are made in and counted against (ucounts are
+    hierarchical): what the children make is capped at namespaces= of each
+    kind (the worker's figure for this pool), everything else at the
+    children's own values. Written through the fully visible proc (proc_root,
+    an O_PATH fd on it): a sysctl of /proc/sys/user belongs to the user
+    namespace of the process that looks it up, so the lookup is made here,
+    in the template's namespace, where /proc/sys itself is already read-only."""
+    count = str(confine.number_of(values, "namespaces", 1)).encode()
+    for key, value in values.items():
+        if not key.startswith("sysctl."):
+            continue
+        name = key[7:]
+        data = count if name.endswith("_namespaces") and name != "max_time_namespaces" else value.encode()
+        fd = os.open(f"sys/user/{name}", os.O_WRONLY | os.O_CLOEXEC, dir_fd=proc_root)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+
+def main(argv=None) -> None:
+    """Template entry point: set up, drop privileges, then serve forks of the
+    env (untrusted: the zygote, which never runs env code; trusted: env.py,
+    imported here first)."""
     argv = sys.argv[1:] if argv is None else argv
     # The plan (sandbox/plan.py on the host), parsed once: popped, so a
     # child's environment is an exec-mode env's environment exactly. Every
     # setting below comes from it; a missing one is an error, never a default.
-    # (Kept in boltzlabs.runtime.confine: this module runs as __main__ here, and
-    # env.py's serve() imports it again as boltzlabs.runtime.template.)
     values = confine.parse(os.environ.pop(confine.VARIABLE, ""))
-    missing = {"template_rlimits", "hidden_proc", "template_uid", "template_gid", "warmup", "memory"} - set(values)
+    missing = {"template_rlimits", "hidden_proc", "template_uid", "template_gid", "warmup", "memory", "trusted",
+               "namespaces"} - set(values)
     if missing:
         raise RuntimeError(f"the template's plan lacks {sorted(missing)}; refusing to start")
-    _warmup(values)  # checked now, not after env.py's import
+    _, memory = _warmup(values)  # checked now, before anything else
+    trusted = values["trusted"] == "1"
     confine.prepared = values
-    # Binding on env.py's import code and everything it starts (limits.py).
     limits.apply(values["template_rlimits"])
-    # The template's own workspace (inode cap) and devpts (pty cap), for
-    # env.py's import code; each child mounts its own the same way.
+    # The template's own workspace (inode cap) and devpts (pty cap); each
+    # child mounts its own the same way.
     own = confine.Plan(values)
     own.mount_workspace_and_devpts()
     proc = own.proc
-    del own  # not kept alive in this frame under env.py's import (the children's pages sit among what follows)
+    del own  # not kept alive in this frame (the children's pages sit among what follows)
     flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
     hidden = confine.path_of(values, "hidden_proc")
     _mount("proc", hidden, "proc", flags)
+    proc_root = os.open(hidden, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)  # for our own quotas, closed below
     # Cover its parent: the proc stays in the mount table, no path reaches it.
     _mount("tmpfs", os.path.dirname(hidden), "tmpfs", flags | _MS_RDONLY, "size=4k,mode=0000")
     # /proc stays writable here (children write their uid maps through it),
@@ -883,12 +1013,29 @@ def main(argv=None) -> None:
     uid, gid = confine.number_of(values, "template_uid", 1), confine.number_of(values, "template_gid", 1)
     seccomp.receive_child_filter(int(os.environ.pop("BOLTZLABS_CHILD_FILTER_FD")))
     confine.enter_user_namespace((uid, gid), (os.geteuid(), os.getegid()))
+    try:
+        _write_own_quotas(proc_root, values)
+    finally:
+        os.close(proc_root)
     drop_capabilities()
-    os.environ["BOLTZLABS_TEMPLATE"] = "1"
-    sys.argv = argv
-    sys.path.insert(0, os.path.dirname(argv[0]))
-    runpy.run_path(argv[0], run_name="__main__")
+    # `python -c` put the working directory first on sys.path: the template
+    # imports from the read-only library mounts only.
+    if sys.path and sys.path[0] in ("", os.getcwd()):
+        del sys.path[0]
+    env_file = argv[0]
+    _ENV_FILE[:] = [env_file]
+    workspace = confine.path_of(values, "workspace")
+    if trusted:
+        # RLPool(trust_env=True): env.py is imported here, and its serve()
+        # becomes the fork server (docs/templates.md says what that gives up).
+        os.environ["BOLTZLABS_TEMPLATE"] = "1"
+        sys.path.insert(0, "")
+        limits.run([env_file])
+        raise RuntimeError("env.py returned without calling serve()")
+    # The zygote: library modules only. What every env imports from the
+    # runtime is imported here, so it is shared by every child.
+    import boltzlabs.env  # noqa: F401
+    from boltzlabs.runtime import serve as _serving  # noqa: F401
 
-
-if __name__ == "__main__":
-    main()
+    fork_server(_env_main(env_file), int(os.environ.pop("BOLTZLABS_FD")),
+                _probe_main(env_file, memory, workspace), "the template's own set-up")

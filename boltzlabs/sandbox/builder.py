@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from boltzlabs.runtime import confine
+from boltzlabs.runtime import confine, template
 from boltzlabs.sandbox import seccomp
 from boltzlabs.sandbox.identity import HostAccount
 from boltzlabs.sandbox.plan import NAMESPACES, Plan, compile_plan
@@ -117,20 +117,22 @@ class SandboxSpec:
         loads the env's full filter from CHILD_FILTER_FD."""
         return {seccomp.FILTER_FD: self.plan.filters.template, seccomp.CHILD_FILTER_FD: self.plan.filters.env}
 
-    def template_argv(self, channel_fds: tuple, open_files: int = 0, warmup: bool = True) -> list[str]:
+    def template_argv(self, channel_fds: tuple, open_files: int = 0, trusted: bool = False,
+                      namespaces: int = 1) -> list[str]:
         """The command line of the warm template (spawn="template"). Its plan
         (Plan.template_text) carries each child's set-up and rlimits, the
         template's own rlimits (room for `open_files`: it holds a pipe for
-        each child being made) and, with `warmup`, the seconds its probe of
-        the env's real work may take ([template] warmup_timeout) and the
-        env's memory limit it is held to (template.warm_up)."""
+        each child being made), the seconds its warm-up imports may take,
+        the env's memory limit (its probe's), whether env.py is trusted
+        (imported in the template) and `namespaces`, what its children may
+        make of each namespace kind together."""
         plan = self.plan
         return self._template_head + [
             "--setenv", "BOLTZLABS_FD", ",".join(map(str, channel_fds)),
-            "--setenv", confine.VARIABLE, plan.template_text(open_files, warmup),
+            "--setenv", confine.VARIABLE, plan.template_text(open_files, trusted, namespaces),
             "--setenv", "BOLTZLABS_CHILD_FILTER_FD", str(seccomp.CHILD_FILTER_FD),
             "--", plan.executable, *plan.interpreter_flags,
-            "-m", "boltzlabs.runtime.template", f"{plan.env_dir}/env.py",
+            "-c", template.BOOTSTRAP, f"{plan.env_dir}/env.py",
         ]
 
     def argv(self, channel_fds: tuple, env_index: int) -> list[str]:

@@ -308,12 +308,17 @@ def _thaw_v1(group: Path) -> None:
         pass
 
 
+# Pool parts that get the env's memory limit (see CgroupPool).
+LIMITED_PARTS = ("template", "probe")
+
+
 class CgroupPool:
     """A pool cgroup with one child cgroup per env (and per pool part).
 
     `moving(0, i, None)` is the context in which env i's sandbox must be started.
-    `memory_limit` applies to envs, `pids_max` to envs and pool parts (the
-    template runs env.py's import code). `freezer=True` makes envs freezable
+    `memory_limit` applies to envs and to the pool parts that hold what an
+    env would (LIMITED_PARTS: the template's imports are one env's, and its
+    warm-up probe runs an env's code), `pids_max` to envs and every pool part. `freezer=True` makes envs freezable
     (`freeze`, `thaw`, `frozen`) if the host allows it; `freezes` says
     whether it does, `freezer_note` why not. Everything is removed by `close()`.
     """
@@ -379,8 +384,22 @@ class CgroupPool:
 
     def group(self, key) -> Path:
         """The (memory) cgroup of env `key` (an int) or of a pool part (a name),
-        made on first use. Only envs get `memory_limit`."""
+        made on first use."""
         return self._made(key)[0]
+
+    def remove(self, key, deadline: float, reap=None) -> bool:
+        """Kill what is in `key`'s cgroups and remove them (a pool part that is
+        done: the warm-up probe's); False if one would not go by `deadline`."""
+        if key not in self._groups:
+            return True
+        self.backend.kill(self._groups[key][0])
+        if self.freezes:
+            self.backend.thaw(self._frozen_group[key])
+        ok = all([_rmdir(group, deadline, reap) for group in self._joined(key)])
+        if ok:
+            del self._groups[key]
+            self._frozen_group.pop(key, None)
+        return ok
 
     def _made(self, key) -> list[Path]:
         groups = self._groups.get(key)
@@ -389,7 +408,7 @@ class CgroupPool:
             groups = [self.path / name] + ([self.pids_path / name] if self.pids_path is not None else [])
             for group in groups:
                 group.mkdir(exist_ok=True)
-            if self.memory_limit and isinstance(key, int):
+            if self.memory_limit and (isinstance(key, int) or key in LIMITED_PARTS):
                 self.backend.set_limit(groups[0], self.memory_limit)
             if self.pids_max and self.limits_pids:
                 self.backend.set_pids(groups[-1], self.pids_max)

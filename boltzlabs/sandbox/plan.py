@@ -111,17 +111,22 @@ class Plan:
         child of the template): $BOLTZLABS_CONFINE's text (runtime/confine.py)."""
         return confine.encode(self._child_items())
 
-    def template_text(self, open_files: int, warmup: bool) -> str:
+    def template_text(self, open_files: int, trusted: bool = False, namespaces: int = 1) -> str:
         """The template's $BOLTZLABS_CONFINE: `child_text()`'s items and its own:
         its rlimits (room for `open_files`), its hidden proc and ids, the
-        warm-up's seconds (0: none) and the env's memory limit."""
+        warm-up imports' seconds, the env's memory limit (the probe's too),
+        whether env.py is trusted (RLPool(trust_env=True): imported in the
+        template) and how many namespaces of each kind its children may make
+        together (its own user namespace's quotas)."""
         return confine.encode({
             **self._child_items(),
             "template_rlimits": _limits.encode(self.limits, open_files),
             "hidden_proc": self.hidden_proc,
             "template_uid": self.template_ids[0], "template_gid": self.template_ids[1],
-            "warmup": self.warmup_timeout if warmup else 0.0,
+            "warmup": self.warmup_timeout,
             "memory": int(self.limits.get("memory") or 0),
+            "trusted": int(bool(trusted)),
+            "namespaces": int(namespaces),
         })
 
     def _child_items(self) -> dict:

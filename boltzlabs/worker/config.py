@@ -31,6 +31,8 @@ class PoolConfig:
     params: dict
     spawn: str  # "template" or "exec"
     warmup: bool
+    trust_env: bool  # template mode: env.py imported in the template (RLPool(trust_env=True))
+    preload: tuple[str, ...]  # library modules the template imports: RLPool(preload=), boltzlabs.toml
     start_timeout: float
     step_timeout: float
     gated: bool  # serialize_measurement: one env's step at a time
@@ -57,6 +59,10 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
         from boltzlabs.worker.ceilings import apply_ceilings
 
         request = apply_ceilings(request, remote["ceilings"], policy)
+        if request.get("trust_env") and not remote.get("allow_trust_env"):
+            raise ValueError("this worker does not import a remote client's env code in its template: "
+                             "trust_env=True is refused (its operator allows it with `boltzlabs worker "
+                             "--allow-trust-env`); leave trust_env out")
     limits = policy.limits
     lengths = (limits["max_str_len"], limits["max_bin_len"], limits["max_array_len"], limits["max_map_len"])
     depth = limits.get("max_depth", wire.MAX_DEPTH)
@@ -70,6 +76,8 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
         params=request.get("params") or {},
         spawn="template" if request.get("spawn", "template") == "template" else "exec",
         warmup=bool(request.get("warmup", True)),
+        trust_env=request.get("trust_env") is True,
+        preload=preload_names(request.get("preload"), request["source_dir"]),
         start_timeout=start_timeout,
         step_timeout=step_timeout,
         gated=bool(request.get("serialize_measurement")),
@@ -84,6 +92,61 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
         max_pool_bytes=int(limits.get("max_pool_bytes", 1 << 30)),
         log_tail=int(limits["log_tail"]),
     )
+
+
+PRELOAD_FILE = "boltzlabs.toml"  # beside env.py: [boltzlabs] preload = ["scipy.special", ...]
+_MAX_PRELOAD, _MAX_PRELOAD_FILE = 2048, 1 << 16
+
+
+def preload_names(asked, source_dir: str) -> tuple[str, ...]:
+    """The modules a pool's template imports besides what its probe finds:
+    RLPool(preload=[...]) and the env directory's boltzlabs.toml
+    (`[boltzlabs] preload = [...]`). Names only, which the template resolves
+    on the library mounts; each is checked here (ValueError naming it)."""
+    from boltzlabs.runtime.template import valid_name
+
+    names = []
+    if asked is not None:
+        if not isinstance(asked, (list, tuple)) or not all(isinstance(name, str) for name in asked):
+            raise TypeError(f"preload must be a list of module names, not {type(asked).__name__}")
+        names += list(asked)
+    path = os.path.join(source_dir, PRELOAD_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        fd = None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot be read ({exc.strerror}); it must be a plain file") from None
+    if fd is not None:
+        import stat
+        import tomllib
+
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"{path} must be a plain file")
+            data = os.read(fd, _MAX_PRELOAD_FILE + 1)
+        finally:
+            os.close(fd)
+        if len(data) > _MAX_PRELOAD_FILE:
+            raise ValueError(f"{path} is over {_MAX_PRELOAD_FILE} bytes")
+        try:
+            table = tomllib.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"{path} is not valid TOML: {exc}") from None
+        section = table.get("boltzlabs", {})
+        listed = section.get("preload", []) if isinstance(section, dict) else None
+        if not isinstance(listed, list) or not all(isinstance(name, str) for name in listed):
+            raise ValueError(f"{path}: [boltzlabs] preload must be a list of module names, like "
+                             "preload = [\"scipy.special\"]")
+        names += listed
+    bad = [name for name in names if not valid_name(name)]
+    if bad:
+        raise ValueError(f"preload: {bad[0][:100]!r} is not a module name (dotted identifiers, at most 200 "
+                         "characters)")
+    names = list(dict.fromkeys(names))
+    if len(names) > _MAX_PRELOAD:
+        raise ValueError(f"preload names {len(names)} modules; at most {_MAX_PRELOAD}")
+    return tuple(names)
 
 
 # An env's channel (docs/wire.md#the-channel): two pipes (worker -> env,

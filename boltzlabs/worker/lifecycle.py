@@ -17,6 +17,7 @@ A mixin of server.Worker; it uses the reactor's _poll and fds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import select
@@ -26,7 +27,7 @@ import time
 from boltzlabs import wire
 from boltzlabs.worker.lanes import IDLE, IN_FLIGHT, STARTING, Lane
 from boltzlabs.worker.reactor import Reactor
-from boltzlabs.worker.spawn import TemplateSpawner, TemplateUnavailable, reap_orphans
+from boltzlabs.worker.spawn import TEMPLATE_LANE, TemplateSpawner, TemplateUnavailable, reap_orphans
 from boltzlabs.errors import StartFailure  # noqa: F401 (re-exported: server.py raises it)
 from boltzlabs.worker.stepping import outcome
 
@@ -47,6 +48,11 @@ class Lifecycle:
         # freeze whose freeze is not confirmed yet.
         self.freezing = False
         self.freeze_pending: set[int] = set()
+        # The template's cgroup is frozen during every gated turn too (its
+        # imports' threads, a trusted env.py's at-fork hooks): frozen at
+        # each turn's start with the envs, thawed when the turn ends.
+        self.template_frozen = False
+        self.confinement = None  # confinement.Confinement, made by open()
 
     # -- start-up -------------------------------------------------------------------
 
@@ -132,6 +138,17 @@ class Lifecycle:
         ready = sum(e.state is IDLE for e in envs)
         self._send([wire.PROGRESS, ready, len(envs)])
 
+    def _confinement_problem(self, env: Lane) -> str:
+        """What the kernel says is wrong with env's confinement (confinement.py), or ''."""
+        if self.confinement is None:
+            return ""
+        pid, pidfd, owned = self.spawner.process(env)
+        try:
+            return self.confinement.check(env.index, pid, pidfd)
+        finally:
+            if owned:
+                os.close(pidfd)
+
     # -- death ----------------------------------------------------------------------
 
     def on_exit(self, env: Lane, status, cause: str = "") -> None:
@@ -166,6 +183,8 @@ class Lifecycle:
         self._close_channel(env)
         self._close_log(env)
         env.pid = -1
+        if self.confinement is not None:
+            self.confinement.forget(env.index)
         was = env.on("die")
         env.cause = cause
         self.held -= env.held
@@ -212,13 +231,56 @@ class Lifecycle:
         except OSError:
             pass
 
+    def _freeze_template(self) -> bool:
+        """Start freezing the template's cgroup (a gated turn begins); whether it is frozen or freezing."""
+        if self.spawner is None or self.spawner.kind != "template" or not self.spawner.alive():
+            return False
+        if not self.template_frozen:
+            try:
+                self.cgroups.freeze(TEMPLATE_LANE)
+            except OSError:
+                return False
+            self.template_frozen = True
+        return True
+
+    def _thaw_template(self) -> None:
+        """A gated turn is over (or the template is needed: a fork, a death to reap)."""
+        if self.template_frozen:
+            self.template_frozen = False
+            try:
+                self.cgroups.thaw(TEMPLATE_LANE)
+            except OSError:
+                pass
+
+    @contextlib.contextmanager
+    def template_thawed(self):
+        """Context in which the template runs (it forks): thawed if a turn froze it.
+        The next turn freezes it again."""
+        self._thaw_template()
+        yield
+
     def _all_frozen(self) -> None:
-        """Before a turn at the gate: wait until every env asked to freeze is
-        frozen. Freezing takes each task out of whatever it runs; one that
-        cannot be frozen in time is killed, so the gate's promise holds."""
+        """Before a turn at the gate: wait until every env asked to freeze, and
+        the template, are frozen. Freezing takes each task out of whatever it
+        runs; an env that cannot be frozen in time is killed, and a template
+        that cannot is given up (its envs with it), so the gate's promise holds."""
+        template = self._freeze_template()
         now = time.monotonic()
         deadline = now + min(self.step_timeout, 2.0)
         spin_until = now + 0.002  # a freeze mostly lands within ~0.1 ms: re-read before sleeping
+        pause = 0.0001
+        while template:
+            try:
+                if self.cgroups.frozen(TEMPLATE_LANE) or not self.spawner.alive():
+                    break
+            except OSError:
+                break
+            if time.monotonic() >= deadline:
+                self.spawner.failure = "it could not be frozen outside its children's turns (serialize_measurement)"
+                self.spawner._lost()
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
         pause = 0.0001
         while self.freeze_pending:
             for index in list(self.freeze_pending):
@@ -272,10 +334,10 @@ def warmup_note(report: dict | None) -> str:
     if report["error"]:
         notes.append(f"the warm template's probe failed, so each env imports on its own what its reset and step "
                      f"import (more memory per env); the pool runs. {report['error']}. Fix the env's reset/step, "
-                     "or pass serve(preload=[...]) the modules they import, or RLPool(warmup=False) to skip it")
+                     "or name the library modules they import in RLPool(preload=[...]) (or a boltzlabs.toml beside env.py), or RLPool(warmup=False) to skip it")
     failed = sorted(set(report["failed"]) & set(report["preload"]))
     if failed:
-        notes.append("serve(preload=...) named modules the template could not import: "
+        notes.append("preload named modules the template could not import: "
                      + "; ".join(f"{name}: {report['failed'][name]}" for name in failed[:8]))
     return "\n".join(notes)
 

@@ -172,6 +172,9 @@ class Reactor:
             return
         if not data:
             self._close_channel(env)
+            # It has ended (or is ending): a template frozen for a turn must
+            # run to reap it and say how it died.
+            self._thaw_template()
             return
         self._take(env, data)
 
@@ -209,6 +212,11 @@ class Reactor:
         code = message[0]
         if env.state is STARTING:
             if code == wire.HELLO and len(message) == 3 and message[1] == wire.PROTOCOL_VERSION:
+                problem = self._confinement_problem(env)
+                if problem:
+                    self._kill(env, f"failed the confinement check (what the kernel says of its process, read "
+                                    f"by the worker) and was killed: {problem}")
+                    return
                 env.on("hello")
                 env.reader.limits = self.env_limits
                 if env.index == 0 and self.hello is None:  # only lane 0's is ever read: keep no other

@@ -121,6 +121,7 @@ class Requests:
                     self._thaw(env)  # its STEP is waiting in its channel: decoded in its own turn
                 self._write(env, wire.encode([wire.GO, seq]))
                 self._wait_one(op, index, time.monotonic() + self.step_timeout)
+                self._thaw_template()  # the turn is over
                 if index in op.waiting:
                     # The gate promises one env's code at a time, so a holder
                     # that overruns is killed before the next one goes.

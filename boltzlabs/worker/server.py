@@ -46,6 +46,7 @@ from boltzlabs.sandbox.cgroups import CgroupPool, CgroupUnavailable
 from boltzlabs.sandbox.identity import host_account
 from boltzlabs.sandbox.policy import compile_sandbox_code, find_bwrap, load_policy
 from boltzlabs.worker.config import PIPES, parse_open, raise_fd_limit
+from boltzlabs.worker.confinement import Confinement
 from boltzlabs.worker.lanes import IDLE, Lane
 from boltzlabs.worker.lifecycle import (ABANDONED, PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, Lifecycle, StartFailure,
                                         guard_cgroups, prctl, warmup_note)
@@ -129,6 +130,9 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
                                   "step calls still run one at a time, but threads or child processes an env "
                                   "leaves running after its reply keep running during other envs' turns")
         self.envs = [Lane(i, self.env_limits) for i in range(n)]
+        # What the kernel must say of every lane's process (and the probe's) before its first request.
+        self.confinement = Confinement(self.spec.plan.namespaces, len(self.spec.programs()),
+                                       self.account.uid, self.account.gid)
         self.spawner = ExecSpawner(self)
         if config.spawn == "template":
             try:
@@ -253,6 +257,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-frame", type=int, default=64 << 20, help="remote: the largest frame from the client")
     parser.add_argument("--parent", type=int, default=0, help="remote: die with this process (the listener)")
     parser.add_argument("--ceilings", default=None, help="remote: JSON of the listener's ceilings (remote.CEILINGS)")
+    parser.add_argument("--allow-trust-env", action="store_true",
+                        help="remote: the listener lets a client ask for trust_env=True")
     args = parser.parse_args(argv)
     # The client passed this fd inheritable; left so, every sandbox spawned
     # below would hold a socket to the client and could forge its replies.
@@ -263,7 +269,8 @@ def main(argv=None) -> int:
         from boltzlabs.worker.ceilings import default_ceilings
 
         remote = {"source_dir": args.source_dir, "max_envs": args.max_envs, "max_frame": args.max_frame,
-                  "ceilings": json.loads(args.ceilings) if args.ceilings else default_ceilings()}
+                  "ceilings": json.loads(args.ceilings) if args.ceilings else default_ceilings(),
+                  "allow_trust_env": args.allow_trust_env}
         die_with(args.parent)
     # Orphans of killed sandboxes (an exec sandbox's inner bwrap) come to us,
     # not to a host init that may reap them late: reap_orphans() takes them.

@@ -13,7 +13,7 @@ Signals go through pidfds only, never to a pid number learnt later: a pid
 is freed when its process is reaped, and the host may hand it to anything.
 Exec mode holds a pidfd of the bwrap it spawned; in template mode the
 template opens one for each child it forks and passes it with FORKED, and
-the worker finds the template itself below its own bwrap (`_template_pid`).
+the worker finds the template itself below its own bwrap (`sandbox_process`).
 What an env says about itself (its handshake, its message credentials)
 never names a process to signal or move.
 """
@@ -199,6 +199,16 @@ class ExecSpawner:
         """Context of many kill() calls (each is a signal here: nothing to batch)."""
         yield
 
+    def process(self, env) -> tuple[int, int, bool]:
+        """(pid, pidfd, whether the caller closes the pidfd) of env's own
+        process, the command below its bwrap's init; (-1, -1, False) if it is
+        not there (it has exited: its death is on its way)."""
+        try:
+            pidfd, pid = sandbox_process(env.pid)
+        except OSError:
+            return -1, -1, False
+        return pid, pidfd, True
+
     def _reap(self, pidfd: int) -> None:
         pid = self.reaping.pop(pidfd)
         self.worker.unwatch(pidfd)
@@ -223,43 +233,61 @@ class TemplateSpawner:
     """spawn="template": one warm template under bubblewrap forks every env.
 
     The template (and everything it imported) is charged to the pool's
-    "template" cgroup. For each fork the worker moves the template into the
-    env's cgroup and back, so the child, its namespaces and every page it
-    copies are charged to the env from its first instant.
+    "template" cgroup, which holds the env's memory limit too. For each fork
+    the worker moves the template into the env's cgroup and back, so the
+    child, its namespaces and every page it copies are charged to the env
+    from its first instant. Before the first env, the warm-up probe (a child
+    like any env's, in a "probe" cgroup with the env's limits) runs env.py's
+    real work once; its report (untrusted: env code wrote it) names library
+    modules, which the template then imports (WARM), with the pool's own
+    preload list.
+
+    The template's control channel is bounded: one FORKED per fork asked
+    for, one EXITED per child forked, one WARMED per WARM; any other frame,
+    or a second one, means the template has failed (in a trusted template,
+    env.py's import-time code can write on it).
     """
 
     kind = "template"
 
     def __init__(self, worker):
         self.worker = worker
-        # The template ran env.py's import-time code: its control frames are
-        # small, flat messages, and anything else is refused as malformed.
+        # Control frames are small, flat messages; anything else is refused as malformed.
         self.reader = wire.FrameReader(wire.Limits(1 << 16, max_depth=4, max_objects=256))
-        self.pending: list = []
-        self.lanes: dict[tuple, object] = {}  # (lane, generation) -> env
+        self.pending: list = []  # EXITED messages read, not yet delivered
+        self.lanes: dict[tuple, object] = {}  # (lane, generation) -> env, while it lives
+        self.unexited: set[tuple] = set()  # every (lane, generation) forked whose EXITED has not come
         self.pidfds: dict[tuple, int] = {}  # (lane, generation) -> pidfd of the env's pid 1
-        self.forking: tuple | None = None  # the (lane, generation) whose FORKED may bring a pidfd
+        self.forking: tuple | None = None  # the (lane, generation) whose FORKED is due
+        self.forked: tuple | None = None  # ... and came
+        self.warmed = None  # the template's WARMED, when due (False) and once come
+        self.exits: dict[tuple, int] = {}  # probes' wait statuses (their EXITED)
+        self.failure = ""  # why the template was given up, for the lanes it takes with it
         self.control = None
         self.bwrap_pid = -1
         self.template_pidfd = -1  # the template process itself (below bwrap and its init)
         self.log = bytearray()
-        self.warmup = None  # the template's warm-up report (template.warm_up), checked
+        self.warmup = None  # the warm-up report (env_contract["warmup"]), checked
         self.kills: bytearray | None = None  # KILL frames held by batching_kills()
+        self.probes = 0
         self._start()
 
     def _start(self) -> None:
         worker = self.worker
+        n = len(worker.envs)
+        # What its children may make of each namespace kind, together: a
+        # hard reset's new namespaces come before the kernel has freed all
+        # the old ones (network namespaces are torn down by a work queue).
+        namespaces = 4 * n + 64
         # Room for the fds of a child being made (a channel's, a log pipe), beyond the env's file limit.
-        argv = worker.spec.template_argv(channel_fds(SOCKETPAIR), open_files=len(worker.envs) + 64,
-                                         warmup=worker.warmup)
+        argv = worker.spec.template_argv(channel_fds(SOCKETPAIR), open_files=n + 64,
+                                         trusted=worker.config.trust_env, namespaces=namespaces)
 
         def start(channel: tuple, log_w: int) -> None:
             with _charged_to(worker, TEMPLATE_LANE):
                 self.bwrap_pid = _posix_spawn(argv, channel, log_w, worker.spec.programs())
 
         # Its control channel is a socket whatever the envs' channels are: fds travel on it (SCM_RIGHTS).
-        # Its log pipe keeps its 64 KiB: the handshake below does not read it,
-        # and env.py's import-time output must not stall the template there.
         control, _, log_r = _open_channel(start, SOCKETPAIR, socket.SOCK_SEQPACKET, log_size=None)
         parent = socket.socket(fileno=control)
         os.set_blocking(log_r, False)
@@ -270,12 +298,17 @@ class TemplateSpawner:
         self.logfd = log_r
         self.pidfd = os.pidfd_open(self.bwrap_pid)
         try:
-            # The warm-up runs before the HELLO: its time comes on top.
-            hello = self._handshake(time.monotonic() + worker.start_timeout + 2 * worker.warmup_timeout)
-            self.warmup = _warmup_report(hello.get("warmup"))
+            # A trusted template imports env.py first: its import has the start-up's time.
+            hello = self._handshake(time.monotonic() + worker.start_timeout)
             if not hello.get("forkable"):
-                raise TemplateUnavailable(hello.get("reason") or "the template refused to fork")
-            self.template_pidfd, self.pid = _template_pid(self.bwrap_pid)
+                raise TemplateUnavailable(str(hello.get("reason") or "the template refused to fork")[:2000])
+            try:
+                self.template_pidfd, self.pid = sandbox_process(self.bwrap_pid)
+            except OSError as exc:
+                raise TemplateUnavailable(f"the template: {exc}") from None
+            if worker.confinement is not None:
+                worker.confinement.outside(self.pid, "the template")
+            self.warmup = self._warm()
         except BaseException:
             self.close(time.monotonic() + 5)
             raise
@@ -283,19 +316,21 @@ class TemplateSpawner:
         worker.watch(self.logfd, self._on_log, None)
 
     def _handshake(self, deadline: float) -> dict:
-        """Wait for the template's HELLO; returns its info."""
+        """Wait for the template's HELLO, reading its log meanwhile (output at
+        start-up must never stall it on a full pipe); returns its info."""
         while True:
             remaining = deadline - time.monotonic()
-            ready = _readable([self.control, self.pidfd], remaining)
+            ready = _readable([self.control, self.pidfd, self.logfd], remaining)
+            if self.logfd in ready:
+                self._take_log()
             if self.control.fileno() in ready:
                 data = self.control.recv(1 << 16)
-                # The handshake's own caps: a warm-up report has more items than a control message.
-                reader = wire.FrameReader(wire.Limits(1 << 16, max_depth=5, max_objects=1 << 13))
+                reader = wire.FrameReader(wire.Limits(1 << 16, max_depth=3, max_objects=64))
                 try:
                     messages = reader.feed(data) if data else []
                 except wire.ProtocolError:
                     messages = []
-                if messages and messages[0][0] == wire.HELLO and len(messages[0]) == 3 \
+                if len(messages) == 1 and messages[0][0] == wire.HELLO and len(messages[0]) == 3 \
                         and isinstance(messages[0][2], dict):
                     return messages[0][2]
                 _readable([self.pidfd], deadline - time.monotonic())
@@ -303,17 +338,173 @@ class TemplateSpawner:
             if self.pidfd in ready or remaining <= 0:
                 self.log += _drain(self.logfd)
                 what = "exited" if self.pidfd in ready else f"did not start within {self.worker.start_timeout:g} s"
+                cgroups = self.worker.cgroups
+                if cgroups is not None and cgroups.events(TEMPLATE_LANE)[0]:
+                    what += (f", killed by the kernel's OOM killer over the env's memory limit "
+                             f"(memory_limit={self.worker.memory_limit} bytes), which holds the template too")
                 raise TemplateUnavailable(f"the template {what}; its output:\n"
                                           + bytes(self.log[-4000:]).decode("utf-8", "replace"))
+
+    # -- the warm-up ----------------------------------------------------------------------
+
+    def _warm(self) -> dict | None:
+        """The probe (when the pool warms up), then WARM: the pool's preload list
+        and the library modules the probe found. The report, or None when
+        there was nothing to do."""
+        worker = self.worker
+        preload = list(worker.config.preload)
+        report = self._probe() if worker.warmup else None
+        names = list(preload)
+        if report is not None:
+            names += report["modules"] + report["preload"]
+            report["preload"] = _unique(preload + report["preload"])
+        elif preload:
+            report = _warmup_report({"preload": preload, "error": None})
+        names, cut = _fit_names(_unique(names))
+        if self.control is None or self.failure:
+            raise TemplateUnavailable(f"the template failed during its warm-up ({self.failure or 'it exited'}): "
+                                      f"{bytes(self.log[-2000:]).decode('utf-8', 'replace')}")
+        self.warmed = False
+        self._send(wire.encode([wire.WARM, names]))
+        deadline = time.monotonic() + worker.spec.plan.warmup_timeout + worker.start_timeout
+        while self.warmed is False:
+            remaining = deadline - time.monotonic()
+            ready = _readable([self.control, self.logfd], remaining)
+            if self.logfd in ready:
+                self._take_log()
+            if remaining <= 0:
+                raise TemplateUnavailable(f"the template did not finish its warm-up imports in time: "
+                                          f"{bytes(self.log[-2000:]).decode('utf-8', 'replace')}")
+            if self.control.fileno() in ready and not self._read_control():
+                raise TemplateUnavailable(f"the template failed during its warm-up imports ({self.failure or 'it exited'}): "
+                                          f"{bytes(self.log[-2000:]).decode('utf-8', 'replace')}")
+        warmed = self.warmed
+        if not warmed.get("forkable"):
+            raise TemplateUnavailable(str(warmed.get("reason") or "the template refused to fork")[:2000])
+        if report is not None:
+            failed = warmed.get("failed") if isinstance(warmed.get("failed"), dict) else {}
+            imported = warmed.get("imported") if isinstance(warmed.get("imported"), list) else []
+            seconds = warmed.get("import_seconds")
+            report.update(
+                imported=[name for name in imported if type(name) is str],
+                failed={k: v for k, v in failed.items() if type(k) is str and type(v) is str},
+                import_seconds=float(seconds) if type(seconds) in (int, float) else 0.0,
+                refused=report["refused"] + cut + (warmed["refused"] if type(warmed.get("refused")) is int else 0))
+            if cut or warmed.get("truncated") is True:
+                report["truncated"] = True
+        return report
+
+    def _probe(self) -> dict:
+        """Run the warm-up probe: a child confined like an env, in the pool's
+        "probe" cgroup (the env's memory and pids limits), checked from
+        outside like an env; read its report within [template]
+        warmup_timeout; kill it and remove its cgroup. The report is env
+        code's: every field is checked (`_take_probe_report`)."""
+        worker = self.worker
+        timeout = worker.spec.plan.warmup_timeout
+        self.probes += 1
+        key = (PROBE_LANE, self.probes)
+        report = _warmup_report({"error": None})
+        started = time.monotonic()
+        try:
+            chan, wchan, logfd = self._fork(key, PROBE_CGROUP, True, PIPES)
+        except OSError as exc:
+            report["error"] = f"the probe could not run: {exc}"
+            self._remove_probe_cgroup()
+            return report
+        pidfd = self.pidfds.pop(key, -1)
+        message, log, error = None, bytearray(), None
+        try:
+            message, error = self._read_probe(chan, logfd, pidfd, log, started + timeout, timeout)
+            # Checked from outside like an env, once it has reported (it waits for
+            # us then): a report from a process that fails the check is not used.
+            if message is not None and worker.confinement is not None:
+                problem = worker.confinement.check(PROBE_LANE, _pidfd_pid(pidfd), pidfd)
+                if problem:
+                    message, error = None, f"the probe failed the confinement check and was killed: {problem}"
+        finally:
+            if pidfd >= 0:
+                _signal_pidfd(pidfd)  # pid 1 of its namespace: everything it started goes with it
+            if worker.cgroups is not None:
+                worker.cgroups.kill(PROBE_CGROUP)
+            status = self._wait_exit(key, time.monotonic() + 5.0)
+            oom = worker.cgroups.events(PROBE_CGROUP)[0] if worker.cgroups is not None else 0
+            if worker.confinement is not None:
+                worker.confinement.forget(PROBE_LANE)
+            _close_all({chan, wchan} | {logfd})
+            _close_pidfd(pidfd)
+            self._remove_probe_cgroup()
+        report["seconds"] = round(time.monotonic() - started, 4)
+        _take_probe_report(message, status, error, oom, worker.memory_limit, report)
+        self.log += log[-4096:]
+        return report
+
+    def _read_probe(self, chan: int, logfd: int, pidfd: int, log: bytearray, deadline: float, timeout: float):
+        """(the probe's one frame or None, an error or None), read until it
+        comes, the probe ends, or the deadline. Its log is kept (its tail)."""
+        limits = wire.Limits(_MAX_PROBE_REPORT, max_str_len=4096, max_bin_len=0, max_array_len=template.MAX_NAMES,
+                             max_map_len=0, max_depth=3, max_objects=2 * template.MAX_NAMES + 16)
+        reader = wire.FrameReader(limits)
+        os.set_blocking(chan, False)
+        os.set_blocking(logfd, False)
+        watched = [chan, logfd, self.control] + ([pidfd] if pidfd >= 0 else [])
+        exited = False
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None, f"the probe did not finish within {timeout:g} s ([template] warmup_timeout): killed"
+            ready = _readable(watched, remaining)
+            if logfd in ready:
+                log += _drain(logfd)
+                del log[:-65536]
+            if self.control.fileno() in ready and not self._read_control():
+                return None, f"the template failed while its probe ran ({self.failure or 'it exited'})"
+            if chan in ready:
+                try:
+                    data = os.read(chan, 1 << 16)
+                except BlockingIOError:
+                    data = None
+                if data == b"":
+                    return None, None
+                if data:
+                    try:
+                        messages = reader.feed(data)
+                    except wire.ProtocolError as exc:
+                        return None, f"the probe sent no valid report (it was refused: {exc})"
+                    if messages:
+                        return messages[0], None
+            if pidfd in ready:
+                if exited:
+                    return None, None
+                exited = True  # one more round for what it wrote just before
+                watched.remove(pidfd)
+                deadline = min(deadline, time.monotonic() + 0.2)
+
+    def _wait_exit(self, key: tuple, deadline: float):
+        """The wait status of child `key` from its EXITED (the template reaps it), or None."""
+        while key not in self.exits and self.control is not None:
+            if not _readable([self.control], deadline - time.monotonic()):
+                return None
+            if not self._read_control():
+                return None
+            self.deliver_exits()
+        return self.exits.pop(key, None)
+
+    def _remove_probe_cgroup(self) -> None:
+        if self.worker.cgroups is not None:
+            self.worker.cgroups.remove(PROBE_CGROUP, time.monotonic() + 5.0, reap_orphans)
+
+    # -- forking ----------------------------------------------------------------------------
 
     def alive(self) -> bool:
         return self.control is not None
 
-    def spawn(self, env) -> None:
+    def _fork(self, key: tuple, cgroup_key, probe: bool, channel: str) -> tuple:
+        """FORK child `key` into cgroup `cgroup_key`: our ends of its channel and log."""
         worker = self.worker
         if self.control is None:
             raise OSError("the template is gone")
-        frame = wire.encode([template.FORK, env.index, env.generation])
+        frame = wire.encode([wire.FORK, key[0], key[1], probe])
 
         def start(channel: tuple, log_w: int) -> None:
             # The child's channel ends (one socket, or the read then the write pipe), its log pipe last.
@@ -321,38 +512,46 @@ class TemplateSpawner:
             # The template's pid is moved between cgroups: it must still be ours.
             if _readable([self.template_pidfd], 0):
                 raise OSError("the template is gone")
-            with _charged_to(worker, env.index, self.pid, TEMPLATE_LANE):
+            with _charged_to(worker, cgroup_key, self.pid, TEMPLATE_LANE), worker.template_thawed():
                 self.control.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
-                self._wait_forked(env)
+                self.unexited.add(key)
+                self._wait_forked(key)
 
-        key = (env.index, env.generation)
-        self.forking = key
+        self.forking, self.forked = key, None
         try:
-            chan, wchan, env.logfd = _open_channel(start, worker.channel)
+            return _open_channel(start, channel)
         except OSError:
             self._lost()
             raise
         finally:
-            self.forking = None
+            self.forking = self.forked = None
+
+    def spawn(self, env) -> None:
+        key = (env.index, env.generation)
+        chan, wchan, env.logfd = self._fork(key, env.index, False, self.worker.channel)
         self.lanes[key] = env
         pidfd = self.pidfds.get(key, -1)
         env.pid = _pidfd_pid(pidfd) if pidfd >= 0 else -1
         env.chan, env.wchan = chan, wchan
 
-    def _wait_forked(self, env) -> None:
+    def process(self, env) -> tuple[int, int, bool]:
+        """(pid, pidfd, whether the caller closes the pidfd) of env's process,
+        pid 1 of its sandbox; (-1, -1, False) if unknown. The pidfd stays ours."""
+        pidfd = self.pidfds.get((env.index, env.generation), -1)
+        return (_pidfd_pid(pidfd), pidfd, False) if pidfd >= 0 else (-1, -1, False)
+
+    def _wait_forked(self, key: tuple) -> None:
         deadline = time.monotonic() + self.worker.start_timeout
-        while True:
-            for message in self.pending:
-                if message[0] == template.FORKED and message[1:] == [env.index, env.generation]:
-                    self.pending = [m for m in self.pending if m[0] != template.FORKED]
-                    return
+        while self.forked != key:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not _readable([self.control], remaining):
                 raise OSError("the template did not answer a fork request in time")
             if not self._read_control():
-                raise OSError("the template is gone")
+                raise OSError(f"the template failed: {self.failure}" if self.failure else "the template is gone")
 
     def _read_control(self) -> bool:
+        """Read one packet of the template's; False if it is gone or broke the
+        protocol (self.failure says how): only what is due is taken."""
         try:
             data, ancillary, _, _ = self.control.recvmsg(1 << 16, _PIDFD_SPACE)
         except (BlockingIOError, InterruptedError):
@@ -360,36 +559,52 @@ class TemplateSpawner:
         except OSError:
             data, ancillary = b"", []
         fds = _received_fds(ancillary)
-        if not data:
-            _close_all(fds)
-            return False
         try:
-            messages = self.reader.feed(data)
-        except wire.ProtocolError:
+            if not data:
+                return False
+            try:
+                messages = self.reader.feed(data)
+            except wire.ProtocolError as exc:
+                self.failure = f"it sent a malformed control frame ({exc})"
+                return False
+            for message in messages:
+                problem = self._take(message, fds)
+                if problem:
+                    self.failure = f"it sent {describe_control(message)}, {problem}"
+                    return False
+            return True
+        finally:
             _close_all(fds)
-            return False
-        # Only what can be due is kept: import-time code can write anything here.
-        for message in messages:
-            if len(message) not in (3, 4) or type(message[1]) is not int or type(message[2]) is not int:
-                continue
-            key = (message[1], message[2])
-            if (message[0] == template.FORKED and len(message) == 3 and key == self.forking) or \
-                    (message[0] == template.EXITED and len(message) == 4 and (key in self.lanes or key == self.forking)):
-                self.pending.append(message)
-        self._take_pidfd(messages, fds)
-        return True
 
-    def _take_pidfd(self, messages: list, fds: list) -> None:
-        """Keep the pidfd a FORKED packet brings for the child being forked now.
-        Import-time code in the template can send anything on this socket, but
-        a pidfd it can make names a process of its own sandbox, never a host
-        one; any other fd, or one for another lane, is closed."""
-        key = self.forking
-        if (len(fds) == 1 and len(messages) == 1 and key is not None and key not in self.pidfds
-                and messages[0][:1] == [template.FORKED] and messages[0][1:] == list(key)
-                and _pidfd_pid(fds[0]) > 0):
-            self.pidfds[key] = fds.pop()
-        _close_all(fds)
+    def _take(self, message: list, fds: list) -> str:
+        """Take one control message; why it is not due, or ''."""
+        code = message[0]
+        if code == wire.WARMED and len(message) == 2:
+            if self.warmed is not False or type(message[1]) is not dict:
+                return "which was not due"
+            self.warmed = message[1]
+            return ""
+        if len(message) not in (3, 4) or type(message[1]) is not int or type(message[2]) is not int:
+            return "which is no control message"
+        key = (message[1], message[2])
+        if code == wire.FORKED and len(message) == 3:
+            if key != self.forking or self.forked == key:
+                return "but no such fork was asked for"
+            self.forked = key
+            # Its pidfd, if one came alone with it. The template can send any fd,
+            # but a pidfd it can make names a process of its own sandbox.
+            if len(fds) == 1 and _pidfd_pid(fds[0]) > 0:
+                self.pidfds[key] = fds.pop()
+            return ""
+        if code == wire.EXITED and len(message) == 4:
+            if key not in self.unexited:
+                return "but that child was never forked, or has exited already"
+            if type(message[3]) is not int:
+                return "whose wait status is not a number"
+            self.unexited.discard(key)
+            self.pending.append(message)
+            return ""
+        return "which is no control message"
 
     def _on_control(self, _) -> None:
         if not self._read_control():
@@ -402,45 +617,54 @@ class TemplateSpawner:
         control socket too, and an exit it read must not wait there for the
         next message (with async stepping, other envs run during a respawn).
         The worker calls this once the env just spawned is registered."""
-        keep = []
-        for message in self.pending:
-            if message[0] == template.EXITED and len(message) == 4:
-                key = (message[1], message[2])
-                env = self.lanes.pop(key, None)
-                if env is not None:
-                    # A no-op if it has exited; if import-time code forged this
-                    # EXITED, the env it names goes now, not at its next respawn.
-                    pidfd = self.pidfds.pop(key, -1)
-                    if pidfd >= 0:
-                        _signal_pidfd(pidfd)
-                    _close_pidfd(pidfd)
-                if env is not None and isinstance(message[3], int):
-                    self.worker.on_exit(env, message[3])
-            else:
-                keep.append(message)
-        self.pending = keep
+        pending, self.pending = self.pending, []
+        for message in pending:
+            key = (message[1], message[2])
+            env = self.lanes.pop(key, None)
+            pidfd = self.pidfds.pop(key, -1)
+            # A no-op if it has exited; in a trusted template, a forged EXITED's
+            # env goes now, not at its next respawn.
+            if pidfd >= 0:
+                _signal_pidfd(pidfd)
+            _close_pidfd(pidfd)
+            if env is not None:
+                self.worker.on_exit(env, message[3])
+            elif key[0] == PROBE_LANE:
+                self.exits[key] = message[3]
 
     def _on_log(self, _) -> None:
+        if not self._take_log():
+            self.worker.unwatch(self.logfd)  # the template is gone; _on_control will say so
+
+    def _take_log(self) -> bool:
+        """Read the template's log into its tail; False at its end."""
         try:
             data = os.read(self.logfd, 1 << 16)
         except BlockingIOError:
-            return
+            return True
         if not data:
-            self.worker.unwatch(self.logfd)  # the template is gone; _on_control will say so
-            return
+            return False
         self.log += data
         del self.log[:-65536]
+        return True
+
+    def _send(self, frame: bytes) -> None:
+        try:
+            self.control.sendall(frame)
+        except OSError as exc:
+            raise TemplateUnavailable(f"the template stopped reading its control channel ({exc})") from None
 
     def _lost(self) -> None:
-        """The template died: so did every child (its pid namespace went)."""
+        """The template died, or broke its protocol and is killed: so did every child (its pid namespace went)."""
         if self.control is None:
             return
         self.log += _drain(self.logfd)
         lanes, self.lanes = self.lanes, {}
         self.close(time.monotonic() + 5)
         tail = bytes(self.log[-2000:]).decode("utf-8", "replace")
+        why = f"the template failed: {self.failure}; " if self.failure else ""
         for env in lanes.values():
-            self.worker.on_exit(env, None, f"died with its template (the template's output: {tail!r})")
+            self.worker.on_exit(env, None, f"died with its template ({why}the template's output: {tail!r})")
 
     def kill(self, env) -> None:
         key = (env.index, env.generation)
@@ -452,7 +676,7 @@ class TemplateSpawner:
             _close_pidfd(pidfd)
             return
         # No pidfd came with its FORKED: the template, its parent, kills it.
-        frame = wire.encode([template.KILL, env.index, env.generation])
+        frame = wire.encode([wire.KILL, env.index, env.generation])
         if self.kills is not None:
             self.kills += frame
             return
@@ -502,31 +726,86 @@ class TemplateSpawner:
         os.close(self.logfd)
 
 
+PROBE_LANE = -1  # the probe's lane number on the template's control channel
+PROBE_CGROUP = "probe"  # its cgroup: the env's limits, removed once it is done
+_MAX_PROBE_REPORT = 1 << 20
+_MAX_WARM = 60000  # one packet the template reads with a 64 KiB buffer
+
+
+def _unique(names: list) -> list:
+    return list(dict.fromkeys(names))
+
+
+def _fit_names(names: list) -> tuple[list, int]:
+    """The names that fit one WARM packet (in order: the pool's preload list
+    first), and how many were left out."""
+    kept, size = [], 16
+    for name in names[:template.MAX_NAMES]:
+        size += len(name) + 3
+        if size > _MAX_WARM:
+            break
+        kept.append(name)
+    return kept, len(names) - len(kept)
+
+
+def _take_probe_report(message, status, error, oom: int, memory_limit, report: dict) -> None:
+    """Fill `report` from the probe's frame, trusting nothing in it:
+    [PROBED, names, how many, private bytes at birth, after, steps, error, serve(preload=) names]."""
+    valid = (type(message) is list and len(message) == 8 and message[0] == wire.PROBED and type(message[1]) is list
+             and all(type(x) is int and x >= 0 for x in message[2:6])
+             and (message[6] is None or type(message[6]) is str) and type(message[7]) is list)
+    if valid:
+        _, names, total, birth, after, steps, raised, wanted = message
+        good = sorted({name for name in names if template.valid_name(name)})
+        report.update(modules=good, private_birth=birth, private_after=after, steps=steps,
+                      preload=[name[:template.MAX_NAME_LEN] for name in wanted if type(name) is str][:template.MAX_NAMES],
+                      refused=report["refused"] + max(0, total - len(good)))
+        if raised is not None and error is None:
+            error = raised[:1000]
+    if error is None and status is not None and status != 0 and not valid:
+        error = f"the probe (the env's reset and steps, run once in a throwaway sandbox) {describe_status(status)}"
+    elif error is None and not valid:
+        error = "the probe sent no valid report (its output was refused)"
+    if oom and (error is not None or not valid):
+        error = (f"{error}; " if error else "") + (f"OOM: the kernel's OOM killer ended it over the env's memory "
+                                                   f"limit (memory_limit={memory_limit} bytes)")
+    report["error"] = error
+
+
+def describe_status(status: int) -> str:
+    """'was killed by SIGSEGV', 'exited with status 1': a wait status in words."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        try:
+            return f"was killed by {signal.Signals(sig).name}"
+        except ValueError:
+            return f"was killed by signal {sig}"
+    return f"exited with status {os.waitstatus_to_exitcode(status)}"
+
+
+_CONTROL_NAMES = {wire.HELLO: "HELLO", wire.FORK: "FORK", wire.KILL: "KILL", wire.WARM: "WARM",
+                  wire.FORKED: "FORKED", wire.EXITED: "EXITED", wire.WARMED: "WARMED"}
+
+
+def describe_control(message) -> str:
+    """A control message in a few words, for an error: [EXITED, 0, 1, 'xxx...']."""
+    if isinstance(message, list) and message and message[0] in _CONTROL_NAMES:
+        text = "[" + ", ".join([_CONTROL_NAMES[message[0]], *(repr(item) for item in message[1:])]) + "]"
+    else:
+        text = repr(message)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
 _WARMUP_TYPES = {"modules": list, "preload": list, "imported": list, "failed": dict, "private_birth": int,
-                 "private_after": int, "steps": int, "seconds": float, "import_seconds": float, "error": (str, type(None)), "refused": int,
-                 "truncated": bool}
+                 "private_after": int, "steps": int, "seconds": float, "import_seconds": float,
+                 "error": (str, type(None)), "refused": int, "truncated": bool}
 
 
-def _warmup_report(report) -> dict | None:
-    """The template's warm-up report with the keys and types template.warm_up
-    makes, or None. The template ran env.py's import code: it may send anything."""
-    if type(report) is not dict:
-        return None
-    out = {}
-    for key, kind in _WARMUP_TYPES.items():
-        value = report.get(key)
-        if key in ("seconds", "import_seconds") and type(value) is int:
-            value = float(value)
-        if type(value) is bool if kind is bool else isinstance(value, kind) and type(value) is not bool:
-            out[key] = value
-    for key in ("modules", "preload", "imported"):
-        out[key] = [name for name in out.get(key, []) if type(name) is str]
-    out["failed"] = {k: v for k, v in out.get("failed", {}).items() if type(k) is str and type(v) is str}
-    out.setdefault("error", "the template's warm-up report was malformed")
-    for key in ("private_birth", "private_after", "steps", "refused"):
-        out.setdefault(key, 0)
-    out.setdefault("seconds", 0.0)
-    out.setdefault("import_seconds", 0.0)
+def _warmup_report(fields: dict) -> dict:
+    """A warm-up report (env_contract["warmup"]) with every key, from `fields`."""
+    out = {"modules": [], "preload": [], "imported": [], "failed": {}, "private_birth": 0, "private_after": 0,
+           "steps": 0, "seconds": 0.0, "import_seconds": 0.0, "error": None, "refused": 0}
+    out.update(fields)
     return out
 
 
@@ -599,8 +878,9 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def _template_pid(bwrap_pid: int) -> tuple[int, int]:
-    """(pidfd, host pid) of the template process, found below our own bwrap.
+def sandbox_process(bwrap_pid: int) -> tuple[int, int]:
+    """(pidfd, host pid) of the process a sandbox runs (the template, or an
+    exec-mode env), found below our own bwrap.
 
     bwrap (our child) -> its init, pid 1 of the sandbox's pid namespace ->
     the command it ran, pid 2 there: the template. Nothing the template says
@@ -619,7 +899,7 @@ def _template_pid(bwrap_pid: int) -> tuple[int, int]:
             if len(nspids) == depth and nspids[-1] == 2:
                 return pidfd, nspids[0]
             os.close(pidfd)
-    raise TemplateUnavailable(f"could not find the template process below its bwrap (pid {bwrap_pid})")
+    raise ProcessLookupError(f"could not find the sandboxed process below its bwrap (pid {bwrap_pid})")
 
 
 def _own_nspids() -> list[int]:

@@ -182,6 +182,7 @@ class Stepping:
         self.finished.append(env.index)
         if env.index == self.gate_holder:
             self.gate_holder = -1
+            self._thaw_template()  # the turn is over
             self._advance_gate()
 
     def _next_deadline(self) -> float:
