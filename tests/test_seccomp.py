@@ -126,6 +126,7 @@ ATTACKS = {
     "bpf": lambda: sys_(321, 0, BAD, 64),
     "userfaultfd": lambda: sys_(323, 1 | 2),  # UFFD_USER_MODE_ONLY + an unknown flag: EINVAL unfiltered
     "io_uring_setup": lambda: sys_(425, 1, 0),
+    "memfd_secret": lambda: sys_(447, 0xFFFF),  # unknown flags: EINVAL unfiltered
     "process_vm_readv": lambda: sys_(310, os.getpid(), 0, 0, 0, 0, 1),
     "kexec_load": lambda: sys_(246, 0, 0, 0, 0),
     "init_module": lambda: sys_(175, 0, 0, BAD),
@@ -203,7 +204,7 @@ EXPECTED = {
     "personality_read_implies_exec": errno.EPERM,
     "tiocsti": errno.EPERM, "tioclinux": errno.EPERM,
     "clone3": errno.ENOSYS, "fsopen": errno.ENOSYS, "open_tree": errno.ENOSYS,
-    "bpf": errno.EPERM, "userfaultfd": errno.EPERM, "io_uring_setup": errno.EPERM,
+    "bpf": errno.EPERM, "userfaultfd": errno.EPERM, "io_uring_setup": errno.EPERM, "memfd_secret": errno.EPERM,
     "process_vm_readv": errno.EPERM, "kexec_load": errno.EPERM, "init_module": errno.EPERM,
     "finit_module": errno.EPERM, "syslog": errno.EPERM,
     "socket_inet": errno.EAFNOSUPPORT, "socket_inet6": errno.EAFNOSUPPORT,

@@ -119,10 +119,9 @@ import boltzlabs.runtime.template as template
 def flood(main, index, fds, plan):
     for fd in fds:
         os.close(fd)
-    control = 3
-    for _ in range(200):
-        os.write(control, wire.encode([wire.EXITED, index, 1, "x" * 60000]))
-    return 1 << 22
+    frame = wire.encode([wire.EXITED, index, 1, "x" * 60000])
+    while True:  # until the worker stops reading
+        os.write(3, frame)  # the control socket
 
 template._fork_child = flood
 
@@ -534,3 +533,31 @@ def test_preload_names_are_checked_before_anything_starts():
         RLPool(COUNTER, 1, preload=["os; rm -rf /"])
     with pytest.raises(TypeError, match="trust_env must be True or False"):
         RLPool(COUNTER, 1, trust_env="yes")
+
+
+# -- what a sandbox's pid 1 shows ----------------------------------------------------------
+
+CMDLINE = """
+from boltzlabs.env import serve
+
+def reset(seed):
+    with open("/proc/1/cmdline", "rb") as f:
+        return f.read().decode("utf-8", "replace")
+
+serve(reset=reset, step=lambda action: (0, 0.0, False, {}))
+"""
+
+
+def test_the_sandboxs_pid_1_shows_no_host_path_nor_the_plan(pool_factory, env_dir):
+    """In exec mode /proc/1 is bwrap's init, a fork of bwrap: its command line
+    named every host bind source, the worker's host pid, the whole
+    confinement plan and the params. bwrap now reads its options from an fd:
+    what is left is the command (the interpreter, its flags, /env/env.py)."""
+    directory = env_dir(CMDLINE)
+    pool = pool_factory(directory, 2, seed_param="secret-param")
+    for cmdline in pool.reset(seed=0):
+        args = cmdline.split("\0")
+        assert str(directory) not in cmdline and "BOLTZLABS_CONFINE" not in cmdline, args
+        assert "secret-param" not in cmdline and "--ro-bind" not in args and "--setenv" not in args, args
+        assert str(pool._proc.pid) not in args, args
+        assert "/env/env.py" in args, args

@@ -22,7 +22,13 @@ from boltzlabs.sandbox.identity import HostAccount
 from boltzlabs.sandbox.plan import NAMESPACES, Plan, compile_plan
 from boltzlabs.sandbox.policy import Policy, find_bwrap, load_policy
 
-__all__ = ["SandboxSpec", "Policy", "Plan", "load_policy", "find_bwrap"]
+__all__ = ["SandboxSpec", "Policy", "Plan", "load_policy", "find_bwrap", "ARGS_FD"]
+
+# Where bwrap reads its options (`--args ARGS_FD`, NUL-separated), past the
+# channel's fds (3, 4) and the seccomp programs' (5, 6): bwrap closes it once
+# read, and nothing of the options shows in /proc/<pid>/cmdline of bwrap or
+# of the sandbox's pid 1 (a fork of it): no host bind source, no plan.
+ARGS_FD = 7
 
 
 class SandboxSpec:
@@ -106,6 +112,14 @@ class SandboxSpec:
             args += ["--setenv", name, value]
         args += ["--setenv", "BOLTZLABS_PARAMS", self.params_json]
         return args
+
+    def hand_over(self, argv: list[str]) -> tuple[list[str], dict[int, bytes]]:
+        """`argv` with bwrap's options moved into an fd: (the command line to
+        run, {fd number: bytes} to hand the process besides `programs()`)."""
+        start = len(self.account.prefix) + 1 if self.account else 1
+        end = argv.index("--", start)
+        options = b"".join(arg.encode() + b"\0" for arg in argv[start:end])
+        return argv[:start] + ["--args", str(ARGS_FD)] + argv[end:], {ARGS_FD: options}
 
     def environment(self) -> dict:
         """The variables an env sees (besides BOLTZLABS_FD, BOLTZLABS_ENV_INDEX and BOLTZLABS_PARAMS)."""

@@ -124,8 +124,9 @@ def _reaped(pid: int) -> None:
 
 def _posix_spawn(argv, channel: tuple, log_w: int, programs: dict) -> int:
     """Start bwrap with the channel (`channel`: the socket, or the pipes' read
-    and write ends) on channel_fds, the log pipe on 1 and 2, and each seccomp
-    program of `programs` ({fd number: BPF bytes}) on its fd."""
+    and write ends) on channel_fds, the log pipe on 1 and 2, and each of
+    `programs` ({fd number: bytes}: the seccomp programs, bwrap's options) in
+    a sealed memfd on its fd."""
     with contextlib.ExitStack() as stack:
         # The actions run in order, so no source may be a target met earlier:
         # sources are moved to fd 10 or above (as program_fd's are).
@@ -161,11 +162,11 @@ class ExecSpawner:
 
     def spawn(self, env) -> None:
         worker = self.worker
-        argv = worker.spec.argv(channel_fds(worker.channel), env.index)
+        argv, handed = worker.spec.hand_over(worker.spec.argv(channel_fds(worker.channel), env.index))
 
         def start(channel: tuple, log_w: int) -> None:
             with _charged_to(worker, env.index):
-                env.pid = _posix_spawn(argv, channel, log_w, worker.spec.programs())
+                env.pid = _posix_spawn(argv, channel, log_w, {**worker.spec.programs(), **handed})
 
         env.chan, env.wchan, env.logfd = _open_channel(start, worker.channel)
         pidfd = os.pidfd_open(env.pid)
@@ -280,12 +281,12 @@ class TemplateSpawner:
         # the old ones (network namespaces are torn down by a work queue).
         namespaces = 4 * n + 64
         # Room for the fds of a child being made (a channel's, a log pipe), beyond the env's file limit.
-        argv = worker.spec.template_argv(channel_fds(SOCKETPAIR), open_files=n + 64,
-                                         trusted=worker.config.trust_env, namespaces=namespaces)
+        argv, handed = worker.spec.hand_over(worker.spec.template_argv(
+            channel_fds(SOCKETPAIR), open_files=n + 64, trusted=worker.config.trust_env, namespaces=namespaces))
 
         def start(channel: tuple, log_w: int) -> None:
             with _charged_to(worker, TEMPLATE_LANE):
-                self.bwrap_pid = _posix_spawn(argv, channel, log_w, worker.spec.programs())
+                self.bwrap_pid = _posix_spawn(argv, channel, log_w, {**worker.spec.programs(), **handed})
 
         # Its control channel is a socket whatever the envs' channels are: fds travel on it (SCM_RIGHTS).
         control, _, log_r = _open_channel(start, SOCKETPAIR, socket.SOCK_SEQPACKET, log_size=None)
