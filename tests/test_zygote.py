@@ -318,8 +318,9 @@ def test_nothing_outside_the_served_env_runs_during_a_gated_turn(env_dir):
         for _ in range(3):
             obs, *_ = pool.step([0, 0])
             turns += obs
+        time.sleep(0.3)  # no turn: the template runs
         stamps = [int(line) for line in stamps_path.read_text().split()]
-        assert len(stamps) > 10  # the thread ran, between turns
+        assert len(stamps) > 20  # the thread runs, outside turns
         inside = [t for t in stamps if any(begun < t < ended for begun, ended in turns)]
         assert not inside, f"{len(inside)} of the template's stamps fell inside gated turns"
 

@@ -26,6 +26,9 @@ __all__ = ["serve", "params"]
 
 _FD_VARIABLE = "BOLTZLABS_FD"
 _PARAMS_VARIABLE = "BOLTZLABS_PARAMS"
+# A trusted template's fork server (runtime/template.py sets it before it
+# imports env.py); None everywhere else, forked envs included.
+_fork_server = None
 
 
 def params() -> dict:
@@ -319,18 +322,16 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
 
     if os.environ.pop("BOLTZLABS_PROBE", None):
         # The template's warm-up probe (a throwaway sandbox): the env's real
-        # work once, its imports reported, then exit (runtime/template.py).
-        from boltzlabs.runtime import template
+        # work once, its imports reported, then exit (runtime/probe.py).
+        from boltzlabs.runtime import probe
 
-        template.finish_probe(_Probe(reset, step, action_space, warmup_actions, preload))  # never returns
-    if os.environ.pop("BOLTZLABS_TEMPLATE", None):
+        probe.finish(_Probe(reset, step, action_space, warmup_actions, preload))  # never returns
+    if _fork_server is not None:
         # RLPool(trust_env=True): this process is the template, env.py imported
-        # in it; serve() becomes its fork server.
-        from boltzlabs.runtime import template
-
+        # in it; serve() becomes its fork server (runtime/template.py).
         if len(fds) != 1:
             raise RuntimeError(f"{_FD_VARIABLE}: a template's control channel is one socket, not {fds}")
-        template.serve_trusted(run, fds[0], _Probe(reset, step, action_space, warmup_actions, preload))
+        _fork_server(run, fds[0], _Probe(reset, step, action_space, warmup_actions, preload))
     run(fds)
     sys.stdout.flush()
     os._exit(0)
@@ -380,7 +381,7 @@ def _warm_up(steps: int = 24) -> None:
 
 class _Probe:
     """The env's real work, run once by the template's warm-up in a throwaway
-    sandbox (boltzlabs.runtime.template.finish_probe), the way the serve loop
+    sandbox (boltzlabs.runtime.probe.finish), the way the serve loop
     runs it: actions decoded from a frame, replies built and encoded.
     `preload`: serve(preload=...), names the probe's report carries."""
 

@@ -28,7 +28,7 @@ mode (`_env_main`). What to import is data: the pool's preload list
 the warm-up probe, a throwaway child confined exactly like an env (and in a
 memory cgroup of its own with the env's limit) that runs env.py, its reset
 and a few steps, and reports which library modules that work imported
-(`_probe_main`, `finish_probe`). The template never runs reset or step,
+(`_probe_main`, boltzlabs/runtime/probe.py). The template never runs reset or step,
 so each child starts from the same pristine state: a hard reset is "kill
 the child, fork another".
 
@@ -120,7 +120,7 @@ import threading
 import time
 
 from boltzlabs import wire
-from boltzlabs.runtime import confine
+from boltzlabs.runtime import confine, probe
 from boltzlabs.runtime import filter as seccomp
 from boltzlabs.runtime import rlimits as limits
 
@@ -135,7 +135,8 @@ BOOTSTRAP = "import boltzlabs.runtime.template as t; t.main()"
 # Caps on names (the probe's report is as hostile as anything an env sends,
 # and the worker checks it; WARM brings what is left), their length, failures
 # reported, and one SOCK_SEQPACKET packet the worker reads with a 64 KiB buffer.
-MAX_NAMES, MAX_NAME_LEN, _MAX_FAILED, _MAX_HELLO = 2048, 200, 32, 60000
+_MAX_FAILED, _MAX_HELLO = 32, 60000
+MAX_NAMES, MAX_NAME_LEN = probe.MAX_NAMES, probe.MAX_NAME_LEN
 
 _libc = ctypes.CDLL(None, use_errno=True)
 # The GIL stays held across clone(), as in os.fork.
@@ -523,98 +524,7 @@ def _warmup(values: dict) -> tuple[float, int]:
     return timeout, memory
 
 
-def _private_dirty() -> int:
-    """Private_Dirty of this process, in bytes (its own /proc)."""
-    try:
-        with open("/proc/self/smaps_rollup", "rb") as f:
-            for line in f:
-                if line.startswith(b"Private_Dirty:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0
-
-
-# -- the probe: the env's real work, once, in a throwaway sandbox -------------------
-
-class _ProbeRun:
-    """What a probe child notes at its birth, before any env code: the modules
-    it has (the template's), its private memory, and where it reports."""
-
-    def __init__(self, channel: tuple, memory: int, env_dir: str, workspace: str):
-        self.rfd, self.wfd = channel[0], channel[-1]
-        self.env_dir, self.workspace = env_dir, workspace
-        self.baseline = set(sys.modules)
-        self.birth = _private_dirty()
-        self.sampling: set = set()
-        if memory > 0:
-            # The probe's cgroup holds the env's memory limit (the worker makes
-            # it); RLIMIT_DATA on top makes a big allocation a MemoryError the
-            # report can name, where the cgroup's OOM killer leaves a SIGKILL.
-            import resource
-
-            with open("/proc/self/status") as status:
-                held = next((int(line.split()[1]) * 1024 for line in status if line.startswith("VmData:")), 0)
-            resource.setrlimit(resource.RLIMIT_DATA, (held + memory, held + memory))
-
-    def report(self, steps: int, error: str | None, preload) -> None:
-        """Write [PROBED, new library module names, how many, Private_Dirty at
-        birth, now, steps, error text or None, serve(preload=) names] and exit.
-        Only modules an import made (with a spec; Cython puts a bookkeeping
-        module of its own in sys.modules that nobody can import), from outside
-        the env's directory and the workspace. Env code ran here: the worker
-        trusts nothing of this frame, and the template imports library modules only."""
-        roots = tuple(root.rstrip("/") + "/" for root in (self.env_dir, self.workspace))
-        names = []
-        for name, module in list(sys.modules.items()):
-            if type(name) is not str or name in self.baseline or name in self.sampling:
-                continue
-            spec = getattr(module, "__spec__", None)
-            if spec is None:
-                continue
-            places = [getattr(spec, "origin", None), *list(getattr(spec, "submodule_search_locations", None) or ())]
-            if not any(type(place) is str and (place + "/").startswith(roots) for place in places):
-                names.append(name)
-        wanted = [name[:MAX_NAME_LEN + 1] for name in (preload or ()) if type(name) is str][:MAX_NAMES]
-        frame = wire.encode([wire.PROBED, sorted(name[:MAX_NAME_LEN + 1] for name in names)[:MAX_NAMES],
-                             len(names), self.birth, _private_dirty(), steps, error and error[:2000], wanted])
-        view = memoryview(frame)
-        while view:
-            view = view[os.write(self.wfd, view):]
-        # Alive until the worker has checked this process from outside and
-        # closes the channel (or kills it).
-        try:
-            while os.read(self.rfd, 4096):
-                pass
-        except OSError:
-            pass
-        os._exit(0)
-
-
-_probe_run: _ProbeRun | None = None  # set in a probe child, read by finish_probe
-
-
-def finish_probe(probe) -> None:
-    """In a probe child: run the env's work (boltzlabs.runtime.serve._Probe:
-    `prepare()`, then `run(report)`), report, exit. serve() calls it when it
-    finds $BOLTZLABS_PROBE; a trusted template's probe child calls it directly."""
-    run = _probe_run
-    if run is None:
-        raise RuntimeError("$BOLTZLABS_PROBE is set, but this process is no probe of a template")
-    error, steps = None, {"steps": 0}
-    before = set(sys.modules)
-    try:
-        probe.prepare()  # actions sampled first: what sampling imports is not the env's work
-    except BaseException as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    run.sampling = set(sys.modules) - before
-    if error is None:
-        try:
-            probe.run(steps)
-        except BaseException as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    run.report(int(steps["steps"]), error and f"the probe's reset/step raised {error}", probe.preload)
-
+# -- the children's main functions ------------------------------------------------------
 
 def _env_main(env_file: str):
     """What a child of an untrusted template runs once it is a sandbox: env.py,
@@ -630,11 +540,10 @@ def _env_main(env_file: str):
 
 def _probe_main(env_file: str, memory: int, workspace: str):
     """What an untrusted template's probe child runs once it is a sandbox:
-    env.py, whose serve() finds $BOLTZLABS_PROBE and calls finish_probe."""
+    env.py, whose serve() finds $BOLTZLABS_PROBE and calls probe.finish."""
 
     def run(channel: tuple) -> None:
-        global _probe_run
-        _probe_run = _ProbeRun(channel, memory, os.path.dirname(env_file), workspace)
+        probe.current = probe.ProbeRun(channel, memory, os.path.dirname(env_file), workspace)
         os.environ["BOLTZLABS_FD"] = ",".join(map(str, channel))
         os.environ["BOLTZLABS_PROBE"] = "1"
         sys.path.insert(0, "")
@@ -643,30 +552,30 @@ def _probe_main(env_file: str, memory: int, workspace: str):
             error = "env.py returned without calling serve()"
         except BaseException as exc:
             error = f"env.py raised {type(exc).__name__}: {exc}"
-        _probe_run.report(0, error, ())
+        probe.current.report(0, error, ())
 
     return run
 
 
-def trusted_probe_main(probe, memory: int, env_file: str, workspace: str):
+def trusted_probe_main(work, memory: int, env_file: str, workspace: str):
     """A trusted template's probe child: env.py was imported in the template,
     so its reset and step are here already."""
 
     def run(channel: tuple) -> None:
-        global _probe_run
-        _probe_run = _ProbeRun(channel, memory, os.path.dirname(env_file), workspace)
-        finish_probe(probe)
+        probe.current = probe.ProbeRun(channel, memory, os.path.dirname(env_file), workspace)
+        probe.finish(work)
 
     return run
 
 
-def serve_trusted(run, channel_fd: int, probe) -> None:
+def serve_trusted(run, channel_fd: int, work) -> None:
     """serve() in a trusted template (RLPool(trust_env=True)): env.py was
     imported here, so children run the serve loop over its callables (`run`)
-    and the probe runs them (`probe`). Never returns."""
+    and the probe runs them (`work`, serve's _Probe). Never returns. main()
+    hands it to serve() (boltzlabs.runtime.serve._fork_server)."""
     _, memory = _warmup(confine.prepared)
     workspace = confine.path_of(confine.prepared, "workspace")
-    fork_server(run, channel_fd, trusted_probe_main(probe, memory, _ENV_FILE[0], workspace), "env.py's import",
+    fork_server(run, channel_fd, trusted_probe_main(work, memory, _ENV_FILE[0], workspace), "env.py's import",
                 trusted=True)
 
 
@@ -802,7 +711,7 @@ def fork_server(child_main, channel_fd: int, probe_main, origin: str, trusted: b
 def _ready_to_fork() -> "_ChildPlan":
     """After WARM: the envs' plan, and everything imported frozen, shared copy
     on write by every child."""
-    from boltzlabs.runtime import serve as serving
+    from boltzlabs.runtime import serve as serving  # imported by main() already
 
     serving._warm_up()  # the serve loop's bytecode settled once, here (its docstring)
     # A Plan of its own, made now rather than main()'s: objects made just
@@ -1025,17 +934,18 @@ def main(argv=None) -> None:
     env_file = argv[0]
     _ENV_FILE[:] = [env_file]
     workspace = confine.path_of(values, "workspace")
+    # The serve loop every env runs is imported here, so it is shared by every
+    # child (the worker's WARM names boltzlabs.env, env.py's own import, too).
+    from boltzlabs.runtime import serve as serving
+
     if trusted:
         # RLPool(trust_env=True): env.py is imported here, and its serve()
         # becomes the fork server (docs/templates.md says what that gives up).
-        os.environ["BOLTZLABS_TEMPLATE"] = "1"
+        serving._fork_server = serve_trusted
         sys.path.insert(0, "")
         limits.run([env_file])
         raise RuntimeError("env.py returned without calling serve()")
-    # The zygote: library modules only. What every env imports from the
-    # runtime is imported here, so it is shared by every child.
-    import boltzlabs.env  # noqa: F401
-    from boltzlabs.runtime import serve as _serving  # noqa: F401
+    # The zygote: library modules only.
 
     fork_server(_env_main(env_file), int(os.environ.pop("BOLTZLABS_FD")),
                 _probe_main(env_file, memory, workspace), "the template's own set-up")

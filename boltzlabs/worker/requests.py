@@ -404,14 +404,16 @@ class Requests:
         return {"per_env": per_env, "shared": shared, "source": self.memory_source, "note": self.memory_note}
 
     def log(self, index: int) -> str:
-        """The tail of env `index`'s output (in template mode after what env.py printed at import)."""
+        """The tail of env `index`'s output (env.py's import included), after the
+        template's in template mode, when it printed anything: the warm-up
+        probe's (env.py run once), or env.py's import in a trusted template."""
         env = self.envs[index]
         self._drain_log(env)
         text = bytes(env.log).decode("utf-8", "replace")
-        if self.spawner.kind == "template":
-            # What env.py printed at import, it printed once, in the template.
+        if self.spawner.kind == "template" and self.spawner.log:
             shared = bytes(self.spawner.log).decode("utf-8", "replace")
-            text = f"--- the template's output (env.py at import) ---\n{shared}--- env {index} ---\n{text}"
+            text = (f"--- the template's output (the warm-up probe; env.py's import if trusted) ---\n{shared}"
+                    f"--- env {index} ---\n{text}")
         return text
 
     def states(self) -> list:

@@ -355,7 +355,7 @@ class TemplateSpawner:
         worker = self.worker
         preload = list(worker.config.preload)
         report = self._probe() if worker.warmup else None
-        names = list(preload)
+        names = [RUNTIME_ENTRY] + preload
         if report is not None:
             names += report["modules"] + report["preload"]
             report["preload"] = _unique(preload + report["preload"])
@@ -483,6 +483,7 @@ class TemplateSpawner:
 
     def _wait_exit(self, key: tuple, deadline: float):
         """The wait status of child `key` from its EXITED (the template reaps it), or None."""
+        self.deliver_exits()  # an EXITED read while the probe ran waits in self.pending
         while key not in self.exits and self.control is not None:
             if not _readable([self.control], deadline - time.monotonic()):
                 return None
@@ -728,6 +729,7 @@ class TemplateSpawner:
 
 
 PROBE_LANE = -1  # the probe's lane number on the template's control channel
+RUNTIME_ENTRY = "boltzlabs.env"  # what every env.py imports first: the template imports it for them all
 PROBE_CGROUP = "probe"  # its cgroup: the env's limits, removed once it is done
 _MAX_PROBE_REPORT = 1 << 20
 _MAX_WARM = 60000  # one packet the template reads with a 64 KiB buffer
