@@ -88,12 +88,13 @@ ACCEPTED = 35  # [ACCEPTED, {"pid": worker pid}]
 # worker's TemplateSpawner), and the report of its warm-up probe.
 FORK = 40  # worker -> template: [FORK, lane, generation, probe] + the child's channel and log fds
 KILL = 41  # worker -> template: [KILL, lane, generation]
-WARM = 42  # worker -> template: [WARM, module names]: import them, then fork envs
+WARM = 42  # worker -> template: [WARM, module names, code]: import them, then fork envs (+ a memfd if code)
 FORKED = 43  # template -> worker: [FORKED, lane, generation] + the child's pidfd
 EXITED = 44  # template -> worker: [EXITED, lane, generation, wait status]
 WARMED = 45  # template -> worker: [WARMED, {imported, failed, refused, import_seconds, forkable, reason}]
 # probe -> worker, on the probe's channel: [PROBED, module names, how many,
-# private bytes at birth, after, steps, error or None, serve(preload=) names]
+# private bytes at birth, after, steps, error or None, serve(preload=) names,
+# env.py's code marshalled or None]
 PROBED = 46
 
 

@@ -562,3 +562,43 @@ def test_the_sandboxs_pid_1_shows_no_host_path_nor_the_plan(pool_factory, env_di
         assert "secret-param" not in cmdline and "--ro-bind" not in args and "--setenv" not in args, args
         assert str(pool._proc.pid) not in args, args
         assert "/env/env.py" in args, args
+
+
+# -- env.py's code, compiled once by the probe ------------------------------------------
+
+FORGED_CODE = """
+import os
+from boltzlabs import wire
+from boltzlabs.env import serve
+
+if os.environ.get("BOLTZLABS_PROBE"):  # in the warm-up probe: a report of its own making
+    os.write(3, wire.encode([wire.PROBED, [], 0, 0, 0, 0, None, [], {code}]))
+    os._exit(0)
+
+serve(reset=lambda seed: "env.py ran", step=lambda action: (0, 0.0, False, {{}}))
+"""
+
+OTHER_ENV = ("from boltzlabs.env import serve\n"
+             "serve(reset=lambda seed: 'the code the probe sent ran', step=lambda action: (0, 0.0, False, {}))\n")
+
+
+@pytest.mark.parametrize("code, expected", [
+    ("b'\\x00not marshal data' * 100", "env.py ran"),
+    (f"__import__('marshal').dumps(compile({OTHER_ENV!r}, '/env/env.py', 'exec'))", "the code the probe sent ran"),
+    ("b'x' * ((4 << 20) + 1)", "env.py ran"),
+], ids=["garbage", "other-code", "too-big"])
+def test_env_code_the_probe_sends_is_only_ever_read_by_the_envs(env_dir, code, expected):
+    """The probe compiles env.py once and sends it marshalled; the template keeps
+    the bytes unread and each env unmarshals them (less memory than compiling
+    env.py itself). Bytes that do not unmarshal to code: each env compiles
+    env.py. Other code: it runs in each env, a sandbox checked from outside,
+    as env.py's author's (the probe runs env.py). Over 4 MiB: the report is
+    refused."""
+    pool = quietly(lambda: RLPool(env_dir(FORGED_CODE.format(code=code)), 2, spawn="template"))
+    with pool:
+        report = pool.env_contract["warmup"]
+        if "4 << 20" in code:
+            assert "no valid report" in report["error"], report
+        else:
+            assert report["error"] is None, report
+        assert pool.reset(seed=1) == [expected] * 2

@@ -7,8 +7,12 @@
 
 The report names the modules env.py's import and the work brought in, from
 outside the env's directory and the workspace: the template imports library
-modules only (boltzlabs/runtime/template.py). Env code ran here, so the
-worker trusts nothing of the frame (boltzlabs/worker/spawn.py).
+modules only (boltzlabs/runtime/template.py). It also carries env.py's code,
+compiled here and marshalled: the template keeps those bytes unread and each
+env it forks unmarshals them instead of compiling env.py itself. Env code
+ran here, so the worker trusts nothing of the frame
+(boltzlabs/worker/spawn.py), and the bytes are read only by the envs, each a
+sandbox of the env's own author.
 
 Standard library only: every env pays for what the template imports.
 """
@@ -21,6 +25,11 @@ import sys
 from boltzlabs import wire
 
 MAX_NAMES, MAX_NAME_LEN = 2048, 200  # what a report may name (the worker refuses the rest)
+# env.py's code, compiled by the probe and marshalled, that the template hands
+# its children (unread: only a child, a sandbox of the env's own, unmarshals
+# it): compiling env.py in each env copied ~0.5 MiB of the template's pages
+# into it, unmarshalling ~0.15 MiB (measured, counter env).
+MAX_CODE = 4 << 20
 
 
 def _private_dirty() -> int:
@@ -45,6 +54,7 @@ class ProbeRun:
         self.baseline = set(sys.modules)
         self.birth = _private_dirty()
         self.sampling: set = set()
+        self.code = None  # env.py compiled and marshalled, for every env the template forks
         if memory > 0:
             # The probe's cgroup holds the env's memory limit (the worker makes
             # it); RLIMIT_DATA on top makes a big allocation a MemoryError the
@@ -57,7 +67,8 @@ class ProbeRun:
 
     def report(self, steps: int, error: str | None, preload) -> None:
         """Write [PROBED, new library module names, how many, Private_Dirty at
-        birth, now, steps, error text or None, serve(preload=) names] and exit.
+        birth, now, steps, error text or None, serve(preload=) names, env.py's
+        marshalled code or None] and exit.
         Only modules an import made (with a spec; Cython puts a bookkeeping
         module of its own in sys.modules that nobody can import), from outside
         the env's directory and the workspace. Env code ran here: the worker
@@ -75,7 +86,8 @@ class ProbeRun:
                 names.append(name)
         wanted = [name[:MAX_NAME_LEN + 1] for name in (preload or ()) if type(name) is str][:MAX_NAMES]
         frame = wire.encode([wire.PROBED, sorted(name[:MAX_NAME_LEN + 1] for name in names)[:MAX_NAMES],
-                             len(names), self.birth, _private_dirty(), steps, error and error[:2000], wanted])
+                             len(names), self.birth, _private_dirty(), steps, error and error[:2000], wanted,
+                             self.code if self.code is not None and len(self.code) <= MAX_CODE else None])
         view = memoryview(frame)
         while view:
             view = view[os.write(self.wfd, view):]

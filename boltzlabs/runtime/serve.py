@@ -29,6 +29,9 @@ _PARAMS_VARIABLE = "BOLTZLABS_PARAMS"
 # A trusted template's fork server (runtime/template.py sets it before it
 # imports env.py); None everywhere else, forked envs included.
 _fork_server = None
+# A forked env's channel ((3,) or (4, 3)), set by its template before env.py
+# runs; None in exec mode, where $BOLTZLABS_FD says it.
+channel = None
 
 
 def params() -> dict:
@@ -301,7 +304,7 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
     deadline.
     """
     fd = os.environ.pop(_FD_VARIABLE, None)
-    if fd is None:
+    if fd is None and channel is None:
         raise RuntimeError(
             "serve() talks to a boltzlabs worker and only runs inside a pool; "
             "start this env with boltzlabs.RLPool('path/to/env_dir', n)")
@@ -315,7 +318,7 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
         info["observation_space"] = to_spec(observation_space)
         info["action_space"] = to_spec(action_space)
 
-    fds = _channel_fds(fd)
+    fds = channel if channel is not None else _channel_fds(fd)
 
     def run(channel: tuple) -> None:
         _serve_loop(_Channel(channel[0], channel[-1]), reset, step, render, info)

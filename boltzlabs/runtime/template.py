@@ -2,7 +2,7 @@
 
     worker ==control socket (SOCK_SEQPACKET, fds by SCM_RIGHTS)==> template
         [FORK, lane, generation, probe] + (channel fd(s), log fd) --> fork a child (a socket, or 2 pipes)
-        [WARM, module names]                             --> import them: library modules only
+        [WARM, module names, code] (+ a memfd)           --> import them: library modules only
         [KILL, lane, generation]                         --> kill that child
     worker <== [HELLO, ...] / [WARMED, report] / [FORKED, lane, generation] + (the child's pidfd)
                / [EXITED, lane, generation, status]
@@ -110,6 +110,7 @@ import errno
 import fcntl
 import gc
 import importlib
+import marshal
 import os
 import select
 import signal
@@ -529,11 +530,20 @@ def _warmup(values: dict) -> tuple[float, int]:
 def _env_main(env_file: str):
     """What a child of an untrusted template runs once it is a sandbox: env.py,
     as exec mode runs it, on its channel ((3,): a socket; (4, 3): pipes)."""
+    from boltzlabs.runtime import serve as serving  # main() imported it already
 
     def run(channel: tuple) -> None:
-        os.environ["BOLTZLABS_FD"] = ",".join(map(str, channel))
+        # Handed to serve() directly: an environment variable set here would
+        # copy the environment's pages into every env.
+        serving.channel = channel
         sys.path.insert(0, "")  # limits.run puts env.py's directory there
-        limits.run([env_file])
+        code = _ENV_CODE[0]
+        if code is not None:
+            try:
+                code = marshal.loads(code)
+            except Exception:  # the probe is env code: what it sent may be anything
+                code = None
+        limits.run([env_file], code if type(code) is type(run.__code__) else None)
 
     return run
 
@@ -548,7 +558,9 @@ def _probe_main(env_file: str, memory: int, workspace: str):
         os.environ["BOLTZLABS_PROBE"] = "1"
         sys.path.insert(0, "")
         try:
-            limits.run([env_file])
+            code = compile(limits._read(env_file), env_file, "exec")
+            probe.current.code = marshal.dumps(code)
+            limits.run([env_file], code)
             error = "env.py returned without calling serve()"
         except BaseException as exc:
             error = f"env.py raised {type(exc).__name__}: {exc}"
@@ -593,7 +605,8 @@ def fork_server(child_main, channel_fd: int, probe_main, origin: str, trusted: b
 
         template: [HELLO, protocol, {pid, forkable, reason}]
         worker:   [FORK, -1, g, True] + fds  (the probe, if the pool warms up)
-        worker:   [WARM, names]              --> [WARMED, {imported, failed, ..., forkable, reason}]
+        worker:   [WARM, names, code] (+ env.py's code, marshalled by the probe, in a memfd)
+                                             --> [WARMED, {imported, failed, ..., forkable, reason}]
         worker:   [FORK, lane, g, False] + fds, [KILL, lane, g] ...
         template: [FORKED, lane, g] + pidfd, [EXITED, lane, g, status] ...
     """
@@ -676,7 +689,9 @@ def fork_server(child_main, channel_fd: int, probe_main, origin: str, trusted: b
                     pid = lanes.get((message[1], message[2]))
                     if pid is not None:
                         _kill(pid)
-                elif code == wire.WARM and len(message) == 2 and plan is None and type(message[1]) is list:
+                elif code == wire.WARM and len(message) == 3 and plan is None and type(message[1]) is list:
+                    if message[2] is True and len(fds) == 1:
+                        _ENV_CODE[0] = _read_code(fds[0])  # unread here: see _env_main
                     report = warm(message[1], timeout, env_dir, workspace)
                     reason = _unsafe_to_fork(channel_fd, f"{origin} or the warm-up's imports")
                     foreign = [] if trusted else foreign_modules(env_dir, workspace)
@@ -858,6 +873,21 @@ def _print_exception(exc: BaseException, traceback: bool = True) -> None:
 
 
 _ENV_FILE: list[str] = []  # env.py's path inside, from main's argv
+# env.py's code, marshalled by the warm-up probe (WARM brings it in a memfd),
+# or None: each child compiles env.py itself. The template never reads these
+# bytes; only its children unmarshal them, each a sandbox of env.py's own.
+_ENV_CODE: list = [None]
+
+
+def _read_code(fd: int) -> bytes | None:
+    """The bytes of a memfd WARM brought (at most probe.MAX_CODE), or None."""
+    data = bytearray()
+    while len(data) <= probe.MAX_CODE:
+        chunk = os.pread(fd, 1 << 20, len(data))
+        if not chunk:
+            return bytes(data) or None
+        data += chunk
+    return None
 
 
 def _write_own_quotas(proc_root: int, values: dict) -> None:

@@ -31,7 +31,7 @@ import socket
 import time
 
 from boltzlabs import wire
-from boltzlabs.runtime import template
+from boltzlabs.runtime import probe, template
 from boltzlabs.sandbox import seccomp
 from boltzlabs.worker.config import PIPES, SOCKETPAIR
 from boltzlabs.errors import TemplateUnavailable  # noqa: F401 - spawn.TemplateUnavailable, its old home
@@ -271,6 +271,7 @@ class TemplateSpawner:
         self.warmup = None  # the warm-up report (env_contract["warmup"]), checked
         self.kills: bytearray | None = None  # KILL frames held by batching_kills()
         self.probes = 0
+        self.env_code = None  # env.py's code, marshalled by the probe (bytes, unread here)
         self._start()
 
     def _start(self) -> None:
@@ -366,7 +367,14 @@ class TemplateSpawner:
             raise TemplateUnavailable(f"the template failed during its warm-up ({self.failure or 'it exited'}): "
                                       f"{bytes(self.log[-2000:]).decode('utf-8', 'replace')}")
         self.warmed = False
-        self._send(wire.encode([wire.WARM, names]))
+        code = self.env_code
+        if code is None:
+            self._send(wire.encode([wire.WARM, names, False]))
+        else:
+            # env.py's code, marshalled by the probe: a sealed memfd the template
+            # keeps unread and its children unmarshal (runtime/probe.py).
+            with seccomp.program_fd(code) as fd:
+                self._sendmsg(wire.encode([wire.WARM, names, True]), [fd])
         deadline = time.monotonic() + worker.spec.plan.warmup_timeout + worker.start_timeout
         while self.warmed is False:
             remaining = deadline - time.monotonic()
@@ -436,15 +444,16 @@ class TemplateSpawner:
             _close_pidfd(pidfd)
             self._remove_probe_cgroup()
         report["seconds"] = round(time.monotonic() - started, 4)
-        _take_probe_report(message, status, error, oom, worker.memory_limit, report)
+        self.env_code = _take_probe_report(message, status, error, oom, worker.memory_limit, report)
         self.log += log[-4096:]
         return report
 
     def _read_probe(self, chan: int, logfd: int, pidfd: int, log: bytearray, deadline: float, timeout: float):
         """(the probe's one frame or None, an error or None), read until it
         comes, the probe ends, or the deadline. Its log is kept (its tail)."""
-        limits = wire.Limits(_MAX_PROBE_REPORT, max_str_len=4096, max_bin_len=0, max_array_len=template.MAX_NAMES,
-                             max_map_len=0, max_depth=3, max_objects=2 * template.MAX_NAMES + 16)
+        limits = wire.Limits(_MAX_PROBE_REPORT + probe.MAX_CODE, max_str_len=4096, max_bin_len=probe.MAX_CODE,
+                             max_array_len=template.MAX_NAMES, max_map_len=0, max_depth=3,
+                             max_objects=2 * template.MAX_NAMES + 16)
         reader = wire.FrameReader(limits)
         os.set_blocking(chan, False)
         os.set_blocking(logfd, False)
@@ -651,8 +660,12 @@ class TemplateSpawner:
         return True
 
     def _send(self, frame: bytes) -> None:
+        self._sendmsg(frame, [])
+
+    def _sendmsg(self, frame: bytes, fds: list) -> None:
         try:
-            self.control.sendall(frame)
+            ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
+            self.control.sendmsg([frame], ancillary)
         except OSError as exc:
             raise TemplateUnavailable(f"the template stopped reading its control channel ({exc})") from None
 
@@ -751,14 +764,18 @@ def _fit_names(names: list) -> tuple[list, int]:
     return kept, len(names) - len(kept)
 
 
-def _take_probe_report(message, status, error, oom: int, memory_limit, report: dict) -> None:
-    """Fill `report` from the probe's frame, trusting nothing in it:
-    [PROBED, names, how many, private bytes at birth, after, steps, error, serve(preload=) names]."""
-    valid = (type(message) is list and len(message) == 8 and message[0] == wire.PROBED and type(message[1]) is list
+def _take_probe_report(message, status, error, oom: int, memory_limit, report: dict) -> bytes | None:
+    """Fill `report` from the probe's frame, trusting nothing in it: [PROBED,
+    names, how many, private bytes at birth, after, steps, error, serve(preload=)
+    names, env.py's marshalled code or None]. Returns that code (bytes this
+    process never reads: the template's children unmarshal them), or None."""
+    valid = (type(message) is list and len(message) == 9 and message[0] == wire.PROBED and type(message[1]) is list
              and all(type(x) is int and x >= 0 for x in message[2:6])
-             and (message[6] is None or type(message[6]) is str) and type(message[7]) is list)
+             and (message[6] is None or type(message[6]) is str) and type(message[7]) is list
+             and (message[8] is None or (type(message[8]) is bytes and len(message[8]) <= probe.MAX_CODE)))
+    code = None
     if valid:
-        _, names, total, birth, after, steps, raised, wanted = message
+        _, names, total, birth, after, steps, raised, wanted, code = message
         good = sorted({name for name in names if template.valid_name(name)})
         report.update(modules=good, private_birth=birth, private_after=after, steps=steps,
                       preload=[name[:template.MAX_NAME_LEN] for name in wanted if type(name) is str][:template.MAX_NAMES],
@@ -773,6 +790,7 @@ def _take_probe_report(message, status, error, oom: int, memory_limit, report: d
         error = (f"{error}; " if error else "") + (f"OOM: the kernel's OOM killer ended it over the env's memory "
                                                    f"limit (memory_limit={memory_limit} bytes)")
     report["error"] = error
+    return code
 
 
 def describe_status(status: int) -> str:
