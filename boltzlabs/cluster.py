@@ -85,11 +85,12 @@ class NodeWorker:
         host = ray.util.get_node_ip_address()
         env = dict(os.environ, BOLTZLABS_TOKEN=token)
         # The listener is this pool's alone (its token is the pool's): its one
-        # client is the pool's owner, so no ceiling on what that asks for.
+        # client is the pool's owner, so no ceiling on what that asks for, and
+        # its trust_env is the owner's to choose, as for a local pool.
         no_ceilings = [arg for flag, _, _ in CEILINGS.values() for arg in (flag, "none")]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "boltzlabs", "worker", "--listen", f"{host}:0", "--parent", str(os.getpid()),
-             "--max-envs", "100000", *no_ceilings],
+             "--max-envs", "100000", "--allow-trust-env", *no_ceilings],
             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
         line = self.proc.stdout.readline().strip()
         if not line.startswith("listening on "):

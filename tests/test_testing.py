@@ -61,14 +61,25 @@ def test_each_kind_of_leaked_entropy_fails_naming_lane_step_and_field(spawn, lea
     assert isinstance(failure, AssertionError)
     assert (failure.lane, failure.seed, failure.step, failure.field, failure.path) == (2, 2, 3, field, path)
     assert failure.first != failure.then
-    # A random.Random() made at import is forked with the template's state into every env and every
-    # hard reset: only a second pool shows it. In exec mode each process draws its own.
-    expected = ACROSS_POOLS if (leak, spawn) == ("random", "template") else AFTER_HARD_RESET
+    # A random.Random() made at import draws its own seed in each env in both modes (the template
+    # never imports env.py): a hard reset shows it. (In a trusted template, RLPool(trust_env=True),
+    # it would be forked with the template's state into every env: only a second pool shows it.)
+    expected = AFTER_HARD_RESET
     assert failure.comparison == expected
     message = str(failure)
     assert message.startswith(f"not reproducible {expected}: lane 2 (seed 2), ")
     assert f"at step 3 the {field} differs at {path}: first " in message
     assert "An env must take all its randomness from the seed given to reset" in message
+
+
+def test_a_generator_made_at_import_in_a_trusted_template_is_found_across_pools():
+    """In a trusted template (env.py imported there) a random.Random() made at
+    import is forked with the template's state into every env and every hard
+    reset: only a second, fresh pool shows it."""
+    with pytest.raises(NotReproducible) as caught:
+        reproducible("random", "template", trust_env=True)
+    assert caught.value.comparison == ACROSS_POOLS
+    assert str(caught.value).startswith(f"not reproducible {ACROSS_POOLS}: lane 2 (seed 2), ")
 
 
 def test_entropy_in_an_unseeded_autoreset_is_found_at_that_step(spawn):

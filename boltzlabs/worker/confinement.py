@@ -63,12 +63,20 @@ class Confinement:
         self.outside(os.getpid(), "the worker")
 
     def outside(self, pid: int, who: str) -> None:
-        """Namespaces of a process no lane may share (the worker's, the template's)."""
+        """Namespaces of a process no lane may share (the worker's, the
+        template's), in place of what `who` had before."""
+        self.gone(who)
         for kind in self.kinds:
             try:
                 self.others[os.readlink(f"/proc/{pid}/ns/{kind}")] = who
             except OSError:
                 pass
+
+    def gone(self, who: str) -> None:
+        """`who` has exited: its namespaces are freed, and their numbers may be
+        reused by a lane's (a template that died, before the next one)."""
+        for ident in [ident for ident, owner in self.others.items() if owner == who]:
+            del self.others[ident]
 
     def check(self, lane: int, pid: int, pidfd: int) -> str:
         """What is wrong with lane's process `pid` (held by `pidfd`), or '' if

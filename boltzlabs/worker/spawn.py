@@ -253,8 +253,8 @@ class TemplateSpawner:
 
     def __init__(self, worker):
         self.worker = worker
-        # Control frames are small, flat messages; anything else is refused as malformed.
-        self.reader = wire.FrameReader(wire.Limits(1 << 16, max_depth=4, max_objects=256))
+        # Control frames are flat messages of one packet; a WARMED names up to MAX_NAMES modules.
+        self.reader = wire.FrameReader(wire.Limits(1 << 16, max_depth=4, max_objects=2 * template.MAX_NAMES + 64))
         self.pending: list = []  # EXITED messages read, not yet delivered
         self.lanes: dict[tuple, object] = {}  # (lane, generation) -> env, while it lives
         self.unexited: set[tuple] = set()  # every (lane, generation) forked whose EXITED has not come
@@ -721,6 +721,8 @@ class TemplateSpawner:
     def close(self, deadline: float) -> None:
         if self.control is None:
             return
+        if self.worker.confinement is not None:
+            self.worker.confinement.gone("the template")
         self.worker.unwatch(self.control.fileno())
         self.worker.unwatch(self.logfd)
         self.control.close()
