@@ -25,10 +25,11 @@ from boltzlabs.sandbox.policy import Policy, find_bwrap, load_policy
 __all__ = ["SandboxSpec", "Policy", "Plan", "load_policy", "find_bwrap", "ARGS_FD"]
 
 # Where bwrap reads its options (`--args ARGS_FD`, NUL-separated), past the
-# channel's fds (3, 4) and the seccomp programs' (5, 6): bwrap closes it once
-# read, and nothing of the options shows in /proc/<pid>/cmdline of bwrap or
-# of the sandbox's pid 1 (a fork of it): no host bind source, no plan.
-ARGS_FD = 7
+# channel's fds (3, 4), the seccomp programs' (5, 6) and an observation slot's
+# (7): bwrap closes it once read, and nothing of the options shows in
+# /proc/<pid>/cmdline of bwrap or of the sandbox's pid 1 (a fork of it): no
+# host bind source, no plan.
+ARGS_FD = 9
 
 
 class SandboxSpec:
