@@ -68,7 +68,7 @@ def test_a_lazy_import_in_reset_gets_a_preload_suggestion_and_an_eager_one_none(
 
     assert lazy.status == WARN, lazy
     assert "numpy.random" in lazy.detail
-    assert 'serve(..., preload=["numpy.random"])' in lazy.fix
+    assert 'preload = ["numpy.random"] under [boltzlabs] in a boltzlabs.toml' in lazy.fix
     assert eager.status == OK and not eager.fix, eager
     assert "numpy.random" not in eager.detail
     # The margin, both measured here: importing numpy.random in a forked env writes MiBs.
@@ -90,7 +90,7 @@ def test_the_probe_s_report_names_the_modules_and_the_template_pays_for_them(env
     assert len(probe) == 1, findings
     assert probe[0].status == OK, probe[0]
     assert "numpy.random" in probe[0].detail
-    assert "preload=[" in probe[0].fix and '"numpy.random"' in probe[0].fix  # its child wrote MiBs importing it
+    assert "preload = [" in probe[0].fix and '"numpy.random"' in probe[0].fix  # its child wrote MiBs importing it
     # The template imported it before forking: the env itself now writes little.
     lazy = host_side(findings)
     assert lazy.status == OK and growth(lazy) < PRELOAD_HINT / (1 << 20), lazy.detail
@@ -104,4 +104,4 @@ def test_the_command_prints_the_suggestion(env_dir):
     out = subprocess.run(argv, capture_output=True, text=True, timeout=HANG, stdin=subprocess.DEVNULL)
     assert out.returncode == 0, out.stdout + out.stderr  # a warning, not a failure
     assert "WARN  memory" in out.stdout
-    assert 'fix: serve(..., preload=["numpy.random"])' in out.stdout
+    assert 'fix: preload = ["numpy.random"] under [boltzlabs]' in out.stdout

@@ -135,7 +135,7 @@ Start one env in a real sandbox and check, printing one line per finding:
   steps      K steps answer (actions sampled from its action space, or --actions)
   memory     the env's private memory at birth against after reset and the
              steps (read from /proc on this host), the modules it imported
-             after the fork, and serve(..., preload=[...]) when they cost
+             after the fork, and a preload list (boltzlabs.toml) when they cost
              more than 1 MiB per env
   exception  a step that raises is reported on its lane (info["error"]), not
              raised, and the env then resets and steps normally; the env is

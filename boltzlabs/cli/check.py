@@ -17,7 +17,7 @@ One env runs in a real pool (RLPool, one lane) and goes through, in order:
              (pool.env_contract "warmup", when this boltzlabs has it). In
              template mode, more than PRELOAD_HINT bytes written after birth
              by modules imported after the fork is a warning that suggests
-             serve(..., preload=[...])
+             a preload list (a boltzlabs.toml beside env.py, RLPool(preload=...))
   exception  a step whose env raises is reported on its lane (done,
              info["error"] with the traceback), not raised; the env then
              resets and steps normally. An arbitrary env is made to raise by
@@ -47,8 +47,8 @@ from boltzlabs.testing import AFTER_HARD_RESET, Episode, NotReproducible, first_
 
 __all__ = ["check_env", "INVALID_ACTION", "PRELOAD_HINT"]
 
-# Private memory an env may write after its birth before `check` suggests
-# serve(..., preload=...): a forked child of the template is ~1.5 MiB in all,
+# Private memory an env may write after its birth before `check` suggests a
+# preload list: a forked child of the template is ~1.5 MiB in all,
 # and its first reset and steps write ~0.3-0.6 MiB when they import nothing
 # (docs/hard-reset.md); one lazily imported numpy.random writes ~5.6 MiB.
 PRELOAD_HINT = 1 << 20
@@ -321,7 +321,7 @@ def _module_of(path: str) -> str | None:
 
 
 def _preloadable(modules, *, packages: bool = False) -> list:
-    """Names for serve(preload=...) that import `modules`, third-party ones first.
+    """Names for a preload list (boltzlabs.toml, RLPool(preload=...)) that import `modules`, third-party ones first.
 
     Importing a module imports its parents, not its children (scipy loads
     scipy.special lazily), so the deepest public packages are named:
@@ -363,7 +363,7 @@ def _mib(size: float) -> str:
 
 def _preload_fix(names: list, why: str) -> str:
     listed = ", ".join(f'"{name}"' for name in names[:8]) + (", ..." if len(names) > 8 else "")
-    return f"serve(..., preload=[{listed}]) in env.py {why}"
+    return f"preload = [{listed}] under [boltzlabs] in a boltzlabs.toml beside env.py (or RLPool(preload=[...])) {why}"
 
 
 def _memory(pool, birth: _Snapshot, after: _Snapshot, steps: int):
@@ -413,7 +413,7 @@ def _growth(spawn: str, birth: _Snapshot, after: _Snapshot, steps: int, probe: s
     elif grown > PRELOAD_HINT:
         yield Finding("memory", OK, detail + probe + ". No extension module was loaded after the fork: the growth "
                       "is the env's own state, or pure-Python modules its reset or step import (those can be "
-                      "preloaded: serve(..., preload=[...]))")
+                      "preloaded: RLPool(preload=[...]), or a boltzlabs.toml beside env.py)")
     else:
         yield Finding("memory", OK, detail + probe)
 
@@ -423,7 +423,7 @@ def _probe(report: dict):
     if report.get("error"):
         yield Finding("memory", WARN, f"the warm-up probe failed: {_last_line(report['error'])}; the pool started "
                       "without it, so the template imported only what env.py imports",
-                      "fix the env's reset/step under the probe, or name the modules: serve(..., preload=[...])")
+                      "fix the env's reset/step under the probe, or name the modules: preload = [...] in a boltzlabs.toml beside env.py")
         return
     modules = list(report.get("modules") or [])
     failed = dict(report.get("failed") or {})

@@ -123,12 +123,14 @@ class EnvContract:
     action_space: dict | None
     metadata: dict
     render_mode: str | None
-    # The template's warm-up (spawn="template"; boltzlabs.runtime.template.warm_up):
-    # {"modules": what the env's first reset and steps imported, "preload":
-    # serve(preload=...), "imported", "failed": {name: error}, "private_birth"/
-    # "private_after": the probe's Private_Dirty bytes before reset and after
-    # its steps, "steps", "seconds", "error": None or why the probe failed}.
-    # None in exec mode or with RLPool(warmup=False).
+    # The template's warm-up (spawn="template"; docs/templates.md): {"modules":
+    # the library modules env.py's import and its first reset and steps
+    # imported, "preload": RLPool(preload=), boltzlabs.toml and
+    # serve(preload=...), "imported", "failed": {name: error},
+    # "private_birth"/"private_after": the probe's Private_Dirty bytes at its
+    # birth and after its steps, "steps", "seconds", "error": None or why the
+    # probe failed}. None in exec mode, or with RLPool(warmup=False) and no
+    # preload list.
     warmup: dict | None = None
     # What pool.call / get_attr / set_attr reach (boltzlabs.env.serve's
     # methods=, attributes=, target=): {"methods": [names], "attributes":
