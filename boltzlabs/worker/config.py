@@ -41,6 +41,9 @@ class PoolConfig:
     hello_limits: wire.Limits  # how its handshake is: kept (lane 0's), so capped on its own
     max_pool_bytes: int
     log_tail: int
+    env_fns: tuple | None = None  # an env_fns pool: one pickled thunk (bytes) per lane (runtime/env_fns.py)
+    import_roots: tuple = ()  # what the trainer imports from outside site-packages (pool/imports.py); local only
+    env_vars: dict | None = None  # RLPool(env_vars=): variables for every env (sandbox/plan.py checks them)
 
 
 def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
@@ -83,7 +86,20 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
                                  max_objects=limits.get("max_hello_objects", 1 << 16)),
         max_pool_bytes=int(limits.get("max_pool_bytes", 1 << 30)),
         log_tail=int(limits["log_tail"]),
+        env_fns=_env_fns(request.get("env_fns"), int(request["n"])),
+        # Paths of the client's machine: a remote worker binds none of its own host's for a client.
+        import_roots=() if remote else tuple(request.get("import_roots") or ()),
+        env_vars=request.get("env_vars"),
     )
+
+
+def _env_fns(blobs, n: int) -> tuple | None:
+    """An env_fns pool's pickles: one bytes object per lane, or None for other sources."""
+    if blobs is None:
+        return None
+    if not isinstance(blobs, list) or len(blobs) != n or not all(isinstance(b, bytes) for b in blobs):
+        raise ValueError(f"env_fns must be one pickled thunk (bytes) per env, {n} of them")
+    return tuple(blobs)
 
 
 # An env's channel (docs/wire.md#the-channel): two pipes (worker -> env,
