@@ -555,6 +555,7 @@ class ClusterPool(Pool):
         if self._closed and not self._shards and not self._actors:
             return
         self._closed = True
+        self._failure_summary()
         for shard in self._shards:
             if shard.pool is not None:
                 shard.pool.close()

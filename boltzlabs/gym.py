@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import copy as _copy
 import logging
-import os
 
 import gymnasium
 import numpy as np
@@ -52,7 +51,7 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 
 from boltzlabs.pool.protocol import Pool
 from boltzlabs.errors import EnvError
-from boltzlabs.pool.spaces import space_or_rebuild
+from boltzlabs.pool.spaces import gym_rebuilder, rebuilder, space_or_rebuild
 from boltzlabs.runtime.gym_serve import NP_RANDOM_SEED
 
 __all__ = ["BoltzLabsVecEnv"]
@@ -107,7 +106,7 @@ class BoltzLabsVecEnv(VectorEnv):
             from boltzlabs.pool.client import RLPool
 
             pool = RLPool(env_fns, len(env_fns), **pool_kwargs)
-            rebuild = _rebuilder(env_fns[0] if env_fns else None)
+            rebuild = rebuilder(env_fns[0] if env_fns else None)
         else:
             raise TypeError(f"BoltzLabsVecEnv takes a list of env_fns (callables returning Gymnasium envs, as "
                             f"AsyncVectorEnv) or an open pool (an RLPool or a boltzlabs.cluster.ClusterPool), "
@@ -176,7 +175,7 @@ class BoltzLabsVecEnv(VectorEnv):
 
             pool = RLPool(source, num_envs, **kwargs)
         self = cls.__new__(cls)
-        self._rebuild = _gym_rebuilder(source, kwargs)  # read by __init__ for a pool it did not make
+        self._rebuild = gym_rebuilder(source, kwargs)  # read by __init__ for a pool it did not make
         try:
             cls.__init__(self, pool, autoreset_mode=autoreset_mode, copy=copy, observation_space=observation_space,
                          action_space=action_space)
@@ -371,6 +370,13 @@ class BoltzLabsVecEnv(VectorEnv):
     def close_extras(self, **kwargs) -> None:
         self.pool.close()
 
+    def __enter__(self) -> "BoltzLabsVecEnv":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """`with BoltzLabsVecEnv(...) as envs:` closes it (and every sandbox) at the end."""
+        self.close()
+
     def __repr__(self) -> str:
         return f"BoltzLabsVecEnv({self.pool.source!r}, num_envs={self.num_envs})"
 
@@ -414,38 +420,6 @@ class BoltzLabsVecEnv(VectorEnv):
                 continue
             infos[key] = value
             infos[f"_{key}"] = mask
-
-
-def _rebuilder(thunk):
-    """For a space the handshake cannot describe: `rebuild(what)` builds one
-    env here with `thunk` (as AsyncVectorEnv always does) and reads its space."""
-    if thunk is None:
-        return None
-
-    def rebuild(what: str):
-        env = thunk()
-        try:
-            return getattr(env, what)
-        finally:
-            env.close()
-
-    return rebuild
-
-
-def _gym_rebuilder(source, kwargs: dict):
-    """_rebuilder for a Gymnasium id: gymnasium.make(id, **the env's params)
-    (RLPool's own options left out); None for an env directory."""
-    import inspect
-
-    from boltzlabs.pool import sources
-    from boltzlabs.pool.client import RLPool
-
-    if not isinstance(source, str) or (not source.startswith(sources.GYM_PREFIX) and os.path.exists(source)):
-        return None
-    options = set(inspect.signature(RLPool.__init__).parameters) | {"cluster", "envs_per_node"}
-    params = {k: v for k, v in kwargs.items() if k not in options}
-    env_id = source[len(sources.GYM_PREFIX):] if source.startswith(sources.GYM_PREFIX) else source
-    return _rebuilder(lambda: gymnasium.make(env_id, **params))
 
 
 def _check_seeds(seed, n: int) -> list:

@@ -352,10 +352,16 @@ class RLPool(Pool):
                         others = detail["failed"] - 1
                         more = f" ({others} other env(s) failed too)" if others > 0 else ""
                         gym_id = self._resolved.gym_id
-                        if _set_up_failed(detail["log"]):
+                        if "without calling serve()" in text:
+                            fix = (f"End {config['source_dir']}/env.py with serve(reset=..., step=...) (from "
+                                   "boltzlabs.env), or serve_env(env) for a Gymnasium env object.")
+                        elif _set_up_failed(detail["log"]):
                             fix = ("The sandbox's own set-up failed before any env code ran (boltzlabs.runtime, "
                                    "above): not your env's doing. Check the policy (sandbox/policy.toml, or "
                                    "$BOLTZLABS_POLICY) and the host: `boltzlabs doctor` says what it lacks.")
+                        elif self._resolved.env_fns is not None:
+                            fix = (f"env_fns[{detail['env']}]() failed inside its sandbox (its traceback is "
+                                   "above); the same thunk called here would show it too.")
                         elif gym_id:
                             fix = (f"gymnasium.make({gym_id!r}, **{config['params']['kwargs']!r}) failed inside "
                                    "the sandbox (its traceback is above).")
@@ -462,10 +468,12 @@ class RLPool(Pool):
         return confirmed
 
     def close(self) -> None:
-        """Stop every env and the worker; remove every cgroup. Idempotent."""
+        """Stop every env and the worker; remove every cgroup. Idempotent.
+        Warns once with a sum of the envs' failures, if there were any."""
         self._closed = True
         if hasattr(self, "_finalizer"):
             self._finalizer()
+        self._failure_summary()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

@@ -15,7 +15,7 @@ id or env_fns thunk (`rebuild`), or say which override to pass.
 
 from __future__ import annotations
 
-__all__ = ["from_spec", "UnsupportedSpace", "space_or_rebuild"]
+__all__ = ["from_spec", "UnsupportedSpace", "space_or_rebuild", "rebuilder", "gym_rebuilder"]
 
 CARRIED = "Box, Discrete, MultiDiscrete, MultiBinary, Dict, Tuple, Text, Sequence and OneOf"
 
@@ -89,3 +89,42 @@ def space_or_rebuild(spec, what: str, rebuild=None, override: str = ""):
         raise UnsupportedSpace(f"{exc}. Pass the space yourself: {override}(..., {what}=...) (for "
                                f"gymnasium.make's ids and env_fns the adapter builds one env here to read it)",
                                exc.where, exc.kind) from None
+
+
+def rebuilder(thunk):
+    """For a space the handshake cannot describe: `rebuild(what)` builds one
+    env here with `thunk` (as AsyncVectorEnv always does) and reads its space."""
+    if thunk is None:
+        return None
+
+    def rebuild(what: str):
+        env = thunk()
+        try:
+            return getattr(env, what)
+        finally:
+            env.close()
+
+    return rebuild
+
+
+def gym_rebuilder(source, kwargs: dict):
+    """rebuilder for a Gymnasium id: gymnasium.make(id, **the env's params)
+    (RLPool's own options left out); None for an env directory."""
+    import inspect
+    import os
+
+    from boltzlabs.pool import sources
+    from boltzlabs.pool.client import RLPool
+
+    if not isinstance(source, str) or (not source.startswith(sources.GYM_PREFIX) and os.path.exists(source)):
+        return None
+    options = set(inspect.signature(RLPool.__init__).parameters) | {"cluster", "envs_per_node"}
+    params = {k: v for k, v in kwargs.items() if k not in options}
+    env_id = source[len(sources.GYM_PREFIX):] if source.startswith(sources.GYM_PREFIX) else source
+
+    def make():
+        import gymnasium
+
+        return gymnasium.make(env_id, **params)
+
+    return rebuilder(make)

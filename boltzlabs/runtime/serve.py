@@ -389,7 +389,14 @@ def serve_each(main) -> None:
 
     def run(channel: tuple) -> None:
         os.environ[_FD_VARIABLE] = ",".join(map(str, channel))  # the child's own, for its serve()
-        main()
+        try:
+            main()
+        except BaseException:  # building the env failed: its traceback to the lane's log, as in exec mode
+            import traceback
+
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
         from boltzlabs.runtime.rlimits import NO_SERVE_EXIT
 
         os._exit(NO_SERVE_EXIT)  # main() returned without serving: the lane's exit says so
