@@ -109,7 +109,29 @@ def _env_fns(fns, params: dict, n: int | None) -> Source:
         for module in hidden:
             cloudpickle.unregister_pickle_by_value(module)
     first = getattr(fns[0], "__qualname__", None) or type(fns[0]).__name__
-    return Source(FN_ENV_DIR, {}, f"env_fns[{len(fns)}: {first}, ...]", env_fns=blobs, thunks=tuple(fns))
+    return Source(FN_ENV_DIR, {"import": _registering_modules(roots)}, f"env_fns[{len(fns)}: {first}, ...]",
+                  env_fns=blobs, thunks=tuple(fns))
+
+
+def _registering_modules(roots) -> list[str]:
+    """The plugins whose ids this process's Gymnasium registry holds (ale_py
+    for "ALE/Pong-v5", after `gym.register_envs(ale_py)`): a thunk's
+    gymnasium.make(id) inside needs them imported first, as a forked
+    AsyncVectorEnv worker has them. Only modules imported here already, and
+    that a sandbox can import."""
+    from boltzlabs.pool import imports
+
+    gymnasium = sys.modules.get("gymnasium")
+    found = set()
+    for spec in list(getattr(gymnasium, "registry", {}).values()):
+        entry = spec.entry_point
+        name = entry.split(":")[0] if isinstance(entry, str) else getattr(entry, "__module__", None) or ""
+        top = name.split(".")[0]
+        module = sys.modules.get(top)
+        if top not in ("", "gymnasium", "__main__") and isinstance(getattr(module, "__file__", None), str) \
+                and imports.visible(module.__file__, roots):
+            found.add(top)
+    return sorted(found)
 
 
 def _env_dir(path: Path, text: str) -> Path:
@@ -226,5 +248,9 @@ def _check_params(spec, env_id: str, params: dict) -> None:
                                  f"(it takes {', '.join(known)})")
     render_mode = params.get("render_mode")
     modes = (getattr(creator, "metadata", None) or {}).get("render_modes")
-    if render_mode is not None and modes is not None and render_mode not in modes:
+    # gymnasium.make serves "human" through HumanRendering from an rgb_array mode, and "<mode>_list"
+    # through RenderCollection from <mode> (registration.make).
+    wrapped = {"human"} if {"rgb_array", "rgb_array_list"} & set(modes or ()) else set()
+    wrapped |= {f"{mode}_list" for mode in modes or ()}
+    if render_mode is not None and modes is not None and render_mode not in modes and render_mode not in wrapped:
         raise ValueError(f"{env_id!r} has no render_mode {render_mode!r}; it offers {', '.join(map(repr, modes))}")

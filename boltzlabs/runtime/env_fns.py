@@ -77,12 +77,18 @@ def read(path: str, lane: int) -> bytes:
     return blob
 
 
-def build():
-    """This lane's env: env_fns[i]() for i = $BOLTZLABS_ENV_INDEX, unpickled here.
+def build(modules=()):
+    """This lane's env: env_fns[i]() for i = $BOLTZLABS_ENV_INDEX, unpickled here,
+    once `modules` are imported (the plugins that registered the trainer's
+    Gymnasium ids: the thunk's gymnasium.make needs their ids registered here too).
 
     Raises with what to do when the thunk cannot be unpickled (a module the
     trainer imports that this sandbox cannot see) or returns no env."""
+    import importlib
     import pickle
+
+    for module in modules:
+        importlib.import_module(module)
 
     lane = int(os.environ["BOLTZLABS_ENV_INDEX"])
     blob = read(os.environ[VARIABLE], lane)

@@ -18,6 +18,7 @@ lists; each names its reason once, here.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,13 @@ from gymnasium.vector import AsyncVectorEnv, SyncVectorEnv, VectorWrapper
 
 from boltzlabs.errors import EnvError, PoolClosedError
 from boltzlabs.gym import BoltzLabsVecEnv
+
+# Headless, as upstream's CI runs these: MuJoCo renders through EGL (software, no display; the
+# sandboxes get it too: sandbox/policy.toml [pass_environment]) and pygame's windows go to SDL's
+# dummy driver. Without them the in-process reference aborts, looking for a display.
+os.environ.setdefault("MUJOCO_GL", "egl")
+os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
 
 GENERIC_DIR = Path(__file__).resolve().parent / "envs" / "generic"
 _spec = importlib.util.spec_from_file_location("gymnasium_vector_generic_env", GENERIC_DIR / "env.py")

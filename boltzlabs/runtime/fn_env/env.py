@@ -1,9 +1,9 @@
 """The env directory of every env_fns pool: `BoltzLabsVecEnv([make_env(i) for i in range(n)])`.
 
-Shipped read-only with the runtime. Lane i unpickles the trainer's
-env_fns[i] from the pool's env_fns file and calls it
-(boltzlabs/runtime/env_fns.py), in its own finished sandbox, then serves
-the env it returned (serve_env). A template that forks the envs only
+Shipped read-only with the runtime. Lane i imports the plugins that
+registered the trainer's Gymnasium ids, unpickles the trainer's env_fns[i]
+from the pool's env_fns file and calls it (boltzlabs/runtime/env_fns.py),
+in its own finished sandbox, then serves the env it returned (serve_env). A template that forks the envs only
 imports what every env's construction needs first (Gymnasium, cloudpickle's
 unpickling) and never calls a thunk (serve_each).
 """
@@ -13,6 +13,7 @@ import gymnasium  # noqa: F401
 
 from boltzlabs.runtime.env_fns import build
 from boltzlabs.runtime.gym_serve import serve_env
-from boltzlabs.runtime.serve import serve_each
+from boltzlabs.runtime.serve import params, serve_each
 
-serve_each(lambda: serve_env(build()))
+# "import": the plugins whose ids the trainer's Gymnasium registry holds (boltzlabs/pool/sources.py).
+serve_each(lambda: serve_env(build(params().get("import", ()))))
