@@ -35,13 +35,9 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-# editable_mode=compat: a .pth names the checkout, so `import boltzlabs` finds this package
-# even when run from the folder that holds the clone (whose "boltzlabs" directory would
-# otherwise be taken for a namespace package, and the import would fail).
-editable=(--config-settings editable_mode=compat)
 if [ "$minimal" = 1 ]; then
   echo "ci/setup.sh: installing boltzlabs and what a pool needs (msgpack, numpy, psutil, tqdm, pyseccomp) into .venv"
-  .venv/bin/python -m pip install -q -e . "${editable[@]}"
+  .venv/bin/python -m pip install -q -e .
 else
   # Stable-Baselines3 (a test extra) needs torch, and PyPI's torch for Linux is the CUDA build:
   # ~3 GB of wheels, ~5.4 GB installed. A CPU build pip can see (a "+cpu" wheel in one of
@@ -57,7 +53,14 @@ else
   fi
   echo "ci/setup.sh: installing boltzlabs and the test extras (pytest, hypothesis, gymnasium with ale-py, minigrid," \
        "box2d and mujoco, matplotlib, ray, stable-baselines3) into .venv"
-  .venv/bin/python -m pip install -q -e ".[test]" "${editable[@]}"
+  .venv/bin/python -m pip install -q -e ".[test]"
 fi
+# The editable install finds boltzlabs through a finder consulted after every directory of
+# sys.path; run from the folder that holds this checkout, that folder's "boltzlabs" (the
+# checkout, no __init__.py) is taken first, for an empty namespace package, and
+# `from boltzlabs import RLPool` fails. A .pth naming the checkout puts the real package on
+# sys.path, where it wins over any namespace directory.
+site=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+echo "$PWD" > "$site/boltzlabs-checkout.pth"
 path=$(.venv/bin/python -c "from boltzlabs.worker import native; print('native' if native.load()[0] else 'pure Python (the extension did not build: see pip output above)')")
 echo "boltzlabs is set up in .venv ($(.venv/bin/python --version), $(bwrap --version), step path: $path)"

@@ -82,7 +82,7 @@ progress() {  # one line: how far each running stage is (pytest -q's "[ NN%]") a
   local line="ci/test.sh: $(( $(date +%s) - begun )) s:" name done failed
   for name in "${pending[@]}"; do
     done=$(grep -o '\[ *[0-9]*%\]' "$logs/$name" 2>/dev/null | tail -n 1 | tr -d '[] ' || true)
-    failed=$(grep -E '^[.sxXFE]+ *(\[ *[0-9]+%\])?$' "$logs/$name" 2>/dev/null | tr -cd 'FE' | wc -c)
+    failed=$( (grep -E '^[.sxXFE]+ *(\[ *[0-9]+%\])?$' "$logs/$name" 2>/dev/null || true) | tr -cd 'FE' | wc -c)
     line+=" ${label_of[$name]} ${done:-starting}"
     if [ "$failed" != 0 ]; then line+=" ($failed failed so far)"; fi
     line+=";"

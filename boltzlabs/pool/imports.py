@@ -97,8 +97,10 @@ def roots() -> list[list[str]]:
         if entry:
             add(entry, "path")
     if not sys.flags.no_site:  # the trainer's own .pth files ran: so must theirs
+        checkout = os.path.dirname(_package_dir())
         for path in _pth_paths():
-            add(path, "pth")
+            if os.path.realpath(path) != checkout:  # boltzlabs' own checkout: the runtime is bound by itself
+                add(path, "pth")
         for name, path in _finder_mappings():
             # A dotted name is a subpackage mapped on its own: found through its top-level package's
             # directory when that is mapped (setuptools maps both), not importable by itself.
@@ -107,11 +109,14 @@ def roots() -> list[list[str]]:
     return out
 
 
+def _package_dir() -> str:
+    return os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # the boltzlabs package
+
+
 def visible(path: str, extra: list | None = None) -> bool:
     """Whether a module file at `path` is importable in a sandbox of this
     interpreter: below its prefix (the standard library), a site-packages
     directory, the boltzlabs package or one of `extra` (roots())."""
     path = os.path.realpath(path)
-    here = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))  # the boltzlabs package
-    dirs = [os.path.realpath(sys.base_prefix), *_site_dirs(), here, *(r[0] for r in (extra or ()))]
+    dirs = [os.path.realpath(sys.base_prefix), *_site_dirs(), _package_dir(), *(r[0] for r in (extra or ()))]
     return any(_below(path, d) for d in dirs)
