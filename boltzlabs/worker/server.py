@@ -55,6 +55,15 @@ from boltzlabs.worker.spawn import ExecSpawner, TemplateSpawner, TemplateUnavail
 from boltzlabs.worker.stepping import Stepping
 
 
+# What a pool started by an ordinary user lacks without a cgroup of its own, and how to get one
+# (docs/nonroot.md): a user systemd scope with delegation, or, where there is no user session
+# bus (su, sudo -u, a container, ssh without a login session), one from the system manager.
+DELEGATE_FIX = ("to have them, run the trainer as root or in a cgroup delegated to you: "
+                "systemd-run --user --scope -p Delegate=yes python train.py, or where there is no user session "
+                "bus (su, a container): sudo systemd-run --scope -p Delegate=yes --uid=$(id -u) --gid=$(id -g) "
+                "-E PATH=\"$PATH\" python train.py; `boltzlabs doctor` checks the host")
+
+
 def _sweep_env_fns() -> None:
     """Remove the env_fns directories of workers that died before they could
     (their pid, in the name, is gone)."""
@@ -122,16 +131,17 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
             self.cgroups = CgroupPool(self.memory_limit, self.limits.get("pids"), freezer=self.gated)
             if self.limits.get("pids") and not self.cgroups.limits_pids:
                 self.limits_note = (f"no writable pids cgroup here: the per-env pids limit "
-                                    f"({self.limits['pids']} tasks) is not enforced")
+                                    f"({self.limits['pids']} tasks) is not enforced; {DELEGATE_FIX}")
             self.memory_source = f"cgroup {self.cgroups.version} working set (usage - inactive file), kernel memory included"
         except CgroupUnavailable as exc:
             self.cgroups = None
             self.memory_source = "psutil PSS of each sandbox's processes (no writable memory cgroup)"
-            self.memory_note = f"no cgroup memory accounting: {exc}; envs_per_gb() uses PSS instead"
+            self.memory_note = f"no cgroup memory accounting: {exc}; envs_per_gb() uses PSS instead; {DELEGATE_FIX}"
             if self.limits.get("pids"):
                 self.limits_note = f"no cgroups here: the per-env pids limit ({self.limits['pids']} tasks) is not enforced"
             if self.memory_limit:
-                raise ValueError(f"memory_limit needs a writable memory cgroup, and this host has none ({exc})")
+                raise ValueError(f"memory_limit needs a writable memory cgroup, and this host has none ({exc}); "
+                                 f"{DELEGATE_FIX}")
         if self.cgroups is not None:
             guardian = guard_cgroups(self.cgroups.paths)  # however this worker dies, its cgroups go with it
         if self.gated:
