@@ -657,3 +657,38 @@ def test_step_before_reset_is_refused_as_gymnasium_refuses_it(pool_factory, env_
         sync.step(np.array([0]))
     envs.reset(seed=0)
     envs.step(np.array([0, 1]))
+
+
+# -- a remote worker --------------------------------------------------------------------------------
+
+
+class PathsSeen(gym.Wrapper):
+    def reset(self, **kwargs):
+        import sys as sys_
+
+        obs, info = self.env.reset(**kwargs)
+        return obs, {**info, "imports": os.path.exists("/opt/import"), "path": ":".join(sys_.path)}
+
+
+def paths_thunk():
+    return PathsSeen(gym.make("CartPole-v1"))
+
+
+def test_env_fns_run_on_a_remote_worker_which_binds_none_of_the_clients_paths(tmp_path, monkeypatch):
+    """A remote client's import roots name paths of its own machine: a worker binds none of them
+    (a hostile client would name the worker's /etc)."""
+    from test_remote import TOKEN, Worker
+
+    monkeypatch.setenv("PYTHONPATH", "/etc")
+    assert ["/etc", "path", ""] in imports.roots()
+    worker = Worker(tmp_path)
+    try:
+        envs = BoltzLabsVecEnv([paths_thunk, paths_thunk], worker=worker.url, token=TOKEN, step_timeout=STEP_TIMEOUT)
+        with envs:
+            _, infos = envs.reset(seed=0)
+            assert infos["imports"].tolist() == [False, False]
+            assert all("/etc" not in p.split(":") for p in infos["path"].tolist())
+            _, rewards, *_ = envs.step(np.array([0, 1]))
+            assert rewards.tolist() == [1.0, 1.0]
+    finally:
+        worker.stop()
