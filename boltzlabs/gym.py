@@ -52,7 +52,7 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 from boltzlabs.pool.protocol import Pool
 from boltzlabs.errors import EnvError
 from boltzlabs.pool.spaces import gym_rebuilder, rebuilder, space_or_rebuild
-from boltzlabs.runtime.gym_serve import NP_RANDOM_SEED
+from boltzlabs.runtime.gym_serve import NP_RANDOM_SEED, SPACES
 
 __all__ = ["BoltzLabsVecEnv"]
 
@@ -136,6 +136,8 @@ class BoltzLabsVecEnv(VectorEnv):
         self.single_action_space = action_space or space_or_rebuild(
             contract.action_space, "action_space", rebuild, "BoltzLabsVecEnv")
         self.num_envs = pool.n
+        if SPACES in ((contract.attributes or {}).get("methods") or ()) and pool.n > 1:
+            _check_same_spaces(pool, contract)
         self.observation_space = batched or batch_space(self.single_observation_space, self.num_envs)
         self.action_space = batch_space(self.single_action_space, self.num_envs)
         self.metadata = dict(contract.metadata)
@@ -420,6 +422,31 @@ class BoltzLabsVecEnv(VectorEnv):
                 continue
             infos[key] = value
             infos[f"_{key}"] = mask
+
+
+def _check_same_spaces(pool, contract) -> None:
+    """RuntimeError, as AsyncVectorEnv raises it, when some env's spaces differ
+    from env 0's (the handshake's): env_fns may build different envs, and a
+    batch of observations from differing spaces would be wrong, not refused."""
+    for i, (observation, action) in enumerate(pool.call(SPACES)):
+        if _comparable(observation) != _comparable(contract.observation_space):
+            raise RuntimeError(f"BoltzLabsVecEnv(..., observation_mode='same') however env {i}'s observation space "
+                               f"({observation}) is not env 0's ({contract.observation_space}): the envs of a pool "
+                               "must share one observation space")
+        if _comparable(action) != _comparable(contract.action_space):
+            raise RuntimeError(f"Some environments have an action space different from env 0's (env {i}: "
+                               f"{action}, env 0: {contract.action_space}). In order to batch actions, the action "
+                               "spaces from all environments must be equal.")
+
+
+def _comparable(spec):
+    # A space the handshake cannot describe travels as its repr, which may name addresses of
+    # its process (MiniGrid's MissionSpace names a function): its class is what can be compared.
+    if isinstance(spec, dict):
+        return {k: _comparable(v) for k, v in spec.items() if k != "repr"}
+    if isinstance(spec, list):
+        return [_comparable(v) for v in spec]
+    return spec
 
 
 def _check_seeds(seed, n: int) -> list:

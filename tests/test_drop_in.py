@@ -692,3 +692,12 @@ def test_env_fns_run_on_a_remote_worker_which_binds_none_of_the_clients_paths(tm
             assert rewards.tolist() == [1.0, 1.0]
     finally:
         worker.stop()
+
+
+def test_env_fns_whose_envs_have_different_spaces_are_refused_as_async_vector_env_refuses_them(spawn):
+    fns = [lambda: gym.make("CartPole-v1"), lambda: gym.make("MountainCar-v0")]
+    with pytest.raises(RuntimeError, match="env 1's observation space .* is not env 0's"):
+        ours(fns, spawn)
+    fns = [lambda: gym.make("CartPole-v1"), lambda: gym.make("Acrobot-v1")]
+    with pytest.raises(RuntimeError):
+        ours(fns, spawn)

@@ -15,7 +15,11 @@ from __future__ import annotations
 
 from boltzlabs.runtime.serve import WRAPPER_CLASSES, serve
 
-__all__ = ["serve_env", "NP_RANDOM_SEED"]
+__all__ = ["serve_env", "NP_RANDOM_SEED", "SPACES"]
+
+# The method that answers an adapter's check that every lane has the same
+# spaces (env_fns may build different envs): this env's [observation, action] specs.
+SPACES = "boltzlabs_spaces"
 
 # The method that answers the Gymnasium adapter's np_random_seed: the seed the
 # env's generator was made from, -1 when it has none yet or the seed does not
@@ -71,8 +75,14 @@ def serve_env(env, *, preload=(), warmup_actions=None, methods=None, attributes=
         seed = getattr(getattr(env, "unwrapped", env), "_np_random_seed", None)
         return seed if isinstance(seed, int) and 0 <= seed < 1 << 63 else -1
 
+    def spaces():
+        from boltzlabs.runtime.spec import to_spec
+
+        return [to_spec(env.observation_space), to_spec(env.action_space)]
+
     serve(reset=env.reset, step=env.step, observation_space=env.observation_space, action_space=env.action_space,
           metadata=_metadata(getattr(env, "metadata", None)), render=env.render,
           render_mode=getattr(env, "render_mode", None), target=env, preload=preload,
-          warmup_actions=warmup_actions, methods={WRAPPER_CLASSES: wrapper_classes, NP_RANDOM_SEED: np_random_seed, **dict(methods or {})},
+          warmup_actions=warmup_actions, methods={WRAPPER_CLASSES: wrapper_classes, NP_RANDOM_SEED: np_random_seed, SPACES: spaces,
+                   **dict(methods or {})},
           attributes=attributes)
