@@ -175,7 +175,8 @@ def make_vec(build):
 
 REFUSED_SPACE = pytest.mark.xfail(
     strict=True, raises=ValueError,
-    reason="the adapter refuses spaces it cannot rebuild from their spec (Text, Graph, Sequence, OneOf, custom)")
+    reason="the adapter refuses spaces it cannot rebuild from their spec, for an env directory (Graph, custom); "
+           "for gym ids and env_fns it builds one env in the trainer to read them")
 HETEROGENEOUS = pytest.mark.skip(
     reason="a pool runs one source with one set of params in every lane: its sub-envs cannot differ")
 SANDBOX_RNG = pytest.mark.xfail(
@@ -193,8 +194,9 @@ def vectorisers(*, boltzlabs=(), sync=(), names=("sync", "boltzlabs")):
     return [pytest.param(name, marks=marks[name], id=name) for name in names]
 
 
-# TESTING_SPACES the adapter cannot rebuild from their spec; it refuses them.
-_REFUSED_KINDS = ("Text", "Graph", "Sequence", "OneOf")
+# TESTING_SPACES the adapter cannot rebuild from their spec (Graph: GraphInstance values would arrive
+# as plain tuples); it refuses them. Text, Sequence and OneOf travel in the handshake.
+_REFUSED_KINDS = ("Graph",)
 
 
 REFUSED_SPACE_SEEN = pytest.mark.skip(
@@ -232,6 +234,10 @@ FAILURES_ARE_LANES = pytest.mark.xfail(
 MP_TIMEOUT = pytest.mark.xfail(
     strict=True, raises=TimeoutError,
     reason="step_wait(timeout=) raises the built-in TimeoutError, not multiprocessing.TimeoutError (not a subclass)")
+UPSTREAM_RENDER_LIST = pytest.mark.xfail(
+    strict=True, raises=AssertionError,
+    reason="upstream's test fails on SyncVectorEnv as well with gymnasium 1.4.0: HumanRendering asserts that "
+           "render() returns arrays, and an rgb_array_list env returns lists")
 NO_MOVIEPY = pytest.mark.skipif(importlib.util.find_spec("moviepy") is None,
                                 reason="moviepy is not installed (upstream needs it too)")
 PER_ENV_WRAPPERS = pytest.mark.skip(

@@ -9,7 +9,7 @@ import re
 import pytest
 from gymnasium.wrappers.vector import HumanRendering
 
-from ..conftest import NO_PYGAME, vectorisers
+from ..conftest import NO_PYGAME, UPSTREAM_RENDER_LIST, vectorisers
 
 
 @pytest.mark.parametrize("env_id", ["CartPole-v1", "Ant-v4"])
@@ -29,7 +29,7 @@ def test_num_envs_screen_size(vectoriser, make_vec, env_id, num_envs, screen_siz
     envs.close()
 
 
-@pytest.mark.parametrize("vectoriser", vectorisers())
+@pytest.mark.parametrize("vectoriser", vectorisers(boltzlabs=UPSTREAM_RENDER_LIST, sync=UPSTREAM_RENDER_LIST))
 @NO_PYGAME
 def test_render_modes(vectoriser, make_vec):
     envs = HumanRendering(
