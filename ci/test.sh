@@ -78,14 +78,17 @@ if [ "${CI_ASAN:-1}" != 0 ]; then
   start asan "ASan+UBSan over the fuzz and fault tests" bash ci/asan.sh
 fi
 
-progress() {  # one line: how far each running stage is (pytest -q's "[ NN%]") and how many failed so far
-  local line="ci/test.sh: $(( $(date +%s) - begun )) s:" name done failed
+progress() {  # one line: how far each running stage is (pytest -q's "[ NN%]"), tests run, how many failed
+  local line="ci/test.sh: $(( $(date +%s) - begun )) s:" name done marks tests failed
   for name in "${pending[@]}"; do
     done=$(grep -o '\[ *[0-9]*%\]' "$logs/$name" 2>/dev/null | tail -n 1 | tr -d '[] ' || true)
-    failed=$( (grep -E '^[.sxXFE]+ *(\[ *[0-9]+%\])?$' "$logs/$name" 2>/dev/null || true) | tr -cd 'FE' | wc -c)
-    line+=" ${label_of[$name]} ${done:-starting}"
-    if [ "$failed" != 0 ]; then line+=" ($failed failed so far)"; fi
-    line+=";"
+    # pytest -q's progress lines: one character per test (and the last line, not yet ended).
+    marks=$(grep -E '^[.sxXFE]+ *(\[ *[0-9]+%\])?$' "$logs/$name" 2>/dev/null || true)
+    tests=$(printf '%s' "$marks" | tr -cd '.sxXFE' | wc -c)
+    failed=$(printf '%s' "$marks" | tr -cd 'FE' | wc -c)
+    line+=" ${label_of[$name]} ${done:-0%} ($tests tests"
+    if [ "$failed" != 0 ]; then line+=", $failed failed so far"; fi
+    line+=");"
   done
   echo "${line%;}" >&2
 }

@@ -93,8 +93,8 @@ def test_ci_test_sh_prints_progress_while_stages_run(tmp_path):
     """) + function + "\nprogress\n"
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert re.fullmatch(r"ci/test\.sh: 4[23] s: suite, native path 20% \(2 failed so far\); "
-                        r"suite, pure-Python path starting\n", done.stderr), done.stderr
+    assert re.fullmatch(r"ci/test\.sh: 4[23] s: suite, native path 20% \(18 tests, 2 failed so far\); "
+                        r"suite, pure-Python path 0% \(0 tests\)\n", done.stderr), done.stderr
     assert "progress\n" in source.split("next_progress")[-2]  # called from the waiting loop
 
 
