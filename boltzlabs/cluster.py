@@ -56,7 +56,7 @@ def _ray():
     try:
         import ray
     except ImportError:
-        raise ImportError("ClusterPool needs Ray: pip install 'boltzlabs[ray]'") from None
+        raise ImportError("ClusterPool needs Ray: pip install -e '.[ray]' in a checkout of boltzlabs") from None
     return ray
 
 

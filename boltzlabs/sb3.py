@@ -37,7 +37,7 @@ try:
     from stable_baselines3.common.vec_env.base_vec_env import VecEnv
     from stable_baselines3.common.vec_env.util import dict_to_obs, obs_space_info
 except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError("boltzlabs.sb3 needs Stable-Baselines3: pip install 'boltzlabs[sb3]'") from exc
+    raise ImportError("boltzlabs.sb3 needs Stable-Baselines3: pip install -e '.[sb3]' in a checkout of boltzlabs") from exc
 
 from boltzlabs.pool.client import RLPool
 from boltzlabs.runtime.serve import WRAPPER_CLASSES

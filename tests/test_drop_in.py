@@ -38,7 +38,7 @@ from boltzlabs import RLPool
 from boltzlabs.errors import EnvStartError
 from boltzlabs.gym import BoltzLabsVecEnv
 from boltzlabs.pool import imports
-from boltzlabs.pool.spaces import UnsupportedSpace
+from boltzlabs.errors import UnsupportedSpace
 from boltzlabs.runtime.serve import reset_caller
 
 N = 3

@@ -15,18 +15,11 @@ id or env_fns thunk (`rebuild`), or say which override to pass.
 
 from __future__ import annotations
 
+from boltzlabs.errors import UnsupportedSpace
+
 __all__ = ["from_spec", "UnsupportedSpace", "space_or_rebuild", "rebuilder", "gym_rebuilder"]
 
 CARRIED = "Box, Discrete, MultiDiscrete, MultiBinary, Dict, Tuple, Text, Sequence and OneOf"
-
-
-class UnsupportedSpace(ValueError):
-    """A space the handshake cannot describe: `where` is its place in the
-    space ("['mission']"), `kind` its class as the env named it."""
-
-    def __init__(self, message: str, where: str = "", kind: str = ""):
-        super().__init__(message)
-        self.where, self.kind = where, kind
 
 
 def from_spec(spec: dict | None, where: str = ""):
