@@ -56,7 +56,7 @@ def _ray():
     try:
         import ray
     except ImportError:
-        raise ImportError("ClusterPool needs Ray: pip install 'boltzlabs[ray]'") from None
+        raise ImportError("ClusterPool needs Ray: pip install -e '.[ray]' in a checkout of boltzlabs") from None
     return ray
 
 
@@ -556,6 +556,7 @@ class ClusterPool(Pool):
         if self._closed and not self._shards and not self._actors:
             return
         self._closed = True
+        self._failure_summary()
         for shard in self._shards:
             if shard.pool is not None:
                 shard.pool.close()

@@ -12,6 +12,7 @@
     ├── ProtocolError        a peer sent bytes that are not a valid frame
     └── UsageError           the command line asks for something that cannot be done (exit 2)
     SeccompPolicyError       sandbox/seccomp.toml cannot be compiled (a ValueError)
+    UnsupportedSpace         a space the handshake cannot describe, and no override given (a ValueError)
 
 Internal control flow of one module each, never seen by a user of the pool:
 ClientGone (worker), StartFailure (worker, becomes EnvStartError on the
@@ -150,3 +151,13 @@ class LaneStateError(BoltzLabsError):
     """The worker tried a lane state change its transition table does not
     declare (boltzlabs/worker/lanes.py): a bug in the worker, which then ends
     with its traceback. Deliberately not a ValueError (not a bad argument)."""
+
+
+class UnsupportedSpace(ValueError):
+    """A Gymnasium space the handshake cannot describe (boltzlabs.pool.spaces):
+    `where` is its place in the space ("['mission']"), `kind` its class as the
+    env named it. The message says which override to pass."""
+
+    def __init__(self, message: str, where: str = "", kind: str = ""):
+        super().__init__(message)
+        self.where, self.kind = where, kind

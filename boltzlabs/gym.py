@@ -26,9 +26,16 @@ A lane whose env failed (exception, death, missed deadline) comes back
 truncated with infos["error"] and its last observation; autoreset respawns it.
 
 Seeds are checked as Gymnasium checks them, before anything runs;
-`np_random_seed` is the seed each lane's current generator was made from
-(-1 where none was given). `call`, `get_attr` and `set_attr` reach the envs
-in their sandboxes (RLPool.call and friends).
+`np_random_seed` is each env's own (asked of the env where the source
+serves a Gymnasium env object: gym ids and env_fns), else the seed each
+lane's latest seeded reset was given (-1 where none was). `call`, `get_attr`
+and `set_attr` reach the envs in their sandboxes (RLPool.call and friends).
+
+Built as AsyncVectorEnv is, from env_fns: `BoltzLabsVecEnv([make_env(i) for i
+in range(n)])` pickles each callable here (the trainer is the trusted side)
+and calls env_fns[i]() in lane i's own sandbox (boltzlabs/pool/sources.py,
+boltzlabs/runtime/env_fns.py). Failures that every lane keeps hitting are
+warned about once per pool and kind (boltzlabs.pool.protocol).
 """
 
 from __future__ import annotations
@@ -44,7 +51,8 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array,
 
 from boltzlabs.pool.protocol import Pool
 from boltzlabs.errors import EnvError
-from boltzlabs.pool.spaces import from_spec
+from boltzlabs.pool.spaces import gym_rebuilder, rebuilder, space_or_rebuild
+from boltzlabs.runtime.gym_serve import NP_RANDOM_SEED, SPACES
 
 __all__ = ["BoltzLabsVecEnv"]
 
@@ -53,31 +61,84 @@ _RUNTIME_KEYS = ("episode_ids", "episode_record")
 
 
 class BoltzLabsVecEnv(VectorEnv):
-    """A Gymnasium vector env over a pool (RLPool or ClusterPool); each env in its own sandbox.
+    """A Gymnasium vector env whose envs each run in their own sandbox: AsyncVectorEnv's drop-in.
 
-        envs = BoltzLabsVecEnv.make("CartPole-v1", num_envs=8)
+        envs = BoltzLabsVecEnv([make_env(i) for i in range(8)])    # as AsyncVectorEnv(env_fns)
+        envs = BoltzLabsVecEnv.make("CartPole-v1", num_envs=8)      # or a source: an id, an env directory
         obs, infos = envs.reset(seed=42)
         obs, rewards, terminations, truncations, infos = envs.step(envs.action_space.sample())
 
-    `pool`: an open pool (boltzlabs.pool.protocol.Pool) whose env declared its spaces in serve() (gym
-    sources always do); the adapter owns it from now on and close() closes
-    it. `observation_space` / `action_space` override the declared ones.
+    `env_fns`: a list of callables, each returning a Gymnasium env (wrapped
+    as you like: AtariPreprocessing, FrameStackObservation, an index of its
+    own); env i is env_fns[i]() built in its own sandbox. Or an open pool
+    (boltzlabs.pool.protocol.Pool: an RLPool or a ClusterPool) whose env
+    declared its spaces in serve() (gym sources always do). The adapter owns
+    the pool from then on and close() closes it. `observation_space` /
+    `action_space` override the declared ones; a space the handshake cannot
+    describe (a package's own space class) is read from one env built here
+    from the same thunk or id, as AsyncVectorEnv builds one for its spaces.
     `copy`: return copies of the batched observations (as SyncVectorEnv).
+    `observation_mode`: "same" or an (observation_space,
+    single_observation_space) pair (a pool's lanes share one space).
+    `shared_memory`, `context` and `daemon` are AsyncVectorEnv's and do
+    nothing here (observations cross a pipe; every env is its own process).
+    Other keywords are RLPool's options (step_timeout, memory_limit,
+    spawn, env_vars, ...).
     """
 
-    def __init__(self, pool: Pool, *, autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
+    def __init__(self, env_fns, *, autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
                  observation_space: gymnasium.Space | None = None, action_space: gymnasium.Space | None = None,
-                 copy: bool = True):
-        if not isinstance(pool, Pool):
-            raise TypeError(f"BoltzLabsVecEnv wraps a pool (an RLPool or a boltzlabs.cluster.ClusterPool), "
-                            f"not {type(pool).__name__}")
+                 copy: bool = True, observation_mode="same", shared_memory=None, context=None, daemon=None,
+                 **pool_kwargs):
+        rebuild = None
+        if isinstance(env_fns, Pool):
+            if pool_kwargs:
+                raise TypeError(f"BoltzLabsVecEnv(pool) takes an open pool alone; pool options "
+                                f"({', '.join(sorted(pool_kwargs))}) go with env_fns or a source "
+                                "(BoltzLabsVecEnv.make(source, n, ...))")
+            pool = env_fns
+        elif isinstance(env_fns, (list, tuple)) or (hasattr(env_fns, "__iter__") and not isinstance(env_fns, str)):
+            env_fns = list(env_fns)
+            if callable(pool_kwargs.get("worker")):
+                raise TypeError("worker= is AsyncVectorEnv's custom worker function, which cannot run here: each "
+                                "env is served by boltzlabs inside its sandbox (worker='tcp://host:port' runs the "
+                                "pool on a remote boltzlabs worker)")
+            from boltzlabs.pool.client import RLPool
+
+            pool = RLPool(env_fns, len(env_fns), **pool_kwargs)
+            rebuild = rebuilder(env_fns[0] if env_fns else None)
+        else:
+            raise TypeError(f"BoltzLabsVecEnv takes a list of env_fns (callables returning Gymnasium envs, as "
+                            f"AsyncVectorEnv) or an open pool (an RLPool or a boltzlabs.cluster.ClusterPool), "
+                            f"not {type(env_fns).__name__}; for a source, BoltzLabsVecEnv.make(source, n)")
+        try:
+            self._attach(pool, autoreset_mode, observation_space, action_space, copy, observation_mode,
+                         getattr(self, "_rebuild", rebuild))
+        except BaseException:
+            if pool is not env_fns:
+                pool.close()
+            raise
+
+    def _attach(self, pool, autoreset_mode, observation_space, action_space, copy, observation_mode,
+                rebuild) -> None:
         self.pool = pool
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         contract = pool.env_contract
-        self.single_observation_space = observation_space or _space(contract.observation_space, "observation_space")
-        self.single_action_space = action_space or _space(contract.action_space, "action_space")
+        if isinstance(observation_mode, tuple) and len(observation_mode) == 2:
+            batched, observation_space = observation_mode
+        elif observation_mode == "same":
+            batched = None
+        else:
+            raise ValueError(f"observation_mode={observation_mode!r}: a pool's envs share one observation space; "
+                             "use 'same' (the default) or an (observation_space, single_observation_space) pair")
+        self.single_observation_space = observation_space or space_or_rebuild(
+            contract.observation_space, "observation_space", rebuild, "BoltzLabsVecEnv")
+        self.single_action_space = action_space or space_or_rebuild(
+            contract.action_space, "action_space", rebuild, "BoltzLabsVecEnv")
         self.num_envs = pool.n
-        self.observation_space = batch_space(self.single_observation_space, self.num_envs)
+        if SPACES in ((contract.attributes or {}).get("methods") or ()) and pool.n > 1:
+            _check_same_spaces(pool, contract)
+        self.observation_space = batched or batch_space(self.single_observation_space, self.num_envs)
         self.action_space = batch_space(self.single_action_space, self.num_envs)
         self.metadata = dict(contract.metadata)
         self.metadata["autoreset_mode"] = self.autoreset_mode
@@ -85,12 +146,15 @@ class BoltzLabsVecEnv(VectorEnv):
         self.copy = copy
         self._observations = create_empty_array(self.single_observation_space, n=self.num_envs, fn=np.zeros)
         self._env_obs = [None] * self.num_envs
+        self._all_reset = False  # every lane has an observation: step() may run
         self._autoreset = np.zeros(self.num_envs, dtype=np.bool_)
         self._shadowed: set = set()
         self._waiting = False  # a step_async() awaits its step_wait()
         self._waited: dict = {}  # lane -> its result, gathered by step_wait()
         self._episodes_ended: list = []
         self._seeds = [-1] * self.num_envs  # the seed each lane was last reset with (-1: none yet)
+        # A Gymnasium env object behind every lane (serve_env: gym ids, env_fns): ask it for its seed.
+        self._env_objects = NP_RANDOM_SEED in ((contract.attributes or {}).get("methods") or ())
         self.completed_episodes = 0
         """How many episodes ended on the latest step (0 after a reset)."""
 
@@ -103,6 +167,7 @@ class BoltzLabsVecEnv(VectorEnv):
         params (render_mode="rgb_array", ...), checked before any sandbox starts.
         `cluster="ray"` (or a Ray cluster's address, with `envs_per_node=`)
         spreads the envs over a Ray cluster (boltzlabs.cluster.ClusterPool)."""
+        observation_space, action_space = kwargs.pop("observation_space", None), kwargs.pop("action_space", None)
         if kwargs.get("cluster") is not None:
             from boltzlabs.cluster import ClusterPool
 
@@ -111,11 +176,15 @@ class BoltzLabsVecEnv(VectorEnv):
             from boltzlabs.pool.client import RLPool
 
             pool = RLPool(source, num_envs, **kwargs)
+        self = cls.__new__(cls)
+        self._rebuild = gym_rebuilder(source, kwargs)  # read by __init__ for a pool it did not make
         try:
-            return cls(pool, autoreset_mode=autoreset_mode, copy=copy)
+            cls.__init__(self, pool, autoreset_mode=autoreset_mode, copy=copy, observation_space=observation_space,
+                         action_space=action_space)
         except BaseException:
             pool.close()
             raise
+        return self
 
     # -- what rlmesh's SandboxVectorEnv exposes --------------------------------------
 
@@ -145,21 +214,28 @@ class BoltzLabsVecEnv(VectorEnv):
     @property
     def np_random_seed(self) -> tuple:
         """The seed each env's generator was made from, as SyncVectorEnv's
-        (42, 43) after reset(seed=42): the seed of the lane's latest seeded
-        reset, -1 (Gymnasium's "unknown") for a lane never seeded."""
+        ((42, 43) after reset(seed=42)). For envs served as Gymnasium env
+        objects (serve_env: gym ids, env_fns) the seed each env's generator
+        was made from, read in its sandbox, so a thunk that seeds its env is
+        seen; for an env directory the seed of the lane's latest seeded
+        reset. -1 (Gymnasium's "unknown") for an env never seeded (where
+        SyncVectorEnv's env would draw a seed from entropy on the spot)."""
+        if self._env_objects:
+            return tuple(int(seed) for seed in self.pool.call(NP_RANDOM_SEED))
         return tuple(self._seeds)
 
     def reset(self, *, seed: int | list | None = None, options: dict | None = None):
-        """Reset every env (or those of options["reset_mask"]), as SyncVectorEnv.reset."""
+        """Reset every env (or those of options["reset_mask"]), as SyncVectorEnv.reset:
+        it pops "reset_mask" from `options` (so a wrapper above sees what
+        SyncVectorEnv's would), and each env is given the rest (`{}` when
+        only the mask was there, None when no options were given)."""
         n = self.num_envs
         seeds = _check_seeds(seed, n)
         lanes = list(range(n))
         if options is not None and "reset_mask" in options:
-            options = dict(options)  # the caller's dict is left as it was (SyncVectorEnv pops from it)
-            mask = _check_reset_mask(options.pop("reset_mask"), n)
+            mask = _check_reset_mask(options["reset_mask"], n)
+            options.pop("reset_mask")
             lanes = np.flatnonzero(mask).tolist()
-        if not options:
-            options = None  # an env's reset may take only the seed
         self.pool.reset(seed=seeds, where=lanes, options=options)
         for i in lanes:
             if seeds[i] is not None:
@@ -174,6 +250,7 @@ class BoltzLabsVecEnv(VectorEnv):
                 continue
             self._env_obs[i] = observations[i]
             infos = self._add_info(infos, info, i)
+        self._all_reset = self._all_reset or all(o is not None for o in self._env_obs)
         if failed:
             raise EnvError(f"env {failed[0]} could not be reset: {self.pool.reset_infos[failed[0]]['error']}",
                            env_index=failed[0])
@@ -223,6 +300,11 @@ class BoltzLabsVecEnv(VectorEnv):
         mode = self.autoreset_mode
         if self._waiting:
             raise ValueError("a step_async() is waiting for its step_wait()")
+        if not self._all_reset:
+            lanes = [i for i, o in enumerate(self._env_obs) if o is None]
+            raise gym_error.ResetNeeded(f"Cannot call step() before calling reset(): env(s) {lanes[:10]} "
+                                        f"{'have' if len(lanes) > 1 else 'has'} not been reset (as in "
+                                        "SyncVectorEnv, whose envs raise this)")
         items = list(iterate(self.action_space, actions))
         if len(items) != n:
             raise ValueError(f"step() needs {n} actions, one per env; got {len(items)}")
@@ -290,6 +372,13 @@ class BoltzLabsVecEnv(VectorEnv):
     def close_extras(self, **kwargs) -> None:
         self.pool.close()
 
+    def __enter__(self) -> "BoltzLabsVecEnv":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """`with BoltzLabsVecEnv(...) as envs:` closes it (and every sandbox) at the end."""
+        self.close()
+
     def __repr__(self) -> str:
         return f"BoltzLabsVecEnv({self.pool.source!r}, num_envs={self.num_envs})"
 
@@ -335,11 +424,29 @@ class BoltzLabsVecEnv(VectorEnv):
             infos[f"_{key}"] = mask
 
 
-def _space(spec, what: str) -> gymnasium.Space:
-    if spec is None:
-        raise ValueError(f"the env declared no {what}; pass it to serve(..., {what}=...) in its env.py, "
-                         f"or to BoltzLabsVecEnv(pool, {what}=...)")
-    return from_spec(spec)
+def _check_same_spaces(pool, contract) -> None:
+    """RuntimeError, as AsyncVectorEnv raises it, when some env's spaces differ
+    from env 0's (the handshake's): env_fns may build different envs, and a
+    batch of observations from differing spaces would be wrong, not refused."""
+    for i, (observation, action) in enumerate(pool.call(SPACES)):
+        if _comparable(observation) != _comparable(contract.observation_space):
+            raise RuntimeError(f"BoltzLabsVecEnv(..., observation_mode='same') however env {i}'s observation space "
+                               f"({observation}) is not env 0's ({contract.observation_space}): the envs of a pool "
+                               "must share one observation space")
+        if _comparable(action) != _comparable(contract.action_space):
+            raise RuntimeError(f"Some environments have an action space different from env 0's (env {i}: "
+                               f"{action}, env 0: {contract.action_space}). In order to batch actions, the action "
+                               "spaces from all environments must be equal.")
+
+
+def _comparable(spec):
+    # A space the handshake cannot describe travels as its repr, which may name addresses of
+    # its process (MiniGrid's MissionSpace names a function): its class is what can be compared.
+    if isinstance(spec, dict):
+        return {k: _comparable(v) for k, v in spec.items() if k != "repr"}
+    if isinstance(spec, list):
+        return [_comparable(v) for v in spec]
+    return spec
 
 
 def _check_seeds(seed, n: int) -> list:

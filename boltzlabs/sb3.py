@@ -37,13 +37,13 @@ try:
     from stable_baselines3.common.vec_env.base_vec_env import VecEnv
     from stable_baselines3.common.vec_env.util import dict_to_obs, obs_space_info
 except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError("boltzlabs.sb3 needs Stable-Baselines3: pip install 'boltzlabs[sb3]'") from exc
+    raise ImportError("boltzlabs.sb3 needs Stable-Baselines3: pip install -e '.[sb3]' in a checkout of boltzlabs") from exc
 
 from boltzlabs.pool.client import RLPool
 from boltzlabs.runtime.serve import WRAPPER_CLASSES
 from boltzlabs.cluster import ClusterPool
 from boltzlabs.errors import EnvError
-from boltzlabs.pool.spaces import from_spec
+from boltzlabs.pool.spaces import gym_rebuilder, rebuilder, space_or_rebuild
 
 __all__ = ["BoltzLabsSB3VecEnv"]
 
@@ -57,39 +57,53 @@ class BoltzLabsSB3VecEnv(VecEnv):
         venv = BoltzLabsSB3VecEnv(RLPool("./my_env", 8))        # or an open pool
         model = PPO("MlpPolicy", VecMonitor(venv)).learn(10_000)
 
-    `source`: an open RLPool (the adapter owns it from now on: close() closes
-    it), or a source as RLPool takes it ("CartPole-v1", "gym://...", an env
-    directory) with `n_envs` and RLPool's options and the env's params in
-    `pool_kwargs`. The env must declare its spaces in serve() (gym sources
-    always do); `observation_space` / `action_space` override them.
+        venv = BoltzLabsSB3VecEnv([make_env(i) for i in range(8)])   # as SubprocVecEnv(env_fns)
+
+    `source`: env_fns, a list of callables each returning a Gymnasium env
+    (SubprocVecEnv's and make_vec_env's thunks; env i is env_fns[i]() built in
+    its own sandbox); an open RLPool (the adapter owns it from now on: close()
+    closes it); or a source as RLPool takes it ("CartPole-v1", "gym://...",
+    an env directory) with `n_envs` and RLPool's options and the env's params
+    in `pool_kwargs`. The env must declare its spaces in serve() (gym
+    sources and env_fns always do); `observation_space` / `action_space`
+    override them, and a space the handshake cannot describe is read from
+    one env built here from the same thunk or id. `start_method` is
+    SubprocVecEnv's and does nothing here.
     """
 
     def __init__(self, source, n_envs: int | None = None, *, observation_space=None, action_space=None,
-                 **pool_kwargs):
+                 start_method=None, **pool_kwargs):
         if isinstance(source, ClusterPool) or pool_kwargs.get("cluster") is not None:
             raise TypeError("BoltzLabsSB3VecEnv runs on one worker's RLPool; a cluster pool (RLPool(cluster=...)) "
                             "is not supported: drop cluster=, or use RLPool(..., worker='tcp://...') for a remote one")
+        rebuild = None
         if isinstance(source, RLPool):
             if n_envs is not None or pool_kwargs:
                 raise TypeError("BoltzLabsSB3VecEnv(pool) takes an open RLPool alone; n_envs and pool options "
                                 "go with a source: BoltzLabsSB3VecEnv('CartPole-v1', 8, step_timeout=5)")
             pool = source
+        elif isinstance(source, (list, tuple)):
+            pool = RLPool(list(source), len(source) if n_envs is None else n_envs, **pool_kwargs)
+            rebuild = rebuilder(source[0] if source else None)
         else:
             if n_envs is None:
                 raise TypeError(f"BoltzLabsSB3VecEnv({source!r}) needs n_envs, the number of sandboxed envs")
             pool = RLPool(source, n_envs, **pool_kwargs)
+            rebuild = gym_rebuilder(source, pool_kwargs)
         try:
-            self._attach(pool, observation_space, action_space)
+            self._attach(pool, observation_space, action_space, rebuild)
         except BaseException:
             if pool is not source:
                 pool.close()
             raise
 
-    def _attach(self, pool: RLPool, observation_space, action_space) -> None:
+    def _attach(self, pool: RLPool, observation_space, action_space, rebuild=None) -> None:
         self.pool = pool
         contract = pool.env_contract
-        observation_space = observation_space or _space(contract.observation_space, "observation_space")
-        action_space = action_space or _space(contract.action_space, "action_space")
+        observation_space = observation_space or space_or_rebuild(
+            contract.observation_space, "observation_space", rebuild, "BoltzLabsSB3VecEnv")
+        action_space = action_space or space_or_rebuild(contract.action_space, "action_space", rebuild,
+                                                        "BoltzLabsSB3VecEnv")
         self._waiting = False
         # super().__init__ asks get_attr("render_mode"), answered from the contract.
         super().__init__(pool.n, observation_space, action_space)
@@ -273,10 +287,3 @@ class BoltzLabsSB3VecEnv(VecEnv):
                 raise IndexError(f"env index {i!r} is out of range for {n} envs")
             lanes.append(int(i) % n)
         return lanes
-
-
-def _space(spec, what: str):
-    if spec is None:
-        raise ValueError(f"the env declared no {what}; pass it to serve(..., {what}=...) in its env.py, "
-                         f"or to BoltzLabsSB3VecEnv(..., {what}=...)")
-    return from_spec(spec)

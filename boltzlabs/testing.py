@@ -390,7 +390,7 @@ class _Plan:
             space = from_spec(spec)
         except ImportError:
             raise ValueError("sampling actions from the env's action space needs Gymnasium: pip install "
-                             "'boltzlabs[gym]', or pass actions=") from None
+                             "-e '.[gym]' in a checkout of boltzlabs, or pass actions=") from None
         space.seed(ACTION_SEED)
         self.table = [[space.sample() for _ in range(self.n)] for _ in range(self.steps)]
 

@@ -6,13 +6,15 @@
 #   asan    the fuzz and fault tests under AddressSanitizer and UBSan (ci/asan.sh).
 # Much of the suite waits (sandboxes starting, envs sleeping, time-outs running out, Ray
 # starting), so two sessions at once on two cores take far less than the two in turn
-# (docs/ci.md has the figures). Each stage's output is printed whole when it ends, with
-# how long it took. Exit status: the first failed stage's; "no tests ran" (pytest's 5)
-# counts as a failure.
+# (docs/ci.md has the figures). While they run, a progress line every CI_PROGRESS seconds
+# (30) says how far each stage is and how many tests failed so far; each stage's
+# output is printed whole when it ends, with how long it took. Exit status: the first
+# failed stage's; "no tests ran" (pytest's 5) counts as a failure.
 # Arguments go to every pytest run. CI_PATHS="native" (or "pure") runs one path;
 # CI_ASAN=0 skips the sanitizer run; CI_SERIAL=1 runs the stages one after another.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+echo "ci/test.sh: setting up (ci/setup.sh: apt packages if missing, .venv with the test extras)" >&2
 bash ci/setup.sh
 
 # Files whose tests never start a pool, so never reach the step path: the lane state
@@ -76,13 +78,34 @@ if [ "${CI_ASAN:-1}" != 0 ]; then
   start asan "ASan+UBSan over the fuzz and fault tests" bash ci/asan.sh
 fi
 
-# Whichever stage ends first is shown first.
+progress() {  # one line: how far each running stage is (pytest -q's "[ NN%]"), tests run, how many failed
+  local line="ci/test.sh: $(( $(date +%s) - begun )) s:" name done marks tests failed
+  for name in "${pending[@]}"; do
+    done=$(grep -o '\[ *[0-9]*%\]' "$logs/$name" 2>/dev/null | tail -n 1 | tr -d '[] ' || true)
+    # pytest -q's progress lines: one character per test (and the last line, not yet ended).
+    marks=$(grep -E '^[.sxXFE]+ *(\[ *[0-9]+%\])?$' "$logs/$name" 2>/dev/null || true)
+    tests=$(printf '%s' "$marks" | tr -cd '.sxXFE' | wc -c)
+    failed=$(printf '%s' "$marks" | tr -cd 'FE' | wc -c)
+    line+=" ${label_of[$name]} ${done:-0%} ($tests tests"
+    if [ "$failed" != 0 ]; then line+=", $failed failed so far"; fi
+    line+=");"
+  done
+  echo "${line%;}" >&2
+}
+
+# Whichever stage ends first is shown first; a progress line every CI_PROGRESS seconds.
+begun=$(date +%s)
+next_progress=$(( begun + ${CI_PROGRESS:-30} ))
 while [ ${#pending[@]} -gt 0 ]; do
   left=()
   for name in "${pending[@]}"; do
     if [ -e "$logs/$name.rc" ]; then finish "$name"; else left+=("$name"); fi
   done
   pending=("${left[@]}")
+  if [ ${#pending[@]} -gt 0 ] && [ "$(date +%s)" -ge "$next_progress" ]; then
+    progress
+    next_progress=$(( $(date +%s) + ${CI_PROGRESS:-30} ))
+  fi
   [ ${#pending[@]} = 0 ] || sleep 1
 done
 exit "$status"

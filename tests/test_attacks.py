@@ -305,7 +305,13 @@ def _host_account_takes(kind: str) -> int:
 @pytest.fixture
 def quota_pool(env_dir, pool_factory):
     source = env_dir(QUOTA_ENV)
-    return lambda **kwargs: pool_factory(source, 2, step_timeout=20.0, **kwargs)
+
+    def make(**kwargs):
+        pool = pool_factory(source, 2, step_timeout=20.0, **kwargs)
+        pool.reset()  # a pool steps only lanes a reset has reached
+        return pool
+
+    return make
 
 
 def _take(pool, kind: str, most: int) -> dict:

@@ -157,7 +157,7 @@ def test_bench_says_how_to_get_matplotlib_when_it_is_missing(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     code, out, err = boltzlabs("bench", COUNTER, "-n", "2", "--steps", "5", "--plot", tmp_path / "x.png", env=env)
     assert code == 2 and out == ""
-    assert "pip install 'boltzlabs[plot]'" in err
+    assert "pip install matplotlib (or pip install -e '.[plot]' in a checkout of boltzlabs)" in err
 
 
 def test_bench_of_an_env_that_cannot_start_exits_1():

@@ -159,6 +159,7 @@ def test_a_cluster_without_room_says_so(cluster):
     extra = cluster.add_node(**NODE)
     pool = ClusterPool(COUNTER, 6, cluster=cluster.address, envs_per_node=2)
     try:
+        pool.reset()  # a pool steps only lanes a reset has reached
         lost = [lane for lane, node in enumerate(pool.lane_nodes) if node == extra.node_id]
         remove_node(cluster, extra)
         pool.step([1] * 6)

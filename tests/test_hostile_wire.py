@@ -329,6 +329,7 @@ def test_a_large_hello_starts_in_template_mode_promptly(env_dir):
         assert pool.spawn == "template"
         assert time.monotonic() - started < 12
         assert len(pool.env_contract.metadata["blob"]) == 1_000_000
+        pool.reset()
         assert pool.step([0, 0])[0] == [0, 0]
 
 

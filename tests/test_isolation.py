@@ -36,6 +36,19 @@ HOSTNAME = "boltzlabs"
 # -- helpers --------------------------------------------------------------------------
 
 
+@pytest.fixture
+def pool_factory(pool_factory):
+    """conftest's, each pool reset once when it is made: the probe's ops run in step(), and a
+    pool refuses to step a lane no reset has reached (as Gymnasium's vector envs do)."""
+
+    def make(*args, **kwargs):
+        pool = pool_factory(*args, **kwargs)
+        pool.reset()
+        return pool
+
+    return make
+
+
 def assert_healthy(pool: RLPool) -> None:
     """A normal step on every lane answers reward 1.0 with no error."""
     assert pool.states() == ["idle"] * pool.n

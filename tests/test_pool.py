@@ -145,7 +145,7 @@ def test_use_after_close(probe_pool):
 @pytest.mark.parametrize("source, expected", [
     ("raise RuntimeError('broken at import')\n", "broken at import"),
     ("import os\nos._exit(4)\n", "exited with code 4"),
-    ("x = 1  # never calls serve()\n", "exited with code 0"),
+    ("x = 1  # never calls serve()\n", "returned without calling serve()"),
     ("import time\ntime.sleep(60)\n", "did not complete its handshake"),
     ("import os\nos.write(3, b'nonsense!')\nimport time\ntime.sleep(5)\n", "sent an invalid frame"),
     ("import os, time\nfrom boltzlabs import wire\nos.write(3, wire.encode([99]))\ntime.sleep(5)\n",

@@ -237,6 +237,7 @@ def pools(env_source):
                 pool.close()
             made[spawn] = pool = RLPool(env_source, 2, spawn=spawn, step_timeout=10.0)
             assert pool.spawn == spawn
+            pool.reset()  # a pool steps only lanes a reset has reached
         return pool
 
     yield get

@@ -125,13 +125,14 @@ def test_sampling_without_gymnasium_asks_for_actions(env_dir, tmp_path):
     """)
     (tmp_path / "shadow" / "gymnasium").mkdir(parents=True)
     (tmp_path / "shadow" / "gymnasium" / "__init__.py").write_text("raise ImportError('no gymnasium here')\n")
-    code = ("from boltzlabs.testing import assert_reproducible\n"
+    # On sys.path in the trainer only: a $PYTHONPATH entry would be bound into the sandbox too.
+    code = (f"import sys; sys.path.insert(0, {str(tmp_path / 'shadow')!r})\n"
+            "from boltzlabs.testing import assert_reproducible\n"
             f"assert_reproducible({str(source)!r}, seeds=(0,), steps=2)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG,
-                         env=dict(os.environ, PYTHONPATH=str(tmp_path / "shadow")))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG)
     assert out.returncode == 1
     assert ("ValueError: sampling actions from the env's action space needs Gymnasium: pip install "
-            "'boltzlabs[gym]', or pass actions=") in out.stderr
+            "-e '.[gym]' in a checkout of boltzlabs, or pass actions=") in out.stderr
 
 
 @pytest.mark.parametrize("actions, error, words", [

@@ -210,7 +210,7 @@ accounting. A progress bar goes to stderr on a terminal, a table to stdout.""")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON only, no table")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="draw env-steps/s and memory per env against n (needs matplotlib: "
-                             "pip install 'boltzlabs[plot]')")
+                             "pip install -e '.[plot]' in a checkout of boltzlabs)")
     parser.set_defaults(run=_run_bench)
 
 
@@ -220,7 +220,7 @@ def _run_bench(args) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UsageError("--plot needs matplotlib, which is not installed: "
-                             "pip install 'boltzlabs[plot]' (or pip install matplotlib)") from None
+                             "pip install matplotlib (or pip install -e '.[plot]' in a checkout of boltzlabs)") from None
     params = _resolve(args)
     from tqdm import tqdm
 

@@ -175,7 +175,7 @@ def _spaces(contract):
             rebuilt[name] = from_spec(spec)
         except ImportError:
             yield Finding("handshake", WARN, f"{name} declared, but Gymnasium is not installed to rebuild it "
-                          "(pip install 'boltzlabs[gym]')")
+                          "(pip install -e '.[gym]' in a checkout of boltzlabs)")
             rebuilt[name] = None
         except ValueError as exc:
             yield Finding("handshake", FAIL, f"{name} cannot be rebuilt: {exc}")

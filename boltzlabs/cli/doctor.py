@@ -201,7 +201,9 @@ def _sandbox(bwrap: str | None) -> list[Finding]:
     root = Path(tempfile.mkdtemp(prefix="boltzlabs-doctor-"))
     root.chmod(0o755)
     try:
-        bare = _env_dir(root, "bare", f"print({marker!r})\n")
+        # It serves nothing, so it ends itself (an env.py that just returns exits with
+        # boltzlabs.runtime.rlimits.NO_SERVE_EXIT, saying it never called serve()).
+        bare = _env_dir(root, "bare", f"import os\nprint({marker!r}, flush=True)\nos._exit(0)\n")
         spec = SandboxSpec(load_policy(), bare, 16 << 20)
         argv = spec.argv((3,), 0)
         try:

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from boltzlabs import wire
-from boltzlabs.pool import sources
+from boltzlabs.pool import imports, sources
 from boltzlabs.errors import (EnvError, EnvStartError, PoolClosedError, SandboxUnavailable, WorkerError,
                               WorkerSideError, describe_returncode)
 from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_n
@@ -228,6 +228,12 @@ class RLPool(Pool):
         timing.worker_ms is measured there, roundtrip_ms here.
       token: the remote worker's token (default: $BOLTZLABS_TOKEN).
       tls_ca: for tls://, the worker's certificate or its CA (PEM) to verify it.
+      env_vars: variables every env sees, e.g. {"MUJOCO_GL": "osmesa"}. The
+        sandbox clears the environment: an env sees the policy's variables
+        (sandbox/policy.toml [environment]), those of [pass_environment] that
+        are set here (shipped: the ones that change numerical results, such
+        as OPENBLAS_CORETYPE, and MUJOCO_GL), and these. PYTHON*, LD_* and
+        the policy's own names are refused (ValueError).
       cluster: refused (TypeError): a pool over a Ray cluster is
         boltzlabs.cluster.ClusterPool(source, n, cluster="ray", ...), the
         same protocol (boltzlabs.pool.protocol.Pool).
@@ -236,7 +242,9 @@ class RLPool(Pool):
         here; an env directory reads them with boltzlabs.env.params().
 
     `source` is a directory holding env.py, "gym://<id>" for a Gymnasium env,
-    or a bare Gymnasium id ("CartPole-v1") when no such path exists.
+    a bare Gymnasium id ("CartPole-v1", "ALE/Pong-v5") when no such path
+    exists, or env_fns: a list of n callables, each returning a Gymnasium env
+    (as AsyncVectorEnv takes them); lane i runs env_fns[i]() in its sandbox.
 
     Episodes: every reset mints a UUIDv7 episode id per lane
     (`episode_ids`); `finished_episodes` lists the episodes the latest step
@@ -252,7 +260,7 @@ class RLPool(Pool):
     def __init__(self, source, n: int, *, step_timeout=None, serialize_measurement: bool = False,
                  memory_limit=None, workspace_size=None, spawn: str = "template", start_timeout=None,
                  progress=None, batch_size=None, limits=None, worker=None, token=None, tls_ca=None, cluster=None,
-                 warmup: bool = True, preload=None, trust_env: bool = False, **params):
+                 warmup: bool = True, preload=None, trust_env: bool = False, env_vars=None, **params):
         self._closed = True
         self._closed_reason = None
         if cluster is not None:
@@ -261,7 +269,11 @@ class RLPool(Pool):
         n = check_n(n)
         self.batch_size = check_batch_size(batch_size, n)
         _warn_pool_option_typos(params)
-        resolved = sources.resolve(source, params)
+        resolved = sources.resolve(source, params, n)
+        if env_vars is not None and (not isinstance(env_vars, dict)
+                                     or not all(isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items())):
+            raise TypeError(f"env_vars must be a dict of variable names to strings, like {{'MUJOCO_GL': 'osmesa'}}; "
+                            f"got {env_vars!r:.200}")
         config = {
             "source_dir": str(resolved.env_dir),
             # As the sandbox will see them (JSON: a tuple is a list), not as the wire
@@ -278,6 +290,10 @@ class RLPool(Pool):
             "warmup": bool(warmup),
             "preload": _preload(preload),
             "trust_env": _flag("trust_env", trust_env),
+            "env_fns": list(resolved.env_fns) if resolved.env_fns is not None else None,
+            # What this interpreter imports from outside its site-packages (pool/imports.py).
+            "import_roots": imports.roots(),
+            "env_vars": env_vars,
         }
         # The limits (against the policy of the worker that runs the pool, local
         # or remote) and bwrap are checked by the worker, before any sandbox
@@ -286,7 +302,7 @@ class RLPool(Pool):
             raise ValueError(f"spawn must be 'template' or 'exec', not {spawn!r}")
         if worker is not None and not isinstance(worker, str):
             raise TypeError(f"worker must be an address like 'tcp://host:port', not {type(worker).__name__}")
-        self.source = str(source)
+        self.source = resolved.name if resolved.env_fns is not None else str(source)
         self._resolved = resolved
         self._init_lanes(n)
         self.timing = Timing()
@@ -369,10 +385,16 @@ class RLPool(Pool):
                         others = detail["failed"] - 1
                         more = f" ({others} other env(s) failed too)" if others > 0 else ""
                         gym_id = self._resolved.gym_id
-                        if _set_up_failed(detail["log"]):
+                        if "without calling serve()" in text:
+                            fix = (f"End {config['source_dir']}/env.py with serve(reset=..., step=...) (from "
+                                   "boltzlabs.env), or serve_env(env) for a Gymnasium env object.")
+                        elif _set_up_failed(detail["log"]):
                             fix = ("The sandbox's own set-up failed before any env code ran (boltzlabs.runtime, "
                                    "above): not your env's doing. Check the policy (sandbox/policy.toml, or "
                                    "$BOLTZLABS_POLICY) and the host: `boltzlabs doctor` says what it lacks.")
+                        elif self._resolved.env_fns is not None:
+                            fix = (f"env_fns[{detail['env']}]() failed inside its sandbox (its traceback is "
+                                   "above); the same thunk called here would show it too.")
                         elif gym_id:
                             fix = (f"gymnasium.make({gym_id!r}, **{config['params']['kwargs']!r}) failed inside "
                                    "the sandbox (its traceback is above).")
@@ -479,10 +501,12 @@ class RLPool(Pool):
         return confirmed
 
     def close(self) -> None:
-        """Stop every env and the worker; remove every cgroup. Idempotent."""
+        """Stop every env and the worker; remove every cgroup. Idempotent.
+        Warns once with a sum of the envs' failures, if there were any."""
         self._closed = True
         if hasattr(self, "_finalizer"):
             self._finalizer()
+        self._failure_summary()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -613,7 +637,7 @@ def _missing(op: str, name: str, methods: list, attributes: dict, source: str) -
 
 _POOL_OPTIONS = ("step_timeout", "serialize_measurement", "memory_limit", "workspace_size", "start_timeout",
                  "progress", "batch_size", "limits", "worker", "token", "tls_ca", "cluster", "envs_per_node",
-                 "warmup")
+                 "warmup", "env_vars")
 
 
 def _warn_pool_option_typos(params: dict) -> None:

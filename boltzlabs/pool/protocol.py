@@ -98,6 +98,10 @@ class Pool(abc.ABC):
         self._episode_returns = np.zeros(n, dtype=np.float64)
         self._episode_open = np.zeros(n, dtype=np.bool_)
         self._pending_resets: set = set()  # lanes sent as autoresets, not yet received
+        self._never_reset: set = set(range(n))  # lanes no reset has reached: step() refuses them
+        # Failures by kind ("step raised", "reset died", ...): [count, first lane, first error]; the
+        # first of each kind is warned about, and close() sums them up (_failure_summary).
+        self._failures: dict = {}
 
     # -- what each pool kind implements ---------------------------------------------
 
@@ -185,6 +189,7 @@ class Pool(abc.ABC):
         if not lanes:
             return list(self._obs)
         obs, infos = self._reset_lanes(lanes, seeds, bool(hard), options)
+        self._note_failures("reset", lanes, obs, infos, stacklevel=3)
         self._obs = list(self._obs)
         self.reset_infos = list(self.reset_infos)
         for i, o, info in zip(lanes, obs, infos):
@@ -222,10 +227,16 @@ class Pool(abc.ABC):
         self._check_open()
         actions = self._actions(actions, self.n, "step()")
         resets = self._resets(resets)
+        if self._never_reset:
+            self._refuse_unreset(range(self.n), resets, "step()")
         result = self._step_lanes(actions, resets)
-        # Hot path: the kind's arrays are fresh; kept, not copied again.
+        # Hot path: the kind's arrays are fresh; kept, not copied again. Failed lanes are truncated:
+        # only those are looked at for the failure warnings.
         self._obs, self.rewards = result.obs, result.rewards
         self.terminated, self.truncated = result.terminated, result.truncated
+        if result.truncated.any():
+            failed = np.flatnonzero(result.truncated).tolist()
+            self._note_failures("step", failed, [result.obs[i] for i in failed], [result.infos[i] for i in failed])
         self._count_episodes(resets)
         return result
 
@@ -246,6 +257,8 @@ class Pool(abc.ABC):
         resets = self._resets(resets)
         if resets and not set(resets) <= set(lanes):
             raise ValueError("send(resets=...) names an env that is not among env_ids")
+        if self._never_reset:
+            self._refuse_unreset(lanes, resets, "send()")
         self._send_lanes(actions, lanes, resets)
         if resets:
             self._begin_episodes(resets, None)
@@ -280,6 +293,10 @@ class Pool(abc.ABC):
             timeout = float(timeout)
         result = self._recv_lanes(None if batch_size is None else int(batch_size), timeout)
         lanes = result.env_ids.tolist()
+        if result.truncated.any():
+            failed = np.flatnonzero(result.truncated).tolist()
+            self._note_failures("step", [lanes[k] for k in failed], [result.obs[k] for k in failed],
+                                [result.infos[k] for k in failed])
         # New arrays and list, not in-place writes: what earlier calls returned stays as it was.
         self._obs = list(self._obs)
         for i, o in zip(lanes, result.obs):
@@ -437,6 +454,49 @@ class Pool(abc.ABC):
             raise ValueError(f"{what} needs {count} actions, one per env; got {got}")
         return list(actions)
 
+    def _refuse_unreset(self, lanes, resets, what: str) -> None:
+        """ValueError, before anything is sent, for stepping a lane no reset has reached
+        (Gymnasium's vector envs refuse it too: their envs raise ResetNeeded)."""
+        unreset = sorted(set(lanes) & self._never_reset - set(resets or ()))
+        if unreset:
+            shown = ", ".join(map(str, unreset[:10])) + (", ..." if len(unreset) > 10 else "")
+            raise ValueError(f"{what} before reset(): env(s) {shown} of {self.source} have never been reset; "
+                             "call reset() first (an env has no observation, and no episode, until then)")
+
+    # -- failures: warned once per kind, summed up at close -------------------------------
+
+    def _note_failures(self, phase: str, lanes, obs, infos, stacklevel: int = 4) -> None:
+        """Count the failed lanes among these results (obs None and
+        info["error"]); warn at the first failure of each kind, with its error:
+        a pool whose every env fails must not look like one that works."""
+        for i, o, info in zip(lanes, obs, infos):
+            if o is not None or not isinstance(info, dict) or "error" not in info:
+                continue
+            kind = f"{phase} {_failure_kind(info)}"
+            seen = self._failures.get(kind)
+            if seen is not None:
+                seen[0] += 1
+                continue
+            text = _error_line(info["error"])
+            self._failures[kind] = [1, i, text]
+            import warnings
+
+            where = "pool.reset_infos[i]" if phase == "reset" else "infos[i]"
+            warnings.warn(f"{self.source}: env {i}'s {kind} ({text}); failures are lanes: the pool goes on and "
+                          f"{where}['error'] has each one's whole text (pool.log(i) the env's output). Warned once "
+                          "per pool and kind of failure; close() sums them up", RuntimeWarning, stacklevel=stacklevel)
+
+    def _failure_summary(self) -> None:
+        """At close: one warning that sums up every kind of failure seen (once)."""
+        if not getattr(self, "_failures", None):
+            return
+        parts = [f"{kind}: {count} time(s), first env {lane} ({text})"
+                 for kind, (count, lane, text) in self._failures.items()]
+        self._failures = {}
+        import warnings
+
+        warnings.warn(f"{self.source} closed; its envs failed: " + "; ".join(parts), RuntimeWarning, stacklevel=3)
+
     # -- episode bookkeeping ------------------------------------------------------------
 
     def _count_episodes(self, resets, lanes=None) -> None:
@@ -468,6 +528,27 @@ class Pool(abc.ABC):
         self._episode_lengths[lanes] = 0
         self._episode_returns[lanes] = 0.0
         self._episode_open[lanes] = True
+        if self._never_reset:
+            self._never_reset.difference_update(lanes)
+
+
+def _failure_kind(info: dict) -> str:
+    """What kind of failure a lane's info["error"] reports, in a few words."""
+    text = str(info.get("error"))[:200]
+    if info.get("straggler"):
+        return "missed its deadline"
+    if text.startswith("Traceback") or "Error: " in text[:200]:
+        return "raised"
+    if "died" in text or "dead" in text or "killed" in text:
+        return "died"
+    return "failed"
+
+
+def _error_line(error) -> str:
+    """The line of an error that says most (a traceback's last), shortened: the env wrote it."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    line = lines[-1] if lines and lines[0].startswith("Traceback") else (lines[0] if lines else "")
+    return line[:300] + ("..." if len(line) > 300 else "")
 
 
 # Abstract members every kind defines; listed for tests/test_protocol.py.

@@ -417,7 +417,7 @@ def _worker_environment() -> dict:
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `boltzlabs worker`."""
     parser.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT",
-                        help="address to listen on (default 127.0.0.1:%(default)s; loopback unless told otherwise; "
+                        help="address to listen on (default %(default)s; loopback unless told otherwise; "
                              "port 0 picks a free one)")
     parser.add_argument("--token", default=None,
                         help="the clients' token (default: $BOLTZLABS_TOKEN, else --token-file, else a new one "

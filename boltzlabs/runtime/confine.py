@@ -47,6 +47,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import sys
 
 VARIABLE = "BOLTZLABS_CONFINE"
 # Exec mode's interpreter runs this, then env.py. Not `-m`: that imports
@@ -316,7 +317,7 @@ def main(argv=None) -> None:
     plan = Plan(parse(os.environ.pop(VARIABLE, "")))
     limits.apply(plan.rlimits)
     plan.finish()
-    limits.run(argv)
+    limits.run((sys.argv[1:] if argv is None else argv)[0])
 
 
 if __name__ == "__main__":

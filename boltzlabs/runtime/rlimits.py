@@ -56,15 +56,22 @@ def apply(text: str | None) -> None:
     apply_parsed(parse(text))
 
 
-def run(argv=None, code=None) -> None:
-    """Run env.py as __main__ (as `python /env/env.py` would; runpy would cost
-    every env ~5 ms of imports): boltzlabs.runtime.confine.main calls it in
-    exec mode, a template's child once it is a sandbox. `code`: env.py
-    already compiled (a template child's, from the warm-up probe), else it is
-    compiled here."""
-    argv = sys.argv[1:] if argv is None else argv
-    path = argv[0]
-    sys.argv = argv
+# The exit code of an env whose env.py returned (or exited with 0) without
+# calling serve(): the worker's description of the lane's death names it
+# (boltzlabs.worker.lifecycle.describe_exit). Not 0, which says nothing, nor 1
+# (an uncaught exception), nor above 128 (a signal, as bwrap reports one).
+NO_SERVE_EXIT = 87
+
+
+def run(path: str, code=None) -> None:
+    """Run the env file `path` as __main__ (as `python /env/env.py` would;
+    runpy would cost every env ~5 ms of imports). Never returns normally: serve()
+    does not return, and an env.py that returns, or exits with status 0, without
+    calling it is told so on its stderr (its log) and exits NO_SERVE_EXIT.
+    boltzlabs.runtime.confine.main (exec mode) calls it, after the set-up, and
+    so does a template's child once it is a sandbox. `code`: env.py already
+    compiled (a template child's, from the warm-up probe), else it is compiled here."""
+    sys.argv = [path]
     sys.path[0] = os.path.dirname(path)  # -c put the working directory there
     if code is None:
         code = compile(_read(path), path, "exec")
@@ -72,7 +79,26 @@ def run(argv=None, code=None) -> None:
     module.__file__ = path
     module.__builtins__ = __builtins__
     sys.modules["__main__"] = module
-    exec(code, module.__dict__)
+    try:
+        exec(code, module.__dict__)
+    except SystemExit as exc:
+        if exc.code not in (None, 0) or _served():
+            raise
+        how = "exited with status 0"
+    else:
+        how = "returned"
+    if _served():
+        raise RuntimeError(f"{path}: serve() returned")  # it never does
+    sys.stderr.write(f"boltzlabs: {path} {how} without calling serve(): an env.py must end with "
+                     "boltzlabs.env.serve(reset=..., step=...) (or serve_env(env) for a Gymnasium env), which "
+                     "answers the pool's requests\n")
+    sys.stderr.flush()
+    os._exit(NO_SERVE_EXIT)
+
+
+def _served() -> bool:
+    """Whether serve() has run in this process (it says so first thing)."""
+    return getattr(sys.modules.get("boltzlabs.runtime.serve"), "serving", False)
 
 
 def _read(path: str) -> bytes:

@@ -22,7 +22,7 @@ import sys
 
 from boltzlabs import wire
 
-__all__ = ["serve", "params"]
+__all__ = ["serve", "serve_each", "params", "reset_caller"]
 
 _FD_VARIABLE = "BOLTZLABS_FD"
 _PARAMS_VARIABLE = "BOLTZLABS_PARAMS"
@@ -32,6 +32,7 @@ _fork_server = None
 # A forked env's channel ((3,) or (4, 3)), set by its template before env.py
 # runs; None in exec mode, where $BOLTZLABS_FD says it.
 channel = None
+started = False  # serve() has been called in this process
 
 
 def params() -> dict:
@@ -133,6 +134,40 @@ def _step_reply(seq, result):
     if not isinstance(info, dict):
         raise TypeError(f"step() returned info of type {type(info).__name__}; expected a dict")
     return [wire.STEPPED, seq, obs, float(reward), bool(terminated), bool(truncated), info]
+
+
+def reset_caller(reset):
+    """`call(seed, options)` that calls the env's `reset` the way it takes them.
+
+    Gymnasium's `Env.reset` is keyword-only (`reset(*, seed=None, options=None)`);
+    serve()'s documented `reset(seed)` may name its parameter anything. So seed
+    goes by keyword where the function has a keyword parameter `seed` (or only
+    **kwargs), else positionally; options go by keyword whenever the function
+    takes them (`{}` included, as SyncVectorEnv passes it), and to a function
+    that takes none only when there are some (its TypeError is then the
+    lane's failure). Read from the code object once, not per reset, and
+    without `inspect` (an import every exec-mode env would pay for)."""
+    func, skip = reset, 0
+    if getattr(reset, "__self__", None) is not None and hasattr(reset, "__func__"):
+        func, skip = reset.__func__, 1  # a bound method: its self is given
+    code = getattr(func, "__code__", None)
+    if code is None:  # a builtin, a partial, a callable object: serve()'s own contract
+        by_keyword, takes_options = False, False
+    else:
+        count = code.co_argcount
+        positional = code.co_varnames[max(skip, code.co_posonlyargcount):count]
+        names = (*positional, *code.co_varnames[count:count + code.co_kwonlyargcount])
+        any_keyword = bool(code.co_flags & 0x08)  # CO_VARKEYWORDS
+        only_keywords = not code.co_varnames[skip:count] and not code.co_flags & 0x04  # no positional, no *args
+        by_keyword = "seed" in names or (any_keyword and only_keywords)
+        takes_options = "options" in names or any_keyword
+    if by_keyword and takes_options:
+        return lambda seed, options: reset(seed=seed, options=options)
+    if by_keyword:
+        return lambda seed, options: reset(seed=seed, options=options) if options else reset(seed=seed)
+    if takes_options:
+        return lambda seed, options: reset(seed, options=options)
+    return lambda seed, options: reset(seed, options=options) if options else reset(seed)
 
 
 def _reset_reply(seq, result):
@@ -257,8 +292,10 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
 
         serve(reset=reset, step=step)
 
-    `reset(seed)` (or `reset(seed, options=...)` when there are options: a non-empty dict)
-    returns `obs` or `(obs, info)`. `step(action)` returns
+    `reset(seed)` returns `obs` or `(obs, info)`; it is called with `options=`
+    too when it takes them (Gymnasium's `env.reset`, called `reset(seed=...,
+    options=...)`: `serve(reset=env.reset, ...)` works) or when there are
+    some (a non-empty dict); see `reset_caller`. `step(action)` returns
     `(obs, reward, done, info)` or `(obs, reward, terminated, truncated, info)`.
     Values must be msgpack-serializable (dict, list, tuple, str, int,
     float, bool, None, bytes, numpy arrays and numeric numpy scalars). They
@@ -303,6 +340,8 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
     wire like observations, under the same limits, and a call has the step
     deadline.
     """
+    global started
+    started = True  # for the runner (rlimits.run): this env.py did call serve()
     fd = os.environ.pop(_FD_VARIABLE, None)
     if fd is None and channel is None:
         raise RuntimeError(
@@ -320,6 +359,8 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
 
     fds = channel if channel is not None else _channel_fds(fd)
 
+    reset = reset_caller(reset)
+
     def run(channel: tuple) -> None:
         _serve_loop(_Channel(channel[0], channel[-1]), reset, step, render, info)
 
@@ -328,16 +369,37 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
         # work once, its imports reported, then exit (runtime/probe.py).
         from boltzlabs.runtime import probe
 
-        probe.finish(_Probe(reset, step, action_space, warmup_actions, preload))  # never returns
+        probe.finish(_Probe(lambda seed: reset(seed, None), step, action_space, warmup_actions, preload))
     if _fork_server is not None:
         # RLPool(trust_env=True): this process is the template, env.py imported
         # in it; serve() becomes its fork server (runtime/template.py).
         if len(fds) != 1:
             raise RuntimeError(f"{_FD_VARIABLE}: a template's control channel is one socket, not {fds}")
-        _fork_server(run, fds[0], _Probe(reset, step, action_space, warmup_actions, preload))
+        _fork_server(run, fds[0], _Probe(lambda seed: reset(seed, None), step, action_space, warmup_actions, preload))
     run(fds)
     sys.stdout.flush()
     os._exit(0)
+
+
+def serve_each(main) -> None:
+    """Run `main()`, which builds the env and ends in serve(), in each process
+    that serves a lane, and in no other.
+
+    For an env built per lane (boltzlabs/runtime/fn_env: env_fns[i]() in lane
+    i). Where env.py itself runs in each env (spawn="exec", or a template's
+    child once it is a sandbox, and its warm-up probe), that is now. In a
+    trusted template (RLPool(trust_env=True): env.py imported there), each
+    child and the probe call `main()` once they are sandboxes: the template
+    never builds an env.
+    """
+    if _fork_server is None:
+        main()  # returns only if it never served: the runner says so (rlimits.run)
+        return
+    fd = os.environ.pop(_FD_VARIABLE, None)
+    fds = _channel_fds(fd or "")
+    if len(fds) != 1:
+        raise RuntimeError(f"{_FD_VARIABLE}: a template's control channel is one socket, not {fds}")
+    _fork_server(None, fds[0], main)
 
 
 def _warm_up(steps: int = 24) -> None:
@@ -431,9 +493,7 @@ def _serve_loop(channel: _Channel, reset, step, render, info: dict) -> None:
                 _reply(channel, seq, "step", _step_reply, step, action)
             elif code == wire.RESET:
                 _, seq, seed, options = message
-                # Options only when there are any: an env's reset may take only the seed.
-                call = (lambda: reset(seed, options=options)) if options else (lambda: reset(seed))
-                _reply(channel, seq, "reset", _reset_reply, call)
+                _reply(channel, seq, "reset", _reset_reply, reset, seed, options)
             elif code == wire.RENDER:
                 seq = message[1]
                 _reply(channel, seq, "render", _render_reply, render if render is not None else lambda: None)

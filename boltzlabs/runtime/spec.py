@@ -9,9 +9,13 @@ imports nothing: an env that passes a space has imported Gymnasium already,
 and one that passes none must not pay for it. A spec is a dict of str, int,
 float, bool and lists (JSON-able except for infinite bounds).
 
-Supported: Box, Discrete, MultiDiscrete, MultiBinary, Dict, Tuple. Any other
-space becomes {"type": name, "repr": ...}: the pool works, but the Gymnasium
-adapter refuses it (it cannot batch what it cannot rebuild).
+Supported: Box, Discrete, MultiDiscrete, MultiBinary, Dict, Tuple, Text,
+Sequence and OneOf (a subclass travels as the Gymnasium space it derives
+from). Any other space (Graph: its GraphInstance values would arrive as plain
+tuples; a space class of a package's own, such as MiniGrid's MissionSpace)
+becomes {"type": name, "class": "module.qualname", "repr": ...}: the pool
+works, and the adapters rebuild it in the trainer from the same id or thunk,
+or name the override to pass (boltzlabs/pool/spaces.py).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ def to_spec(space) -> dict | None:
             kind = klass.__name__
             if kind in _ENCODERS:
                 return _ENCODERS[kind](space)
-    return {"type": kind, "repr": repr(space)}
+    return {"type": kind, "class": f"{type(space).__module__}.{type(space).__qualname__}", "repr": repr(space)[:2000]}
 
 
 _ENCODERS = {
@@ -51,4 +55,8 @@ _ENCODERS = {
     "MultiBinary": lambda s: {"type": "MultiBinary", "n": s.n if isinstance(s.n, int) else list(s.n)},
     "Dict": lambda s: {"type": "Dict", "spaces": [[key, to_spec(sub)] for key, sub in s.spaces.items()]},
     "Tuple": lambda s: {"type": "Tuple", "spaces": [to_spec(sub) for sub in s.spaces]},
+    "Text": lambda s: {"type": "Text", "min_length": int(s.min_length), "max_length": int(s.max_length),
+                       "charset": "".join(s.character_list)},
+    "Sequence": lambda s: {"type": "Sequence", "space": to_spec(s.feature_space), "stack": bool(s.stack)},
+    "OneOf": lambda s: {"type": "OneOf", "spaces": [to_spec(sub) for sub in s.spaces]},
 }

@@ -23,7 +23,7 @@ the template imports library modules only (`warm`: names from the worker,
 resolved on the read-only mounts of the interpreter, its site-packages and
 the runtime) and forks. Each child becomes its own sandbox first and only
 then runs env.py, which calls serve() and serves its channel as in exec
-mode (`_env_main`). What to import is data: the pool's preload list
+mode (`_lane_main`). What to import is data: the pool's preload list
 (RLPool(preload=...), the env directory's boltzlabs.toml) and the report of
 the warm-up probe, a throwaway child confined exactly like an env (and in a
 memory cgroup of its own with the env's limit) that runs env.py, its reset
@@ -527,41 +527,57 @@ def _warmup(values: dict) -> tuple[float, int]:
 
 # -- the children's main functions ------------------------------------------------------
 
-def _env_main(env_file: str):
-    """What a child of an untrusted template runs once it is a sandbox: env.py,
-    as exec mode runs it, on its channel ((3,): a socket; (4, 3): pipes)."""
+def _sandboxed(channel: tuple) -> None:
+    """A child's first steps once it is a sandbox, before any env code: its
+    channel handed to serve() directly (an environment variable set here would
+    copy the environment's pages into every env), no fork server of a trusted
+    template's, and a place on sys.path that limits.run gives env.py's directory."""
     from boltzlabs.runtime import serve as serving  # main() imported it already
 
+    serving.channel = channel
+    serving._fork_server = None
+    sys.path.insert(0, "")
+
+
+def _env_code():
+    """env.py's code from the warm-up probe (unmarshalled here, in a child), or None."""
+    code = _ENV_CODE[0]
+    if code is None:
+        return None
+    try:
+        code = marshal.loads(code)
+    except Exception:  # the probe is env code: what it sent may be anything
+        return None
+    return code if type(code) is type(_env_code.__code__) else None
+
+
+def _lane_main(body):
+    """What an env's child runs once it is a sandbox, on its channel ((3,): a
+    socket; (4, 3): pipes): `body()`, which ends in serve() (env.py as exec
+    mode runs it; or a trusted template's serve_each main). One that returns
+    never served: the lane's exit says so."""
+
     def run(channel: tuple) -> None:
-        # Handed to serve() directly: an environment variable set here would
-        # copy the environment's pages into every env.
-        serving.channel = channel
-        sys.path.insert(0, "")  # limits.run puts env.py's directory there
-        code = _ENV_CODE[0]
-        if code is not None:
-            try:
-                code = marshal.loads(code)
-            except Exception:  # the probe is env code: what it sent may be anything
-                code = None
-        limits.run([env_file], code if type(code) is type(run.__code__) else None)
+        _sandboxed(channel)
+        body()
+        sys.stderr.write("boltzlabs: the env was built but serve() was never called\n")
+        sys.stderr.flush()
+        os._exit(limits.NO_SERVE_EXIT)
 
     return run
 
 
-def _probe_main(env_file: str, memory: int, workspace: str):
-    """What an untrusted template's probe child runs once it is a sandbox:
-    env.py, whose serve() finds $BOLTZLABS_PROBE and calls probe.finish."""
+def _probe_main(body, memory: int, workspace: str):
+    """What the probe's child runs once it is a sandbox: `body()`, whose serve()
+    finds $BOLTZLABS_PROBE and calls probe.finish."""
 
     def run(channel: tuple) -> None:
-        probe.current = probe.ProbeRun(channel, memory, os.path.dirname(env_file), workspace)
-        os.environ["BOLTZLABS_FD"] = ",".join(map(str, channel))
+        probe.current = probe.ProbeRun(channel, memory, os.path.dirname(_ENV_FILE[0]), workspace)
+        _sandboxed(channel)
         os.environ["BOLTZLABS_PROBE"] = "1"
-        sys.path.insert(0, "")
         try:
-            code = compile(limits._read(env_file), env_file, "exec")
-            probe.current.code = marshal.dumps(code)
-            limits.run([env_file], code)
-            error = "env.py returned without calling serve()"
+            body()
+            error = "the env was built but serve() was never called"
         except BaseException as exc:
             error = f"env.py raised {type(exc).__name__}: {exc}"
         probe.current.report(0, error, ())
@@ -569,12 +585,28 @@ def _probe_main(env_file: str, memory: int, workspace: str):
     return run
 
 
-def trusted_probe_main(work, memory: int, env_file: str, workspace: str):
+def _run_env_file(env_file: str):
+    """env.py as exec mode runs it, from the probe's compiled code when there is one."""
+    return lambda: limits.run(env_file, _env_code())
+
+
+def _compile_and_run_env_file(env_file: str):
+    """The probe's env.py: compiled here once, its code marshalled for every env."""
+
+    def body() -> None:
+        code = compile(limits._read(env_file), env_file, "exec")
+        probe.current.code = marshal.dumps(code)
+        limits.run(env_file, code)
+
+    return body
+
+
+def trusted_probe_main(work, memory: int, workspace: str):
     """A trusted template's probe child: env.py was imported in the template,
-    so its reset and step are here already."""
+    so its reset and step are here already (`work`, serve's _Probe)."""
 
     def run(channel: tuple) -> None:
-        probe.current = probe.ProbeRun(channel, memory, os.path.dirname(env_file), workspace)
+        probe.current = probe.ProbeRun(channel, memory, os.path.dirname(_ENV_FILE[0]), workspace)
         probe.finish(work)
 
     return run
@@ -583,12 +615,17 @@ def trusted_probe_main(work, memory: int, env_file: str, workspace: str):
 def serve_trusted(run, channel_fd: int, work) -> None:
     """serve() in a trusted template (RLPool(trust_env=True)): env.py was
     imported here, so children run the serve loop over its callables (`run`)
-    and the probe runs them (`work`, serve's _Probe). Never returns. main()
-    hands it to serve() (boltzlabs.runtime.serve._fork_server)."""
+    and the probe runs them (`work`, serve's _Probe). From serve_each (an env
+    built per lane), `run` is None and `work` the function that builds it and
+    serves: every child and the probe call it once they are sandboxes. Never
+    returns. main() hands it to serve() (boltzlabs.runtime.serve._fork_server)."""
     _, memory = _warmup(confine.prepared)
     workspace = confine.path_of(confine.prepared, "workspace")
-    fork_server(run, channel_fd, trusted_probe_main(work, memory, _ENV_FILE[0], workspace), "env.py's import",
-                trusted=True)
+    if run is None:
+        child, probe_child = _lane_main(work), _probe_main(work, memory, workspace)
+    else:
+        child, probe_child = run, trusted_probe_main(work, memory, workspace)
+    fork_server(child, channel_fd, probe_child, "env.py's import", trusted=True)
 
 
 # -- the fork server -----------------------------------------------------------------
@@ -691,7 +728,7 @@ def fork_server(child_main, channel_fd: int, probe_main, origin: str, trusted: b
                         _kill(pid)
                 elif code == wire.WARM and len(message) == 3 and plan is None and type(message[1]) is list:
                     if message[2] is True and len(fds) == 1:
-                        _ENV_CODE[0] = _read_code(fds[0])  # unread here: see _env_main
+                        _ENV_CODE[0] = _read_code(fds[0])  # unread here: see _env_code
                     report = warm(message[1], timeout, env_dir, workspace)
                     reason = _unsafe_to_fork(channel_fd, f"{origin} or the warm-up's imports")
                     foreign = [] if trusted else foreign_modules(env_dir, workspace)
@@ -973,9 +1010,8 @@ def main(argv=None) -> None:
         # becomes the fork server (docs/templates.md says what that gives up).
         serving._fork_server = serve_trusted
         sys.path.insert(0, "")
-        limits.run([env_file])
-        raise RuntimeError("env.py returned without calling serve()")
+        limits.run(env_file)  # its serve() never returns; one that is never called exits NO_SERVE_EXIT
     # The zygote: library modules only.
 
-    fork_server(_env_main(env_file), int(os.environ.pop("BOLTZLABS_FD")),
-                _probe_main(env_file, memory, workspace), "the template's own set-up")
+    fork_server(_lane_main(_run_env_file(env_file)), int(os.environ.pop("BOLTZLABS_FD")),
+                _probe_main(_compile_and_run_env_file(env_file), memory, workspace), "the template's own set-up")

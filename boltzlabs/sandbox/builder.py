@@ -36,8 +36,9 @@ class SandboxSpec:
     """The command lines of one pool's sandboxes, from its compiled `plan`.
 
     `SandboxSpec(policy, source_dir, workspace_size=None, params=None,
-    account=None, limits=None)` compiles the plan (plan.compile_plan: None
-    takes the policy's default workspace size and env limits). The argv is
+    account=None, limits=None, *, env_fns=None, import_roots=(),
+    env_vars=None)` compiles the plan (plan.compile_plan: None takes the
+    policy's default workspace size and env limits). The argv is
     built once per pool; per-env parts (the channel fd number, the env
     index) are appended by `argv()`. `account`: who bwrap runs as on the
     host (boltzlabs.sandbox.identity); None builds the command line for the
@@ -45,7 +46,8 @@ class SandboxSpec:
     """
 
     def __init__(self, policy: Policy, source_dir: Path, workspace_size: int | None = None,
-                 params: dict | None = None, account: HostAccount | None = None, limits: dict | None = None):
+                 params: dict | None = None, account: HostAccount | None = None, limits: dict | None = None,
+                 *, env_fns: str | None = None, import_roots=(), env_vars: dict | None = None):
         self.account = account
         # RLPool(source, n, **params), read in the env by boltzlabs.env.params().
         self.params_json = json.dumps(params or {}, sort_keys=True)
@@ -54,7 +56,10 @@ class SandboxSpec:
             account.check_readable(str(self.source_dir), "the env directory", 5)
             if (self.source_dir / "env.py").exists():
                 account.check_readable(str(self.source_dir / "env.py"), "the env's code", 4)
-        self.plan = compile_plan(policy, self.source_dir, workspace_size, limits, account)
+        # The pool's env_fns file, what the trainer imports from elsewhere, its
+        # own variables: mounts and environment, compiled with the rest (plan.compile_plan).
+        self.plan = compile_plan(policy, self.source_dir, workspace_size, limits, account, env_fns=env_fns,
+                                 import_roots=import_roots, env_vars=env_vars)
         self._child_text = self.plan.child_text()
         bwrap = find_bwrap()
         self._head = self._build_head(bwrap, template=False)
@@ -123,7 +128,8 @@ class SandboxSpec:
         return argv[:start] + ["--args", str(ARGS_FD)] + argv[end:], {ARGS_FD: options}
 
     def environment(self) -> dict:
-        """The variables an env sees (besides BOLTZLABS_FD, BOLTZLABS_ENV_INDEX and BOLTZLABS_PARAMS)."""
+        """The variables an env sees (besides BOLTZLABS_FD, BOLTZLABS_ENV_INDEX and BOLTZLABS_PARAMS):
+        the policy's, those it passes from this environment, the pool's env_vars."""
         return dict(self.plan.environment)
 
     def programs(self) -> dict[int, bytes]:

@@ -217,14 +217,23 @@ def _with_setfcap(cap_add: tuple, inside_ids: tuple) -> tuple:
 
 
 def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, limits: dict | None = None,
-                 account: HostAccount | None = None) -> Plan:
+                 account: HostAccount | None = None, *, env_fns: str | None = None, import_roots=(),
+                 env_vars: dict | None = None, inherited: dict | None = None) -> Plan:
     """Check the policy and compile the plan of one pool's sandboxes.
 
     `source_dir`: the env's directory; `workspace_size`: bytes, None for the
     policy's [workspace] default_size; `limits`: the pool's resolved env
     limits (None: the policy's); `account`: who bwrap runs as on the host
-    (None: the current user, nothing staged). Raises SandboxUnavailable
-    naming the policy key that is wrong, and what it must be."""
+    (None: the current user, nothing staged). `env_fns`: the pool's env_fns
+    file (boltzlabs/runtime/env_fns.py), bound read-only; `import_roots`:
+    what the trainer imports from outside its site-packages
+    (boltzlabs/pool/imports.py: [path, kind, name] each), bound read-only at
+    neutral paths and put on the sandbox's PYTHONPATH; `env_vars`: the
+    pool's own variables (RLPool(env_vars=)); `inherited`: the environment
+    the policy's [pass_environment] names are taken from (None: this
+    process's). Raises SandboxUnavailable naming the policy key that is
+    wrong, and what it must be, and ValueError for a variable or root the
+    pool may not have."""
     read = _Reader(policy)
     namespaces = read.names("namespaces", "unshare")
     unknown = [ns for ns in namespaces if ns not in NAMESPACES]
@@ -271,7 +280,10 @@ def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, 
         if os.path.exists(f"{confine.SYSCTL_DIR}/{name}"):
             sysctls.append((name, value))
     relocations, site_packages = _relocations(policy.mounts["interpreter"])
+    roots, path_before, path_after = _import_roots(policy.mounts["interpreter"], import_roots, relocations)
+    relocations += roots
     relocate_tmp = read.path("workspace", "relocate_tmp")
+    inside = lambda p: _inside(p, relocations, tmp_link, relocate_tmp)  # noqa: E731
     values = {
         "base_prefix": sys.base_prefix,
         "site_packages": site_packages,
@@ -280,10 +292,14 @@ def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, 
         "runtime_dir": runtime_dir,
         "package_dir": str(PACKAGE_DIR),
         "workspace": workspace,
-        "site_path": ":".join(_inside(p, relocations, tmp_link, relocate_tmp)
-                              for p in site.getsitepackages() if os.path.isdir(p)),
+        "site_path": ":".join(inside(p) for p in site.getsitepackages() if os.path.isdir(p)),
+        "import_roots": [host for host, _ in roots],
+        "python_path": ":".join(path_before),
+        "pth_path": ":".join(path_after),
+        "env_fns": [env_fns] if env_fns else [],
+        "env_fns_file": read.path("process", "env_fns_file", "/opt/env_fns"),
     }
-    ops = _mount_ops(policy, values, account, lambda p: _inside(p, relocations, tmp_link, relocate_tmp))
+    ops = _mount_ops(policy, values, account, inside)
     specials = {op[0][2:]: op[1] for op in ops if op[0] in ("--dev", "--proc")}
     if "dev" not in specials or "proc" not in specials:
         raise SandboxUnavailable(f"the mount profiles (mounts/*.toml) need a [[special]] of kind \"dev\" and one of "
@@ -299,10 +315,14 @@ def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, 
     if not isinstance(environment, dict):
         raise read.fail("[environment]", "a table of variables", environment)
     try:
-        environment = tuple((name, str(value).format(**values)) for name, value in environment.items())
+        environment = tuple((name, _no_empty_entries(name, str(value).format(**values)))
+                            for name, value in environment.items())
     except (KeyError, IndexError, ValueError) as exc:
         raise read.fail("[environment]", "strings whose {placeholders} are " + ", ".join(sorted(values)),
                         str(exc)) from None
+    if env_fns:
+        environment += ((env_fns_variable(), values["env_fns_file"]),)
+    environment += _passed(read, dict(environment), env_vars, os.environ if inherited is None else inherited)
     flags = read.names("interpreter", "flags")
     if not all(flag.startswith("-") for flag in flags):
         raise read.fail("[interpreter] flags", "a list of interpreter options, each starting with '-'", list(flags))
@@ -347,6 +367,108 @@ def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, 
         relocations=tuple(relocations),
         relocate_tmp=relocate_tmp,
     )
+
+
+def env_fns_variable() -> str:
+    """The variable naming the env_fns file inside (boltzlabs.runtime.env_fns.VARIABLE)."""
+    from boltzlabs.runtime.env_fns import VARIABLE
+
+    return VARIABLE
+
+
+def _no_empty_entries(name: str, value: str) -> str:
+    # An empty entry of a search path is the current directory (for
+    # PYTHONPATH, the workspace, which the env writes): a placeholder with
+    # nothing to put there leaves none.
+    if name.endswith("PATH") and ":" in value:
+        return ":".join(part for part in value.split(":") if part)
+    return value
+
+
+# Never passed into a sandbox, whatever the policy or the pool says: the
+# variables the interpreter reads at start-up (PYTHON*: PYTHONPATH and
+# PYTHONWARNINGS import modules) and those the dynamic loader and libc act on
+# (glibc's own list of what a privileged process must not trust:
+# UNSECURE_ENVVARS) run code or change what is loaded before the set-up inside
+# has dropped the sandbox's capabilities (boltzlabs/runtime/confine.py). And
+# the runtime's own (BOLTZLABS_*).
+_NEVER_PASSED = ("PYTHON", "BOLTZLABS_", "LD_")
+_NEVER_PASSED_NAMES = frozenset((
+    "GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH", "MALLOC_TRACE",
+    "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TZDIR"))
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+
+
+def refused_variable(name: str, fixed) -> str | None:
+    """Why the variable `name` may not be passed into a sandbox, or None."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        return "is not a variable name (letters, digits and '_')"
+    if name in fixed:
+        return "is set by the sandbox policy ([environment] of sandbox/policy.toml), which wins"
+    if name.startswith(_NEVER_PASSED) or name in _NEVER_PASSED_NAMES:
+        return ("is read by the interpreter or the dynamic loader before the sandbox's set-up has dropped its "
+                "capabilities: never passed")
+    return None
+
+
+def _passed(read: _Reader, fixed: dict, env_vars: dict | None, inherited) -> tuple:
+    """The variables an env gets besides the policy's own: those of
+    [pass_environment] names that are set in `inherited`, then the pool's
+    `env_vars` (ValueError for one that may not be passed)."""
+    passed = {}
+    for name in read.names("pass_environment", "names", []):
+        if refused_variable(name, fixed):
+            raise read.fail("[pass_environment] names", f"variables that may be passed ({name!r} "
+                            f"{refused_variable(name, fixed)})", name)
+        if name in inherited:
+            passed[name] = inherited[name]
+    if env_vars is not None and not isinstance(env_vars, dict):
+        raise TypeError(f"env_vars must be a dict of variable names to strings, not {type(env_vars).__name__}")
+    for name, value in (env_vars or {}).items():
+        why = refused_variable(name, fixed)
+        if why:
+            raise ValueError(f"env_vars: {name!r} {why}")
+        if not isinstance(value, str) or "\0" in value or len(value) > 65536:
+            raise ValueError(f"env_vars[{name!r}] must be a string (no NUL, at most 64 KiB), not {value!r:.80}")
+        passed[name] = value
+    return tuple(passed.items())
+
+
+def _import_roots(interpreter: dict, import_roots, relocations) -> tuple[list, list, list]:
+    """(host path, inside) relocations for what the trainer imports from outside
+    its site-packages (`import_roots`: [path, kind, name] from
+    boltzlabs/pool/imports.py), each bound at import_dir/<k>; and the PYTHONPATH
+    entries inside, those of $PYTHONPATH (kind "path", before site-packages)
+    and those of .pth files and editable finders ("pth", "package": after). A
+    root the sandbox sees already (below a site-packages directory, the
+    interpreter or /usr) is not bound again: its entry names where it is."""
+    roots, before, after = [], [], []
+    base = interpreter.get("import_dir", "/opt/import")
+    seen = set()
+    for item in import_roots or ():
+        if not (isinstance(item, (list, tuple)) and len(item) == 3 and all(isinstance(x, str) for x in item)):
+            raise ValueError(f"import_roots: expected [path, kind, name] items, not {item!r:.200}")
+        path, kind, name = item
+        if kind not in ("path", "pth", "package") or not path.startswith("/") or path == "/" \
+                or os.path.normpath(path) != path or any(c in path for c in ",:\n\0"):
+            raise ValueError(f"import_roots: {item!r:.200} is not an absolute path of kind path, pth or package")
+        if kind == "package" and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise ValueError(f"import_roots: {name!r:.80} is not a module name")
+        if path in seen or not os.path.exists(path):
+            continue  # gone since the trainer looked: nothing to import from there
+        seen.add(path)
+        entries = before if kind == "path" else after
+        visible = _inside(path, relocations, "", "")
+        if visible != path or _below(path, "/usr"):
+            entries.append(os.path.dirname(visible) if kind == "package" else visible)
+            continue
+        where = f"{base}/{len(roots)}"
+        if kind == "package":  # an editable finder's package (or module), importable by its name from the entry
+            roots.append((path, f"{where}/{name}" + (".py" if os.path.isfile(path) else "")))
+        else:
+            roots.append((path, where))
+        entries.append(where)
+    return roots, before, after
 
 
 def _relocations(interpreter: dict) -> tuple[list, list]:

@@ -43,6 +43,9 @@ class PoolConfig:
     hello_limits: wire.Limits  # how its handshake is: kept (lane 0's), so capped on its own
     max_pool_bytes: int
     log_tail: int
+    env_fns: tuple | None = None  # an env_fns pool: one pickled thunk (bytes) per lane (runtime/env_fns.py)
+    import_roots: tuple = ()  # what the trainer imports from outside site-packages (pool/imports.py); local only
+    env_vars: dict | None = None  # RLPool(env_vars=): variables for every env (sandbox/plan.py checks them)
 
 
 def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
@@ -91,6 +94,10 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
                                  max_objects=limits.get("max_hello_objects", 1 << 16)),
         max_pool_bytes=int(limits.get("max_pool_bytes", 1 << 30)),
         log_tail=int(limits["log_tail"]),
+        env_fns=_env_fns(request.get("env_fns"), int(request["n"])),
+        # Paths of the client's machine: a remote worker binds none of its own host's for a client.
+        import_roots=() if remote else tuple(request.get("import_roots") or ()),
+        env_vars=request.get("env_vars"),
     )
 
 
@@ -147,6 +154,15 @@ def preload_names(asked, source_dir: str) -> tuple[str, ...]:
     if len(names) > _MAX_PRELOAD:
         raise ValueError(f"preload names {len(names)} modules; at most {_MAX_PRELOAD}")
     return tuple(names)
+
+
+def _env_fns(blobs, n: int) -> tuple | None:
+    """An env_fns pool's pickles: one bytes object per lane, or None for other sources."""
+    if blobs is None:
+        return None
+    if not isinstance(blobs, list) or len(blobs) != n or not all(isinstance(b, bytes) for b in blobs):
+        raise ValueError(f"env_fns must be one pickled thunk (bytes) per env, {n} of them")
+    return tuple(blobs)
 
 
 # An env's channel (docs/wire.md#the-channel): two pipes (worker -> env,

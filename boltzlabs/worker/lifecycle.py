@@ -25,6 +25,7 @@ import signal
 import time
 
 from boltzlabs import wire
+from boltzlabs.runtime.rlimits import NO_SERVE_EXIT
 from boltzlabs.worker.lanes import IDLE, IN_FLIGHT, STARTING, Lane
 from boltzlabs.worker.reactor import Reactor
 from boltzlabs.worker.spawn import TEMPLATE_LANE, TemplateSpawner, TemplateUnavailable, reap_orphans
@@ -323,6 +324,9 @@ def describe_exit(status: int) -> str:
     if code > 128 and code - 128 in signal.valid_signals():
         # bwrap reports a sandboxed process killed by signal S as exit 128+S.
         return f"was killed by signal {signal.Signals(code - 128).name} (exit code {code})"
+    if code == NO_SERVE_EXIT:
+        return (f"exited with code {code}: its env.py returned without calling serve() (an env.py must end with "
+                "boltzlabs.env.serve(reset=..., step=...), or serve_env(env))")
     return f"exited with code {code}"
 
 

@@ -56,6 +56,28 @@ from boltzlabs.worker.spawn import ExecSpawner, TemplateSpawner, TemplateUnavail
 from boltzlabs.worker.stepping import Stepping
 
 
+# What a pool started by an ordinary user lacks without a cgroup of its own, and how to get one
+# (docs/nonroot.md): a user systemd scope with delegation, or, where there is no user session
+# bus (su, sudo -u, a container, ssh without a login session), one from the system manager.
+DELEGATE_FIX = ("to have them, run the trainer as root or in a cgroup delegated to you: "
+                "systemd-run --user --scope -p Delegate=yes python train.py, or where there is no user session "
+                "bus (su, a container): sudo systemd-run --scope -p Delegate=yes --uid=$(id -u) --gid=$(id -g) "
+                "-E PATH=\"$PATH\" python train.py; `boltzlabs doctor` checks the host")
+
+
+def _sweep_env_fns() -> None:
+    """Remove the env_fns directories of workers that died before they could
+    (their pid, in the name, is gone)."""
+    import glob
+    import shutil
+    import tempfile
+
+    for stale in glob.glob(os.path.join(tempfile.gettempdir(), "boltzlabs-fns-*-*")):
+        pid = os.path.basename(stale).split("-")[2]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 class Worker(Reactor, Lifecycle, Requests, Stepping):
     """Owns the sandboxes of one pool and serves one client."""
 
@@ -81,6 +103,7 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
             # stay in the heap instead of being faulted in again (keep_heap's doc).
             self.fastpath.keep_heap()
         self.channel = PIPES  # each env's channel: PIPES or SOCKETPAIR, decided by open()
+        self.env_fns_dir = None  # an env_fns pool's private directory (its thunks' file), removed at close
 
     def open(self, request) -> dict:
         """Start the pool OPEN asks for; the READY info, or an exception saying why not."""
@@ -98,7 +121,8 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
         self.account = host_account(self.policy.sandbox.get("identity", {}))
         # The policy compiled once (boltzlabs.sandbox.plan); both spawners use this spec's plan.
         self.spec = SandboxSpec(self.policy, config.source_dir, config.workspace_size, config.params,
-                                self.account, self.limits)
+                                self.account, self.limits, env_fns=self._write_env_fns(config.env_fns),
+                                import_roots=config.import_roots, env_vars=config.env_vars)
         self.warmup_timeout = self.spec.plan.warmup_timeout if self.warmup else 0.0
         n = config.n
         # Two pipes per env, or a socketpair when the fd limit cannot hold them (config.py).
@@ -108,16 +132,17 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
             self.cgroups = CgroupPool(self.memory_limit, self.limits.get("pids"), freezer=self.gated)
             if self.limits.get("pids") and not self.cgroups.limits_pids:
                 self.limits_note = (f"no writable pids cgroup here: the per-env pids limit "
-                                    f"({self.limits['pids']} tasks) is not enforced")
+                                    f"({self.limits['pids']} tasks) is not enforced; {DELEGATE_FIX}")
             self.memory_source = f"cgroup {self.cgroups.version} working set (usage - inactive file), kernel memory included"
         except CgroupUnavailable as exc:
             self.cgroups = None
             self.memory_source = "psutil PSS of each sandbox's processes (no writable memory cgroup)"
-            self.memory_note = f"no cgroup memory accounting: {exc}; envs_per_gb() uses PSS instead"
+            self.memory_note = f"no cgroup memory accounting: {exc}; envs_per_gb() uses PSS instead; {DELEGATE_FIX}"
             if self.limits.get("pids"):
                 self.limits_note = f"no cgroups here: the per-env pids limit ({self.limits['pids']} tasks) is not enforced"
             if self.memory_limit:
-                raise ValueError(f"memory_limit needs a writable memory cgroup, and this host has none ({exc})")
+                raise ValueError(f"memory_limit needs a writable memory cgroup, and this host has none ({exc}); "
+                                 f"{DELEGATE_FIX}")
         if self.cgroups is not None:
             guardian = guard_cgroups(self.cgroups.paths)  # however this worker dies, its cgroups go with it
         if self.gated:
@@ -164,6 +189,22 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
             "warmup": warmup,
         }
 
+    def _write_env_fns(self, blobs) -> str | None:
+        """An env_fns pool's thunks in a file of their own (runtime/env_fns.py),
+        in a directory only this worker's account can enter (the sandboxes' account
+        reaches it through the identity's staging); its path, or None."""
+        if blobs is None:
+            return None
+        import tempfile
+
+        from boltzlabs.runtime import env_fns
+
+        _sweep_env_fns()
+        self.env_fns_dir = tempfile.mkdtemp(prefix=f"boltzlabs-fns-{os.getpid()}-")
+        path = os.path.join(self.env_fns_dir, "env_fns")
+        env_fns.write(path, list(blobs))
+        return path
+
     # -- teardown -------------------------------------------------------------------
 
     def shutdown(self, reason) -> bool:
@@ -186,6 +227,11 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
             self.cgroups = None
         if self.account is not None:
             self.account.close()
+        if self.env_fns_dir is not None:
+            import shutil
+
+            shutil.rmtree(self.env_fns_dir, ignore_errors=True)
+            self.env_fns_dir = None
 
     # -- the client connection ------------------------------------------------------
 

@@ -32,6 +32,7 @@ import time
 
 from boltzlabs import wire
 from boltzlabs.runtime import probe, template
+from boltzlabs.runtime.rlimits import NO_SERVE_EXIT
 from boltzlabs.sandbox import seccomp
 from boltzlabs.worker.config import PIPES, SOCKETPAIR
 from boltzlabs.errors import TemplateUnavailable  # noqa: F401 - spawn.TemplateUnavailable, its old home
@@ -797,6 +798,8 @@ def _take_probe_report(message, status, error, oom: int, memory_limit, report: d
 
 def describe_status(status: int) -> str:
     """'was killed by SIGSEGV', 'exited with status 1': a wait status in words."""
+    if os.WIFEXITED(status) and os.waitstatus_to_exitcode(status) == NO_SERVE_EXIT:
+        return "exited: env.py returned without calling serve()"
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         try:

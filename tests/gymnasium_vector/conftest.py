@@ -18,6 +18,7 @@ lists; each names its reason once, here.
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +28,13 @@ from gymnasium.vector import AsyncVectorEnv, SyncVectorEnv, VectorWrapper
 
 from boltzlabs.errors import EnvError, PoolClosedError
 from boltzlabs.gym import BoltzLabsVecEnv
+
+# Headless, as upstream's CI runs these: MuJoCo renders through EGL (software, no display; the
+# sandboxes get it too: sandbox/policy.toml [pass_environment]) and pygame's windows go to SDL's
+# dummy driver. Without them the in-process reference aborts, looking for a display.
+os.environ.setdefault("MUJOCO_GL", "egl")
+os.environ.setdefault("SDL_VIDEODRIVER", "dummy")
+os.environ.setdefault("SDL_AUDIODRIVER", "dummy")
 
 GENERIC_DIR = Path(__file__).resolve().parent / "envs" / "generic"
 _spec = importlib.util.spec_from_file_location("gymnasium_vector_generic_env", GENERIC_DIR / "env.py")
@@ -167,7 +175,8 @@ def make_vec(build):
 
 REFUSED_SPACE = pytest.mark.xfail(
     strict=True, raises=ValueError,
-    reason="the adapter refuses spaces it cannot rebuild from their spec (Text, Graph, Sequence, OneOf, custom)")
+    reason="the adapter refuses spaces it cannot rebuild from their spec, for an env directory (Graph, custom); "
+           "for gym ids and env_fns it builds one env in the trainer to read them")
 HETEROGENEOUS = pytest.mark.skip(
     reason="a pool runs one source with one set of params in every lane: its sub-envs cannot differ")
 SANDBOX_RNG = pytest.mark.xfail(
@@ -185,8 +194,9 @@ def vectorisers(*, boltzlabs=(), sync=(), names=("sync", "boltzlabs")):
     return [pytest.param(name, marks=marks[name], id=name) for name in names]
 
 
-# TESTING_SPACES the adapter cannot rebuild from their spec; it refuses them.
-_REFUSED_KINDS = ("Text", "Graph", "Sequence", "OneOf")
+# TESTING_SPACES the adapter cannot rebuild from their spec (Graph: GraphInstance values would arrive
+# as plain tuples); it refuses them. Text, Sequence and OneOf travel in the handshake.
+_REFUSED_KINDS = ("Graph",)
 
 
 REFUSED_SPACE_SEEN = pytest.mark.skip(
@@ -224,6 +234,10 @@ FAILURES_ARE_LANES = pytest.mark.xfail(
 MP_TIMEOUT = pytest.mark.xfail(
     strict=True, raises=TimeoutError,
     reason="step_wait(timeout=) raises the built-in TimeoutError, not multiprocessing.TimeoutError (not a subclass)")
+UPSTREAM_RENDER_LIST = pytest.mark.xfail(
+    strict=True, raises=AssertionError,
+    reason="upstream's test fails on SyncVectorEnv as well with gymnasium 1.4.0: HumanRendering asserts that "
+           "render() returns arrays, and an rgb_array_list env returns lists")
 NO_MOVIEPY = pytest.mark.skipif(importlib.util.find_spec("moviepy") is None,
                                 reason="moviepy is not installed (upstream needs it too)")
 PER_ENV_WRAPPERS = pytest.mark.skip(
