@@ -151,7 +151,10 @@ class Lifecycle:
             if oom > 0:
                 notes.append(f"OOM: killed by the kernel's OOM killer over its memory limit "
                              f"(memory_limit={self.memory_limit} bytes)")
-            if refused > 0:
+            if refused > 0 and self.cgroups.pool_full():
+                notes.append(f"pids limit: {refused} fork(s) refused at the pool's limit of "
+                             f"{self.limits['pool_pids']} tasks for all its envs together (limits.pool_pids)")
+            elif refused > 0:
                 notes.append(f"pids limit: {refused} fork(s) refused at its limit of {self.limits['pids']} tasks")
         signum = _exit_signal(status)
         if signum == signal.SIGXFSZ:
@@ -280,7 +283,7 @@ def warmup_note(report: dict | None) -> str:
     return "\n".join(notes)
 
 
-def guard_cgroups(paths: list[str]) -> int:
+def guard_cgroups(paths: list[str], release=None) -> int:
     """Make sure the pool's cgroups and every task in them go with this worker,
     however it dies (SIGKILL included). Returns the guardian's pid.
 
@@ -290,7 +293,8 @@ def guard_cgroups(paths: list[str]) -> int:
     forever for it. A forked guardian in a session of its own (a kill of our
     process group misses it) waits for the end of a pipe this process holds,
     which closes only when this process is gone, then kills, thaws and
-    removes what is left of the pool's cgroups: nothing, after a clean close.
+    removes what is left of the pool's cgroups: nothing, after a clean close;
+    then `release()` (CgroupPool.release: cgroup v2's room, where it is free).
     The client, which only kills the worker, waits for the guardian to end.
     A fork shares the worker's pages; it writes little (measured in
     tests/test_protocol.py).
@@ -312,6 +316,8 @@ def guard_cgroups(paths: list[str]) -> int:
             while os.read(r, 1):
                 pass
             remove_pool_dir(paths)
+            if release is not None:
+                release()
         finally:
             os._exit(0)
     os.close(r)

@@ -104,21 +104,25 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
         self.channel = raise_fd_limit(n)
         guardian = None
         try:
-            self.cgroups = CgroupPool(self.memory_limit, self.limits.get("pids"), freezer=self.gated)
-            if self.limits.get("pids") and not self.cgroups.limits_pids:
+            self.cgroups = CgroupPool(self.memory_limit, self.limits.get("pids"), freezer=self.gated,
+                                      pool_pids=self.limits.get("pool_pids"))
+            if (self.limits.get("pids") or self.limits.get("pool_pids")) and not self.cgroups.limits_pids:
                 self.limits_note = (f"no writable pids cgroup here: the per-env pids limit "
-                                    f"({self.limits['pids']} tasks) is not enforced")
+                                    f"({self.limits.get('pids')} tasks) and the pool's "
+                                    f"({self.limits.get('pool_pids')} tasks) are not enforced")
             self.memory_source = f"cgroup {self.cgroups.version} working set (usage - inactive file), kernel memory included"
         except CgroupUnavailable as exc:
             self.cgroups = None
             self.memory_source = "psutil PSS of each sandbox's processes (no writable memory cgroup)"
             self.memory_note = f"no cgroup memory accounting: {exc}; envs_per_gb() uses PSS instead"
-            if self.limits.get("pids"):
-                self.limits_note = f"no cgroups here: the per-env pids limit ({self.limits['pids']} tasks) is not enforced"
+            if self.limits.get("pids") or self.limits.get("pool_pids"):
+                self.limits_note = (f"no cgroups here: the per-env pids limit ({self.limits.get('pids')} tasks) "
+                                    f"and the pool's ({self.limits.get('pool_pids')} tasks) are not enforced")
             if self.memory_limit:
                 raise ValueError(f"memory_limit needs a writable memory cgroup, and this host has none ({exc})")
         if self.cgroups is not None:
-            guardian = guard_cgroups(self.cgroups.paths)  # however this worker dies, its cgroups go with it
+            # However this worker dies, its cgroups go with it (and the room made for them).
+            guardian = guard_cgroups(self.cgroups.paths, self.cgroups.release)
         if self.gated:
             self.freezing = self.cgroups is not None and self.cgroups.freezes
             if self.freezing:
