@@ -271,7 +271,7 @@ class _V2(_Backend):
             raise CgroupUnavailable(
                 f"cgroup v2: the worker's cgroup {start} has no memory controller (cgroup.controllers: "
                 f"{' '.join(controllers) or 'none'}): the cgroup above it does not pass memory down. "
-                + _fix())
+                + delegation_fix())
         if not (start / "cgroup.type").exists():
             # The root cgroup (it alone has no cgroup.type) may hold processes and
             # enable controllers at once: pools go straight in it.
@@ -283,24 +283,24 @@ class _V2(_Backend):
         if start.name == LEAF and "memory" in _words(parent / "cgroup.subtree_control"):
             if not _writable(parent):
                 raise CgroupUnavailable(f"cgroup v2: this worker started in the leaf {start}, but the cgroup "
-                                        f"above it, {parent}, is not writable by uid {os.geteuid()}. " + _fix())
+                                        f"above it, {parent}, is not writable by uid {os.geteuid()}. " + delegation_fix())
             self.home = parent  # a room made by another worker of ours: share it
             self.note = f"pools in {parent}, beside the leaf {start} another worker made"
             return
         if "memory" in subtree:
             raise CgroupUnavailable(f"cgroup v2: {start} already passes memory to its children, so no process "
-                                    "may be in it, yet this worker is (a threaded cgroup?). " + _fix())
+                                    "may be in it, yet this worker is (a threaded cgroup?). " + delegation_fix())
         if not _writable(start):
             raise CgroupUnavailable(f"cgroup v2: the worker's cgroup {start} is not delegated to uid "
                                     f"{os.geteuid()} (its cgroup.procs, cgroup.subtree_control or the "
-                                    "directory is not writable). " + _fix())
+                                    "directory is not writable). " + delegation_fix())
         leaf = start / LEAF
         try:
             leaf.mkdir()
         except FileExistsError:  # an empty one left by a worker that was killed
             pass
         except OSError as exc:
-            raise CgroupUnavailable(f"cgroup v2: cannot create the leaf {leaf}: {exc}. " + _fix()) from None
+            raise CgroupUnavailable(f"cgroup v2: cannot create the leaf {leaf}: {exc}. " + delegation_fix()) from None
         self.leaf, self.procs_home = leaf, leaf
         try:
             for _ in range(50):  # until the tree's forks since the last read are moved too
@@ -309,7 +309,7 @@ class _V2(_Backend):
                     break
             else:
                 raise CgroupUnavailable(f"cgroup v2: {start} would not pass memory to its children: new "
-                                        "processes kept appearing in it (EBUSY). " + _fix())
+                                        "processes kept appearing in it (EBUSY). " + delegation_fix())
         except BaseException:
             self.release()
             raise
@@ -327,7 +327,7 @@ class _V2(_Backend):
             raise CgroupUnavailable(
                 f"cgroup v2: the worker's cgroup {start} holds processes that are not of the worker's own "
                 f"process tree ({shown}{more}); the kernel lets {start} pass memory to the pool's cgroups only "
-                "once no process is left in it, and these are not ours to move. " + _fix())
+                "once no process is left in it, and these are not ours to move. " + delegation_fix())
         for pid in ours:
             try:
                 _write(leaf / "cgroup.procs", str(pid).encode())
@@ -348,7 +348,7 @@ class _V2(_Backend):
                     return False  # a process is (again) in the group
                 if name == "memory":
                     raise CgroupUnavailable(f"cgroup v2: cannot enable memory in {group}/cgroup.subtree_control: "
-                                            f"{exc}. " + _fix()) from None
+                                            f"{exc}. " + delegation_fix()) from None
                 continue  # pids: the pool runs, without its fork caps (limits_pids says so)
             if self.leaf is not None:  # ours to undo (never the root's)
                 self.enabled.append(name)
@@ -452,7 +452,7 @@ def _writable(group: Path) -> bool:
     return all(os.access(path, os.W_OK) for path in (group, group / "cgroup.procs", group / "cgroup.subtree_control"))
 
 
-def _fix() -> str:
+def delegation_fix() -> str:
     """What to run instead, where a cgroup v2 host gives the worker no room."""
     return ("Run the worker in a cgroup delegated to it, with memory and pids: as root "
             "`systemd-run --scope -p Delegate=yes -- python train.py`, as a user "
@@ -543,6 +543,28 @@ def pool_home() -> Path | None:
     if backend.version == "v2" and start.name == LEAF:
         return start.parent
     return start
+
+
+def version() -> str:
+    """The cgroup version pools get here ("v1" or "v2"), "" where there is no memory cgroup."""
+    try:
+        return _find_backend(make_room=False).version
+    except CgroupUnavailable:
+        return ""
+
+
+def hierarchy(controller: str = "memory") -> Path | None:
+    """The mount point of the cgroup hierarchy that holds `controller` for this
+    process (v1: that controller's own; v2: the one cgroup2 mount)."""
+    own = _own_cgroups()
+    for point, fstype, options in _mounts():
+        if fstype == "cgroup" and controller in options and controller in own:
+            return Path(point)
+    if "" in own:
+        for point, fstype, _ in _mounts():
+            if fstype == "cgroup2" and not any(f == "cgroup" and controller in o for _, f, o in _mounts()):
+                return Path(point)
+    return None
 
 
 def _find_v1_home(controller: str) -> Path | None:

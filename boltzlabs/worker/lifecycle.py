@@ -151,11 +151,18 @@ class Lifecycle:
             if oom > 0:
                 notes.append(f"OOM: killed by the kernel's OOM killer over its memory limit "
                              f"(memory_limit={self.memory_limit} bytes)")
-            if refused > 0 and self.cgroups.pool_full():
-                notes.append(f"pids limit: {refused} fork(s) refused at the pool's limit of "
-                             f"{self.limits['pool_pids']} tasks for all its envs together (limits.pool_pids)")
-            elif refused > 0:
-                notes.append(f"pids limit: {refused} fork(s) refused at its limit of {self.limits['pids']} tasks")
+            if refused > 0:
+                # The kernel counts a refusal in the forking env's cgroup whichever
+                # limit refused it, its own or the pool's (limits.pool_pids).
+                own, cap = f"its limit of {self.limits['pids']} tasks", self.limits.get("pool_pids")
+                pools = f"the pool's limit of {cap} tasks for all its envs together (limits.pool_pids)"
+                if self.cgroups.pool_full():
+                    where = pools
+                elif cap and cap < len(self.envs) * self.limits["pids"]:
+                    where = f"{own} or {pools}"
+                else:
+                    where = own
+                notes.append(f"pids limit: {refused} fork(s) refused at {where}")
         signum = _exit_signal(status)
         if signum == signal.SIGXFSZ:
             notes.append(f"file size limit: it wrote past limits.file_size={self.limits.get('file_size')} bytes")
