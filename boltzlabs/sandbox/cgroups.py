@@ -35,10 +35,9 @@ Kernel facts this depends on:
   leaf below, enables memory and pids above it, and makes the pool beside
   it (`_V2._make_room`). The root cgroup is exempt (a pool goes straight in
   it); inside a container's cgroup namespace the namespace's root is not,
-  and gets a leaf like any other. A worker started in such a leaf uses the
-  room it is in. The maker of a room undoes it once its own pool is gone
-  and no other is left: controllers off, every process back, the leaf
-  removed (a room another worker still uses stays).
+  and gets a leaf like any other. A worker started in such a leaf (a second
+  pool of the same trainer) shares the room, and the last pool to close
+  undoes it: controllers off, every process back, the leaf removed.
 - Killing for sure: SIGKILL to every pid in cgroup.procs, again and again
   until the group is empty (rmdir fails with EBUSY while a task is left), so
   a process forked between a read of cgroup.procs and the kills is caught
@@ -256,7 +255,7 @@ class _V2(_Backend):
     def __init__(self, start: Path | None, make_room: bool = True):
         super().__init__(start)
         self.start = start  # the cgroup this process started in
-        self.leaf: Path | None = None  # the leaf this backend made (and so undoes)
+        self.leaf: Path | None = None  # the leaf of the room it uses (and undoes if last)
         self.enabled: list[str] = []  # controllers it enabled in home's subtree_control
         self.moved: list[int] = []  # processes it moved into the leaf
         if start is not None and make_room:
@@ -284,7 +283,9 @@ class _V2(_Backend):
             if not _writable(parent):
                 raise CgroupUnavailable(f"cgroup v2: this worker started in the leaf {start}, but the cgroup "
                                         f"above it, {parent}, is not writable by uid {os.geteuid()}. " + delegation_fix())
-            self.home = parent  # a room made by another worker of ours: share it
+            # A room made by another worker of ours: share it; the last pool out undoes it.
+            self.home, self.leaf = parent, start
+            self.enabled = [c for c in NEEDED if c in _words(parent / "cgroup.subtree_control")]
             self.note = f"pools in {parent}, beside the leaf {start} another worker made"
             return
         if "memory" in subtree:
@@ -294,6 +295,7 @@ class _V2(_Backend):
             raise CgroupUnavailable(f"cgroup v2: the worker's cgroup {start} is not delegated to uid "
                                     f"{os.geteuid()} (its cgroup.procs, cgroup.subtree_control or the "
                                     "directory is not writable). " + delegation_fix())
+        self._refuse_foreign(start)  # before anything changes
         leaf = start / LEAF
         try:
             leaf.mkdir()
@@ -319,8 +321,16 @@ class _V2(_Backend):
     def _move_ours(self, start: Path, leaf: Path) -> None:
         """Move every process of start that belongs to this worker's tree into
         the leaf; CgroupUnavailable naming the others, which are not ours to move."""
-        pids = _procs(start)
-        ours, foreign = _classify(pids)
+        for pid in self._refuse_foreign(start):
+            try:
+                _write(leaf / "cgroup.procs", str(pid).encode())
+                self.moved.append(pid)
+            except ProcessLookupError:
+                pass  # gone meanwhile
+
+    def _refuse_foreign(self, start: Path) -> list[int]:
+        """The processes of start of this worker's tree; CgroupUnavailable naming the others."""
+        ours, foreign = _classify(_procs(start))
         if foreign:
             shown = ", ".join(f"{pid} ({_comm(pid)})" for pid in foreign[:5])
             more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
@@ -328,12 +338,7 @@ class _V2(_Backend):
                 f"cgroup v2: the worker's cgroup {start} holds processes that are not of the worker's own "
                 f"process tree ({shown}{more}); the kernel lets {start} pass memory to the pool's cgroups only "
                 "once no process is left in it, and these are not ours to move. " + delegation_fix())
-        for pid in ours:
-            try:
-                _write(leaf / "cgroup.procs", str(pid).encode())
-                self.moved.append(pid)
-            except ProcessLookupError:
-                pass  # gone meanwhile
+        return ours
 
     def _enable(self, group: Path, controllers) -> bool:
         """Enable `controllers` in group's subtree_control (those not yet on); False on EBUSY."""
@@ -355,12 +360,12 @@ class _V2(_Backend):
         return True
 
     def release(self) -> bool:
-        """Undo the room, if this backend made it and no pool is left beside
-        the leaf: its controllers off, every process of the leaf back in the
-        starting cgroup, the leaf removed. True when nothing of it is left."""
+        """Undo the room once no pool is left beside the leaf (whichever worker
+        made it): memory and pids off, every process of the leaf back in the
+        cgroup above, the leaf removed. True when nothing of it is left."""
         if self.leaf is None:
             return True
-        start, leaf = self.start, self.leaf
+        start, leaf = self.home, self.leaf
         try:
             others = [c for c in start.iterdir() if c.is_dir() and c != leaf]
         except FileNotFoundError:
