@@ -217,4 +217,7 @@ print([str(w.message) for w in caught if w.category is RuntimeWarning])
     gate = [w for w in warned if "serialize_measurement" in w]
     assert len(gate) == 1 and "freez" in gate[0], warned
     others = [w for w in warned if w not in gate]
-    assert not others if cgroups.version() == "v1" else all("no cgroup memory accounting" in w for w in others), warned
+    if cgroups.version() == "v1":
+        assert not others, warned
+    else:  # no cgroups at all: memory accounting and the pids limits say so too
+        assert all("no cgroup memory accounting" in w or "are not enforced" in w for w in others), warned
