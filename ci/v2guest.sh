@@ -29,7 +29,8 @@
 # Environment: V2GUEST_MEM (4G), V2GUEST_CPUS (2), V2GUEST_TMPFS (3G: the overlay's size),
 # V2GUEST_TIMEOUT (3600 s; then exit 124), V2GUEST_ACCEL (auto: kvm where /dev/kvm is real
 # KVM, else tcg), V2GUEST_CACHE (/var/cache/boltzlabs-v2guest; delete it to rebuild),
-# V2GUEST_QUIET=1 (no "v2guest:" lines on stderr).
+# V2GUEST_QUIET=1 (no "v2guest:" lines on stderr), V2GUEST_INIT=systemd (PID 1 is this
+# machine's systemd and COMMAND its service: for trying systemd-run in the guest).
 # Exit status: COMMAND's; 124 on V2GUEST_TIMEOUT; 125 if the guest reported none (its
 # console's tail goes to stderr).
 set -euo pipefail
@@ -147,8 +148,28 @@ mkdir "$RUN/lower"
 
 # stage2, PID 1 of the guest after switch_root. ttyS0: kernel console; ttyS1: COMMAND's
 # output; ttyS2: "start", "end" (uptimes) and "rc N" lines for this script.
-{ echo '#!/bin/bash'; echo "RUN=$RUN"; cat <<'STAGE2'; } > "$RUN/stage2"
+# V2GUEST_INIT=systemd: stage2 hands PID 1 to this machine's systemd at once, which mounts
+# the API filesystems and cgroup2 itself and runs COMMAND as the oneshot v2guest.service.
+{ echo '#!/bin/bash'; echo "RUN=$RUN"; echo "INIT=${V2GUEST_INIT:-bash}"; cat <<'STAGE2'; } > "$RUN/stage2"
+if [ "$INIT" = systemd ] && [ "$$" = 1 ]; then
+  mkdir -p /etc/systemd/system
+  printf '%s\n' '[Unit]' 'DefaultDependencies=no' '[Service]' 'Type=oneshot' \
+    "ExecStart=/bin/bash $RUN/stage2" > /etc/systemd/system/v2guest.service
+  exec /lib/systemd/systemd --unit=v2guest.service
+fi
 exec 3>/dev/ttyS1 4>/dev/ttyS2 </dev/null
+if [ "$INIT" = systemd ]; then  # systemd mounted all and brings lo up; COMMAND is its service
+  export HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 TERM=dumb
+  export BOLTZLABS_TIME_SCALE=${BOLTZLABS_TIME_SCALE:-10}
+  stty raw -echo 115200 <&3 2>/dev/null; stty raw -echo 115200 <&4 2>/dev/null
+  read -r up _ < /proc/uptime; echo "start $up" >&4
+  if cd "$(cat "$RUN/workdir")"; then bash "$RUN/cmd" </dev/null >&3 2>&3; rc=$?; else rc=125; fi
+  read -r up _ < /proc/uptime; echo "end $up" >&4
+  echo "rc $rc" >&4
+  sync
+  echo o > /proc/sysrq-trigger
+  sleep 30
+fi
 mount -t proc -o nosuid,nodev,noexec proc /proc
 mount -t sysfs -o nosuid,nodev,noexec sysfs /sys
 mount -t cgroup2 -o nsdelegate cgroup2 /sys/fs/cgroup || mount -t cgroup2 cgroup2 /sys/fs/cgroup

@@ -210,3 +210,25 @@ def test_two_pools_share_the_room_and_the_last_one_undoes_it(service):
     assert seen["parents"] == [str(service)], seen
     assert seen["leaf_with_b"] is True and seen["b_steps"] == {"lane": 0, "echo": 3}
     assert seen["leaf_after"] is False and seen["subtree_after"] == [], seen
+
+
+def test_a_systemd_unit_is_delegated_when_systemd_marked_it(service):
+    """doctor's "systemd delegation" warning: systemd marks a delegated unit's
+    cgroup with trusted.delegate (and user.delegate); below an unmarked one a
+    pool's cgroups are systemd's to move or remove."""
+    marker = Path("/run/systemd/system")
+    made = not marker.exists()
+    if made:  # the guest has no systemd: say it has, for this check only
+        marker.mkdir(parents=True)
+    try:
+        unit, below = service / "a.service", service / "a.service" / "job"
+        below.mkdir(parents=True)
+        assert cgroups.systemd_delegated(below) is False
+        os.setxattr(unit, "trusted.delegate", b"1")
+        assert cgroups.systemd_delegated(below) is True and cgroups.systemd_delegated(unit) is True
+        assert cgroups.systemd_delegated(service) is False
+    finally:
+        if made:
+            marker.rmdir()
+    if made:
+        assert cgroups.systemd_delegated(service) is None  # no systemd: nothing to say

@@ -277,7 +277,7 @@ def _cgroup_mounts() -> tuple[list, list]:
 
 
 def _cgroup_version() -> list[Finding]:
-    from boltzlabs.sandbox.cgroups import version
+    from boltzlabs.sandbox.cgroups import _mounts, _own_cgroups, _v2_start, delegation_fix, systemd_delegated, version
 
     v1, v2 = _cgroup_mounts()
     pools = version()
@@ -287,7 +287,13 @@ def _cgroup_version() -> list[Finding]:
                               and not o.startswith("name=")})
         return [Finding("cgroup version", OK, f"cgroup v1 (controllers: {', '.join(controllers)}){hybrid}")]
     if v2:
-        return [Finding("cgroup version", OK, f"cgroup v2 (unified, at {v2[0]})")]
+        findings = [Finding("cgroup version", OK, f"cgroup v2 (unified, at {v2[0]})")]
+        start = _v2_start(_own_cgroups(), _mounts())
+        if start is not None and systemd_delegated(start) is False:
+            findings.append(Finding("systemd delegation", WARN, f"this process's cgroup {start} is systemd's and "
+                                    "was not delegated (no Delegate=yes): root may make the pool's cgroups there, "
+                                    "but systemd may move its processes or remove those cgroups", delegation_fix()))
+        return findings
     return [Finding("cgroup version", WARN, "no cgroup filesystem is mounted: no memory accounting or limits",
                     "sudo mount -t cgroup2 none /sys/fs/cgroup")]
 

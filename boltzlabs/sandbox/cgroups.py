@@ -467,6 +467,26 @@ def delegation_fix() -> str:
             f"({HOST_DOC})")
 
 
+def systemd_delegated(group: Path) -> bool | None:
+    """Whether systemd delegated `group` (or a cgroup above it) to its unit,
+    None where systemd does not run this host. systemd marks a delegated
+    unit's cgroup with the xattrs trusted.delegate and user.delegate (seen on
+    systemd 252); below a unit that has none, systemd owns the tree and may
+    move or remove what others make there."""
+    if not Path("/run/systemd/system").is_dir():
+        return None
+    root = hierarchy("memory")
+    for path in [group, *group.parents]:
+        if root is not None and not str(path).startswith(str(root)):
+            break
+        try:
+            if {"trusted.delegate", "user.delegate"} & set(os.listxattr(path)):
+                return True
+        except OSError:
+            pass
+    return False
+
+
 def _ppid(pid: int) -> int:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
