@@ -232,3 +232,30 @@ def test_a_systemd_unit_is_delegated_when_systemd_marked_it(service):
             marker.rmdir()
     if made:
         assert cgroups.systemd_delegated(service) is None  # no systemd: nothing to say
+
+
+KILLED_WORKER = """
+import json, os, signal, sys, time
+sys.path.insert(0, {root!r})
+from pathlib import Path
+import psutil
+from boltzlabs import RLPool
+S = Path({cgroup!r})
+pool = RLPool({hostile!r}, 2)
+pool.reset(seed=0)
+out = {{"leaf": (S / "boltzlabs-procs").exists(), "paths": pool._cgroup}}
+guardian = [p for p in psutil.Process(pool._proc.pid).children() if p.name() == "boltzlabs-guard"]
+os.kill(pool._proc.pid, signal.SIGKILL)
+psutil.wait_procs(guardian, timeout=60)
+out.update(leaf_after=(S / "boltzlabs-procs").exists(), pools_after=[str(p) for p in S.glob("boltzlabs-*")],
+           subtree_after=(S / "cgroup.subtree_control").read_text().split(),
+           cgroup_after=open("/proc/self/cgroup").read().strip())
+print(json.dumps(out), flush=True)
+"""
+
+
+def test_after_the_worker_is_killed_its_guardian_undoes_the_room(service):
+    seen = run_in(service, KILLED_WORKER.format(root=str(TESTS.parent), cgroup=str(service), hostile=str(HOSTILE)))
+    assert seen["leaf"] is True and [Path(p).parent for p in seen["paths"]] == [service], seen
+    assert seen["pools_after"] == [] and seen["leaf_after"] is False and seen["subtree_after"] == [], seen
+    assert seen["cgroup_after"].endswith(service.name)  # the trainer is back where it started

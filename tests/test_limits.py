@@ -80,6 +80,12 @@ def test_policy_has_every_env_limit():
     ({"open_files": "many"}, "whole number"),
     ({"straggler_grace": 0}, "positive number"),
     ({"file_size": "lots"}, "cannot read"),
+    # The whole pool's cap: a count or a share, and always below the host's task limit.
+    ({"pool_pids": 4}, "at least 8"),
+    ({"pool_pids": "100%"}, "share below 100%"),
+    ({"pool_pids": "many%"}, "share below 100%"),
+    ({"pool_pids": True}, "whole number of tasks"),
+    ({"pool_pids": 10 ** 9}, "not below this host's task limit"),
 ])
 def test_bad_limits_are_refused_before_anything_starts(limits, message):
     before = descendants()

@@ -354,6 +354,16 @@ def test_worker_listens_on_loopback_by_default():
     assert args.listen.startswith("127.0.0.1:")
 
 
+@pytest.mark.parametrize("value, said", [("100%", "share below 100%"), ("0", "at least 8"),
+                                         (str(10 ** 9), "not below this host's task limit"),
+                                         ("lots", "--max-pool-pids must be a whole number of tasks or a share")])
+def test_a_pool_pids_ceiling_at_or_above_the_hosts_limit_is_refused(value, said):
+    out = subprocess.run([*WORKER_COMMAND, "--listen", "127.0.0.1:0", "--token", TOKEN, "--max-pool-pids", value],
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 2 and said in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_two_clients_share_a_worker_in_isolation(worker):
     a = worker.pool(PROBE, 2)
     b = worker.pool(PROBE, 2)

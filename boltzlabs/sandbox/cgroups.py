@@ -680,31 +680,37 @@ class CgroupPool:
 
     def __init__(self, memory_limit: int | None = None, pids_max: int | None = None, freezer: bool = False,
                  pool_pids: int | None = None):
-        self.backend = _find_backend()
-        v1 = self.backend.version == "v1"
-        # cgroup v1: the pids controller (and the freezer) are hierarchies of their own.
-        self.pids_home = _find_v1_home("pids") if v1 else None
-        self.freezer_home = _find_v1_home("freezer") if v1 and freezer else None
-        sweep_stale([home for home in (self.backend.home, self.pids_home, self.freezer_home) if home is not None])
         self.memory_limit = memory_limit
         self.pids_max = pids_max
         self.pool_pids = pool_pids
         name = f"boltzlabs-{os.getpid()}-{secrets.token_hex(4)}"
-        self.path = self.backend.home / name
-        self.pids_path = self.pids_home / name if self.pids_home is not None else None
-        try:
-            self.backend.prepare_pool(self.path)
-            if self.pids_path is not None:
-                self.pids_path.mkdir()
-            if pool_pids and self.limits_pids:
-                # Before any process is in it: the cap holds from the template's first fork.
-                self.backend.set_pids(self.pids_path or self.path, pool_pids)
-        except OSError as exc:
-            for path in (self.path, self.pids_path):
-                if path is not None:
-                    _rmdir(path)
-            self.backend.release()
-            raise CgroupUnavailable(f"cannot create the pool cgroup {self.path}: {exc}") from None
+        for attempt in range(2):
+            self.backend = _find_backend()
+            v1 = self.backend.version == "v1"
+            # cgroup v1: the pids controller (and the freezer) are hierarchies of their own.
+            self.pids_home = _find_v1_home("pids") if v1 else None
+            self.freezer_home = _find_v1_home("freezer") if v1 and freezer else None
+            sweep_stale([home for home in (self.backend.home, self.pids_home, self.freezer_home) if home is not None])
+            self.path = self.backend.home / name
+            self.pids_path = self.pids_home / name if self.pids_home is not None else None
+            try:
+                self.backend.prepare_pool(self.path)
+                if self.pids_path is not None:
+                    self.pids_path.mkdir()
+                if pool_pids and self.limits_pids:
+                    # Before any process is in it: the cap holds from the template's first fork.
+                    self.backend.set_pids(self.pids_path or self.path, pool_pids)
+                break
+            except OSError as exc:
+                for path in (self.path, self.pids_path):
+                    if path is not None:
+                        _rmdir(path)
+                self.backend.release()
+                # v2: the room this worker joined was undone meanwhile by the last
+                # pool of another worker closing; once more makes a room of its own.
+                if attempt == 0 and not v1:
+                    continue
+                raise CgroupUnavailable(f"cannot create the pool cgroup {self.path}: {exc}") from None
         self.freezer_path = None
         self.freezes, self.freezer_note = False, ""
         if freezer and v1:

@@ -54,7 +54,7 @@ def ceiling_value(key: str, value):
         return 0 if value in (0, "0") else parse_size(value)
     if kind == "tasks":
         text = str(value).strip()
-        return _limits.task_count(text if text.endswith("%") else int(text), CEILINGS[key][0])
+        return _limits.task_count(int(text) if text.lstrip("-").isdigit() else text, CEILINGS[key][0])
     if kind == "count":
         value = int(value)
         if value < 1:

@@ -48,7 +48,7 @@ from boltzlabs.sandbox.policy import compile_sandbox_code, find_bwrap, load_poli
 from boltzlabs.worker.config import PIPES, parse_open, raise_fd_limit
 from boltzlabs.worker.lanes import IDLE, Lane
 from boltzlabs.worker.lifecycle import (ABANDONED, PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, Lifecycle, StartFailure,
-                                        guard_cgroups, prctl, warmup_note)
+                                        guard_cgroups, guard_closed, prctl, warmup_note)
 from boltzlabs.worker.reactor import ClientGone, Reactor, describe
 from boltzlabs.worker.requests import Requests, tail
 from boltzlabs.worker.spawn import ExecSpawner, TemplateSpawner, TemplateUnavailable, reap_orphans
@@ -184,6 +184,7 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
         if self.cgroups is not None:
             self.cgroups.close(deadline, reap_orphans)
             self.cgroups = None
+            guard_closed()
         if self.account is not None:
             self.account.close()
 
