@@ -27,32 +27,33 @@ cd "$(dirname "$0")/.."
 # The per-test hang timeout (pyproject.toml: 300 s) scaled as the tests' deadlines are.
 pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=5 -o timeout=1800 -o faulthandler_timeout=1780)
 
-# Both runs: the issue's list (kernel accounting per env, memory_limit's OOM on its lane,
-# pids.max and the pool's cap, the freezer gate, cleanup after close and after SIGKILL,
-# the template's cgroups, doctor).
+# Both runs: kernel accounting per env, memory_limit's OOM on its lane, pids.max, the
+# freezer gate, cleanup at close, the template's cgroups.
 COMMON_TESTS=(
   "tests/test_memory_and_gate.py::test_envs_per_gb_tracks_a_known_allocation[template]"
   "tests/test_memory_and_gate.py::test_memory_limit_kills_and_reports_oom[exec]"
   "tests/test_memory_and_gate.py::test_the_gate_freezes_work_an_env_leaves_running_after_its_reply[template]"
   "tests/test_limits.py::test_an_env_that_dies_at_its_pids_limit_says_so[template]"
-  "tests/test_limits.py::test_envs_that_together_pass_the_pool_cap_stop_there_and_other_pools_do_not_notice[template]"
   "tests/test_limits.py::test_memory_hog_is_oom_killed_by_name_and_never_swaps[template]"
-  "tests/test_limits.py::test_no_sandbox_outlives_a_killed_client_or_worker[template-worker-True]"
   "tests/test_pool.py::test_close_leaves_nothing_behind[template]"
   "tests/test_template.py::test_each_child_is_born_in_its_own_cgroup"
-  "tests/test_cli.py::test_doctor_passes_here_and_names_the_cgroup_version"
 )
-# The root run also: the room a worker makes, tried in cgroups test_cgroups.py makes itself.
+# The root run also: the room a worker makes, tried in cgroups test_cgroups.py makes itself
+# (below the root, as systemd makes a unit's).
 ROOT_TESTS=("${COMMON_TESTS[@]}" tests/test_cgroups.py
   --deselect "tests/test_cgroups.py::test_a_worker_in_a_cgroup_that_holds_processes_makes_room_and_undoes_it[exec]")
-# The non-root run also: the rest of the ways a pool ends, the PSS fallback, a remote pool's cap.
+# The non-root run also, where v2 used to fail: the pool's pids cap, cleanup after SIGKILL
+# of client and worker, doctor's trials, the PSS fallback, a remote pool's caps.
 SERVICE_TESTS=(
   "${COMMON_TESTS[@]}"
-  "tests/test_memory_and_gate.py::test_without_a_writable_cgroup_memory_falls_back_to_pss[template]"
+  "tests/test_limits.py::test_envs_that_together_pass_the_pool_cap_stop_there_and_other_pools_do_not_notice[template]"
   "tests/test_limits.py::test_close_and_hard_reset_reap_children_that_ignore_signals[template]"
   "tests/test_limits.py::test_no_sandbox_outlives_a_killed_client_or_worker[template-client-False]"
+  "tests/test_limits.py::test_no_sandbox_outlives_a_killed_client_or_worker[template-worker-True]"
   "tests/test_limits.py::test_no_sandbox_outlives_a_killed_client_or_worker[exec-both-False]"
   "tests/test_protocol.py::test_a_killed_workers_cgroups_are_removed_by_its_guardian_without_the_client[True]"
+  "tests/test_cli.py::test_doctor_passes_here_and_names_the_cgroup_version"
+  "tests/test_memory_and_gate.py::test_without_a_writable_cgroup_memory_falls_back_to_pss[template]"
   "tests/test_remote.py::test_a_remote_pool_gets_the_ceilings_when_it_asks_for_nothing[template]"
 )
 

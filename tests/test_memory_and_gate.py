@@ -168,14 +168,15 @@ def test_the_gate_freezes_work_an_env_leaves_running_after_its_reply(env_dir, sp
         for i, pid in enumerate(pool.pids()):  # born in its freezer cgroup
             assert view.cgroup_of(pid, "freezer") == view.group(i, "freezer"), pid
         pool.reset(seed=0)
-        actions = [{"spin": True, "s": 0.2}, {"spin": False, "s": 0.5}]
+        # Turns long against how long a freeze takes to land (slower where emulated).
+        actions = [{"spin": True, "s": scaled(0.2)}, {"spin": False, "s": scaled(0.5)}]
         obs, *_ = pool.step(actions)
         # Between calls: env 0 and what it left running use no CPU at all.
         assert view.frozen(0)
         before = _cpu_seconds(pool.pids()[0])
-        time.sleep(0.3)
+        time.sleep(scaled(0.3))
         idle = _cpu_seconds(pool.pids()[0]) - before
-        assert idle < 0.02, f"env 0's leftover work used {idle:.2f} s of CPU in 0.3 s between calls"
+        assert idle < 0.02, f"env 0's leftover work used {idle:.2f} s of CPU in {scaled(0.3):g} s between calls"
         last = obs[0]
         for _ in range(2):
             obs, *_ = pool.step(actions)

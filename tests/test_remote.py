@@ -28,7 +28,7 @@ from boltzlabs.pool.remote_link import _Peer, _proof, pack_env_dir
 from boltzlabs.sandbox.cgroups import PoolView
 from boltzlabs.sandbox.limits import host_tasks
 
-from conftest import COUNTER, PROBE
+from conftest import COUNTER, PROBE, scaled
 
 TOKEN = "test-token-5f2c"
 WORKER_COMMAND = [sys.executable, "-m", "boltzlabs", "worker"]
@@ -90,7 +90,7 @@ class Worker:
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    w = Worker(tmp_path_factory.mktemp("remote"), "--handshake-timeout", "2")
+    w = Worker(tmp_path_factory.mktemp("remote"), "--handshake-timeout", str(scaled(2)))
     yield w
     w.stop()
     assert w.proc.returncode == 0, w.text()
