@@ -215,7 +215,8 @@ def test_doctor_warns_for_each_cgroup_controller_it_cannot_use(hidden):
     if hidden == "memory":
         for name in ("memory cgroup", "freezer cgroup"):
             assert findings[name]["status"] == "warn", findings[name]
-        assert "PSS" in findings["memory cgroup"]["detail"] and "memory_limit is refused" in findings["memory cgroup"]["detail"]
+        detail = findings["memory cgroup"]["detail"]
+        assert "PSS" in detail and "memory_limit is refused" in detail, detail
     else:
         assert findings["memory cgroup"]["status"] == "ok", findings["memory cgroup"]
 

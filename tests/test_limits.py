@@ -70,7 +70,8 @@ def assert_own_lanes(obs, rewards, infos, actions, skip=()):
 
 def test_policy_has_every_env_limit():
     table = load_policy().sandbox["env_limits"]
-    assert {"memory", "pids", "pool_pids", "open_files", "file_size", "core_size", "straggler_grace"} <= set(table)
+    assert {"memory", "pids", "pool_pids", "open_files", "file_size", "core_size",
+            "straggler_grace"} <= set(table)
     assert table["core_size"] == 0
 
 

@@ -282,7 +282,8 @@ class _V2(_Backend):
         if start.name == LEAF and "memory" in _words(parent / "cgroup.subtree_control"):
             if not _writable(parent):
                 raise CgroupUnavailable(f"cgroup v2: this worker started in the leaf {start}, but the cgroup "
-                                        f"above it, {parent}, is not writable by uid {os.geteuid()}. " + delegation_fix())
+                                        f"above it, {parent}, is not writable by uid {os.geteuid()}. "
+                                        + delegation_fix())
             # A room made by another worker of ours: share it; the last pool out undoes it.
             self.home, self.leaf = parent, start
             self.enabled = [c for c in NEEDED if c in _words(parent / "cgroup.subtree_control")]
@@ -315,8 +316,8 @@ class _V2(_Backend):
         except BaseException:
             self.release()
             raise
-        self.note = (f"pools in {start}; the worker and the {len(self.moved)} process(es) of its tree that were "
-                     f"in it moved to the leaf {leaf} (the no-internal-processes rule)")
+        self.note = (f"pools in {start}; the {len(self.moved)} process(es) of the worker's tree that were in it, "
+                     f"the worker among them, moved to the leaf {leaf} (the no-internal-processes rule)")
 
     def _move_ours(self, start: Path, leaf: Path) -> None:
         """Move every process of start that belongs to this worker's tree into
