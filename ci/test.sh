@@ -3,7 +3,8 @@
 #   native  the whole test suite on the native step path (boltzlabs.worker._fastpath);
 #   pure    the whole test suite again on the pure-Python one (BOLTZLABS_PURE=1), less the
 #           files that never start a pool (PURE_SKIPS below): every test that runs a pool runs on both;
-#   asan    the fuzz and fault tests under AddressSanitizer and UBSan (ci/asan.sh).
+#   asan    the fuzz and fault tests under AddressSanitizer and UBSan (ci/asan.sh);
+#   v2      the cgroup tests in a cgroup-v2-only QEMU guest, twice (ci/v2guest.sh, ci/v2tests.sh).
 # Much of the suite waits (sandboxes starting, envs sleeping, time-outs running out, Ray
 # starting), so two sessions at once on two cores take far less than the two in turn
 # (docs/ci.md has the figures). While they run, a progress line every CI_PROGRESS seconds
@@ -76,6 +77,14 @@ for path in ${CI_PATHS:-native pure}; do
 done
 if [ "${CI_ASAN:-1}" != 0 ]; then
   start asan "ASan+UBSan over the fuzz and fault tests" bash ci/asan.sh
+fi
+# The cgroup tests on cgroup v2, in a guest with v1 disabled: worker in the root cgroup,
+# then in a service's cgroup beside another process (ci/v2tests.sh: its own choice of
+# tests, so it runs only when no arguments choose others); CI_V2=0 skips it. Niced: the
+# emulated guest would take both cores from the host stages' timed tests, while its own
+# deadlines are scaled for a slow machine.
+if [ "${CI_V2:-1}" != 0 ] && [ $# = 0 ]; then
+  start v2 "cgroup tests in a cgroup-v2-only guest" nice -n 10 bash ci/v2guest.sh bash ci/v2tests.sh
 fi
 
 progress() {  # one line: how far each running stage is (pytest -q's "[ NN%]"), tests run, how many failed

@@ -13,6 +13,15 @@ from boltzlabs import RLPool
 TESTS = Path(__file__).resolve().parent
 PROBE = TESTS / "envs" / "probe"
 COUNTER = TESTS.parent / "examples" / "counter"
+# How much slower than this machine the tests run: ci/v2guest.sh's guest is
+# emulated (QEMU TCG, ~10x) and sets BOLTZLABS_TIME_SCALE=10. Deadlines a test
+# sets to catch a hang or a straggler are multiplied by it.
+TIME_SCALE = float(os.environ.get("BOLTZLABS_TIME_SCALE") or 1)
+
+
+def scaled(seconds: float) -> float:
+    """`seconds` of this machine's time where the tests run now."""
+    return seconds * TIME_SCALE
 
 
 @contextlib.contextmanager
@@ -49,7 +58,7 @@ def pool_factory(spawn):
     made = []
 
     def make(source, n=2, **kwargs):
-        kwargs.setdefault("step_timeout", 5.0)
+        kwargs.setdefault("step_timeout", scaled(5.0))
         kwargs.setdefault("spawn", spawn)
         pool = RLPool(source, n, **kwargs)
         made.append(pool)

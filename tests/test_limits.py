@@ -26,8 +26,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from boltzlabs import EnvStartError, RLPool, wire
+from boltzlabs.sandbox.cgroups import PoolView
 from boltzlabs.sandbox.policy import load_policy
-from conftest import COUNTER, TESTS
+from conftest import COUNTER, TESTS, scaled
 
 HOSTILE = TESTS / "envs" / "hostile"
 MiB = 1 << 20
@@ -37,21 +38,9 @@ def descendants() -> set:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-def env_group(pool, index: int, hierarchy: int = 0) -> Path:
-    """Env `index`'s cgroup: hierarchy 0 memory, 1 pids (cgroup v1)."""
-    return Path(pool._cgroup[hierarchy]) / f"env-{index}"
-
-
-def procs(group: Path) -> set:
-    try:
-        return {int(p) for p in (group / "cgroup.procs").read_text().split()}
-    except FileNotFoundError:
-        return set()
-
-
 def wait_until(predicate, timeout: float = 15.0) -> bool:
     """Poll `predicate` until true; the timeout only catches a hang."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     while time.monotonic() < deadline:
         if predicate():
             return True
@@ -81,7 +70,8 @@ def assert_own_lanes(obs, rewards, infos, actions, skip=()):
 
 def test_policy_has_every_env_limit():
     table = load_policy().sandbox["env_limits"]
-    assert {"memory", "pids", "open_files", "file_size", "core_size", "straggler_grace"} <= set(table)
+    assert {"memory", "pids", "pool_pids", "open_files", "file_size", "core_size",
+            "straggler_grace"} <= set(table)
     assert table["core_size"] == 0
 
 
@@ -91,6 +81,12 @@ def test_policy_has_every_env_limit():
     ({"open_files": "many"}, "whole number"),
     ({"straggler_grace": 0}, "positive number"),
     ({"file_size": "lots"}, "cannot read"),
+    # The whole pool's cap: a count or a share, and always below the host's task limit.
+    ({"pool_pids": 4}, "at least 8"),
+    ({"pool_pids": "100%"}, "share below 100%"),
+    ({"pool_pids": "many%"}, "share below 100%"),
+    ({"pool_pids": True}, "whole number of tasks"),
+    ({"pool_pids": 10 ** 9}, "not below this host's task limit"),
 ])
 def test_bad_limits_are_refused_before_anything_starts(limits, message):
     before = descendants()
@@ -128,16 +124,16 @@ def test_rlimits_bind_env_code_from_its_first_line(pool_factory, env_dir, spawn)
 
 def test_fork_bomb_hits_its_pids_limit_and_disturbs_nobody(spawn):
     before = descendants()
-    pool = RLPool(HOSTILE, 3, spawn=spawn, step_timeout=30, limits={"pids": 32})
+    pool = RLPool(HOSTILE, 3, spawn=spawn, step_timeout=scaled(30), limits={"pids": 32})
     try:
         pool.reset(seed=0)
-        groups = pool._cgroup
-        obs, rewards, _, infos = pool.step([{"op": "bomb", "s": 1.0}, 7, 8])
+        groups, view = pool._cgroup, PoolView(pool._cgroup)
+        obs, rewards, _, infos = pool.step([{"op": "bomb", "s": scaled(1.0)}, 7, 8])
         assert "Resource temporarily unavailable" in obs[0]["out"]["refused"], obs[0]
         assert_own_lanes(obs, rewards, infos, [None, 7, 8], skip={0})
-        pids = env_group(pool, 0, 1)
-        assert int((pids / "pids.current").read_text()) == 32  # full, and held full by the bomb
-        assert "max" in (pids / "pids.events").read_text() and pool.states()[0] == "idle"
+        assert view.pids_limit(0) == 32
+        assert view.pids_current(0) == 32  # full, and held full by the bomb
+        assert view.pids_refused(0) > 0 and pool.states()[0] == "idle"
         # The bomb goes on; other lanes and a new pool do not notice.
         obs, rewards, _, infos = pool.step([1, 2, 3])
         assert_own_lanes(obs, rewards, infos, [1, 2, 3], skip={0})
@@ -148,14 +144,45 @@ def test_fork_bomb_hits_its_pids_limit_and_disturbs_nobody(spawn):
         # A hard reset ends the bomb, and its leftovers never eat the new sandbox's pids.
         pool.reset(where=[0], hard=True, seed=0)
         assert "error" not in pool.reset_infos[0], pool.reset_infos[0]
-        assert int((pids / "pids.current").read_text()) < 8
+        assert view.pids_current(0) < 8
         obs, rewards, _, infos = pool.step([1, 2, 3])
         assert_own_lanes(obs, rewards, infos, [1, 2, 3])
-        pool.step([{"op": "bomb", "s": 0.5}, 1, 2])  # and one still running at close
+        pool.step([{"op": "bomb", "s": scaled(0.5)}, 1, 2])  # and one still running at close
     finally:
         pool.close()
     assert descendants() == before  # the whole bomb was reaped at close
     assert not any(Path(g).exists() for g in groups)
+
+
+def test_envs_that_together_pass_the_pool_cap_stop_there_and_other_pools_do_not_notice(spawn):
+    """Each env may have 64 tasks, but the pool (every env, the template and its
+    probe) 96: three envs forking until refused fill the pool's cap, not
+    theirs (3 x 64 = 192), each sees EAGAIN, and another pool forks freely."""
+    before = descendants()
+    pool = RLPool(HOSTILE, 3, spawn=spawn, step_timeout=scaled(30), limits={"pids": 64, "pool_pids": 96})
+    try:
+        pool.reset(seed=0)
+        view = PoolView(pool._cgroup)
+        assert view.pids_limit() == 96 and view.pids_limit(0) == 64
+        obs, rewards, _, infos = pool.step([{"op": "fork_until_refused"}] * 3)
+        for o in obs:
+            assert "Resource temporarily unavailable" in o["out"]["refused"], obs
+        assert view.pids_current() == 96  # full: the sleeping children hold it
+        held = [view.pids_current(i) for i in range(3)]
+        assert sum(held) <= 96 and min(held) < 64, held  # the pool's cap, not each env's
+        obs, rewards, _, infos = pool.step([1, 2, 3])  # the envs still serve
+        assert_own_lanes(obs, rewards, infos, [1, 2, 3])
+        with RLPool(HOSTILE, 2, spawn=spawn, limits={"pids": 64}) as other:  # a pool of its own cap
+            other.reset(seed=0)
+            obs, *_ = other.step([{"op": "fork_until_refused"}, 5])
+            assert obs[0]["out"]["forked"] >= 60, obs[0]  # its env's own 64, less itself
+            assert obs[1] == {"lane": 1, "echo": 5}
+        # An env that dies at the pool's cap is told so.
+        _, _, dones, infos = pool.step([{"op": "fork_until_refused", "then": "exit"}, 1, 2])
+        assert dones[0] and "the pool's limit of 96 tasks" in infos[0]["error"], infos[0]
+    finally:
+        pool.close()
+    assert descendants() == before
 
 
 BOMB_AT_IMPORT = """
@@ -223,16 +250,13 @@ def test_an_env_that_dies_at_its_pids_limit_says_so(pool_factory):
 def test_memory_hog_is_oom_killed_by_name_and_never_swaps(pool_factory):
     pool = pool_factory(HOSTILE, 2, limits={"memory": "64M"})
     pool.reset(seed=0)
-    group = env_group(pool, 0)
-    # Swap off for the env: memory+swap capped at the memory limit itself.
-    assert int((group / "memory.limit_in_bytes").read_text()) == 64 * MiB
-    if (group / "memory.memsw.limit_in_bytes").exists():
-        assert int((group / "memory.memsw.limit_in_bytes").read_text()) == 64 * MiB
-    assert (group / "memory.swappiness").read_text().strip() == "0"
+    view = PoolView(pool._cgroup)
+    assert view.memory_limit(0) == 64 * MiB and view.memory_limit(1) == 64 * MiB
+    assert view.swap_limit(0) == 0  # swap off for the env: memory+swap capped at the limit itself
     obs, rewards, dones, infos = pool.step([{"op": "alloc", "mb": 256}, 1])
     assert dones[0] and "OOM" in infos[0]["error"] and "SIGKILL" in infos[0]["error"], infos[0]
-    stat = dict(line.split() for line in (group / "memory.stat").read_text().splitlines())
-    assert int(stat.get("total_swap", 0)) == 0
+    assert view.oom_kills(0) > 0 and view.oom_kills(1) == 0
+    assert view.swap_used(0) == 0
     assert_own_lanes(obs, rewards, infos, [None, 1], skip={0})
     pool.reset(where=[0], seed=0)
     assert pool.step([{"op": "alloc", "mb": 16}, 1])[0][0]["out"] == {"held_mb": 16}
@@ -312,12 +336,12 @@ def test_no_core_dump_is_written(pool_factory, cores_allowed):
 
 
 def test_a_straggler_burning_cpu_is_killed_after_its_grace(pool_factory):
-    pool = pool_factory(HOSTILE, 2, step_timeout=0.5, limits={"straggler_grace": 1.0})
+    pool = pool_factory(HOSTILE, 2, step_timeout=scaled(0.5), limits={"straggler_grace": scaled(1.0)})
     pool.reset(seed=0)
     obs, rewards, dones, infos = pool.step([{"op": "spin"}, 1])
     assert infos[0]["straggler"] and "missed the step deadline" in infos[0]["error"]
     assert_own_lanes(obs, rewards, infos, [None, 1], skip={0})
-    spinning = procs(env_group(pool, 0))
+    spinning = PoolView(pool._cgroup).procs(0)
     assert spinning
     # Nobody calls in between: the worker kills it on its own, deadline + grace later.
     assert wait_until(lambda: gone(spinning))
@@ -388,10 +412,10 @@ def test_an_env_that_never_answers_its_handshake_is_named(env_dir, spawn):
     before = descendants()
     started = time.monotonic()
     with pytest.raises(EnvStartError) as caught:
-        RLPool(env_dir(NO_HANDSHAKE), 4, start_timeout=2, spawn=spawn)
-    assert time.monotonic() - started < 60
+        RLPool(env_dir(NO_HANDSHAKE), 4, start_timeout=scaled(2), spawn=spawn)
+    assert time.monotonic() - started < scaled(60)
     assert caught.value.env_index == 2 and "env 2" in str(caught.value)
-    assert "did not complete its handshake within 2 s" in str(caught.value)
+    assert f"did not complete its handshake within {scaled(2):g} s" in str(caught.value)
     assert wait_until(lambda: descendants() == before)
     with RLPool(HOSTILE, 2, spawn=spawn) as pool:
         pool.reset(seed=0)
@@ -459,7 +483,7 @@ def test_hostile_channel_bytes_never_crash_hang_or_cross_lanes(spawn):
 
 def _env_processes(pool, index: int) -> set:
     """Env `index`'s processes, as the kernel lists them in its cgroup."""
-    return procs(env_group(pool, index))
+    return PoolView(pool._cgroup).procs(index)
 
 
 def test_close_and_hard_reset_reap_children_that_ignore_signals(spawn):
@@ -511,11 +535,12 @@ DYING_CLIENT = """
 import os, sys, json
 sys.path.insert(0, {root!r})
 from boltzlabs import RLPool
+from boltzlabs.sandbox.cgroups import PoolView
 pool = RLPool({hostile!r}, 2, spawn={spawn!r}, serialize_measurement={gated!r})
 pool.reset(seed=0)
 pool.step([{{"op": "daemons"}}] * 2)
-groups = [os.path.join(pool._cgroup[0], f"env-{{i}}", "cgroup.procs") for i in range(2)]
-print(json.dumps({{"worker": pool._proc.pid, "pids": [int(p) for g in groups for p in open(g).read().split()],
+view = PoolView(pool._cgroup)
+print(json.dumps({{"worker": pool._proc.pid, "pids": sorted(view.procs(0) | view.procs(1)),
                   "cgroups": pool._cgroup}}), flush=True)
 if {who!r} == "client":
     os.kill(os.getpid(), 9)
@@ -534,7 +559,7 @@ def test_no_sandbox_outlives_a_killed_client_or_worker(spawn, who, gated):
     import json
 
     code = DYING_CLIENT.format(root=str(TESTS.parent), hostile=str(HOSTILE), spawn=spawn, who=who, gated=gated)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120))
     seen = json.loads(out.stdout.strip().splitlines()[0])
     assert len(seen["pids"]) >= 6, seen  # two envs, each with children that ignore signals
     assert wait_until(lambda: gone(seen["pids"] + [seen["worker"]])), seen

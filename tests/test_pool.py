@@ -172,11 +172,11 @@ def _descendants():
 
 
 def _our_cgroups(*workers: int) -> set:
-    """The pool cgroups of these worker pids (named boltzlabs-<worker pid>-<tag>) in
-    this process's memory cgroup, which other test sessions share (CI runs two at once)."""
-    own = next(line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
-               if ":memory:" in line)
-    home = Path("/sys/fs/cgroup/memory") / own.lstrip("/")
+    """The pool cgroups of these worker pids (named boltzlabs-<worker pid>-<tag>) where
+    this process's pools make them, which other test sessions share (CI runs two at once)."""
+    from boltzlabs.sandbox.cgroups import pool_home
+
+    home = pool_home()
     return {p.name for worker in workers for p in home.glob(f"boltzlabs-{worker}-*")}
 
 

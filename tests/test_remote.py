@@ -25,8 +25,10 @@ from hypothesis import strategies as st
 from boltzlabs import RLPool, wire
 from boltzlabs.errors import PoolClosedError, WorkerError
 from boltzlabs.pool.remote_link import _Peer, _proof, pack_env_dir
+from boltzlabs.sandbox.cgroups import PoolView
+from boltzlabs.sandbox.limits import host_tasks
 
-from conftest import COUNTER, PROBE
+from conftest import COUNTER, PROBE, scaled
 
 TOKEN = "test-token-5f2c"
 WORKER_COMMAND = [sys.executable, "-m", "boltzlabs", "worker"]
@@ -88,7 +90,7 @@ class Worker:
 
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory):
-    w = Worker(tmp_path_factory.mktemp("remote"), "--handshake-timeout", "2")
+    w = Worker(tmp_path_factory.mktemp("remote"), "--handshake-timeout", str(scaled(2)))
     yield w
     w.stop()
     assert w.proc.returncode == 0, w.text()
@@ -253,8 +255,11 @@ def test_env_dir_over_the_code_cap_is_refused(tmp_path, env_dir):
     ({"limits": {"straggler_grace": 86400.0}}, "limits['straggler_grace']=86400", "60 s", "--max-straggler-grace"),
     ({"step_timeout": 86400.0}, "step_timeout=86400", "300 s", "--max-step-timeout"),
     ({"start_timeout": 86400.0}, "start_timeout=86400", "300 s", "--max-start-timeout"),
+    # The whole pool's tasks: the default ceiling is a quarter of the host's task limit.
+    ({"limits": {"pool_pids": "90%"}}, f"limits['pool_pids']={int(host_tasks() * 0.9)}", str(host_tasks() // 4),
+     "--max-pool-pids"),
 ], ids=["workspace", "memory", "no-memory-limit", "pids", "open-files", "file-size", "no-file-size-limit",
-        "core-size", "straggler-grace", "step-timeout", "start-timeout"])
+        "core-size", "straggler-grace", "step-timeout", "start-timeout", "pool-pids"])
 def test_a_remote_client_cannot_pass_the_workers_ceilings(worker, kwargs, asked, ceiling, flag):
     started = time.monotonic()
     spawned = []  # every process below the listener while the refused pool was being opened
@@ -294,23 +299,29 @@ def test_a_remote_pool_gets_the_ceilings_when_it_asks_for_nothing(worker, spawn)
     with worker.pool(PROBE, 1, spawn=spawn) as pool:
         assert pool.spawn == spawn
         pool.reset()
-        group = Path(pool._cgroup[0]) / "env-0"
-        assert int((group / "memory.limit_in_bytes").read_text()) == 1 << 30  # not unlimited
+        view = PoolView(pool._cgroup)
+        assert view.memory_limit(0) == 1 << 30  # not unlimited
+        assert view.pids_limit(0) == 256 and view.pids_limit() == host_tasks() // 4  # the whole pool's too
         assert pool.step_timeout == 5.0  # what it asked, within the ceiling
 
 
 def test_raised_ceilings_let_a_pool_ask_for_more(tmp_path, spawn):
     w = Worker(tmp_path, "--max-memory", "2G", "--max-pids", "1000", "--max-workspace", "none",
-               "--max-step-timeout", "600")
+               "--max-step-timeout", "600", "--max-pool-pids", "2000")
     try:
-        with w.pool(PROBE, 1, memory_limit="1536M", limits={"pids": 512}, workspace_size="1G",
+        with w.pool(PROBE, 1, memory_limit="1536M", limits={"pids": 512, "pool_pids": 1500}, workspace_size="1G",
                     step_timeout=500.0, spawn=spawn) as pool:
             assert pool.spawn == spawn
             pool.reset()
-            group = Path(pool._cgroup[0]) / "env-0"
-            assert int((group / "memory.limit_in_bytes").read_text()) == 1536 << 20
-            assert int((Path(pool._cgroup[1]) / "env-0" / "pids.max").read_text()) == 512
+            view = PoolView(pool._cgroup)
+            assert view.memory_limit(0) == 1536 << 20
+            assert view.pids_limit(0) == 512 and view.pids_limit() == 1500
             assert pool.step_timeout == 500.0
+        with w.pool(PROBE, 1) as pool:  # asks nothing: the raised ceiling
+            assert PoolView(pool._cgroup).pids_limit() == 2000
+        with pytest.raises(ValueError, match=r"limits\['pool_pids'\]=2001 is over this worker's ceiling of 2000 "
+                                             r"\(--max-pool-pids\)"):
+            w.pool(PROBE, 1, limits={"pool_pids": 2001})
         with pytest.raises(ValueError, match=r"memory_limit=3221225472 bytes \(3G\) is over this worker's "
                                              r"ceiling of 2G \(--max-memory\)"):
             w.pool(PROBE, 1, memory_limit="3G")
@@ -341,6 +352,16 @@ def test_worker_listens_on_loopback_by_default():
 
     args = build_parser().parse_args(["worker"])
     assert args.listen.startswith("127.0.0.1:")
+
+
+@pytest.mark.parametrize("value, said", [("100%", "share below 100%"), ("0", "at least 8"),
+                                         (str(10 ** 9), "not below this host's task limit"),
+                                         ("lots", "--max-pool-pids must be a whole number of tasks or a share")])
+def test_a_pool_pids_ceiling_at_or_above_the_hosts_limit_is_refused(value, said):
+    out = subprocess.run([*WORKER_COMMAND, "--listen", "127.0.0.1:0", "--token", TOKEN, "--max-pool-pids", value],
+                         capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 2 and said in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_two_clients_share_a_worker_in_isolation(worker):

@@ -80,10 +80,12 @@ def test_each_child_is_born_in_its_own_cgroup():
 
 
 def check_cgroups(pool):
+    from boltzlabs.sandbox.cgroups import PoolView
+
     pool.reset(seed=0)
+    view = PoolView(pool._cgroup)
     for i, pid in enumerate(pool.pids()):
-        line = next(l for l in Path(f"/proc/{pid}/cgroup").read_text().splitlines() if ":memory:" in l)
-        assert line.endswith(f"/env-{i}"), line
+        assert view.cgroup_of(pid) == view.group(i), (pid, view.cgroup_of(pid))
     report = pool.memory()
     # The template's imported pages are the pool's, not env 0's.
     assert report.shared > 0

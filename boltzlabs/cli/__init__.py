@@ -306,8 +306,9 @@ def _register_doctor(subparsers) -> None:
     parser = _subparser(subparsers, "doctor", "check that this host can run sandboxed pools", """\
 Check this host: bubblewrap (present, version, setuid or not), user namespaces
 (and the sysctls that restrict them), a real sandbox and a one-env pool in
-each spawn mode, the cgroup version, writable memory and pids cgroups, the
-open-file limit for a pool of -n envs, and Python and package versions.
+each spawn mode, the cgroup version, the memory, pids and freezer cgroups
+(each tried in a trial env cgroup), the open-file limit for a pool of -n envs,
+and Python and package versions.
 Each problem comes with the exact command that fixes it.""")
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON only")
     parser.add_argument("-n", type=_positive_int, default=1000, metavar="N",

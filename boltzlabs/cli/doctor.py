@@ -73,9 +73,9 @@ def run_checks(n: int = 1000) -> list[Finding]:
     bwrap = shutil.which("bwrap")
     checks = (("bwrap", lambda: _bwrap(bwrap)), ("user namespaces", _userns), ("seccomp", _seccomp),
               ("sandbox", lambda: _sandbox(bwrap)),
-              ("cgroup version", _cgroup_version), ("memory cgroup", _memory_cgroup),
+              ("cgroup version", _cgroup_version), ("cgroups", _cgroups),
               ("memory cgroup bookkeeping", lambda: _memory_cgroup_bookkeeping(n)),
-              ("pids cgroup", _pids_cgroup), ("fd limit", lambda: _fd_limit(n)), ("versions", _versions))
+              ("fd limit", lambda: _fd_limit(n)), ("versions", _versions))
     for name, check in checks:
         try:
             findings.extend(check())
@@ -279,37 +279,126 @@ def _cgroup_mounts() -> tuple[list, list]:
 
 
 def _cgroup_version() -> list[Finding]:
+    from boltzlabs.sandbox.cgroups import _mounts, _own_cgroups, _v2_start, delegation_fix, systemd_delegated, version
+
     v1, v2 = _cgroup_mounts()
-    if v1:
+    pools = version()
+    if v1 and pools != "v2":
         hybrid = f"; cgroup2 is also mounted at {', '.join(v2)} (hybrid)" if v2 else ""
         controllers = sorted({o for _, options in v1 for o in options if o not in ("rw", "ro")
                               and not o.startswith("name=")})
         return [Finding("cgroup version", OK, f"cgroup v1 (controllers: {', '.join(controllers)}){hybrid}")]
     if v2:
-        return [Finding("cgroup version", OK, f"cgroup v2 (unified, at {v2[0]})")]
+        findings = [Finding("cgroup version", OK, f"cgroup v2 (unified, at {v2[0]})")]
+        start = _v2_start(_own_cgroups(), _mounts())
+        if start is not None and systemd_delegated(start) is False:
+            findings.append(Finding("systemd delegation", WARN, f"this process's cgroup {start} is systemd's and "
+                                    "was not delegated (no Delegate=yes): root may make the pool's cgroups there, "
+                                    "but systemd may move its processes or remove those cgroups", delegation_fix()))
+        return findings
     return [Finding("cgroup version", WARN, "no cgroup filesystem is mounted: no memory accounting or limits",
                     "sudo mount -t cgroup2 none /sys/fs/cgroup")]
 
 
-def _memory_cgroup() -> list[Finding]:
-    from boltzlabs.sandbox.cgroups import CgroupPool, CgroupUnavailable
+# The trial env's limits: a few tasks, so that its forks run into pids.max.
+_TRIAL_PIDS, _TRIAL_POOL_PIDS, _TRIAL_MEMORY = 4, 16, 64 << 20
+_TRIAL_CHILD = """
+import os, time
+for _ in range(8):
+    try:
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+    except OSError:
+        pass
+time.sleep(60)
+"""
+
+
+def _cgroups() -> list[Finding]:
+    """The memory, pids and freezer cgroups a pool needs, each tried: a pool
+    cgroup made as a worker makes it (on cgroup v2 with the room it needs),
+    one trial env cgroup with a memory limit, a pids limit and the pool's cap,
+    a process started in it that forks past its pids limit, frozen and thawed;
+    then all of it removed. Each finding says what the kernel did."""
+    from boltzlabs.sandbox.cgroups import CgroupPool, CgroupUnavailable, PoolView, delegation_fix
 
     try:
-        pool = CgroupPool(None)
+        pool = CgroupPool(_TRIAL_MEMORY, _TRIAL_PIDS, freezer=True, pool_pids=_TRIAL_POOL_PIDS)
     except CgroupUnavailable as exc:
-        fix = ("run the worker as root, or in a cgroup delegated to you: "
-               "systemd-run --user --scope -p Delegate=yes python train.py")
-        return [Finding("memory cgroup", WARN, f"no writable memory cgroup ({exc}): envs_per_gb() falls back to "
-                        "PSS and memory_limit is refused", fix)]
+        fix = ("run the worker as root, or " + delegation_fix()) if os.geteuid() != 0 else delegation_fix()
+        return [Finding("memory cgroup", WARN, f"no usable memory cgroup ({exc}): envs_per_gb() falls back to PSS "
+                        "and memory_limit is refused", fix),
+                Finding("pids cgroup", WARN, "not tried (no pool cgroup): the per-env pids limit and the pool's "
+                        "(limits.pids, limits.pool_pids) are not enforced, so a fork bomb is not bounded", fix),
+                Finding("freezer cgroup", WARN, "not tried (no pool cgroup): serialize_measurement cannot freeze "
+                        "envs outside their turn", fix)]
+    findings, child = [], None
+    deadline = time.monotonic() + 10
     try:
-        pool.group(0)
-        where = f"{pool.backend.version} at {pool.backend.home}"
+        view = PoolView(pool.paths)
+        where = f"cgroup {pool.version}, pool cgroup {pool.path}" + (f"; {pool.backend.note}" if pool.backend.note
+                                                                      else "")
+        with pool.moving(0, 0, None):  # born in the trial env's cgroup(s)
+            child = subprocess.Popen([sys.executable, "-S", "-c", _TRIAL_CHILD], stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        while time.monotonic() < deadline and pool.limits_pids and not view.pids_refused(0):
+            time.sleep(0.02)
+        findings.append(_memory_trial(pool, view, where))
+        findings.append(_pids_trial(pool, view))
+        findings.append(_freezer_trial(pool, deadline))
     finally:
+        if child is not None:
+            pool.kill(0)
+            child.wait()
         removed = pool.close(time.monotonic() + 5)
     if not removed:
-        return [Finding("memory cgroup", WARN, f"created a test cgroup under {where} but could not remove it",
-                        f"sudo rmdir {pool.path}/* {pool.path}")]
-    return [Finding("memory cgroup", OK, f"writable ({where}): per-env accounting and memory_limit work")]
+        findings.append(Finding("memory cgroup", WARN, f"made trial cgroups under {pool.path} but could not remove "
+                                "them", f"sudo rmdir {pool.path}/* {pool.path}"))
+    return findings
+
+
+def _memory_trial(pool, view, where: str) -> Finding:
+    limit, swap, used = view.memory_limit(0), view.swap_limit(0), pool.usage(0)
+    if limit != _TRIAL_MEMORY or swap != 0 or used <= 0:
+        return Finding("memory cgroup", WARN, f"a trial env cgroup's memory limit reads {limit} (asked "
+                       f"{_TRIAL_MEMORY}), its swap {swap} (asked 0), its usage {used}: memory_limit or per-env "
+                       f"accounting is not what the pool asks ({where})", "")
+    return Finding("memory cgroup", OK, f"a trial env cgroup took a {_TRIAL_MEMORY >> 20} MiB limit with swap off "
+                   f"and charged its process {used >> 10} KiB: per-env accounting and memory_limit work ({where})")
+
+
+def _pids_trial(pool, view) -> Finding:
+    fix = ("cgroup v2: give the worker's cgroup the pids controller (systemd: Delegate=yes gives it; by hand: "
+           "echo +pids > <the cgroup above>/cgroup.subtree_control)")
+    if not pool.limits_pids:
+        return Finding("pids cgroup", WARN, "no writable pids controller: the per-env pids limit and the pool's "
+                       "(limits.pids, limits.pool_pids) are not enforced, so a fork bomb is not bounded", fix)
+    refused, tasks, cap = view.pids_refused(0), view.pids_current(0), view.pids_limit()
+    if not refused or tasks > _TRIAL_PIDS or cap != _TRIAL_POOL_PIDS:
+        return Finding("pids cgroup", WARN, f"a trial env cgroup with pids.max {_TRIAL_PIDS} holds {tasks} tasks "
+                       f"after {refused} refused fork(s), and the pool's cap reads {cap} (asked {_TRIAL_POOL_PIDS}): "
+                       "the pids limits are not enforced as the pool asks", fix)
+    return Finding("pids cgroup", OK, f"a trial env cgroup with pids.max {_TRIAL_PIDS} refused {refused} fork(s) "
+                   f"past it, and the pool's cgroup took its cap (limits.pool_pids): fork bombs are bounded per env "
+                   "and per pool")
+
+
+def _freezer_trial(pool, deadline: float) -> Finding:
+    if not pool.freezes:
+        return Finding("freezer cgroup", WARN, f"no freezer ({pool.freezer_note}): serialize_measurement cannot "
+                       "freeze envs outside their turn", "cgroup v1: mount the freezer hierarchy and run the worker "
+                       "as root; cgroup v2 (kernel 5.2+) has it in every cgroup")
+    pool.freeze(0)
+    while time.monotonic() < deadline and not pool.frozen(0):
+        time.sleep(0.01)
+    frozen = pool.frozen(0)
+    pool.thaw(0)
+    if not frozen:
+        return Finding("freezer cgroup", WARN, "a trial env cgroup did not freeze within 10 s: serialize_measurement "
+                       "cannot rely on freezing envs outside their turn", "")
+    return Finding("freezer cgroup", OK, "froze and thawed a trial env cgroup's processes: serialize_measurement "
+                   "freezes envs outside their turn")
 
 
 def _unreclaimable_kib() -> int:
@@ -359,41 +448,6 @@ def _memory_cgroup_bookkeeping(n: int, probes: int = 64) -> list[Finding]:
         return [Finding("memory cgroup bookkeeping", WARN, detail + ": a past run with many mounts raised it, "
                         "and only a reboot lowers it", "reboot the host before sizing pools by envs_per_gb()")]
     return [Finding("memory cgroup bookkeeping", OK, detail)]
-
-
-def _pids_home() -> tuple[Path | None, str]:
-    from boltzlabs.sandbox.cgroups import _own_cgroups
-
-    own = _own_cgroups()
-    v1, v2 = _cgroup_mounts()
-    if "pids" in own:
-        for point, options in v1:
-            if "pids" in options:
-                return Path(point) / own["pids"].lstrip("/"), "v1"
-    if "" in own:
-        for point in v2:
-            home = Path(point) / own[""].lstrip("/")
-            controllers = home / "cgroup.controllers"
-            if controllers.exists() and "pids" in controllers.read_text().split():
-                return home, "v2"
-    return None, ""
-
-
-def _pids_cgroup() -> list[Finding]:
-    home, version = _pids_home()
-    if home is None:
-        return [Finding("pids cgroup", WARN, "no pids controller for this process: a fork bomb cannot be "
-                        "capped per env", "enable the pids controller (cgroup v2: echo +pids | "
-                        "sudo tee <parent>/cgroup.subtree_control)")]
-    probe = home / f"boltzlabs-doctor-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        probe.mkdir()
-        probe.rmdir()
-    except OSError as exc:
-        return [Finding("pids cgroup", WARN, f"the pids cgroup {home} ({version}) is not writable: {exc}",
-                        "run the worker as root, or in a delegated cgroup: "
-                        "systemd-run --user --scope -p Delegate=yes python train.py")]
-    return [Finding("pids cgroup", OK, f"writable ({version} at {home})")]
 
 
 # -- file descriptors ------------------------------------------------------------------------

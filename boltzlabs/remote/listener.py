@@ -440,9 +440,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-envs", type=int, default=4096, help="largest pool a client may open "
                                                                    "(default %(default)s)")
     for key, (flag, default, kind) in CEILINGS.items():
-        what = {"size": "bytes or e.g. 512M", "count": "a count", "seconds": "seconds"}[kind]
+        what = {"size": "bytes or e.g. 512M", "count": "a count", "seconds": "seconds",
+                "tasks": "a count or a share of this host's task limit like 25%"}[kind]
+        whose = "for the whole pool (every env, the template and its probe together)" if key == "pool_pids" \
+            else "per env"
         parser.add_argument(flag, default=str(default), metavar=kind.upper(),
-                            help=f"the most a client may ask for {key} per env, {what}, or none "
+                            help=f"the most a client may ask for {key} {whose}, {what}, or none "
                                  f"(default %(default)s)"
                                  + ("; a pool that sets none gets this" if key in NO_LIMIT else ""))
     parser.add_argument("--parent", type=int, default=0, metavar="PID",

@@ -1,16 +1,19 @@
 """Memory accounting and limits: one cgroup per env below one pool cgroup.
 
-    <the worker's own memory cgroup>/
-        boltzlabs-<worker pid>-<tag>/      the pool (removed at close)
-            env-0/  env-1/  ...            one per env, a sandbox's whole tree
+    cgroup v1 (one tree per controller: memory, pids, freezer):
+        <the worker's own cgroup in each>/
+            boltzlabs-<worker pid>-<tag>/      the pool (pids.max: the pool's cap)
+                env-0/  env-1/  ...  template/ probe/     one per env, a sandbox's whole tree
+    cgroup v2 (one tree), the worker started in cgroup S:
+        S/                                     +memory +pids in cgroup.subtree_control
+            boltzlabs-procs/                   "the leaf": what was in S, the worker among it
+            boltzlabs-<worker pid>-<tag>/      the pool (pids.max: the pool's cap), +memory +pids
+                env-0/  env-1/  ...  template/ probe/
 
-`CgroupPool` is the one interface; `_V1` and `_V2` are its two backends.
-We only ever create cgroups below the cgroup the worker itself runs in, and
-remove what we created. Under cgroup v1 the pids controller is a hierarchy
-of its own: the same tree is made there too (below the worker's own pids
-cgroup), and a process is moved into both. The freezer (serialize_measurement
-only: `CgroupPool(freezer=True)`) is a third v1 hierarchy made the same way;
-under v2 it is `cgroup.freeze` in the env's own cgroup.
+`CgroupPool` is the one interface the worker uses; `_V1` and `_V2` are its
+two backends, and `PoolView` reads a pool's cgroups through the same
+backends from their paths alone (tests, diagnostics). We only ever create
+cgroups below the cgroup the worker started in, and remove what we created.
 
 Kernel facts this depends on:
 - A process is charged for the pages it touches first, and a forked child
@@ -18,24 +21,34 @@ Kernel facts this depends on:
   cgroup just around the spawn (`moving()`), and the whole sandbox tree is
   born there. Pages shared with the host (the interpreter's files in page
   cache) stay charged to whoever read them first.
-- cgroup v1 (this project's CI machine): the memory controller is its own
-  hierarchy; `memory.usage_in_bytes` includes kernel memory (namespaces, page
-  tables) and page cache. We report the working set, usage minus inactive
-  file pages, as `docker stats` does.
+- cgroup v1: each controller is a hierarchy of its own; the pool's tree is
+  made in each (memory; pids; the freezer for serialize_measurement) and a
+  process is moved into all of them. `memory.usage_in_bytes` includes kernel
+  memory (namespaces, page tables) and page cache. We report the working
+  set, usage minus inactive file pages, as `docker stats` does.
+- cgroup v2's "no internal processes" rule: a cgroup other than the root may
+  enable a domain controller (memory) in its cgroup.subtree_control only
+  while it holds no process (EBUSY), and no process may then be moved into
+  it. The worker always starts in a cgroup that holds processes (itself;
+  under systemd its service's or scope's others), so, as container runtimes
+  do with a delegated cgroup, it moves the process tree it belongs to into a
+  leaf below, enables memory and pids above it, and makes the pool beside
+  it (`_V2._make_room`). The root cgroup is exempt (a pool goes straight in
+  it); inside a container's cgroup namespace the namespace's root is not,
+  and gets a leaf like any other. A worker started in such a leaf (a second
+  pool of the same trainer) shares the room, and the last pool to close
+  undoes it: controllers off, every process back, the leaf removed.
 - Killing for sure: SIGKILL to every pid in cgroup.procs, again and again
   until the group is empty (rmdir fails with EBUSY while a task is left), so
   a process forked between a read of cgroup.procs and the kills is caught
   by the next round; the pids limit bounds how many there can be. cgroup
   v2 has cgroup.kill, which the kernel applies to forks in progress too.
-- pids.max counts tasks (threads too) and makes fork/clone fail with
-  EAGAIN; moving a process in is never refused. The "max" line of
-  pids.events counts those refusals, which is how a lane learns that its
-  env hit the limit.
-- cgroup v2: the "no internal processes" rule forbids enabling the memory
-  controller for children of a cgroup that holds processes, so v2 works only
-  where the worker's cgroup is delegated with +memory in subtree_control (as
-  systemd's Delegate=yes gives). That path is deliberately thin and could not
-  run on the machine this was built on (v2 there has no memory controller).
+- pids.max counts tasks (threads too) in a cgroup and all below it and makes
+  fork/clone fail with EAGAIN; moving a process in is never refused. The
+  pool's cgroup has a cap of its own (limits.pool_pids), so n envs at their
+  per-env cap cannot take every pid of the host together. The "max" line of
+  pids.events counts refused forks, which is how a lane learns its env hit a
+  limit.
 - Freezing is asynchronous: v1's freezer.state reads FREEZING until every
   task has stopped (reading it re-checks), v2's cgroup.events says
   "frozen 1". A SIGKILL to a task frozen by the v1 freezer waits for the
@@ -55,13 +68,18 @@ from pathlib import Path
 
 from boltzlabs.errors import CgroupUnavailable  # noqa: F401 - cgroups.CgroupUnavailable, its old home
 
+LEAF = "boltzlabs-procs"  # v2: where the worker and its process tree go to make room
+# v2 controllers a pool needs: memory (accounting, memory_limit), pids (the
+# fork-bomb caps). The freezer is cgroup.freeze, in every non-root cgroup.
+NEEDED = ("memory", "pids")
+# Where to read how to run the worker in a cgroup it may use (systemd, containers).
+HOST_DOC = "docs/host.md#cgroup-v2-and-systemd"
 
 
-
-def _own_cgroups():
-    """{controller or '' (v2): path} for this process, from /proc/self/cgroup."""
+def _own_cgroups(pid: int | str = "self"):
+    """{controller or '' (v2): path} of a process, from /proc/<pid>/cgroup."""
     out = {}
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         for name in controllers.split(",") if controllers else [""]:
             out[name] = path
@@ -90,6 +108,12 @@ def _read_int(path: Path) -> int:
     return int(path.read_text().split()[0])
 
 
+def _read_limit(path: Path) -> int | None:
+    """A limit file's value; None for "max" (no limit)."""
+    text = path.read_text().split()[0]
+    return None if text == "max" else int(text)
+
+
 def _read_stat(path: Path) -> dict:
     stats = {}
     for line in path.read_text().splitlines():
@@ -99,19 +123,54 @@ def _read_stat(path: Path) -> dict:
     return stats
 
 
+def _words(path: Path) -> list[str]:
+    try:
+        return path.read_text().split()
+    except OSError:
+        return []
+
+
+def _procs(group: Path) -> list[int]:
+    try:
+        return [int(p) for p in (group / "cgroup.procs").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
 class _Backend:
+    """What the pool does with a cgroup, per cgroup version. Every reader takes
+    a group's path and nothing else, so PoolView can use it on paths alone.
+    `home`: where pools are made; `procs_home`: the worker's own cgroup."""
+
     version = ""
 
-    def __init__(self, home: Path):
-        self.home = home  # the worker's own cgroup
+    def __init__(self, home: Path | None):
+        self.home = home
+        self.procs_home = home
+        self.note = ""  # what the backend did to make room, for doctor
 
     def prepare_pool(self, pool: Path) -> None:
         pool.mkdir()
+
+    def release(self) -> bool:
+        """Undo what was done to make room for pools (v2); True when nothing is left of it."""
+        return True
 
     def usage(self, group: Path) -> int:
         raise NotImplementedError
 
     def set_limit(self, group: Path, limit: int) -> None:
+        raise NotImplementedError
+
+    def memory_limit(self, group: Path) -> int | None:
+        """The group's memory limit in bytes, None for none."""
+        raise NotImplementedError
+
+    def swap_limit(self, group: Path) -> int | None:
+        """Bytes of swap the group may use beyond its memory limit; None: no limit."""
+        raise NotImplementedError
+
+    def swap_used(self, group: Path) -> int:
         raise NotImplementedError
 
     def oom_kills(self, group: Path) -> int:
@@ -120,18 +179,23 @@ class _Backend:
     def set_pids(self, group: Path, limit: int) -> None:
         (group / "pids.max").write_text(str(limit))
 
+    def pids_limit(self, group: Path) -> int | None:
+        return _read_limit(group / "pids.max")
+
+    def pids_current(self, group: Path) -> int:
+        return _read_int(group / "pids.current")
+
     def pids_refused(self, group: Path) -> int:
         """How many forks pids.max has refused in `group` (pids.events "max")."""
         return _read_stat(group / "pids.events").get("max", 0)
 
+    def procs(self, group: Path) -> list[int]:
+        return _procs(group)
+
     def kill(self, group: Path) -> None:
-        try:
-            pids = (group / "cgroup.procs").read_text().split()
-        except FileNotFoundError:
-            return
-        for pid in pids:
+        for pid in _procs(group):
             try:
-                os.kill(int(pid), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
@@ -163,13 +227,186 @@ class _V1(_Backend):
         except OSError:
             pass
 
+    # v1 says "no limit" with the largest page-aligned counter value.
+    _UNLIMITED = 1 << 62
+
+    def memory_limit(self, group: Path) -> int | None:
+        value = _read_int(group / "memory.limit_in_bytes")
+        return None if value >= self._UNLIMITED else value
+
+    def swap_limit(self, group: Path) -> int | None:
+        memsw = group / "memory.memsw.limit_in_bytes"
+        if memsw.exists():
+            both, memory = _read_int(memsw), _read_int(group / "memory.limit_in_bytes")
+            return None if both >= self._UNLIMITED else both - memory
+        # No swap accounting in this kernel: swappiness 0 keeps the group's pages in RAM.
+        return 0 if _read_int(group / "memory.swappiness") == 0 else None
+
+    def swap_used(self, group: Path) -> int:
+        return _read_stat(group / "memory.stat").get("total_swap", 0)
+
     def oom_kills(self, group: Path) -> int:
-        stat = _read_stat(group / "memory.oom_control")
-        return stat.get("oom_kill", 0)
+        return _read_stat(group / "memory.oom_control").get("oom_kill", 0)
 
 
 class _V2(_Backend):
     version = "v2"
+
+    def __init__(self, start: Path | None, make_room: bool = True):
+        super().__init__(start)
+        self.start = start  # the cgroup this process started in
+        self.leaf: Path | None = None  # the leaf of the room it uses (and undoes if last)
+        self.enabled: list[str] = []  # controllers it enabled in home's subtree_control
+        self.moved: list[int] = []  # processes it moved into the leaf
+        if start is not None and make_room:
+            self._make_room()
+
+    # -- making room (the no-internal-processes rule) ----------------------------------
+
+    def _make_room(self) -> None:
+        start = self.start
+        controllers = _words(start / "cgroup.controllers")
+        if "memory" not in controllers:
+            raise CgroupUnavailable(
+                f"cgroup v2: the worker's cgroup {start} has no memory controller (cgroup.controllers: "
+                f"{' '.join(controllers) or 'none'}): the cgroup above it does not pass memory down. "
+                + delegation_fix())
+        if not (start / "cgroup.type").exists():
+            # The root cgroup (it alone has no cgroup.type) may hold processes and
+            # enable controllers at once: pools go straight in it.
+            self._enable(start, controllers)
+            self.note = f"pools in the root cgroup {start}"
+            return
+        subtree = _words(start / "cgroup.subtree_control")
+        parent = start.parent
+        if start.name == LEAF and "memory" in _words(parent / "cgroup.subtree_control"):
+            if not _writable(parent):
+                raise CgroupUnavailable(f"cgroup v2: this worker started in the leaf {start}, but the cgroup "
+                                        f"above it, {parent}, is not writable by uid {os.geteuid()}. "
+                                        + delegation_fix())
+            # A room made by another worker of ours: share it; the last pool out undoes it.
+            self.home, self.leaf = parent, start
+            self.enabled = [c for c in NEEDED if c in _words(parent / "cgroup.subtree_control")]
+            self.note = f"pools in {parent}, beside the leaf {start} another worker made"
+            return
+        if "memory" in subtree:
+            raise CgroupUnavailable(f"cgroup v2: {start} already passes memory to its children, so no process "
+                                    "may be in it, yet this worker is (a threaded cgroup?). " + delegation_fix())
+        if not _writable(start):
+            raise CgroupUnavailable(f"cgroup v2: the worker's cgroup {start} is not delegated to uid "
+                                    f"{os.geteuid()} (its cgroup.procs, cgroup.subtree_control or the "
+                                    "directory is not writable). " + delegation_fix())
+        self._refuse_foreign(start)  # before anything changes
+        leaf = start / LEAF
+        try:
+            leaf.mkdir()
+        except FileExistsError:  # an empty one left by a worker that was killed
+            pass
+        except OSError as exc:
+            raise CgroupUnavailable(f"cgroup v2: cannot create the leaf {leaf}: {exc}. " + delegation_fix()) from None
+        self.leaf, self.procs_home = leaf, leaf
+        try:
+            for _ in range(50):  # until the tree's forks since the last read are moved too
+                self._move_ours(start, leaf)
+                if self._enable(start, [c for c in NEEDED if c in controllers]):
+                    break
+            else:
+                raise CgroupUnavailable(f"cgroup v2: {start} would not pass memory to its children: new "
+                                        "processes kept appearing in it (EBUSY). " + delegation_fix())
+        except BaseException:
+            self.release()
+            raise
+        self.note = (f"pools in {start}; the {len(self.moved)} process(es) of the worker's tree that were in it, "
+                     f"the worker among them, moved to the leaf {leaf} (the no-internal-processes rule)")
+
+    def _move_ours(self, start: Path, leaf: Path) -> None:
+        """Move every process of start that belongs to this worker's tree into
+        the leaf; CgroupUnavailable naming the others, which are not ours to move."""
+        for pid in self._refuse_foreign(start):
+            try:
+                _write(leaf / "cgroup.procs", str(pid).encode())
+                self.moved.append(pid)
+            except ProcessLookupError:
+                pass  # gone meanwhile
+
+    def _refuse_foreign(self, start: Path) -> list[int]:
+        """The processes of start of this worker's tree; CgroupUnavailable naming the others."""
+        ours, foreign = _classify(_procs(start))
+        if foreign:
+            shown = ", ".join(f"{pid} ({_comm(pid)})" for pid in foreign[:5])
+            more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+            raise CgroupUnavailable(
+                f"cgroup v2: the worker's cgroup {start} holds processes that are not of the worker's own "
+                f"process tree ({shown}{more}); the kernel lets {start} pass memory to the pool's cgroups only "
+                "once no process is left in it, and these are not ours to move. " + delegation_fix())
+        return ours
+
+    def _enable(self, group: Path, controllers) -> bool:
+        """Enable `controllers` in group's subtree_control (those not yet on); False on EBUSY."""
+        have = _words(group / "cgroup.subtree_control")
+        for name in controllers:
+            if name in have or name not in NEEDED:
+                continue
+            try:
+                _write(group / "cgroup.subtree_control", f"+{name}".encode())
+            except OSError as exc:
+                if exc.errno == errno.EBUSY:
+                    return False  # a process is (again) in the group
+                if name == "memory":
+                    raise CgroupUnavailable(f"cgroup v2: cannot enable memory in {group}/cgroup.subtree_control: "
+                                            f"{exc}. " + delegation_fix()) from None
+                continue  # pids: the pool runs, without its fork caps (limits_pids says so)
+            if self.leaf is not None:  # ours to undo (never the root's)
+                self.enabled.append(name)
+        return True
+
+    def release(self) -> bool:
+        """Undo the room once no pool is left beside the leaf (whichever worker
+        made it): memory and pids off, every process of the leaf back in the
+        cgroup above, the leaf removed. True when nothing of it is left."""
+        if self.leaf is None:
+            return True
+        start, leaf = self.home, self.leaf
+        try:
+            others = [c for c in start.iterdir() if c.is_dir() and c != leaf]
+        except FileNotFoundError:
+            return True
+        if others:
+            return False  # a pool (or a cgroup of someone else's) still needs the room
+        disabled = []
+        for name in reversed(self.enabled):
+            try:
+                _write(start / "cgroup.subtree_control", f"-{name}".encode())
+                disabled.append(name)
+            except OSError:
+                # A pool made meanwhile holds the controller: leave the room as it was.
+                for again in disabled:
+                    try:
+                        _write(start / "cgroup.subtree_control", f"+{again}".encode())
+                    except OSError:
+                        pass
+                return False
+        self.enabled = []
+        for _ in range(50):  # a process of the leaf may fork while we move them
+            pids = _procs(leaf)
+            if not pids:
+                break
+            for pid in pids:
+                try:
+                    _write(start / "cgroup.procs", str(pid).encode())
+                except OSError:
+                    pass
+        try:
+            leaf.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            return False
+        self.leaf = None
+        self.procs_home = start
+        return True
+
+    # -- what a pool does ---------------------------------------------------------------
 
     def prepare_pool(self, pool: Path) -> None:
         pool.mkdir()
@@ -186,6 +423,15 @@ class _V2(_Backend):
     def set_limit(self, group: Path, limit: int) -> None:
         (group / "memory.max").write_text(str(limit))
         (group / "memory.swap.max").write_text("0")
+
+    def memory_limit(self, group: Path) -> int | None:
+        return _read_limit(group / "memory.max")
+
+    def swap_limit(self, group: Path) -> int | None:
+        return _read_limit(group / "memory.swap.max")
+
+    def swap_used(self, group: Path) -> int:
+        return _read_int(group / "memory.swap.current")
 
     def oom_kills(self, group: Path) -> int:
         return _read_stat(group / "memory.events").get("oom_kill", 0)
@@ -206,7 +452,92 @@ class _V2(_Backend):
         return _read_stat(group / "cgroup.events").get("frozen") == 1
 
 
-def _find_backend() -> _Backend:
+def _writable(group: Path) -> bool:
+    """Whether this process may make cgroups in `group` and move processes and
+    controllers there (a delegated cgroup: its directory and both files are ours)."""
+    return all(os.access(path, os.W_OK) for path in (group, group / "cgroup.procs", group / "cgroup.subtree_control"))
+
+
+def delegation_fix() -> str:
+    """What to run instead, where a cgroup v2 host gives the worker no room."""
+    return ("Run the worker in a cgroup delegated to it, with memory and pids: as root "
+            "`systemd-run --scope -p Delegate=yes -- python train.py`, as a user "
+            "`systemd-run --user --scope -p Delegate=yes -- python train.py`, or without a user session bus "
+            "`sudo systemd-run --uid=$(id -u) --gid=$(id -g) -p Delegate=yes --same-dir --pty --wait --collect "
+            "-- python train.py`; `boltzlabs doctor` run the same way says whether it worked "
+            f"({HOST_DOC})")
+
+
+def systemd_delegated(group: Path) -> bool | None:
+    """Whether systemd delegated `group` (or a cgroup above it) to its unit,
+    None where systemd does not run this host. systemd marks a delegated
+    unit's cgroup with the xattrs trusted.delegate and user.delegate (seen on
+    systemd 252); below a unit that has none, systemd owns the tree and may
+    move or remove what others make there."""
+    if not Path("/run/systemd/system").is_dir():
+        return None
+    root = hierarchy("memory")
+    for path in [group, *group.parents]:
+        if root is not None and not str(path).startswith(str(root)):
+            break
+        try:
+            if {"trusted.delegate", "user.delegate"} & set(os.listxattr(path)):
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def _ppid(pid: int) -> int:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0
+    return int(stat[stat.rindex(")") + 2:].split()[1])
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "gone"
+
+
+def _classify(pids: list[int]) -> tuple[list[int], list[int]]:
+    """(ours, foreign) of the processes of the worker's cgroup. Ours: the
+    process tree the worker belongs to there, the descendants of its oldest
+    ancestor in the same cgroup (under systemd: the unit's main process, the
+    trainer that started the pool, the worker, their other children). Any
+    other process was put there by someone else."""
+    here = set(pids)
+    top, parent = os.getpid(), _ppid(os.getpid())
+    while parent in here:
+        top, parent = parent, _ppid(parent)
+    verdict = {top: True}
+    ours, foreign = [], []
+    for pid in pids:
+        chain, current = [], pid
+        while current not in verdict and current > 1 and len(chain) < 4096:
+            chain.append(current)
+            current = _ppid(current)
+        mine = verdict.get(current, False)
+        for p in chain:
+            verdict[p] = mine
+        (ours if mine else foreign).append(pid)
+    return ours, foreign
+
+
+def _v2_start(own: dict, mounts) -> Path | None:
+    """This process's cgroup in the cgroup2 tree, if one is mounted."""
+    if "" not in own:
+        return None
+    for point, fstype, _ in mounts:
+        if fstype == "cgroup2":
+            return Path(point) / own[""].lstrip("/")
+    return None
+
+
+def _find_backend(make_room: bool = True) -> _Backend:
     own = _own_cgroups()
     mounts = _mounts()
     reasons = []
@@ -217,21 +548,49 @@ def _find_backend() -> _Backend:
                 if os.access(home, os.W_OK):
                     return _V1(home)
                 reasons.append(f"cgroup v1 memory cgroup {home} is not writable")
-    if "" in own:
-        for point, fstype, _ in mounts:
-            if fstype == "cgroup2":
-                home = Path(point) / own[""].lstrip("/")
-                controllers = (home / "cgroup.controllers").read_text().split() if home.exists() else []
-                subtree = (home / "cgroup.subtree_control").read_text().split() if home.exists() else []
-                if "memory" not in controllers:
-                    reasons.append(f"cgroup v2 at {home} has no memory controller")
-                elif "memory" not in subtree:
-                    reasons.append(f"cgroup v2 at {home} does not delegate memory (+memory not in cgroup.subtree_control)")
-                elif not os.access(home, os.W_OK):
-                    reasons.append(f"cgroup v2 cgroup {home} is not writable")
-                else:
-                    return _V2(home)
+    start = _v2_start(own, mounts)
+    if start is not None:
+        if not start.is_dir():
+            reasons.append(f"cgroup v2: this process's cgroup {own['']} is not below the cgroup2 mount "
+                           f"({start} does not exist: a cgroup namespace whose root is not mounted here?)")
+        else:
+            return _V2(start, make_room)
     raise CgroupUnavailable("; ".join(reasons) or "no cgroup filesystem is mounted")
+
+
+def pool_home() -> Path | None:
+    """Where a pool started from this process makes its cgroups (v1: the memory
+    hierarchy's), without changing anything; None where there is no memory cgroup."""
+    try:
+        backend = _find_backend(make_room=False)
+    except CgroupUnavailable:
+        return None
+    start = backend.home
+    if backend.version == "v2" and start.name == LEAF:
+        return start.parent
+    return start
+
+
+def version() -> str:
+    """The cgroup version pools get here ("v1" or "v2"), "" where there is no memory cgroup."""
+    try:
+        return _find_backend(make_room=False).version
+    except CgroupUnavailable:
+        return ""
+
+
+def hierarchy(controller: str = "memory") -> Path | None:
+    """The mount point of the cgroup hierarchy that holds `controller` for this
+    process (v1: that controller's own; v2: the one cgroup2 mount)."""
+    own = _own_cgroups()
+    for point, fstype, options in _mounts():
+        if fstype == "cgroup" and controller in options and controller in own:
+            return Path(point)
+    if "" in own:
+        for point, fstype, _ in _mounts():
+            if fstype == "cgroup2" and not any(f == "cgroup" and controller in o for _, f, o in _mounts()):
+                return Path(point)
+    return None
 
 
 def _find_v1_home(controller: str) -> Path | None:
@@ -257,7 +616,7 @@ def sweep_stale(homes: list[Path]) -> None:
                 os.kill(int(pool.name.split("-")[1]), 0)
                 continue  # its worker is alive
             except (ValueError, IndexError, PermissionError):
-                continue
+                continue  # not a pool (the v2 leaf), or not ours to judge
             except ProcessLookupError:
                 stale.setdefault(pool.name, []).append(pool)
     for pools in stale.values():
@@ -318,30 +677,47 @@ class CgroupPool:
     `moving(0, i, None)` is the context in which env i's sandbox must be started.
     `memory_limit` applies to envs and to the pool parts that hold what an
     env would (LIMITED_PARTS: the template's imports are one env's, and its
-    warm-up probe runs an env's code), `pids_max` to envs and every pool part. `freezer=True` makes envs freezable
+    warm-up probe runs an env's code), `pids_max` to envs and every pool part,
+    `pool_pids` to the pool's cgroup as a whole (every env and part together).
+    `freezer=True` makes envs freezable
     (`freeze`, `thaw`, `frozen`) if the host allows it; `freezes` says
-    whether it does, `freezer_note` why not. Everything is removed by `close()`.
+    whether it does, `freezer_note` why not. Everything is removed by
+    `close()`, and on cgroup v2 the room made for it too (`_V2`).
     """
 
-    def __init__(self, memory_limit: int | None = None, pids_max: int | None = None, freezer: bool = False):
-        self.backend = _find_backend()
-        v1 = self.backend.version == "v1"
-        # cgroup v1: the pids controller (and the freezer) are hierarchies of their own.
-        self.pids_home = _find_v1_home("pids") if v1 else None
-        self.freezer_home = _find_v1_home("freezer") if v1 and freezer else None
-        sweep_stale([home for home in (self.backend.home, self.pids_home, self.freezer_home) if home is not None])
+    def __init__(self, memory_limit: int | None = None, pids_max: int | None = None, freezer: bool = False,
+                 pool_pids: int | None = None):
         self.memory_limit = memory_limit
         self.pids_max = pids_max
+        self.pool_pids = pool_pids
         name = f"boltzlabs-{os.getpid()}-{secrets.token_hex(4)}"
-        self.path = self.backend.home / name
-        self.pids_path = self.pids_home / name if self.pids_home is not None else None
-        try:
-            self.backend.prepare_pool(self.path)
-            if self.pids_path is not None:
-                self.pids_path.mkdir()
-        except OSError as exc:
-            _rmdir(self.path)
-            raise CgroupUnavailable(f"cannot create the pool cgroup {self.path}: {exc}") from None
+        for attempt in range(2):
+            self.backend = _find_backend()
+            v1 = self.backend.version == "v1"
+            # cgroup v1: the pids controller (and the freezer) are hierarchies of their own.
+            self.pids_home = _find_v1_home("pids") if v1 else None
+            self.freezer_home = _find_v1_home("freezer") if v1 and freezer else None
+            sweep_stale([home for home in (self.backend.home, self.pids_home, self.freezer_home) if home is not None])
+            self.path = self.backend.home / name
+            self.pids_path = self.pids_home / name if self.pids_home is not None else None
+            try:
+                self.backend.prepare_pool(self.path)
+                if self.pids_path is not None:
+                    self.pids_path.mkdir()
+                if pool_pids and self.limits_pids:
+                    # Before any process is in it: the cap holds from the template's first fork.
+                    self.backend.set_pids(self.pids_path or self.path, pool_pids)
+                break
+            except OSError as exc:
+                for path in (self.path, self.pids_path):
+                    if path is not None:
+                        _rmdir(path)
+                self.backend.release()
+                # v2: the room this worker joined was undone meanwhile by the last
+                # pool of another worker closing; once more makes a room of its own.
+                if attempt == 0 and not v1:
+                    continue
+                raise CgroupUnavailable(f"cannot create the pool cgroup {self.path}: {exc}") from None
         self.freezer_path = None
         self.freezes, self.freezer_note = False, ""
         if freezer and v1:
@@ -357,7 +733,8 @@ class CgroupPool:
             # v2: every non-root cgroup has cgroup.freeze (kernel 5.2+).
             self.freezes = (self.path / "cgroup.freeze").exists()
             self.freezer_note = "" if self.freezes else f"no cgroup.freeze in {self.path} (kernel older than 5.2)"
-        self._homes = [self.backend.home / "cgroup.procs"]
+        # Where the worker goes back to after a spawn: its own cgroup in each hierarchy.
+        self._homes = [self.backend.procs_home / "cgroup.procs"]
         for home in (self.pids_home, self.freezer_path and self.freezer_home):
             if home is not None:
                 self._homes.append(home / "cgroup.procs")
@@ -376,11 +753,11 @@ class CgroupPool:
 
     @property
     def limits_pids(self) -> bool:
-        """Whether pids_max is enforced here (a pids controller we can write)."""
+        """Whether pids limits are enforced here (a pids controller we can write)."""
         if self.pids_path is not None:
             return True
         control = self.path / "cgroup.subtree_control"  # v2: enabled for the envs by prepare_pool
-        return self.version == "v2" and "pids" in control.read_text().split()
+        return self.version == "v2" and "pids" in _words(control)
 
     def group(self, key) -> Path:
         """The (memory) cgroup of env `key` (an int) or of a pool part (a name),
@@ -467,14 +844,24 @@ class CgroupPool:
                 counts.append(0)
         return counts[0], counts[1]
 
+    def pool_full(self, slack: int = 8) -> bool:
+        """Whether the pool's tasks are within `slack` of its cap (pool_pids):
+        a refused fork was then the pool's cap, not (only) the env's."""
+        if not self.pool_pids or not self.limits_pids:
+            return False
+        try:
+            return self.backend.pids_current(self.pids_path or self.path) + slack >= self.pool_pids
+        except OSError:
+            return False
+
     def tasks(self, index: int) -> int:
         """Tasks still charged to env `index`: pids.current where there is a pids
         controller (a zombie counts until it is reaped), else cgroup.procs."""
         groups = self._made(index)
         try:
             if self.limits_pids:
-                return _read_int(groups[-1] / "pids.current")
-            return len((groups[0] / "cgroup.procs").read_text().split())
+                return self.backend.pids_current(groups[-1])
+            return len(_procs(groups[0]))
         except OSError:
             return 0
 
@@ -484,6 +871,11 @@ class CgroupPool:
             self.backend.kill(self._groups[index][0])
             if self.freezes:
                 self.thaw(index)  # a frozen task dies only once thawed
+
+    def release(self) -> bool:
+        """Undo what was done to make room for the pool (cgroup v2's leaf), where
+        no other pool needs it; the worker's guardian calls it too."""
+        return self.backend.release()
 
     def close(self, deadline: float, reap=None) -> bool:
         """Kill what is left, remove every cgroup made; False if one would not go.
@@ -500,4 +892,79 @@ class CgroupPool:
         for path in (self.path, self.pids_path, self.freezer_path):
             if path is not None:
                 ok &= _rmdir(path, deadline, reap)
+        self.release()  # False only when another pool still uses the room: not a failure of ours
         return ok
+
+
+class PoolView:
+    """A pool's cgroups as the kernel shows them, found from their paths alone
+    (`RLPool._cgroup`, the READY info's "cgroup" list) and read through the
+    same backends the worker uses: tests and diagnostics never name a file of
+    one cgroup version. `key` is an env index or a pool part's name."""
+
+    def __init__(self, paths):
+        self.paths = [Path(p) for p in paths]
+        self.by_controller: dict[str, Path] = {}  # "memory" / "pids" / "freezer" -> the pool in that hierarchy
+        v2 = False
+        mounts = sorted(_mounts(), key=lambda m: len(m[0]), reverse=True)
+        for path in self.paths:
+            point, fstype, options = next(m for m in mounts if str(path).startswith(m[0].rstrip("/") + "/"))
+            if fstype == "cgroup2":
+                v2 = True
+                for name in ("memory", "pids", "freezer"):
+                    self.by_controller.setdefault(name, path)
+            else:
+                for name in ("memory", "pids", "freezer"):
+                    if name in options:
+                        self.by_controller[name] = path
+        self.backend = _V2(None, make_room=False) if v2 else _V1(None)
+        self.version = self.backend.version
+
+    def group(self, key, controller: str = "memory") -> Path:
+        """Env `key`'s cgroup in the hierarchy of `controller`."""
+        return self.by_controller[controller] / (f"env-{key}" if isinstance(key, int) else key)
+
+    def pool(self, controller: str = "pids") -> Path:
+        return self.by_controller[controller]
+
+    def procs(self, key) -> set[int]:
+        return set(self.backend.procs(self.group(key)))
+
+    def memory_limit(self, key) -> int | None:
+        return self.backend.memory_limit(self.group(key))
+
+    def swap_limit(self, key) -> int | None:
+        return self.backend.swap_limit(self.group(key))
+
+    def swap_used(self, key) -> int:
+        return self.backend.swap_used(self.group(key))
+
+    def oom_kills(self, key) -> int:
+        return self.backend.oom_kills(self.group(key))
+
+    def pids_limit(self, key=None) -> int | None:
+        """Env `key`'s pids limit; None for the pool's own (limits.pool_pids)."""
+        return self.backend.pids_limit(self.pool() if key is None else self.group(key, "pids"))
+
+    def pids_current(self, key=None) -> int:
+        return self.backend.pids_current(self.pool() if key is None else self.group(key, "pids"))
+
+    def pids_refused(self, key) -> int:
+        return self.backend.pids_refused(self.group(key, "pids"))
+
+    def frozen(self, key) -> bool:
+        return self.backend.frozen(self.group(key, "freezer"))
+
+    def cgroup_of(self, pid: int, controller: str = "memory") -> Path | None:
+        """The cgroup process `pid` is in, in the hierarchy of `controller`, as
+        a path comparable with group()."""
+        own = _own_cgroups(pid)
+        pool = self.by_controller[controller]
+        path = own.get("" if self.version == "v2" else controller)
+        if path is None:
+            return None
+        for point, fstype, options in _mounts():
+            if fstype == ("cgroup2" if self.version == "v2" else "cgroup") and str(pool).startswith(point + "/") \
+                    and (self.version == "v2" or controller in options):
+                return Path(point) / path.lstrip("/")
+        return None

@@ -2,6 +2,7 @@
 
     sandbox/policy.toml [env_limits] + RLPool(limits=...) --resolve()--> limits (worker)
         memory, pids        --> the env's cgroup (boltzlabs/sandbox/cgroups.py)
+        pool_pids           --> the pool's cgroup, all envs together (host_tasks() bounds it)
         straggler_grace     --> the worker's deadline kill (boltzlabs/worker/reactor.py)
         open_files, file_size, core_size, msgqueue --encode()--> rlimits= of the plan's
             $BOLTZLABS_CONFINE (boltzlabs/sandbox/plan.py)
@@ -10,16 +11,46 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from boltzlabs.runtime.rlimits import RLIMITS
 from boltzlabs.units import parse_size
 
-__all__ = ["RLIMITS", "resolve", "encode"]
+__all__ = ["RLIMITS", "resolve", "encode", "host_tasks", "task_count"]
 
 _SIZES = ("memory", "file_size", "core_size", "msgqueue")
 _ZERO_MEANS_ZERO = ("core_size", "msgqueue")  # the others: 0 is "no limit"
 # The least an env can start with: bwrap and the interpreter need a few
 # tasks and a few dozen files before env.py runs.
-_MINIMUM = {"pids": 8, "open_files": 32}
+_MINIMUM = {"pids": 8, "pool_pids": 8, "open_files": 32}
+
+
+def host_tasks() -> int:
+    """How many tasks this host can hold: every task needs a pid (kernel.pid_max)
+    and a task_struct (kernel.threads-max), so the smaller of the two."""
+    return min(int(Path("/proc/sys/kernel", name).read_text()) for name in ("pid_max", "threads-max"))
+
+
+def task_count(value, what: str = "env limit pool_pids") -> int:
+    """A whole pool's task cap: a count, or "N%" of host_tasks(); always below
+    host_tasks(). ValueError names `what` and the host's figures."""
+    host = host_tasks()
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            share = float(value.strip()[:-1])
+        except ValueError:
+            share = -1.0
+        if not 0 < share < 100:
+            raise ValueError(f"{what} must be a count or a share below 100% like '25%', not {value!r}")
+        value = int(host * share / 100)
+    elif isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{what} must be a whole number of tasks or a share like '25%', not {value!r}")
+    if value < _MINIMUM["pool_pids"]:
+        raise ValueError(f"{what} must be at least {_MINIMUM['pool_pids']} tasks, not {value!r}")
+    if value >= host:
+        raise ValueError(f"{what}={value} is not below this host's task limit of {host} (the smaller of "
+                         "kernel.pid_max and kernel.threads-max): the pool could take every task of the host")
+    return value
 
 
 def resolve(table: dict, overrides: dict | None = None, memory_limit=None) -> dict:
@@ -44,6 +75,8 @@ def resolve(table: dict, overrides: dict | None = None, memory_limit=None) -> di
             out[key] = float(value)
         elif key in _SIZES:
             out[key] = 0 if value == 0 else parse_size(value)
+        elif key == "pool_pids":
+            out[key] = task_count(value)
         elif isinstance(value, bool) or not isinstance(value, int) or value < _MINIMUM.get(key, 1):
             raise ValueError(f"env limit {key} must be a whole number of at least {_MINIMUM.get(key, 1)}, "
                              f"not {value!r}")

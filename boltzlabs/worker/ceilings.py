@@ -27,6 +27,9 @@ CEILINGS = {
     "memory": ("--max-memory", "1G", "size"),
     "workspace_size": ("--max-workspace", "256M", "size"),
     "pids": ("--max-pids", 256, "count"),
+    # The whole pool's tasks (every env, the template, its probe): a count or a
+    # share of the worker host's task limit (sandbox/limits.py's task_count).
+    "pool_pids": ("--max-pool-pids", "25%", "tasks"),
     "open_files": ("--max-open-files", 1024, "count"),
     "file_size": ("--max-file-size", "1G", "size"),
     "core_size": ("--max-core-size", "0", "size"),
@@ -49,6 +52,9 @@ def ceiling_value(key: str, value):
     kind = CEILINGS[key][2]
     if kind == "size":
         return 0 if value in (0, "0") else parse_size(value)
+    if kind == "tasks":
+        text = str(value).strip()
+        return _limits.task_count(int(text) if text.lstrip("-").isdigit() else text, CEILINGS[key][0])
     if kind == "count":
         value = int(value)
         if value < 1:

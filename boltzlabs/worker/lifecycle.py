@@ -170,7 +170,17 @@ class Lifecycle:
                 notes.append(f"OOM: killed by the kernel's OOM killer over its memory limit "
                              f"(memory_limit={self.memory_limit} bytes)")
             if refused > 0:
-                notes.append(f"pids limit: {refused} fork(s) refused at its limit of {self.limits['pids']} tasks")
+                # The kernel counts a refusal in the forking env's cgroup whichever
+                # limit refused it, its own or the pool's (limits.pool_pids).
+                own, cap = f"its limit of {self.limits['pids']} tasks", self.limits.get("pool_pids")
+                pools = f"the pool's limit of {cap} tasks for all its envs together (limits.pool_pids)"
+                if self.cgroups.pool_full():
+                    where = pools
+                elif cap and cap < len(self.envs) * self.limits["pids"]:
+                    where = f"{own} or {pools}"
+                else:
+                    where = own
+                notes.append(f"pids limit: {refused} fork(s) refused at {where}")
         signum = _exit_signal(status)
         if signum == signal.SIGXFSZ:
             notes.append(f"file size limit: it wrote past limits.file_size={self.limits.get('file_size')} bytes")
@@ -346,7 +356,7 @@ def warmup_note(report: dict | None) -> str:
     return "\n".join(notes)
 
 
-def guard_cgroups(paths: list[str]) -> int:
+def guard_cgroups(paths: list[str], release=None) -> int:
     """Make sure the pool's cgroups and every task in them go with this worker,
     however it dies (SIGKILL included). Returns the guardian's pid.
 
@@ -356,7 +366,8 @@ def guard_cgroups(paths: list[str]) -> int:
     forever for it. A forked guardian in a session of its own (a kill of our
     process group misses it) waits for the end of a pipe this process holds,
     which closes only when this process is gone, then kills, thaws and
-    removes what is left of the pool's cgroups: nothing, after a clean close.
+    removes what is left of the pool's cgroups: nothing, after a clean close;
+    then `release()` (CgroupPool.release: cgroup v2's room, where it is free).
     The client, which only kills the worker, waits for the guardian to end.
     A fork shares the worker's pages; it writes little (measured in
     tests/test_protocol.py).
@@ -375,9 +386,12 @@ def guard_cgroups(paths: list[str]) -> int:
             # here would hide the worker's death from the client.
             os.closerange(3, r)
             os.closerange(r + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+            closed = False
             while os.read(r, 1):
-                pass
+                closed = True  # guard_closed(): the worker closed the pool itself
             remove_pool_dir(paths)
+            if release is not None and not closed:
+                release()  # after a clean close the worker did it; a new pool may have made its own since
         finally:
             os._exit(0)
     os.close(r)
@@ -397,3 +411,13 @@ def prctl(option: int, value) -> None:
 
 
 _GUARD: list[int] = []
+
+
+def guard_closed() -> None:
+    """Tell the guardians that this worker removed its cgroups (and released
+    the room) itself: they only sweep what may be left, and undo nothing."""
+    for w in _GUARD:
+        try:
+            os.write(w, b"c")
+        except OSError:
+            pass

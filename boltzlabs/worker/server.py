@@ -49,7 +49,7 @@ from boltzlabs.worker.config import PIPES, parse_open, raise_fd_limit
 from boltzlabs.worker.confinement import Confinement
 from boltzlabs.worker.lanes import IDLE, Lane
 from boltzlabs.worker.lifecycle import (ABANDONED, PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, Lifecycle, StartFailure,
-                                        guard_cgroups, prctl, warmup_note)
+                                        guard_cgroups, guard_closed, prctl, warmup_note)
 from boltzlabs.worker.reactor import ClientGone, Reactor, describe
 from boltzlabs.worker.requests import Requests, tail
 from boltzlabs.worker.spawn import ExecSpawner, TemplateSpawner, TemplateUnavailable, reap_orphans
@@ -129,22 +129,27 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
         self.channel = raise_fd_limit(n)
         guardian = None
         try:
-            self.cgroups = CgroupPool(self.memory_limit, self.limits.get("pids"), freezer=self.gated)
-            if self.limits.get("pids") and not self.cgroups.limits_pids:
+            self.cgroups = CgroupPool(self.memory_limit, self.limits.get("pids"), freezer=self.gated,
+                                      pool_pids=self.limits.get("pool_pids"))
+            if (self.limits.get("pids") or self.limits.get("pool_pids")) and not self.cgroups.limits_pids:
                 self.limits_note = (f"no writable pids cgroup here: the per-env pids limit "
-                                    f"({self.limits['pids']} tasks) is not enforced; {DELEGATE_FIX}")
+                                    f"({self.limits.get('pids')} tasks) and the pool's "
+                                    f"({self.limits.get('pool_pids')} tasks) are not enforced; {DELEGATE_FIX}")
             self.memory_source = f"cgroup {self.cgroups.version} working set (usage - inactive file), kernel memory included"
         except CgroupUnavailable as exc:
             self.cgroups = None
             self.memory_source = "psutil PSS of each sandbox's processes (no writable memory cgroup)"
             self.memory_note = f"no cgroup memory accounting: {exc}; envs_per_gb() uses PSS instead; {DELEGATE_FIX}"
-            if self.limits.get("pids"):
-                self.limits_note = f"no cgroups here: the per-env pids limit ({self.limits['pids']} tasks) is not enforced"
+            if self.limits.get("pids") or self.limits.get("pool_pids"):
+                self.limits_note = (f"no cgroups here: the per-env pids limit ({self.limits.get('pids')} tasks) "
+                                    f"and the pool's ({self.limits.get('pool_pids')} tasks) are not enforced; "
+                                    f"{DELEGATE_FIX}")
             if self.memory_limit:
                 raise ValueError(f"memory_limit needs a writable memory cgroup, and this host has none ({exc}); "
                                  f"{DELEGATE_FIX}")
         if self.cgroups is not None:
-            guardian = guard_cgroups(self.cgroups.paths)  # however this worker dies, its cgroups go with it
+            # However this worker dies, its cgroups go with it (and the room made for them).
+            guardian = guard_cgroups(self.cgroups.paths, self.cgroups.release)
         if self.gated:
             self.freezing = self.cgroups is not None and self.cgroups.freezes
             if self.freezing:
@@ -225,6 +230,7 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
         if self.cgroups is not None:
             self.cgroups.close(deadline, reap_orphans)
             self.cgroups = None
+            guard_closed()
         if self.account is not None:
             self.account.close()
         if self.env_fns_dir is not None:
