@@ -197,6 +197,7 @@ b = RLPool({hostile!r}, 1)  # its worker starts in a's leaf and shares the room
 out = {{"parents": sorted({{str(Path(p).parent) for p in a._cgroup + b._cgroup}})}}
 a.close()
 out["leaf_with_b"] = (S / "boltzlabs-procs").exists()
+b.reset(seed=0)
 out["b_steps"] = b.step([3])[0][0]
 b.close()
 out["leaf_after"] = (S / "boltzlabs-procs").exists()
