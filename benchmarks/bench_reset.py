@@ -2,6 +2,7 @@
 
     python benchmarks/bench_reset.py              # 1000 counter envs, 5 hard resets
     python benchmarks/bench_reset.py --n 200 --resets 2
+    python benchmarks/bench_reset.py --trust-env  # env.py imported in the template (RLPool(trust_env=True))
 
 Prints one line: wall time of RLPool(...), of each pool.reset(seed=0,
 hard=True), of close(), pool.memory().mean in KiB (after the resets), and
@@ -28,9 +29,10 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=1000)
     parser.add_argument("--resets", type=int, default=5)
     parser.add_argument("--source", default=str(ROOT / "examples" / "counter"))
+    parser.add_argument("--trust-env", action="store_true", help="RLPool(trust_env=True): env.py imported in the template")
     args = parser.parse_args()
     started = time.monotonic()
-    pool = RLPool(args.source, args.n, spawn="template")
+    pool = RLPool(args.source, args.n, spawn="template", **({"trust_env": True} if args.trust_env else {}))
     start = time.monotonic() - started
     pool.reset(seed=0)
     hard = []

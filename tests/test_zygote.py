@@ -602,3 +602,22 @@ def test_env_code_the_probe_sends_is_only_ever_read_by_the_envs(env_dir, code, e
         else:
             assert report["error"] is None, report
         assert pool.reset(seed=1) == [expected] * 2
+
+
+WHAT_THE_TEMPLATE_HOLDS = """
+import sys
+from boltzlabs.env import serve
+
+AT_IMPORT = sorted(name for name in ("traceback", "linecache", "re") if name in sys.modules)
+
+serve(reset=lambda seed: AT_IMPORT, step=lambda action: (0, 0.0, False, {}))
+"""
+
+
+def test_the_templates_warm_up_of_the_serve_loop_takes_no_failure_path(env_dir):
+    """The template runs the serve loop once with stand-in callables, to settle
+    its bytecode before the forks. A stand-in that did not fit the loop's
+    calls made every warm-up request fail: the template imported traceback
+    (with re, linecache, tokenize...) and every env started ~0.2 MiB heavier."""
+    with RLPool(env_dir(WHAT_THE_TEMPLATE_HOLDS), 2, spawn="template") as pool:
+        assert pool.reset(seed=0) == [[], []]

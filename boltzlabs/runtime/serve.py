@@ -436,7 +436,8 @@ def _warm_up(steps: int = 24) -> None:
                 ours.sendall(requests)
                 ours.shutdown(socket.SHUT_WR)
                 channel = _Channel(theirs.fileno(), theirs.fileno())
-            _serve_loop(channel, lambda seed: 0, lambda action: (0, 0.0, False, {}), None, {"warm_up": True})
+            # reset as serve() hands it to the loop (reset_caller's): (seed, options).
+            _serve_loop(channel, lambda seed, options: 0, lambda action: (0, 0.0, False, {}), None, {"warm_up": True})
         finally:
             for fd in fds:
                 os.close(fd)
