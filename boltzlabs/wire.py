@@ -30,14 +30,23 @@ count toward `max_objects`, its levels toward `max_depth`, and tuples nest at
 most `MAX_TUPLE_NESTING` deep: each level is a nested decode), and encodes
 the tuple again when it passes it on.
 
-This module imports only the standard library and msgpack: it runs inside
-every env, and what an env imports every env pays for. NumPy is imported by
-the ext hook only when an array arrives, and an env that receives or sends
-one has imported NumPy already.
+The encoder and the ext hook have a C twin, boltzlabs._wire (native/wire.c),
+used when it was built and BOLTZLABS_PURE is unset: it makes exactly the bytes
+and values the Python code below makes, and hands back to it anything it does
+not handle exactly (the Python packer then packs the whole value; the Python
+hook decodes tuples and names every bad header). A real env's reply (an
+array, numpy scalars, an info dict) costs a fraction of the Python hooks'
+time on each side (docs/wire.md, "The codec in C").
+
+This module imports only the standard library and msgpack (and the C twin,
+which imports nothing more): it runs inside every env, and what an env
+imports every env pays for. NumPy is imported by the ext hook only when an
+array arrives, and an env that receives or sends one has imported NumPy already.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
 
@@ -216,6 +225,20 @@ def _default(obj):
 
 
 _packer = msgpack.Packer(default=_default, use_bin_type=True, strict_types=True)
+
+
+def _load_native():
+    """boltzlabs._wire (native/wire.c), or None: not built, or BOLTZLABS_PURE=1."""
+    if os.environ.get("BOLTZLABS_PURE", "").strip() not in ("", "0"):
+        return None
+    try:
+        from boltzlabs import _wire
+    except ImportError:
+        return None
+    return _wire
+
+
+_native = _load_native()
 _nesting = [0]  # tuples being packed inside one another
 
 
@@ -241,12 +264,20 @@ def encode(message) -> bytes:
         head = _packer.pack(message[:-1] + [None])[:-1]
         raw = message[-1].data
         return b"".join((HEADER.pack(len(head) + len(raw)), head, raw))
+    if _native is not None:
+        frame = _native.frame(message)
+        if frame is not None:  # the hot path: None when C leaves the value to the Python packer
+            return frame
     body = _packer.pack(message)
     return HEADER.pack(len(body)) + body
 
 
 def pack(value) -> bytes:
     """One value's msgpack bytes, as encode packs it inside a frame."""
+    if _native is not None:
+        packed = _native.pack(value)
+        if packed is not None:
+            return packed
     return _packer.pack(value)
 
 
@@ -388,6 +419,10 @@ def _ext_hook(mode: str, inner: list):
             if code == SCALAR_EXT:
                 return _scalar(data, False)
             return msgpack.ExtType(code, data)
+    if _native is not None:
+        # Arrays and numpy scalars in C; a tuple, any other code and any header C
+        # refuses go to the Python hook above (its caps, its error messages).
+        return _native.Hook(check_only, hook)
     return hook
 
 
