@@ -190,12 +190,14 @@ static int nap(double since, double deadline)
 #define ARRAY_EXT 1
 #define TUPLE_EXT 2
 #define SCALAR_EXT 3
+#define SLOT_EXT 4 /* wire.SLOT_EXT: fixext 8, the request's seq little-endian; only ever the obs */
 #define MAX_TUPLE_NESTING 32 /* wire.MAX_TUPLE_NESTING */
 #define STACK_MAX 1024       /* levels walk() can hold: over wire.MAX_DEPTH (512) and msgpack's packer (511) */
 
 /* The caps of wire.Limits (the worker's env limits), in walk()'s terms. */
 typedef struct {
     uint64_t max_frame, max_str, max_bin, max_array, max_map, max_ext, max_depth, max_objects;
+    uint64_t slots; /* nonzero: a reply's obs may be a SLOT_EXT marker (the pool's envs have observation slots) */
 } Caps;
 
 typedef struct {
@@ -498,7 +500,15 @@ static int vouch(const unsigned char *buf, size_t got, const Caps *caps, int res
     if (!read_uint(buf, &pos, end, &value) || value != seq)
         return 0;
     lane->obs = pos;
-    if (!walk(buf, &pos, end, 1, caps, &objects))
+    if (caps->slots && end - pos >= 10 && buf[pos] == 0xd7 && buf[pos + 1] == SLOT_EXT) {
+        /* The obs is in the env's slot: the marker must name this request (reactor._on_message). */
+        uint64_t mark = 0;
+        for (int i = 7; i >= 0; i--)
+            mark = (mark << 8) | buf[pos + 2 + i];
+        if (mark != seq)
+            return 0;
+        pos += 10;
+    } else if (!walk(buf, &pos, end, 1, caps, &objects))
         return 0;
     lane->obs_len = pos - lane->obs;
     lane->reward = 0.0;
@@ -558,10 +568,11 @@ static int vouch(const unsigned char *buf, size_t got, const Caps *caps, int res
 
 static int parse_caps(PyObject *obj, Caps *caps)
 {
-    if (!PyArg_ParseTuple(obj, "KKKKKKKK;caps: (max_frame, max_str_len, max_bin_len, max_array_len, max_map_len, "
-                               "max_ext_len, max_depth, max_objects)",
+    caps->slots = 0;
+    if (!PyArg_ParseTuple(obj, "KKKKKKKK|K;caps: (max_frame, max_str_len, max_bin_len, max_array_len, max_map_len, "
+                               "max_ext_len, max_depth, max_objects[, slots])",
                           &caps->max_frame, &caps->max_str, &caps->max_bin, &caps->max_array, &caps->max_map,
-                          &caps->max_ext, &caps->max_depth, &caps->max_objects))
+                          &caps->max_ext, &caps->max_depth, &caps->max_objects, &caps->slots))
         return 0;
     if (caps->max_depth > STACK_MAX) {
         PyErr_Format(PyExc_ValueError, "caps: max_depth %llu is over %d", (unsigned long long)caps->max_depth,

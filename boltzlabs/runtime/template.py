@@ -259,7 +259,7 @@ class _ChildPlan:
         self.lo_request = struct.pack("16sH14x", b"lo", 0)
         self.capabilities = confined.capabilities
 
-    def become_sandbox(self, lane: int, fds: list) -> None:
+    def become_sandbox(self, lane: int, fds: list, slot: int = -1) -> None:
         """In the child, pid 1 of its new user and pid namespace.
 
         The os.open/os.write/os.close writes below stay inline: moving
@@ -286,7 +286,15 @@ class _ChildPlan:
             os.dup2(fds[0], 4)
         _signal.set_wakeup_fd(-1)
         _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
-        os.closerange(2 + len(fds), self.open_max)
+        if slot >= 0:
+            # The observation slot came last, so its number is above every target met so far (1-4).
+            if slot <= 4:
+                raise OSError(f"the observation slot came on fd {slot}, among the channel's")
+            os.dup2(slot, wire.SLOT_FD)
+            os.closerange(2 + len(fds), wire.SLOT_FD)
+            os.closerange(wire.SLOT_FD + 1, self.open_max)
+        else:
+            os.closerange(2 + len(fds), self.open_max)
         # The env's own rlimits: the template's file limit has room for the
         # pipes it holds (closed above, before the limit drops below them).
         limits.apply_parsed(self.rlimits)
@@ -731,11 +739,12 @@ def fork_server(serve_child, channel_fd: int, probe=None, preload=()) -> None:
                 os._exit(0)  # the worker is gone
             for message in reader.feed(data):
                 # The channel (a socket; or two pipes, read then write) and the log pipe.
-                if message[0] == FORK and len(fds) in (2, 3):
-                    _, lane, generation = message
+                if message[0] == FORK and len(fds) - _has_slot(message) in (2, 3):
+                    lane, generation = message[1], message[2]
                     key = (lane, generation)
+                    slot = fds.pop() if _has_slot(message) else -1
                     try:
-                        pid = _fork_child(serve_child, lane, fds, plan)
+                        pid = _fork_child(serve_child, lane, fds, plan, slot)
                     except OSError as exc:  # pids.max, memory, a namespace limit: the lane's failure
                         os.write(2, f"boltzlabs: could not make env {lane}'s sandbox: {exc}\n".encode())
                         forked.append((wire.encode([FORKED, lane, generation]), -1))
@@ -799,7 +808,7 @@ def _kill(pid: int) -> None:
 
 
 _RECEIVE_BUFFER = bytearray(1 << 16)
-_ANCILLARY_SPACE = socket.CMSG_SPACE(4 * 4)  # a FORK brings two or three fds; extra ones are closed
+_ANCILLARY_SPACE = socket.CMSG_SPACE(4 * 4)  # a FORK brings two or three fds, and a slot; extra ones are closed
 
 
 def _receive(control: socket.socket):
@@ -812,25 +821,35 @@ def _receive(control: socket.socket):
     return data, list(fds)
 
 
-def _fork_child(serve_child, lane, fds, plan: _ChildPlan) -> int:
+def _has_slot(message) -> int:
+    """1 when a FORK brings the child's observation slot as its last fd ([FORK, lane, generation, True]:
+    the worker's spawn.py), else 0. The slot goes to wire.SLOT_FD in the child (_ChildPlan.take_slot)."""
+    return 1 if len(message) == 4 and message[3] is True else 0
+
+
+def _fork_child(serve_child, lane, fds, plan: _ChildPlan, slot: int = -1) -> int:
     """Clone the env's child into a new user and pid namespace (it makes the
     others); returns its pid. The template is in the env's cgroup meanwhile
-    (the worker moves it), so the child and its namespaces are charged there."""
+    (the worker moves it), so the child and its namespaces are charged there.
+    `slot`: the child's observation slot (a memfd), or -1; closed here like
+    the rest, so the template keeps no child's slot."""
     try:
         pid = _clone_sandbox()
         if pid == 0:
-            _child(serve_child, lane, fds, plan)
+            _child(serve_child, lane, fds, plan, slot)
     finally:
         for fd in fds:
             os.close(fd)
+        if slot >= 0:
+            os.close(slot)
     return pid
 
 
-def _child(serve_child, lane, fds, plan: _ChildPlan) -> None:
+def _child(serve_child, lane, fds, plan: _ChildPlan, slot: int = -1) -> None:
     """The env process. Becomes a sandbox, then serves. Never returns."""
     code = 1
     try:
-        plan.become_sandbox(lane, fds)
+        plan.become_sandbox(lane, fds, slot)
         seccomp.apply_child_filter()  # the env's full filter, before any env code
         serve_child((3,) if len(fds) == 2 else (4, 3))  # (the fd it reads, the fd it writes)
         code = 0

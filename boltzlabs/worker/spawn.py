@@ -84,6 +84,13 @@ def _open_channel(start, channel: str = SOCKETPAIR, kind=socket.SOCK_STREAM, log
     return ours[0], ours[1], log_r
 
 
+def slot_fd(worker, env) -> int:
+    """The hook for an env's observation slot: its memfd (worker.slots, boltzlabs/worker/slots.py), passed
+    at each spawn of the lane and kept by the worker, or -1 when the pool has none."""
+    slots = getattr(worker, "slots", None)
+    return slots.fd_for(env.index) if slots is not None else -1
+
+
 def _charged_to(worker, key, pid: int = 0, home=None):
     """Context in which process `pid` (0: the worker) sits in `key`'s cgroup, if
     there are cgroups: what it forks meanwhile is born there."""
@@ -122,10 +129,11 @@ def _reaped(pid: int) -> None:
     SPAWNED.discard(pid)
 
 
-def _posix_spawn(argv, channel: tuple, log_w: int, programs: dict) -> int:
+def _posix_spawn(argv, channel: tuple, log_w: int, programs: dict, slot: int = -1) -> int:
     """Start bwrap with the channel (`channel`: the socket, or the pipes' read
-    and write ends) on channel_fds, the log pipe on 1 and 2, and each seccomp
-    program of `programs` ({fd number: BPF bytes}) on its fd."""
+    and write ends) on channel_fds, the log pipe on 1 and 2, each seccomp
+    program of `programs` ({fd number: BPF bytes}) on its fd, and the env's
+    observation slot (a memfd, or -1: none) on wire.SLOT_FD."""
     with contextlib.ExitStack() as stack:
         # The actions run in order, so no source may be a target met earlier:
         # sources are moved to fd 10 or above (as program_fd's are).
@@ -137,13 +145,14 @@ def _posix_spawn(argv, channel: tuple, log_w: int, programs: dict) -> int:
             return high
 
         channel, log_w = [above(fd) for fd in channel], above(log_w)
+        slots = [(os.POSIX_SPAWN_DUP2, above(slot), wire.SLOT_FD)] if slot >= 0 else []
         targets = channel_fds(PIPES if len(channel) == 2 else SOCKETPAIR)
         actions = [(os.POSIX_SPAWN_DUP2, fd, target) for fd, target in zip(channel, targets)] + [
             (os.POSIX_SPAWN_DUP2, log_w, 1),
             (os.POSIX_SPAWN_DUP2, log_w, 2),
             (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
         ] + [(os.POSIX_SPAWN_DUP2, stack.enter_context(seccomp.program_fd(program)), target)
-             for target, program in programs.items()]
+             for target, program in programs.items()] + slots
         pid = os.posix_spawn(argv[0], argv, {}, file_actions=actions)
         SPAWNED.add(pid)
         return pid
@@ -165,7 +174,7 @@ class ExecSpawner:
 
         def start(channel: tuple, log_w: int) -> None:
             with _charged_to(worker, env.index):
-                env.pid = _posix_spawn(argv, channel, log_w, worker.spec.programs())
+                env.pid = _posix_spawn(argv, channel, log_w, worker.spec.programs(), slot_fd(worker, env))
 
         env.chan, env.wchan, env.logfd = _open_channel(start, worker.channel)
         pidfd = os.pidfd_open(env.pid)
@@ -313,11 +322,13 @@ class TemplateSpawner:
         worker = self.worker
         if self.control is None:
             raise OSError("the template is gone")
-        frame = wire.encode([template.FORK, env.index, env.generation])
+        slot = slot_fd(worker, env)
+        frame = wire.encode([template.FORK, env.index, env.generation] + ([True] if slot >= 0 else []))
 
         def start(channel: tuple, log_w: int) -> None:
-            # The child's channel ends (one socket, or the read then the write pipe), its log pipe last.
-            fds = array.array("i", [*channel, log_w]).tobytes()
+            # The child's channel ends (one socket, or the read then the write pipe), its log pipe, then
+            # its observation slot if it has one (the template puts it on wire.SLOT_FD).
+            fds = array.array("i", [*channel, log_w] + ([slot] if slot >= 0 else [])).tobytes()
             # The template's pid is moved between cgroups: it must still be ours.
             if _readable([self.template_pidfd], 0):
                 raise OSError("the template is gone")
