@@ -312,6 +312,11 @@ class BoltzLabsVecEnv(VectorEnv):
         missing = [i for i, o in enumerate(self._env_obs) if o is None]
         if missing:
             raise EnvError(f"env {missing[0]} has no observation yet; reset it first", env_index=missing[0])
+        if self.copy:
+            batch = _rows_of_one_batch(self._env_obs)
+            if batch is not None and batch.dtype == self._observations.dtype \
+                    and batch.shape == self._observations.shape:  # the pool's batch (its slots'): one copy, not two
+                return batch.copy()
         self._observations = concatenate(self.single_observation_space, self._env_obs, self._observations)
         if not self.copy:
             return self._observations
@@ -382,6 +387,24 @@ def _check_seeds(seed, n: int) -> list:
 
 
 _SCALARS = (int, float, bool)
+_BIG_OBS = 4096  # bytes: below this, stacking the rows costs less than checking where they lie
+
+
+def _rows_of_one_batch(obs: list):
+    """The array whose rows, in order, are exactly these obs (a pool with observation slots
+    returns each call's obs as rows of one batch), or None. Checked only for big obs."""
+    first = obs[0]
+    if type(first) is not np.ndarray or first.nbytes < _BIG_OBS:
+        return None
+    batch = first.base
+    if type(batch) is not np.ndarray or batch.shape != (len(obs), *first.shape) or not batch.flags.c_contiguous:
+        return None
+    start, stride = batch.ctypes.data, batch.strides[0]
+    for i, row in enumerate(obs):
+        if type(row) is not np.ndarray or row.base is not batch or row.ctypes.data != start + i * stride \
+                or row.dtype != batch.dtype or row.shape != first.shape:
+            return None
+    return batch
 
 
 def _batch_infos(infos: list, n: int) -> dict | None:

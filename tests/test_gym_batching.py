@@ -77,3 +77,18 @@ def test_what_it_cannot_batch_exactly_it_declines():
     assert _batch_infos([{"a": np.bool_(True)}] * 2, 2) is None  # not a np.number: Gymnasium makes objects
     assert _batch_infos([{"error": "x"}, {}], 2) is None
     assert _batch_infos([{}, {}], 2) == {}
+
+
+def test_rows_of_one_batch_are_found_only_when_they_are_exactly_its_rows():
+    from boltzlabs.gym import _rows_of_one_batch
+
+    batch = np.empty((4, 2048), np.float32)  # as pool/slots.py makes each call's batch
+    batch[...] = np.arange(4 * 2048).reshape(4, 2048)
+    rows = [batch[i] for i in range(4)]
+    assert _rows_of_one_batch(rows) is batch
+    assert _rows_of_one_batch(rows[::-1]) is None  # out of order
+    assert _rows_of_one_batch(rows[:3]) is None  # not every row
+    assert _rows_of_one_batch([r.copy() for r in rows]) is None  # arrays of their own
+    assert _rows_of_one_batch([batch[i, ::2] for i in range(4)]) is None  # strided views
+    small = np.zeros((4, 3))
+    assert _rows_of_one_batch([small[i] for i in range(4)]) is None  # small: stacked as before
