@@ -361,6 +361,10 @@ static int emit(PyObject *obj, int depth, int tuples, W *w)
         if (count.n > 0xffffffffu)
             return UNSUPPORTED;
         put_ext_head(w, count.n, TUPLE_EXT);
+        if (w->p == NULL) { /* counting: the items were just counted (counting them again doubles per level) */
+            w->n += count.n;
+            return OK;
+        }
         size_t before = w->n;
         /* The items start a fresh packer in Python (its own 511 levels): depth 0 here too. */
         r = emit_items(items, n, 0, tuples + 1, w);

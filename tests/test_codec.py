@@ -36,7 +36,7 @@ def python_frame(value) -> bytes:
 def python_hook(check: bool):
     native_, wire._native = wire._native, None
     try:
-        return wire._ext_hook("check" if check else "decode", [wire.Limits(1 << 30).kwargs])
+        return wire._ext_hook("check" if check else "decode", [wire.Limits(1 << 30).kwargs], [-1])
     finally:
         wire._native = native_
 
@@ -214,3 +214,17 @@ def test_pure_mode_uses_the_python_codec(monkeypatch):
     assert wire._load_native() is None
     monkeypatch.delenv("BOLTZLABS_PURE")
     assert wire._load_native() is native
+
+
+def test_a_slot_marker_is_the_python_hooks_in_both_modes():
+    marker = (5).to_bytes(8, "little")
+    check = wire.Limits(1 << 20, arrays="check", max_depth=16, max_objects=100)
+    hook = check.kwargs["ext_hook"]
+    with pytest.raises(ValueError, match="unknown msgpack extension type 4"):  # a pool without slots
+        hook(wire.SLOT_EXT, marker)
+    check.slot_marks[0] = 0
+    assert hook(wire.SLOT_EXT, marker) == msgpack.ExtType(wire.SLOT_EXT, marker) and check.slot_marks[0] == 1
+    with pytest.raises(ValueError):
+        hook(wire.SLOT_EXT, marker[:7])
+    slot = wire.Limits(1 << 20).kwargs["ext_hook"](wire.SLOT_EXT, marker)  # the client's
+    assert type(slot) is wire.Slot and slot.seq == 5
