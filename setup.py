@@ -1,4 +1,5 @@
-"""Build the optional C extension boltzlabs.worker._fastpath (native/fastpath.c).
+"""Build the optional C extensions boltzlabs.worker._fastpath (native/fastpath.c) and boltzlabs._wire
+(native/wire.c).
 
 Everything else is declared in pyproject.toml. A machine without a C compiler
 or Python's headers still installs boltzlabs: the build of the extension is
@@ -31,7 +32,11 @@ class OptionalBuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("boltzlabs.worker._fastpath", ["native/fastpath.c"], extra_compile_args=["-O2", "-Wall"],
-                           optional=True)],
+    ext_modules=[Extension("boltzlabs.worker._fastpath", ["native/fastpath.c"], depends=["native/arrays.h"],
+                           extra_compile_args=["-O2", "-Wall"], optional=True),
+                 # The wire's encoder and ext hook (boltzlabs/wire.py uses it when it is there): every process
+                 # of a pool imports it, envs included; it imports only msgpack (numpy on the first array).
+                 Extension("boltzlabs._wire", ["native/wire.c"], depends=["native/arrays.h"],
+                           extra_compile_args=["-O2", "-Wall"], optional=True)],
     cmdclass={"build_ext": OptionalBuildExt},
 )

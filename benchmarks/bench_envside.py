@@ -152,15 +152,19 @@ class Children:
                 loader.load()  # template mode: the template's filter and the env's
             if self.sched == "batch":
                 os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-            self.loop._serve_loop(self.loop._Channel(fd), reset, step, None, {})
+            self.loop._serve_loop(self.loop._Channel(fd, fd), reset, step, None, {})  # a socket: read and written
             code = 0
         finally:
             os._exit(code)
 
     def _read_one(self, fd: int) -> None:
         reader = wire.FrameReader(wire.Limits(1 << 20))
-        while not reader.feed(os.read(fd, 1 << 16)):
-            pass
+        while True:
+            data = os.read(fd, 1 << 16)
+            if not data:
+                raise RuntimeError("a child closed its channel before its HELLO: its serve loop failed")
+            if reader.feed(data):
+                return
 
     def steps(self, count: int) -> None:
         """`count` batched steps: a STEP to every child, then every reply."""

@@ -30,14 +30,23 @@ count toward `max_objects`, its levels toward `max_depth`, and tuples nest at
 most `MAX_TUPLE_NESTING` deep: each level is a nested decode), and encodes
 the tuple again when it passes it on.
 
-This module imports only the standard library and msgpack: it runs inside
-every env, and what an env imports every env pays for. NumPy is imported by
-the ext hook only when an array arrives, and an env that receives or sends
-one has imported NumPy already.
+The encoder and the ext hook have a C twin, boltzlabs._wire (native/wire.c),
+used when it was built and BOLTZLABS_PURE is unset: it makes exactly the bytes
+and values the Python code below makes, and hands back to it anything it does
+not handle exactly (the Python packer then packs the whole value; the Python
+hook decodes tuples and names every bad header). A real env's reply (an
+array, numpy scalars, an info dict) costs a fraction of the Python hooks'
+time on each side (docs/wire.md, "The codec in C").
+
+This module imports only the standard library and msgpack (and the C twin,
+which imports nothing more): it runs inside every env, and what an env
+imports every env pays for. NumPy is imported by the ext hook only when an
+array arrives, and an env that receives or sends one has imported NumPy already.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
 
@@ -86,7 +95,7 @@ ACCEPTED = 35  # [ACCEPTED, {"pid": worker pid}]
 
 # The warm template's control channel (boltzlabs/runtime/template.py, the
 # worker's TemplateSpawner), and the report of its warm-up probe.
-FORK = 40  # worker -> template: [FORK, lane, generation, probe] + the child's channel and log fds
+FORK = 40  # worker -> template: [FORK, lane, generation, probe, slot] + the child's channel and log fds (+ its slot)
 KILL = 41  # worker -> template: [KILL, lane, generation]
 WARM = 42  # worker -> template: [WARM, module names, code]: import them, then fork envs (+ a memfd if code)
 FORKED = 43  # template -> worker: [FORKED, lane, generation] + the child's pidfd
@@ -112,6 +121,7 @@ PROBED = 46
 ARRAY_EXT = 1
 TUPLE_EXT = 2  # payload: a msgpack array of the tuple's items (packed by this module: may hold ext types)
 SCALAR_EXT = 3  # payload: ARRAY_EXT's, with shape ()
+SLOT_EXT = 4  # payload: the request's seq, u64 little-endian: "the obs is in my slot" (below)
 # Each tuple level is a nested msgpack decode (and encode), whose C unpacker
 # puts a ~40 KiB context on the stack: 32 levels stay far inside 8 MiB.
 MAX_TUPLE_NESTING = 32
@@ -229,6 +239,20 @@ def _default(obj):
 
 
 _packer = msgpack.Packer(default=_default, use_bin_type=True, strict_types=True)
+
+
+def _load_native():
+    """boltzlabs._wire (native/wire.c), or None: not built, or BOLTZLABS_PURE=1."""
+    if os.environ.get("BOLTZLABS_PURE", "").strip() not in ("", "0"):
+        return None
+    try:
+        from boltzlabs import _wire
+    except ImportError:
+        return None
+    return _wire
+
+
+_native = _load_native()
 _nesting = [0]  # tuples being packed inside one another
 
 
@@ -254,12 +278,20 @@ def encode(message) -> bytes:
         head = _packer.pack(message[:-1] + [None])[:-1]
         raw = message[-1].data
         return b"".join((HEADER.pack(len(head) + len(raw)), head, raw))
+    if _native is not None:
+        frame = _native.frame(message)
+        if frame is not None:  # the hot path: None when C leaves the value to the Python packer
+            return frame
     body = _packer.pack(message)
     return HEADER.pack(len(body)) + body
 
 
 def pack(value) -> bytes:
     """One value's msgpack bytes, as encode packs it inside a frame."""
+    if _native is not None:
+        packed = _native.pack(value)
+        if packed is not None:
+            return packed
     return _packer.pack(value)
 
 
@@ -272,6 +304,112 @@ class Raw:
 
     def __init__(self, data: bytes):
         self.data = data
+
+
+# --- observations in shared memory ------------------------------------------------------
+#
+# A local pool whose observation space has a fixed shape (a Box, or a Dict or
+# Tuple of Boxes) gives each env a slot: a memfd of its own, made by the worker,
+# sized from the declared space and sealed against resizing once the space is
+# known, mapped by that env (fd SLOT_FD) and by the trainer, nobody else. An env
+# writes its obs there, then the header's seq, and replies with a SLOT_EXT marker
+# carrying the same seq in place of the obs; the trainer copies the slot out once
+# that reply has come, after checking the header (docs/wire.md, "Observations in
+# shared memory"; docs/threat-model.md has each point).
+#
+# A slot: a 64-byte header (magic, version, then u64 little-endian: the seq of the
+# reply whose obs it holds, and the data's size), then each of the space's Boxes
+# in the space's order, each at a multiple of 64 bytes.
+
+SLOT_FD = 7  # where an env finds its slot (past the channel, 3 and 4, and the seccomp programs', 5 and 6)
+SLOT_MAGIC = 0x534C5A42  # "BZLS"
+SLOT_HEADER = struct.Struct("<IIQQ")  # magic, version, seq, data size
+SLOT_SEQ = struct.Struct("<Q")  # the seq alone, at offset 8
+SLOT_HEADER_SIZE = 64
+SLOT_ALIGN = 64
+# The Box dtypes a slot holds (the spec's str(dtype)): their item sizes, no NumPy needed.
+_SLOT_DTYPES = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8,
+                "uint64": 8, "float16": 2, "float32": 4, "float64": 8, "complex64": 8, "complex128": 16}
+
+
+class Slot:
+    """The client's decoding of a SLOT_EXT marker: this lane's obs is in its slot, for reply `seq`."""
+
+    __slots__ = ("seq",)
+
+    def __init__(self, seq: int):
+        self.seq = seq
+
+    def __repr__(self) -> str:
+        return f"Slot(seq={self.seq})"
+
+
+class SlotLayout:
+    """Where each Box of an observation space lies in a slot.
+
+    `leaves`: (path, dtype name, shape, offset) in the space's order, where path
+    is () for a Box, (key,) for a Dict's item, (index,) for a Tuple's, deeper
+    for nested ones; `kind`: "box", "dict" or "tuple" at the top; `size`: the
+    slot's bytes, header included; `spec`: the space spec it was made from."""
+
+    __slots__ = ("leaves", "size", "spec")
+
+    def __init__(self, leaves: list, size: int, spec: dict):
+        self.leaves, self.size, self.spec = leaves, size, spec
+
+    def describe(self) -> dict:
+        """Plain data for the READY (the client builds its views from it)."""
+        return {"leaves": [[list(path), dtype, list(shape), offset] for path, dtype, shape, offset in self.leaves],
+                "size": self.size}
+
+
+def slot_layout(spec, max_bytes: int) -> SlotLayout | None:
+    """The slot layout of a space spec (boltzlabs.runtime.spec.to_spec's), or
+    None when the space has no fixed shape (anything but Box, and Dict and
+    Tuple of them), is malformed, or needs more than `max_bytes`. The spec may
+    come from an env: it is only read, with bounds (at most 64 Boxes of at
+    most 32 dimensions, 8 levels deep)."""
+    leaves: list = []
+    stack = [((), spec, 0)]
+    while stack:
+        path, node, depth = stack.pop()
+        if type(node) is not dict or depth > 8 or len(leaves) > 64:
+            return None
+        kind = node.get("type")
+        if kind == "Box":
+            shape, dtype = node.get("shape"), node.get("dtype")
+            if (type(shape) is not list or len(shape) > 32 or dtype not in _SLOT_DTYPES
+                    or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape)):
+                return None
+            leaves.append((path, dtype, tuple(shape)))
+        elif kind == "Dict":
+            items = node.get("spaces")
+            if type(items) is not list or not items:
+                return None
+            for item in reversed(items):
+                if type(item) is not list or len(item) != 2 or type(item[0]) is not str:
+                    return None
+                stack.append((path + (item[0],), item[1], depth + 1))
+        elif kind == "Tuple":
+            items = node.get("spaces")
+            if type(items) is not list or not items:
+                return None
+            for index in reversed(range(len(items))):
+                stack.append((path + (index,), items[index], depth + 1))
+        else:
+            return None
+    placed, offset = [], SLOT_HEADER_SIZE
+    for path, dtype, shape in leaves:
+        nbytes = _SLOT_DTYPES[dtype]
+        for dim in shape:
+            nbytes *= dim
+            if nbytes > max_bytes:
+                return None
+        placed.append((path, dtype, shape, offset))
+        offset += -(-max(nbytes, 1) // SLOT_ALIGN) * SLOT_ALIGN
+        if offset > max_bytes:
+            return None
+    return SlotLayout(placed, offset, spec)
 
 
 class Limits:
@@ -299,7 +437,8 @@ class Limits:
     (no recursion), after the decode.
     """
 
-    __slots__ = ("max_frame", "kwargs", "max_depth", "max_objects", "guarded", "_count", "made", "_inner")
+    __slots__ = ("max_frame", "kwargs", "max_depth", "max_objects", "guarded", "_count", "made", "_inner",
+                 "slot_marks")
 
     def __init__(self, max_frame: int, max_str_len: int = None, max_bin_len: int = None,
                  max_array_len: int = None, max_map_len: int = None, arrays: str = "decode",
@@ -322,8 +461,12 @@ class Limits:
         # The decode options a tuple's items are decoded with: those of the
         # frame around it (decode() switches it to the guarded ones).
         self._inner = [self.kwargs]
+        # SLOT_EXT markers in a frame: [-1] refuses them ("check": a pool without
+        # slots), [k] counts them per frame (decode() zeroes it), for the worker
+        # to check that the one marker a reply may hold is its obs.
+        self.slot_marks = [-1]
         if arrays != "pass":  # "pass" keeps every ExtType: msgpack's default, no hook
-            self.kwargs["ext_hook"] = _ext_hook(arrays, self._inner)
+            self.kwargs["ext_hook"] = _ext_hook(arrays, self._inner, self.slot_marks)
         self.max_depth = self.max_objects = None
         self.guarded = None
         self._count = [0, 0]  # objects, containers: of the frame being decoded
@@ -356,10 +499,11 @@ class Limits:
             self.guarded = dict(self.kwargs, list_hook=counted_list, object_hook=counted_map)
 
 
-def _ext_hook(mode: str, inner: list):
+def _ext_hook(mode: str, inner: list, marks: list):
     """The ext hook of a Limits in `mode` "decode" (client, env) or "check"
     (worker, from an env: anything unknown is malformed). `inner[0]` holds
-    the decode options a tuple's items are decoded with."""
+    the decode options a tuple's items are decoded with; `marks[0]` counts the
+    SLOT_EXT markers of the frame ("check": -1 refuses them)."""
     level = [0]  # tuples being decoded inside one another
     check_only = mode == "check"
 
@@ -386,6 +530,9 @@ def _ext_hook(mode: str, inner: list):
                 return items_of(data)
             if code == SCALAR_EXT:
                 return _scalar(data, True)
+            if code == SLOT_EXT and marks[0] >= 0 and len(data) == 8:
+                marks[0] += 1
+                return msgpack.ExtType(code, data)
             raise ValueError(f"unknown msgpack extension type {code}")
     else:
         def hook(code: int, data: bytes):
@@ -400,7 +547,15 @@ def _ext_hook(mode: str, inner: list):
                 return items_of(data)
             if code == SCALAR_EXT:
                 return _scalar(data, False)
+            if code == SLOT_EXT:
+                if len(data) != 8:
+                    raise ValueError(f"slot ext of {len(data)} bytes (a seq is 8)")
+                return Slot(int.from_bytes(data, "little"))
             return msgpack.ExtType(code, data)
+    if _native is not None:
+        # Arrays and numpy scalars in C; a tuple, any other code and any header C
+        # refuses go to the Python hook above (its caps, its error messages).
+        return _native.Hook(check_only, hook)
     return hook
 
 
@@ -431,6 +586,9 @@ def decode(body, limits: Limits):
     """Decode one frame body (bytes or memoryview) under `limits`."""
     message = None
     guarded = limits.guarded
+    marks = limits.slot_marks
+    if marks[0] > 0:
+        marks[0] = 0
     try:
         if guarded is None:
             message = msgpack.unpackb(body, **limits.kwargs)
@@ -460,6 +618,9 @@ def decode(body, limits: Limits):
             error = "frame is not a message (an array led by an integer code)"
         elif guarded is not None and limits._count[1] > limits.max_depth and _too_deep(message, limits.max_depth):
             error = f"frame is nested deeper than {limits.max_depth} levels (limits.max_depth)"
+        elif marks[0] > 0 and not (marks[0] == 1 and message[0] in (STEPPED, RESET_DONE) and len(message) > 2
+                                   and type(message[2]) is msgpack.ExtType and message[2].code == SLOT_EXT):
+            error = "frame holds a slot marker (SLOT_EXT) where no observation goes: only a step's or a reset's obs may be one"
     if error is not None:
         message = None
         # Raised outside the except block with the view released, so the

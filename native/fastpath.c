@@ -50,6 +50,8 @@
 #include <malloc.h>
 #endif
 
+#include "arrays.h" /* array_header_ok: wire.check_array_header in C */
+
 /* Batch.rest's kinds: how a lane Python must finish was left. */
 #define KIND_PENDING 0 /* nothing read yet */
 #define KIND_EOF 1
@@ -188,14 +190,14 @@ static int nap(double since, double deadline)
 #define ARRAY_EXT 1
 #define TUPLE_EXT 2
 #define SCALAR_EXT 3
+#define SLOT_EXT 4 /* wire.SLOT_EXT: fixext 8, the request's seq little-endian; only ever the obs */
 #define MAX_TUPLE_NESTING 32 /* wire.MAX_TUPLE_NESTING */
-#define MAX_NDIM 32          /* wire._MAX_NDIM */
-#define MAX_ARRAY_BYTES ((uint64_t)1 << 40) /* wire._MAX_ARRAY_BYTES */
 #define STACK_MAX 1024       /* levels walk() can hold: over wire.MAX_DEPTH (512) and msgpack's packer (511) */
 
 /* The caps of wire.Limits (the worker's env limits), in walk()'s terms. */
 typedef struct {
     uint64_t max_frame, max_str, max_bin, max_array, max_map, max_ext, max_depth, max_objects;
+    uint64_t slots; /* nonzero: a reply's obs may be a SLOT_EXT marker (the pool's envs have observation slots) */
 } Caps;
 
 typedef struct {
@@ -263,69 +265,6 @@ static int utf8_ok(const unsigned char *s, uint64_t n)
         i += need;
     }
     return 1;
-}
-
-/* wire.check_array_header, exactly (and `shape == ()` for a scalar). */
-static int array_header_ok(const unsigned char *d, uint64_t len, int scalar)
-{
-    if (len < 2)
-        return 0;
-    uint64_t head = (uint64_t)d[0] | ((uint64_t)d[1] << 8), start = 2 + head;
-    if (start > len)
-        return 0;
-    const unsigned char *t = d + 2;
-    uint64_t tl = head, colon = 0;
-    for (uint64_t i = 0; i < tl; i++)
-        if (t[i] >= 0x80) /* .decode("ascii") */
-            return 0;
-    while (tl > 0 && t[tl - 1] == ' ') /* .rstrip(" ") */
-        tl--;
-    while (colon < tl && t[colon] != ':')
-        colon++;
-    if (colon == tl || colon < 3 || colon > 4 || (t[0] != '<' && t[0] != '>' && t[0] != '|'))
-        return 0;
-    uint64_t itemsize = 0;
-    for (uint64_t i = 2; i < colon; i++) {
-        if (t[i] < '0' || t[i] > '9')
-            return 0;
-        itemsize = itemsize * 10 + (uint64_t)(t[i] - '0');
-    }
-    switch (t[1]) { /* wire._NUMERIC */
-    case 'b': if (itemsize != 1) return 0; break;
-    case 'i': case 'u': if (itemsize != 1 && itemsize != 2 && itemsize != 4 && itemsize != 8) return 0; break;
-    case 'f': if (itemsize != 2 && itemsize != 4 && itemsize != 8 && itemsize != 16) return 0; break;
-    case 'c': if (itemsize != 8 && itemsize != 16 && itemsize != 32) return 0; break;
-    default: return 0;
-    }
-    /* The dims: "" (shape ()) or 1 to 32 comma-separated runs of 1 to 19 decimal digits. */
-    uint64_t nbytes = itemsize, virtual = itemsize, i = colon + 1;
-    int ndim = 0;
-    if (i < tl) {
-        for (;;) {
-            uint64_t dim = 0, digits = 0;
-            while (i < tl && t[i] != ',') {
-                if (t[i] < '0' || t[i] > '9' || ++digits > 19)
-                    return 0;
-                dim = dim * 10 + (uint64_t)(t[i] - '0'); /* 19 digits < 2**64 */
-                i++;
-            }
-            if (digits == 0 || ++ndim > MAX_NDIM)
-                return 0;
-            uint64_t factor = dim ? dim : 1;
-            if (factor > MAX_ARRAY_BYTES / virtual) /* virtual * factor > 2**40, without overflowing */
-                return 0;
-            virtual *= factor;
-            nbytes = dim ? nbytes * dim : 0; /* nbytes <= virtual: no overflow */
-            if (i == tl)
-                break;
-            i++; /* the comma: a dimension must follow it */
-            if (i == tl)
-                return 0;
-        }
-    }
-    if (scalar && ndim)
-        return 0;
-    return nbytes == len - start;
 }
 
 /* Walk exactly one msgpack value at buf[*pos], ending by `end`, whose
@@ -561,7 +500,15 @@ static int vouch(const unsigned char *buf, size_t got, const Caps *caps, int res
     if (!read_uint(buf, &pos, end, &value) || value != seq)
         return 0;
     lane->obs = pos;
-    if (!walk(buf, &pos, end, 1, caps, &objects))
+    if (caps->slots && end - pos >= 10 && buf[pos] == 0xd7 && buf[pos + 1] == SLOT_EXT) {
+        /* The obs is in the env's slot: the marker must name this request (reactor._on_message). */
+        uint64_t mark = 0;
+        for (int i = 7; i >= 0; i--)
+            mark = (mark << 8) | buf[pos + 2 + i];
+        if (mark != seq)
+            return 0;
+        pos += 10;
+    } else if (!walk(buf, &pos, end, 1, caps, &objects))
         return 0;
     lane->obs_len = pos - lane->obs;
     lane->reward = 0.0;
@@ -621,10 +568,11 @@ static int vouch(const unsigned char *buf, size_t got, const Caps *caps, int res
 
 static int parse_caps(PyObject *obj, Caps *caps)
 {
-    if (!PyArg_ParseTuple(obj, "KKKKKKKK;caps: (max_frame, max_str_len, max_bin_len, max_array_len, max_map_len, "
-                               "max_ext_len, max_depth, max_objects)",
+    caps->slots = 0;
+    if (!PyArg_ParseTuple(obj, "KKKKKKKK|K;caps: (max_frame, max_str_len, max_bin_len, max_array_len, max_map_len, "
+                               "max_ext_len, max_depth, max_objects[, slots])",
                           &caps->max_frame, &caps->max_str, &caps->max_bin, &caps->max_array, &caps->max_map,
-                          &caps->max_ext, &caps->max_depth, &caps->max_objects))
+                          &caps->max_ext, &caps->max_depth, &caps->max_objects, &caps->slots))
         return 0;
     if (caps->max_depth > STACK_MAX) {
         PyErr_Format(PyExc_ValueError, "caps: max_depth %llu is over %d", (unsigned long long)caps->max_depth,

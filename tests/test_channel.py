@@ -63,6 +63,13 @@ def pipe_size(fd):
     except OSError as exc:
         return -exc.errno
 
+def _open(fd):
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
 def sigign():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
@@ -73,7 +80,7 @@ def step(action):
         return {"lane": lane, "action": action}, 1.0, False, {}
     op = action["op"]
     if op == "fds":
-        fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))[:-1]  # less listdir's own
+        fds = [fd for fd in sorted(int(fd) for fd in os.listdir("/proc/self/fd")) if _open(fd)]  # less listdir's own
         kinds = {fd: os.readlink(f"/proc/self/fd/{fd}").split(":")[0] for fd in fds}
         out = {"fds": fds, "kinds": kinds, "sizes": {fd: pipe_size(fd) for fd in fds}, "sigign": sigign()}
         return out, 0.0, False, {}
@@ -154,8 +161,9 @@ def test_an_env_holds_two_pipes_and_a_one_page_log_pipe(channel_pool):
     assert pool.channel == "pipes"
     obs, _, _, infos = pool.step([{"op": "fds"}] * 2)
     for out in obs:
-        assert out["fds"] == [0, 1, 2, 3, 4], out
+        assert out["fds"] == [0, 1, 2, 3, 4, 7], out  # 7: the env's observation slot (docs/wire.md), empty here
         kinds = {int(k): v for k, v in out["kinds"].items()}
+        assert kinds[7] == "/memfd", kinds
         sizes = {int(k): v for k, v in out["sizes"].items()}
         assert kinds[3] == kinds[4] == "pipe" and kinds[1] == "pipe", kinds
         assert sizes[3] >= 4096 and sizes[4] >= 4096  # 64 KiB unless the host's pipe quota is spent
@@ -169,7 +177,7 @@ def test_the_socketpair_channel_can_be_forced(channel_pool, monkeypatch):
     pool = channel_pool()
     assert pool.channel == "socketpair"
     obs, _, _, infos = pool.step([{"op": "fds"}, 7])
-    assert obs[0]["fds"] == [0, 1, 2, 3] and {int(k): v for k, v in obs[0]["kinds"].items()}[3] == "socket", obs[0]
+    assert obs[0]["fds"] == [0, 1, 2, 3, 7] and {int(k): v for k, v in obs[0]["kinds"].items()}[3] == "socket", obs[0]
     normal(obs, infos, 1)
     obs, _, _, infos = pool.step([{"op": "big", "size": 1 << 20}, 7])
     assert obs[0] == b"x" * (1 << 20)

@@ -630,10 +630,12 @@ def test_workspace_files_are_capped_too(hostile_pool):
 
 def test_env_holds_no_fd_but_its_own(hostile_pool):
     pool = hostile_pool(2)
-    # stdin (/dev/null), stdout and stderr (the log pipe) and the channel (two
-    # pipes: 3 read, 4 written; or a socket on 3); nothing else.
+    # stdin (/dev/null), stdout and stderr (the log pipe), the channel (two
+    # pipes: 3 read, 4 written; or a socket on 3) and in a local pool its
+    # observation slot on 7 (this env declares no space: an empty memfd, sealed
+    # at 0 bytes); nothing else.
     assert pool.channel == "pipes"
-    assert hostile(pool, {"op": "fds"}) == [[0, 1, 2, 3, 4]] * 2
+    assert hostile(pool, {"op": "fds"}) == [[0, 1, 2, 3, 4, 7]] * 2
     assert_healthy(pool)
 
 

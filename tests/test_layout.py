@@ -8,7 +8,7 @@ Where code runs decides what it may import:
     worker/    the worker process on the host           sandbox/*, runtime/*, wire, errors, units, worker/*
     sandbox/   policy, builder, seccomp compile, ...    runtime/*, wire, errors, units, sandbox/*
     runtime/   inside the sandbox (and the env shim)    stdlib, msgpack, wire, errors, runtime/*
-    wire       the frame format                         errors
+    wire       the frame format (and _wire, its C twin)  errors
     errors, units                                       nothing of ours
 
 Every import is read with `ast`, function-level ones included, so a lazy
@@ -32,7 +32,7 @@ LEAVES = {"errors", "units"}
 ALLOWED = {  # layer -> the layers it may import
     "errors": set(),
     "units": set(),
-    "wire": {"errors"},
+    "wire": {"errors", "wire"},
     "runtime": {"errors", "wire", "runtime"},
     "sandbox": {"errors", "units", "wire", "runtime", "sandbox"},
     "worker": {"errors", "units", "wire", "runtime", "sandbox", "worker"},
@@ -50,6 +50,10 @@ EXCEPTIONS = {
         "`boltzlabs doctor --cluster` (cli) fans cli.doctor's checks out to every Ray node through "
         "cluster.doctor: a cycle between two adapters, no layer crossed",
 }
+
+
+# Extension modules (no .py to read): which names they are, for `from boltzlabs import _wire`.
+NATIVE = {"boltzlabs._wire", "boltzlabs.worker._fastpath"}
 
 
 def module_name(path: Path) -> str:
@@ -74,6 +78,8 @@ def layer(module: str) -> str | None:
         return "adapter"
     if top in ("runtime", "sandbox", "worker", "pool", "wire", "errors", "units"):
         return top
+    if top == "_wire":  # the wire's C twin (native/wire.c): imported by wire only
+        return "wire"
     return "unknown"
 
 
@@ -108,7 +114,7 @@ def imports(path: Path, name: str, modules: dict, lazy: dict) -> list[tuple[int,
                 base = ".".join(anchor + ([base] if base else []))
             for alias in node.names:
                 full = f"{base}.{alias.name}"
-                if full in modules:
+                if full in modules or full in NATIVE:
                     found.append((node.lineno, full))
                 elif base == "boltzlabs" and alias.name in lazy:
                     found.append((node.lineno, lazy[alias.name]))
@@ -222,14 +228,14 @@ def test_no_import_cycle(granularity):
 
 def test_the_env_entry_point_loads_only_the_runtime():
     """`from boltzlabs.env import serve` in a fresh interpreter loads the standard library, msgpack and
-    boltzlabs.{env, runtime.*, wire, errors}: nothing else (numpy, the client, the sandbox builder)."""
+    boltzlabs.{env, runtime.*, wire, _wire, errors}: nothing else (numpy, the client, the sandbox builder)."""
     code = ("import sys; before = set(sys.modules); from boltzlabs.env import serve; "
             "print(' '.join(sorted(set(sys.modules) - before)))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
                             env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr
     loaded = result.stdout.split()
-    ours = {"boltzlabs", "boltzlabs.env", "boltzlabs.wire", "boltzlabs.errors", "boltzlabs.runtime"}
+    ours = {"boltzlabs", "boltzlabs.env", "boltzlabs.wire", "boltzlabs._wire", "boltzlabs.errors", "boltzlabs.runtime"}
     extra = [m for m in loaded
              if not (m in ours or m.startswith("boltzlabs.runtime.") or m.split(".")[0] in sys.stdlib_module_names
                      or m.split(".")[0] == "msgpack"

@@ -605,3 +605,35 @@ def test_a_lane_holding_part_of_a_frame_is_judged_as_the_pure_path_judges_it(poo
 
     out = both(pool_factory, monkeypatch, source, 2, script)
     assert out[2][2].tolist() == [False, True]  # lane 1's next reply completed the garbled frame
+
+
+# --- observation slots (wire.SLOT_EXT) ---------------------------------------------------------
+
+
+def _marker(seq: int):
+    return msgpack.ExtType(wire.SLOT_EXT, seq.to_bytes(8, "little"))
+
+
+def test_the_walker_vouches_for_a_slot_marker_only_as_the_obs():
+    slots = wire.Limits(16 << 20, 4 << 20, 16 << 20, 1 << 20, 1 << 18, arrays="check", max_depth=512,
+                        max_objects=1 << 19)
+    slots.slot_marks[0] = 0  # the pool has slots (worker/slots.py turns this on)
+    honest = wire.encode([wire.STEPPED, SEQ, _marker(SEQ), 1.5, False, False, {"x": np.float32(1)}])
+    got = fp.vouch(honest, False, SEQ, caps(slots))
+    assert got is not None and got[0] == wire.pack(_marker(SEQ))
+    assert python_reply(honest, False, SEQ, slots) is not None
+    reset = wire.encode([wire.RESET_DONE, SEQ, _marker(SEQ), {}])
+    assert fp.vouch(reset, True, SEQ, caps(slots)) is not None
+    # Without slots, or naming another request: C does not vouch (Python kills the lane).
+    assert fp.vouch(honest, False, SEQ, caps(ENV)) is None and python_reply(honest, False, SEQ, ENV) is None
+    assert fp.vouch(wire.encode([wire.STEPPED, SEQ, _marker(SEQ + 1), 1.5, False, False, {}]), False, SEQ,
+                    caps(slots)) is None
+    # Anywhere but the obs: neither C nor Python accepts it.
+    for message in ([wire.STEPPED, SEQ, np.zeros(2), 1.5, False, False, {"m": _marker(SEQ)}],
+                    [wire.STEPPED, SEQ, [_marker(SEQ)], 1.5, False, False, {}],
+                    [wire.STEPPED, SEQ, _marker(SEQ), 1.5, False, False, {"m": _marker(SEQ)}]):
+        frame = wire.encode(message)
+        assert fp.vouch(frame, False, SEQ, caps(slots)) is None
+        assert python_reply(frame, False, SEQ, slots) is None
+    for cut in range(len(honest)):  # a marker cut short anywhere
+        assert check_vouch(honest[:cut], limits=slots) == (False, False)

@@ -116,7 +116,7 @@ import boltzlabs.runtime.template as template
 
 # Import-time code of a trusted template answers every FORK with EXITED frames
 # for the lane being forked (60 KB each), never FORKED.
-def flood(main, index, fds, plan):
+def flood(main, index, fds, plan, slot=-1):
     for fd in fds:
         os.close(fd)
     frame = wire.encode([wire.EXITED, index, 1, "x" * 60000])

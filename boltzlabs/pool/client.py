@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from boltzlabs import wire
-from boltzlabs.pool import imports, sources
+from boltzlabs.pool import imports, slots, sources
 from boltzlabs.errors import (EnvError, EnvStartError, PoolClosedError, SandboxUnavailable, WorkerError,
                               WorkerSideError, describe_returncode)
 from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_n
@@ -294,6 +294,9 @@ class RLPool(Pool):
             # What this interpreter imports from outside its site-packages (pool/imports.py).
             "import_roots": imports.roots(),
             "env_vars": env_vars,
+            # A local worker can hand us each env's observation slot (pool/slots.py): asked for unless
+            # BOLTZLABS_NO_SHM=1; it gives them when the env's space has a fixed shape.
+            "shared_memory": worker is None and slots.wanted(),
         }
         # The limits (against the policy of the worker that runs the pool, local
         # or remote) and bwrap are checked by the worker, before any sandbox
@@ -334,6 +337,15 @@ class RLPool(Pool):
         # Each env's channel: "pipes", or "socketpair" when the worker's fd limit
         # cannot hold two pipes per env (docs/wire.md#the-channel).
         self.channel = ready.get("channel", "socketpair")
+        # Each env's observation slot (pool/slots.py), when the worker made them: None otherwise.
+        self._slots = None
+        if ready.get("slots"):
+            try:
+                self._slots = self._map_slots(ready["slots"])
+            except BaseException:
+                self._shutdown()
+                raise
+        self.shared_memory = self._slots is not None
         if ready.get("fast_path_note"):
             import warnings
 
@@ -415,6 +427,39 @@ class RLPool(Pool):
         finally:
             if bar is not None:
                 bar.close()
+
+    def _map_slots(self, layout: dict):
+        """Every lane's memfd from the worker ("slots" calls, PER_CALL at a time), mapped read-only."""
+        mapped = slots.Slots(layout, self.n)
+        try:
+            for start in range(0, self.n, slots.PER_CALL):
+                self._seq += 1
+                frame = wire.encode([wire.CALL, self._seq, "slots", [start, slots.PER_CALL]])
+                try:
+                    message, fds = slots.receive(self._conn, frame, self._reader, self._link.alive)
+                except (OSError, EOFError):
+                    self._link.wait_dead()
+                    raise self._worker_died() from None
+                lanes = message[3] if message[0] == wire.REPLY and message[1] == self._seq else None
+                if type(lanes) is not list or len(lanes) != len(fds):
+                    for fd in fds:
+                        os.close(fd)
+                    raise WorkerError(f"the worker sent {len(fds)} observation slot(s) with {message!r:.200}")
+                for k, (lane, fd) in enumerate(zip(lanes, fds)):
+                    if type(lane) is not int or not 0 <= lane < self.n or mapped.maps[lane] is not None:
+                        for rest in fds[k:]:
+                            os.close(rest)
+                        raise WorkerError(f"the worker sent an observation slot for lane {lane!r}")
+                    try:
+                        mapped.map(lane, fd)
+                    except OSError as exc:
+                        for rest in fds[k + 1:]:
+                            os.close(rest)
+                        raise WorkerError(f"could not map env {lane}'s observation slot: {exc}") from None
+        except BaseException:
+            mapped.close()
+            raise
+        return mapped
 
     def _receive(self) -> list:
         """Next message from the worker; never blocks past the worker's death."""
@@ -507,6 +552,9 @@ class RLPool(Pool):
         if hasattr(self, "_finalizer"):
             self._finalizer()
         self._failure_summary()
+        if getattr(self, "_slots", None) is not None:
+            self._slots.close()
+            self._slots = None
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
@@ -529,9 +577,12 @@ class RLPool(Pool):
             "step", actions, resets, diagnose=lambda: self._raise_unserializable(actions))
         # Hot path: the arrays come as raw bytes, one copy each.
         self.timing.stragglers = stragglers
-        return StepResult(obs, np.frombuffer(rewards, dtype=np.float64).copy(),
-                          np.frombuffer(terminated, dtype=np.bool_).copy(),
-                          np.frombuffer(truncated, dtype=np.bool_).copy(), infos)
+        result = StepResult(obs, np.frombuffer(rewards, dtype=np.float64).copy(),
+                            np.frombuffer(terminated, dtype=np.bool_).copy(),
+                            np.frombuffer(truncated, dtype=np.bool_).copy(), infos)
+        if self._slots is not None:  # the obs some lanes left in their slots, copied once into one batch
+            self._slots.fill(range(self.n), obs, result.rewards, result.terminated, result.truncated, infos)
+        return result
 
     def _send_lanes(self, actions: list, lanes: list, resets) -> None:
         self._call("send", actions, lanes, resets, diagnose=lambda: self._raise_unserializable(actions))
@@ -540,12 +591,19 @@ class RLPool(Pool):
         lanes, obs, rewards, terminated, truncated, infos, stragglers, wait_ms, queued_ms = self._call(
             "recv", batch_size, timeout)
         self.timing.wait_ms, self.timing.queued_ms, self.timing.stragglers = wait_ms, queued_ms, stragglers
-        return RecvResult(np.array(lanes, dtype=np.int64), obs, np.frombuffer(rewards, dtype=np.float64).copy(),
-                          np.frombuffer(terminated, dtype=np.bool_).copy(),
-                          np.frombuffer(truncated, dtype=np.bool_).copy(), infos)
+        result = RecvResult(np.array(lanes, dtype=np.int64), obs, np.frombuffer(rewards, dtype=np.float64).copy(),
+                            np.frombuffer(terminated, dtype=np.bool_).copy(),
+                            np.frombuffer(truncated, dtype=np.bool_).copy(), infos)
+        if self._slots is not None:
+            self._slots.fill(lanes, obs, result.rewards, result.terminated, result.truncated, infos)
+        return result
 
     def _reset_lanes(self, lanes: list, seeds, hard: bool, options) -> tuple:
         _, obs, infos = self._call("reset", lanes, seeds, hard, options)
+        if self._slots is not None:
+            count = len(lanes)
+            self._slots.fill(lanes, obs, np.zeros(count), np.zeros(count, np.bool_), np.zeros(count, np.bool_),
+                             infos)
         self.timing.stragglers = [i for i, info in zip(lanes, infos) if info.get("straggler")]
         return obs, infos
 

@@ -59,7 +59,9 @@ def _channel_fds(value: str) -> tuple[int, ...]:
 
 class _Channel:
     """Blocking frame I/O on the env's end of its channel: `rfd` the fd it
-    reads, `wfd` the fd it writes (the same socket, or two pipes)."""
+    reads, `wfd` the fd it writes (the same socket, or two pipes). `slot`:
+    its observation slot (_Slot), None without one, _UNOPENED until the
+    first reply that could use it."""
 
     def __init__(self, rfd: int, wfd: int):
         self.rfd, self.wfd = rfd, wfd
@@ -67,6 +69,8 @@ class _Channel:
         self.reader = wire.FrameReader(wire.Limits(1 << 30))
         self.inbox = []
         self.wait = _readable_waiter(rfd)
+        self.slot = None
+        self.space = None  # the declared observation space's spec, for the slot
 
     def write(self, data: bytes) -> None:
         # Hot path: a reply goes out in one write; a short one (a big
@@ -87,6 +91,115 @@ class _Channel:
                 raise EOFError
             inbox += self.reader.feed(data)
         return inbox.pop(0)
+
+
+_UNOPENED = object()
+
+
+class _Slot:
+    """This env's observation slot (wire.py, "observations in shared memory"):
+    the memfd on wire.SLOT_FD, which the worker made, sized from the declared
+    space and sealed before this env's first request; mapped once and its fd
+    closed. An obs of exactly the declared shapes and dtypes is written there
+    and the reply carries a SLOT_EXT marker instead; any other obs goes by the
+    wire as before."""
+
+    def __init__(self, mapping, layout: wire.SlotLayout):
+        self.mapping, self.layout = mapping, layout
+        self.views = None  # per leaf: (path, dtype, shape, the slot's array), made with the first array obs
+        wire.SLOT_HEADER.pack_into(mapping, 0, wire.SLOT_MAGIC, 1, 0, layout.size - wire.SLOT_HEADER_SIZE)
+
+    @classmethod
+    def open(cls, space) -> "_Slot | None":
+        """The slot on wire.SLOT_FD, if there is one of exactly this space's layout, sealed; else None."""
+        layout = wire.slot_layout(space, 1 << 30) if space is not None else None
+        if layout is None:
+            return None
+        import fcntl
+        import mmap
+
+        try:
+            size = os.fstat(wire.SLOT_FD).st_size
+            seals = fcntl.fcntl(wire.SLOT_FD, fcntl.F_GET_SEALS)
+        except OSError:  # no slot (a remote pool, BOLTZLABS_NO_SHM), or not a memfd
+            return None
+        need = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+        if size != layout.size or seals & need != need:
+            return None  # the space allows no slot for this pool (the worker left it unsized)
+        try:
+            mapping = mmap.mmap(wire.SLOT_FD, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError:
+            return None
+        os.close(wire.SLOT_FD)  # the mapping is all this env keeps of it
+        return cls(mapping, layout)
+
+    def put(self, obs, seq: int):
+        """The marker for reply `seq` once obs is in the slot, or obs itself (then it goes by the wire)."""
+        views = self.views
+        if views is None:
+            np = sys.modules.get("numpy")
+            if np is None:
+                return obs  # an env without NumPy sends no array
+            views = self.views = [(path, np.dtype(dtype), shape,
+                                   np.frombuffer(self.mapping, np.dtype(dtype), _count(shape), offset).reshape(shape))
+                                  for path, dtype, shape, offset in self.layout.leaves]
+        leaves = []
+        for path, dtype, shape, view in views:
+            value = _leaf(obs, path, self.layout.spec)
+            if value is None or value.shape != shape or value.dtype != dtype:
+                return obs
+            leaves.append((view, value))
+        if self.layout.spec["type"] != "Box" and not _same_keys(obs, self.layout.spec):
+            return obs
+        for view, value in leaves:
+            view[...] = value
+        # The data first, then the seq that vouches for it (x86: stores stay in order).
+        wire.SLOT_SEQ.pack_into(self.mapping, 8, seq)
+        return _marker(seq)
+
+
+def _count(shape) -> int:
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count
+
+
+def _leaf(obs, path, spec):
+    """The array at `path` in obs, if obs follows the spec's containers there (exact types)."""
+    for step in path:
+        kind = spec["type"]
+        if kind == "Dict":
+            if type(obs) is not dict or step not in obs:
+                return None
+            spec = next(sub for key, sub in spec["spaces"] if key == step)
+        else:
+            if type(obs) is not tuple or len(obs) != len(spec["spaces"]):
+                return None
+            spec = spec["spaces"][step]
+        obs = obs[step]
+    return obs if type(obs).__name__ == "ndarray" and type(obs).__module__ == "numpy" else None
+
+
+def _same_keys(obs, spec) -> bool:
+    """Whether obs's dicts hold exactly the spec's keys in the spec's order (the
+    trainer rebuilds them in that order), its tuples exactly its items."""
+    stack = [(obs, spec)]
+    while stack:
+        value, node = stack.pop()
+        if node["type"] == "Dict":
+            if list(value) != [key for key, _ in node["spaces"]]:
+                return False
+            stack += [(value[key], sub) for key, sub in node["spaces"]]
+        elif node["type"] == "Tuple":
+            stack += list(zip(value, node["spaces"]))
+    return True
+
+
+def _marker(seq: int):
+    import msgpack
+
+    return msgpack.ExtType(wire.SLOT_EXT, seq.to_bytes(8, "little"))
 
 
 def _readable_waiter(fd: int):
@@ -265,9 +378,16 @@ _ATTR_PHASES = {"call": "call", "get": "get_attr", "set": "set_attr"}
 
 
 def _reply(channel: _Channel, seq, phase: str, build, call, *args):
-    """Answer request `seq` with build(seq, call(*args)), or FAILED with what it raised."""
+    """Answer request `seq` with build(seq, call(*args)), or FAILED with what it raised.
+    A step's or reset's obs goes into the env's slot when it has one and the obs fits."""
     try:
         reply = build(seq, call(*args))
+        slot = channel.slot
+        if slot is not None and (build is _step_reply or build is _reset_reply):
+            if slot is _UNOPENED:
+                slot = channel.slot = _Slot.open(channel.space)
+            if slot is not None:
+                reply[2] = slot.put(reply[2], seq)
         try:
             data = wire.encode(reply)
         except ValueError as exc:
@@ -479,6 +599,9 @@ class _Probe:
 def _serve_loop(channel: _Channel, reset, step, render, info: dict) -> None:
     """Answer the worker's requests until it closes the channel."""
     channel.write(wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, dict(info, pid=os.getpid())]))
+    if info.get("observation_space") is not None and not info.get("warm_up"):
+        # Opened at the first step or reset: the worker sizes the slot once it has read a HELLO.
+        channel.space, channel.slot = info["observation_space"], _UNOPENED
     receive = channel.receive
     STEP = wire.STEP
     try:

@@ -1,7 +1,7 @@
 """The warm template: a zygote that forks every env of the pool, and never runs env code.
 
     worker ==control socket (SOCK_SEQPACKET, fds by SCM_RIGHTS)==> template
-        [FORK, lane, generation, probe] + (channel fd(s), log fd) --> fork a child (a socket, or 2 pipes)
+        [FORK, lane, generation, probe, slot] + (channel fd(s), log fd[, slot]) --> fork a child
         [WARM, module names, code] (+ a memfd)           --> import them: library modules only
         [KILL, lane, generation]                         --> kill that child
     worker <== [HELLO, ...] / [WARMED, report] / [FORKED, lane, generation] + (the child's pidfd)
@@ -284,7 +284,7 @@ class _ChildPlan:
         self.lo_request = struct.pack("16sH14x", b"lo", 0)
         self.capabilities = confined.capabilities
 
-    def become_sandbox(self, lane: int, fds: list) -> None:
+    def become_sandbox(self, lane: int, fds: list, slot: int = -1) -> None:
         """In the child, pid 1 of its new user and pid namespace.
 
         The os.open/os.write/os.close writes below stay inline: moving
@@ -311,7 +311,15 @@ class _ChildPlan:
             os.dup2(fds[0], 4)
         _signal.set_wakeup_fd(-1)
         _signal.signal(_signal.SIGCHLD, _signal.SIG_DFL)
-        os.closerange(2 + len(fds), self.open_max)
+        if slot >= 0:
+            # The observation slot came last, so its number is above every target met so far (1-4).
+            if slot <= 4:
+                raise OSError(f"the observation slot came on fd {slot}, among the channel's")
+            os.dup2(slot, wire.SLOT_FD)
+            os.closerange(2 + len(fds), wire.SLOT_FD)
+            os.closerange(wire.SLOT_FD + 1, self.open_max)
+        else:
+            os.closerange(2 + len(fds), self.open_max)
         # The env's own rlimits: the template's file limit has room for the
         # pipes it holds (closed above, before the limit drops below them).
         limits.apply_parsed(self.rlimits)
@@ -641,10 +649,10 @@ def fork_server(child_main, channel_fd: int, probe_main, origin: str, trusted: b
     the workspace). The worker drives:
 
         template: [HELLO, protocol, {pid, forkable, reason}]
-        worker:   [FORK, -1, g, True] + fds  (the probe, if the pool warms up)
+        worker:   [FORK, -1, g, True, False] + fds  (the probe, if the pool warms up)
         worker:   [WARM, names, code] (+ env.py's code, marshalled by the probe, in a memfd)
                                              --> [WARMED, {imported, failed, ..., forkable, reason}]
-        worker:   [FORK, lane, g, False] + fds, [KILL, lane, g] ...
+        worker:   [FORK, lane, g, False, slot?] + fds, [KILL, lane, g] ...
         template: [FORKED, lane, g] + pidfd, [EXITED, lane, g, status] ...
     """
     control = socket.socket(fileno=channel_fd)
@@ -703,14 +711,15 @@ def fork_server(child_main, channel_fd: int, probe_main, origin: str, trusted: b
             for message in reader.feed(data):
                 code = message[0]
                 # The channel (a socket; or two pipes, read then write) and the log pipe.
-                if code == wire.FORK and len(message) == 4 and len(fds) in (2, 3):
-                    _, lane, generation, probe = message
+                if code == wire.FORK and len(message) == 5 and len(fds) - (message[4] is True) in (2, 3):
+                    _, lane, generation, probe, has_slot = message
                     key = (lane, generation)
                     if probe is not True and plan is None:
                         _protocol_error("an env's FORK came before WARM")
+                    slot = fds.pop() if has_slot is True else -1
                     main, child_plan = (probe_main, probe_plan) if probe is True else (child_main, plan)
                     try:
-                        pid = _fork_child(main, 0 if probe is True else lane, fds, child_plan)
+                        pid = _fork_child(main, 0 if probe is True else lane, fds, child_plan, slot)
                     except OSError as exc:  # pids.max, memory, a namespace limit: the lane's failure
                         os.write(2, f"boltzlabs: could not make env {lane}'s sandbox: {exc}\n".encode())
                         forked.append((wire.encode([wire.FORKED, lane, generation]), -1))
@@ -841,7 +850,7 @@ def _kill(pid: int) -> None:
 
 
 _RECEIVE_BUFFER = bytearray(1 << 16)
-_ANCILLARY_SPACE = socket.CMSG_SPACE(4 * 4)  # a FORK brings two or three fds; extra ones are closed
+_ANCILLARY_SPACE = socket.CMSG_SPACE(4 * 4)  # a FORK brings two or three fds, and a slot; extra ones are closed
 
 
 def _receive(control: socket.socket):
@@ -854,26 +863,30 @@ def _receive(control: socket.socket):
     return data, list(fds)
 
 
-def _fork_child(main, index: int, fds, plan: _ChildPlan) -> int:
+def _fork_child(main, index: int, fds, plan: _ChildPlan, slot: int = -1) -> int:
     """Clone a child into a new user and pid namespace (it makes the others)
     that becomes a sandbox and runs main(channel); returns its pid. The
     template is in the child's cgroup meanwhile (the worker moves it), so
-    the child and its namespaces are charged there."""
+    the child and its namespaces are charged there. `slot`: the child's
+    observation slot (a memfd), or -1; closed here like the rest, so the
+    template keeps no child's slot."""
     try:
         pid = _clone_sandbox()
         if pid == 0:
-            _child(main, index, fds, plan)
+            _child(main, index, fds, plan, slot)
     finally:
         for fd in fds:
             os.close(fd)
+        if slot >= 0:
+            os.close(slot)
     return pid
 
 
-def _child(main, index: int, fds, plan: _ChildPlan) -> None:
+def _child(main, index: int, fds, plan: _ChildPlan, slot: int = -1) -> None:
     """The env process. Becomes a sandbox, then runs main. Never returns."""
     code = 1
     try:
-        plan.become_sandbox(index, fds)
+        plan.become_sandbox(index, fds, slot)
         seccomp.apply_child_filter()  # the env's full filter, before any env code
     except BaseException as exc:
         try:

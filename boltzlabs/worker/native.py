@@ -42,7 +42,10 @@ def load():
 def caps(limits) -> tuple:
     """The caps of `limits` (a guarded wire.Limits: the worker's env limits)
     as _fastpath.step() takes them: (max_frame, max_str_len, max_bin_len,
-    max_array_len, max_map_len, max_ext_len, max_depth, max_objects)."""
+    max_array_len, max_map_len, max_ext_len, max_depth, max_objects, slots),
+    slots 1 when a reply's obs may be a SLOT_EXT marker (the pool has
+    observation slots: wire.Limits.slot_marks counts them), else 0."""
     kwargs = limits.kwargs
     return (limits.max_frame, kwargs["max_str_len"], kwargs["max_bin_len"], kwargs["max_array_len"],
-            kwargs["max_map_len"], kwargs["max_ext_len"], limits.max_depth, limits.max_objects)
+            kwargs["max_map_len"], kwargs["max_ext_len"], limits.max_depth, limits.max_objects,
+            1 if limits.slot_marks[0] >= 0 else 0)

@@ -43,6 +43,8 @@ import reprlib
 import select
 import time
 
+import msgpack
+
 from boltzlabs import wire
 from boltzlabs.errors import ClientGone
 from boltzlabs.worker.lanes import BUSY, IN_FLIGHT, STARTING, Lane
@@ -222,6 +224,8 @@ class Reactor:
                 if env.index == 0 and self.hello is None:  # only lane 0's is ever read: keep no other
                     self.hello = message[2] if isinstance(message[2], dict) else {}
                 self._unhold(env)
+                if self.slots is not None:  # sized and sealed from lane 0's space (worker/slots.py)
+                    self.slots.on_hello(self, env)
                 return
             self._kill(env, f"sent {describe(message)} instead of its handshake (protocol {wire.PROTOCOL_VERSION})")
             return
@@ -238,6 +242,17 @@ class Reactor:
         if result is None or result[0] not in (env.expect, wire.FAILED):
             self._kill(env, f"sent a malformed reply {describe(message)}")
             return
+        obs = result[2] if result[0] != wire.FAILED else None
+        if type(obs) is msgpack.ExtType and obs.code == wire.SLOT_EXT:
+            # (wire.decode lets a marker through only as the obs of a step or reset, and only with slots on.)
+            if self.slots is None or not self.slots.sealed[env.index]:
+                self._kill(env, "sent its obs as a slot marker but has no observation slot (a protocol violation) "
+                                "and was killed")
+                return
+            if obs.data != env.seq.to_bytes(8, "little"):
+                self._kill(env, f"sent an observation in its slot for request {int.from_bytes(obs.data, 'little')} "
+                                f"while the reply to request {env.seq} was due (a protocol violation) and was killed")
+                return
         if env.on("reply") is IN_FLIGHT:  # an async action's result, held for recv
             self._finish(env, outcome(result, env.cause))
             return

@@ -29,6 +29,7 @@ that dies tears the pool down even in the middle of a step; bubblewrap's
 from __future__ import annotations
 
 import argparse
+import array
 import json
 import os
 import signal
@@ -53,6 +54,7 @@ from boltzlabs.worker.lifecycle import (ABANDONED, PR_SET_CHILD_SUBREAPER, PR_SE
 from boltzlabs.worker.reactor import ClientGone, Reactor, describe
 from boltzlabs.worker.requests import Requests, tail
 from boltzlabs.worker.spawn import ExecSpawner, TemplateSpawner, TemplateUnavailable, reap_orphans
+from boltzlabs.worker.slots import Slots
 from boltzlabs.worker.stepping import Stepping
 
 
@@ -104,6 +106,7 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
             self.fastpath.keep_heap()
         self.channel = PIPES  # each env's channel: PIPES or SOCKETPAIR, decided by open()
         self.env_fns_dir = None  # an env_fns pool's private directory (its thunks' file), removed at close
+        self.slots: Slots | None = None  # the envs' observation slots (slots.py), a local pool's
 
     def open(self, request) -> dict:
         """Start the pool OPEN asks for; the READY info, or an exception saying why not."""
@@ -127,6 +130,7 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
         n = config.n
         # Two pipes per env, or a socketpair when the fd limit cannot hold them (config.py).
         self.channel = raise_fd_limit(n)
+        self.slots = Slots.wanted(request, self.remote, n, self.channel, config.env_limits.max_frame)
         guardian = None
         try:
             self.cgroups = CgroupPool(self.memory_limit, self.limits.get("pids"), freezer=self.gated,
@@ -189,6 +193,9 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
             "fast_path": self.fastpath is not None,
             "fast_path_note": self.fastpath_note,
             "channel": self.channel,
+            # The observation slots' layout (wire.SlotLayout.describe), None without them: the client
+            # then asks for the memfds ("slots").
+            "slots": self.slots.layout.describe() if self.slots is not None and self.slots.active else None,
             "warning": "\n".join(note for note in (self.warning, self.limits_note, self.gate_note,
                                                    warmup_note(warmup)) if note),
             "warmup": warmup,
@@ -238,6 +245,8 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
 
             shutil.rmtree(self.env_fns_dir, ignore_errors=True)
             self.env_fns_dir = None
+        if self.slots is not None:
+            self.slots.close()
 
     # -- the client connection ------------------------------------------------------
 
@@ -276,6 +285,9 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
                 continue
             _, seq, name, args = message
             started = time.perf_counter()
+            if name == "slots" and isinstance(args, list):  # the memfds go with the REPLY's bytes (SCM_RIGHTS)
+                self._send_slots(seq, args)
+                continue
             if name not in calls or not isinstance(args, list):
                 self._send([wire.ERROR, seq, "ProtocolError", f"no call {describe(name)} with those arguments", {}])
                 continue
@@ -286,6 +298,22 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
                 continue
             worker_ms = (time.perf_counter() - started) * 1000.0
             self._send([wire.REPLY, seq, worker_ms, result])
+
+    def _send_slots(self, seq, args) -> None:
+        """The client's "slots"(start, count) call, local pools only: REPLY [lanes], the list of lanes
+        whose sealed memfd comes attached to this frame, in that order (at most 250 a call)."""
+        if self.slots is None or not self.slots.active or len(args) != 2 \
+                or not all(type(a) is int and a >= 0 for a in args):
+            self._send([wire.ERROR, seq, "ValueError", "this pool has no observation slots to send", {}])
+            return
+        start, count = args
+        fds = self.slots.batch(start, count)
+        lanes = [start + k for k, fd in enumerate(fds) if fd >= 0]
+        frame = wire.encode([wire.REPLY, seq, 0.0, lanes])
+        attached = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd for fd in fds if fd >= 0]).tobytes())]
+        sent = self.conn.sendmsg([frame], attached if lanes else [])
+        if sent < len(frame):
+            self.conn.sendall(frame[sent:])
 
 
 def _terminate(signum, frame):

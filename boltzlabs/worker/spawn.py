@@ -85,6 +85,13 @@ def _open_channel(start, channel: str = SOCKETPAIR, kind=socket.SOCK_STREAM, log
     return ours[0], ours[1], log_r
 
 
+def slot_fd(worker, env) -> int:
+    """The hook for an env's observation slot: its memfd (worker.slots, boltzlabs/worker/slots.py), passed
+    at each spawn of the lane and kept by the worker, or -1 when the pool has none."""
+    slots = getattr(worker, "slots", None)
+    return slots.fd_for(env.index) if slots is not None else -1
+
+
 def _charged_to(worker, key, pid: int = 0, home=None):
     """Context in which process `pid` (0: the worker) sits in `key`'s cgroup, if
     there are cgroups: what it forks meanwhile is born there."""
@@ -123,11 +130,12 @@ def _reaped(pid: int) -> None:
     SPAWNED.discard(pid)
 
 
-def _posix_spawn(argv, channel: tuple, log_w: int, programs: dict) -> int:
+def _posix_spawn(argv, channel: tuple, log_w: int, programs: dict, slot: int = -1) -> int:
     """Start bwrap with the channel (`channel`: the socket, or the pipes' read
-    and write ends) on channel_fds, the log pipe on 1 and 2, and each of
+    and write ends) on channel_fds, the log pipe on 1 and 2, each of
     `programs` ({fd number: bytes}: the seccomp programs, bwrap's options) in
-    a sealed memfd on its fd."""
+    a sealed memfd on its fd, and the env's observation slot (a memfd, or -1:
+    none) on wire.SLOT_FD."""
     with contextlib.ExitStack() as stack:
         # The actions run in order, so no source may be a target met earlier:
         # sources are moved to fd 10 or above (as program_fd's are).
@@ -139,13 +147,14 @@ def _posix_spawn(argv, channel: tuple, log_w: int, programs: dict) -> int:
             return high
 
         channel, log_w = [above(fd) for fd in channel], above(log_w)
+        slots = [(os.POSIX_SPAWN_DUP2, above(slot), wire.SLOT_FD)] if slot >= 0 else []
         targets = channel_fds(PIPES if len(channel) == 2 else SOCKETPAIR)
         actions = [(os.POSIX_SPAWN_DUP2, fd, target) for fd, target in zip(channel, targets)] + [
             (os.POSIX_SPAWN_DUP2, log_w, 1),
             (os.POSIX_SPAWN_DUP2, log_w, 2),
             (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
         ] + [(os.POSIX_SPAWN_DUP2, stack.enter_context(seccomp.program_fd(program)), target)
-             for target, program in programs.items()]
+             for target, program in programs.items()] + slots
         pid = os.posix_spawn(argv[0], argv, {}, file_actions=actions)
         SPAWNED.add(pid)
         return pid
@@ -167,7 +176,8 @@ class ExecSpawner:
 
         def start(channel: tuple, log_w: int) -> None:
             with _charged_to(worker, env.index):
-                env.pid = _posix_spawn(argv, channel, log_w, {**worker.spec.programs(), **handed})
+                env.pid = _posix_spawn(argv, channel, log_w, {**worker.spec.programs(), **handed},
+                                       slot_fd(worker, env))
 
         env.chan, env.wchan, env.logfd = _open_channel(start, worker.channel)
         pidfd = os.pidfd_open(env.pid)
@@ -511,16 +521,18 @@ class TemplateSpawner:
     def alive(self) -> bool:
         return self.control is not None
 
-    def _fork(self, key: tuple, cgroup_key, probe: bool, channel: str) -> tuple:
-        """FORK child `key` into cgroup `cgroup_key`: our ends of its channel and log."""
+    def _fork(self, key: tuple, cgroup_key, probe: bool, channel: str, slot: int = -1) -> tuple:
+        """FORK child `key` into cgroup `cgroup_key`: our ends of its channel and
+        log. `slot`: its observation slot's memfd (kept by the worker), or -1."""
         worker = self.worker
         if self.control is None:
             raise OSError("the template is gone")
-        frame = wire.encode([wire.FORK, key[0], key[1], probe])
+        frame = wire.encode([wire.FORK, key[0], key[1], probe, slot >= 0])
 
         def start(channel: tuple, log_w: int) -> None:
-            # The child's channel ends (one socket, or the read then the write pipe), its log pipe last.
-            fds = array.array("i", [*channel, log_w]).tobytes()
+            # The child's channel ends (one socket, or the read then the write pipe), its log pipe, then
+            # its observation slot if it has one (the template puts it on wire.SLOT_FD).
+            fds = array.array("i", [*channel, log_w] + ([slot] if slot >= 0 else [])).tobytes()
             # The template's pid is moved between cgroups: it must still be ours.
             if _readable([self.template_pidfd], 0):
                 raise OSError("the template is gone")
@@ -540,7 +552,7 @@ class TemplateSpawner:
 
     def spawn(self, env) -> None:
         key = (env.index, env.generation)
-        chan, wchan, env.logfd = self._fork(key, env.index, False, self.worker.channel)
+        chan, wchan, env.logfd = self._fork(key, env.index, False, self.worker.channel, slot_fd(self.worker, env))
         self.lanes[key] = env
         pidfd = self.pidfds.get(key, -1)
         env.pid = _pidfd_pid(pidfd) if pidfd >= 0 else -1

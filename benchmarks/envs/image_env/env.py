@@ -6,10 +6,11 @@ the fork, as a real env's emulator state is), and each step does some real
 drawing: the sprite (a 12 x 12 block) moves by the action, its old square is
 cleared and the new one drawn. The reward is the sprite's column over the
 width; an episode ends at t >= 100. Observations are the frame itself (a
-numpy array: each step's reply carries 100,800 bytes of it).
+numpy array of 100,800 bytes), in the env's slot when the pool has slots.
 """
 
 import numpy as np
+from gymnasium import spaces
 
 from boltzlabs.env import serve
 
@@ -39,4 +40,6 @@ def step(action):
     return state["frame"], state["x"] / WIDTH, state["t"] >= HORIZON, {}
 
 
-serve(reset=reset, step=step)
+# The declared space lets a local pool pass each frame through the env's slot (docs/wire.md).
+serve(reset=reset, step=step, observation_space=spaces.Box(0, 255, (HEIGHT, WIDTH, 3), np.uint8),
+      action_space=spaces.Discrete(2))
