@@ -412,6 +412,9 @@ class _HandshakeAlreadySent:
     def receive(self):
         return self.channel.receive()
 
+    def __getattr__(self, name):  # the rest of the channel (its observation slot, ...) as it is
+        return getattr(self.channel, name)
+
 
 def _forging_loop(channel, reset, step, render, info):
     if "BOLTZLABS_ENV_INDEX" not in os.environ:  # the template's warm-up: leave it alone

@@ -441,7 +441,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
                                                                    "(default %(default)s)")
     for key, (flag, default, kind) in CEILINGS.items():
         what = {"size": "bytes or e.g. 512M", "count": "a count", "seconds": "seconds",
-                "tasks": "a count or a share of this host's task limit like 25%"}[kind]
+                "tasks": "a count or a share of this host's task limit like 25%%"}[kind]
         whose = "for the whole pool (every env, the template and its probe together)" if key == "pool_pids" \
             else "per env"
         parser.add_argument(flag, default=str(default), metavar=kind.upper(),
