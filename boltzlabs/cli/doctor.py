@@ -303,7 +303,10 @@ def _cgroup_version() -> list[Finding]:
 # The trial env's limits: a few tasks, so that its forks run into pids.max.
 _TRIAL_PIDS, _TRIAL_POOL_PIDS, _TRIAL_MEMORY = 4, 16, 64 << 20
 _TRIAL_CHILD = """
-import os, time
+import os, sys, time
+for procs in sys.argv[1:]:  # join the trial env's cgroups, this process alone
+    with open(procs, "w") as f:
+        f.write("0")
 for _ in range(8):
     try:
         if os.fork() == 0:
@@ -339,10 +342,16 @@ def _cgroups() -> list[Finding]:
         view = PoolView(pool.paths)
         where = f"cgroup {pool.version}, pool cgroup {pool.path}" + (f"; {pool.backend.note}" if pool.backend.note
                                                                       else "")
-        with pool.moving(0, 0, None):  # born in the trial env's cgroup(s)
-            child = subprocess.Popen([sys.executable, "-S", "-c", _TRIAL_CHILD], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        while time.monotonic() < deadline and pool.limits_pids and not view.pids_refused(0):
+        # The child joins the trial env's cgroup(s) itself: moving this process
+        # there for the fork would move all its threads (a Ray actor has dozens),
+        # past the trial's pids limit, and the fork would fail.
+        procs = [str(path) for path in pool.procs_files(0)]
+        child = subprocess.Popen([sys.executable, "-S", "-c", _TRIAL_CHILD, *procs], stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        def settled():  # in the trial cgroup, charged, and (with a pids limit) refused a fork
+            return (child.pid in view.procs(0) and pool.usage(0) > 0
+                    and (not pool.limits_pids or view.pids_refused(0)))
+        while time.monotonic() < deadline and child.poll() is None and not settled():
             time.sleep(0.02)
         findings.append(_memory_trial(pool, view, where))
         findings.append(_pids_trial(pool, view))

@@ -809,6 +809,12 @@ class CgroupPool:
             for procs in homes:
                 procs.write_text(str(pid))
 
+    def procs_files(self, key) -> list[Path]:
+        """The cgroup.procs file of each of `key`'s cgroups (one per hierarchy):
+        a process that writes 0 to each joins them, itself alone, where
+        `moving(0, ...)` would move every thread of the caller."""
+        return [group / "cgroup.procs" for group in self._joined(key)]
+
     def _joined(self, key) -> list[Path]:
         """Every group a process of `key` is in, one per hierarchy."""
         groups = self._made(key)
