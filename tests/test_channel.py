@@ -161,9 +161,12 @@ def test_an_env_holds_two_pipes_and_a_one_page_log_pipe(channel_pool):
     assert pool.channel == "pipes"
     obs, _, _, infos = pool.step([{"op": "fds"}] * 2)
     for out in obs:
-        assert out["fds"] == [0, 1, 2, 3, 4, 7], out  # 7: the env's observation slot (docs/wire.md), empty here
+        # 7: the env's observation slot (docs/wire.md). This env's space has no
+        # fixed shape, so a lane spawned before lane 0's HELLO holds an empty
+        # memfd, one spawned after it (a slow fork) none.
+        assert out["fds"] in ([0, 1, 2, 3, 4, 7], [0, 1, 2, 3, 4]), out
         kinds = {int(k): v for k, v in out["kinds"].items()}
-        assert kinds[7] == "/memfd", kinds
+        assert kinds.get(7, "/memfd") == "/memfd", kinds
         sizes = {int(k): v for k, v in out["sizes"].items()}
         assert kinds[3] == kinds[4] == "pipe" and kinds[1] == "pipe", kinds
         assert sizes[3] >= 4096 and sizes[4] >= 4096  # 64 KiB unless the host's pipe quota is spent
