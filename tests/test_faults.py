@@ -14,6 +14,8 @@ FAULTS = {
     "sleep": ({"op": "sleep", "s": 30}, "missed the step deadline"),
     "raise": ({"op": "raise"}, "ValueError: step failed on purpose"),
     "exit": ({"op": "exit", "code": 3}, "exited with code 3"),
+    # serve() was called: never "returned without calling serve()" (NO_SERVE_EXIT)
+    "sys_exit": ({"op": "sys_exit", "code": 0}, "exited with code 0"),
     "segfault": ({"op": "segv"}, "SIGSEGV"),
     "loop": ({"op": "loop"}, "missed the step deadline"),
     "garbage": ({"op": "garbage", "fd": 3}, "invalid frame"),

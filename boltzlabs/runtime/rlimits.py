@@ -98,7 +98,7 @@ def run(path: str, code=None) -> None:
 
 def _served() -> bool:
     """Whether serve() has run in this process (it says so first thing)."""
-    return getattr(sys.modules.get("boltzlabs.runtime.serve"), "serving", False)
+    return getattr(sys.modules.get("boltzlabs.runtime.serve"), "started", False)
 
 
 def _read(path: str) -> bytes:

@@ -68,6 +68,8 @@ def ops(action):
         raise ValueError("step failed on purpose")
     if op == "exit":
         os._exit(action.get("code", 3))
+    if op == "sys_exit":  # SystemExit out of step, hence out of serve(): the interpreter exits with it
+        sys.exit(action.get("code", 0))
     if op == "segv":
         ctypes.string_at(0)
     if op == "loop":
