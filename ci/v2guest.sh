@@ -158,10 +158,10 @@ if [ "$INIT" = systemd ] && [ "$$" = 1 ]; then
   exec /lib/systemd/systemd --unit=v2guest.service
 fi
 exec 3>/dev/ttyS1 4>/dev/ttyS2 </dev/null
-if [ "$INIT" = systemd ]; then  # systemd mounted all and brings lo up; COMMAND is its service
+run_command() {  # COMMAND in its directory, its output on ttyS1, its uptimes and rc on ttyS2; then power off
+  stty raw -echo 115200 <&3 2>/dev/null; stty raw -echo 115200 <&4 2>/dev/null
   export HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 TERM=dumb
   export BOLTZLABS_TIME_SCALE=${BOLTZLABS_TIME_SCALE:-10}
-  stty raw -echo 115200 <&3 2>/dev/null; stty raw -echo 115200 <&4 2>/dev/null
   read -r up _ < /proc/uptime; echo "start $up" >&4
   if cd "$(cat "$RUN/workdir")"; then bash "$RUN/cmd" </dev/null >&3 2>&3; rc=$?; else rc=125; fi
   read -r up _ < /proc/uptime; echo "end $up" >&4
@@ -169,6 +169,9 @@ if [ "$INIT" = systemd ]; then  # systemd mounted all and brings lo up; COMMAND 
   sync
   echo o > /proc/sysrq-trigger
   sleep 30
+}
+if [ "$INIT" = systemd ]; then  # systemd mounted all and brings lo up; COMMAND is its service
+  run_command
 fi
 mount -t proc -o nosuid,nodev,noexec proc /proc
 mount -t sysfs -o nosuid,nodev,noexec sysfs /sys
@@ -184,16 +187,7 @@ chmod 1777 /tmp /var/tmp 2>/dev/null
 hostname v2guest
 ip link set lo up 2>/dev/null || echo "v2guest: no ip command: lo stays down" >&3
 ulimit -Hn 524288; ulimit -Sn 1024
-stty raw -echo 115200 <&3 2>/dev/null; stty raw -echo 115200 <&4 2>/dev/null
-export HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin LANG=C.UTF-8 TERM=dumb
-export BOLTZLABS_TIME_SCALE=${BOLTZLABS_TIME_SCALE:-10}
-read -r up _ < /proc/uptime; echo "start $up" >&4
-if cd "$(cat "$RUN/workdir")"; then bash "$RUN/cmd" </dev/null >&3 2>&3; rc=$?; else rc=125; fi
-read -r up _ < /proc/uptime; echo "end $up" >&4
-echo "rc $rc" >&4
-sync
-echo o > /proc/sysrq-trigger
-sleep 30
+run_command
 STAGE2
 chmod 755 "$RUN/stage2"
 
