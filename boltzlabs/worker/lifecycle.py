@@ -1,107 +1,239 @@
-"""A lane's life: spawned, started (its handshake), killed, reaped; and the freezer.
+"""A lane's life: spawned, started (its handshake), read, killed, reaped; and the freezer.
 
-    _start(lanes) --_spawn--> spawner.spawn (spawn.py) --> lane STARTING --HELLO (reactor.py)--> IDLE
-    _kill(lane, cause) --> spawner.kill + the cgroup's kill --> _release: DEAD, its fds closed
+    start(lanes) --_spawn--> spawner.spawn (spawn.py) --> lane STARTING --HELLO (_on_message)--> IDLE
+    the reactor --channel readable--> _read_channel --FrameReader(limits)--> _on_message --lane.on("reply")-->
+        the sync request's Op (requests.py, begin/end) or the async results (stepping.py, deliver_to)
+    kill(lane, cause) --> spawner.kill + the cgroup's kill --> _release: DEAD, its fds closed
     spawner --on_exit(lane, status)--> _release with why it died (exit code, signal, OOM, pids limit)
+
+One Lifecycle per pool, made by server.Worker.open once the pool's config,
+plan and cgroups are known; it owns the lanes, the spawner and the freezer,
+and is handed to requests.py and stepping.py. It uses the reactor (fds,
+epoll) and the byte budget it is given.
 
 Start-up overlaps spawns with handshakes: each lane is spawned and the loop
 polled at once, so 1000 sandboxes start in the time of a few. A death while
 an async action is in flight finishes it with a failure (stepping.py).
 
+Everything an env writes is untrusted: frames are capped and decoded with
+limits (size, lengths, objects per frame, nesting depth: wire.Limits, from
+[limits] in sandbox/policy.toml; the handshake has caps of its own), replies
+are checked for shape (reactor.check_reply), logs keep a bounded tail, the
+bytes the pool holds for replies not yet returned are bounded
+(reactor.Budget), and an env that breaks any rule is killed and reported on
+its lane. Nothing here walks an env's value recursively: decoding is
+msgpack's C code under those limits, descriptions in errors go through
+reprlib (reactor.describe: bounded depth and width).
+
+Which frames are due. Each request to an env (STEP, RESET, RENDER, ATTR) carries a
+fresh sequence number, and exactly one reply carrying that number is due
+until it comes (State.due, lanes.py). A straggler (past its deadline) still
+owes it, so its one late reply is legitimate: it frees the lane and is
+dropped, as the README says. Every other frame is a protocol violation that
+kills the lane at once, before anything else it sent is decoded: a frame when
+no reply is due (a second reply, anything after a dropped late one, anything
+from an idle env), a frame with any other sequence number (older or newer),
+and a reply of the wrong kind or shape. So an env cannot make the worker
+decode frames it then ignores. Stragglers past their grace are killed from
+poll() (`overdue`), whatever call is running.
+
 serialize_measurement with a freezer: every env is frozen outside its turn
 and its own requests; an env's reply ends its work, so it is frozen before
 the reply can pass the gate on (_on_message_freezing).
-
-A mixin of server.Worker; it uses the reactor's _poll and fds.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import resource
-import select
 import signal
 import time
+from typing import Callable, Iterator
+
+import msgpack
 
 from boltzlabs import wire
 from boltzlabs.runtime.rlimits import NO_SERVE_EXIT
-from boltzlabs.worker.lanes import IDLE, IN_FLIGHT, STARTING, Lane
-from boltzlabs.worker.reactor import Reactor
-from boltzlabs.worker.spawn import TEMPLATE_LANE, TemplateSpawner, TemplateUnavailable, reap_orphans
+from boltzlabs.sandbox.builder import SandboxSpec
+from boltzlabs.sandbox.cgroups import CgroupPool
+from boltzlabs.worker.config import PoolConfig
+from boltzlabs.worker.confinement import Confinement
+from boltzlabs.worker.lanes import BUSY, IDLE, IN_FLIGHT, STARTING, Lane
+from boltzlabs.worker.reactor import OBJECT_COST, Budget, Reactor, check_reply, describe, read_fd
+from boltzlabs.worker.slots import Slots
+from boltzlabs.worker.spawn import (TEMPLATE_LANE, ExecSpawner, SpawnContext, Spawner, TemplateSpawner,
+                                    TemplateUnavailable, reap_orphans)
 from boltzlabs.errors import StartFailure  # noqa: F401 (re-exported: server.py raises it)
-from boltzlabs.worker.stepping import outcome
 
 ABANDONED = "start-up abandoned after another env failed"
 
 
-class Lifecycle:
-    """Spawning, killing and reaping lanes, and the freezer (a mixin of server.Worker)."""
+class Op:
+    """A request in progress: which lanes it waits for and what came back."""
 
-    def _init_lifecycle(self) -> None:
-        self.envs: list[Lane] = []
-        self.spawner = None
-        self.cgroups = None
-        self.account = None
-        self.hello = None  # lane 0's handshake info, for the client's READY
+    __slots__ = ("seq", "waiting", "results")
+
+    def __init__(self, seq: int):
+        self.seq = seq
+        self.waiting: set[int] = set()
+        self.results: dict[int, list] = {}
+
+
+class Lifecycle:
+    """The pool's lanes: spawning, reading, killing and reaping them, and the freezer."""
+
+    def __init__(self, reactor: Reactor, budget: Budget, config: PoolConfig, spec: SandboxSpec,
+                 channel: str, cgroups: CgroupPool | None, slots: Slots | None):
+        self.reactor: Reactor = reactor  # the epoll set every lane's fds are in
+        self.budget: Budget = budget  # what the pool holds of replies not yet returned
+        self.config: PoolConfig = config  # the pool's frozen configuration (config.py)
+        self.cgroups: CgroupPool | None = cgroups  # each lane's cgroup (and the template's), None without
+        self.slots: Slots | None = slots  # the observation slots, sealed at each lane's HELLO; None without
+        self.envs: list[Lane] = [Lane(i, config.env_limits) for i in range(config.n)]
+        # What the kernel must say of every lane's process (and the probe's) before its first request.
+        self.confinement: Confinement = Confinement(spec.plan.namespaces, len(spec.programs()),
+                                                    spec.account.uid, spec.account.gid)
+        # What the spawners may use of the pool (spawn.SpawnContext), the same for every spawner made.
+        self.spawn_context: SpawnContext = SpawnContext(
+            spec=spec, config=config, channel=channel, cgroups=cgroups, confinement=self.confinement,
+            slots=slots, watch=reactor.watch, unwatch=reactor.unwatch, on_exit=self.on_exit,
+            thawed=self.template_thawed)
+        self.spawner: Spawner = ExecSpawner(self.spawn_context)  # TemplateSpawner from use_template()
+        self.hello: dict | None = None  # lane 0's handshake info, for the client's READY
+        self.op: Op | None = None  # the sync request whose replies are gathered (requests.py: begin/end)
+        # Where an async lane's reply (or None, with the cause, when it dies) goes: stepping.Stepping.take.
+        self.deliver: Callable[[Lane, list | None, str], None] = _no_async
+        self.seq: int = 0  # the last request's sequence number (next_seq)
+        # (kill time, lane, seq) of stragglers: a lane still owing the reply to
+        # request seq at its kill time (deadline + straggler_grace) is killed.
+        # Each is "now + grace" when set, so the deque is sorted.
+        self.overdue: collections.deque[tuple[float, int, int]] = collections.deque()
         # serialize_measurement with a freezer: every env is frozen outside its
         # turn and its own requests (see _freeze); `freeze_pending`: lanes asked to
         # freeze whose freeze is not confirmed yet.
-        self.freezing = False
+        self.freezing: bool = config.gated and cgroups is not None and cgroups.freezes
         self.freeze_pending: set[int] = set()
         # The template's cgroup is frozen during every gated turn too (its
         # imports' threads, a trusted env.py's at-fork hooks): frozen at
         # each turn's start with the envs, thawed when the turn ends.
-        self.template_frozen = False
-        self.confinement = None  # confinement.Confinement, made by open()
+        self.template_frozen: bool = False
+        # How a frame from a lane is handled: with the freezer, the lane is frozen first.
+        self.on_message: Callable[[Lane, list], None] = (self._on_message_freezing if self.freezing
+                                                         else self._on_message)
+
+    def use_template(self) -> None:
+        """Spawn by forks of a warm template (spawn="template"); TemplateUnavailable if it cannot start."""
+        self.spawner = TemplateSpawner(self.spawn_context)
+
+    def deliver_to(self, deliver: Callable[[Lane, list | None, str], None]) -> None:
+        """Where async lanes' replies and deaths go (stepping.Stepping.take)."""
+        self.deliver = deliver
+
+    def begin(self, op: Op) -> None:
+        """A sync request starts: its lanes' replies go to op.results."""
+        self.op = op
+
+    def end(self) -> None:
+        """The sync request is over: a late reply is a straggler's, dropped."""
+        self.op = None
+
+    def next_seq(self) -> int:
+        """A fresh sequence number for a request (one per call, shared by its lanes)."""
+        self.seq += 1
+        return self.seq
+
+    def check_lanes(self, indices) -> list:
+        """`indices` checked (every lane for None), or ValueError."""
+        n = len(self.envs)
+        if indices is None:
+            return list(range(n))
+        if not isinstance(indices, list) or any(not isinstance(i, int) or not 0 <= i < n for i in indices):
+            raise ValueError(f"lanes must be indices in [0, {n})")
+        return indices
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def poll(self, timeout: float | None) -> None:
+        """One round of the reactor: read every ready fd, handle what arrived; then
+        kill the stragglers past their grace (waking up in time for them)."""
+        overdue = self.overdue
+        if overdue:
+            due = max(0.0, overdue[0][0] - time.monotonic())
+            timeout = due if timeout is None or timeout < 0 else min(timeout, due)
+        self.reactor.poll(timeout)
+        if overdue:
+            self._kill_overdue()
+
+    def straggling(self, env: Lane) -> None:
+        """env missed its deadline and is still running: it has straggler_grace
+        seconds more to answer, then it is killed (its CPU time is bounded)."""
+        if env.state is BUSY:  # a sync request's (an async one's is expired by stepping.py)
+            env.on("deadline")
+        self.overdue.append((time.monotonic() + self.config.straggler_grace, env.index, env.seq))
+
+    def _kill_overdue(self) -> None:
+        now = time.monotonic()
+        overdue = self.overdue
+        while overdue and overdue[0][0] <= now:
+            _, index, seq = overdue.popleft()
+            env = self.envs[index]
+            if env.state.due and env.seq == seq:
+                self.kill(env, f"killed: still running {self.config.straggler_grace:g} s after missing its "
+                               f"deadline of {self.config.step_timeout:g} s (limits.straggler_grace)")
 
     # -- start-up -------------------------------------------------------------------
 
     def _spawn(self, env: Lane) -> None:
         """Start env's sandbox. Its fds are registered; it is STARTING."""
-        if self.spawner.kind == "template" and not self.spawner.alive():
-            self.spawner = TemplateSpawner(self)  # the last one died; a new one for respawns
+        spawner = self.spawner
+        if isinstance(spawner, TemplateSpawner) and not spawner.alive():
+            self.use_template()  # the last one died; a new one for respawns
         env.generation += 1
         if self.cgroups is not None:
             self._settle(env)
             env.events_base = self.cgroups.events(env.index)
         if self.freezing:
-            self._thaw(env)  # the template forks while in the env's cgroups: never into a frozen one
+            self.thaw(env)  # the template forks while in the env's cgroups: never into a frozen one
         self.spawner.spawn(env)  # sets env.chan, env.wchan, env.logfd (and env.pid when known)
-        # Never blocked by an env: a full channel buffers in env.out (reactor._write).
+        # Never blocked by an env: a full channel buffers in env.out (Reactor.write).
         os.set_blocking(env.chan, False)
         os.set_blocking(env.wchan, False)
         os.set_blocking(env.logfd, False)
         env.on("spawn")
         env.seq = -1
         env.out = b""
-        env.reader = wire.FrameReader(self.hello_limits)
-        self._unhold(env)
+        env.reader = wire.FrameReader(self.config.hello_limits)
+        self.budget.unhold(env)
         env.started = time.monotonic()
-        for fd, kind in ((env.chan, "chan"), (env.logfd, "log")):
-            self.epoll.register(fd, select.EPOLLIN)
-            self.handlers[fd] = (kind, env)
-        if self.spawner.kind == "template":
-            self.spawner.deliver_exits()  # exits read while waiting for the fork
+        self.reactor.watch_channel(env, self._read_channel)
+        self.reactor.watch(env.logfd, self._read_log, env)
+        spawner = self.spawner
+        if isinstance(spawner, TemplateSpawner):
+            spawner.deliver_exits()  # exits read while waiting for the fork
 
     def _settle(self, env: Lane) -> None:
         """Before env's sandbox is (re)spawned into its cgroup: wait until the
         tasks of its last one are gone, killing any still there. They count
         against pids.max until reaped (exec mode's bwrap is reaped by this
         loop), and a fork bomb's leftovers would refuse the new sandbox's forks."""
+        cgroups = self.cgroups
+        assert cgroups is not None
         deadline = time.monotonic() + 5.0
-        while self.cgroups.tasks(env.index) and time.monotonic() < deadline:
-            self.cgroups.kill(env.index)
-            self._poll(0.005)
+        while cgroups.tasks(env.index) and time.monotonic() < deadline:
+            cgroups.kill(env.index)
+            self.poll(0.005)
             reap_orphans()
 
-    def _start(self, envs: list[Lane], progress: bool = False) -> None:
+    def start(self, envs: list[Lane], progress: bool = False) -> None:
         """Spawn envs, overlapping spawns with handshakes, until all are IDLE or DEAD."""
-        deadline_of = lambda env: env.started + self.start_timeout  # noqa: E731
+        start_timeout = self.config.start_timeout
+        deadline_of = lambda env: env.started + start_timeout  # noqa: E731
         last_report = 0.0
         for env in envs:
             if not env.state.dead:
-                self._kill(env, "restarted")
+                self.kill(env, "restarted")
             try:
                 self._spawn(env)
             except (OSError, TemplateUnavailable) as exc:
@@ -109,8 +241,8 @@ class Lifecycle:
                 if env.state.dead:
                     env.cause = cause
                 else:  # spawned, then failed: its fds go too
-                    self._kill(env, cause)
-            self._poll(0)
+                    self.kill(env, cause)
+            self.poll(0)
             if progress and time.monotonic() - last_report > 0.1:
                 last_report = time.monotonic()
                 self._progress(envs)
@@ -121,9 +253,9 @@ class Lifecycle:
             now = time.monotonic()
             for env in starting:
                 if now >= deadline_of(env):
-                    self._kill(env, f"did not complete its handshake within {self.start_timeout:g} s")
+                    self.kill(env, f"did not complete its handshake within {start_timeout:g} s")
             earliest = min((deadline_of(e) for e in starting if e.state is STARTING), default=now)
-            self._poll(max(0.0, min(earliest - now, 0.1)))
+            self.poll(max(0.0, min(earliest - now, 0.1)))
             if progress and time.monotonic() - last_report > 0.1:
                 last_report = time.monotonic()
                 self._progress(envs)
@@ -131,18 +263,29 @@ class Lifecycle:
                 # Fail fast: at pool start-up one broken env fails the pool.
                 for env in envs:
                     if env.state is STARTING:
-                        self._kill(env, ABANDONED)
+                        self.kill(env, ABANDONED)
         if progress:
             self._progress(envs)
 
     def _progress(self, envs: list[Lane]) -> None:
         ready = sum(e.state is IDLE for e in envs)
-        self._send([wire.PROGRESS, ready, len(envs)])
+        self.reactor.send([wire.PROGRESS, ready, len(envs)])
+
+    def respawn(self, envs: list[Lane], hard: bool) -> None:
+        """Respawn those of envs that need it before a reset: all when hard,
+        else the dead and those still busy with an unanswered step."""
+        respawn = [e for e in envs if hard or e.state.dead or e.state.due]
+        cause = "killed for a hard reset" if hard else "killed at reset: it had not answered its last step"
+        with self.spawner.batching_kills():
+            for env in respawn:
+                if not env.state.dead:
+                    self.kill(env, cause)
+                env.log += b"\n--- boltzlabs: sandbox respawned ---\n"
+        if respawn:
+            self.start(respawn)
 
     def _confinement_problem(self, env: Lane) -> str:
         """What the kernel says is wrong with env's confinement (confinement.py), or ''."""
-        if self.confinement is None:
-            return ""
         pid, pidfd, owned = self.spawner.process(env)
         try:
             return self.confinement.check(env.index, pid, pidfd)
@@ -150,13 +293,138 @@ class Lifecycle:
             if owned:
                 os.close(pidfd)
 
+    # -- reading an env ---------------------------------------------------------------
+
+    def _read_channel(self, env: Lane) -> None:
+        data = read_fd(env.chan)
+        if data is None:
+            return
+        if not data:
+            self.reactor.close_channel(env)
+            # It has ended (or is ending): a template frozen for a turn must
+            # run to reap it and say how it died.
+            self.thaw_template()
+            return
+        self.take(env, data)
+
+    def take(self, env: Lane, data: bytes) -> None:
+        """Bytes read from env's channel (by the event loop, or by the native
+        step path, requests._step_native): charged, framed, decoded under the
+        limits, and handled."""
+        budget = self.budget
+        if not budget.charge(env, len(data)):
+            self.kill(env, budget.over(env))
+            return
+        try:
+            messages = env.reader.feed(data)
+            limits = env.reader.limits
+            if limits.made:
+                # What the decoded frames cost beyond their bytes, ~64 bytes
+                # per object (a list, a dict entry, a str), is charged too.
+                cost = limits.made * OBJECT_COST
+                limits.made = 0
+                if not budget.charge(env, cost):
+                    self.kill(env, budget.over(env))
+                    return
+        except wire.ProtocolError as exc:
+            env.reader.limits.made = 0
+            if env.state is STARTING:
+                hello = self.config.hello_limits
+                self.kill(env, f"sent an invalid frame as its handshake (HELLO) and was killed: {exc} (its caps are "
+                               f"limits.max_hello={hello.max_frame} bytes and "
+                               f"limits.max_hello_objects={hello.max_objects})")
+            else:
+                self.kill(env, f"sent an invalid frame ({exc}) and was killed")
+            return
+        on_message = self.on_message
+        for message in messages:
+            on_message(env, message)
+            if env.state.dead:
+                return
+
+    def _on_message(self, env: Lane, message: list) -> None:
+        code = message[0]
+        if env.state is STARTING:
+            if code == wire.HELLO and len(message) == 3 and message[1] == wire.PROTOCOL_VERSION:
+                problem = self._confinement_problem(env)
+                if problem:
+                    self.kill(env, f"failed the confinement check (what the kernel says of its process, read "
+                                   f"by the worker) and was killed: {problem}")
+                    return
+                env.on("hello")
+                env.reader.limits = self.config.env_limits
+                if env.index == 0 and self.hello is None:  # only lane 0's is ever read: keep no other
+                    self.hello = message[2] if isinstance(message[2], dict) else {}
+                self.budget.unhold(env)
+                if self.slots is not None:  # sized and sealed from lane 0's space (worker/slots.py)
+                    self.slots.on_hello(self.hello, self.config.env_limits, self.envs, self.kill, env)
+                return
+            self.kill(env, f"sent {describe(message)} instead of its handshake (protocol {wire.PROTOCOL_VERSION})")
+            return
+        # Exactly one reply is due per request, carrying its sequence number
+        # (module docstring): anything else is killed at the first frame.
+        if not env.state.due:
+            self.kill(env, f"sent {describe(message)} when no reply was due (a protocol violation) and was killed")
+            return
+        if len(message) < 2 or message[1] != env.seq:
+            self.kill(env, f"sent {describe(message)} with the wrong sequence number while the reply to request "
+                           f"{env.seq} was due (a protocol violation) and was killed")
+            return
+        result = check_reply(message)
+        if result is None or result[0] not in (env.expect, wire.FAILED):
+            self.kill(env, f"sent a malformed reply {describe(message)}")
+            return
+        obs = result[2] if result[0] != wire.FAILED else None
+        if type(obs) is msgpack.ExtType and obs.code == wire.SLOT_EXT:
+            # (wire.decode lets a marker through only as the obs of a step or reset, and only with slots on.)
+            if self.slots is None or not self.slots.sealed[env.index]:
+                self.kill(env, "sent its obs as a slot marker but has no observation slot (a protocol violation) "
+                               "and was killed")
+                return
+            if obs.data != env.seq.to_bytes(8, "little"):
+                self.kill(env, f"sent an observation in its slot for request {int.from_bytes(obs.data, 'little')} "
+                               f"while the reply to request {env.seq} was due (a protocol violation) and was killed")
+                return
+        if env.on("reply") is IN_FLIGHT:  # an async action's result, held for recv
+            self.deliver(env, result, env.cause)
+            return
+        op = self.op
+        if op is not None and message[1] == op.seq and env.index in op.waiting:
+            op.waiting.discard(env.index)
+            op.results[env.index] = result
+            return
+        self.budget.unhold(env)  # a straggler's one late reply: dropped
+
+    def _read_log(self, env: Lane) -> None:
+        data = read_fd(env.logfd)
+        if data is None:
+            return
+        if not data:
+            self.reactor.close_log(env)
+            return
+        log = env.log
+        log += data
+        tail = self.config.log_tail
+        if len(log) > tail:
+            del log[:len(log) - tail]
+
+    def drain_log(self, env: Lane) -> None:
+        """Read what env's log pipe holds now (a bounded amount)."""
+        for _ in range(64):  # at most 4 MiB: the tail is what matters
+            if env.logfd < 0:
+                return
+            before = len(env.log), env.logfd
+            self._read_log(env)
+            if (len(env.log), env.logfd) == before:
+                return
+
     # -- death ----------------------------------------------------------------------
 
     def on_exit(self, env: Lane, status, cause: str = "") -> None:
         """env's process is gone (the spawner reaped it): record why."""
         if env.state.dead:
             return
-        self._drain_log(env)
+        self.drain_log(env)
         if not cause:
             cause = describe_exit(status) + self._limits_hit(env, status)
         self._release(env, f"died: {cause}")
@@ -164,26 +432,27 @@ class Lifecycle:
     def _limits_hit(self, env: Lane, status) -> str:
         """What limit an env that died had hit, by name ('' if none is known)."""
         notes = []
+        limits = self.config.limits
         if self.cgroups is not None:
             oom, refused = (now - base for now, base in zip(self.cgroups.events(env.index), env.events_base))
             if oom > 0:
                 notes.append(f"OOM: killed by the kernel's OOM killer over its memory limit "
-                             f"(memory_limit={self.memory_limit} bytes)")
+                             f"(memory_limit={self.config.memory_limit} bytes)")
             if refused > 0:
                 # The kernel counts a refusal in the forking env's cgroup whichever
                 # limit refused it, its own or the pool's (limits.pool_pids).
-                own, cap = f"its limit of {self.limits['pids']} tasks", self.limits.get("pool_pids")
+                own, cap = f"its limit of {limits['pids']} tasks", limits.get("pool_pids")
                 pools = f"the pool's limit of {cap} tasks for all its envs together (limits.pool_pids)"
                 if self.cgroups.pool_full():
                     where = pools
-                elif cap and cap < len(self.envs) * self.limits["pids"]:
+                elif cap and cap < len(self.envs) * limits["pids"]:
                     where = f"{own} or {pools}"
                 else:
                     where = own
                 notes.append(f"pids limit: {refused} fork(s) refused at {where}")
         signum = _exit_signal(status)
         if signum == signal.SIGXFSZ:
-            notes.append(f"file size limit: it wrote past limits.file_size={self.limits.get('file_size')} bytes")
+            notes.append(f"file size limit: it wrote past limits.file_size={limits.get('file_size')} bytes")
         elif signum == signal.SIGXCPU:
             notes.append("CPU time limit (RLIMIT_CPU)")
         return "".join(f"; {note}" for note in notes)
@@ -191,23 +460,21 @@ class Lifecycle:
     def _release(self, env: Lane, cause: str) -> None:
         """Mark env dead with `cause`; close its fds; the op stops waiting for it,
         an async action in flight is finished with the failure."""
-        self._close_channel(env)
-        self._close_log(env)
+        self.reactor.close_channel(env)
+        self.reactor.close_log(env)
         env.pid = -1
-        if self.confinement is not None:
-            self.confinement.forget(env.index)
+        self.confinement.forget(env.index)
         was = env.on("die")
         env.cause = cause
-        self.held -= env.held
-        env.held = 0
+        self.budget.release(env)
         if was is IN_FLIGHT:
-            self._finish(env, outcome(None, cause))
+            self.deliver(env, None, cause)
         op = self.op
         if op is not None and env.index in op.waiting:
             op.waiting.discard(env.index)
             op.results[env.index] = None  # failure: see env.cause
 
-    def _kill(self, env: Lane, cause: str) -> None:
+    def kill(self, env: Lane, cause: str) -> None:
         """Kill env's sandbox now, its whole tree; the spawner reaps it."""
         if env.state.dead:
             return
@@ -215,27 +482,38 @@ class Lifecycle:
         if self.cgroups is not None:
             self.cgroups.kill(env.index)  # and thaws it: killed tasks die on the way out
         self.freeze_pending.discard(env.index)
-        self._drain_log(env)
+        self.drain_log(env)
         self._release(env, cause)
+
+    def close(self) -> float:
+        """Kill every lane and stop the spawner (by a deadline of 5 s); that deadline, for the cgroups."""
+        for env in self.envs:
+            self.kill(env, "pool closed")
+        deadline = time.monotonic() + 5.0
+        self.spawner.close(deadline)
+        return deadline
 
     # -- the freezer (serialize_measurement) ------------------------------------------
 
     def _on_message_freezing(self, env: Lane, message: list) -> None:
-        """_on_message of a pool that freezes its envs (serialize_measurement):
+        """on_message of a pool that freezes its envs (serialize_measurement):
         an env's handshake or reply ends its work, so it is frozen first, before
         the reply can pass the gate on. If the message is refused, the kill thaws."""
         if env.state is STARTING or (env.state.due and len(message) >= 2 and message[1] == env.seq):
             self._freeze(env)
-        Reactor._on_message(self, env, message)
+        self._on_message(env, message)
 
     def _freeze(self, env: Lane) -> None:
+        assert self.cgroups is not None  # freezing needs them
         try:
             self.cgroups.freeze(env.index)
         except OSError:
             return  # its cgroup is gone: so is the env
         self.freeze_pending.add(env.index)
 
-    def _thaw(self, env: Lane) -> None:
+    def thaw(self, env: Lane) -> None:
+        """env runs (its turn, its own request); only with the freezer."""
+        assert self.cgroups is not None
         self.freeze_pending.discard(env.index)
         try:
             self.cgroups.thaw(env.index)
@@ -244,7 +522,8 @@ class Lifecycle:
 
     def _freeze_template(self) -> bool:
         """Start freezing the template's cgroup (a gated turn begins); whether it is frozen or freezing."""
-        if self.spawner is None or self.spawner.kind != "template" or not self.spawner.alive():
+        spawner = self.spawner
+        if not isinstance(spawner, TemplateSpawner) or not spawner.alive() or self.cgroups is None:
             return False
         if not self.template_frozen:
             try:
@@ -254,41 +533,44 @@ class Lifecycle:
             self.template_frozen = True
         return True
 
-    def _thaw_template(self) -> None:
+    def thaw_template(self) -> None:
         """A gated turn is over (or the template is needed: a fork, a death to reap)."""
         if self.template_frozen:
             self.template_frozen = False
+            assert self.cgroups is not None
             try:
                 self.cgroups.thaw(TEMPLATE_LANE)
             except OSError:
                 pass
 
     @contextlib.contextmanager
-    def template_thawed(self):
+    def template_thawed(self) -> Iterator[None]:
         """Context in which the template runs (it forks): thawed if a turn froze it.
         The next turn freezes it again."""
-        self._thaw_template()
+        self.thaw_template()
         yield
 
-    def _all_frozen(self) -> None:
+    def all_frozen(self) -> None:
         """Before a turn at the gate: wait until every env asked to freeze, and
         the template, are frozen. Freezing takes each task out of whatever it
         runs; an env that cannot be frozen in time is killed, and a template
         that cannot is given up (its envs with it), so the gate's promise holds."""
         template = self._freeze_template()
+        cgroups = self.cgroups
+        assert cgroups is not None
+        spawner = self.spawner
         now = time.monotonic()
-        deadline = now + min(self.step_timeout, 2.0)
+        deadline = now + min(self.config.step_timeout, 2.0)
         spin_until = now + 0.002  # a freeze mostly lands within ~0.1 ms: re-read before sleeping
         pause = 0.0001
-        while template:
+        while template and isinstance(spawner, TemplateSpawner):
             try:
-                if self.cgroups.frozen(TEMPLATE_LANE) or not self.spawner.alive():
+                if cgroups.frozen(TEMPLATE_LANE) or not spawner.alive():
                     break
             except OSError:
                 break
             if time.monotonic() >= deadline:
-                self.spawner.failure = "it could not be frozen outside its children's turns (serialize_measurement)"
-                self.spawner._lost()
+                spawner.give_up("it could not be frozen outside its children's turns (serialize_measurement)")
                 break
             time.sleep(pause)
             pause = min(pause * 2, 0.005)
@@ -297,7 +579,7 @@ class Lifecycle:
             for index in list(self.freeze_pending):
                 env = self.envs[index]
                 try:
-                    done = env.state.dead or self.cgroups.frozen(index)
+                    done = env.state.dead or cgroups.frozen(index)
                 except OSError:
                     done = True
                 if done:
@@ -307,12 +589,18 @@ class Lifecycle:
             if time.monotonic() >= deadline:
                 for index in list(self.freeze_pending):
                     self.freeze_pending.discard(index)
-                    self._kill(self.envs[index], "could not be frozen outside its turn (serialize_measurement) "
-                                                 "and was killed")
+                    self.kill(self.envs[index], "could not be frozen outside its turn (serialize_measurement) "
+                                                "and was killed")
                 return
             if time.monotonic() >= spin_until:
                 time.sleep(pause)
                 pause = min(pause * 2, 0.005)
+
+
+def _no_async(env: Lane, reply: list | None, cause: str) -> None:
+    raise AssertionError(f"lane {env.index} finished an async action with no stepping part to take it")
+
+
 
 
 def _exit_signal(status) -> int:

@@ -1,145 +1,150 @@
-"""The worker's event loop: one epoll over every fd, frames in and out, the byte budget.
+"""The worker's event loop: one epoll over every fd, the client's connection, an env's fds, the byte budget.
 
     client socket --frames--> _read_client --> client_inbox --> server.Worker.serve
-    env channel   --bytes---> _read_channel --FrameReader(limits)--> _on_message --lane.on("reply")-->
-                                                the sync request's Op (requests.py) or recv's queue (stepping.py)
-    env log pipe  --bytes---> _read_log (a bounded tail)
-    pidfds, the template's control socket --> the spawners' callbacks (spawn.py, via watch())
-    _write / _flush: frames to an env's channel (its write end, wchan), buffered when it is full
+    env channel   --readable--> the callback lifecycle.py registered (watch_channel): its frames
+    env log pipe, pidfds, the template's control socket --> their callbacks (watch)
+    write / flush: frames to an env's channel (its write end, wchan), buffered when it is full
 
-Everything an env writes is untrusted: frames are capped and decoded with
-limits (size, lengths, objects per frame, nesting depth: wire.Limits, from
-[limits] in sandbox/policy.toml; the handshake has caps of its own), replies
-are checked for shape, logs keep a bounded tail, the bytes the pool holds for
-replies not yet returned are bounded (limits.max_pool_bytes), and an env that
-breaks any rule is killed and reported on its lane. Nothing here walks an
-env's value recursively: decoding is msgpack's C code under those limits,
-descriptions in errors go through reprlib (bounded depth and width).
-
-Which frames are due. Each request to an env (STEP, RESET, RENDER, ATTR) carries a
-fresh sequence number, and exactly one reply carrying that number is due
-until it comes (State.due, lanes.py). A straggler (past its deadline) still
-owes it, so its one late reply is legitimate: it frees the lane and is
-dropped, as the README says. Every other frame is a protocol violation that
-kills the lane at once, before anything else it sent is decoded: a frame when
-no reply is due (a second reply, anything after a dropped late one, anything
-from an idle env), a frame with any other sequence number (older or newer),
-and a reply of the wrong kind or shape. So an env cannot make the worker
-decode frames it then ignores.
+A Reactor is one object, handed to the parts that use it (lifecycle.py,
+requests.py, stepping.py, the spawners through spawn.SpawnContext): it
+knows fds and callbacks, never what a lane's frames mean. Budget counts
+the bytes the pool holds for replies not yet returned (limits.max_pool_bytes).
 
 The client's socket stays in the epoll set during every wait, so a client
-that dies tears the pool down even in the middle of a step. Stragglers past
-their grace are killed from here (`overdue`), whatever call is running.
-
-A mixin of server.Worker: lifecycle.py kills and releases lanes, stepping.py
-holds async results (`_finish`), requests.py owns `op`.
+that dies tears the pool down even in the middle of a step. The shape of a
+valid reply (check_reply) and the bounded repr of what an env sent
+(describe) live here for every part that reads frames.
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import reprlib
 import select
-import time
-
-import msgpack
+import socket
+from typing import Any, Callable
 
 from boltzlabs import wire
 from boltzlabs.errors import ClientGone
-from boltzlabs.worker.lanes import BUSY, IN_FLIGHT, STARTING, Lane
-from boltzlabs.worker.stepping import outcome
+from boltzlabs.worker.lanes import Lane
 
 OBJECT_COST = 64  # bytes a decoded object is charged to the pool's budget (an empty list is 56, a dict 64+)
 READ_SIZE = 1 << 16
 
 
-class Reactor:
-    """The epoll loop and the fds it serves (a mixin of server.Worker)."""
+class Budget:
+    """The bytes the pool holds for replies not yet returned (limits.max_pool_bytes).
 
-    def _init_reactor(self, conn, remote: dict | None) -> None:
-        self.conn = conn
+    Every byte a lane sends, and ~OBJECT_COST per object it decodes to, is
+    charged to the lane (`Lane.held`) and to this sum until the reply leaves
+    in a REPLY or the lane dies. Over `limit`, the lane charged is killed
+    (by its caller) before what it sent is decoded."""
+
+    def __init__(self, limit: int):
+        self.limit: int = limit  # limits.max_pool_bytes of sandbox/policy.toml
+        self.held: int = 0  # the sum of every lane's `held`: at most `limit` after a charge that succeeds
+
+    def charge(self, env: Lane, amount: int) -> bool:
+        """Count `amount` against env and the pool; whether the pool is still within its limit."""
+        env.held += amount
+        self.held += amount
+        return self.held <= self.limit
+
+    def over(self, env: Lane) -> str:
+        """Why env is killed for going over."""
+        return (f"killed: the pool would hold more than limits.max_pool_bytes={self.limit} bytes of "
+                f"replies not yet returned (this env's: {env.held}, decoded objects counted at {OBJECT_COST} "
+                "bytes each); send less per step, or raise the limit in sandbox/policy.toml")
+
+    def unhold(self, env: Lane) -> None:
+        """The pool no longer holds what env sent (but a partial frame it buffers)."""
+        keep = env.reader.pending
+        self.held -= env.held - keep
+        env.held = keep
+
+    def release(self, env: Lane) -> None:
+        """Nothing of env's is held any more (it died)."""
+        self.held -= env.held
+        env.held = 0
+
+    def add(self, amount: int) -> None:
+        """Bytes held outside any lane's count (the native step's replies, until its REPLY)."""
+        self.held += amount
+
+    def free(self, amount: int) -> None:
+        """Bytes that left with a REPLY (their lanes' counts already cleared by the caller)."""
+        self.held -= amount
+
+    def room(self) -> int:
+        """How many more bytes the pool may hold."""
+        return self.limit - self.held
+
+
+# What the epoll table says of an fd: its kind and the callback for it.
+CHAN, WCHAN, CALL, CLIENT = "chan", "wchan", "call", "client"
+
+
+class Reactor:
+    """The epoll set, the table of who serves each fd, and the client's connection.
+
+    An env's channel (CHAN) is read by the callback its owner registered
+    (lifecycle.Lifecycle._read_channel) and flushed here when EPOLLOUT says
+    it can take the rest of a frame; a pipe channel's write end (WCHAN) is in
+    the set only while a frame waits; every other fd (CALL: a log pipe,
+    a pidfd, the template's control socket) has a callback of its own."""
+
+    def __init__(self, conn: socket.socket, remote: dict | None):
+        self.conn: socket.socket = conn  # the client's socket (one frame per call each way)
         max_frame = remote["max_frame"] if remote else 1 << 30
         # A remote client is as hostile as an env: its frames make a bounded
         # number of objects (~64 bytes each) nested a bounded depth. A local
         # client is the trainer itself, and its big batches stay hook-free.
         guard = dict(max_depth=wire.MAX_DEPTH, max_objects=max(1 << 20, max_frame // 32)) if remote else {}
-        self.client_reader = wire.FrameReader(wire.Limits(max_frame, max_array_len=1 << 24, max_map_len=1 << 20,
-                                                          arrays="pass", **guard))
-        self.client_inbox: list = []
-        self.epoll = select.epoll()
-        self.handlers: dict[int, tuple] = {}
+        # The client's frames: decoded as they come, whatever call is running.
+        self.client_reader: wire.FrameReader = wire.FrameReader(
+            wire.Limits(max_frame, max_array_len=1 << 24, max_map_len=1 << 20, arrays="pass", **guard))
+        self.client_inbox: list = []  # the client's messages not yet served (server.Worker._next_request)
+        self.epoll: select.epoll = select.epoll()  # every fd the worker waits on
+        # fd -> (kind, callback, argument): what poll() does when fd is ready.
+        self.handlers: dict[int, tuple[str, Callable[[Any], None], Any]] = {}
         self.epoll.register(conn.fileno(), select.EPOLLIN)
-        self.handlers[conn.fileno()] = ("client", None)
-        # (kill time, lane, seq) of stragglers: a lane still owing the reply to
-        # request seq at its kill time (deadline + straggler_grace) is killed.
-        # Each is "now + grace" when set, so the deque is sorted.
-        self.overdue: collections.deque[tuple] = collections.deque()
-        self.straggler_grace = float("inf")
-        self.held = 0  # the sum of every lane's `held`: bounded by max_pool_bytes
-        self.max_pool_bytes = 1 << 30
+        self.handlers[conn.fileno()] = (CLIENT, self._read_client_ready, None)
 
-    # -- the loop ---------------------------------------------------------------------
-
-    def _poll(self, timeout: float) -> None:
-        """One round of epoll: read every ready fd, handle what arrived; then
-        kill the stragglers past their grace (waking up in time for them)."""
-        overdue = self.overdue
-        if overdue:
-            due = max(0.0, overdue[0][0] - time.monotonic())
-            timeout = due if timeout is None or timeout < 0 else min(timeout, due)
+    def poll(self, timeout: float | None) -> None:
+        """One round of epoll: every ready fd served by its handler (None: wait until one is)."""
+        handlers = self.handlers
         for fd, events in self.epoll.poll(timeout):
-            kind, env = self.handlers.get(fd, (None, None))
-            if kind == "chan":
+            kind, callback, arg = handlers.get(fd, _NOBODY)
+            if kind is CHAN:
                 if events & select.EPOLLOUT:
-                    self._flush(env)
+                    self.flush(arg)
                 if events & (select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR):
-                    self._read_channel(env)
-            elif kind == "wchan":  # a pipe channel's write end, watched only while a frame waits
-                self._flush(env)
-            elif kind == "log":
-                self._read_log(env)
-            elif kind == "call":
-                env[0](env[1])
-            elif kind == "client":
-                self._read_client()
-        if overdue:
-            self._kill_overdue()
+                    callback(arg)
+            elif callback is not None:
+                callback(arg)
 
-    def watch(self, fd: int, callback, arg) -> None:
-        """Call `callback(arg)` whenever fd is readable (for the spawners)."""
+    def watch(self, fd: int, callback: Callable[[Any], None], arg: Any) -> None:
+        """Call `callback(arg)` whenever fd is readable (a log pipe, the spawners' fds)."""
         self.epoll.register(fd, select.EPOLLIN)
-        self.handlers[fd] = ("call", (callback, arg))
+        self.handlers[fd] = (CALL, callback, arg)
+
+    def watch_channel(self, env: Lane, callback: Callable[[Lane], None]) -> None:
+        """Call `callback(env)` whenever env's channel is readable (or at its end)."""
+        self.epoll.register(env.chan, select.EPOLLIN)
+        self.handlers[env.chan] = (CHAN, callback, env)
 
     def unwatch(self, fd: int) -> None:
         """Stop watching fd (before it is closed: the number may be reused at once)."""
-        self._unregister(fd)
-
-    def _unregister(self, fd: int) -> None:
         self.handlers.pop(fd, None)
         try:
             self.epoll.unregister(fd)
         except (OSError, ValueError):
             pass
 
-    def _straggling(self, env: Lane) -> None:
-        """env missed its deadline and is still running: it has straggler_grace
-        seconds more to answer, then it is killed (its CPU time is bounded)."""
-        if env.state is BUSY:  # a sync request's (an async one's is expired by stepping.py)
-            env.on("deadline")
-        self.overdue.append((time.monotonic() + self.straggler_grace, env.index, env.seq))
-
-    def _kill_overdue(self) -> None:
-        now = time.monotonic()
-        overdue = self.overdue
-        while overdue and overdue[0][0] <= now:
-            _, index, seq = overdue.popleft()
-            env = self.envs[index]
-            if env.state.due and env.seq == seq:
-                self._kill(env, f"killed: still running {self.straggler_grace:g} s after missing its deadline "
-                                f"of {self.step_timeout:g} s (limits.straggler_grace)")
-
     # -- the client -------------------------------------------------------------------
+
+    def _read_client_ready(self, _: None) -> None:
+        self._read_client()
 
     def _read_client(self) -> None:
         try:
@@ -155,7 +160,7 @@ class Reactor:
         except wire.ProtocolError as exc:
             # The stream's frame boundaries are lost: say why, then end the pool.
             try:
-                self._send([wire.ERROR, 0, "ProtocolError", f"the client sent a bad frame: {exc}", {}])
+                self.send([wire.ERROR, 0, "ProtocolError", f"the client sent a bad frame: {exc}", {}])
             except OSError:
                 pass
             raise ClientGone from None
@@ -163,171 +168,14 @@ class Reactor:
             raise ClientGone  # close wins, even in the middle of a step
         self.client_inbox.extend(messages)
 
-    def _send(self, message) -> None:
+    def send(self, message) -> None:
+        """One frame to the client."""
         self.conn.sendall(wire.encode(message))
 
-    # -- reading an env ---------------------------------------------------------------
+    # -- an env's fds -------------------------------------------------------------------
 
-    def _read_channel(self, env: Lane) -> None:
-        data = _read(env.chan)
-        if data is None:
-            return
-        if not data:
-            self._close_channel(env)
-            # It has ended (or is ending): a template frozen for a turn must
-            # run to reap it and say how it died.
-            self._thaw_template()
-            return
-        self._take(env, data)
-
-    def _take(self, env: Lane, data: bytes) -> None:
-        """Bytes read from env's channel (by the event loop, or by the native
-        step path, requests._step_native): charged, framed, decoded under the
-        limits, and handled."""
-        if not self._charge(env, len(data)):
-            return
-        try:
-            messages = env.reader.feed(data)
-            limits = env.reader.limits
-            if limits.made:
-                # What the decoded frames cost beyond their bytes, ~64 bytes
-                # per object (a list, a dict entry, a str), is charged too.
-                cost = limits.made * OBJECT_COST
-                limits.made = 0
-                if not self._charge(env, cost):
-                    return
-        except wire.ProtocolError as exc:
-            env.reader.limits.made = 0
-            if env.state is STARTING:
-                self._kill(env, f"sent an invalid frame as its handshake (HELLO) and was killed: {exc} (its caps are "
-                                f"limits.max_hello={self.hello_limits.max_frame} bytes and "
-                                f"limits.max_hello_objects={self.hello_limits.max_objects})")
-            else:
-                self._kill(env, f"sent an invalid frame ({exc}) and was killed")
-            return
-        for message in messages:
-            self._on_message(env, message)
-            if env.state.dead:
-                return
-
-    def _on_message(self, env: Lane, message: list) -> None:
-        code = message[0]
-        if env.state is STARTING:
-            if code == wire.HELLO and len(message) == 3 and message[1] == wire.PROTOCOL_VERSION:
-                problem = self._confinement_problem(env)
-                if problem:
-                    self._kill(env, f"failed the confinement check (what the kernel says of its process, read "
-                                    f"by the worker) and was killed: {problem}")
-                    return
-                env.on("hello")
-                env.reader.limits = self.env_limits
-                if env.index == 0 and self.hello is None:  # only lane 0's is ever read: keep no other
-                    self.hello = message[2] if isinstance(message[2], dict) else {}
-                self._unhold(env)
-                if self.slots is not None:  # sized and sealed from lane 0's space (worker/slots.py)
-                    self.slots.on_hello(self, env)
-                return
-            self._kill(env, f"sent {describe(message)} instead of its handshake (protocol {wire.PROTOCOL_VERSION})")
-            return
-        # Exactly one reply is due per request, carrying its sequence number
-        # (module docstring): anything else is killed at the first frame.
-        if not env.state.due:
-            self._kill(env, f"sent {describe(message)} when no reply was due (a protocol violation) and was killed")
-            return
-        if len(message) < 2 or message[1] != env.seq:
-            self._kill(env, f"sent {describe(message)} with the wrong sequence number while the reply to request "
-                            f"{env.seq} was due (a protocol violation) and was killed")
-            return
-        result = check_reply(message)
-        if result is None or result[0] not in (env.expect, wire.FAILED):
-            self._kill(env, f"sent a malformed reply {describe(message)}")
-            return
-        obs = result[2] if result[0] != wire.FAILED else None
-        if type(obs) is msgpack.ExtType and obs.code == wire.SLOT_EXT:
-            # (wire.decode lets a marker through only as the obs of a step or reset, and only with slots on.)
-            if self.slots is None or not self.slots.sealed[env.index]:
-                self._kill(env, "sent its obs as a slot marker but has no observation slot (a protocol violation) "
-                                "and was killed")
-                return
-            if obs.data != env.seq.to_bytes(8, "little"):
-                self._kill(env, f"sent an observation in its slot for request {int.from_bytes(obs.data, 'little')} "
-                                f"while the reply to request {env.seq} was due (a protocol violation) and was killed")
-                return
-        if env.on("reply") is IN_FLIGHT:  # an async action's result, held for recv
-            self._finish(env, outcome(result, env.cause))
-            return
-        op = self.op
-        if op is not None and message[1] == op.seq and env.index in op.waiting:
-            op.waiting.discard(env.index)
-            op.results[env.index] = result
-            return
-        self._unhold(env)  # a straggler's one late reply: dropped
-
-    def _read_log(self, env: Lane) -> None:
-        data = _read(env.logfd)
-        if data is None:
-            return
-        if not data:
-            self._close_log(env)
-            return
-        log = env.log
-        log += data
-        if len(log) > self.log_tail:
-            del log[:len(log) - self.log_tail]
-
-    def _drain_log(self, env: Lane) -> None:
-        for _ in range(64):  # at most 4 MiB: the tail is what matters
-            if env.logfd < 0:
-                return
-            before = len(env.log), env.logfd
-            self._read_log(env)
-            if (len(env.log), env.logfd) == before:
-                return
-
-    def _close_channel(self, env: Lane) -> None:
-        """Close both ends the worker holds (one fd for a socket, two for pipes)."""
-        if env.wchan >= 0 and env.wchan != env.chan:
-            self._unregister(env.wchan)
-            os.close(env.wchan)
-        env.wchan = -1
-        if env.chan >= 0:
-            self._unregister(env.chan)
-            os.close(env.chan)
-            env.chan = -1
-        env.out = b""
-
-    def _close_log(self, env: Lane) -> None:
-        if env.logfd >= 0:
-            self._unregister(env.logfd)
-            os.close(env.logfd)
-            env.logfd = -1
-
-    # -- the pool's byte budget ---------------------------------------------------------
-
-    def _charge(self, env: Lane, amount: int) -> bool:
-        """Count `amount` against env and the pool's budget; over it, env is
-        killed (before what it sent is decoded, when that is what is charged)."""
-        env.held += amount
-        self.held += amount
-        if self.held <= self.max_pool_bytes:
-            return True
-        self._kill(env, self._over_budget(env))
-        return False
-
-    def _over_budget(self, env: Lane) -> str:
-        return (f"killed: the pool would hold more than limits.max_pool_bytes={self.max_pool_bytes} bytes of "
-                f"replies not yet returned (this env's: {env.held}, decoded objects counted at {OBJECT_COST} "
-                "bytes each); send less per step, or raise the limit in sandbox/policy.toml")
-
-    def _unhold(self, env: Lane) -> None:
-        """The pool no longer holds what env sent (but a partial frame it buffers)."""
-        keep = env.reader.pending
-        self.held -= env.held - keep
-        env.held = keep
-
-    # -- writing to an env --------------------------------------------------------------
-
-    def _write(self, env: Lane, data: bytes) -> None:
+    def write(self, env: Lane, data: bytes) -> None:
+        """A frame to env's channel; what it cannot take now waits in env.out."""
         if env.out:
             env.out += data
             return
@@ -339,25 +187,25 @@ class Reactor:
             # EPIPE (the worker ignores SIGPIPE, as Python does): the env closed
             # its end or exited; EBADF: closed already. The channel is gone, as
             # at EOF; the pidfd or the deadline says what became of the env.
-            self._close_channel(env)
+            self.close_channel(env)
             return
         if sent < len(data):
             env.out = data[sent:]
-            self._watch_out(env, True)
+            self.watch_out(env, True)
 
-    def _flush(self, env: Lane) -> None:
+    def flush(self, env: Lane) -> None:
         try:
             sent = os.write(env.wchan, env.out)
         except BlockingIOError:
             return
         except OSError:
-            self._close_channel(env)
+            self.close_channel(env)
             return
         env.out = env.out[sent:]
         if not env.out:
-            self._watch_out(env, False)
+            self.watch_out(env, False)
 
-    def _watch_out(self, env: Lane, on: bool) -> None:
+    def watch_out(self, env: Lane, on: bool) -> None:
         """Wake the loop when env's channel can take more (EPOLLOUT) while
         env.out holds a frame's rest, and only then: a pipe's write end is
         always writable while the env reads, so it is in the epoll set only
@@ -366,12 +214,33 @@ class Reactor:
             self.epoll.modify(env.chan, select.EPOLLIN | select.EPOLLOUT if on else select.EPOLLIN)
         elif on:
             self.epoll.register(env.wchan, select.EPOLLOUT)
-            self.handlers[env.wchan] = ("wchan", env)
+            self.handlers[env.wchan] = (WCHAN, self.flush, env)
         else:
-            self._unregister(env.wchan)
+            self.unwatch(env.wchan)
+
+    def close_channel(self, env: Lane) -> None:
+        """Close both ends the worker holds (one fd for a socket, two for pipes)."""
+        if env.wchan >= 0 and env.wchan != env.chan:
+            self.unwatch(env.wchan)
+            os.close(env.wchan)
+        env.wchan = -1
+        if env.chan >= 0:
+            self.unwatch(env.chan)
+            os.close(env.chan)
+            env.chan = -1
+        env.out = b""
+
+    def close_log(self, env: Lane) -> None:
+        if env.logfd >= 0:
+            self.unwatch(env.logfd)
+            os.close(env.logfd)
+            env.logfd = -1
 
 
-def _read(fd: int) -> bytes | None:
+_NOBODY: tuple[str, Any, Any] = ("", None, None)
+
+
+def read_fd(fd: int) -> bytes | None:
     """What a non-blocking fd has: bytes, b"" at its end (or an error), None for nothing yet."""
     try:
         return os.read(fd, READ_SIZE)

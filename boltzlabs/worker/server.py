@@ -44,16 +44,15 @@ from boltzlabs import wire
 from boltzlabs.worker import native
 from boltzlabs.sandbox.builder import SandboxSpec
 from boltzlabs.sandbox.cgroups import CgroupPool, CgroupUnavailable
-from boltzlabs.sandbox.identity import host_account
+from boltzlabs.sandbox.identity import HostAccount, host_account
 from boltzlabs.sandbox.policy import compile_sandbox_code, find_bwrap, load_policy
-from boltzlabs.worker.config import PIPES, parse_open, raise_fd_limit
-from boltzlabs.worker.confinement import Confinement
-from boltzlabs.worker.lanes import IDLE, Lane
+from boltzlabs.worker.config import PIPES, PoolConfig, parse_open, raise_fd_limit
+from boltzlabs.worker.lanes import IDLE
 from boltzlabs.worker.lifecycle import (ABANDONED, PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, Lifecycle, StartFailure,
                                         guard_cgroups, guard_closed, prctl, warmup_note)
-from boltzlabs.worker.reactor import ClientGone, Reactor, describe
+from boltzlabs.worker.reactor import Budget, ClientGone, Reactor, describe
 from boltzlabs.worker.requests import Requests, tail
-from boltzlabs.worker.spawn import ExecSpawner, TemplateSpawner, TemplateUnavailable, reap_orphans
+from boltzlabs.worker.spawn import TemplateSpawner, TemplateUnavailable, reap_orphans
 from boltzlabs.worker.slots import Slots
 from boltzlabs.worker.stepping import Stepping
 
@@ -80,23 +79,34 @@ def _sweep_env_fns() -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-class Worker(Reactor, Lifecycle, Requests, Stepping):
-    """Owns the sandboxes of one pool and serves one client."""
+class Worker:
+    """Owns the sandboxes of one pool and serves one client: the parts below, composed.
+
+    The reactor (epoll, the fd table, the client's connection) exists from
+    the start; open() makes the rest once the pool's config is known: the
+    byte budget, the lifecycle (the lanes, the spawner, the freezer),
+    stepping (send/recv, the gate) and requests (step, reset, render, attr,
+    the reads), each handed the parts it uses."""
 
     def __init__(self, conn: socket.socket, remote: dict | None = None):
         # A remote pool (remote/listener.py): the listener chose the env
         # directory (a client never names a path on this host) and caps what it may ask for.
-        self.remote = remote
-        self._init_reactor(conn, remote)
-        self._init_lifecycle()
-        self._init_requests()
-        self._init_stepping()
-        self.shutdown_reason = None
-        self.warning = ""
-        self.memory_note = ""
-        self.limits_note = ""
-        self.gate_note = ""
-        self._packer = msgpack.Packer(use_bin_type=True)
+        self.remote: dict | None = remote
+        self.reactor: Reactor = Reactor(conn, remote)  # epoll, the fd table, the client's frames
+        self.config: PoolConfig | None = None  # the pool OPEN asked for (config.py), once parsed
+        self.budget: Budget | None = None  # limits.max_pool_bytes: what the pool holds of replies
+        self.lifecycle: Lifecycle | None = None  # the lanes, the spawner, the freezer (open())
+        self.stepping: Stepping | None = None  # send/recv and the serialize_measurement gate (open())
+        self.requests: Requests | None = None  # step, reset, render, attr and the reads (open())
+        self.cgroups: CgroupPool | None = None  # the pool's cgroups, None without them
+        self.account: HostAccount | None = None  # the host account every sandbox runs as
+        self.shutdown_reason: str | None = None  # the owner's reason, once it shut the pool down
+        self.warning = ""  # spawn="template" fell back to exec, and why
+        self.memory_source = ""  # where memory() figures come from (cgroup accounting or PSS)
+        self.memory_note = ""  # why there is no cgroup accounting, and the fix
+        self.limits_note = ""  # limits the host cannot enforce (pids without cgroups)
+        self.gate_note = ""  # serialize_measurement without a freezer
+        self.packer: msgpack.Packer = msgpack.Packer(use_bin_type=True)  # every lane's action frame
         # The step's hot path in C (native.py), or None for pure Python; the
         # client warns with the note when the extension is missing.
         self.fastpath, self.fastpath_note = native.load()
@@ -104,79 +114,69 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
             # Big observations: the same megabytes allocated and freed every step
             # stay in the heap instead of being faulted in again (keep_heap's doc).
             self.fastpath.keep_heap()
-        self.channel = PIPES  # each env's channel: PIPES or SOCKETPAIR, decided by open()
-        self.env_fns_dir = None  # an env_fns pool's private directory (its thunks' file), removed at close
+        self.channel: str = PIPES  # each env's channel: PIPES or SOCKETPAIR, decided by open()
+        self.env_fns_dir: str | None = None  # an env_fns pool's private directory (its thunks' file), removed at close
         self.slots: Slots | None = None  # the envs' observation slots (slots.py), a local pool's
 
     def open(self, request) -> dict:
         """Start the pool OPEN asks for; the READY info, or an exception saying why not."""
-        self.policy = load_policy()
-        config = self.config = parse_open(request, self.remote, self.policy)
-        # What the loop reads on every call, and spawn.py reads, as attributes.
-        self.env_limits, self.hello_limits = config.env_limits, config.hello_limits
-        self.max_pool_bytes, self.log_tail = config.max_pool_bytes, config.log_tail
-        self.start_timeout, self.step_timeout, self.gated = config.start_timeout, config.step_timeout, config.gated
-        self.limits, self.memory_limit = config.limits, config.memory_limit
-        self.straggler_grace = config.straggler_grace
-        self.warmup = config.warmup
+        policy = load_policy()
+        config = self.config = parse_open(request, self.remote, policy)
         find_bwrap()  # before the account's checks: a host without bwrap is told that first
         compile_sandbox_code()  # what every sandbox imports, as .pyc: the sandbox cannot write them
-        self.account = host_account(self.policy.sandbox.get("identity", {}))
+        self.account = host_account(policy.sandbox.get("identity", {}))
         # The policy compiled once (boltzlabs.sandbox.plan); both spawners use this spec's plan.
-        self.spec = SandboxSpec(self.policy, config.source_dir, config.workspace_size, config.params,
-                                self.account, self.limits, env_fns=self._write_env_fns(config.env_fns),
-                                import_roots=config.import_roots, env_vars=config.env_vars)
-        self.warmup_timeout = self.spec.plan.warmup_timeout if self.warmup else 0.0
+        spec = SandboxSpec(policy, config.source_dir, config.workspace_size, config.params,
+                           self.account, config.limits, env_fns=self._write_env_fns(config.env_fns),
+                           import_roots=config.import_roots, env_vars=config.env_vars)
         n = config.n
+        limits = config.limits
         # Two pipes per env, or a socketpair when the fd limit cannot hold them (config.py).
         self.channel = raise_fd_limit(n)
         self.slots = Slots.wanted(request, self.remote, n, self.channel, config.env_limits.max_frame)
         guardian = None
         try:
-            self.cgroups = CgroupPool(self.memory_limit, self.limits.get("pids"), freezer=self.gated,
-                                      pool_pids=self.limits.get("pool_pids"))
-            if (self.limits.get("pids") or self.limits.get("pool_pids")) and not self.cgroups.limits_pids:
+            self.cgroups = CgroupPool(config.memory_limit, limits.get("pids"), freezer=config.gated,
+                                      pool_pids=limits.get("pool_pids"))
+            if (limits.get("pids") or limits.get("pool_pids")) and not self.cgroups.limits_pids:
                 self.limits_note = (f"no writable pids cgroup here: the per-env pids limit "
-                                    f"({self.limits.get('pids')} tasks) and the pool's "
-                                    f"({self.limits.get('pool_pids')} tasks) are not enforced; {DELEGATE_FIX}")
+                                    f"({limits.get('pids')} tasks) and the pool's "
+                                    f"({limits.get('pool_pids')} tasks) are not enforced; {DELEGATE_FIX}")
             self.memory_source = f"cgroup {self.cgroups.version} working set (usage - inactive file), kernel memory included"
         except CgroupUnavailable as exc:
             self.cgroups = None
             self.memory_source = "psutil PSS of each sandbox's processes (no writable memory cgroup)"
             self.memory_note = f"no cgroup memory accounting: {exc}; envs_per_gb() uses PSS instead; {DELEGATE_FIX}"
-            if self.limits.get("pids") or self.limits.get("pool_pids"):
-                self.limits_note = (f"no cgroups here: the per-env pids limit ({self.limits.get('pids')} tasks) "
-                                    f"and the pool's ({self.limits.get('pool_pids')} tasks) are not enforced; "
+            if limits.get("pids") or limits.get("pool_pids"):
+                self.limits_note = (f"no cgroups here: the per-env pids limit ({limits.get('pids')} tasks) "
+                                    f"and the pool's ({limits.get('pool_pids')} tasks) are not enforced; "
                                     f"{DELEGATE_FIX}")
-            if self.memory_limit:
+            if config.memory_limit:
                 raise ValueError(f"memory_limit needs a writable memory cgroup, and this host has none ({exc}); "
                                  f"{DELEGATE_FIX}")
         if self.cgroups is not None:
             # However this worker dies, its cgroups go with it (and the room made for them).
             guardian = guard_cgroups(self.cgroups.paths, self.cgroups.release)
-        if self.gated:
-            self.freezing = self.cgroups is not None and self.cgroups.freezes
-            if self.freezing:
-                self._on_message = self._on_message_freezing
-            else:
-                why = self.cgroups.freezer_note if self.cgroups is not None else "no writable cgroups here"
-                self.gate_note = (f"serialize_measurement cannot freeze envs outside their turn ({why}): "
-                                  "step calls still run one at a time, but threads or child processes an env "
-                                  "leaves running after its reply keep running during other envs' turns")
-        self.envs = [Lane(i, self.env_limits) for i in range(n)]
-        # What the kernel must say of every lane's process (and the probe's) before its first request.
-        self.confinement = Confinement(self.spec.plan.namespaces, len(self.spec.programs()),
-                                       self.account.uid, self.account.gid)
-        self.spawner = ExecSpawner(self)
+        if config.gated and not (self.cgroups is not None and self.cgroups.freezes):
+            why = self.cgroups.freezer_note if self.cgroups is not None else "no writable cgroups here"
+            self.gate_note = (f"serialize_measurement cannot freeze envs outside their turn ({why}): "
+                              "step calls still run one at a time, but threads or child processes an env "
+                              "leaves running after its reply keep running during other envs' turns")
+        budget = self.budget = Budget(config.max_pool_bytes)
+        lifecycle = self.lifecycle = Lifecycle(self.reactor, budget, config, spec, self.channel, self.cgroups,
+                                               self.slots)
+        self.stepping = Stepping(self.reactor, lifecycle, budget, config, self.packer)
+        self.requests = Requests(self.reactor, lifecycle, self.stepping, budget, config, self.fastpath, self.packer)
         if config.spawn == "template":
             try:
-                self.spawner = TemplateSpawner(self)
+                lifecycle.use_template()
             except TemplateUnavailable as exc:
                 self.warning = (f"spawn='template' is not possible for this env, so every env runs its own "
                                 f"interpreter (spawn='exec'), which costs more memory and start-up time: {exc}")
-        warmup = self.spawner.warmup if self.spawner.kind == "template" else None
-        self._start(self.envs, progress=True)
-        failed = [e for e in self.envs if e.state is not IDLE]
+        spawner = lifecycle.spawner
+        warmup = spawner.warmup if isinstance(spawner, TemplateSpawner) else None
+        lifecycle.start(lifecycle.envs, progress=True)
+        failed = [e for e in lifecycle.envs if e.state is not IDLE]
         if failed:
             first = min(failed, key=lambda e: e.cause == ABANDONED)
             raise StartFailure(first.index, f"env {first.index} failed to start: {first.cause}",
@@ -187,9 +187,9 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
             "memory_note": self.memory_note,
             "cgroup": self.cgroups.paths if self.cgroups else None,  # for tests and diagnostics only
             "guardian": guardian,
-            "hello": self.hello,
-            "step_timeout": self.step_timeout,
-            "spawn": self.spawner.kind,
+            "hello": lifecycle.hello,
+            "step_timeout": config.step_timeout,
+            "spawn": spawner.kind,
             "fast_path": self.fastpath is not None,
             "fast_path_note": self.fastpath_note,
             "channel": self.channel,
@@ -229,11 +229,7 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
 
     def close(self) -> None:
         """Kill every sandbox, stop the spawner, remove the cgroups and the account."""
-        for env in self.envs:
-            self._kill(env, "pool closed")
-        deadline = time.monotonic() + 5.0
-        if self.spawner is not None:
-            self.spawner.close(deadline)
+        deadline = self.lifecycle.close() if self.lifecycle is not None else time.monotonic() + 5.0
         if self.cgroups is not None:
             self.cgroups.close(deadline, reap_orphans)
             self.cgroups = None
@@ -251,13 +247,25 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
     # -- the client connection ------------------------------------------------------
 
     def _next_request(self) -> list:
-        while not self.client_inbox:
+        inbox = self.reactor.client_inbox
+        while not inbox:
+            if self.lifecycle is None or self.stepping is None:  # before OPEN: only the client is watched
+                self.reactor.poll(None)
+                continue
             # Between calls the loop still runs: async results are taken as they
             # come, the gate moves on, and deadlines are kept.
-            wake = self._next_deadline()
-            self._poll(None if wake == float("inf") else max(0.0, wake - time.monotonic()))
-            self._expire()
-        return self.client_inbox.pop(0)
+            wake = self.stepping.next_deadline()
+            self.lifecycle.poll(None if wake == float("inf") else max(0.0, wake - time.monotonic()))
+            self.stepping.expire()
+        return inbox.pop(0)
+
+    def _send(self, message) -> None:
+        self.reactor.send(message)
+
+    def memory(self) -> dict:
+        """Each env's memory charge and the pool's shared pages, and where the figures come from."""
+        assert self.requests is not None
+        return {**self.requests.memory(), "source": self.memory_source, "note": self.memory_note}
 
     def serve(self) -> None:
         """OPEN, then one call at a time until the client goes (ClientGone)."""
@@ -274,10 +282,12 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
             self._send([wire.ERROR, 0, type(exc).__name__, str(exc), {}])
             return
         self._send([wire.READY, ready])
-        calls = {"step": self.step, "reset": self.reset, "render": self.render, "attr": self.attr,
-                 "memory": self.memory, "log": self.log,
-                 "states": self.states, "pids": self.pids, "send": self.send, "recv": self.recv,
-                 "lane_states": self.lane_states, "shutdown": self.shutdown}
+        requests, stepping = self.requests, self.stepping
+        assert requests is not None and stepping is not None
+        calls = {"step": requests.step, "reset": requests.reset, "render": requests.render, "attr": requests.attr,
+                 "memory": self.memory, "log": requests.log,
+                 "states": requests.states, "pids": requests.pids, "send": stepping.send, "recv": stepping.recv,
+                 "lane_states": stepping.lane_states, "shutdown": self.shutdown}
         while True:
             message = self._next_request()
             if message[0] != wire.CALL or len(message) != 4:
@@ -311,9 +321,10 @@ class Worker(Reactor, Lifecycle, Requests, Stepping):
         lanes = [start + k for k, fd in enumerate(fds) if fd >= 0]
         frame = wire.encode([wire.REPLY, seq, 0.0, lanes])
         attached = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd for fd in fds if fd >= 0]).tobytes())]
-        sent = self.conn.sendmsg([frame], attached if lanes else [])
+        conn = self.reactor.conn
+        sent = conn.sendmsg([frame], attached if lanes else [])
         if sent < len(frame):
-            self.conn.sendall(frame[sent:])
+            conn.sendall(frame[sent:])
 
 
 def _terminate(signum, frame):

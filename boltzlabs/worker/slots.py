@@ -2,7 +2,7 @@
 
     open: Slots.wanted(request) -- a local pool that asked, room for one more fd per env
     spawn (spawn.slot_fd): fd_for(lane) -- a memfd per lane, made at its first spawn, passed on wire.SLOT_FD
-    HELLO (reactor._on_message): on_hello(env) -- lane 0's spec gives the layout; every lane's memfd is
+    HELLO (lifecycle.Lifecycle._on_message): on_hello(...) -- lane 0's spec gives the layout; every lane's memfd is
         sized from it and sealed (no shrinking, no growing, no more seals) before its first request
     after READY: the client's "slots" calls -- the sealed memfds, to map read-only
 
@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import fcntl
 import os
+from typing import Callable
 
 from boltzlabs import wire
 from boltzlabs.worker.config import _fd_room, fds_needed
-from boltzlabs.worker.lanes import STARTING
+from boltzlabs.worker.lanes import STARTING, Lane
 
 NO_SHM_ENV = "BOLTZLABS_NO_SHM"  # "1" in the trainer's environment: observations by the wire only
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -65,12 +66,15 @@ class Slots:
             fd = self.fds[index] = os.memfd_create(f"boltzlabs-obs-{index}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         return fd
 
-    def on_hello(self, worker, env) -> None:
-        """A lane said HELLO: decide the layout on lane 0's, then size and seal
-        every lane that has said HELLO (this one included) and is not sealed."""
-        if not self.decided and worker.hello is not None:
+    def on_hello(self, hello: dict | None, env_limits: wire.Limits, lanes: list[Lane],
+                 kill: Callable[[Lane, str], None], env: Lane) -> None:
+        """Lane `env` said HELLO: decide the layout on lane 0's (`hello`, None until it came), then
+        size and seal every lane of `lanes` that has said HELLO (this one included) and is not sealed;
+        one that tampered with its memfd is killed (`kill`). A reply may carry a slot marker from then
+        on (`env_limits`, how lanes' frames are decoded)."""
+        if not self.decided and hello is not None:
             self.decided = True
-            self.layout = wire.slot_layout(worker.hello.get("observation_space"), self.max_bytes)
+            self.layout = wire.slot_layout(hello.get("observation_space"), self.max_bytes)
             if self.layout is None:
                 # The space allows no slot: each env keeps an empty memfd, sealed at 0 bytes so that
                 # it cannot become a file of its own past its workspace's cap.
@@ -83,14 +87,14 @@ class Slots:
                             pass  # an env that sealed it first has sealed itself out of it
                 self.close()
                 return
-            worker.env_limits.slot_marks[0] = 0  # a reply may now carry a marker
-            for other in worker.envs:
+            env_limits.slot_marks[0] = 0  # a reply may now carry a marker
+            for other in lanes:
                 if other is not env and other.state is not STARTING and not other.state.dead:
-                    self._seal(worker, other)
+                    self._seal(kill, other)
         if self.layout is not None:
-            self._seal(worker, env)
+            self._seal(kill, env)
 
-    def _seal(self, worker, env) -> None:
+    def _seal(self, kill: Callable[[Lane, str], None], env: Lane) -> None:
         index = env.index
         if self.sealed[index] or self.fds[index] < 0:
             return
@@ -106,7 +110,7 @@ class Slots:
             # memfd is spent: the lane goes on without a slot (its obs by the wire).
             os.close(fd)
             self.fds[index] = -2
-            worker._kill(env, "tampered with its observation slot (resized or sealed the memfd on fd "
+            kill(env, "tampered with its observation slot (resized or sealed the memfd on fd "
                               f"{wire.SLOT_FD}) before the worker sized it, and was killed")
             return
         self.sealed[index] = True

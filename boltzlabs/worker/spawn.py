@@ -1,11 +1,15 @@
 r"""How the worker makes sandboxes: one interpreter per env, or forks of a template.
 
-    Worker --spawn(env)--> ExecSpawner:     posix_spawn(bwrap ... python env.py), per env
-                       \-> TemplateSpawner: [FORK] to one warm template (boltzlabs.runtime.template)
-    Worker <--on_exit(env, status)-- either, when an env's process is gone
+    lifecycle --spawn(env)--> ExecSpawner:     posix_spawn(bwrap ... python env.py), per env
+                          \-> TemplateSpawner: [FORK] to one warm template (boltzlabs.runtime.template)
+    lifecycle <--context.on_exit(env, status)-- either, when an env's process is gone
+
+Both implement Spawner (the Protocol below) and are handed a SpawnContext:
+what they may use of the pool (its plan, config, channel, cgroups, the
+confinement check, the slots, the reactor's watch/unwatch), nothing else.
 
 Both hand the env its channel (two pipes, the one it writes as fd 3 and the
-one it reads as fd 4, or a socketpair end as fd 3: `Worker.channel`,
+one it reads as fd 4, or a socketpair end as fd 3: `SpawnContext.channel`,
 docs/wire.md#the-channel) and its log pipe (fds 1 and 2), start it inside its own cgroup, and report its exit status.
 The worker owns everything else (the channel protocol, deadlines, state).
 
@@ -29,18 +33,62 @@ import select
 import signal
 import socket
 import time
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Protocol
 
 from boltzlabs import wire
 from boltzlabs.runtime import probe, template
 from boltzlabs.runtime.rlimits import NO_SERVE_EXIT
 from boltzlabs.sandbox import seccomp
-from boltzlabs.worker.config import PIPES, SOCKETPAIR
+from boltzlabs.sandbox.builder import SandboxSpec
+from boltzlabs.sandbox.cgroups import CgroupPool
+from boltzlabs.worker.config import PIPES, SOCKETPAIR, PoolConfig
+from boltzlabs.worker.confinement import Confinement
+from boltzlabs.worker.lanes import Lane
+from boltzlabs.worker.slots import Slots
 from boltzlabs.errors import TemplateUnavailable  # noqa: F401 - spawn.TemplateUnavailable, its old home
 
 CHANNEL_FD = 3  # where an env (and the template) finds its channel: a socket, or the pipe it writes (then 4: reads)
 TEMPLATE_LANE = "template"  # the template's cgroup name
 LOG_PIPE_SIZE = 4096  # one page: an env's output is rarely written, and every page counts against the pipe quota
 F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ from Python 3.10 on; the number is the kernel's
+
+
+@dataclass(frozen=True)
+class SpawnContext:
+    """What a spawner is handed by the worker (lifecycle.py): everything it may use of the pool."""
+
+    spec: SandboxSpec  # the pool's compiled plan: argv, programs, fds to hand over
+    config: PoolConfig  # n, start_timeout, memory_limit, warmup, preload, trust_env
+    channel: str  # each env's channel: config.PIPES or config.SOCKETPAIR
+    cgroups: CgroupPool | None  # the pool's cgroups, None without them
+    confinement: Confinement  # the check from outside of each lane (and the template, the probe)
+    slots: Slots | None  # the envs' observation slots, None without them
+    watch: Callable[[int, Callable[[Any], None], Any], None]  # reactor.watch: call back when an fd is readable
+    unwatch: Callable[[int], None]  # reactor.unwatch: before an fd is closed
+    on_exit: Callable[..., None]  # lifecycle.on_exit(env, status, cause=""): an env's process is gone
+    thawed: Callable[[], ContextManager[None]]  # lifecycle.template_thawed: the template runs (forks) within it
+
+
+class Spawner(Protocol):
+    """What the worker asks of a spawner (ExecSpawner, TemplateSpawner)."""
+
+    kind: str  # "exec" or "template": RLPool(spawn=...) as it is served
+
+    def spawn(self, env: Lane) -> None:
+        """Start env's sandbox: set env.chan, env.wchan, env.logfd (and env.pid when known)."""
+
+    def kill(self, env: Lane) -> None:
+        """Kill env's sandbox now; its exit comes to context.on_exit, or it is reaped quietly."""
+
+    def batching_kills(self) -> ContextManager[None]:
+        """Context of many kill() calls, sent together where the spawner can."""
+
+    def process(self, env: Lane) -> tuple[int, int, bool]:
+        """(pid, pidfd, whether the caller closes it) of env's own process; (-1, -1, False) if gone."""
+
+    def close(self, deadline: float) -> None:
+        """Stop: reap what can be reaped by `deadline`, close every fd."""
 
 
 def channel_fds(channel: str) -> tuple[int, ...]:
@@ -85,19 +133,19 @@ def _open_channel(start, channel: str = SOCKETPAIR, kind=socket.SOCK_STREAM, log
     return ours[0], ours[1], log_r
 
 
-def slot_fd(worker, env) -> int:
-    """The hook for an env's observation slot: its memfd (worker.slots, boltzlabs/worker/slots.py), passed
+def slot_fd(context: SpawnContext, env: Lane) -> int:
+    """The hook for an env's observation slot: its memfd (context.slots, boltzlabs/worker/slots.py), passed
     at each spawn of the lane and kept by the worker, or -1 when the pool has none."""
-    slots = getattr(worker, "slots", None)
+    slots = context.slots
     return slots.fd_for(env.index) if slots is not None else -1
 
 
-def _charged_to(worker, key, pid: int = 0, home=None):
+def _charged_to(context: SpawnContext, key, pid: int = 0, home=None) -> ContextManager:
     """Context in which process `pid` (0: the worker) sits in `key`'s cgroup, if
     there are cgroups: what it forks meanwhile is born there."""
-    if worker.cgroups is None:
+    if context.cgroups is None:
         return contextlib.nullcontext()
-    return worker.cgroups.moving(pid, key, home)
+    return context.cgroups.moving(pid, key, home)
 
 
 # Every process this worker started itself and will reap through its pidfd.
@@ -165,28 +213,28 @@ class ExecSpawner:
 
     kind = "exec"
 
-    def __init__(self, worker):
-        self.worker = worker
+    def __init__(self, context: SpawnContext):
+        self.context: SpawnContext = context  # what it may use of the pool
         self.pidfds: dict[int, int] = {}  # lane -> pidfd of its bwrap
         self.reaping: dict[int, int] = {}  # pidfd -> pid of a killed bwrap not yet reaped
 
-    def spawn(self, env) -> None:
-        worker = self.worker
-        argv, handed = worker.spec.hand_over(worker.spec.argv(channel_fds(worker.channel), env.index))
+    def spawn(self, env: Lane) -> None:
+        context = self.context
+        argv, handed = context.spec.hand_over(context.spec.argv(channel_fds(context.channel), env.index))
 
         def start(channel: tuple, log_w: int) -> None:
-            with _charged_to(worker, env.index):
-                env.pid = _posix_spawn(argv, channel, log_w, {**worker.spec.programs(), **handed},
-                                       slot_fd(worker, env))
+            with _charged_to(context, env.index):
+                env.pid = _posix_spawn(argv, channel, log_w, {**context.spec.programs(), **handed},
+                                       slot_fd(context, env))
 
-        env.chan, env.wchan, env.logfd = _open_channel(start, worker.channel)
+        env.chan, env.wchan, env.logfd = _open_channel(start, context.channel)
         pidfd = os.pidfd_open(env.pid)
         self.pidfds[env.index] = pidfd
-        worker.watch(pidfd, self._exited, env)
+        context.watch(pidfd, self._exited, env)
 
     def _exited(self, env) -> None:
         pidfd = self.pidfds.pop(env.index)
-        self.worker.unwatch(pidfd)
+        self.context.unwatch(pidfd)
         os.close(pidfd)
         try:
             pid, status = os.waitpid(env.pid, os.WNOHANG)
@@ -194,7 +242,7 @@ class ExecSpawner:
                 _reaped(pid)
         except ChildProcessError:
             status = 0
-        self.worker.on_exit(env, status)
+        self.context.on_exit(env, status)
 
     def kill(self, env) -> None:
         pidfd = self.pidfds.pop(env.index, None)
@@ -202,9 +250,9 @@ class ExecSpawner:
             return
         _signal_pidfd(pidfd)  # bwrap; --die-with-parent takes the rest
         # Keep the pidfd to reap the zombie when it is ready.
-        self.worker.unwatch(pidfd)
+        self.context.unwatch(pidfd)
         self.reaping[pidfd] = env.pid
-        self.worker.watch(pidfd, self._reap, pidfd)
+        self.context.watch(pidfd, self._reap, pidfd)
 
     @contextlib.contextmanager
     def batching_kills(self):
@@ -223,7 +271,7 @@ class ExecSpawner:
 
     def _reap(self, pidfd: int) -> None:
         pid = self.reaping.pop(pidfd)
-        self.worker.unwatch(pidfd)
+        self.context.unwatch(pidfd)
         os.close(pidfd)
         try:
             if os.waitpid(pid, os.WNOHANG)[0]:
@@ -262,12 +310,12 @@ class TemplateSpawner:
 
     kind = "template"
 
-    def __init__(self, worker):
-        self.worker = worker
+    def __init__(self, context: SpawnContext):
+        self.context: SpawnContext = context  # what it may use of the pool
         # Control frames are flat messages of one packet; a WARMED names up to MAX_NAMES modules.
         self.reader = wire.FrameReader(wire.Limits(1 << 16, max_depth=4, max_objects=2 * template.MAX_NAMES + 64))
         self.pending: list = []  # EXITED messages read, not yet delivered
-        self.lanes: dict[tuple, object] = {}  # (lane, generation) -> env, while it lives
+        self.lanes: dict[tuple, Lane] = {}  # (lane, generation) -> env, while it lives
         self.unexited: set[tuple] = set()  # every (lane, generation) forked whose EXITED has not come
         self.pidfds: dict[tuple, int] = {}  # (lane, generation) -> pidfd of the env's pid 1
         self.forking: tuple | None = None  # the (lane, generation) whose FORKED is due
@@ -286,19 +334,19 @@ class TemplateSpawner:
         self._start()
 
     def _start(self) -> None:
-        worker = self.worker
-        n = len(worker.envs)
+        context = self.context
+        n = context.config.n
         # What its children may make of each namespace kind, together: a
         # hard reset's new namespaces come before the kernel has freed all
         # the old ones (network namespaces are torn down by a work queue).
         namespaces = 4 * n + 64
         # Room for the fds of a child being made (a channel's, a log pipe), beyond the env's file limit.
-        argv, handed = worker.spec.hand_over(worker.spec.template_argv(
-            channel_fds(SOCKETPAIR), open_files=n + 64, trusted=worker.config.trust_env, namespaces=namespaces))
+        argv, handed = context.spec.hand_over(context.spec.template_argv(
+            channel_fds(SOCKETPAIR), open_files=n + 64, trusted=context.config.trust_env, namespaces=namespaces))
 
         def start(channel: tuple, log_w: int) -> None:
-            with _charged_to(worker, TEMPLATE_LANE):
-                self.bwrap_pid = _posix_spawn(argv, channel, log_w, {**worker.spec.programs(), **handed})
+            with _charged_to(context, TEMPLATE_LANE):
+                self.bwrap_pid = _posix_spawn(argv, channel, log_w, {**context.spec.programs(), **handed})
 
         # Its control channel is a socket whatever the envs' channels are: fds travel on it (SCM_RIGHTS).
         control, _, log_r = _open_channel(start, SOCKETPAIR, socket.SOCK_SEQPACKET, log_size=None)
@@ -312,21 +360,20 @@ class TemplateSpawner:
         self.pidfd = os.pidfd_open(self.bwrap_pid)
         try:
             # A trusted template imports env.py first: its import has the start-up's time.
-            hello = self._handshake(time.monotonic() + worker.start_timeout)
+            hello = self._handshake(time.monotonic() + context.config.start_timeout)
             if not hello.get("forkable"):
                 raise TemplateUnavailable(str(hello.get("reason") or "the template refused to fork")[:2000])
             try:
                 self.template_pidfd, self.pid = sandbox_process(self.bwrap_pid)
             except OSError as exc:
                 raise TemplateUnavailable(f"the template: {exc}") from None
-            if worker.confinement is not None:
-                worker.confinement.outside(self.pid, "the template")
-            self.warmup = self._warm()
+            context.confinement.outside(self.pid, "the template")
+            self.warmup = self._warmup()
         except BaseException:
             self.close(time.monotonic() + 5)
             raise
-        worker.watch(self.control.fileno(), self._on_control, None)
-        worker.watch(self.logfd, self._on_log, None)
+        context.watch(self.control.fileno(), self._on_control, None)
+        context.watch(self.logfd, self._on_log, None)
 
     def _handshake(self, deadline: float) -> dict:
         """Wait for the template's HELLO, reading its log meanwhile (output at
@@ -350,23 +397,23 @@ class TemplateSpawner:
                 ready = {self.pidfd}  # EOF or anything but a HELLO: it is done for
             if self.pidfd in ready or remaining <= 0:
                 self.log += _drain(self.logfd)
-                what = "exited" if self.pidfd in ready else f"did not start within {self.worker.start_timeout:g} s"
-                cgroups = self.worker.cgroups
+                what = "exited" if self.pidfd in ready else f"did not start within {self.context.config.start_timeout:g} s"
+                cgroups = self.context.cgroups
                 if cgroups is not None and cgroups.events(TEMPLATE_LANE)[0]:
                     what += (f", killed by the kernel's OOM killer over the env's memory limit "
-                             f"(memory_limit={self.worker.memory_limit} bytes), which holds the template too")
+                             f"(memory_limit={self.context.config.memory_limit} bytes), which holds the template too")
                 raise TemplateUnavailable(f"the template {what}; its output:\n"
                                           + bytes(self.log[-4000:]).decode("utf-8", "replace"))
 
     # -- the warm-up ----------------------------------------------------------------------
 
-    def _warm(self) -> dict | None:
+    def _warmup(self) -> dict | None:
         """The probe (when the pool warms up), then WARM: the pool's preload list
         and the library modules the probe found. The report, or None when
         there was nothing to do."""
-        worker = self.worker
-        preload = list(worker.config.preload)
-        report = self._probe() if worker.warmup else None
+        context = self.context
+        preload = list(context.config.preload)
+        report = self._probe() if context.config.warmup else None
         names = [RUNTIME_ENTRY] + preload
         if report is not None:
             names += report["modules"] + report["preload"]
@@ -386,7 +433,7 @@ class TemplateSpawner:
             # keeps unread and its children unmarshal (runtime/probe.py).
             with seccomp.program_fd(code) as fd:
                 self._sendmsg(wire.encode([wire.WARM, names, True]), [fd])
-        deadline = time.monotonic() + worker.spec.plan.warmup_timeout + worker.start_timeout
+        deadline = time.monotonic() + context.spec.plan.warmup_timeout + context.config.start_timeout
         while self.warmed is False:
             remaining = deadline - time.monotonic()
             ready = _readable([self.control, self.logfd], remaining)
@@ -420,8 +467,8 @@ class TemplateSpawner:
         outside like an env; read its report within [template]
         warmup_timeout; kill it and remove its cgroup. The report is env
         code's: every field is checked (`_take_probe_report`)."""
-        worker = self.worker
-        timeout = worker.spec.plan.warmup_timeout
+        context = self.context
+        timeout = context.spec.plan.warmup_timeout
         self.probes += 1
         key = (PROBE_LANE, self.probes)
         report = _warmup_report({"error": None})
@@ -438,24 +485,23 @@ class TemplateSpawner:
             message, error = self._read_probe(chan, logfd, pidfd, log, started + timeout, timeout)
             # Checked from outside like an env, once it has reported (it waits for
             # us then): a report from a process that fails the check is not used.
-            if message is not None and worker.confinement is not None:
-                problem = worker.confinement.check(PROBE_LANE, _pidfd_pid(pidfd), pidfd)
+            if message is not None:
+                problem = context.confinement.check(PROBE_LANE, _pidfd_pid(pidfd), pidfd)
                 if problem:
                     message, error = None, f"the probe failed the confinement check and was killed: {problem}"
         finally:
             if pidfd >= 0:
                 _signal_pidfd(pidfd)  # pid 1 of its namespace: everything it started goes with it
-            if worker.cgroups is not None:
-                worker.cgroups.kill(PROBE_CGROUP)
+            if context.cgroups is not None:
+                context.cgroups.kill(PROBE_CGROUP)
             status = self._wait_exit(key, time.monotonic() + 5.0)
-            oom = worker.cgroups.events(PROBE_CGROUP)[0] if worker.cgroups is not None else 0
-            if worker.confinement is not None:
-                worker.confinement.forget(PROBE_LANE)
+            oom = context.cgroups.events(PROBE_CGROUP)[0] if context.cgroups is not None else 0
+            context.confinement.forget(PROBE_LANE)
             _close_all({chan, wchan} | {logfd})
             _close_pidfd(pidfd)
             self._remove_probe_cgroup()
         report["seconds"] = round(time.monotonic() - started, 4)
-        self.env_code = _take_probe_report(message, status, error, oom, worker.memory_limit, report)
+        self.env_code = _take_probe_report(message, status, error, oom, context.config.memory_limit, report)
         self.log += log[-4096:]
         return report
 
@@ -513,8 +559,8 @@ class TemplateSpawner:
         return self.exits.pop(key, None)
 
     def _remove_probe_cgroup(self) -> None:
-        if self.worker.cgroups is not None:
-            self.worker.cgroups.remove(PROBE_CGROUP, time.monotonic() + 5.0, reap_orphans)
+        if self.context.cgroups is not None:
+            self.context.cgroups.remove(PROBE_CGROUP, time.monotonic() + 5.0, reap_orphans)
 
     # -- forking ----------------------------------------------------------------------------
 
@@ -524,7 +570,7 @@ class TemplateSpawner:
     def _fork(self, key: tuple, cgroup_key, probe: bool, channel: str, slot: int = -1) -> tuple:
         """FORK child `key` into cgroup `cgroup_key`: our ends of its channel and
         log. `slot`: its observation slot's memfd (kept by the worker), or -1."""
-        worker = self.worker
+        context = self.context
         if self.control is None:
             raise OSError("the template is gone")
         frame = wire.encode([wire.FORK, key[0], key[1], probe, slot >= 0])
@@ -536,7 +582,7 @@ class TemplateSpawner:
             # The template's pid is moved between cgroups: it must still be ours.
             if _readable([self.template_pidfd], 0):
                 raise OSError("the template is gone")
-            with _charged_to(worker, cgroup_key, self.pid, TEMPLATE_LANE), worker.template_thawed():
+            with _charged_to(context, cgroup_key, self.pid, TEMPLATE_LANE), context.thawed():
                 self.control.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
                 self.unexited.add(key)
                 self._wait_forked(key)
@@ -552,7 +598,7 @@ class TemplateSpawner:
 
     def spawn(self, env) -> None:
         key = (env.index, env.generation)
-        chan, wchan, env.logfd = self._fork(key, env.index, False, self.worker.channel, slot_fd(self.worker, env))
+        chan, wchan, env.logfd = self._fork(key, env.index, False, self.context.channel, slot_fd(self.context, env))
         self.lanes[key] = env
         pidfd = self.pidfds.get(key, -1)
         env.pid = _pidfd_pid(pidfd) if pidfd >= 0 else -1
@@ -565,7 +611,7 @@ class TemplateSpawner:
         return (_pidfd_pid(pidfd), pidfd, False) if pidfd >= 0 else (-1, -1, False)
 
     def _wait_forked(self, key: tuple) -> None:
-        deadline = time.monotonic() + self.worker.start_timeout
+        deadline = time.monotonic() + self.context.config.start_timeout
         while self.forked != key:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not _readable([self.control], remaining):
@@ -652,13 +698,13 @@ class TemplateSpawner:
                 _signal_pidfd(pidfd)
             _close_pidfd(pidfd)
             if env is not None:
-                self.worker.on_exit(env, message[3])
+                self.context.on_exit(env, message[3])
             elif key[0] == PROBE_LANE:
                 self.exits[key] = message[3]
 
     def _on_log(self, _) -> None:
         if not self._take_log():
-            self.worker.unwatch(self.logfd)  # the template is gone; _on_control will say so
+            self.context.unwatch(self.logfd)  # the template is gone; _on_control will say so
 
     def _take_log(self) -> bool:
         """Read the template's log into its tail; False at its end."""
@@ -682,6 +728,11 @@ class TemplateSpawner:
         except OSError as exc:
             raise TemplateUnavailable(f"the template stopped reading its control channel ({exc})") from None
 
+    def give_up(self, why: str) -> None:
+        """Kill the template for `why` (it could not be frozen): its lanes die with it, saying so."""
+        self.failure = why
+        self._lost()
+
     def _lost(self) -> None:
         """The template died, or broke its protocol and is killed: so did every child (its pid namespace went)."""
         if self.control is None:
@@ -692,7 +743,7 @@ class TemplateSpawner:
         tail = bytes(self.log[-2000:]).decode("utf-8", "replace")
         why = f"the template failed: {self.failure}; " if self.failure else ""
         for env in lanes.values():
-            self.worker.on_exit(env, None, f"died with its template ({why}the template's output: {tail!r})")
+            self.context.on_exit(env, None, f"died with its template ({why}the template's output: {tail!r})")
 
     def kill(self, env) -> None:
         key = (env.index, env.generation)
@@ -734,10 +785,9 @@ class TemplateSpawner:
     def close(self, deadline: float) -> None:
         if self.control is None:
             return
-        if self.worker.confinement is not None:
-            self.worker.confinement.gone("the template")
-        self.worker.unwatch(self.control.fileno())
-        self.worker.unwatch(self.logfd)
+        self.context.confinement.gone("the template")
+        self.context.unwatch(self.control.fileno())
+        self.context.unwatch(self.logfd)
         self.control.close()
         self.control = None
         for pidfd in self.pidfds.values():

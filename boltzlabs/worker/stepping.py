@@ -17,8 +17,9 @@ lanes queue; the gate goes (GO) to one IN_FLIGHT lane at a time, the next as
 soon as the holder answers or dies, and the holder's deadline counts from
 its GO (as in step()). A holder that overruns is killed, so the gate holds.
 
-A mixin of server.Worker; it uses the reactor's _poll/_write and the
-lifecycle's _kill and _respawn (requests.py).
+One Stepping per pool, made by server.Worker.open; it uses the reactor
+(write) and the lifecycle (poll, kill, respawn, the freezer), which hands it
+every async lane's reply or death (Lifecycle.deliver_to: take).
 """
 
 from __future__ import annotations
@@ -27,52 +28,68 @@ import array
 import collections
 import time
 
+import msgpack
+
 from boltzlabs import wire
+from boltzlabs.worker.config import PoolConfig
 from boltzlabs.worker.lanes import IDLE, IN_FLIGHT, Lane
+from boltzlabs.worker.lifecycle import Lifecycle
+from boltzlabs.worker.reactor import Budget, Reactor
 
 
 class Stepping:
-    """send/recv and the gate (a mixin of server.Worker)."""
+    """send/recv and the gate."""
 
-    def _init_stepping(self) -> None:
+    def __init__(self, reactor: Reactor, lifecycle: Lifecycle, budget: Budget, config: PoolConfig,
+                 packer: msgpack.Packer):
+        self.reactor: Reactor = reactor  # where frames to the lanes are written
+        self.lifecycle: Lifecycle = lifecycle  # the lanes: poll, kill, respawn, the freezer
+        self.budget: Budget = budget  # a result received leaves the pool's byte count
+        self.config: PoolConfig = config  # step_timeout, gated
+        self.packer: msgpack.Packer = packer  # the worker's one Packer: each lane's action frame
         # Lanes IN_FLIGHT, lanes finished in the order they finished (recv
         # hands out the first ones), and the gate's queue.
         self.flying: set[int] = set()
         self.finished: collections.deque[int] = collections.deque()
         self.gate_queue: collections.deque[int] = collections.deque()
-        self.gate_holder = -1
+        self.gate_holder: int = -1  # the lane holding the serialize_measurement gate, -1 for none
         # (deadline, lane, seq) in the order set. Every deadline is "now +
         # step_timeout" when set (at send, or at GO for a gated lane), so the
         # deque is sorted and the earliest is at its head: O(1) per poll, not
         # O(lanes in flight). Entries of lanes that finished are dropped lazily.
-        self.deadlines: collections.deque[tuple] = collections.deque()
+        self.deadlines: collections.deque[tuple[float, int, int]] = collections.deque()
+        lifecycle.deliver_to(self.take)
 
     def send(self, actions: list, indices: list, resets=None) -> list:
         """Hand actions to the lanes in `indices` (resets: lanes reset instead);
         returns at once. Everything is checked before the first byte is written."""
         if not isinstance(indices, list) or len(set(indices)) != len(indices):
             raise ValueError("send() env_ids must be distinct env indices")
-        indices = self._check_lanes(indices)
+        lifecycle = self.lifecycle
+        envs = lifecycle.envs
+        indices = lifecycle.check_lanes(indices)
         if not isinstance(actions, list) or len(actions) != len(indices):
             raise ValueError(f"send() needs one action per env id ({len(indices)}); "
                              f"got {len(actions) if isinstance(actions, list) else type(actions).__name__}")
-        resets = set(self._check_lanes(resets or []))
+        resets = set(lifecycle.check_lanes(resets or []))
         if not resets <= set(indices):
             raise ValueError("send() can only autoreset lanes it sends to")
-        self._pump()
+        self.pump()
         for index in indices:
-            self._refuse_outstanding(index, "send to")
+            self.refuse_outstanding(index, "send to")
         if resets:
-            self._respawn([self.envs[i] for i in sorted(resets)], hard=False)
-        seq = self._next_seq()
+            lifecycle.respawn([envs[i] for i in sorted(resets)], hard=False)
+        seq = lifecycle.next_seq()
         now = time.monotonic()
-        pack = self._packer.pack
+        pack = self.packer.pack
         header = wire.HEADER.pack
-        gated = self.gated
-        deadline = now + self.step_timeout
+        gated = self.config.gated
+        freezing = lifecycle.freezing
+        write = self.reactor.write
+        deadline = now + self.config.step_timeout
         # Hot path: one frame per lane, written straight to its channel.
         for index, action in zip(indices, actions):
-            env = self.envs[index]
+            env = envs[index]
             if env.state is not IDLE:  # dead, or a straggler still busy: a failure result at once, as in step()
                 info = _unavailable(env)
                 env.on("refuse")
@@ -83,8 +100,8 @@ class Stepping:
             if index in resets:
                 body = pack([wire.RESET, seq, None, None])
                 env.expect = wire.RESET_DONE
-                if self.freezing:
-                    self._thaw(env)  # resets are not gated
+                if freezing:
+                    lifecycle.thaw(env)  # resets are not gated
                 env.deadline = deadline
                 self.deadlines.append((deadline, index, seq))
             else:
@@ -97,7 +114,7 @@ class Stepping:
                     env.deadline = deadline
                     self.deadlines.append((deadline, index, seq))
             env.seq = seq
-            self._write(env, header(len(body)) + body)
+            write(env, header(len(body)) + body)
         self._advance_gate()
         return [len(self.flying), len(self.finished)]
 
@@ -105,7 +122,7 @@ class Stepping:
         """The first `batch_size` lanes to finish (fewer if `timeout` passes):
         [indices, obs, rewards f64 bytes, terminated, truncated, infos, stragglers,
         wait_ms, queued_ms]."""
-        self._pump()
+        self.pump()
         can_come = len(self.flying) + len(self.finished)
         if batch_size is None:
             batch_size = can_come
@@ -122,9 +139,9 @@ class Stepping:
             now = time.monotonic()
             if now >= give_up:
                 break
-            wake = min(give_up, self._next_deadline())
-            self._poll(max(0.0, min(wake - now, 1.0)))
-            self._expire()
+            wake = min(give_up, self.next_deadline())
+            self.lifecycle.poll(max(0.0, min(wake - now, 1.0)))
+            self.expire()
         wait_ms = (time.monotonic() - started) * 1000.0
         k = min(batch_size, len(self.finished))
         rewards = array.array("d", bytes(8 * k))
@@ -135,9 +152,10 @@ class Stepping:
         queued = 0.0
         released = 0
         # Hot path: the results were shaped when they arrived; here they are only copied out.
+        envs = self.lifecycle.envs
         for j in range(k):
             index = self.finished.popleft()
-            env = self.envs[index]
+            env = envs[index]
             if not env.state.due:  # its reply came (a straggler's is still to come, or not)
                 released += env.held
                 env.held = 0
@@ -148,7 +166,7 @@ class Stepping:
             queued += now - env.done_at
             env.on("recv")
             env.result = None
-        self.held -= released
+        self.budget.free(released)
         queued_ms = queued * 1000.0 / k if k else 0.0
         return [indices, obs, rewards.tobytes(), bytes(terminated), bytes(truncated), infos, stragglers,
                 wait_ms, queued_ms]
@@ -157,11 +175,12 @@ class Stepping:
         """Each lane's one state, by its client name (lanes.State.shown): idle,
         in_flight, finished (a result waiting for recv), straggler (busy past
         its deadline, result already given), dead."""
-        self._pump()
-        return [env.state.shown for env in self.envs]
+        self.pump()
+        return [env.state.shown for env in self.lifecycle.envs]
 
-    def _refuse_outstanding(self, index: int, what: str) -> None:
-        env = self.envs[index]
+    def refuse_outstanding(self, index: int, what: str) -> None:
+        """ValueError if lane `index` has an async action or result outstanding (for a sync request)."""
+        env = self.lifecycle.envs[index]
         if env.state is IN_FLIGHT:
             raise ValueError(f"cannot {what} env {index}: it is in flight (an action was sent and its result has "
                              "not been received); recv it first")
@@ -169,10 +188,15 @@ class Stepping:
             raise ValueError(f"cannot {what} env {index}: it has finished and its result has not been received; "
                              "recv it first")
 
-    def _refuse_async(self, what: str) -> None:
+    def refuse_async(self, what: str) -> None:
+        """ValueError while any async action or result is outstanding (step() does not mix with them)."""
         if self.flying or self.finished:
             raise ValueError(f"{what} while {len(self.flying)} env(s) are in flight and {len(self.finished)} "
                              "finished but not received: recv them first (send/recv and step() do not mix)")
+
+    def take(self, env: Lane, reply: list | None, cause: str) -> None:
+        """env's async action has its reply (None: it died of `cause`): its result, held for recv."""
+        self._finish(env, outcome(reply, cause))
 
     def _finish(self, env: Lane, result: tuple) -> None:
         """env's async action has its one result (its state says so already): hold it for recv."""
@@ -182,58 +206,62 @@ class Stepping:
         self.finished.append(env.index)
         if env.index == self.gate_holder:
             self.gate_holder = -1
-            self._thaw_template()  # the turn is over
+            self.lifecycle.thaw_template()  # the turn is over
             self._advance_gate()
 
-    def _next_deadline(self) -> float:
+    def next_deadline(self) -> float:
         """The earliest deadline of an IN_FLIGHT lane (inf when none)."""
         deadlines = self.deadlines
+        envs = self.lifecycle.envs
         while deadlines:
             deadline, index, seq = deadlines[0]
-            env = self.envs[index]
+            env = envs[index]
             if env.state is IN_FLIGHT and env.seq == seq and env.deadline == deadline:
                 return deadline
             deadlines.popleft()  # finished since
         return float("inf")
 
-    def _expire(self) -> None:
+    def expire(self) -> None:
         """Lanes IN_FLIGHT past their deadline become straggler results."""
         now = time.monotonic()
-        while self._next_deadline() <= now:
+        lifecycle = self.lifecycle
+        step_timeout = self.config.step_timeout
+        while self.next_deadline() <= now:
             index = self.deadlines.popleft()[1]
-            env = self.envs[index]
+            env = lifecycle.envs[index]
             if index == self.gate_holder:
                 # The gate promises one env's code at a time: kill the holder before the next one goes.
-                self._kill(env, f"missed the step deadline of {self.step_timeout:g} s while holding the "
-                                "serialize_measurement gate, and was killed")
+                lifecycle.kill(env, f"missed the step deadline of {step_timeout:g} s while holding the "
+                                    "serialize_measurement gate, and was killed")
                 env.result = (None, 0.0, False, True, {"straggler": True, "error": env.cause})
                 continue
             env.on("deadline")
             self._finish(env, (None, 0.0, False, True,
-                               {"straggler": True, "error": f"missed the step deadline of {self.step_timeout:g} s"}))
-            self._straggling(env)
+                               {"straggler": True, "error": f"missed the step deadline of {step_timeout:g} s"}))
+            lifecycle.straggling(env)
 
     def _advance_gate(self) -> None:
         """Give the gate to the next queued lane when nobody holds it."""
+        lifecycle = self.lifecycle
         while self.gate_holder < 0 and self.gate_queue:
             index = self.gate_queue.popleft()
-            env = self.envs[index]
+            env = lifecycle.envs[index]
             if env.state is not IN_FLIGHT:
                 continue  # died while queued: already finished
-            if self.freezing:
-                self._all_frozen()
+            if lifecycle.freezing:
+                lifecycle.all_frozen()
                 if env.state is not IN_FLIGHT:
                     continue
-                self._thaw(env)
+                lifecycle.thaw(env)
             self.gate_holder = index
-            env.deadline = time.monotonic() + self.step_timeout
+            env.deadline = time.monotonic() + self.config.step_timeout
             self.deadlines.append((env.deadline, index, env.seq))
-            self._write(env, wire.encode([wire.GO, env.seq]))
+            self.reactor.write(env, wire.encode([wire.GO, env.seq]))
 
-    def _pump(self) -> None:
+    def pump(self) -> None:
         """Take whatever arrived and apply deadlines, without waiting."""
-        self._poll(0)
-        self._expire()
+        self.lifecycle.poll(0)
+        self.expire()
 
 
 def outcome(result, cause: str) -> tuple:
