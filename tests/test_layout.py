@@ -252,3 +252,145 @@ def test_the_rules_catch_a_crossing(tmp_path):
     assert found == [(2, "boltzlabs.pool.client"), (3, "numpy")]
     assert "pool" not in ALLOWED[layer("boltzlabs.runtime.bad")]
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+# -- one reader of the policy ---------------------------------------------------------------------
+
+# The policy's raw tables (sandbox/policy.py's Policy): read only through boltzlabs/sandbox/'s Reader
+# and the typed accessors on Policy, so every default is in sandbox/policy.toml and every bad or
+# missing value is named with its key and file.
+RAW_TABLES = {"sandbox", "mounts", "seccomp", "limits"}
+
+
+def _policyish(node: ast.AST) -> bool:
+    """An expression that is (by its name) a Policy: `policy`, `self.policy`, `load_policy()`."""
+    if isinstance(node, ast.Call):
+        func = node.func
+        return getattr(func, "id", getattr(func, "attr", "")) == "load_policy"
+    name = getattr(node, "id", None) or getattr(node, "attr", None) or ""
+    return "policy" in name.lower()
+
+
+def policy_table_reads(source: str, filename: str = "<source>") -> list[int]:
+    """Lines of `source` that index a policy's raw tables: `policy.sandbox[...]`, `policy.limits.get(...)`,
+    `load_policy().mounts`, ... (a whole table handed to sandbox/ as an argument is not indexing)."""
+    lines = []
+    for node in ast.walk(ast.parse(source, filename)):
+        table = None
+        if isinstance(node, ast.Subscript):
+            table = node.value
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
+            table = node.func.value
+        elif isinstance(node, ast.Attribute) and node.attr in ("sandbox", "mounts", "limits"):
+            table = node  # the raw dict itself: nothing outside sandbox/ needs it
+        if isinstance(table, ast.Attribute) and table.attr in RAW_TABLES and _policyish(table.value):
+            lines.append(node.lineno)
+    return sorted(set(lines))
+
+
+def test_only_sandbox_reads_the_policys_tables():
+    broken = []
+    for name, path in our_modules().items():
+        if name.startswith("boltzlabs.sandbox"):
+            continue
+        for line in policy_table_reads(path.read_text(), str(path)):
+            broken.append(f"{path.relative_to(ROOT)}:{line}")
+    assert not broken, ("modules outside boltzlabs/sandbox/ that index the policy's tables (use a typed accessor "
+                        "of boltzlabs.sandbox.policy.Policy, e.g. pool_limits(), identity()):\n" + "\n".join(broken))
+
+
+def test_the_policy_check_catches_a_raw_read():
+    source = ("def f(policy, self):\n"
+              "    a = policy.sandbox['limits']['log_tail']\n"
+              "    b = self.policy.limits.get('max_pool_bytes', 1 << 30)\n"
+              "    c = load_policy().sandbox.get('identity', {})\n"
+              "    d = seccomp.compile_rules(load_policy().seccomp)\n"  # a whole table to sandbox/: allowed
+              "    e = policy.pool_limits().log_tail\n")
+    assert policy_table_reads(source) == [2, 3, 4]
+
+
+# -- the worker: composed parts, each with its state declared in one place --------------------------
+
+WORKER = PACKAGE / "worker"
+# Each part of the worker, by its module: the classes whose state is declared in their __init__.
+PARTS = {"server.py": {"Worker"}, "reactor.py": {"Reactor", "Budget"}, "lifecycle.py": {"Lifecycle"},
+         "stepping.py": {"Stepping"}, "requests.py": {"Requests"}, "spawn.py": {"ExecSpawner"}}
+# What a part is called where another part holds it: none of them is assigned to from outside.
+PART_NAMES = {"worker", "reactor", "budget", "lifecycle", "stepping", "requests", "spawner", "context"}
+
+
+def _classes(path: Path) -> dict[str, ast.ClassDef]:
+    return {node.name: node for node in ast.parse(path.read_text()).body if isinstance(node, ast.ClassDef)}
+
+
+def _self_assigned(function: ast.AST) -> set[str]:
+    """Attributes of `self` a function assigns (x = , x: T = , x += , and tuple targets)."""
+    names = set()
+    for node in ast.walk(function):
+        targets = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+            targets = [node.target]
+        for target in targets:
+            for leaf in ast.walk(target):
+                if isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name) and leaf.value.id == "self":
+                    names.add(leaf.attr)
+    return names
+
+
+def test_the_worker_has_no_mixin_bases():
+    worker = _classes(WORKER / "server.py")["Worker"]
+    assert not worker.bases, f"Worker's bases: {[ast.unparse(b) for b in worker.bases]}; compose parts instead"
+    for module, names in PARTS.items():
+        for name in names:
+            assert not _classes(WORKER / module)[name].bases, f"worker/{module}: {name} inherits; compose it"
+
+
+def test_each_part_declares_its_state_in_its_init():
+    undeclared = []
+    for module, names in PARTS.items():
+        classes = _classes(WORKER / module)
+        for name in names:
+            methods = {node.name: node for node in classes[name].body if isinstance(node, ast.FunctionDef)}
+            declared = _self_assigned(methods["__init__"])
+            for method, node in methods.items():
+                for attr in sorted(_self_assigned(node) - declared):
+                    undeclared.append(f"worker/{module}: {name}.{method} assigns self.{attr}, not set in __init__")
+    assert not undeclared, "\n".join(undeclared)
+
+
+def test_no_part_assigns_another_parts_attributes():
+    """A part changes another through its methods (lifecycle.begin(op), budget.free(n)), never by
+    assigning to its attributes: each part's attributes are assigned only in its own module."""
+    broken = []
+    for path in sorted(WORKER.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            for target in targets:
+                for leaf in ast.walk(target):
+                    if not isinstance(leaf, ast.Attribute):
+                        continue
+                    owner = leaf.value
+                    held = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", None)
+                    if held in PART_NAMES:
+                        broken.append(f"worker/{path.name}:{node.lineno}: {ast.unparse(leaf)} assigned")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_spawners_implement_the_declared_protocol():
+    from boltzlabs.worker import spawn
+
+    wanted = [name for name in ("kind", "spawn", "kill", "batching_kills", "process", "close")
+              if name in spawn.Spawner.__dict__ or name in spawn.Spawner.__annotations__]
+    assert set(wanted) == {"kind", "spawn", "kill", "batching_kills", "process", "close"}
+    for spawner in (spawn.ExecSpawner, spawn.TemplateSpawner):
+        missing = [name for name in wanted if not hasattr(spawner, name)]
+        assert not missing, f"{spawner.__name__} lacks {missing} of spawn.Spawner"
+    tree = ast.parse((WORKER / "spawn.py").read_text())
+    reach = [node.lineno for node in ast.walk(tree)
+             if (isinstance(node, ast.Name) and node.id == "worker")
+             or (isinstance(node, ast.Attribute) and node.attr == "worker")
+             or (isinstance(node, ast.arg) and node.arg == "worker")]
+    assert not reach, f"worker/spawn.py reaches into the worker at lines {reach}: hand it what it needs (SpawnContext)"

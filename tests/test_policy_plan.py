@@ -352,3 +352,60 @@ def test_an_unreadable_seccomp_file_is_named(facts_env, monkeypatch, tmp_path):
     monkeypatch.setenv("BOLTZLABS_SECCOMP", str(tmp_path / "bad.toml"))
     with pytest.raises(SandboxUnavailable, match="bad.toml.*unset BOLTZLABS_SECCOMP"):
         RLPool(facts_env, 1)
+
+
+# -- the one reader: a key missing, of the wrong type or out of range is named with its file --------
+
+import tomllib  # noqa: E402
+
+from boltzlabs.sandbox.policy import Policy  # noqa: E402
+
+OPERATOR = "/etc/boltzlabs/operator-policy.toml"
+
+
+def _policy(change) -> Policy:
+    """The shipped policy's tables with `change(tables)` made, as if read from OPERATOR."""
+    tables = tomllib.loads(SHIPPED)
+    change(tables)
+    return Policy(tables, {}, {}, OPERATOR)
+
+
+@pytest.mark.parametrize("change, read, key, what", [
+    (lambda t: t["limits"].pop("log_tail"), "pool_limits", "[limits] log_tail", "has no"),
+    (lambda t: t["limits"].pop("max_pool_bytes"), "pool_limits", "[limits] max_pool_bytes", "has no"),
+    (lambda t: t["limits"].update(log_tail="64K"), "pool_limits", "[limits] log_tail", "must be a whole number"),
+    (lambda t: t["limits"].update(max_frame=True), "pool_limits", "[limits] max_frame", "must be a whole number"),
+    (lambda t: t["limits"].update(step_timeout="30s"), "pool_limits", "[limits] step_timeout", "must be a number"),
+    (lambda t: t["limits"].update(max_depth=1 << 20), "pool_limits", "[limits] max_depth", "from 1 to 512"),
+    (lambda t: t["limits"].update(max_objects_per_frame=0), "pool_limits", "[limits] max_objects_per_frame",
+     "from 1 to"),
+    (lambda t: t["limits"].update(start_timeout=-1.0), "pool_limits", "[limits] start_timeout", "0 or more"),
+    (lambda t: t.pop("limits"), "pool_limits", "[limits]", "has no"),
+    (lambda t: t.pop("identity"), "identity", "[identity]", "has no"),
+    (lambda t: t.update(env_limits=3), "env_limits_table", "[env_limits]", "must be a table"),
+    (lambda t: t["workspace"].pop("default_size"), "default_workspace_size", "[workspace] default_size", "has no"),
+    (lambda t: t["workspace"].update(default_size="0"), "default_workspace_size", "[workspace] default_size",
+     "a positive size"),
+])
+def test_the_reader_names_the_key_and_the_file(change, read, key, what):
+    policy = _policy(change)
+    with pytest.raises(SandboxUnavailable) as caught:
+        getattr(policy, read)()
+    message = str(caught.value)
+    assert key in message and OPERATOR in message and what in message, message
+    assert "KeyError" not in message
+
+
+def test_the_shipped_policy_reads_whole():
+    limits = _policy(lambda t: None).pool_limits()
+    shipped = tomllib.loads(SHIPPED)["limits"]
+    assert {name: getattr(limits, name) for name in shipped} == shipped
+
+
+def test_a_policy_without_log_tail_fails_the_pool_naming_it(facts_env, policy):
+    """The pool's start says which key of which file is missing (not `WorkerError: 'log_tail'`)."""
+    path = policy((r'^log_tail = .*$', ''))
+    with pytest.raises(SandboxUnavailable) as caught:
+        RLPool(facts_env, 1, step_timeout=5)
+    message = str(caught.value)
+    assert "[limits] log_tail" in message and str(path) in message and "BOLTZLABS_POLICY" in message, message

@@ -402,7 +402,7 @@ def _unpack_account() -> tuple[str, int, int] | None:
     from boltzlabs.sandbox.identity import host_account
     from boltzlabs.sandbox.policy import load_policy
 
-    account = host_account(load_policy().sandbox.get("identity", {}))
+    account = host_account(load_policy().identity())
     return account.name, account.uid, account.gid
 
 

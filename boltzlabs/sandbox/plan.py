@@ -28,8 +28,7 @@ from boltzlabs.runtime import confine
 from boltzlabs.sandbox import limits as _limits
 from boltzlabs.sandbox import seccomp
 from boltzlabs.sandbox.identity import HostAccount
-from boltzlabs.sandbox.policy import MOUNT_PROFILES, PACKAGE_DIR, Policy
-from boltzlabs.units import parse_size
+from boltzlabs.sandbox.policy import MOUNT_PROFILES, PACKAGE_DIR, Policy, Reader
 
 __all__ = ["Plan", "compile_plan", "NAMESPACES"]
 
@@ -140,62 +139,6 @@ class Plan:
         }
 
 
-class _Reader:
-    """Typed reads of the policy's tables, each failure naming its key and file."""
-
-    def __init__(self, policy: Policy):
-        self.policy = policy
-        self.source = policy.path or "sandbox/policy.toml"
-
-    def fail(self, key: str, what: str, value) -> SandboxUnavailable:
-        hint = ("fix it, or unset BOLTZLABS_POLICY to use the shipped one" if os.environ.get("BOLTZLABS_POLICY")
-                else "fix it, or reinstall boltzlabs")
-        return SandboxUnavailable(f"the sandbox policy {self.source}: {key} must be {what}, not {value!r}; {hint}")
-
-    def get(self, table: str, name: str, default=None):
-        node = self.policy.sandbox
-        for part in table.split("."):
-            node = node.get(part, {}) if isinstance(node, dict) else {}
-        if not isinstance(node, dict):
-            raise self.fail(f"[{table}]", "a table", node)
-        if name not in node:
-            if default is None:
-                raise self.fail(f"[{table}] {name}", "set", None)
-            return default
-        return node[name]
-
-    def integer(self, table: str, name: str, low: int, high: int = 1 << 62, default=None) -> int:
-        value = self.get(table, name, default)
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise self.fail(f"[{table}] {name}", f"a whole number from {low} to {high}", value)
-        return value
-
-    def number(self, table: str, name: str, default=None) -> float:
-        value = self.get(table, name, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
-            raise self.fail(f"[{table}] {name}", "a number of seconds, 0 or more", value)
-        return float(value)
-
-    def flag(self, table: str, name: str) -> bool:
-        value = self.get(table, name, False)
-        if not isinstance(value, bool):
-            raise self.fail(f"[{table}] {name}", "true or false", value)
-        return value
-
-    def path(self, table: str, name: str, default=None) -> str:
-        value = self.get(table, name, default)
-        if not isinstance(value, str) or not value.startswith("/") or os.path.normpath(value) != value \
-                or value == "/" or any(c in value for c in ",\n\0"):
-            raise self.fail(f"[{table}] {name}", "an absolute path (normalized, not /, no ',')", value)
-        return value
-
-    def names(self, table: str, name: str, default=None) -> tuple[str, ...]:
-        value = self.get(table, name, default)
-        if not isinstance(value, list) or not all(isinstance(v, str) and v and "\n" not in v for v in value):
-            raise self.fail(f"[{table}] {name}", "a list of strings", value)
-        return tuple(value)
-
-
 def _inside(path: str, relocations, tmp: str, relocate_tmp: str) -> str:
     for host, inside in relocations:
         if _below(path, host):
@@ -234,7 +177,7 @@ def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, 
     process's). Raises SandboxUnavailable naming the policy key that is
     wrong, and what it must be, and ValueError for a variable or root the
     pool may not have."""
-    read = _Reader(policy)
+    read = policy.reader()
     namespaces = read.names("namespaces", "unshare")
     unknown = [ns for ns in namespaces if ns not in NAMESPACES]
     missing = [ns for ns in _REQUIRED if ns not in namespaces]
@@ -244,7 +187,7 @@ def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, 
     inside_ids = (read.integer("identity", "uid", 0, _MAX_ID), read.integer("identity", "gid", 0, _MAX_ID))
     # Not 0: mapping a parent namespace's id 0 needs CAP_SETFCAP there (policy.toml says why).
     template_ids = (read.integer("template", "uid", 1, _MAX_ID), read.integer("template", "gid", 1, _MAX_ID))
-    hostname = read.get("process", "hostname", "")
+    hostname = read.get("process", "hostname", "a host name, or \"\" for none")
     if not isinstance(hostname, str) or (hostname and not _HOSTNAME.fullmatch(hostname)):
         raise read.fail("[process] hostname", "a host name (letters, digits, '.', '-'; at most 64)", hostname)
     if hostname and "uts" not in namespaces:
@@ -252,24 +195,16 @@ def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, 
                         "name is not the sandbox's to change)", hostname)
     env_dir, runtime_dir = read.path("process", "env_dir"), read.path("process", "runtime_dir")
     workspace = read.path("workspace", "path")
-    default_size = read.get("workspace", "default_size")
-    try:
-        default_size = parse_size(default_size)
-        if default_size <= 0:
-            raise ValueError
-    except (ValueError, TypeError):
-        raise read.fail("[workspace] default_size", 'a positive size like "64M"', default_size) from None
+    default_size = read.size("workspace", "default_size")
     size = default_size if workspace_size is None else int(workspace_size)
     if size <= 0:
         raise ValueError(f"workspace_size must be a positive number of bytes, not {workspace_size!r}")
     bytes_per_inode = read.integer("workspace", "bytes_per_inode", 1)
-    tmp_link = read.get("workspace", "tmp_link", "")
+    tmp_link = read.get("workspace", "tmp_link", "an absolute path, or \"\" for none")
     if tmp_link:
         tmp_link = read.path("workspace", "tmp_link")
     ptys = read.integer("quotas", "ptys", 1, 1 << 20)
-    quotas = read.get("quotas", "user_namespace", {})
-    if not isinstance(quotas, dict):
-        raise read.fail("[quotas.user_namespace]", "a table", quotas)
+    quotas = read.table("quotas.user_namespace")
     # Only the limits this kernel has (max_fanotify_* came in 5.13): the
     # host's /proc/sys/user lists the same kernel's.
     sysctls = []
@@ -297,7 +232,7 @@ def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, 
         "python_path": ":".join(path_before),
         "pth_path": ":".join(path_after),
         "env_fns": [env_fns] if env_fns else [],
-        "env_fns_file": read.path("process", "env_fns_file", "/opt/env_fns"),
+        "env_fns_file": read.path("process", "env_fns_file"),
     }
     ops = _mount_ops(policy, values, account, inside)
     specials = {op[0][2:]: op[1] for op in ops if op[0] in ("--dev", "--proc")}
@@ -308,12 +243,10 @@ def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, 
     for op in ops:
         if _below(op[-1], workspace):
             raise read.fail("[workspace] path", f"no parent of a mounted path (it would hide {op[-1]})", workspace)
-    remount_ro = read.names("finish", "remount_ro", [])
+    remount_ro = read.names("finish", "remount_ro")
     if not all(path.startswith("/") and os.path.normpath(path) == path for path in remount_ro):
         raise read.fail("[finish] remount_ro", "a list of absolute paths", list(remount_ro))
-    environment = policy.sandbox.get("environment")
-    if not isinstance(environment, dict):
-        raise read.fail("[environment]", "a table of variables", environment)
+    environment = read.table("environment")
     try:
         environment = tuple((name, _no_empty_entries(name, str(value).format(**values)))
                             for name, value in environment.items())
@@ -340,9 +273,9 @@ def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, 
         hostname=hostname,
         die_with_parent=read.flag("process", "die_with_parent"),
         new_session=read.flag("process", "new_session"),
-        cap_drop=read.names("process", "cap_drop", []),
-        cap_add=_with_setfcap(read.names("process", "cap_add", []), inside_ids),
-        template_cap_add=read.names("template", "cap_add", []),
+        cap_drop=read.names("process", "cap_drop"),
+        cap_add=_with_setfcap(read.names("process", "cap_add"), inside_ids),
+        template_cap_add=read.names("template", "cap_add"),
         env_dir=env_dir,
         runtime_dir=runtime_dir,
         workspace=workspace,
@@ -411,12 +344,12 @@ def refused_variable(name: str, fixed) -> str | None:
     return None
 
 
-def _passed(read: _Reader, fixed: dict, env_vars: dict | None, inherited) -> tuple:
+def _passed(read: Reader, fixed: dict, env_vars: dict | None, inherited) -> tuple:
     """The variables an env gets besides the policy's own: those of
     [pass_environment] names that are set in `inherited`, then the pool's
     `env_vars` (ValueError for one that may not be passed)."""
     passed = {}
-    for name in read.names("pass_environment", "names", []):
+    for name in read.names("pass_environment", "names"):
         if refused_variable(name, fixed):
             raise read.fail("[pass_environment] names", f"variables that may be passed ({name!r} "
                             f"{refused_variable(name, fixed)})", name)

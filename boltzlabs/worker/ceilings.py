@@ -10,6 +10,7 @@ imports the listener: the listener passes its ceilings on the command line.
 from __future__ import annotations
 
 from boltzlabs.sandbox import limits as _limits
+from boltzlabs.sandbox.policy import Policy
 from boltzlabs.units import parse_size
 
 __all__ = ["CEILINGS", "NO_LIMIT", "ceiling_value", "default_ceilings", "apply_ceilings"]
@@ -94,7 +95,7 @@ def _over(name: str, key: str, asked, ceiling) -> ValueError:
                       f"({flag}); ask for less, or start the worker (boltzlabs worker) with a larger {flag}")
 
 
-def apply_ceilings(config: dict, ceilings: dict, policy) -> dict:
+def apply_ceilings(config: dict, ceilings: dict, policy: Policy) -> dict:
     """A remote client's OPEN config within the listener's `ceilings`
     (CEILINGS' keys, as numbers), for Worker.open. Raises ValueError naming
     the parameter, what was asked, the ceiling and its flag; returns the
@@ -111,7 +112,7 @@ def apply_ceilings(config: dict, ceilings: dict, policy) -> dict:
             raise ValueError("give memory_limit= or limits={'memory': ...}, not both")
         asked["memory"] = config["memory_limit"]
         names["memory"] = "memory_limit"
-    resolved = _limits.resolve(policy.sandbox.get("env_limits", {}), asked)  # types and minimums
+    resolved = _limits.resolve(policy.env_limits_table(), asked)  # types and minimums
     for key, value in resolved.items():
         if key not in ceilings:
             if key in asked:
@@ -130,17 +131,18 @@ def apply_ceilings(config: dict, ceilings: dict, policy) -> dict:
     inf = float("inf")
     workspace, ceiling = config.get("workspace_size"), ceilings.get("workspace_size") or inf
     if workspace is None:
-            workspace = min(parse_size(policy.sandbox["workspace"]["default_size"]), ceiling)
+        workspace = min(policy.default_workspace_size(), ceiling)
     elif isinstance(workspace, bool) or not isinstance(workspace, int) or workspace <= 0:
         raise ValueError(f"workspace_size must be a positive number of bytes, not {workspace!r}")
     elif workspace > ceiling:
         raise _over("workspace_size", "workspace_size", workspace, ceiling)
     out["workspace_size"] = workspace
 
-    for key in ("step_timeout", "start_timeout"):
+    limits = policy.pool_limits()
+    for key, default in (("step_timeout", limits.step_timeout), ("start_timeout", limits.start_timeout)):
         value, ceiling = config.get(key), ceilings.get(key) or inf
         if value is None:
-            out[key] = min(float(policy.limits[key]), ceiling)
+            out[key] = min(default, ceiling)
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < inf:
             raise ValueError(f"{key} must be a positive number of seconds, not {value!r}")

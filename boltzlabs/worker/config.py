@@ -66,11 +66,11 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
             raise ValueError("this worker does not import a remote client's env code in its template: "
                              "trust_env=True is refused (its operator allows it with `boltzlabs worker "
                              "--allow-trust-env`); leave trust_env out")
-    limits = policy.limits
-    lengths = (limits["max_str_len"], limits["max_bin_len"], limits["max_array_len"], limits["max_map_len"])
-    depth = limits.get("max_depth", wire.MAX_DEPTH)
-    start_timeout = float(request.get("start_timeout") or limits["start_timeout"])
-    step_timeout = float(request.get("step_timeout") or limits["step_timeout"])
+    limits = policy.pool_limits()  # [limits], every key typed and checked (sandbox/policy.py)
+    lengths = (limits.max_str_len, limits.max_bin_len, limits.max_array_len, limits.max_map_len)
+    depth = limits.max_depth
+    start_timeout = float(request.get("start_timeout") or limits.start_timeout)
+    step_timeout = float(request.get("step_timeout") or limits.step_timeout)
     env_limits = policy.env_limits(request.get("limits"), request.get("memory_limit"))
     return PoolConfig(
         n=int(request["n"]),
@@ -87,13 +87,12 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
         limits=env_limits,
         memory_limit=env_limits.get("memory") or None,
         straggler_grace=env_limits.get("straggler_grace", float("inf")),
-        env_limits=wire.Limits(limits["max_frame"], *lengths, arrays="check", max_depth=depth,
-                               max_objects=limits.get("max_objects_per_frame", 1 << 19)),
-        hello_limits=wire.Limits(min(limits.get("max_hello", 4 << 20), limits["max_frame"]), *lengths,
-                                 arrays="check", max_depth=depth,
-                                 max_objects=limits.get("max_hello_objects", 1 << 16)),
-        max_pool_bytes=int(limits.get("max_pool_bytes", 1 << 30)),
-        log_tail=int(limits["log_tail"]),
+        env_limits=wire.Limits(limits.max_frame, *lengths, arrays="check", max_depth=depth,
+                               max_objects=limits.max_objects_per_frame),
+        hello_limits=wire.Limits(min(limits.max_hello, limits.max_frame), *lengths,
+                                 arrays="check", max_depth=depth, max_objects=limits.max_hello_objects),
+        max_pool_bytes=limits.max_pool_bytes,
+        log_tail=limits.log_tail,
         env_fns=_env_fns(request.get("env_fns"), int(request["n"])),
         # Paths of the client's machine: a remote worker binds none of its own host's for a client.
         import_roots=() if remote else tuple(request.get("import_roots") or ()),

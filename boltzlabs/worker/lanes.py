@@ -48,6 +48,9 @@ class State(enum.Enum):
         self.due = due
         self.dead = process == "dead"
         self.result_held = shown == "finished"  # an async result waits for recv
+        # Filled in below from TRANSITIONS and EVENTS, once every member exists.
+        self.next: tuple[State, ...] = ()  # the states a lane may move to from this one
+        self.after: dict[str, State] = {}  # event -> the state it leads to from this one
 
     # Members are singletons compared by identity: hash them so too (Enum's own
     # __hash__ is Python code, and these are looked up on every reply).
@@ -117,8 +120,8 @@ class Lane:
         self.started = 0.0
         self.events_base = (0, 0)  # the cgroup's (OOM kills, refused forks) at spawn
         self.generation = 0
-        self.expect = None  # the reply code due for the request in flight
-        self.result = None  # held for recv: (obs, reward, terminated, truncated, info)
+        self.expect: int | None = None  # the reply code due for the request in flight
+        self.result: tuple | None = None  # held for recv: (obs, reward, terminated, truncated, info)
         self.deadline = 0.0  # IN_FLIGHT: when it becomes a straggler (inf while queued at the gate)
         self.done_at = 0.0  # held for recv: when the result was ready (for queued_ms)
 

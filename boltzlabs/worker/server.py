@@ -37,6 +37,7 @@ import socket
 import sys
 import time
 import traceback
+from typing import Any
 
 import msgpack
 
@@ -101,15 +102,17 @@ class Worker:
         self.cgroups: CgroupPool | None = None  # the pool's cgroups, None without them
         self.account: HostAccount | None = None  # the host account every sandbox runs as
         self.shutdown_reason: str | None = None  # the owner's reason, once it shut the pool down
-        self.warning = ""  # spawn="template" fell back to exec, and why
-        self.memory_source = ""  # where memory() figures come from (cgroup accounting or PSS)
-        self.memory_note = ""  # why there is no cgroup accounting, and the fix
-        self.limits_note = ""  # limits the host cannot enforce (pids without cgroups)
-        self.gate_note = ""  # serialize_measurement without a freezer
+        self.warning: str = ""  # spawn="template" fell back to exec, and why
+        self.memory_source: str = ""  # where memory() figures come from (cgroup accounting or PSS)
+        self.memory_note: str = ""  # why there is no cgroup accounting, and the fix
+        self.limits_note: str = ""  # limits the host cannot enforce (pids without cgroups)
+        self.gate_note: str = ""  # serialize_measurement without a freezer
         self.packer: msgpack.Packer = msgpack.Packer(use_bin_type=True)  # every lane's action frame
         # The step's hot path in C (native.py), or None for pure Python; the
         # client warns with the note when the extension is missing.
-        self.fastpath, self.fastpath_note = native.load()
+        fastpath, note = native.load()
+        self.fastpath: Any = fastpath  # the _fastpath module, or None
+        self.fastpath_note: str = note  # why there is none ('' when there is)
         if self.fastpath is not None:
             # Big observations: the same megabytes allocated and freed every step
             # stay in the heap instead of being faulted in again (keep_heap's doc).
@@ -124,7 +127,7 @@ class Worker:
         config = self.config = parse_open(request, self.remote, policy)
         find_bwrap()  # before the account's checks: a host without bwrap is told that first
         compile_sandbox_code()  # what every sandbox imports, as .pyc: the sandbox cannot write them
-        self.account = host_account(policy.sandbox.get("identity", {}))
+        self.account = host_account(policy.identity())
         # The policy compiled once (boltzlabs.sandbox.plan); both spawners use this spec's plan.
         spec = SandboxSpec(policy, config.source_dir, config.workspace_size, config.params,
                            self.account, config.limits, env_fns=self._write_env_fns(config.env_fns),

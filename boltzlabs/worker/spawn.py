@@ -34,7 +34,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Protocol
+from typing import Any, Callable, ContextManager, Literal, Protocol
 
 from boltzlabs import wire
 from boltzlabs.runtime import probe, template
@@ -320,17 +320,17 @@ class TemplateSpawner:
         self.pidfds: dict[tuple, int] = {}  # (lane, generation) -> pidfd of the env's pid 1
         self.forking: tuple | None = None  # the (lane, generation) whose FORKED is due
         self.forked: tuple | None = None  # ... and came
-        self.warmed = None  # the template's WARMED, when due (False) and once come
+        self.warmed: dict | Literal[False] | None = None  # the template's WARMED, when due (False) and once come
         self.exits: dict[tuple, int] = {}  # probes' wait statuses (their EXITED)
         self.failure = ""  # why the template was given up, for the lanes it takes with it
-        self.control = None
+        self.control: socket.socket | None = None  # the control channel (SOCK_SEQPACKET), None once it is gone
         self.bwrap_pid = -1
         self.template_pidfd = -1  # the template process itself (below bwrap and its init)
         self.log = bytearray()
-        self.warmup = None  # the warm-up report (env_contract["warmup"]), checked
+        self.warmup: dict | None = None  # the warm-up report (env_contract["warmup"]), checked
         self.kills: bytearray | None = None  # KILL frames held by batching_kills()
         self.probes = 0
-        self.env_code = None  # env.py's code, marshalled by the probe (bytes, unread here)
+        self.env_code: bytes | None = None  # env.py's code, marshalled by the probe (bytes, unread here)
         self._start()
 
     def _start(self) -> None:

@@ -147,7 +147,8 @@ class Stepping:
         rewards = array.array("d", bytes(8 * k))
         terminated = bytearray(k)
         truncated = bytearray(k)
-        indices, obs, infos, stragglers = [0] * k, [None] * k, [None] * k, []
+        indices, obs, stragglers = [0] * k, [None] * k, []
+        infos: list[dict] = [{}] * k
         now = time.monotonic()
         queued = 0.0
         released = 0
