@@ -91,7 +91,7 @@ class Lifecycle:
         self.config: PoolConfig = config  # the pool's frozen configuration (config.py)
         self.cgroups: CgroupPool | None = cgroups  # each lane's cgroup (and the template's), None without
         self.slots: Slots | None = slots  # the observation slots, sealed at each lane's HELLO; None without
-        self.envs: list[Lane] = [Lane(i, config.env_limits) for i in range(config.n)]
+        self.lanes: list[Lane] = [Lane(i, config.env_limits) for i in range(config.n)]
         # What the kernel must say of every lane's process (and the probe's) before its first request.
         self.confinement: Confinement = Confinement(spec.plan.namespaces, len(spec.programs()),
                                                     spec.account.uid, spec.account.gid)
@@ -146,7 +146,7 @@ class Lifecycle:
 
     def check_lanes(self, indices) -> list:
         """`indices` checked (every lane for None), or ValueError."""
-        n = len(self.envs)
+        n = len(self.lanes)
         if indices is None:
             return list(range(n))
         if not isinstance(indices, list) or any(not isinstance(i, int) or not 0 <= i < n for i in indices):
@@ -166,54 +166,54 @@ class Lifecycle:
         if overdue:
             self._kill_overdue()
 
-    def straggling(self, env: Lane) -> None:
+    def straggling(self, lane: Lane) -> None:
         """env missed its deadline and is still running: it has straggler_grace
         seconds more to answer, then it is killed (its CPU time is bounded)."""
-        if env.state is BUSY:  # a sync request's (an async one's is expired by stepping.py)
-            env.on("deadline")
-        self.overdue.append((time.monotonic() + self.config.straggler_grace, env.index, env.seq))
+        if lane.state is BUSY:  # a sync request's (an async one's is expired by stepping.py)
+            lane.on("deadline")
+        self.overdue.append((time.monotonic() + self.config.straggler_grace, lane.index, lane.seq))
 
     def _kill_overdue(self) -> None:
         now = time.monotonic()
         overdue = self.overdue
         while overdue and overdue[0][0] <= now:
             _, index, seq = overdue.popleft()
-            env = self.envs[index]
-            if env.state.due and env.seq == seq:
-                self.kill(env, f"killed: still running {self.config.straggler_grace:g} s after missing its "
+            lane = self.lanes[index]
+            if lane.state.due and lane.seq == seq:
+                self.kill(lane, f"killed: still running {self.config.straggler_grace:g} s after missing its "
                                f"deadline of {self.config.step_timeout:g} s (limits.straggler_grace)")
 
     # -- start-up -------------------------------------------------------------------
 
-    def _spawn(self, env: Lane) -> None:
+    def _spawn(self, lane: Lane) -> None:
         """Start env's sandbox. Its fds are registered; it is STARTING."""
         spawner = self.spawner
         if isinstance(spawner, TemplateSpawner) and not spawner.alive():
             self.use_template()  # the last one died; a new one for respawns
-        env.generation += 1
+        lane.generation += 1
         if self.cgroups is not None:
-            self._settle(env)
-            env.events_base = self.cgroups.events(env.index)
+            self._settle(lane)
+            lane.events_base = self.cgroups.events(lane.index)
         if self.freezing:
-            self.thaw(env)  # the template forks while in the env's cgroups: never into a frozen one
-        self.spawner.spawn(env)  # sets env.chan, env.wchan, env.logfd (and env.pid when known)
-        # Never blocked by an env: a full channel buffers in env.out (Reactor.write).
-        os.set_blocking(env.chan, False)
-        os.set_blocking(env.wchan, False)
-        os.set_blocking(env.logfd, False)
-        env.on("spawn")
-        env.seq = -1
-        env.out = b""
-        env.reader = wire.FrameReader(self.config.hello_limits)
-        self.budget.unhold(env)
-        env.started = time.monotonic()
-        self.reactor.watch_channel(env, self._read_channel)
-        self.reactor.watch(env.logfd, self._read_log, env)
+            self.thaw(lane)  # the template forks while in the env's cgroups: never into a frozen one
+        self.spawner.spawn(lane)  # sets lane.chan, lane.wchan, lane.logfd (and lane.pid when known)
+        # Never blocked by an env: a full channel buffers in lane.out (Reactor.write).
+        os.set_blocking(lane.chan, False)
+        os.set_blocking(lane.wchan, False)
+        os.set_blocking(lane.logfd, False)
+        lane.on("spawn")
+        lane.seq = -1
+        lane.out = b""
+        lane.reader = wire.FrameReader(self.config.hello_limits)
+        self.budget.unhold(lane)
+        lane.started = time.monotonic()
+        self.reactor.watch_channel(lane, self._read_channel)
+        self.reactor.watch(lane.logfd, self._read_log, lane)
         spawner = self.spawner
         if isinstance(spawner, TemplateSpawner):
             spawner.deliver_exits()  # exits read while waiting for the fork
 
-    def _settle(self, env: Lane) -> None:
+    def _settle(self, lane: Lane) -> None:
         """Before env's sandbox is (re)spawned into its cgroup: wait until the
         tasks of its last one are gone, killing any still there. They count
         against pids.max until reaped (exec mode's bwrap is reaped by this
@@ -221,220 +221,220 @@ class Lifecycle:
         cgroups = self.cgroups
         assert cgroups is not None
         deadline = time.monotonic() + 5.0
-        while cgroups.tasks(env.index) and time.monotonic() < deadline:
-            cgroups.kill(env.index)
+        while cgroups.tasks(lane.index) and time.monotonic() < deadline:
+            cgroups.kill(lane.index)
             self.poll(0.005)
             reap_orphans()
 
-    def start(self, envs: list[Lane], progress: bool = False) -> None:
+    def start(self, lanes: list[Lane], progress: bool = False) -> None:
         """Spawn envs, overlapping spawns with handshakes, until all are IDLE or DEAD."""
         start_timeout = self.config.start_timeout
-        deadline_of = lambda env: env.started + start_timeout  # noqa: E731
+        deadline_of = lambda lane: lane.started + start_timeout  # noqa: E731
         last_report = 0.0
-        for env in envs:
-            if not env.state.dead:
-                self.kill(env, "restarted")
+        for lane in lanes:
+            if not lane.state.dead:
+                self.kill(lane, "restarted")
             try:
-                self._spawn(env)
+                self._spawn(lane)
             except (OSError, TemplateUnavailable) as exc:
                 cause = f"could not spawn its sandbox: {exc}"
-                if env.state.dead:
-                    env.cause = cause
+                if lane.state.dead:
+                    lane.cause = cause
                 else:  # spawned, then failed: its fds go too
-                    self.kill(env, cause)
+                    self.kill(lane, cause)
             self.poll(0)
             if progress and time.monotonic() - last_report > 0.1:
                 last_report = time.monotonic()
-                self._progress(envs)
+                self._progress(lanes)
         while True:
-            starting = [e for e in envs if e.state is STARTING]
+            starting = [e for e in lanes if e.state is STARTING]
             if not starting:
                 break
             now = time.monotonic()
-            for env in starting:
-                if now >= deadline_of(env):
-                    self.kill(env, f"did not complete its handshake within {start_timeout:g} s")
+            for lane in starting:
+                if now >= deadline_of(lane):
+                    self.kill(lane, f"did not complete its handshake within {start_timeout:g} s")
             earliest = min((deadline_of(e) for e in starting if e.state is STARTING), default=now)
             self.poll(max(0.0, min(earliest - now, 0.1)))
             if progress and time.monotonic() - last_report > 0.1:
                 last_report = time.monotonic()
-                self._progress(envs)
-            if progress and any(e.state.dead for e in envs):
+                self._progress(lanes)
+            if progress and any(e.state.dead for e in lanes):
                 # Fail fast: at pool start-up one broken env fails the pool.
-                for env in envs:
-                    if env.state is STARTING:
-                        self.kill(env, ABANDONED)
+                for lane in lanes:
+                    if lane.state is STARTING:
+                        self.kill(lane, ABANDONED)
         if progress:
-            self._progress(envs)
+            self._progress(lanes)
 
-    def _progress(self, envs: list[Lane]) -> None:
-        ready = sum(e.state is IDLE for e in envs)
-        self.reactor.send([wire.PROGRESS, ready, len(envs)])
+    def _progress(self, lanes: list[Lane]) -> None:
+        ready = sum(e.state is IDLE for e in lanes)
+        self.reactor.send([wire.PROGRESS, ready, len(lanes)])
 
-    def respawn(self, envs: list[Lane], hard: bool) -> None:
+    def respawn(self, lanes: list[Lane], hard: bool) -> None:
         """Respawn those of envs that need it before a reset: all when hard,
         else the dead and those still busy with an unanswered step."""
-        respawn = [e for e in envs if hard or e.state.dead or e.state.due]
+        respawn = [e for e in lanes if hard or e.state.dead or e.state.due]
         cause = "killed for a hard reset" if hard else "killed at reset: it had not answered its last step"
         with self.spawner.batching_kills():
-            for env in respawn:
-                if not env.state.dead:
-                    self.kill(env, cause)
-                env.log += b"\n--- boltzlabs: sandbox respawned ---\n"
+            for lane in respawn:
+                if not lane.state.dead:
+                    self.kill(lane, cause)
+                lane.log += b"\n--- boltzlabs: sandbox respawned ---\n"
         if respawn:
             self.start(respawn)
 
-    def _confinement_problem(self, env: Lane) -> str:
+    def _confinement_problem(self, lane: Lane) -> str:
         """What the kernel says is wrong with env's confinement (confinement.py), or ''."""
-        pid, pidfd, owned = self.spawner.process(env)
+        pid, pidfd, owned = self.spawner.process(lane)
         try:
-            return self.confinement.check(env.index, pid, pidfd)
+            return self.confinement.check(lane.index, pid, pidfd)
         finally:
             if owned:
                 os.close(pidfd)
 
     # -- reading an env ---------------------------------------------------------------
 
-    def _read_channel(self, env: Lane) -> None:
-        data = read_fd(env.chan)
+    def _read_channel(self, lane: Lane) -> None:
+        data = read_fd(lane.chan)
         if data is None:
             return
         if not data:
-            self.reactor.close_channel(env)
+            self.reactor.close_channel(lane)
             # It has ended (or is ending): a template frozen for a turn must
             # run to reap it and say how it died.
             self.thaw_template()
             return
-        self.take(env, data)
+        self.take(lane, data)
 
-    def take(self, env: Lane, data: bytes) -> None:
+    def take(self, lane: Lane, data: bytes) -> None:
         """Bytes read from env's channel (by the event loop, or by the native
         step path, requests._step_native): charged, framed, decoded under the
         limits, and handled."""
         budget = self.budget
-        if not budget.charge(env, len(data)):
-            self.kill(env, budget.over(env))
+        if not budget.charge(lane, len(data)):
+            self.kill(lane, budget.over(lane))
             return
         try:
-            messages = env.reader.feed(data)
-            limits = env.reader.limits
+            messages = lane.reader.feed(data)
+            limits = lane.reader.limits
             if limits.made:
                 # What the decoded frames cost beyond their bytes, ~64 bytes
                 # per object (a list, a dict entry, a str), is charged too.
                 cost = limits.made * OBJECT_COST
                 limits.made = 0
-                if not budget.charge(env, cost):
-                    self.kill(env, budget.over(env))
+                if not budget.charge(lane, cost):
+                    self.kill(lane, budget.over(lane))
                     return
         except wire.ProtocolError as exc:
-            env.reader.limits.made = 0
-            if env.state is STARTING:
+            lane.reader.limits.made = 0
+            if lane.state is STARTING:
                 hello = self.config.hello_limits
-                self.kill(env, f"sent an invalid frame as its handshake (HELLO) and was killed: {exc} (its caps are "
+                self.kill(lane, f"sent an invalid frame as its handshake (HELLO) and was killed: {exc} (its caps are "
                                f"limits.max_hello={hello.max_frame} bytes and "
                                f"limits.max_hello_objects={hello.max_objects})")
             else:
-                self.kill(env, f"sent an invalid frame ({exc}) and was killed")
+                self.kill(lane, f"sent an invalid frame ({exc}) and was killed")
             return
         on_message = self.on_message
         for message in messages:
-            on_message(env, message)
-            if env.state.dead:
+            on_message(lane, message)
+            if lane.state.dead:
                 return
 
-    def _on_message(self, env: Lane, message: list) -> None:
+    def _on_message(self, lane: Lane, message: list) -> None:
         code = message[0]
-        if env.state is STARTING:
+        if lane.state is STARTING:
             if code == wire.HELLO and len(message) == 3 and message[1] == wire.PROTOCOL_VERSION:
-                problem = self._confinement_problem(env)
+                problem = self._confinement_problem(lane)
                 if problem:
-                    self.kill(env, f"failed the confinement check (what the kernel says of its process, read "
+                    self.kill(lane, f"failed the confinement check (what the kernel says of its process, read "
                                    f"by the worker) and was killed: {problem}")
                     return
-                env.on("hello")
-                env.reader.limits = self.config.env_limits
-                if env.index == 0 and self.hello is None:  # only lane 0's is ever read: keep no other
+                lane.on("hello")
+                lane.reader.limits = self.config.env_limits
+                if lane.index == 0 and self.hello is None:  # only lane 0's is ever read: keep no other
                     self.hello = message[2] if isinstance(message[2], dict) else {}
-                self.budget.unhold(env)
+                self.budget.unhold(lane)
                 if self.slots is not None:  # sized and sealed from lane 0's space (worker/slots.py)
-                    self.slots.on_hello(self.hello, self.config.env_limits, self.envs, self.kill, env)
+                    self.slots.on_hello(self.hello, self.config.env_limits, self.lanes, self.kill, lane)
                 return
-            self.kill(env, f"sent {describe(message)} instead of its handshake (protocol {wire.PROTOCOL_VERSION})")
+            self.kill(lane, f"sent {describe(message)} instead of its handshake (protocol {wire.PROTOCOL_VERSION})")
             return
         # Exactly one reply is due per request, carrying its sequence number
         # (module docstring): anything else is killed at the first frame.
-        if not env.state.due:
-            self.kill(env, f"sent {describe(message)} when no reply was due (a protocol violation) and was killed")
+        if not lane.state.due:
+            self.kill(lane, f"sent {describe(message)} when no reply was due (a protocol violation) and was killed")
             return
-        if len(message) < 2 or message[1] != env.seq:
-            self.kill(env, f"sent {describe(message)} with the wrong sequence number while the reply to request "
-                           f"{env.seq} was due (a protocol violation) and was killed")
+        if len(message) < 2 or message[1] != lane.seq:
+            self.kill(lane, f"sent {describe(message)} with the wrong sequence number while the reply to request "
+                           f"{lane.seq} was due (a protocol violation) and was killed")
             return
         result = check_reply(message)
-        if result is None or result[0] not in (env.expect, wire.FAILED):
-            self.kill(env, f"sent a malformed reply {describe(message)}")
+        if result is None or result[0] not in (lane.expect, wire.FAILED):
+            self.kill(lane, f"sent a malformed reply {describe(message)}")
             return
         obs = result[2] if result[0] != wire.FAILED else None
         if type(obs) is msgpack.ExtType and obs.code == wire.SLOT_EXT:
             # (wire.decode lets a marker through only as the obs of a step or reset, and only with slots on.)
-            if self.slots is None or not self.slots.sealed[env.index]:
-                self.kill(env, "sent its obs as a slot marker but has no observation slot (a protocol violation) "
+            if self.slots is None or not self.slots.sealed[lane.index]:
+                self.kill(lane, "sent its obs as a slot marker but has no observation slot (a protocol violation) "
                                "and was killed")
                 return
-            if obs.data != env.seq.to_bytes(8, "little"):
-                self.kill(env, f"sent an observation in its slot for request {int.from_bytes(obs.data, 'little')} "
-                               f"while the reply to request {env.seq} was due (a protocol violation) and was killed")
+            if obs.data != lane.seq.to_bytes(8, "little"):
+                self.kill(lane, f"sent an observation in its slot for request {int.from_bytes(obs.data, 'little')} "
+                               f"while the reply to request {lane.seq} was due (a protocol violation) and was killed")
                 return
-        if env.on("reply") is IN_FLIGHT:  # an async action's result, held for recv
-            self.deliver(env, result, env.cause)
+        if lane.on("reply") is IN_FLIGHT:  # an async action's result, held for recv
+            self.deliver(lane, result, lane.cause)
             return
         op = self.op
-        if op is not None and message[1] == op.seq and env.index in op.waiting:
-            op.waiting.discard(env.index)
-            op.results[env.index] = result
+        if op is not None and message[1] == op.seq and lane.index in op.waiting:
+            op.waiting.discard(lane.index)
+            op.results[lane.index] = result
             return
-        self.budget.unhold(env)  # a straggler's one late reply: dropped
+        self.budget.unhold(lane)  # a straggler's one late reply: dropped
 
-    def _read_log(self, env: Lane) -> None:
-        data = read_fd(env.logfd)
+    def _read_log(self, lane: Lane) -> None:
+        data = read_fd(lane.logfd)
         if data is None:
             return
         if not data:
-            self.reactor.close_log(env)
+            self.reactor.close_log(lane)
             return
-        log = env.log
+        log = lane.log
         log += data
         tail = self.config.log_tail
         if len(log) > tail:
             del log[:len(log) - tail]
 
-    def drain_log(self, env: Lane) -> None:
+    def drain_log(self, lane: Lane) -> None:
         """Read what env's log pipe holds now (a bounded amount)."""
         for _ in range(64):  # at most 4 MiB: the tail is what matters
-            if env.logfd < 0:
+            if lane.logfd < 0:
                 return
-            before = len(env.log), env.logfd
-            self._read_log(env)
-            if (len(env.log), env.logfd) == before:
+            before = len(lane.log), lane.logfd
+            self._read_log(lane)
+            if (len(lane.log), lane.logfd) == before:
                 return
 
     # -- death ----------------------------------------------------------------------
 
-    def on_exit(self, env: Lane, status, cause: str = "") -> None:
+    def on_exit(self, lane: Lane, status, cause: str = "") -> None:
         """env's process is gone (the spawner reaped it): record why."""
-        if env.state.dead:
+        if lane.state.dead:
             return
-        self.drain_log(env)
+        self.drain_log(lane)
         if not cause:
-            cause = describe_exit(status) + self._limits_hit(env, status)
-        self._release(env, f"died: {cause}")
+            cause = describe_exit(status) + self._limits_hit(lane, status)
+        self._release(lane, f"died: {cause}")
 
-    def _limits_hit(self, env: Lane, status) -> str:
+    def _limits_hit(self, lane: Lane, status) -> str:
         """What limit an env that died had hit, by name ('' if none is known)."""
         notes = []
         limits = self.config.limits
         if self.cgroups is not None:
-            oom, refused = (now - base for now, base in zip(self.cgroups.events(env.index), env.events_base))
+            oom, refused = (now - base for now, base in zip(self.cgroups.events(lane.index), lane.events_base))
             if oom > 0:
                 notes.append(f"OOM: killed by the kernel's OOM killer over its memory limit "
                              f"(memory_limit={self.config.memory_limit} bytes)")
@@ -445,7 +445,7 @@ class Lifecycle:
                 pools = f"the pool's limit of {cap} tasks for all its envs together (limits.pool_pids)"
                 if self.cgroups.pool_full():
                     where = pools
-                elif cap and cap < len(self.envs) * limits["pids"]:
+                elif cap and cap < len(self.lanes) * limits["pids"]:
                     where = f"{own} or {pools}"
                 else:
                     where = own
@@ -457,66 +457,66 @@ class Lifecycle:
             notes.append("CPU time limit (RLIMIT_CPU)")
         return "".join(f"; {note}" for note in notes)
 
-    def _release(self, env: Lane, cause: str) -> None:
+    def _release(self, lane: Lane, cause: str) -> None:
         """Mark env dead with `cause`; close its fds; the op stops waiting for it,
         an async action in flight is finished with the failure."""
-        self.reactor.close_channel(env)
-        self.reactor.close_log(env)
-        env.pid = -1
-        self.confinement.forget(env.index)
-        was = env.on("die")
-        env.cause = cause
-        self.budget.release(env)
+        self.reactor.close_channel(lane)
+        self.reactor.close_log(lane)
+        lane.pid = -1
+        self.confinement.forget(lane.index)
+        was = lane.on("die")
+        lane.cause = cause
+        self.budget.release(lane)
         if was is IN_FLIGHT:
-            self.deliver(env, None, cause)
+            self.deliver(lane, None, cause)
         op = self.op
-        if op is not None and env.index in op.waiting:
-            op.waiting.discard(env.index)
-            op.results[env.index] = None  # failure: see env.cause
+        if op is not None and lane.index in op.waiting:
+            op.waiting.discard(lane.index)
+            op.results[lane.index] = None  # failure: see lane.cause
 
-    def kill(self, env: Lane, cause: str) -> None:
+    def kill(self, lane: Lane, cause: str) -> None:
         """Kill env's sandbox now, its whole tree; the spawner reaps it."""
-        if env.state.dead:
+        if lane.state.dead:
             return
-        self.spawner.kill(env)
+        self.spawner.kill(lane)
         if self.cgroups is not None:
-            self.cgroups.kill(env.index)  # and thaws it: killed tasks die on the way out
-        self.freeze_pending.discard(env.index)
-        self.drain_log(env)
-        self._release(env, cause)
+            self.cgroups.kill(lane.index)  # and thaws it: killed tasks die on the way out
+        self.freeze_pending.discard(lane.index)
+        self.drain_log(lane)
+        self._release(lane, cause)
 
     def close(self) -> float:
         """Kill every lane and stop the spawner (by a deadline of 5 s); that deadline, for the cgroups."""
-        for env in self.envs:
-            self.kill(env, "pool closed")
+        for lane in self.lanes:
+            self.kill(lane, "pool closed")
         deadline = time.monotonic() + 5.0
         self.spawner.close(deadline)
         return deadline
 
     # -- the freezer (serialize_measurement) ------------------------------------------
 
-    def _on_message_freezing(self, env: Lane, message: list) -> None:
+    def _on_message_freezing(self, lane: Lane, message: list) -> None:
         """on_message of a pool that freezes its envs (serialize_measurement):
         an env's handshake or reply ends its work, so it is frozen first, before
         the reply can pass the gate on. If the message is refused, the kill thaws."""
-        if env.state is STARTING or (env.state.due and len(message) >= 2 and message[1] == env.seq):
-            self._freeze(env)
-        self._on_message(env, message)
+        if lane.state is STARTING or (lane.state.due and len(message) >= 2 and message[1] == lane.seq):
+            self._freeze(lane)
+        self._on_message(lane, message)
 
-    def _freeze(self, env: Lane) -> None:
+    def _freeze(self, lane: Lane) -> None:
         assert self.cgroups is not None  # freezing needs them
         try:
-            self.cgroups.freeze(env.index)
+            self.cgroups.freeze(lane.index)
         except OSError:
             return  # its cgroup is gone: so is the env
-        self.freeze_pending.add(env.index)
+        self.freeze_pending.add(lane.index)
 
-    def thaw(self, env: Lane) -> None:
+    def thaw(self, lane: Lane) -> None:
         """env runs (its turn, its own request); only with the freezer."""
         assert self.cgroups is not None
-        self.freeze_pending.discard(env.index)
+        self.freeze_pending.discard(lane.index)
         try:
-            self.cgroups.thaw(env.index)
+            self.cgroups.thaw(lane.index)
         except OSError:
             pass
 
@@ -577,9 +577,9 @@ class Lifecycle:
         pause = 0.0001
         while self.freeze_pending:
             for index in list(self.freeze_pending):
-                env = self.envs[index]
+                lane = self.lanes[index]
                 try:
-                    done = env.state.dead or cgroups.frozen(index)
+                    done = lane.state.dead or cgroups.frozen(index)
                 except OSError:
                     done = True
                 if done:
@@ -589,7 +589,7 @@ class Lifecycle:
             if time.monotonic() >= deadline:
                 for index in list(self.freeze_pending):
                     self.freeze_pending.discard(index)
-                    self.kill(self.envs[index], "could not be frozen outside its turn (serialize_measurement) "
+                    self.kill(self.lanes[index], "could not be frozen outside its turn (serialize_measurement) "
                                                 "and was killed")
                 return
             if time.monotonic() >= spin_until:
@@ -597,8 +597,8 @@ class Lifecycle:
                 pause = min(pause * 2, 0.005)
 
 
-def _no_async(env: Lane, reply: list | None, cause: str) -> None:
-    raise AssertionError(f"lane {env.index} finished an async action with no stepping part to take it")
+def _no_async(lane: Lane, reply: list | None, cause: str) -> None:
+    raise AssertionError(f"lane {lane.index} finished an async action with no stepping part to take it")
 
 
 
@@ -629,7 +629,7 @@ def describe_exit(status: int) -> str:
 
 
 def warmup_note(report: dict | None) -> str:
-    """The warning for a warm-up that failed (template.warm_up), or ''."""
+    """The warning for a warm-up that failed (spawn.TemplateSpawner._warmup's report), or ''."""
     if report is None:
         return ""
     notes = []

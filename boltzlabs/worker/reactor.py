@@ -44,28 +44,28 @@ class Budget:
         self.limit: int = limit  # limits.max_pool_bytes of sandbox/policy.toml
         self.held: int = 0  # the sum of every lane's `held`: at most `limit` after a charge that succeeds
 
-    def charge(self, env: Lane, amount: int) -> bool:
+    def charge(self, lane: Lane, amount: int) -> bool:
         """Count `amount` against env and the pool; whether the pool is still within its limit."""
-        env.held += amount
+        lane.held += amount
         self.held += amount
         return self.held <= self.limit
 
-    def over(self, env: Lane) -> str:
+    def over(self, lane: Lane) -> str:
         """Why env is killed for going over."""
         return (f"killed: the pool would hold more than limits.max_pool_bytes={self.limit} bytes of "
-                f"replies not yet returned (this env's: {env.held}, decoded objects counted at {OBJECT_COST} "
+                f"replies not yet returned (this env's: {lane.held}, decoded objects counted at {OBJECT_COST} "
                 "bytes each); send less per step, or raise the limit in sandbox/policy.toml")
 
-    def unhold(self, env: Lane) -> None:
+    def unhold(self, lane: Lane) -> None:
         """The pool no longer holds what env sent (but a partial frame it buffers)."""
-        keep = env.reader.pending
-        self.held -= env.held - keep
-        env.held = keep
+        keep = lane.reader.pending
+        self.held -= lane.held - keep
+        lane.held = keep
 
-    def release(self, env: Lane) -> None:
+    def release(self, lane: Lane) -> None:
         """Nothing of env's is held any more (it died)."""
-        self.held -= env.held
-        env.held = 0
+        self.held -= lane.held
+        lane.held = 0
 
     def add(self, amount: int) -> None:
         """Bytes held outside any lane's count (the native step's replies, until its REPLY)."""
@@ -128,10 +128,10 @@ class Reactor:
         self.epoll.register(fd, select.EPOLLIN)
         self.handlers[fd] = (CALL, callback, arg)
 
-    def watch_channel(self, env: Lane, callback: Callable[[Lane], None]) -> None:
+    def watch_channel(self, lane: Lane, callback: Callable[[Lane], None]) -> None:
         """Call `callback(env)` whenever env's channel is readable (or at its end)."""
-        self.epoll.register(env.chan, select.EPOLLIN)
-        self.handlers[env.chan] = (CHAN, callback, env)
+        self.epoll.register(lane.chan, select.EPOLLIN)
+        self.handlers[lane.chan] = (CHAN, callback, lane)
 
     def unwatch(self, fd: int) -> None:
         """Stop watching fd (before it is closed: the number may be reused at once)."""
@@ -174,67 +174,67 @@ class Reactor:
 
     # -- an env's fds -------------------------------------------------------------------
 
-    def write(self, env: Lane, data: bytes) -> None:
-        """A frame to env's channel; what it cannot take now waits in env.out."""
-        if env.out:
-            env.out += data
+    def write(self, lane: Lane, data: bytes) -> None:
+        """A frame to env's channel; what it cannot take now waits in lane.out."""
+        if lane.out:
+            lane.out += data
             return
         try:
-            sent = os.write(env.wchan, data)
+            sent = os.write(lane.wchan, data)
         except BlockingIOError:
             sent = 0
         except OSError:
             # EPIPE (the worker ignores SIGPIPE, as Python does): the env closed
             # its end or exited; EBADF: closed already. The channel is gone, as
             # at EOF; the pidfd or the deadline says what became of the env.
-            self.close_channel(env)
+            self.close_channel(lane)
             return
         if sent < len(data):
-            env.out = data[sent:]
-            self.watch_out(env, True)
+            lane.out = data[sent:]
+            self.watch_out(lane, True)
 
-    def flush(self, env: Lane) -> None:
+    def flush(self, lane: Lane) -> None:
         try:
-            sent = os.write(env.wchan, env.out)
+            sent = os.write(lane.wchan, lane.out)
         except BlockingIOError:
             return
         except OSError:
-            self.close_channel(env)
+            self.close_channel(lane)
             return
-        env.out = env.out[sent:]
-        if not env.out:
-            self.watch_out(env, False)
+        lane.out = lane.out[sent:]
+        if not lane.out:
+            self.watch_out(lane, False)
 
-    def watch_out(self, env: Lane, on: bool) -> None:
+    def watch_out(self, lane: Lane, on: bool) -> None:
         """Wake the loop when env's channel can take more (EPOLLOUT) while
-        env.out holds a frame's rest, and only then: a pipe's write end is
+        lane.out holds a frame's rest, and only then: a pipe's write end is
         always writable while the env reads, so it is in the epoll set only
         with something to write. A socket is one fd: its EPOLLIN stays."""
-        if env.wchan == env.chan:
-            self.epoll.modify(env.chan, select.EPOLLIN | select.EPOLLOUT if on else select.EPOLLIN)
+        if lane.wchan == lane.chan:
+            self.epoll.modify(lane.chan, select.EPOLLIN | select.EPOLLOUT if on else select.EPOLLIN)
         elif on:
-            self.epoll.register(env.wchan, select.EPOLLOUT)
-            self.handlers[env.wchan] = (WCHAN, self.flush, env)
+            self.epoll.register(lane.wchan, select.EPOLLOUT)
+            self.handlers[lane.wchan] = (WCHAN, self.flush, lane)
         else:
-            self.unwatch(env.wchan)
+            self.unwatch(lane.wchan)
 
-    def close_channel(self, env: Lane) -> None:
+    def close_channel(self, lane: Lane) -> None:
         """Close both ends the worker holds (one fd for a socket, two for pipes)."""
-        if env.wchan >= 0 and env.wchan != env.chan:
-            self.unwatch(env.wchan)
-            os.close(env.wchan)
-        env.wchan = -1
-        if env.chan >= 0:
-            self.unwatch(env.chan)
-            os.close(env.chan)
-            env.chan = -1
-        env.out = b""
+        if lane.wchan >= 0 and lane.wchan != lane.chan:
+            self.unwatch(lane.wchan)
+            os.close(lane.wchan)
+        lane.wchan = -1
+        if lane.chan >= 0:
+            self.unwatch(lane.chan)
+            os.close(lane.chan)
+            lane.chan = -1
+        lane.out = b""
 
-    def close_log(self, env: Lane) -> None:
-        if env.logfd >= 0:
-            self.unwatch(env.logfd)
-            os.close(env.logfd)
-            env.logfd = -1
+    def close_log(self, lane: Lane) -> None:
+        if lane.logfd >= 0:
+            self.unwatch(lane.logfd)
+            os.close(lane.logfd)
+            lane.logfd = -1
 
 
 _NOBODY: tuple[str, Any, Any] = ("", None, None)

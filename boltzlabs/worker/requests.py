@@ -75,14 +75,14 @@ class Requests:
         replies waited for and gathered into arrays allocated once. An ungated
         pool with the extension does all of that in C (_step_native)."""
         lifecycle = self.lifecycle
-        envs = lifecycle.envs
-        n = len(envs)
+        lanes = lifecycle.lanes
+        n = len(lanes)
         if not isinstance(actions, list) or len(actions) != n:
             raise ValueError(f"step() needs {n} actions, one per env; got {len(actions) if isinstance(actions, list) else type(actions).__name__}")
         resets = set(lifecycle.check_lanes(resets or []))
         self.stepping.refuse_async("step() cannot run")
         if resets:
-            lifecycle.respawn([envs[i] for i in sorted(resets)], hard=False)
+            lifecycle.respawn([lanes[i] for i in sorted(resets)], hard=False)
         seq = lifecycle.next_seq()
         op = Op(seq)
         lifecycle.begin(op)
@@ -98,47 +98,47 @@ class Requests:
         step_timeout = self.config.step_timeout
         immediate: dict[int, str] = {}
         # Hot path (pure), fan-out: one frame per idle env, written straight to its channel.
-        for env, action in zip(envs, actions):
-            if env.state is IDLE:
-                if resets and env.index in resets:
+        for lane, action in zip(lanes, actions):
+            if lane.state is IDLE:
+                if resets and lane.index in resets:
                     body = pack([wire.RESET, seq, None, None])
-                    env.expect = wire.RESET_DONE
+                    lane.expect = wire.RESET_DONE
                     if freezing:
-                        lifecycle.thaw(env)  # resets are not gated
+                        lifecycle.thaw(lane)  # resets are not gated
                 else:
                     body = pack([wire.STEP, seq, action, gated])
-                    env.expect = wire.STEPPED
-                env.seq = seq
-                env.to(BUSY)
-                op.waiting.add(env.index)
-                write(env, header(len(body)) + body)
+                    lane.expect = wire.STEPPED
+                lane.seq = seq
+                lane.to(BUSY)
+                op.waiting.add(lane.index)
+                write(lane, header(len(body)) + body)
             else:
-                immediate[env.index] = _not_sent(env)
+                immediate[lane.index] = _not_sent(lane)
         stragglers: list[int] = []
         if gated:
             for index in sorted(op.waiting - resets):
-                env = envs[index]
+                lane = lanes[index]
                 if index not in op.waiting:
                     continue
                 if freezing:
                     lifecycle.all_frozen()
                     if index not in op.waiting:
                         continue
-                    lifecycle.thaw(env)  # its STEP is waiting in its channel: decoded in its own turn
-                write(env, wire.encode([wire.GO, seq]))
+                    lifecycle.thaw(lane)  # its STEP is waiting in its channel: decoded in its own turn
+                write(lane, wire.encode([wire.GO, seq]))
                 self._wait_one(op, index, time.monotonic() + step_timeout)
                 lifecycle.thaw_template()  # the turn is over
                 if index in op.waiting:
                     # The gate promises one env's code at a time, so a holder
                     # that overruns is killed before the next one goes.
-                    lifecycle.kill(env, f"missed the step deadline of {step_timeout:g} s while holding the "
+                    lifecycle.kill(lane, f"missed the step deadline of {step_timeout:g} s while holding the "
                                         "serialize_measurement gate, and was killed")
                     stragglers.append(index)
         if op.waiting:  # ungated steps, and resets (which the gate does not serialize)
             self._wait(op, time.monotonic() + step_timeout)
             stragglers.extend(op.waiting)
             for index in op.waiting:
-                lifecycle.straggling(envs[index])
+                lifecycle.straggling(lanes[index])
         lifecycle.end()
         # Hot path (pure), gather: the REPLY in lane order, its arrays allocated once.
         rewards = array.array("d", bytes(8 * n))
@@ -159,20 +159,20 @@ class Requests:
         """Hot path (both paths), gather: `put(i, obs, reward, terminated, truncated, info)` for
         each lane i of `indices`, its reply or its failure; what the replies held leaves the
         pool's byte count with this call's REPLY."""
-        envs = self.lifecycle.envs
+        lanes = self.lifecycle.lanes
         results = op.results
         lane_result = self._lane_result
         released = 0
         for i in indices:
-            env = envs[i]
+            lane = lanes[i]
             result = results.get(i, False)
             if result:
-                released += env.held  # its reply leaves with this call's REPLY
-                env.held = 0
-            put(i, *lane_result(env, result, i in stragglers, immediate.get(i)))
+                released += lane.held  # its reply leaves with this call's REPLY
+                lane.held = 0
+            put(i, *lane_result(lane, result, i in stragglers, immediate.get(i)))
         self.budget.free(released)
 
-    def _lane_result(self, env: Lane, result, straggler: bool, immediate: str | None) -> tuple:
+    def _lane_result(self, lane: Lane, result, straggler: bool, immediate: str | None) -> tuple:
         """(obs, reward, terminated, truncated, info) of one lane's step: its
         reply (decoded), or a failure (reward 0, truncated, info["error"])."""
         if result:
@@ -182,17 +182,17 @@ class Requests:
             if kind == wire.RESET_DONE:  # an autoreset lane: reward 0, not done
                 return result[2], 0.0, False, False, result[3]
             info = {"error": result[4] or result[3]}  # the env's exception, with traceback
-        elif straggler and not env.state.dead:
+        elif straggler and not lane.state.dead:
             info = {"straggler": True, "error": f"missed the step deadline of {self.config.step_timeout:g} s"}
         elif straggler:
-            info = {"straggler": True, "error": env.cause}
+            info = {"straggler": True, "error": lane.cause}
         elif immediate == "straggler":
             info = {"straggler": True, "error": "still busy with an earlier step it has not answered; "
                                                 "reset it (it will be killed and respawned)"}
         elif immediate == "dead":
-            info = {"error": f"env is dead ({env.cause}); reset it to respawn"}
+            info = {"error": f"env is dead ({lane.cause}); reset it to respawn"}
         else:
-            info = {"error": env.cause}
+            info = {"error": lane.cause}
         return None, 0.0, False, True, info
 
     def _step_native(self, actions: list, resets: set, op: Op):
@@ -207,16 +207,16 @@ class Requests:
         the deadline, their outcome packed by _gather as an override. None
         (nothing done) when C will not take this batch: the pure path runs it."""
         lifecycle = self.lifecycle
-        envs = lifecycle.envs
+        lanes = lifecycle.lanes
         chans, wchans = [], []
-        for env in envs:
-            if env.state is IDLE:
-                if env.out or env.chan < 0 or env.wchan < 0 or env.reader.pending:
+        for lane in lanes:
+            if lane.state is IDLE:
+                if lane.out or lane.chan < 0 or lane.wchan < 0 or lane.reader.pending:
                     # A request still draining, a channel gone, or part of a frame
                     # held (C reads only what comes now): the pure path runs this batch.
                     return None
-                chans.append(env.chan)
-                wchans.append(env.wchan)
+                chans.append(lane.chan)
+                wchans.append(lane.wchan)
             else:
                 chans.append(-1)
                 wchans.append(-1)
@@ -224,7 +224,7 @@ class Requests:
             packed = self.packer.pack(actions)
         except (TypeError, ValueError, OverflowError):
             return None  # the pure path packs each lane's action and says which failed
-        flags = bytearray(len(envs))
+        flags = bytearray(len(lanes))
         for index in resets:
             flags[index] = 1
         seq = op.seq
@@ -238,30 +238,30 @@ class Requests:
         budget.add(batch.held)  # the replies C holds count against the pool's budget until the REPLY
         rest = batch.rest
         for index, kind, value in rest:
-            env = envs[index]
-            env.seq = seq
-            env.expect = wire.RESET_DONE if index in resets else wire.STEPPED
-            env.to(BUSY)
+            lane = lanes[index]
+            lane.seq = seq
+            lane.expect = wire.RESET_DONE if index in resets else wire.STEPPED
+            lane.to(BUSY)
             op.waiting.add(index)
             if kind == fastpath.UNUSUAL:  # not a reply C vouches for: Python decodes it and names what is wrong
-                lifecycle.take(env, value)
+                lifecycle.take(lane, value)
             elif kind == fastpath.EOF:
-                self.reactor.close_channel(env)
+                self.reactor.close_channel(lane)
             elif kind == fastpath.SHORT_WRITE_KIND:  # the rest is flushed by the event loop, as Reactor.write does
-                env.out = value
-                self.reactor.watch_out(env, True)
+                lane.out = value
+                self.reactor.watch_out(lane, True)
         stragglers: list[int] = []
         if op.waiting:
             self._wait(op, deadline)
             stragglers.extend(op.waiting)
             for index in op.waiting:
-                lifecycle.straggling(envs[index])
+                lifecycle.straggling(lanes[index])
         lifecycle.end()
         overrides: dict[int, tuple] = {}
-        if batch.done < len(envs):
+        if batch.done < len(lanes):
             pack = wire.pack
             not_sent = [index for index, fd in enumerate(chans) if fd < 0]
-            immediate = {index: _not_sent(envs[index]) for index in not_sent}
+            immediate = {index: _not_sent(lanes[index]) for index in not_sent}
 
             def put(i: int, lane_obs, reward, lane_terminated, lane_truncated, info) -> None:
                 overrides[i] = (pack(lane_obs), reward, lane_terminated, lane_truncated, pack(info))
@@ -280,30 +280,30 @@ class Requests:
         self.stepping.pump()
         for index in indices:
             self.stepping.refuse_outstanding(index, "reset")
-        envs = [lifecycle.envs[i] for i in indices]
-        lifecycle.respawn(envs, hard)
+        lanes = [lifecycle.lanes[i] for i in indices]
+        lifecycle.respawn(lanes, hard)
         seq = lifecycle.next_seq()
         op = Op(seq)
         lifecycle.begin(op)
-        for env, seed in zip(envs, seeds or [None] * len(envs)):
-            if env.state is not IDLE:
+        for lane, seed in zip(lanes, seeds or [None] * len(lanes)):
+            if lane.state is not IDLE:
                 continue
-            env.seq = seq
-            env.to(BUSY)
-            env.expect = wire.RESET_DONE
-            op.waiting.add(env.index)
+            lane.seq = seq
+            lane.to(BUSY)
+            lane.expect = wire.RESET_DONE
+            op.waiting.add(lane.index)
             if lifecycle.freezing:
-                lifecycle.thaw(env)
-            self.reactor.write(env, wire.encode([wire.RESET, seq, seed, options]))
+                lifecycle.thaw(lane)
+            self.reactor.write(lane, wire.encode([wire.RESET, seq, seed, options]))
         self._wait(op, time.monotonic() + self.config.step_timeout)
         lifecycle.end()
         for index in op.waiting:
-            lifecycle.straggling(lifecycle.envs[index])
+            lifecycle.straggling(lifecycle.lanes[index])
         obs, infos = [], []
-        for env in envs:
-            if not env.state.due:
-                self.budget.unhold(env)
-            result = op.results.get(env.index)
+        for lane in lanes:
+            if not lane.state.due:
+                self.budget.unhold(lane)
+            result = op.results.get(lane.index)
             if result and result[0] == wire.RESET_DONE:
                 obs.append(result[2])
                 infos.append(result[3])
@@ -311,10 +311,10 @@ class Requests:
             obs.append(None)
             if result:
                 infos.append({"error": result[4] or result[3]})
-            elif env.index in op.waiting:
+            elif lane.index in op.waiting:
                 infos.append({"straggler": True, "error": f"missed the reset deadline of {self.config.step_timeout:g} s"})
             else:
-                infos.append({"error": f"could not be reset: {env.cause}", "log": tail(env.log)})
+                infos.append({"error": f"could not be reset: {lane.cause}", "log": tail(lane.log)})
         return [indices, obs, infos]
 
     def render(self, indices) -> list:
@@ -354,25 +354,25 @@ class Requests:
         op = Op(seq)
         lifecycle.begin(op)
         for k, index in enumerate(indices):
-            env = lifecycle.envs[index]
-            if env.state is IDLE or env.state is FINISHED:  # an env with a result held for recv may answer too
-                env.seq = seq
-                env.on("request")
-                env.expect = expect
+            lane = lifecycle.lanes[index]
+            if lane.state is IDLE or lane.state is FINISHED:  # an env with a result held for recv may answer too
+                lane.seq = seq
+                lane.on("request")
+                lane.expect = expect
                 op.waiting.add(index)
                 if lifecycle.freezing:
-                    lifecycle.thaw(env)
-                self.reactor.write(env, frame(seq, k))
+                    lifecycle.thaw(lane)
+                self.reactor.write(lane, frame(seq, k))
         self._wait(op, time.monotonic() + self.config.step_timeout)
         lifecycle.end()
         for index in op.waiting:
-            lifecycle.straggling(lifecycle.envs[index])
+            lifecycle.straggling(lifecycle.lanes[index])
         values: list = []
         errors: dict[int, tuple[str, str]] = {}
         for index in indices:
-            env = lifecycle.envs[index]
-            if not env.state.due:
-                self.budget.unhold(env)
+            lane = lifecycle.lanes[index]
+            if not lane.state.due:
+                self.budget.unhold(lane)
             result = op.results.get(index)
             if result and result[0] == expect:
                 values.append(result[2])
@@ -383,7 +383,7 @@ class Requests:
             elif index in op.waiting:
                 errors[index] = ("", f"missed the {what} deadline of {self.config.step_timeout:g} s")
             else:
-                errors[index] = ("", f"env is {env.state.process} ({env.cause})")
+                errors[index] = ("", f"env is {lane.state.process} ({lane.cause})")
         return values, errors
 
     def memory(self) -> dict:
@@ -392,11 +392,11 @@ class Requests:
         lifecycle = self.lifecycle
         cgroups, spawner = lifecycle.cgroups, lifecycle.spawner
         if cgroups is not None:
-            per_env = [cgroups.usage(e.index) if not e.state.dead else 0 for e in lifecycle.envs]
+            per_env = [cgroups.usage(e.index) if not e.state.dead else 0 for e in lifecycle.lanes]
             if spawner.kind == "template":
                 shared = cgroups.usage(TEMPLATE_LANE)
         else:
-            per_env = [_pss_tree(e.pid) if e.pid > 0 else 0 for e in lifecycle.envs]
+            per_env = [_pss_tree(e.pid) if e.pid > 0 else 0 for e in lifecycle.lanes]
             if isinstance(spawner, TemplateSpawner) and spawner.alive():
                 shared = _pss_tree(spawner.bwrap_pid)
         return {"per_env": per_env, "shared": shared}
@@ -405,9 +405,9 @@ class Requests:
         """The tail of env `index`'s output (env.py's import included), after the
         template's in template mode, when it printed anything: the warm-up
         probe's (env.py run once), or env.py's import in a trusted template."""
-        env = self.lifecycle.envs[index]
-        self.lifecycle.drain_log(env)
-        text = bytes(env.log).decode("utf-8", "replace")
+        lane = self.lifecycle.lanes[index]
+        self.lifecycle.drain_log(lane)
+        text = bytes(lane.log).decode("utf-8", "replace")
         spawner = self.lifecycle.spawner
         if isinstance(spawner, TemplateSpawner) and spawner.log:
             shared = bytes(spawner.log).decode("utf-8", "replace")
@@ -417,11 +417,11 @@ class Requests:
 
     def states(self) -> list:
         """Each lane's process state (lanes.State.process): starting, idle, busy or dead."""
-        return [e.state.process for e in self.lifecycle.envs]
+        return [e.state.process for e in self.lifecycle.lanes]
 
     def pids(self) -> list:
         """Each lane's host pid (-1 when dead)."""
-        return [e.pid for e in self.lifecycle.envs]
+        return [e.pid for e in self.lifecycle.lanes]
 
 
 def tail(log: bytearray, size: int = 4000) -> str:
@@ -445,7 +445,7 @@ def _pss_tree(pid: int) -> int:
         return 0
 
 
-def _not_sent(env: Lane) -> str:
+def _not_sent(lane: Lane) -> str:
     """Why a step sent nothing to a lane that was not idle, for _lane_result:
     "straggler" (still busy with a request it has not answered) or "dead"."""
-    return "straggler" if env.state.due else "dead"
+    return "straggler" if lane.state.due else "dead"

@@ -178,8 +178,8 @@ class Worker:
                                 f"interpreter (spawn='exec'), which costs more memory and start-up time: {exc}")
         spawner = lifecycle.spawner
         warmup = spawner.warmup if isinstance(spawner, TemplateSpawner) else None
-        lifecycle.start(lifecycle.envs, progress=True)
-        failed = [e for e in lifecycle.envs if e.state is not IDLE]
+        lifecycle.start(lifecycle.lanes, progress=True)
+        failed = [e for e in lifecycle.lanes if e.state is not IDLE]
         if failed:
             first = min(failed, key=lambda e: e.cause == ABANDONED)
             raise StartFailure(first.index, f"env {first.index} failed to start: {first.cause}",

@@ -67,7 +67,7 @@ class Slots:
         return fd
 
     def on_hello(self, hello: dict | None, env_limits: wire.Limits, lanes: list[Lane],
-                 kill: Callable[[Lane, str], None], env: Lane) -> None:
+                 kill: Callable[[Lane, str], None], lane: Lane) -> None:
         """Lane `env` said HELLO: decide the layout on lane 0's (`hello`, None until it came), then
         size and seal every lane of `lanes` that has said HELLO (this one included) and is not sealed;
         one that tampered with its memfd is killed (`kill`). A reply may carry a slot marker from then
@@ -89,13 +89,13 @@ class Slots:
                 return
             env_limits.slot_marks[0] = 0  # a reply may now carry a marker
             for other in lanes:
-                if other is not env and other.state is not STARTING and not other.state.dead:
+                if other is not lane and other.state is not STARTING and not other.state.dead:
                     self._seal(kill, other)
         if self.layout is not None:
-            self._seal(kill, env)
+            self._seal(kill, lane)
 
-    def _seal(self, kill: Callable[[Lane, str], None], env: Lane) -> None:
-        index = env.index
+    def _seal(self, kill: Callable[[Lane, str], None], lane: Lane) -> None:
+        index = lane.index
         if self.sealed[index] or self.fds[index] < 0:
             return
         fd, size = self.fds[index], self.layout.size
@@ -110,7 +110,7 @@ class Slots:
             # memfd is spent: the lane goes on without a slot (its obs by the wire).
             os.close(fd)
             self.fds[index] = -2
-            kill(env, "tampered with its observation slot (resized or sealed the memfd on fd "
+            kill(lane, "tampered with its observation slot (resized or sealed the memfd on fd "
                               f"{wire.SLOT_FD}) before the worker sized it, and was killed")
             return
         self.sealed[index] = True

@@ -75,16 +75,16 @@ class Spawner(Protocol):
 
     kind: str  # "exec" or "template": RLPool(spawn=...) as it is served
 
-    def spawn(self, env: Lane) -> None:
-        """Start env's sandbox: set env.chan, env.wchan, env.logfd (and env.pid when known)."""
+    def spawn(self, lane: Lane) -> None:
+        """Start env's sandbox: set lane.chan, lane.wchan, lane.logfd (and lane.pid when known)."""
 
-    def kill(self, env: Lane) -> None:
+    def kill(self, lane: Lane) -> None:
         """Kill env's sandbox now; its exit comes to context.on_exit, or it is reaped quietly."""
 
     def batching_kills(self) -> ContextManager[None]:
         """Context of many kill() calls, sent together where the spawner can."""
 
-    def process(self, env: Lane) -> tuple[int, int, bool]:
+    def process(self, lane: Lane) -> tuple[int, int, bool]:
         """(pid, pidfd, whether the caller closes it) of env's own process; (-1, -1, False) if gone."""
 
     def close(self, deadline: float) -> None:
@@ -133,11 +133,11 @@ def _open_channel(start, channel: str = SOCKETPAIR, kind=socket.SOCK_STREAM, log
     return ours[0], ours[1], log_r
 
 
-def slot_fd(context: SpawnContext, env: Lane) -> int:
+def slot_fd(context: SpawnContext, lane: Lane) -> int:
     """The hook for an env's observation slot: its memfd (context.slots, boltzlabs/worker/slots.py), passed
     at each spawn of the lane and kept by the worker, or -1 when the pool has none."""
     slots = context.slots
-    return slots.fd_for(env.index) if slots is not None else -1
+    return slots.fd_for(lane.index) if slots is not None else -1
 
 
 def _charged_to(context: SpawnContext, key, pid: int = 0, home=None) -> ContextManager:
@@ -218,40 +218,40 @@ class ExecSpawner:
         self.pidfds: dict[int, int] = {}  # lane -> pidfd of its bwrap
         self.reaping: dict[int, int] = {}  # pidfd -> pid of a killed bwrap not yet reaped
 
-    def spawn(self, env: Lane) -> None:
+    def spawn(self, lane: Lane) -> None:
         context = self.context
-        argv, handed = context.spec.hand_over(context.spec.argv(channel_fds(context.channel), env.index))
+        argv, handed = context.spec.hand_over(context.spec.argv(channel_fds(context.channel), lane.index))
 
         def start(channel: tuple, log_w: int) -> None:
-            with _charged_to(context, env.index):
-                env.pid = _posix_spawn(argv, channel, log_w, {**context.spec.programs(), **handed},
-                                       slot_fd(context, env))
+            with _charged_to(context, lane.index):
+                lane.pid = _posix_spawn(argv, channel, log_w, {**context.spec.programs(), **handed},
+                                       slot_fd(context, lane))
 
-        env.chan, env.wchan, env.logfd = _open_channel(start, context.channel)
-        pidfd = os.pidfd_open(env.pid)
-        self.pidfds[env.index] = pidfd
-        context.watch(pidfd, self._exited, env)
+        lane.chan, lane.wchan, lane.logfd = _open_channel(start, context.channel)
+        pidfd = os.pidfd_open(lane.pid)
+        self.pidfds[lane.index] = pidfd
+        context.watch(pidfd, self._exited, lane)
 
-    def _exited(self, env) -> None:
-        pidfd = self.pidfds.pop(env.index)
+    def _exited(self, lane) -> None:
+        pidfd = self.pidfds.pop(lane.index)
         self.context.unwatch(pidfd)
         os.close(pidfd)
         try:
-            pid, status = os.waitpid(env.pid, os.WNOHANG)
+            pid, status = os.waitpid(lane.pid, os.WNOHANG)
             if pid:
                 _reaped(pid)
         except ChildProcessError:
             status = 0
-        self.context.on_exit(env, status)
+        self.context.on_exit(lane, status)
 
-    def kill(self, env) -> None:
-        pidfd = self.pidfds.pop(env.index, None)
+    def kill(self, lane) -> None:
+        pidfd = self.pidfds.pop(lane.index, None)
         if pidfd is None:
             return
         _signal_pidfd(pidfd)  # bwrap; --die-with-parent takes the rest
         # Keep the pidfd to reap the zombie when it is ready.
         self.context.unwatch(pidfd)
-        self.reaping[pidfd] = env.pid
+        self.reaping[pidfd] = lane.pid
         self.context.watch(pidfd, self._reap, pidfd)
 
     @contextlib.contextmanager
@@ -259,12 +259,12 @@ class ExecSpawner:
         """Context of many kill() calls (each is a signal here: nothing to batch)."""
         yield
 
-    def process(self, env) -> tuple[int, int, bool]:
+    def process(self, lane) -> tuple[int, int, bool]:
         """(pid, pidfd, whether the caller closes the pidfd) of env's own
         process, the command below its bwrap's init; (-1, -1, False) if it is
         not there (it has exited: its death is on its way)."""
         try:
-            pidfd, pid = sandbox_process(env.pid)
+            pidfd, pid = sandbox_process(lane.pid)
         except OSError:
             return -1, -1, False
         return pid, pidfd, True
@@ -596,18 +596,18 @@ class TemplateSpawner:
         finally:
             self.forking = self.forked = None
 
-    def spawn(self, env) -> None:
-        key = (env.index, env.generation)
-        chan, wchan, env.logfd = self._fork(key, env.index, False, self.context.channel, slot_fd(self.context, env))
-        self.lanes[key] = env
+    def spawn(self, lane) -> None:
+        key = (lane.index, lane.generation)
+        chan, wchan, lane.logfd = self._fork(key, lane.index, False, self.context.channel, slot_fd(self.context, lane))
+        self.lanes[key] = lane
         pidfd = self.pidfds.get(key, -1)
-        env.pid = _pidfd_pid(pidfd) if pidfd >= 0 else -1
-        env.chan, env.wchan = chan, wchan
+        lane.pid = _pidfd_pid(pidfd) if pidfd >= 0 else -1
+        lane.chan, lane.wchan = chan, wchan
 
-    def process(self, env) -> tuple[int, int, bool]:
+    def process(self, lane) -> tuple[int, int, bool]:
         """(pid, pidfd, whether the caller closes the pidfd) of env's process,
         pid 1 of its sandbox; (-1, -1, False) if unknown. The pidfd stays ours."""
-        pidfd = self.pidfds.get((env.index, env.generation), -1)
+        pidfd = self.pidfds.get((lane.index, lane.generation), -1)
         return (_pidfd_pid(pidfd), pidfd, False) if pidfd >= 0 else (-1, -1, False)
 
     def _wait_forked(self, key: tuple) -> None:
@@ -690,15 +690,15 @@ class TemplateSpawner:
         pending, self.pending = self.pending, []
         for message in pending:
             key = (message[1], message[2])
-            env = self.lanes.pop(key, None)
+            lane = self.lanes.pop(key, None)
             pidfd = self.pidfds.pop(key, -1)
             # A no-op if it has exited; in a trusted template, a forged EXITED's
             # env goes now, not at its next respawn.
             if pidfd >= 0:
                 _signal_pidfd(pidfd)
             _close_pidfd(pidfd)
-            if env is not None:
-                self.context.on_exit(env, message[3])
+            if lane is not None:
+                self.context.on_exit(lane, message[3])
             elif key[0] == PROBE_LANE:
                 self.exits[key] = message[3]
 
@@ -742,11 +742,11 @@ class TemplateSpawner:
         self.close(time.monotonic() + 5)
         tail = bytes(self.log[-2000:]).decode("utf-8", "replace")
         why = f"the template failed: {self.failure}; " if self.failure else ""
-        for env in lanes.values():
-            self.context.on_exit(env, None, f"died with its template ({why}the template's output: {tail!r})")
+        for lane in lanes.values():
+            self.context.on_exit(lane, None, f"died with its template ({why}the template's output: {tail!r})")
 
-    def kill(self, env) -> None:
-        key = (env.index, env.generation)
+    def kill(self, lane) -> None:
+        key = (lane.index, lane.generation)
         if self.lanes.pop(key, None) is None or self.control is None:
             return
         pidfd = self.pidfds.pop(key, -1)
@@ -755,7 +755,7 @@ class TemplateSpawner:
             _close_pidfd(pidfd)
             return
         # No pidfd came with its FORKED: the template, its parent, kills it.
-        frame = wire.encode([wire.KILL, env.index, env.generation])
+        frame = wire.encode([wire.KILL, lane.index, lane.generation])
         if self.kills is not None:
             self.kills += frame
             return

@@ -66,7 +66,7 @@ class Stepping:
         if not isinstance(indices, list) or len(set(indices)) != len(indices):
             raise ValueError("send() env_ids must be distinct env indices")
         lifecycle = self.lifecycle
-        envs = lifecycle.envs
+        lanes = lifecycle.lanes
         indices = lifecycle.check_lanes(indices)
         if not isinstance(actions, list) or len(actions) != len(indices):
             raise ValueError(f"send() needs one action per env id ({len(indices)}); "
@@ -78,7 +78,7 @@ class Stepping:
         for index in indices:
             self.refuse_outstanding(index, "send to")
         if resets:
-            lifecycle.respawn([envs[i] for i in sorted(resets)], hard=False)
+            lifecycle.respawn([lanes[i] for i in sorted(resets)], hard=False)
         seq = lifecycle.next_seq()
         now = time.monotonic()
         pack = self.packer.pack
@@ -89,32 +89,32 @@ class Stepping:
         deadline = now + self.config.step_timeout
         # Hot path: one frame per lane, written straight to its channel.
         for index, action in zip(indices, actions):
-            env = envs[index]
-            if env.state is not IDLE:  # dead, or a straggler still busy: a failure result at once, as in step()
-                info = _unavailable(env)
-                env.on("refuse")
-                self._finish(env, (None, 0.0, False, True, info))
+            lane = lanes[index]
+            if lane.state is not IDLE:  # dead, or a straggler still busy: a failure result at once, as in step()
+                info = _unavailable(lane)
+                lane.on("refuse")
+                self._finish(lane, (None, 0.0, False, True, info))
                 continue
-            env.to(IN_FLIGHT)
+            lane.to(IN_FLIGHT)
             self.flying.add(index)
             if index in resets:
                 body = pack([wire.RESET, seq, None, None])
-                env.expect = wire.RESET_DONE
+                lane.expect = wire.RESET_DONE
                 if freezing:
-                    lifecycle.thaw(env)  # resets are not gated
-                env.deadline = deadline
+                    lifecycle.thaw(lane)  # resets are not gated
+                lane.deadline = deadline
                 self.deadlines.append((deadline, index, seq))
             else:
                 body = pack([wire.STEP, seq, action, gated])
-                env.expect = wire.STEPPED
+                lane.expect = wire.STEPPED
                 if gated:
-                    env.deadline = float("inf")  # until its turn at the gate
+                    lane.deadline = float("inf")  # until its turn at the gate
                     self.gate_queue.append(index)
                 else:
-                    env.deadline = deadline
+                    lane.deadline = deadline
                     self.deadlines.append((deadline, index, seq))
-            env.seq = seq
-            write(env, header(len(body)) + body)
+            lane.seq = seq
+            write(lane, header(len(body)) + body)
         self._advance_gate()
         return [len(self.flying), len(self.finished)]
 
@@ -153,20 +153,20 @@ class Stepping:
         queued = 0.0
         released = 0
         # Hot path: the results were shaped when they arrived; here they are only copied out.
-        envs = self.lifecycle.envs
+        lanes = self.lifecycle.lanes
         for j in range(k):
             index = self.finished.popleft()
-            env = envs[index]
-            if not env.state.due:  # its reply came (a straggler's is still to come, or not)
-                released += env.held
-                env.held = 0
+            lane = lanes[index]
+            if not lane.state.due:  # its reply came (a straggler's is still to come, or not)
+                released += lane.held
+                lane.held = 0
             indices[j] = index
-            obs[j], rewards[j], terminated[j], truncated[j], infos[j] = env.result
+            obs[j], rewards[j], terminated[j], truncated[j], infos[j] = lane.result
             if infos[j].get("straggler") is True and "error" in infos[j] and obs[j] is None:
                 stragglers.append(index)
-            queued += now - env.done_at
-            env.on("recv")
-            env.result = None
+            queued += now - lane.done_at
+            lane.on("recv")
+            lane.result = None
         self.budget.free(released)
         queued_ms = queued * 1000.0 / k if k else 0.0
         return [indices, obs, rewards.tobytes(), bytes(terminated), bytes(truncated), infos, stragglers,
@@ -177,15 +177,15 @@ class Stepping:
         in_flight, finished (a result waiting for recv), straggler (busy past
         its deadline, result already given), dead."""
         self.pump()
-        return [env.state.shown for env in self.lifecycle.envs]
+        return [lane.state.shown for lane in self.lifecycle.lanes]
 
     def refuse_outstanding(self, index: int, what: str) -> None:
         """ValueError if lane `index` has an async action or result outstanding (for a sync request)."""
-        env = self.lifecycle.envs[index]
-        if env.state is IN_FLIGHT:
+        lane = self.lifecycle.lanes[index]
+        if lane.state is IN_FLIGHT:
             raise ValueError(f"cannot {what} env {index}: it is in flight (an action was sent and its result has "
                              "not been received); recv it first")
-        if env.state.result_held:
+        if lane.state.result_held:
             raise ValueError(f"cannot {what} env {index}: it has finished and its result has not been received; "
                              "recv it first")
 
@@ -195,17 +195,17 @@ class Stepping:
             raise ValueError(f"{what} while {len(self.flying)} env(s) are in flight and {len(self.finished)} "
                              "finished but not received: recv them first (send/recv and step() do not mix)")
 
-    def take(self, env: Lane, reply: list | None, cause: str) -> None:
+    def take(self, lane: Lane, reply: list | None, cause: str) -> None:
         """env's async action has its reply (None: it died of `cause`): its result, held for recv."""
-        self._finish(env, outcome(reply, cause))
+        self._finish(lane, outcome(reply, cause))
 
-    def _finish(self, env: Lane, result: tuple) -> None:
+    def _finish(self, lane: Lane, result: tuple) -> None:
         """env's async action has its one result (its state says so already): hold it for recv."""
-        env.result = result
-        env.done_at = time.monotonic()
-        self.flying.discard(env.index)
-        self.finished.append(env.index)
-        if env.index == self.gate_holder:
+        lane.result = result
+        lane.done_at = time.monotonic()
+        self.flying.discard(lane.index)
+        self.finished.append(lane.index)
+        if lane.index == self.gate_holder:
             self.gate_holder = -1
             self.lifecycle.thaw_template()  # the turn is over
             self._advance_gate()
@@ -213,11 +213,11 @@ class Stepping:
     def next_deadline(self) -> float:
         """The earliest deadline of an IN_FLIGHT lane (inf when none)."""
         deadlines = self.deadlines
-        envs = self.lifecycle.envs
+        lanes = self.lifecycle.lanes
         while deadlines:
             deadline, index, seq = deadlines[0]
-            env = envs[index]
-            if env.state is IN_FLIGHT and env.seq == seq and env.deadline == deadline:
+            lane = lanes[index]
+            if lane.state is IN_FLIGHT and lane.seq == seq and lane.deadline == deadline:
                 return deadline
             deadlines.popleft()  # finished since
         return float("inf")
@@ -229,35 +229,35 @@ class Stepping:
         step_timeout = self.config.step_timeout
         while self.next_deadline() <= now:
             index = self.deadlines.popleft()[1]
-            env = lifecycle.envs[index]
+            lane = lifecycle.lanes[index]
             if index == self.gate_holder:
                 # The gate promises one env's code at a time: kill the holder before the next one goes.
-                lifecycle.kill(env, f"missed the step deadline of {step_timeout:g} s while holding the "
+                lifecycle.kill(lane, f"missed the step deadline of {step_timeout:g} s while holding the "
                                     "serialize_measurement gate, and was killed")
-                env.result = (None, 0.0, False, True, {"straggler": True, "error": env.cause})
+                lane.result = (None, 0.0, False, True, {"straggler": True, "error": lane.cause})
                 continue
-            env.on("deadline")
-            self._finish(env, (None, 0.0, False, True,
+            lane.on("deadline")
+            self._finish(lane, (None, 0.0, False, True,
                                {"straggler": True, "error": f"missed the step deadline of {step_timeout:g} s"}))
-            lifecycle.straggling(env)
+            lifecycle.straggling(lane)
 
     def _advance_gate(self) -> None:
         """Give the gate to the next queued lane when nobody holds it."""
         lifecycle = self.lifecycle
         while self.gate_holder < 0 and self.gate_queue:
             index = self.gate_queue.popleft()
-            env = lifecycle.envs[index]
-            if env.state is not IN_FLIGHT:
+            lane = lifecycle.lanes[index]
+            if lane.state is not IN_FLIGHT:
                 continue  # died while queued: already finished
             if lifecycle.freezing:
                 lifecycle.all_frozen()
-                if env.state is not IN_FLIGHT:
+                if lane.state is not IN_FLIGHT:
                     continue
-                lifecycle.thaw(env)
+                lifecycle.thaw(lane)
             self.gate_holder = index
-            env.deadline = time.monotonic() + self.config.step_timeout
-            self.deadlines.append((env.deadline, index, env.seq))
-            self.reactor.write(env, wire.encode([wire.GO, env.seq]))
+            lane.deadline = time.monotonic() + self.config.step_timeout
+            self.deadlines.append((lane.deadline, index, lane.seq))
+            self.reactor.write(lane, wire.encode([wire.GO, lane.seq]))
 
     def pump(self) -> None:
         """Take whatever arrived and apply deadlines, without waiting."""
@@ -278,8 +278,8 @@ def outcome(result, cause: str) -> tuple:
     return (None, 0.0, False, True, {"error": result[4] or result[3]})  # FAILED, with the traceback
 
 
-def _unavailable(env: Lane) -> dict:
-    if env.state.dead:
-        return {"error": f"env is dead ({env.cause}); reset it to respawn"}
+def _unavailable(lane: Lane) -> dict:
+    if lane.state.dead:
+        return {"error": f"env is dead ({lane.cause}); reset it to respawn"}
     return {"straggler": True, "error": "still busy with an earlier step it has not answered; "
                                         "reset it (it will be killed and respawned)"}
