@@ -1,5 +1,6 @@
 """The template's warm-up: the env's real work, probed once in a throwaway sandbox,
-so the template imports what reset and step import (boltzlabs.runtime.template.warm_up)."""
+so the template imports what reset and step import (boltzlabs.worker.spawn.TemplateSpawner._warmup,
+then boltzlabs.runtime.template.warm)."""
 
 import os
 import re

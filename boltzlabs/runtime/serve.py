@@ -522,7 +522,7 @@ def serve_each(main) -> None:
     _fork_server(None, fds[0], main)
 
 
-def _warm_up(steps: int = 24) -> None:
+def _warmup(steps: int = 24) -> None:
     """Template mode: run the serve loop with stand-in callables (never the
     env's reset or step) before the template forks, once over each kind of
     channel a child may get: two pipes (the default) and a socketpair (the

@@ -774,7 +774,7 @@ def _ready_to_fork() -> "_ChildPlan":
     on write by every child."""
     from boltzlabs.runtime import serve as serving  # imported by main() already
 
-    serving._warm_up()  # the serve loop's bytecode settled once, here (its docstring)
+    serving._warmup()  # the serve loop's bytecode settled once, here (its docstring)
     # A Plan of its own, made now rather than main()'s: objects made just
     # before the forks share pages with the rest of the fork path, which
     # children touch anyway; main()'s sit among the imports' objects
