@@ -501,7 +501,7 @@ static int vouch(const unsigned char *buf, size_t got, const Caps *caps, int res
         return 0;
     lane->obs = pos;
     if (caps->slots && end - pos >= 10 && buf[pos] == 0xd7 && buf[pos + 1] == SLOT_EXT) {
-        /* The obs is in the env's slot: the marker must name this request (reactor._on_message). */
+        /* The obs is in the env's slot: the marker must name this request (lifecycle.Lifecycle._on_message). */
         uint64_t mark = 0;
         for (int i = 7; i >= 0; i--)
             mark = (mark << 8) | buf[pos + 2 + i];

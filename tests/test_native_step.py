@@ -40,7 +40,7 @@ CLIENT = wire.Limits(1 << 30)  # how the client decodes the REPLY
 
 def python_reply(data: bytes, reset: bool, seq: int, limits: wire.Limits):
     """What the worker's pure path makes of one read as the reply due: the
-    decoded message, or None where it kills the lane (reactor._take, _on_message)."""
+    decoded message, or None where it kills the lane (lifecycle.Lifecycle.take, _on_message)."""
     reader = wire.FrameReader(limits)
     try:
         messages = reader.feed(data)

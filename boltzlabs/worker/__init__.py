@@ -2,14 +2,14 @@
 
 `python -m boltzlabs.worker --fd N`. The flow through its modules:
 
-    server.py     entry point (main), the OPEN and CALL loop, teardown
+    server.py     entry point (main), the OPEN and CALL loop, teardown; Worker composes the parts below
     config.py     the OPEN request parsed and checked against the policy
-    reactor.py    the epoll loop: fds, frames in and out, the byte budget
+    reactor.py    Reactor: the epoll loop, fds and callbacks, the client; Budget: the bytes held
     lanes.py      a lane and its one state machine (State, TRANSITIONS, Lane.to)
-    lifecycle.py  spawning, starting, killing and reaping lanes; the freezer
-    requests.py   step (the hot path), reset, render, and the reads
-    stepping.py   send/recv and the serialize_measurement gate
-    spawn.py      exec and template spawners
+    lifecycle.py  Lifecycle: spawning, reading, killing and reaping lanes; the freezer
+    requests.py   Requests: step (the hot path), reset, render, and the reads
+    stepping.py   Stepping: send/recv and the serialize_measurement gate
+    spawn.py      the Spawner protocol, exec and template spawners, SpawnContext
     ceilings.py   a remote client's limits
 
 May import sandbox/*, runtime/*, wire, errors, units and worker/*; never
