@@ -181,7 +181,7 @@ class Lifecycle:
             lane = self.lanes[index]
             if lane.state.due and lane.seq == seq:
                 self.kill(lane, f"killed: still running {self.config.straggler_grace:g} s after missing its "
-                               f"deadline of {self.config.step_timeout:g} s (limits.straggler_grace)")
+                                f"deadline of {self.config.step_timeout:g} s (limits.straggler_grace)")
 
     # -- start-up -------------------------------------------------------------------
 
@@ -331,8 +331,8 @@ class Lifecycle:
             if lane.state is STARTING:
                 hello = self.config.hello_limits
                 self.kill(lane, f"sent an invalid frame as its handshake (HELLO) and was killed: {exc} (its caps are "
-                               f"limits.max_hello={hello.max_frame} bytes and "
-                               f"limits.max_hello_objects={hello.max_objects})")
+                                f"limits.max_hello={hello.max_frame} bytes and "
+                                f"limits.max_hello_objects={hello.max_objects})")
             else:
                 self.kill(lane, f"sent an invalid frame ({exc}) and was killed")
             return
@@ -349,7 +349,7 @@ class Lifecycle:
                 problem = self._confinement_problem(lane)
                 if problem:
                     self.kill(lane, f"failed the confinement check (what the kernel says of its process, read "
-                                   f"by the worker) and was killed: {problem}")
+                                    f"by the worker) and was killed: {problem}")
                     return
                 lane.on("hello")
                 lane.reader.limits = self.config.env_limits
@@ -368,7 +368,7 @@ class Lifecycle:
             return
         if len(message) < 2 or message[1] != lane.seq:
             self.kill(lane, f"sent {describe(message)} with the wrong sequence number while the reply to request "
-                           f"{lane.seq} was due (a protocol violation) and was killed")
+                            f"{lane.seq} was due (a protocol violation) and was killed")
             return
         result = check_reply(message)
         if result is None or result[0] not in (lane.expect, wire.FAILED):
@@ -379,11 +379,11 @@ class Lifecycle:
             # (wire.decode lets a marker through only as the obs of a step or reset, and only with slots on.)
             if self.slots is None or not self.slots.sealed[lane.index]:
                 self.kill(lane, "sent its obs as a slot marker but has no observation slot (a protocol violation) "
-                               "and was killed")
+                                "and was killed")
                 return
             if obs.data != lane.seq.to_bytes(8, "little"):
                 self.kill(lane, f"sent an observation in its slot for request {int.from_bytes(obs.data, 'little')} "
-                               f"while the reply to request {lane.seq} was due (a protocol violation) and was killed")
+                                f"while the reply to request {lane.seq} was due (a protocol violation) and was killed")
                 return
         if lane.on("reply") is IN_FLIGHT:  # an async action's result, held for recv
             self.deliver(lane, result, lane.cause)
@@ -590,7 +590,7 @@ class Lifecycle:
                 for index in list(self.freeze_pending):
                     self.freeze_pending.discard(index)
                     self.kill(self.lanes[index], "could not be frozen outside its turn (serialize_measurement) "
-                                                "and was killed")
+                                                 "and was killed")
                 return
             if time.monotonic() >= spin_until:
                 time.sleep(pause)

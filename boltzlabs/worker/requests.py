@@ -132,7 +132,7 @@ class Requests:
                     # The gate promises one env's code at a time, so a holder
                     # that overruns is killed before the next one goes.
                     lifecycle.kill(lane, f"missed the step deadline of {step_timeout:g} s while holding the "
-                                        "serialize_measurement gate, and was killed")
+                                         "serialize_measurement gate, and was killed")
                     stragglers.append(index)
         if op.waiting:  # ungated steps, and resets (which the gate does not serialize)
             self._wait(op, time.monotonic() + step_timeout)

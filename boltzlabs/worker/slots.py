@@ -111,7 +111,7 @@ class Slots:
             os.close(fd)
             self.fds[index] = -2
             kill(lane, "tampered with its observation slot (resized or sealed the memfd on fd "
-                              f"{wire.SLOT_FD}) before the worker sized it, and was killed")
+                       f"{wire.SLOT_FD}) before the worker sized it, and was killed")
             return
         self.sealed[index] = True
 

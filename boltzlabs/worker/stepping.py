@@ -233,7 +233,7 @@ class Stepping:
             if index == self.gate_holder:
                 # The gate promises one env's code at a time: kill the holder before the next one goes.
                 lifecycle.kill(lane, f"missed the step deadline of {step_timeout:g} s while holding the "
-                                    "serialize_measurement gate, and was killed")
+                                     "serialize_measurement gate, and was killed")
                 lane.result = (None, 0.0, False, True, {"straggler": True, "error": lane.cause})
                 continue
             lane.on("deadline")
