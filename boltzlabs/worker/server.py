@@ -9,9 +9,12 @@
 N. The client sends OPEN (config.py), then CALLs (step, reset, render, attr,
 memory, log: requests.py; send, recv, lane_states: stepping.py; shutdown) one at a
 time; the worker answers each with one REPLY or ERROR frame. `send` returns
-before the envs answer: their replies are taken by the event loop
-(reactor.py), which also runs between calls, and held until a `recv`. Each
-lane follows one state machine (lanes.py); lifecycle.py spawns and kills.
+before the envs answer: their replies are taken by the event loop (the
+reactor, reactor.py, calling lifecycle.py's readers), which also runs between
+calls, and held until a `recv`. Each lane follows one state machine
+(lanes.py); lifecycle.py spawns, reads and kills. The Worker composes these
+parts (docs/architecture.md#inside-the-worker): it keeps the pool's frozen
+PoolConfig and hands each part the others it uses.
 
 Arrays in observations and actions are passed through, never decoded: an
 array is a msgpack ExtType whose header the worker checks (wire "check"
