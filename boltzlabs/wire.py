@@ -42,6 +42,14 @@ This module imports only the standard library and msgpack (and the C twin,
 which imports nothing more): it runs inside every env, and what an env
 imports every env pays for. NumPy is imported by the ext hook only when an
 array arrives, and an env that receives or sends one has imported NumPy already.
+
+Who holds each end: the trainer's is pool/ (client.py; remote_link.py for a
+remote worker), the worker's worker/, an env's runtime/, a remote node's
+listener remote/: host code beside the workers, which never imports pool/.
+What both ends of the remote handshake share is boltzlabs/link.py; the fds and
+variable names shared by host and sandbox are boltzlabs/abi.py. Every message
+code of every hop is in the one table below, each value once
+(tests/test_wire.py checks it).
 """
 
 from __future__ import annotations
@@ -52,9 +60,11 @@ import sys
 
 import msgpack
 
-from boltzlabs.errors import ProtocolError, TooMany  # noqa: F401 - wire.ProtocolError, its old home
+from boltzlabs import errors
+from boltzlabs.errors import ProtocolError, TooMany
 
-PROTOCOL_VERSION = 3  # 2: arrays as ARRAY_EXT, spaces in HELLO, RENDER; 3: TUPLE_EXT, SCALAR_EXT, ATTR
+PROTOCOL_VERSION = 4  # 2: arrays as ARRAY_EXT, spaces in HELLO, RENDER; 3: TUPLE_EXT, SCALAR_EXT, ATTR;
+# 4: ERROR frames carry a category (errors.CATEGORIES), not a class name
 
 HEADER = struct.Struct("<I")
 
@@ -81,7 +91,7 @@ PROGRESS = 21
 READY = 22
 CALL = 25
 REPLY = 26
-ERROR = 27
+ERROR = 27  # [ERROR, seq, category, text, detail]: error_frame() below; errors.CATEGORIES
 CLOSE = 28
 
 # A remote client's handshake with `boltzlabs worker --listen` (remote.py),
@@ -107,6 +117,21 @@ WARMED = 45  # template -> worker: [WARMED, {imported, failed, refused, import_s
 PROBED = 46
 
 
+
+
+def error_frame(seq: int, exc: BaseException) -> list:
+    """The worker's ERROR frame for an exception it caught: [ERROR, seq, category, text, detail], the
+    category decided by errors.category_of. A start failure's detail names the env, its log, how many
+    failed and whether the sandbox's own set-up failed; an internal fault's carries its traceback."""
+    category = errors.category_of(exc)
+    detail: dict = {}
+    if isinstance(exc, errors.StartFailure):
+        detail = {"env": exc.index, "log": exc.log, "failed": exc.count, "set_up": exc.set_up}
+    elif category == errors.INTERNAL:
+        import traceback  # only on failure: nothing of it in an env's pages
+
+        detail = {"traceback": "".join(traceback.format_exception(exc))[-16384:]}
+    return [ERROR, seq, category, str(exc), detail]
 
 
 # --- arrays ---------------------------------------------------------------------
@@ -311,7 +336,7 @@ class Raw:
 # A local pool whose observation space has a fixed shape (a Box, or a Dict or
 # Tuple of Boxes) gives each env a slot: a memfd of its own, made by the worker,
 # sized from the declared space and sealed against resizing once the space is
-# known, mapped by that env (fd SLOT_FD) and by the trainer, nobody else. An env
+# known, mapped by that env (fd abi.SLOT_FD) and by the trainer, nobody else. An env
 # writes its obs there, then the header's seq, and replies with a SLOT_EXT marker
 # carrying the same seq in place of the obs; the trainer copies the slot out once
 # that reply has come, after checking the header (docs/wire.md, "Observations in
@@ -321,7 +346,6 @@ class Raw:
 # reply whose obs it holds, and the data's size), then each of the space's Boxes
 # in the space's order, each at a multiple of 64 bytes.
 
-SLOT_FD = 7  # where an env finds its slot (past the channel, 3 and 4, and the seccomp programs', 5 and 6)
 SLOT_MAGIC = 0x534C5A42  # "BZLS"
 SLOT_HEADER = struct.Struct("<IIQQ")  # magic, version, seq, data size
 SLOT_SEQ = struct.Struct("<Q")  # the seq alone, at offset 8

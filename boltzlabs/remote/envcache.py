@@ -32,7 +32,6 @@ Kernel facts this depends on:
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import io
 import os
@@ -45,9 +44,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from boltzlabs.errors import UnpackRefused  # noqa: F401 - envcache.UnpackRefused, its old home
+from boltzlabs import abi
+from boltzlabs.errors import UnpackRefused
 
-__all__ = ["UnpackRefused", "Entry", "plan", "EnvCache"]
+__all__ = ["Entry", "plan", "EnvCache"]
 
 MAX_DEPTH = 32  # directories below the env dir
 MAX_NAME = 255  # bytes in one component (NAME_MAX)
@@ -55,9 +55,6 @@ MAX_PATH = 1024  # bytes in a member's whole name: far below PATH_MAX, whatever 
 _PAX_KEYS = {"path", "size", "mtime", "atime", "ctime", "uid", "gid", "uname", "gname"}
 _UNPACK_SECONDS = 60.0
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE = 1, 4
-_libc = ctypes.CDLL(None, use_errno=True)
-
 
 
 
@@ -194,8 +191,8 @@ def _child(parent: int, root_fd: int, report_fd: int, entries: list[Entry], blob
             os.setgid(gid)
             os.setuid(uid)
         # After the switch: changing credentials clears both of these.
-        _libc.prctl(_PR_SET_DUMPABLE, 0)
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        abi.libc.prctl(abi.PR_SET_DUMPABLE, 0)
+        abi.libc.prctl(abi.PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:  # the listener died before the prctl
             return
         os.umask(0o077)

@@ -28,9 +28,11 @@ from __future__ import annotations
 import os
 import struct
 
+from boltzlabs import abi
+
 __all__ = ["VARIABLE", "write", "read", "build"]
 
-VARIABLE = "BOLTZLABS_ENV_FNS"  # the file's path inside the sandbox (set by the builder)
+VARIABLE = abi.ENV_FNS_VARIABLE  # the file's path inside the sandbox (set by the builder)
 MAGIC = b"BLZFNS1\n"
 _HEAD = struct.Struct("<8sQ")
 _PAIR = struct.Struct("<QQ")
@@ -90,7 +92,7 @@ def build(modules=()):
     for module in modules:
         importlib.import_module(module)
 
-    lane = int(os.environ["BOLTZLABS_ENV_INDEX"])
+    lane = int(os.environ[abi.ENV_INDEX_VARIABLE])
     blob = read(os.environ[VARIABLE], lane)
     try:
         thunk = pickle.loads(blob)

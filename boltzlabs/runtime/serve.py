@@ -20,12 +20,11 @@ from __future__ import annotations
 import os
 import sys
 
-from boltzlabs import wire
+from boltzlabs.errors import ProtocolError
+from boltzlabs import abi, wire
 
 __all__ = ["serve", "serve_each", "params", "reset_caller"]
 
-_FD_VARIABLE = "BOLTZLABS_FD"
-_PARAMS_VARIABLE = "BOLTZLABS_PARAMS"
 # A trusted template's fork server (runtime/template.py sets it before it
 # imports env.py); None everywhere else, forked envs included.
 _fork_server = None
@@ -43,7 +42,7 @@ def params() -> dict:
     """
     import json  # here, not at the top: an env that takes no params does not pay for it
 
-    return json.loads(os.environ.get(_PARAMS_VARIABLE) or "{}")
+    return json.loads(os.environ.get(abi.PARAMS_VARIABLE) or "{}")
 
 
 def _channel_fds(value: str) -> tuple[int, ...]:
@@ -53,7 +52,7 @@ def _channel_fds(value: str) -> tuple[int, ...]:
     if (len(parts) in (1, 2) and all(p.isascii() and p.isdigit() and 3 <= int(p) < 1024 for p in parts)
             and len(set(map(int, parts))) == len(parts)):
         return tuple(map(int, parts))
-    raise RuntimeError(f"{_FD_VARIABLE}={value[:40]!r}: expected the channel's fd ('3') or its read and write "
+    raise RuntimeError(f"{abi.FD_VARIABLE}={value[:40]!r}: expected the channel's fd ('3') or its read and write "
                        "pipes' fds ('4,3'), as the boltzlabs worker sets it; start this env with RLPool")
 
 
@@ -98,7 +97,7 @@ _UNOPENED = object()
 
 class _Slot:
     """This env's observation slot (wire.py, "observations in shared memory"):
-    the memfd on wire.SLOT_FD, which the worker made, sized from the declared
+    the memfd on abi.SLOT_FD, which the worker made, sized from the declared
     space and sealed before this env's first request; mapped once and its fd
     closed. An obs of exactly the declared shapes and dtypes is written there
     and the reply carries a SLOT_EXT marker instead; any other obs goes by the
@@ -111,7 +110,7 @@ class _Slot:
 
     @classmethod
     def open(cls, space) -> "_Slot | None":
-        """The slot on wire.SLOT_FD, if there is one of exactly this space's layout, sealed; else None."""
+        """The slot on abi.SLOT_FD, if there is one of exactly this space's layout, sealed; else None."""
         layout = wire.slot_layout(space, 1 << 30) if space is not None else None
         if layout is None:
             return None
@@ -119,18 +118,18 @@ class _Slot:
         import mmap
 
         try:
-            size = os.fstat(wire.SLOT_FD).st_size
-            seals = fcntl.fcntl(wire.SLOT_FD, fcntl.F_GET_SEALS)
+            size = os.fstat(abi.SLOT_FD).st_size
+            seals = fcntl.fcntl(abi.SLOT_FD, fcntl.F_GET_SEALS)
         except OSError:  # no slot (a remote pool, BOLTZLABS_NO_SHM), or not a memfd
             return None
         need = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
         if size != layout.size or seals & need != need:
             return None  # the space allows no slot for this pool (the worker left it unsized)
         try:
-            mapping = mmap.mmap(wire.SLOT_FD, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mapping = mmap.mmap(abi.SLOT_FD, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             return None
-        os.close(wire.SLOT_FD)  # the mapping is all this env keeps of it
+        os.close(abi.SLOT_FD)  # the mapping is all this env keeps of it
         return cls(mapping, layout)
 
     def put(self, obs, seq: int):
@@ -462,7 +461,7 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
     """
     global started
     started = True  # for the runner (rlimits.run): this env.py did call serve()
-    fd = os.environ.pop(_FD_VARIABLE, None)
+    fd = os.environ.pop(abi.FD_VARIABLE, None)
     if fd is None and channel is None:
         raise RuntimeError(
             "serve() talks to a boltzlabs worker and only runs inside a pool; "
@@ -484,7 +483,7 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
     def run(channel: tuple) -> None:
         _serve_loop(_Channel(channel[0], channel[-1]), reset, step, render, info)
 
-    if os.environ.pop("BOLTZLABS_PROBE", None):
+    if os.environ.pop(abi.PROBE_VARIABLE, None):
         # The template's warm-up probe (a throwaway sandbox): the env's real
         # work once, its imports reported, then exit (runtime/probe.py).
         from boltzlabs.runtime import probe
@@ -494,7 +493,7 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
         # RLPool(trust_env=True): this process is the template, env.py imported
         # in it; serve() becomes its fork server (runtime/template.py).
         if len(fds) != 1:
-            raise RuntimeError(f"{_FD_VARIABLE}: a template's control channel is one socket, not {fds}")
+            raise RuntimeError(f"{abi.FD_VARIABLE}: a template's control channel is one socket, not {fds}")
         _fork_server(run, fds[0], _Probe(lambda seed: reset(seed, None), step, action_space, warmup_actions, preload))
     run(fds)
     sys.stdout.flush()
@@ -515,10 +514,10 @@ def serve_each(main) -> None:
     if _fork_server is None:
         main()  # returns only if it never served: the runner says so (rlimits.run)
         return
-    fd = os.environ.pop(_FD_VARIABLE, None)
+    fd = os.environ.pop(abi.FD_VARIABLE, None)
     fds = _channel_fds(fd or "")
     if len(fds) != 1:
-        raise RuntimeError(f"{_FD_VARIABLE}: a template's control channel is one socket, not {fds}")
+        raise RuntimeError(f"{abi.FD_VARIABLE}: a template's control channel is one socket, not {fds}")
     _fork_server(None, fds[0], main)
 
 
@@ -625,6 +624,6 @@ def _serve_loop(channel: _Channel, reset, step, render, info: dict) -> None:
                 _, seq, op, name, args, kwargs = message
                 _reply(channel, seq, _ATTR_PHASES[op], _attr_reply, _ATTRIBUTES.run, op, name, args, kwargs)
             else:
-                raise wire.ProtocolError(f"unexpected message code {code}")
+                raise ProtocolError(f"unexpected message code {code}")
     except EOFError:
         pass  # the worker closed the channel: the pool is done with us

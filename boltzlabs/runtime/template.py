@@ -120,7 +120,7 @@ import sys
 import threading
 import time
 
-from boltzlabs import wire
+from boltzlabs import abi, wire
 from boltzlabs.runtime import confine, probe
 from boltzlabs.runtime import filter as seccomp
 from boltzlabs.runtime import rlimits as limits
@@ -139,7 +139,6 @@ BOOTSTRAP = "import boltzlabs.runtime.template as t; t.main()"
 _MAX_FAILED, _MAX_HELLO = 32, 60000
 MAX_NAMES, MAX_NAME_LEN = probe.MAX_NAMES, probe.MAX_NAME_LEN
 
-_libc = ctypes.CDLL(None, use_errno=True)
 # The GIL stays held across clone(), as in os.fork.
 _syscall = ctypes.PyDLL(None, use_errno=True).syscall
 # Resolved once here: a CDLL attribute met for the first time runs ctypes'
@@ -147,24 +146,12 @@ _syscall = ctypes.PyDLL(None, use_errno=True).syscall
 _before_fork = ctypes.pythonapi.PyOS_BeforeFork
 _after_fork_child = ctypes.pythonapi.PyOS_AfterFork_Child
 _after_fork_parent = ctypes.pythonapi.PyOS_AfterFork_Parent
-_SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine)
-_CLONE_NEWNS, _CLONE_NEWCGROUP, _CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
-_CLONE_NEWIPC, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x08000000, 0x10000000, 0x20000000, 0x40000000
-_NAMESPACE_FLAGS = (("net", _CLONE_NEWNET), ("ipc", _CLONE_NEWIPC), ("uts", _CLONE_NEWUTS),
-                    ("cgroup", _CLONE_NEWCGROUP))
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
-_PR_SET_CHILD_SUBREAPER = 36
-_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP, _IFF_RUNNING = 0x8913, 0x8914, 0x1, 0x40
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
+_NAMESPACE_FLAGS = (("net", abi.CLONE_NEWNET), ("ipc", abi.CLONE_NEWIPC), ("uts", abi.CLONE_NEWUTS),
+                    ("cgroup", abi.CLONE_NEWCGROUP))
 
 
 def _mount(source, target, fstype, flags, data=None) -> None:
-    _check(_libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(),
+    abi.check(abi.libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(),
                        ctypes.c_ulong(flags), data and data.encode()), f"mount {target}")
 
 
@@ -176,12 +163,12 @@ def drop_capabilities() -> None:
 # Built once: what the template does between two forks is copied into the
 # older child (every page it writes), so the fork path allocates nothing.
 _CLONE_ARGUMENTS = tuple(ctypes.c_long(value) for value in (
-    _SYS_CLONE or -1, _CLONE_NEWUSER | _CLONE_NEWPID | signal.SIGCHLD, 0, 0, 0, 0))
+    abi.SYS_CLONE or -1, abi.CLONE_NEWUSER | abi.CLONE_NEWPID | signal.SIGCHLD, 0, 0, 0, 0))
 
 
 def _clone_sandbox() -> int:
     """fork() into a new user and pid namespace: 0 in the child, its pid here."""
-    if _SYS_CLONE is None:
+    if abi.SYS_CLONE is None:
         raise OSError(errno.ENOSYS, f"no clone() number known for {os.uname().machine}: use spawn=\"exec\"")
     _before_fork()
     pid = _syscall(*_CLONE_ARGUMENTS)
@@ -248,12 +235,12 @@ class _ChildPlan:
     """
 
     def __init__(self, confined: confine.Plan, outside: tuple):
-        flags = _MS_NOSUID | _MS_NODEV
+        flags = abi.MS_NOSUID | abi.MS_NODEV
         self.id_maps = confine.id_maps(confined.ids, outside)  # the plan's ids inside, the template outside
         # A mount namespace always (the set-up mounts); the others the plan
         # names (the user and pid namespaces are made by the clone itself).
         unshare = confined.unshare
-        self.namespaces = ctypes.c_int(_CLONE_NEWNS | sum(flag for name, flag in _NAMESPACE_FLAGS if name in unshare))
+        self.namespaces = ctypes.c_int(abi.CLONE_NEWNS | sum(flag for name, flag in _NAMESPACE_FLAGS if name in unshare))
         self.net = "net" in unshare  # bring up loopback: only in a namespace of its own
         self.rlimits = limits.parse(confined.rlimits)
         self.open_max = min(os.sysconf("SC_OPEN_MAX"), 1 << 16)
@@ -266,9 +253,9 @@ class _ChildPlan:
         self.shm_dirs = confined.shm_dirs
         proc = confined.proc
         mounts = [
-            ("proc", proc, "proc", flags | _MS_NOEXEC, None, f"mount {proc}"),
-            (f"{proc}/sys", f"{proc}/sys", None, _MS_BIND, None, f"bind {proc}/sys"),
-            (None, f"{proc}/sys", None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags | _MS_NOEXEC, None,
+            ("proc", proc, "proc", flags | abi.MS_NOEXEC, None, f"mount {proc}"),
+            (f"{proc}/sys", f"{proc}/sys", None, abi.MS_BIND, None, f"bind {proc}/sys"),
+            (None, f"{proc}/sys", None, abi.MS_BIND | abi.MS_REMOUNT | abi.MS_RDONLY | flags | abi.MS_NOEXEC, None,
              f"make {proc}/sys read-only")]
         self.mounts = confined.mounts + [
             ((a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode()), what)
@@ -279,7 +266,7 @@ class _ChildPlan:
         # namespace, which counts everything the env makes.
         self.sysctls = confined.sysctls
         self.hostname = confined.hostname.encode()  # empty: no uts namespace of its own, nothing to name
-        self.sethostname = _libc.sethostname  # resolved here, not in every child
+        self.sethostname = abi.libc.sethostname  # resolved here, not in every child
         self.workspace = confined.workspace
         self.lo_request = struct.pack("16sH14x", b"lo", 0)
         self.capabilities = confined.capabilities
@@ -296,8 +283,8 @@ class _ChildPlan:
                 os.write(fd, data)
             finally:
                 os.close(fd)
-        _check(_libc.unshare(self.namespaces), "unshare namespaces")
-        os.environ["BOLTZLABS_ENV_INDEX"] = str(lane)
+        abi.check(abi.libc.unshare(self.namespaces), "unshare namespaces")
+        os.environ[abi.ENV_INDEX_VARIABLE] = str(lane)
         # fds: the channel (a socket; or the pipe it reads, the pipe it writes)
         # and the log. The log onto 1 and 2, the socket or the pipe it writes
         # onto 3, the pipe it reads onto 4. No source is a target met earlier:
@@ -315,22 +302,22 @@ class _ChildPlan:
             # The observation slot came last, so its number is above every target met so far (1-4).
             if slot <= 4:
                 raise OSError(f"the observation slot came on fd {slot}, among the channel's")
-            os.dup2(slot, wire.SLOT_FD)
-            os.closerange(2 + len(fds), wire.SLOT_FD)
-            os.closerange(wire.SLOT_FD + 1, self.open_max)
+            os.dup2(slot, abi.SLOT_FD)
+            os.closerange(2 + len(fds), abi.SLOT_FD)
+            os.closerange(abi.SLOT_FD + 1, self.open_max)
         else:
             os.closerange(2 + len(fds), self.open_max)
         # The env's own rlimits: the template's file limit has room for the
         # pipes it holds (closed above, before the limit drops below them).
         limits.apply_parsed(self.rlimits)
         mounts = self.mounts
-        _check(_libc.mount(*mounts[0][0]), mounts[0][1])
+        abi.check(abi.libc.mount(*mounts[0][0]), mounts[0][1])
         for path, mode in self.shm_dirs:
             os.mkdir(path)
             os.chmod(path, mode)  # past the umask
         after = self.after_quotas
         for arguments, what in mounts[1:after]:
-            _check(_libc.mount(*arguments), what)
+            abi.check(abi.libc.mount(*arguments), what)
         for path, data in self.sysctls:
             fd = os.open(path, os.O_WRONLY)
             try:
@@ -338,17 +325,17 @@ class _ChildPlan:
             finally:
                 os.close(fd)
         for arguments, what in mounts[after:]:
-            _check(_libc.mount(*arguments), what)
+            abi.check(abi.libc.mount(*arguments), what)
         if self.hostname:
-            _check(self.sethostname(self.hostname, len(self.hostname)), "sethostname")
+            abi.check(self.sethostname(self.hostname, len(self.hostname)), "sethostname")
         if self.net:
             # Interface ioctls on any socket reach its net namespace's devices, Unix
             # ones included: so the template's filter may refuse every other family.
             unix = _socket.socket(_socket.AF_UNIX, _socket.SOCK_DGRAM)
             try:
-                flags = int.from_bytes(fcntl.ioctl(unix.fileno(), _SIOCGIFFLAGS, self.lo_request)[16:18], "little")
-                fcntl.ioctl(unix.fileno(), _SIOCSIFFLAGS,
-                            self.lo_request[:16] + (flags | _IFF_UP | _IFF_RUNNING).to_bytes(2, "little")
+                flags = int.from_bytes(fcntl.ioctl(unix.fileno(), abi.SIOCGIFFLAGS, self.lo_request)[16:18], "little")
+                fcntl.ioctl(unix.fileno(), abi.SIOCSIFFLAGS,
+                            self.lo_request[:16] + (flags | abi.IFF_UP | abi.IFF_RUNNING).to_bytes(2, "little")
                             + self.lo_request[18:])
             finally:
                 unix.close()
@@ -570,7 +557,7 @@ def _lane_main(body):
         body()
         sys.stderr.write("boltzlabs: the env was built but serve() was never called\n")
         sys.stderr.flush()
-        os._exit(limits.NO_SERVE_EXIT)
+        os._exit(abi.NO_SERVE_EXIT)
 
     return run
 
@@ -582,7 +569,7 @@ def _probe_main(body, memory: int, workspace: str):
     def run(channel: tuple) -> None:
         probe.current = probe.ProbeRun(channel, memory, os.path.dirname(_ENV_FILE[0]), workspace)
         _sandboxed(channel)
-        os.environ["BOLTZLABS_PROBE"] = "1"
+        os.environ[abi.PROBE_VARIABLE] = "1"
         try:
             body()
             error = "the env was built but serve() was never called"
@@ -663,7 +650,7 @@ def fork_server(child_main, channel_fd: int, probe_main, origin: str, trusted: b
         os._exit(0)
     if confine.prepared is None:
         raise RuntimeError("the template's set-up did not run (boltzlabs.runtime.template.main); refusing to fork envs")
-    _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "child subreaper")
+    abi.check(abi.libc.prctl(abi.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "child subreaper")
     timeout, _ = _warmup(confine.prepared)
     env_dir = os.path.dirname(_ENV_FILE[0])
     workspace = confine.path_of(confine.prepared, "workspace")
@@ -883,7 +870,8 @@ def _fork_child(main, index: int, fds, plan: _ChildPlan, slot: int = -1) -> int:
 
 
 def _child(main, index: int, fds, plan: _ChildPlan, slot: int = -1) -> None:
-    """The env process. Becomes a sandbox, then runs main. Never returns."""
+    """The env process. Becomes a sandbox, then runs main. Never returns.
+    A failure before any env code ran exits abi.SET_UP_EXIT (the sandbox's fault, not the env's)."""
     code = 1
     try:
         plan.become_sandbox(index, fds, slot)
@@ -893,7 +881,7 @@ def _child(main, index: int, fds, plan: _ChildPlan, slot: int = -1) -> None:
             os.write(2, f"boltzlabs: env child failed before serving: {exc!r}\n".encode())
         except OSError:
             pass
-        os._exit(code)
+        os._exit(abi.SET_UP_EXIT)
     try:
         main((3,) if len(fds) == 2 else (4, 3))  # (the fd it reads, the fd it writes)
         code = 0
@@ -985,22 +973,22 @@ def main(argv=None) -> None:
     own.mount_workspace_and_devpts()
     proc = own.proc
     del own  # not kept alive in this frame (the children's pages sit among what follows)
-    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    flags = abi.MS_NOSUID | abi.MS_NODEV | abi.MS_NOEXEC
     hidden = confine.path_of(values, "hidden_proc")
     _mount("proc", hidden, "proc", flags)
     proc_root = os.open(hidden, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)  # for our own quotas, closed below
     # Cover its parent: the proc stays in the mount table, no path reaches it.
-    _mount("tmpfs", os.path.dirname(hidden), "tmpfs", flags | _MS_RDONLY, "size=4k,mode=0000")
+    _mount("tmpfs", os.path.dirname(hidden), "tmpfs", flags | abi.MS_RDONLY, "size=4k,mode=0000")
     # /proc stays writable here (children write their uid maps through it),
     # but not the sysctls: they are checked against the uid, not capabilities.
     for path in (f"{proc}/sys", f"{proc}/sysrq-trigger"):
         if os.path.exists(path):
-            _mount(path, path, None, _MS_BIND)
-            _mount(None, path, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags)
+            _mount(path, path, None, abi.MS_BIND)
+            _mount(None, path, None, abi.MS_BIND | abi.MS_REMOUNT | abi.MS_RDONLY | flags)
     # A non-zero uid of our own, so that children may map their root to it
     # without CAP_SETFCAP (see sandbox/policy.toml, [template]).
     uid, gid = confine.number_of(values, "template_uid", 1), confine.number_of(values, "template_gid", 1)
-    seccomp.receive_child_filter(int(os.environ.pop("BOLTZLABS_CHILD_FILTER_FD")))
+    seccomp.receive_child_filter(int(os.environ.pop(abi.CHILD_FILTER_VARIABLE)))
     confine.enter_user_namespace((uid, gid), (os.geteuid(), os.getegid()))
     try:
         _write_own_quotas(proc_root, values)
@@ -1026,5 +1014,5 @@ def main(argv=None) -> None:
         limits.run(env_file)  # its serve() never returns; one that is never called exits NO_SERVE_EXIT
     # The zygote: library modules only.
 
-    fork_server(_lane_main(_run_env_file(env_file)), int(os.environ.pop("BOLTZLABS_FD")),
+    fork_server(_lane_main(_run_env_file(env_file)), int(os.environ.pop(abi.FD_VARIABLE)),
                 _probe_main(_compile_and_run_env_file(env_file), memory, workspace), "the template's own set-up")

@@ -16,20 +16,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from boltzlabs import abi
 from boltzlabs.runtime import confine, template
-from boltzlabs.sandbox import seccomp
 from boltzlabs.sandbox.identity import HostAccount
 from boltzlabs.sandbox.plan import NAMESPACES, Plan, compile_plan
 from boltzlabs.sandbox.policy import Policy, find_bwrap, load_policy
 
-__all__ = ["SandboxSpec", "Policy", "Plan", "load_policy", "find_bwrap", "ARGS_FD"]
+__all__ = ["SandboxSpec", "Policy", "Plan", "load_policy", "find_bwrap"]
 
-# Where bwrap reads its options (`--args ARGS_FD`, NUL-separated), past the
-# channel's fds (3, 4), the seccomp programs' (5, 6) and an observation slot's
-# (7): bwrap closes it once read, and nothing of the options shows in
-# /proc/<pid>/cmdline of bwrap or of the sandbox's pid 1 (a fork of it): no
-# host bind source, no plan.
-ARGS_FD = 9
+# bwrap reads its options from abi.ARGS_FD (`--args`, NUL-separated), past the
+# channel's fds, the seccomp programs' and an observation slot's: bwrap closes
+# it once read, and nothing of the options shows in /proc/<pid>/cmdline of
+# bwrap or of the sandbox's pid 1 (a fork of it): no host bind source, no plan.
 
 
 class SandboxSpec:
@@ -112,11 +110,11 @@ class SandboxSpec:
         # Both modes start under the template's filter, which leaves out what
         # the set-up inside needs (mount, ...); the set-up then loads the
         # env's full filter before any env code (boltzlabs.runtime.confine, template.py).
-        args += ["--seccomp", str(seccomp.FILTER_FD)]
+        args += ["--seccomp", str(abi.FILTER_FD)]
         args += ["--chdir", plan.workspace, "--clearenv"]
         for name, value in plan.environment:
             args += ["--setenv", name, value]
-        args += ["--setenv", "BOLTZLABS_PARAMS", self.params_json]
+        args += ["--setenv", abi.PARAMS_VARIABLE, self.params_json]
         return args
 
     def hand_over(self, argv: list[str]) -> tuple[list[str], dict[int, bytes]]:
@@ -125,7 +123,7 @@ class SandboxSpec:
         start = len(self.account.prefix) + 1 if self.account else 1
         end = argv.index("--", start)
         options = b"".join(arg.encode() + b"\0" for arg in argv[start:end])
-        return argv[:start] + ["--args", str(ARGS_FD)] + argv[end:], {ARGS_FD: options}
+        return argv[:start] + ["--args", str(abi.ARGS_FD)] + argv[end:], {abi.ARGS_FD: options}
 
     def environment(self) -> dict:
         """The variables an env sees (besides BOLTZLABS_FD, BOLTZLABS_ENV_INDEX and BOLTZLABS_PARAMS):
@@ -136,7 +134,7 @@ class SandboxSpec:
         """The seccomp programs a sandbox reads, by fd number (both modes):
         bwrap loads the template's filter from FILTER_FD; the set-up inside
         loads the env's full filter from CHILD_FILTER_FD."""
-        return {seccomp.FILTER_FD: self.plan.filters.template, seccomp.CHILD_FILTER_FD: self.plan.filters.env}
+        return {abi.FILTER_FD: self.plan.filters.template, abi.CHILD_FILTER_FD: self.plan.filters.env}
 
     def template_argv(self, channel_fds: tuple, open_files: int = 0, trusted: bool = False,
                       namespaces: int = 1) -> list[str]:
@@ -149,9 +147,9 @@ class SandboxSpec:
         make of each namespace kind together."""
         plan = self.plan
         return self._template_head + [
-            "--setenv", "BOLTZLABS_FD", ",".join(map(str, channel_fds)),
+            "--setenv", abi.FD_VARIABLE, ",".join(map(str, channel_fds)),
             "--setenv", confine.VARIABLE, plan.template_text(open_files, trusted, namespaces),
-            "--setenv", "BOLTZLABS_CHILD_FILTER_FD", str(seccomp.CHILD_FILTER_FD),
+            "--setenv", abi.CHILD_FILTER_VARIABLE, str(abi.CHILD_FILTER_FD),
             "--", plan.executable, *plan.interpreter_flags,
             "-c", template.BOOTSTRAP, f"{plan.env_dir}/env.py",
         ]
@@ -164,8 +162,8 @@ class SandboxSpec:
         plan = self.plan
         return self._head + [
             "--setenv", confine.VARIABLE, self._child_text,
-            "--setenv", "BOLTZLABS_CHILD_FILTER_FD", str(seccomp.CHILD_FILTER_FD),
-            "--setenv", "BOLTZLABS_FD", ",".join(map(str, channel_fds)),
-            "--setenv", "BOLTZLABS_ENV_INDEX", str(env_index),
+            "--setenv", abi.CHILD_FILTER_VARIABLE, str(abi.CHILD_FILTER_FD),
+            "--setenv", abi.FD_VARIABLE, ",".join(map(str, channel_fds)),
+            "--setenv", abi.ENV_INDEX_VARIABLE, str(env_index),
             "--", plan.executable, *plan.interpreter_flags, "-c", confine.BOOTSTRAP, f"{plan.env_dir}/env.py",
         ]

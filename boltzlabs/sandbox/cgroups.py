@@ -66,7 +66,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from boltzlabs.errors import CgroupUnavailable  # noqa: F401 - cgroups.CgroupUnavailable, its old home
+from boltzlabs.errors import CgroupUnavailable
 
 LEAF = "boltzlabs-procs"  # v2: where the worker and its process tree go to make room
 # v2 controllers a pool needs: memory (accounting, memory_limit), pids (the

@@ -23,7 +23,7 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 
-from boltzlabs.errors import SandboxUnavailable
+from boltzlabs.errors import PolicyError, SandboxUnavailable
 from boltzlabs.runtime import confine
 from boltzlabs.sandbox import limits as _limits
 from boltzlabs.sandbox import seccomp
@@ -147,10 +147,10 @@ class _Reader:
         self.policy = policy
         self.source = policy.path or "sandbox/policy.toml"
 
-    def fail(self, key: str, what: str, value) -> SandboxUnavailable:
+    def fail(self, key: str, what: str, value) -> PolicyError:
         hint = ("fix it, or unset BOLTZLABS_POLICY to use the shipped one" if os.environ.get("BOLTZLABS_POLICY")
                 else "fix it, or reinstall boltzlabs")
-        return SandboxUnavailable(f"the sandbox policy {self.source}: {key} must be {what}, not {value!r}; {hint}")
+        return PolicyError(f"the sandbox policy {self.source}: {key} must be {what}, not {value!r}; {hint}")
 
     def get(self, table: str, name: str, default=None):
         node = self.policy.sandbox

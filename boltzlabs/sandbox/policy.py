@@ -16,7 +16,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from boltzlabs.errors import SandboxUnavailable
+from boltzlabs.errors import PolicyError, SandboxUnavailable
 from boltzlabs.sandbox import limits as _limits
 from boltzlabs.units import parse_size
 
@@ -98,7 +98,7 @@ def load_policy() -> Policy:
 
 
 def _read(path, variable: str | None = None) -> dict:
-    """A policy file as TOML; SandboxUnavailable naming it (and `variable`, the
+    """A policy file as TOML; PolicyError naming it (and `variable`, the
     environment variable that can name an operator's own file instead) if not."""
     try:
         with open(path, "rb") as f:
@@ -108,7 +108,7 @@ def _read(path, variable: str | None = None) -> dict:
             fix = f"fix it, or unset {variable} to use the shipped one"
         else:
             fix = "reinstall boltzlabs"
-        raise SandboxUnavailable(f"cannot read the sandbox policy file {path} ({exc}); {fix}") from None
+        raise PolicyError(f"cannot read the sandbox policy file {path} ({exc}); {fix}") from exc
 
 
 def find_bwrap() -> str:

@@ -29,17 +29,15 @@ import fcntl
 import os
 from dataclasses import dataclass
 
+from boltzlabs import abi
 from boltzlabs.errors import SandboxUnavailable, SeccompPolicyError
-from boltzlabs.runtime import confine
 
-__all__ = ["FILTER_FD", "CHILD_FILTER_FD", "Filters", "SeccompPolicyError", "compile_rules",
+__all__ = ["Filters", "compile_rules",
            "compile_filter", "program_fd"]
 
-FILTER_FD = 5  # (past the channel: fds 3 and 4) where bubblewrap reads the program it loads (--seccomp)
-CHILD_FILTER_FD = 6  # where the template reads the program each forked env loads
 
 _BPF_MAXINSNS = 4096
-_INSTRUCTION = confine.BPF_INSTRUCTION
+_INSTRUCTION = abi.BPF_INSTRUCTION
 
 
 @dataclass(frozen=True)

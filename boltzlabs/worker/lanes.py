@@ -100,7 +100,7 @@ class Lane:
 
     __slots__ = ("index", "state", "pid", "chan", "wchan", "logfd", "reader", "log", "seq",
                  "out", "cause", "held", "started", "events_base", "generation", "expect",
-                 "result", "deadline", "done_at")
+                 "result", "deadline", "done_at", "exit_code")
 
     def __init__(self, index: int, limits: wire.Limits):
         self.index = index
@@ -121,6 +121,7 @@ class Lane:
         self.result = None  # held for recv: (obs, reward, terminated, truncated, info)
         self.deadline = 0.0  # IN_FLIGHT: when it becomes a straggler (inf while queued at the gate)
         self.done_at = 0.0  # held for recv: when the result was ready (for queued_ms)
+        self.exit_code: int | None = None  # its last process's, once dead (os.waitstatus_to_exitcode)
 
     def to(self, state: State) -> None:
         """Move to `state`, if the table declares the move; else LaneStateError."""

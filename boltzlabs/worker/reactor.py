@@ -46,7 +46,7 @@ import time
 import msgpack
 
 from boltzlabs import wire
-from boltzlabs.errors import ClientGone
+from boltzlabs.errors import PROTOCOL, ClientGone, ProtocolError
 from boltzlabs.worker.lanes import BUSY, IN_FLIGHT, STARTING, Lane
 from boltzlabs.worker.stepping import outcome
 
@@ -152,10 +152,10 @@ class Reactor:
             raise ClientGone
         try:
             messages = self.client_reader.feed(data)
-        except wire.ProtocolError as exc:
+        except ProtocolError as exc:
             # The stream's frame boundaries are lost: say why, then end the pool.
             try:
-                self._send([wire.ERROR, 0, "ProtocolError", f"the client sent a bad frame: {exc}", {}])
+                self._send([wire.ERROR, 0, PROTOCOL, f"the client sent a bad frame: {exc}", {}])
             except OSError:
                 pass
             raise ClientGone from None
@@ -196,7 +196,7 @@ class Reactor:
                 limits.made = 0
                 if not self._charge(env, cost):
                     return
-        except wire.ProtocolError as exc:
+        except ProtocolError as exc:
             env.reader.limits.made = 0
             if env.state is STARTING:
                 self._kill(env, f"sent an invalid frame as its handshake (HELLO) and was killed: {exc} (its caps are "

@@ -1,7 +1,7 @@
 """Observation slots: each env's obs in shared memory with the trainer (wire.py, docs/wire.md).
 
     open: Slots.wanted(request) -- a local pool that asked, room for one more fd per env
-    spawn (spawn.slot_fd): fd_for(lane) -- a memfd per lane, made at its first spawn, passed on wire.SLOT_FD
+    spawn (spawn.slot_fd): fd_for(lane) -- a memfd per lane, made at its first spawn, passed on abi.SLOT_FD
     HELLO (reactor._on_message): on_hello(env) -- lane 0's spec gives the layout; every lane's memfd is
         sized from it and sealed (no shrinking, no growing, no more seals) before its first request
     after READY: the client's "slots" calls -- the sealed memfds, to map read-only
@@ -21,7 +21,7 @@ from __future__ import annotations
 import fcntl
 import os
 
-from boltzlabs import wire
+from boltzlabs import abi, wire
 from boltzlabs.worker.config import _fd_room, fds_needed
 from boltzlabs.worker.lanes import STARTING
 
@@ -107,7 +107,7 @@ class Slots:
             os.close(fd)
             self.fds[index] = -2
             worker._kill(env, "tampered with its observation slot (resized or sealed the memfd on fd "
-                              f"{wire.SLOT_FD}) before the worker sized it, and was killed")
+                              f"{abi.SLOT_FD}) before the worker sized it, and was killed")
             return
         self.sealed[index] = True
 
