@@ -54,7 +54,7 @@ class EnvStartError(BoltzLabsError):
     stdout/stderr (usually its traceback).
     """
 
-    def __init__(self, message: str, env_index: int = None, log: str = ""):
+    def __init__(self, message: str, env_index: int | None = None, log: str = ""):
         super().__init__(message)
         self.env_index = env_index
         self.log = log
@@ -64,7 +64,7 @@ class EnvError(BoltzLabsError):
     """An env failed a request whose answer has no lane to carry the error
     (render). `env_index` is the env; the message holds its traceback."""
 
-    def __init__(self, message: str, env_index: int = None):
+    def __init__(self, message: str, env_index: int | None = None):
         super().__init__(message)
         self.env_index = env_index
 

@@ -22,6 +22,7 @@ import os
 import socket
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from boltzlabs import wire
@@ -66,20 +67,20 @@ def proof(token: str, nonce: bytes) -> bytes:
 class Peer:
     """Frames from a socket with one deadline for the whole exchange."""
 
-    def __init__(self, sock, max_frame: int, deadline: float):
+    def __init__(self, sock: socket.socket, max_frame: int, deadline: float):
         self.sock = sock
         self.reader = wire.FrameReader(wire.Limits(max_frame))
-        self.inbox: list = []
+        self.inbox: list[Any] = []
         self.deadline = deadline
 
     def limit(self, max_frame: int) -> None:
         self.reader.limits = wire.Limits(max_frame)
 
-    def send(self, message) -> None:
+    def send(self, message: Any) -> None:
         self._arm()
         self.sock.sendall(wire.encode(message))
 
-    def receive(self) -> list:
+    def receive(self) -> Any:
         while not self.inbox:
             self._arm()
             data = self.sock.recv(1 << 16)
@@ -95,7 +96,7 @@ class Peer:
         self.sock.settimeout(left)
 
 
-def worker_environment() -> dict:
+def worker_environment() -> dict[str, str]:
     """The environment a worker process starts with (a local pool's, or one a listener hands a
     connection to): this one, with this very boltzlabs first on PYTHONPATH, installed or not."""
     env = dict(os.environ)

@@ -228,7 +228,7 @@ class NativeReader:
     def __del__(self):
         try:
             self.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 

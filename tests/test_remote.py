@@ -371,7 +371,7 @@ def test_two_clients_share_a_worker_in_isolation(worker):
     try:
         a.reset(seed=0)
         b.reset(seed=100)
-        for k in range(5):
+        for _k in range(5):
             _, ra, _, _ = a.step([1.0, 2.0])
             _, rb, _, _ = b.step([10.0, 20.0])
             assert ra.tolist() == [1.0, 2.0] and rb.tolist() == [10.0, 20.0]
@@ -491,7 +491,7 @@ def _still_open(sock: socket.socket, wait: float = 0.5) -> bool:
         while True:
             if not sock.recv(4096):
                 return False
-    except socket.timeout:
+    except TimeoutError:
         return True
     except ConnectionResetError:
         return False

@@ -29,7 +29,7 @@ import pytest
 from boltzlabs import RLPool
 from boltzlabs.sandbox import seccomp
 from boltzlabs.sandbox.policy import load_policy
-from boltzlabs.errors import SandboxUnavailable
+from boltzlabs.errors import SandboxUnavailable, SeccompPolicyError
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="syscall numbers and the int 0x80 stub are x86_64's")
 

@@ -1,7 +1,6 @@
 """The template's warm-up: the env's real work, probed once in a throwaway sandbox,
 so the template imports what reset and step import (boltzlabs.runtime.template.warm_up)."""
 
-import os
 import re
 import warnings
 from pathlib import Path

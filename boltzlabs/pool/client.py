@@ -462,7 +462,7 @@ class RLPool(Pool):
             room = self._reader.room()  # the rest of a long frame, read in place
             try:
                 data = self._conn.recv(_RECV_SIZE) if room is None else self._conn.recv_into(room)
-            except socket.timeout:
+            except TimeoutError:
                 if not self._link.alive():
                     raise self._worker_died() from None
                 continue

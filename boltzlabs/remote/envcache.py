@@ -111,7 +111,7 @@ def plan(blob: bytes, max_files: int) -> list[Entry]:
                     entries.append(Entry(parts, False, mode, info.offset_data, info.size))
     except UnpackRefused:
         raise
-    except Exception as exc:  # noqa: BLE001 - whatever tarfile makes of hostile bytes
+    except Exception as exc:  # whatever tarfile makes of hostile bytes
         raise UnpackRefused(f"the archive cannot be read as a tar: {type(exc).__name__}: {exc}") from None
     if seen.get(("env.py",)) is not False:
         raise UnpackRefused("the env directory has no env.py file")
@@ -200,10 +200,10 @@ def _child(parent: int, root_fd: int, report_fd: int, entries: list[Entry], blob
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
         _write(root_fd, entries, blob)
         code = 0
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
+    except BaseException as exc:  # reported to the parent, then exit
         try:
             os.write(report_fd, f"{type(exc).__name__}: {exc}".encode(errors="replace")[:1000])
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             pass
     finally:
         os._exit(code)

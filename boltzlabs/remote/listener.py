@@ -141,7 +141,7 @@ class Listener:
         while not self._stopping.is_set():
             try:
                 conn, addr = self.sock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 if self._stopping.is_set():
@@ -172,7 +172,7 @@ class Listener:
                     slot.close()
                 conn.close()
 
-    def _drop(self, slot: "_Slot") -> None:
+    def _drop(self, slot: _Slot) -> None:
         """End an unauthenticated connection (with self._lock held): shutdown()
         wakes its thread's recv, which then closes the socket and the slot."""
         self._pre_auth.remove(slot)
@@ -182,7 +182,7 @@ class Listener:
         except OSError:
             pass
 
-    def _authenticated(self, slot: "_Slot") -> None:
+    def _authenticated(self, slot: _Slot) -> None:
         """The connection proved the token: no longer one a flood may push out."""
         with self._lock:
             if slot in self._pre_auth:
@@ -212,7 +212,7 @@ class Listener:
 
     # -- one client ----------------------------------------------------------------
 
-    def _client(self, conn: socket.socket, addr, slot: "_Slot") -> None:
+    def _client(self, conn: socket.socket, addr, slot: _Slot) -> None:
         where = f"{addr[0]}:{addr[1]}"
         try:
             tune(conn)
@@ -251,7 +251,7 @@ class Listener:
                 with self._lock:
                     self._in_use[key] -= 1
 
-    def _handshake(self, peer: Peer, where: str, slot: "_Slot") -> tuple[str, str | None]:
+    def _handshake(self, peer: Peer, where: str, slot: _Slot) -> tuple[str, str | None]:
         nonce = secrets.token_bytes(32)
         peer.send([wire.CHALLENGE, wire.PROTOCOL_VERSION, nonce])
         message = peer.receive()

@@ -109,7 +109,7 @@ class _Slot:
         wire.SLOT_HEADER.pack_into(mapping, 0, wire.SLOT_MAGIC, 1, 0, layout.size - wire.SLOT_HEADER_SIZE)
 
     @classmethod
-    def open(cls, space) -> "_Slot | None":
+    def open(cls, space) -> _Slot | None:
         """The slot on abi.SLOT_FD, if there is one of exactly this space's layout, sealed; else None."""
         layout = wire.slot_layout(space, 1 << 30) if space is not None else None
         if layout is None:

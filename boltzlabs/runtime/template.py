@@ -756,7 +756,7 @@ def fork_server(child_main, channel_fd: int, probe_main, origin: str, trusted: b
         _flush(control, forked, outbox)
 
 
-def _ready_to_fork() -> "_ChildPlan":
+def _ready_to_fork() -> _ChildPlan:
     """After WARM: the envs' plan, and everything imported frozen, shared copy
     on write by every child."""
     from boltzlabs.runtime import serve as serving  # imported by main() already

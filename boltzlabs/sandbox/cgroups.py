@@ -891,7 +891,7 @@ class CgroupPool:
             self.backend.kill(groups[0])
             if self.freezes:
                 self.thaw(key)
-        for key, groups in self._groups.items():
+        for key in self._groups:
             for group in self._joined(key):
                 ok &= _rmdir(group, deadline, reap)
         self._groups.clear()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 
 from boltzlabs import wire
-from boltzlabs.errors import LaneStateError  # noqa: F401 (raised here; tests import it from here too)
+from boltzlabs.errors import LaneStateError
 
 
 class State(enum.Enum):
@@ -41,6 +41,10 @@ class State(enum.Enum):
     FINISHED_BUSY = ("finished", "busy", True)  # held for recv, and the env still owes a reply
     FINISHED_DEAD = ("finished", "dead", False)  # held for recv (a failure), and the env is dead
     DEAD = ("dead", "dead", False)
+
+    # Set once the table below is built: the states it may move to, and where each event takes it.
+    next: tuple[State, ...]
+    after: dict[str, State]
 
     def __init__(self, shown: str, process: str, due: bool):
         self.shown = shown

@@ -41,7 +41,7 @@ class Slots:
         self.decided = False  # lane 0's HELLO has said whether the space allows slots
 
     @classmethod
-    def wanted(cls, request: dict, remote, n: int, channel: str, max_bytes: int) -> "Slots | None":
+    def wanted(cls, request: dict, remote, n: int, channel: str, max_bytes: int) -> Slots | None:
         """Slots for this pool, if its client asked (a local client: it can map
         them), BOLTZLABS_NO_SHM is not set and the fd limit holds one more per env."""
         if remote or not isinstance(request, dict) or request.get("shared_memory") is not True:

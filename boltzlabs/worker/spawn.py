@@ -231,11 +231,11 @@ class ExecSpawner:
             pass
 
     def close(self, deadline: float) -> None:
-        for pidfd, pid in list(self.reaping.items()):
+        for pidfd, _pid in list(self.reaping.items()):
             remaining = max(0.0, deadline - time.monotonic())
             if _readable([pidfd], remaining):
                 self._reap(pidfd)
-        for pidfd, pid in self.reaping.items():
+        for pidfd, _pid in self.reaping.items():
             os.close(pidfd)  # a zombie we could not wait for: init will
         self.reaping.clear()
 
