@@ -63,6 +63,10 @@ import msgpack
 from boltzlabs import errors
 from boltzlabs.errors import ProtocolError, TooMany
 
+TYPE_CHECKING = False  # typing is not imported at run time: every env would pay for it
+if TYPE_CHECKING:
+    from typing import Any
+
 PROTOCOL_VERSION = 4  # 2: arrays as ARRAY_EXT, spaces in HELLO, RENDER; 3: TUPLE_EXT, SCALAR_EXT, ATTR;
 # 4: ERROR frames carry a category (errors.CATEGORIES), not a class name
 
@@ -119,12 +123,12 @@ PROBED = 46
 
 
 
-def error_frame(seq: int, exc: BaseException) -> list:
+def error_frame(seq: int, exc: BaseException) -> list[Any]:
     """The worker's ERROR frame for an exception it caught: [ERROR, seq, category, text, detail], the
     category decided by errors.category_of. A start failure's detail names the env, its log, how many
     failed and whether the sandbox's own set-up failed; an internal fault's carries its traceback."""
     category = errors.category_of(exc)
-    detail: dict = {}
+    detail: dict[str, Any] = {}
     if isinstance(exc, errors.StartFailure):
         detail = {"env": exc.index, "log": exc.log, "failed": exc.count, "set_up": exc.set_up}
     elif category == errors.INTERNAL:
@@ -159,7 +163,7 @@ _NUMERIC = frozenset([("b", 1)] + [(k, s) for k in "iu" for s in (1, 2, 4, 8)]
                      + [("f", s) for s in (2, 4, 8, 16)] + [("c", s) for s in (8, 16, 32)])
 
 
-def _array_ext(array, code: int = ARRAY_EXT):
+def _array_ext(array: Any, code: int = ARRAY_EXT) -> Any:
     dtype = array.dtype
     if (dtype.kind, dtype.itemsize) not in _NUMERIC or dtype.fields is not None:
         return None
@@ -171,7 +175,7 @@ def _array_ext(array, code: int = ARRAY_EXT):
     return msgpack.ExtType(code, b"".join((head, raw)))
 
 
-def check_array_header(data: bytes, max_bytes: int = _MAX_ARRAY_BYTES):
+def check_array_header(data: bytes, max_bytes: int = _MAX_ARRAY_BYTES) -> Any:
     """(dtype str, shape, offset of the raw bytes) of an ARRAY_EXT payload.
 
     Raises ValueError unless the header is well formed, the dtype is a plain
@@ -217,14 +221,14 @@ def check_array_header(data: bytes, max_bytes: int = _MAX_ARRAY_BYTES):
     return dtype, shape, start
 
 
-def _numpy():
+def _numpy() -> Any:
     np = sys.modules.get("numpy")
     if np is None:
         import numpy as np
     return np
 
 
-def _scalar(data: bytes, check_only: bool):
+def _scalar(data: bytes, check_only: bool) -> Any:
     dtype, shape, start = check_array_header(data)
     if shape:
         raise ValueError("scalar ext has the shape of an array")
@@ -234,7 +238,7 @@ def _scalar(data: bytes, check_only: bool):
     return np.frombuffer(data, dtype=np.dtype(dtype), offset=start)[0]
 
 
-def _default(obj):
+def _default(obj: Any) -> Any:
     # The packer runs with strict_types: anything not exactly a msgpack type
     # comes here. numpy values are converted only when they appear, so numpy
     # is never imported here: an env that does not use it does not pay for it.
@@ -266,7 +270,7 @@ def _default(obj):
 _packer = msgpack.Packer(default=_default, use_bin_type=True, strict_types=True)
 
 
-def _load_native():
+def _load_native() -> Any:
     """boltzlabs._wire (native/wire.c), or None: not built, or BOLTZLABS_PURE=1."""
     if os.environ.get("BOLTZLABS_PURE", "").strip() not in ("", "0"):
         return None
@@ -281,7 +285,7 @@ _native = _load_native()
 _nesting = [0]  # tuples being packed inside one another
 
 
-def _pack_items(items) -> bytes:
+def _pack_items(items: Any) -> bytes:
     # A packer is not reentrant: a tuple's items are packed by a fresh one.
     if _nesting[0] >= MAX_TUPLE_NESTING:
         raise ValueError(f"tuples nested more than {MAX_TUPLE_NESTING} deep cannot be sent (MAX_TUPLE_NESTING): "
@@ -293,7 +297,7 @@ def _pack_items(items) -> bytes:
         _nesting[0] -= 1
 
 
-def encode(message) -> bytes:
+def encode(message: Any) -> bytes:
     """One frame: length prefix and msgpack body. Raises TypeError/ValueError."""
     if type(message) is list and message and type(message[-1]) is Raw:
         # The last item is msgpack already (the native step's result): the
@@ -311,7 +315,7 @@ def encode(message) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def pack(value) -> bytes:
+def pack(value: Any) -> bytes:
     """One value's msgpack bytes, as encode packs it inside a frame."""
     if _native is not None:
         packed = _native.pack(value)
@@ -327,7 +331,7 @@ class Raw:
 
     __slots__ = ("data",)
 
-    def __init__(self, data: bytes):
+    def __init__(self, data: bytes) -> None:
         self.data = data
 
 
@@ -361,7 +365,7 @@ class Slot:
 
     __slots__ = ("seq",)
 
-    def __init__(self, seq: int):
+    def __init__(self, seq: int) -> None:
         self.seq = seq
 
     def __repr__(self) -> str:
@@ -378,22 +382,22 @@ class SlotLayout:
 
     __slots__ = ("leaves", "size", "spec")
 
-    def __init__(self, leaves: list, size: int, spec: dict):
+    def __init__(self, leaves: list[Any], size: int, spec: dict[str, Any]) -> None:
         self.leaves, self.size, self.spec = leaves, size, spec
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         """Plain data for the READY (the client builds its views from it)."""
         return {"leaves": [[list(path), dtype, list(shape), offset] for path, dtype, shape, offset in self.leaves],
                 "size": self.size}
 
 
-def slot_layout(spec, max_bytes: int) -> SlotLayout | None:
+def slot_layout(spec: Any, max_bytes: int) -> SlotLayout | None:
     """The slot layout of a space spec (boltzlabs.runtime.spec.to_spec's), or
     None when the space has no fixed shape (anything but Box, and Dict and
     Tuple of them), is malformed, or needs more than `max_bytes`. The spec may
     come from an env: it is only read, with bounds (at most 64 Boxes of at
     most 32 dimensions, 8 levels deep)."""
-    leaves: list = []
+    leaves: list[Any] = []
     stack = [((), spec, 0)]
     while stack:
         path, node, depth = stack.pop()
@@ -466,11 +470,11 @@ class Limits:
 
     def __init__(self, max_frame: int, max_str_len: int = None, max_bin_len: int = None,
                  max_array_len: int = None, max_map_len: int = None, arrays: str = "decode",
-                 max_depth: int = None, max_objects: int = None):
+                 max_depth: int = None, max_objects: int = None) -> None:
         self.max_frame = int(max_frame)
         cap = self.max_frame
 
-        def clamp(limit):  # None: only the frame cap applies
+        def clamp(limit: Any) -> Any:  # None: only the frame cap applies
             return cap if limit is None else min(int(limit), cap)
 
         self.kwargs = dict(
@@ -506,14 +510,14 @@ class Limits:
             self.max_objects = max(self.max_depth, int(max_objects))
             count, limit = self._count, self.max_objects
 
-            def counted_list(obj):
+            def counted_list(obj: Any) -> Any:
                 count[0] += 1 + len(obj)
                 count[1] += 1
                 if count[0] > limit:
                     raise TooMany
                 return obj
 
-            def counted_map(obj):
+            def counted_map(obj: Any) -> Any:
                 count[0] += 1 + 2 * len(obj)
                 count[1] += 1
                 if count[0] > limit:
@@ -523,7 +527,7 @@ class Limits:
             self.guarded = dict(self.kwargs, list_hook=counted_list, object_hook=counted_map)
 
 
-def _ext_hook(mode: str, inner: list, marks: list):
+def _ext_hook(mode: str, inner: list[Any], marks: list[Any]) -> Any:
     """The ext hook of a Limits in `mode` "decode" (client, env) or "check"
     (worker, from an env: anything unknown is malformed). `inner[0]` holds
     the decode options a tuple's items are decoded with; `marks[0]` counts the
@@ -531,7 +535,7 @@ def _ext_hook(mode: str, inner: list, marks: list):
     level = [0]  # tuples being decoded inside one another
     check_only = mode == "check"
 
-    def items_of(data):
+    def items_of(data: Any) -> Any:
         if level[0] >= MAX_TUPLE_NESTING:
             raise ValueError(f"tuples nested more than {MAX_TUPLE_NESTING} deep (MAX_TUPLE_NESTING)")
         level[0] += 1
@@ -546,7 +550,7 @@ def _ext_hook(mode: str, inner: list, marks: list):
 
     # Hot path: an array is the common ext, tested first, decoded inline.
     if check_only:
-        def hook(code: int, data: bytes):
+        def hook(code: int, data: bytes) -> Any:
             if code == ARRAY_EXT:
                 check_array_header(data)
                 return msgpack.ExtType(code, data)
@@ -559,7 +563,7 @@ def _ext_hook(mode: str, inner: list, marks: list):
                 return msgpack.ExtType(code, data)
             raise ValueError(f"unknown msgpack extension type {code}")
     else:
-        def hook(code: int, data: bytes):
+        def hook(code: int, data: bytes) -> Any:
             if code == ARRAY_EXT:
                 dtype, shape, start = check_array_header(data)
                 np = sys.modules.get("numpy")
@@ -591,7 +595,7 @@ MAX_DEPTH = 512
 
 
 
-def _too_deep(message, limit: int) -> bool:
+def _too_deep(message: Any, limit: int) -> bool:
     """Whether a decoded value nests deeper than `limit` levels (the message is level 1)."""
     stack = [(message, 1)]
     pop, push = stack.pop, stack.append
@@ -606,7 +610,7 @@ def _too_deep(message, limit: int) -> bool:
     return False
 
 
-def decode(body, limits: Limits):
+def decode(body: Any, limits: Limits) -> Any:
     """Decode one frame body (bytes or memoryview) under `limits`."""
     message = None
     guarded = limits.guarded
@@ -676,7 +680,7 @@ class FrameReader:
     __slots__ = ("limits", "_buf", "_allocate", "_frame", "_have")
     DIRECT_MIN = 1 << 18
 
-    def __init__(self, limits: Limits, allocate=None):
+    def __init__(self, limits: Limits, allocate: Any=None) -> None:
         self.limits = limits
         self._buf = bytearray()
         self._allocate = allocate
@@ -688,14 +692,14 @@ class FrameReader:
         """Bytes of an incomplete frame held back."""
         return self._have if self._frame is not None else len(self._buf)
 
-    def room(self):
+    def room(self) -> Any:
         """The rest of a long frame still to come, as a writable memoryview
         (release it before the next call), or None: then read and feed()."""
         if self._frame is None:
             return None
         return memoryview(self._frame).cast("B")[self._have:]
 
-    def filled(self, n: int) -> list:
+    def filled(self, n: int) -> list[Any]:
         """n bytes were read into room(): the frame's message once it is whole."""
         self._have += n
         if self._have < len(self._frame):
@@ -704,7 +708,7 @@ class FrameReader:
         with memoryview(frame) as view:
             return [decode(view.cast("B")[4:], self.limits)]
 
-    def feed(self, data) -> list:
+    def feed(self, data: Any) -> list[Any]:
         if self._frame is not None:  # the rest of a long frame came by feed(), not room()
             with self.room() as room:
                 n = min(len(room), len(data))
@@ -743,5 +747,5 @@ class FrameReader:
             del buf[:start]
         return out
 
-    def _too_big(self, length: int):
+    def _too_big(self, length: int) -> None:
         raise ProtocolError(f"frame of {length} bytes is over the cap of {self.limits.max_frame} bytes")

@@ -51,6 +51,10 @@ import sys
 
 from boltzlabs import abi
 
+TYPE_CHECKING = False  # typing is not imported at run time: every env would pay for it
+if TYPE_CHECKING:
+    from typing import Any
+
 VARIABLE = abi.CONFINE_VARIABLE
 # Exec mode's interpreter runs this, then env.py. Not `-m`: that imports
 # runpy (with typing, re, contextlib: ~5 ms and their pages in every env).
@@ -58,7 +62,7 @@ BOOTSTRAP = "import boltzlabs.runtime.confine as m; m.main()"
 SYSCTL_DIR = "/proc/sys/user"
 
 # The template's parsed VARIABLE (template.main), for its children's Plan.
-prepared: dict | None = None
+prepared: dict[str, Any] | None = None
 
 
 # The text's bounds: it comes from the worker, and is still parsed as input.
@@ -69,7 +73,7 @@ _KEYS = {"unshare", "uid", "gid", "hostname", "workspace", "size", "inodes", "pt
 _NAMESPACES = {"net", "ipc", "uts", "cgroup"}  # what a child unshares besides its user and pid namespaces
 
 
-def encode(items: dict) -> str:
+def encode(items: dict[str, Any]) -> str:
     """VARIABLE's text: one "key=value" line per item (a key of _KEYS, or
     "sysctl.<name of SYSCTL_DIR>"). Raises ValueError for a key or value the
     parser would refuse."""
@@ -78,7 +82,7 @@ def encode(items: dict) -> str:
     return text
 
 
-def parse(text: str) -> dict:
+def parse(text: str) -> dict[str, Any]:
     """{key: value text} from VARIABLE's text, checked: bounded, known keys,
     no duplicates, and every key the set-up needs present."""
     if not isinstance(text, str) or len(text) > _MAX_TEXT or "\0" in text:
@@ -102,14 +106,14 @@ def parse(text: str) -> dict:
 
 
 
-def id_maps(inside: tuple, outside: tuple) -> list[tuple[str, bytes]]:
+def id_maps(inside: tuple[Any, ...], outside: tuple[Any, ...]) -> list[tuple[str, bytes]]:
     """The (file, text) writes that map uid/gid `inside` to `outside` in a new user namespace."""
     return [("/proc/self/setgroups", b"deny"),
             ("/proc/self/uid_map", f"{inside[0]} {outside[0]} 1".encode()),
             ("/proc/self/gid_map", f"{inside[1]} {outside[1]} 1".encode())]
 
 
-def enter_user_namespace(inside: tuple, outside: tuple, also: int = 0) -> None:
+def enter_user_namespace(inside: tuple[Any, ...], outside: tuple[Any, ...], also: int = 0) -> None:
     """unshare(CLONE_NEWUSER | also), mapping uid/gid `inside` to `outside` (ours)."""
     abi.check(abi.libc.unshare(abi.CLONE_NEWUSER | also), "unshare a user namespace")
     for path, data in id_maps(inside, outside):
@@ -132,7 +136,7 @@ class _CapData(ctypes.Structure):
 class Capabilities:
     """Dropping every capability, with the arguments made ahead of time."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         with open("/proc/sys/kernel/cap_last_cap") as f:
             self.last = int(f.read())
         self.header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
@@ -155,7 +159,7 @@ class _SockFprog(ctypes.Structure):
 class FilterLoader:
     """A seccomp BPF program (struct sock_filter[]) and the prctl calls that load it, prepared."""
 
-    def __init__(self, program: bytes):
+    def __init__(self, program: bytes) -> None:
         self.prctl = abi.libc.prctl  # restype c_int, ctypes' default
         self.buffer = ctypes.create_string_buffer(program, len(program))
         self.fprog = _SockFprog(len(program) // abi.BPF_INSTRUCTION, ctypes.addressof(self.buffer))
@@ -188,15 +192,15 @@ def read_filter(fd: int) -> FilterLoader:
     return FilterLoader(program)
 
 
-def path_of(values: dict, key: str) -> str:
+def path_of(values: dict[str, Any], key: str) -> str:
     """The parsed plan's `key`, checked to be a normalized absolute path (not /)."""
-    path = values[key]
+    path: str = values[key]
     if not path.startswith("/") or path == "/" or "," in path or os.path.normpath(path) != path:
         raise ValueError(f"${VARIABLE}: {key} must be a normalized absolute path, not {path!r}")
     return path
 
 
-def number_of(values: dict, key: str, low: int = 0) -> int:
+def number_of(values: dict[str, Any], key: str, low: int = 0) -> int:
     """The parsed plan's `key`, checked to be a whole number of at least `low`."""
     value = values[key]
     if not value.isdigit() or len(value) > 20 or int(value) < low:
@@ -218,7 +222,7 @@ class Plan:
     `hostname`, `proc`, `rlimits` (text for rlimits.parse).
     """
 
-    def __init__(self, values: dict):
+    def __init__(self, values: dict[str, Any]) -> None:
         unshare = values["unshare"].split(",") if values["unshare"] else []
         if not set(unshare) <= _NAMESPACES or len(set(unshare)) != len(unshare):
             raise ValueError(f"${VARIABLE}: unshare names {unshare!r}; only {sorted(_NAMESPACES)} are known")
@@ -299,7 +303,7 @@ class Plan:
         env_filter.load()
 
 
-def main(argv=None) -> None:
+def main(argv: Any=None) -> None:
     """Exec mode's entry point: rlimits, the sandbox's last steps, then env.py.
     A failure of the set-up (no env code has run) prints its traceback and exits
     abi.SET_UP_EXIT: the worker tells the sandbox's fault from the env's by that code."""

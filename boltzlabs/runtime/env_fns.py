@@ -30,6 +30,10 @@ import struct
 
 from boltzlabs import abi
 
+TYPE_CHECKING = False  # typing is not imported at run time: every env would pay for it
+if TYPE_CHECKING:
+    from typing import Any
+
 __all__ = ["VARIABLE", "write", "read", "build"]
 
 VARIABLE = abi.ENV_FNS_VARIABLE  # the file's path inside the sandbox (set by the builder)
@@ -39,12 +43,12 @@ _PAIR = struct.Struct("<QQ")
 MAX_LANES = 1 << 20
 
 
-def write(path: str, blobs: list) -> None:
+def write(path: str, blobs: list[Any]) -> None:
     """Write lane i's pickle `blobs[i]` (bytes) to a new file at `path` (mode 0644)."""
     if not 0 < len(blobs) <= MAX_LANES or not all(isinstance(b, bytes) for b in blobs):
         raise ValueError(f"env_fns: expected 1 to {MAX_LANES} pickles (bytes), got {len(blobs)}")
     offsets, data, where = [], [], _HEAD.size + _PAIR.size * len(blobs)
-    stored: dict = {}
+    stored: dict[str, Any] = {}
     for blob in blobs:
         if blob not in stored:
             stored[blob] = where
@@ -79,7 +83,7 @@ def read(path: str, lane: int) -> bytes:
     return blob
 
 
-def build(modules=()):
+def build(modules: Any=()) -> Any:
     """This lane's env: env_fns[i]() for i = $BOLTZLABS_ENV_INDEX, unpickled here,
     once `modules` are imported (the plugins that registered the trainer's
     Gymnasium ids: the thunk's gymnasium.make needs their ids registered here too).

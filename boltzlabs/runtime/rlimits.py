@@ -23,6 +23,10 @@ import sys
 
 from boltzlabs import abi
 
+TYPE_CHECKING = False  # typing is not imported at run time: every env would pay for it
+if TYPE_CHECKING:
+    from typing import Any
+
 # Policy key -> resource. Values are bytes (sizes) or counts.
 RLIMITS = {
     "open_files": ("NOFILE", resource.RLIMIT_NOFILE),
@@ -58,7 +62,7 @@ def apply(text: str | None) -> None:
     apply_parsed(parse(text))
 
 
-def run(path: str, code=None) -> None:
+def run(path: str, code: Any=None) -> None:
     """Run the env file `path` as __main__ (as `python /env/env.py` would;
     runpy would cost every env ~5 ms of imports). Never returns normally: serve()
     does not return, and an env.py that returns, or exits with status 0, without
@@ -72,7 +76,7 @@ def run(path: str, code=None) -> None:
         code = compile(_read(path), path, "exec")
     module = type(sys)("__main__")
     module.__file__ = path
-    module.__builtins__ = __builtins__
+    module.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = module
     try:
         exec(code, module.__dict__)
@@ -102,7 +106,7 @@ def _read(path: str) -> bytes:
     pages into every env (measured, counter env)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        chunks = []
+        chunks: list[bytes] = []
         while True:
             chunk = os.read(fd, 1 << 20)
             if not chunk:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from boltzlabs import abi
 from boltzlabs.runtime import confine, template
@@ -44,8 +45,8 @@ class SandboxSpec:
     """
 
     def __init__(self, policy: Policy, source_dir: Path, workspace_size: int | None = None,
-                 params: dict | None = None, account: HostAccount | None = None, limits: dict | None = None,
-                 *, env_fns: str | None = None, import_roots=(), env_vars: dict | None = None):
+                 params: dict[str, Any] | None = None, account: HostAccount | None = None, limits: dict[str, Any] | None = None,
+                 *, env_fns: str | None = None, import_roots: Any=(), env_vars: dict[str, Any] | None = None) -> None:
         self.account = account
         # RLPool(source, n, **params), read in the env by boltzlabs.env.params().
         self.params_json = json.dumps(params or {}, sort_keys=True)
@@ -125,7 +126,7 @@ class SandboxSpec:
         options = b"".join(arg.encode() + b"\0" for arg in argv[start:end])
         return argv[:start] + ["--args", str(abi.ARGS_FD)] + argv[end:], {abi.ARGS_FD: options}
 
-    def environment(self) -> dict:
+    def environment(self) -> dict[str, Any]:
         """The variables an env sees (besides BOLTZLABS_FD, BOLTZLABS_ENV_INDEX and BOLTZLABS_PARAMS):
         the policy's, those it passes from this environment, the pool's env_vars."""
         return dict(self.plan.environment)
@@ -136,7 +137,7 @@ class SandboxSpec:
         loads the env's full filter from CHILD_FILTER_FD."""
         return {abi.FILTER_FD: self.plan.filters.template, abi.CHILD_FILTER_FD: self.plan.filters.env}
 
-    def template_argv(self, channel_fds: tuple, open_files: int = 0, trusted: bool = False,
+    def template_argv(self, channel_fds: tuple[Any, ...], open_files: int = 0, trusted: bool = False,
                       namespaces: int = 1) -> list[str]:
         """The command line of the warm template (spawn="template"). Its plan
         (Plan.template_text) carries each child's set-up and rlimits, the
@@ -154,7 +155,7 @@ class SandboxSpec:
             "-c", template.BOOTSTRAP, f"{plan.env_dir}/env.py",
         ]
 
-    def argv(self, channel_fds: tuple, env_index: int) -> list[str]:
+    def argv(self, channel_fds: tuple[Any, ...], env_index: int) -> list[str]:
         """The full command line of one env's sandbox, its channel on
         `channel_fds` (a socket's fd, or the read then the write pipe's:
         $BOLTZLABS_FD, "3" or "4,3"). boltzlabs.runtime.confine sets the env's

@@ -41,6 +41,7 @@ import shutil
 import stat
 import tempfile
 from dataclasses import dataclass, field
+from typing import Any
 
 from boltzlabs import abi
 from boltzlabs.errors import SandboxUnavailable
@@ -83,7 +84,7 @@ class HostAccount:
     gid: int
     inside: tuple[int, int]
     prefix: tuple[str, ...] = ()
-    _staged: dict = field(default_factory=dict)
+    _staged: dict[str, str] = field(default_factory=dict)
     _stage_dir: str | None = None
 
     @property
@@ -150,7 +151,7 @@ def _private_stage_dir() -> str:
     return path
 
 
-def host_account(policy_identity: dict) -> HostAccount:
+def host_account(policy_identity: dict[str, Any]) -> HostAccount:
     """Resolve the policy's [identity] for this worker; see the module docstring."""
     inside = (int(policy_identity.get("uid", 0)), int(policy_identity.get("gid", 0)))
     if os.geteuid() != 0:

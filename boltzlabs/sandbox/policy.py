@@ -15,6 +15,7 @@ import shutil
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from boltzlabs.errors import PolicyError, SandboxUnavailable
 from boltzlabs.sandbox import limits as _limits
@@ -62,17 +63,18 @@ class Policy:
     """The sandbox policy, every file read once: sandbox/policy.toml (`sandbox`,
     from `path`), the mount profiles (`mounts`) and sandbox/seccomp.toml (`seccomp`)."""
 
-    sandbox: dict
-    mounts: dict  # profile name -> list of mount entries
-    seccomp: dict = field(default_factory=dict)
+    sandbox: dict[str, Any]
+    mounts: dict[str, Any]  # profile name -> list of mount entries
+    seccomp: dict[str, Any] = field(default_factory=dict)
     path: str = ""
 
     @property
-    def limits(self) -> dict:
+    def limits(self) -> dict[str, Any]:
         """[limits]: deadlines and the bounds on what an env sends."""
-        return self.sandbox["limits"]
+        limits: dict[str, Any] = self.sandbox["limits"]
+        return limits
 
-    def env_limits(self, overrides: dict | None = None, memory_limit=None) -> dict:
+    def env_limits(self, overrides: dict[str, Any] | None = None, memory_limit: Any=None) -> dict[str, Any]:
         """[env_limits] with a pool's overrides, checked (boltzlabs.sandbox.limits.resolve)."""
         return _limits.resolve(self.sandbox.get("env_limits", {}), overrides, memory_limit)
 
@@ -97,7 +99,7 @@ def load_policy() -> Policy:
     return Policy(sandbox, mounts, seccomp, str(path))
 
 
-def _read(path, variable: str | None = None) -> dict:
+def _read(path: Any, variable: str | None = None) -> dict[str, Any]:
     """A policy file as TOML; PolicyError naming it (and `variable`, the
     environment variable that can name an operator's own file instead) if not."""
     try:
