@@ -224,7 +224,7 @@ def check_array_header(data: bytes, max_bytes: int = _MAX_ARRAY_BYTES) -> Any:
 def _numpy() -> Any:
     np = sys.modules.get("numpy")
     if np is None:
-        import numpy as np
+        import numpy as np  # type: ignore[no-redef]
     return np
 
 
@@ -263,7 +263,7 @@ def _default(obj: Any) -> Any:
         return int(obj)  # an IntEnum, say: as its value (bool is exact, never here)
     for base in (float, str, bytes, list, dict):
         if isinstance(obj, base):
-            return base(obj)
+            return base(obj)  # type: ignore[arg-type]
     raise TypeError(f"cannot serialize object of type {type(obj).__name__}")
 
 
@@ -292,7 +292,7 @@ def _pack_items(items: Any) -> bytes:
                          "use lists for deep structures")
     _nesting[0] += 1
     try:
-        return msgpack.packb(list(items), default=_default, use_bin_type=True, strict_types=True)
+        return msgpack.packb(list(items), default=_default, use_bin_type=True, strict_types=True)  # type: ignore[no-any-return]
     finally:
         _nesting[0] -= 1
 
@@ -310,9 +310,9 @@ def encode(message: Any) -> bytes:
     if _native is not None:
         frame = _native.frame(message)
         if frame is not None:  # the hot path: None when C leaves the value to the Python packer
-            return frame
+            return frame  # type: ignore[no-any-return]
     body = _packer.pack(message)
-    return HEADER.pack(len(body)) + body
+    return HEADER.pack(len(body)) + body  # type: ignore[no-any-return]
 
 
 def pack(value: Any) -> bytes:
@@ -320,8 +320,8 @@ def pack(value: Any) -> bytes:
     if _native is not None:
         packed = _native.pack(value)
         if packed is not None:
-            return packed
-    return _packer.pack(value)
+            return packed  # type: ignore[no-any-return]
+    return _packer.pack(value)  # type: ignore[no-any-return]
 
 
 class Raw:
@@ -398,7 +398,7 @@ def slot_layout(spec: Any, max_bytes: int) -> SlotLayout | None:
     come from an env: it is only read, with bounds (at most 64 Boxes of at
     most 32 dimensions, 8 levels deep)."""
     leaves: list[Any] = []
-    stack = [((), spec, 0)]
+    stack: list[tuple[tuple[Any, ...], Any, int]] = [((), spec, 0)]
     while stack:
         path, node, depth = stack.pop()
         if type(node) is not dict or depth > 8 or len(leaves) > 64:
@@ -468,9 +468,9 @@ class Limits:
     __slots__ = ("max_frame", "kwargs", "max_depth", "max_objects", "guarded", "_count", "made", "_inner",
                  "slot_marks")
 
-    def __init__(self, max_frame: int, max_str_len: int = None, max_bin_len: int = None,
-                 max_array_len: int = None, max_map_len: int = None, arrays: str = "decode",
-                 max_depth: int = None, max_objects: int = None) -> None:
+    def __init__(self, max_frame: int, max_str_len: int | None = None, max_bin_len: int | None = None,
+                 max_array_len: int | None = None, max_map_len: int | None = None, arrays: str = "decode",
+                 max_depth: int | None = None, max_objects: int | None = None) -> None:
         self.max_frame = int(max_frame)
         cap = self.max_frame
 
@@ -495,7 +495,8 @@ class Limits:
         self.slot_marks = [-1]
         if arrays != "pass":  # "pass" keeps every ExtType: msgpack's default, no hook
             self.kwargs["ext_hook"] = _ext_hook(arrays, self._inner, self.slot_marks)
-        self.max_depth = self.max_objects = None
+        self.max_depth: int | None = None
+        self.max_objects: int | None = None
         self.guarded = None
         self._count = [0, 0]  # objects, containers: of the frame being decoded
         # Objects made by every frame decoded under these limits (an upper
@@ -568,9 +569,9 @@ def _ext_hook(mode: str, inner: list[Any], marks: list[Any]) -> Any:
                 dtype, shape, start = check_array_header(data)
                 np = sys.modules.get("numpy")
                 if np is None:
-                    import numpy as np
+                    import numpy as np  # type: ignore[no-redef]
                 # Zero-copy: a read-only view of the payload's bytes.
-                return np.frombuffer(data, dtype=np.dtype(dtype), offset=start).reshape(shape)
+                return np.frombuffer(data, dtype=np.dtype(dtype), offset=start).reshape(shape)  # type: ignore[union-attr]
             if code == TUPLE_EXT:
                 return items_of(data)
             if code == SCALAR_EXT:
@@ -620,7 +621,7 @@ def decode(body: Any, limits: Limits) -> Any:
     try:
         if guarded is None:
             message = msgpack.unpackb(body, **limits.kwargs)
-        elif len(body) <= limits.max_depth:
+        elif len(body) <= limits.max_depth:  # type: ignore[operator]
             limits.made += len(body)
             message = msgpack.unpackb(body, **limits.kwargs)
         else:
@@ -641,10 +642,10 @@ def decode(body: Any, limits: Limits) -> Any:
         if type(exc).__name__ == "StackError":
             error = "frame is nested deeper than msgpack's limit of 1024 levels"
     else:
-        error = None
+        error = None  # type: ignore[assignment]  # (a str in the branches above)
         if type(message) is not list or not message or type(message[0]) is not int:
             error = "frame is not a message (an array led by an integer code)"
-        elif guarded is not None and limits._count[1] > limits.max_depth and _too_deep(message, limits.max_depth):
+        elif guarded is not None and limits._count[1] > limits.max_depth and _too_deep(message, limits.max_depth):  # type: ignore[arg-type,operator]
             error = f"frame is nested deeper than {limits.max_depth} levels (limits.max_depth)"
         elif marks[0] > 0 and not (marks[0] == 1 and message[0] in (STEPPED, RESET_DONE) and len(message) > 2
                                    and type(message[2]) is msgpack.ExtType and message[2].code == SLOT_EXT):
@@ -684,7 +685,7 @@ class FrameReader:
         self.limits = limits
         self._buf = bytearray()
         self._allocate = allocate
-        self._frame = None  # a long frame read in place (allocate given), and how much of it is in
+        self._frame: Any = None  # a long frame read in place (allocate given), and how much of it is in
         self._have = 0
 
     @property
