@@ -115,8 +115,8 @@ def _read_limit(path: Path) -> int | None:
     return None if text == "max" else int(text)
 
 
-def _read_stat(path: Path) -> dict[str, Any]:
-    stats = {}
+def _read_stat(path: Path) -> dict[str, int]:
+    stats: dict[str, int] = {}
     for line in path.read_text().splitlines():
         key, _, value = line.partition(" ")
         if value.strip().isdigit():
@@ -144,6 +144,16 @@ class _Backend:
     `home`: where pools are made; `procs_home`: the worker's own cgroup."""
 
     version = ""
+
+    # The freezer, where the version has one (v1's freezer controller, v2's cgroup.freeze).
+    def freeze(self, group: Path) -> None:
+        raise NotImplementedError
+
+    def thaw(self, group: Path) -> None:
+        raise NotImplementedError
+
+    def frozen(self, group: Path) -> bool:
+        raise NotImplementedError
 
     def __init__(self, home: Path | None) -> None:
         self.home = home
@@ -266,6 +276,7 @@ class _V2(_Backend):
 
     def _make_room(self) -> None:
         start = self.start
+        assert start is not None  # only called with a start
         controllers = _words(start / "cgroup.controllers")
         if "memory" not in controllers:
             raise CgroupUnavailable(
@@ -515,9 +526,11 @@ def _classify(pids: list[int]) -> tuple[list[int], list[int]]:
     while parent in here:
         top, parent = parent, _ppid(parent)
     verdict = {top: True}
-    ours, foreign = [], []
+    ours: list[int] = []
+    foreign: list[int] = []
     for pid in pids:
-        chain, current = [], pid
+        chain: list[int] = []
+        current = pid
         while current not in verdict and current > 1 and len(chain) < 4096:
             chain.append(current)
             current = _ppid(current)
@@ -740,8 +753,8 @@ class CgroupPool:
             if home is not None:
                 self._homes.append(home / "cgroup.procs")
         # key -> [memory group, pids group (v1) if any, freezer group (v1) if any]
-        self._groups: dict[str, Any] = {}
-        self._frozen_group: dict[str, Any] = {}  # key -> the group whose freezer holds it
+        self._groups: dict[Any, Any] = {}
+        self._frozen_group: dict[Any, Any] = {}  # key -> the group whose freezer holds it
 
     @property
     def version(self) -> str:
