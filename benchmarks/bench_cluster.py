@@ -30,12 +30,12 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every node is
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
-import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
+import numpy as np
+import ray
+from ray.cluster_utils import Cluster
 
-from boltzlabs import RLPool  # noqa: E402
-from boltzlabs.cluster import ClusterPool  # noqa: E402
+from boltzlabs import RLPool
+from boltzlabs.cluster import ClusterPool
 
 COUNTER = ROOT / "examples" / "counter"
 RESULTS = ROOT / "benchmarks" / "results" / "cluster.json"

@@ -51,14 +51,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pool import ROOT, cpu_split, log, ours_groups, run_record, uss_of_tree  # noqa: E402
+from bench_pool import ROOT, cpu_split, log, ours_groups, run_record, uss_of_tree
 
-import gymnasium as gym  # noqa: E402
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
+import gymnasium as gym
+import numpy as np
+import psutil
 
-from boltzlabs import RLPool  # noqa: E402
-from boltzlabs.gym import BoltzLabsVecEnv  # noqa: E402
+from boltzlabs import RLPool
+from boltzlabs.gym import BoltzLabsVecEnv
 
 RESULTS = ROOT / "benchmarks" / "results" / "envs.json"
 PONG84 = ROOT / "benchmarks" / "envs" / "pong84"

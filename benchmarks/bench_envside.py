@@ -48,8 +48,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from boltzlabs import wire  # noqa: E402
-from boltzlabs.runtime import serve as serve_module  # noqa: E402
+from boltzlabs import wire
+from boltzlabs.runtime import serve as serve_module
 
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC, _CLONE_NEWUSER, _CLONE_NEWNET = (
     0x00020000, 0x04000000, 0x08000000, 0x10000000, 0x40000000)

@@ -29,9 +29,9 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pool import COUNTER, HORIZON, NUMPY_ENV, ROOT, cpu_split, log, ours_groups, run_record  # noqa: E402
+from bench_pool import COUNTER, HORIZON, NUMPY_ENV, ROOT, cpu_split, log, ours_groups, run_record
 
-from boltzlabs import RLPool  # noqa: E402
+from boltzlabs import RLPool
 
 RESULTS = ROOT / "benchmarks" / "results" / "paths.json"
 

@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 try:
-    import boltzlabs  # noqa: F401
+    import boltzlabs
 except ImportError:
     sys.path.insert(0, str(ROOT))
 

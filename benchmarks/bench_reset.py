@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from boltzlabs import RLPool  # noqa: E402
+from boltzlabs import RLPool
 
 
 def main() -> None:

@@ -30,10 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import psutil  # noqa: E402
+import psutil
 
-from boltzlabs import RLPool  # noqa: E402
-from boltzlabs.worker.config import envs_within  # noqa: E402
+from boltzlabs import RLPool
+from boltzlabs.worker.config import envs_within
 
 
 def _fd_room() -> int:

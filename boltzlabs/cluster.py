@@ -251,7 +251,7 @@ class ClusterPool(Pool):
         for future in futures:
             try:
                 self._shards.append(future.result())
-            except Exception as exc:  # noqa: BLE001 - every node's failure is reported below
+            except Exception as exc:  # every node's failure is reported below
                 errors.append(exc)
         if errors:
             raise errors[0]
@@ -272,7 +272,7 @@ class ClusterPool(Pool):
         self._index()  # its lanes are on no node until their reset places them
         try:
             shard.pool.close()
-        except Exception:  # noqa: BLE001 - the node is gone; closing is best effort
+        except Exception:  # the node is gone; closing is best effort
             pass
 
     # -- fan-out ---------------------------------------------------------------------
@@ -388,7 +388,7 @@ class ClusterPool(Pool):
             raise ValueError("send() to an env that is in flight or has a result not yet received")
         split = self._split(actions, lanes)
         local_resets = self._by_shard(resets or [])
-        results = self._fan_out({shard: (lambda pool, l=loc, a=vals, r=local_resets.get(shard): pool.send(a, l, r))
+        results = self._fan_out({shard: (lambda pool, where=loc, a=vals, r=local_resets.get(shard): pool.send(a, where, r))
                                  for shard, (loc, _, vals) in split.items() if shard})
         self._flying[lanes] = True
         for shard, (_, globals_, _) in split.items():
@@ -566,7 +566,7 @@ class ClusterPool(Pool):
             for actor in self._actors.values():
                 try:
                     ray.get(actor.stop.remote(), timeout=30)
-                except Exception:  # noqa: BLE001 - a lost node's actor is gone already
+                except Exception:  # a lost node's actor is gone already
                     pass
                 ray.kill(actor)
             self._actors = {}

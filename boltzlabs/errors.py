@@ -1,4 +1,5 @@
-"""Every exception boltzlabs raises, in one place (imports nothing of ours).
+"""Every exception boltzlabs raises, in one place, and how an ERROR frame names its category
+(imports only boltzlabs.abi, whose exit codes describe_exit names).
 
     BoltzLabsError
     ├── PoolClosedError      the pool was closed; make a new one
@@ -8,7 +9,8 @@
     │   └── WorkerSideError  an exception raised inside the worker, carried over the wire (the cause)
     ├── SandboxUnavailable   this host cannot build the sandbox (what to install)
     │   ├── TemplateUnavailable  the env cannot be forked from a template (falls back to exec)
-    │   └── CgroupUnavailable    no writable memory cgroup here
+    │   ├── CgroupUnavailable    no writable memory cgroup here
+    │   └── PolicyError          the policy (or a remote worker's ceilings) refuses what was asked
     ├── ProtocolError        a peer sent bytes that are not a valid frame
     └── UsageError           the command line asks for something that cannot be done (exit 2)
     SeccompPolicyError       sandbox/seccomp.toml cannot be compiled (a ValueError)
@@ -23,9 +25,18 @@ Bad arguments raise `ValueError`/`TypeError` with what to do. A failure of a
 single env while the pool runs is never an exception: it is reported on that
 env's lane (`info["error"]`) and the pool goes on. An error translated from
 another is raised `from` it, so the traceback shows both.
+
+An ERROR frame from the worker is [ERROR, seq, category, text, detail]. The
+category (CATEGORIES) is decided in the worker, where the fault is known
+(`category_of`), and the client raises exactly one exception per category
+(`CATEGORY_RAISES`), chained from a WorkerSideError that holds the worker's
+own text: a worker's bug is never turned into a caller's ValueError.
 """
 
+import os as _os
 import signal as _signal
+
+from boltzlabs import abi as _abi
 
 
 class BoltzLabsError(Exception):
@@ -43,7 +54,7 @@ class EnvStartError(BoltzLabsError):
     stdout/stderr (usually its traceback).
     """
 
-    def __init__(self, message: str, env_index: int = None, log: str = ""):
+    def __init__(self, message: str, env_index: int | None = None, log: str = ""):
         super().__init__(message)
         self.env_index = env_index
         self.log = log
@@ -53,7 +64,7 @@ class EnvError(BoltzLabsError):
     """An env failed a request whose answer has no lane to carry the error
     (render). `env_index` is the env; the message holds its traceback."""
 
-    def __init__(self, message: str, env_index: int = None):
+    def __init__(self, message: str, env_index: int | None = None):
         super().__init__(message)
         self.env_index = env_index
 
@@ -61,8 +72,8 @@ class EnvError(BoltzLabsError):
 class WorkerError(BoltzLabsError):
     """The worker (the process that owns the sandboxes) failed or died.
 
-    `kind`: the class name of what failed inside the worker ("RuntimeError",
-    "ProtocolError", ...), or None when the worker died or was unreachable.
+    `kind`: the category of the worker's ERROR frame ("internal", "protocol",
+    ...: CATEGORIES), or None when the worker died or was unreachable.
     `signal`: the signal that killed the worker (signal.Signals), else None.
     When the failure happened inside the worker, `__cause__` is a
     WorkerSideError holding the worker's own text (its traceback).
@@ -76,23 +87,79 @@ class WorkerError(BoltzLabsError):
 
 class WorkerSideError(WorkerError):
     """An exception raised inside the worker process, as the worker reported it:
-    `kind` is its class name, the message its text (usually a traceback)."""
+    `kind` is its ERROR category, the message its text (for an internal fault, its traceback)."""
 
     def __init__(self, kind: str, text: str):
         super().__init__(f"{kind} in the worker process:\n{text}", kind=kind)
         self.text = text
 
 
-def describe_returncode(returncode: int) -> tuple[str, int | None]:
-    """("exited with code 3" or "was killed by SIGKILL (signal 9)", the signal or None)
-    for a subprocess returncode (negative: killed by that signal)."""
-    if returncode is not None and returncode < 0:
+def exit_signal(code: int | None) -> int | None:
+    """The signal that ended a process, from its exit code as subprocess gives it
+    (negative: killed by that signal) or bwrap reports it (128 + the signal); else None."""
+    if code is None:
+        return None
+    if code < 0:
+        return -code
+    if code > 128 and code - 128 in _signal.valid_signals():
+        return code - 128
+    return None
+
+
+def describe_exit(code: int) -> str:
+    """How a process died, in words: "was killed by SIGKILL (signal 9)", "exited with code 3", or what
+    one of abi's exit codes means. `code` is an exit code as subprocess.Popen.returncode and
+    os.waitstatus_to_exitcode give it (negative: the signal that killed it); bwrap reports a sandboxed
+    process killed by signal S as exit 128 + S, named as that signal."""
+    signum = exit_signal(code)
+    if signum is not None:
         try:
-            name = _signal.Signals(-returncode).name
+            name = _signal.Signals(signum).name
         except ValueError:
-            name = f"signal {-returncode}"
-        return f"was killed by {name} (signal {-returncode})", -returncode
-    return f"exited with code {returncode}", None
+            name = "an unknown signal"
+        return f"was killed by {name} (signal {signum})" + (f" (exit code {code})" if code > 0 else "")
+    if code == _abi.NO_SERVE_EXIT:
+        return (f"exited with code {code}: its env.py returned without calling serve() (an env.py must end with "
+                "boltzlabs.env.serve(reset=..., step=...), or serve_env(env))")
+    if code == _abi.SET_UP_EXIT:
+        return f"exited with code {code}: the sandbox's own set-up failed before any env code ran"
+    return f"exited with code {code}"
+
+
+def describe_status(status: int) -> str:
+    """describe_exit for a waitpid status."""
+    return describe_exit(_os.waitstatus_to_exitcode(status))
+
+
+# -- ERROR frames' categories: decided where the fault is known ---------------------------
+USAGE = "usage"  # a request the caller got wrong (a bad value): ValueError
+USAGE_TYPE = "usage-type"  # a request argument of the wrong type: TypeError
+POLICY = "policy"  # the policy, or a remote worker's ceilings, refuse what was asked: SandboxUnavailable
+HOST = "host"  # the host lacks what a sandbox needs: SandboxUnavailable
+START = "start"  # an env failed its start-up (detail: env, log, failed, set_up): EnvStartError
+PROTOCOL = "protocol"  # the peer broke the protocol: WorkerError
+INTERNAL = "internal"  # anything else: a fault of the worker (detail: its traceback): WorkerError
+REFUSED = "refused"  # a remote listener refused the connection: WorkerError
+CATEGORIES = (USAGE, USAGE_TYPE, POLICY, HOST, START, PROTOCOL, INTERNAL, REFUSED)
+
+
+def category_of(exc: BaseException) -> str:
+    """The category of an exception the worker caught. Only what the worker's own checks raise counts
+    as the caller's mistake (ValueError and TypeError are what they raise; a KeyError or IndexError
+    anywhere is a fault of the worker); a policy error is the policy's; a missing host feature the host's."""
+    if isinstance(exc, StartFailure):
+        return START
+    if isinstance(exc, SeccompPolicyError | PolicyError):
+        return POLICY
+    if isinstance(exc, SandboxUnavailable):
+        return HOST
+    if isinstance(exc, ProtocolError):
+        return PROTOCOL
+    if isinstance(exc, TypeError):
+        return USAGE_TYPE
+    if isinstance(exc, ValueError) and not isinstance(exc, UnicodeError):
+        return USAGE
+    return INTERNAL
 
 
 class SandboxUnavailable(BoltzLabsError):
@@ -119,6 +186,11 @@ class SeccompPolicyError(ValueError):
     """sandbox/seccomp.toml says something that cannot be compiled; the message says what and where."""
 
 
+class PolicyError(SandboxUnavailable):
+    """The policy (sandbox/policy.toml, or a remote worker's ceilings) refuses what a pool asks for, or
+    cannot be read; the message names the key and the file."""
+
+
 # -- internal: raised and caught within one module --------------------------------------
 
 
@@ -130,9 +202,10 @@ class StartFailure(Exception):
     """An env of the pool failed its start-up (in the worker): which one, its
     log, how many failed; the client raises EnvStartError from it."""
 
-    def __init__(self, index: int, message: str, log: str, count: int):
+    def __init__(self, index: int, message: str, log: str, count: int, set_up: bool = False):
         super().__init__(message)
         self.index, self.log, self.count = index, log, count
+        self.set_up = set_up  # the sandbox's own set-up failed (it exited abi.SET_UP_EXIT), not the env's code
 
 
 class HandshakeRefused(Exception):

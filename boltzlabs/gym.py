@@ -161,7 +161,7 @@ class BoltzLabsVecEnv(VectorEnv):
 
     @classmethod
     def make(cls, source: str, num_envs: int = 1, *, autoreset_mode=AutoresetMode.NEXT_STEP, copy: bool = True,
-             **kwargs) -> "BoltzLabsVecEnv":
+             **kwargs) -> BoltzLabsVecEnv:
         """A pool of `num_envs` sandboxes of `source` ("CartPole-v1",
         "gym://Pendulum-v1" or an env directory) behind the adapter. `kwargs`
         are RLPool's options (step_timeout, memory_limit, ...) and the env's
@@ -379,7 +379,7 @@ class BoltzLabsVecEnv(VectorEnv):
     def close_extras(self, **kwargs) -> None:
         self.pool.close()
 
-    def __enter__(self) -> "BoltzLabsVecEnv":
+    def __enter__(self) -> BoltzLabsVecEnv:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -223,7 +223,7 @@ class BoltzLabsSB3VecEnv(VecEnv):
         """Each env's frame (render_mode "rgb_array"), in one request."""
         if self.render_mode != "rgb_array":
             warnings.warn(f"The render mode is {self.render_mode}, but this method assumes it is `rgb_array` "
-                          "to obtain images.")
+                          "to obtain images.", stacklevel=2)
             return [None] * self.num_envs
         return self.pool.render_all()
 

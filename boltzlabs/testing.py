@@ -321,7 +321,7 @@ def _compare(first: list, other: list, comparison: str) -> None:
         raise NotReproducible(difference, lane=lane, seed=seed, comparison=comparison)
 
 
-def _run(pool, seeds: list, steps: int, plan: "_Plan", *, hard: bool, run: str) -> list:
+def _run(pool, seeds: list, steps: int, plan: _Plan, *, hard: bool, run: str) -> list:
     """Reset every lane with its seed and play `steps` steps; one Episode per lane."""
     episodes = [Episode(lane, seed) for lane, seed in enumerate(seeds)]
     obs = pool.reset(seed=seeds, hard=hard)

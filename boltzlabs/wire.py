@@ -42,6 +42,14 @@ This module imports only the standard library and msgpack (and the C twin,
 which imports nothing more): it runs inside every env, and what an env
 imports every env pays for. NumPy is imported by the ext hook only when an
 array arrives, and an env that receives or sends one has imported NumPy already.
+
+Who holds each end: the trainer's is pool/ (client.py; remote_link.py for a
+remote worker), the worker's worker/, an env's runtime/, a remote node's
+listener remote/: host code beside the workers, which never imports pool/.
+What both ends of the remote handshake share is boltzlabs/link.py; the fds and
+variable names shared by host and sandbox are boltzlabs/abi.py. Every message
+code of every hop is in the one table below, each value once
+(tests/test_wire.py checks it).
 """
 
 from __future__ import annotations
@@ -52,9 +60,15 @@ import sys
 
 import msgpack
 
-from boltzlabs.errors import ProtocolError, TooMany  # noqa: F401 - wire.ProtocolError, its old home
+from boltzlabs import errors
+from boltzlabs.errors import ProtocolError, TooMany
 
-PROTOCOL_VERSION = 3  # 2: arrays as ARRAY_EXT, spaces in HELLO, RENDER; 3: TUPLE_EXT, SCALAR_EXT, ATTR
+TYPE_CHECKING = False  # typing is not imported at run time: every env would pay for it
+if TYPE_CHECKING:
+    from typing import Any
+
+PROTOCOL_VERSION = 4  # 2: arrays as ARRAY_EXT, spaces in HELLO, RENDER; 3: TUPLE_EXT, SCALAR_EXT, ATTR;
+# 4: ERROR frames carry a category (errors.CATEGORIES), not a class name
 
 HEADER = struct.Struct("<I")
 
@@ -81,7 +95,7 @@ PROGRESS = 21
 READY = 22
 CALL = 25
 REPLY = 26
-ERROR = 27
+ERROR = 27  # [ERROR, seq, category, text, detail]: error_frame() below; errors.CATEGORIES
 CLOSE = 28
 
 # A remote client's handshake with `boltzlabs worker --listen` (remote.py),
@@ -109,6 +123,21 @@ PROBED = 46
 
 
 
+def error_frame(seq: int, exc: BaseException) -> list[Any]:
+    """The worker's ERROR frame for an exception it caught: [ERROR, seq, category, text, detail], the
+    category decided by errors.category_of. A start failure's detail names the env, its log, how many
+    failed and whether the sandbox's own set-up failed; an internal fault's carries its traceback."""
+    category = errors.category_of(exc)
+    detail: dict[str, Any] = {}
+    if isinstance(exc, errors.StartFailure):
+        detail = {"env": exc.index, "log": exc.log, "failed": exc.count, "set_up": exc.set_up}
+    elif category == errors.INTERNAL:
+        import traceback  # only on failure: nothing of it in an env's pages
+
+        detail = {"traceback": "".join(traceback.format_exception(exc))[-16384:]}
+    return [ERROR, seq, category, str(exc), detail]
+
+
 # --- arrays ---------------------------------------------------------------------
 #
 # ARRAY_EXT payload: u16 little-endian header length h, then h bytes of ASCII
@@ -134,7 +163,7 @@ _NUMERIC = frozenset([("b", 1)] + [(k, s) for k in "iu" for s in (1, 2, 4, 8)]
                      + [("f", s) for s in (2, 4, 8, 16)] + [("c", s) for s in (8, 16, 32)])
 
 
-def _array_ext(array, code: int = ARRAY_EXT):
+def _array_ext(array: Any, code: int = ARRAY_EXT) -> Any:
     dtype = array.dtype
     if (dtype.kind, dtype.itemsize) not in _NUMERIC or dtype.fields is not None:
         return None
@@ -146,7 +175,7 @@ def _array_ext(array, code: int = ARRAY_EXT):
     return msgpack.ExtType(code, b"".join((head, raw)))
 
 
-def check_array_header(data: bytes, max_bytes: int = _MAX_ARRAY_BYTES):
+def check_array_header(data: bytes, max_bytes: int = _MAX_ARRAY_BYTES) -> Any:
     """(dtype str, shape, offset of the raw bytes) of an ARRAY_EXT payload.
 
     Raises ValueError unless the header is well formed, the dtype is a plain
@@ -192,14 +221,14 @@ def check_array_header(data: bytes, max_bytes: int = _MAX_ARRAY_BYTES):
     return dtype, shape, start
 
 
-def _numpy():
+def _numpy() -> Any:
     np = sys.modules.get("numpy")
     if np is None:
-        import numpy as np
+        import numpy as np  # type: ignore[no-redef]
     return np
 
 
-def _scalar(data: bytes, check_only: bool):
+def _scalar(data: bytes, check_only: bool) -> Any:
     dtype, shape, start = check_array_header(data)
     if shape:
         raise ValueError("scalar ext has the shape of an array")
@@ -209,7 +238,7 @@ def _scalar(data: bytes, check_only: bool):
     return np.frombuffer(data, dtype=np.dtype(dtype), offset=start)[0]
 
 
-def _default(obj):
+def _default(obj: Any) -> Any:
     # The packer runs with strict_types: anything not exactly a msgpack type
     # comes here. numpy values are converted only when they appear, so numpy
     # is never imported here: an env that does not use it does not pay for it.
@@ -234,14 +263,14 @@ def _default(obj):
         return int(obj)  # an IntEnum, say: as its value (bool is exact, never here)
     for base in (float, str, bytes, list, dict):
         if isinstance(obj, base):
-            return base(obj)
+            return base(obj)  # type: ignore[arg-type]
     raise TypeError(f"cannot serialize object of type {type(obj).__name__}")
 
 
 _packer = msgpack.Packer(default=_default, use_bin_type=True, strict_types=True)
 
 
-def _load_native():
+def _load_native() -> Any:
     """boltzlabs._wire (native/wire.c), or None: not built, or BOLTZLABS_PURE=1."""
     if os.environ.get("BOLTZLABS_PURE", "").strip() not in ("", "0"):
         return None
@@ -256,19 +285,19 @@ _native = _load_native()
 _nesting = [0]  # tuples being packed inside one another
 
 
-def _pack_items(items) -> bytes:
+def _pack_items(items: Any) -> bytes:
     # A packer is not reentrant: a tuple's items are packed by a fresh one.
     if _nesting[0] >= MAX_TUPLE_NESTING:
         raise ValueError(f"tuples nested more than {MAX_TUPLE_NESTING} deep cannot be sent (MAX_TUPLE_NESTING): "
                          "use lists for deep structures")
     _nesting[0] += 1
     try:
-        return msgpack.packb(list(items), default=_default, use_bin_type=True, strict_types=True)
+        return msgpack.packb(list(items), default=_default, use_bin_type=True, strict_types=True)  # type: ignore[no-any-return]
     finally:
         _nesting[0] -= 1
 
 
-def encode(message) -> bytes:
+def encode(message: Any) -> bytes:
     """One frame: length prefix and msgpack body. Raises TypeError/ValueError."""
     if type(message) is list and message and type(message[-1]) is Raw:
         # The last item is msgpack already (the native step's result): the
@@ -281,18 +310,18 @@ def encode(message) -> bytes:
     if _native is not None:
         frame = _native.frame(message)
         if frame is not None:  # the hot path: None when C leaves the value to the Python packer
-            return frame
+            return frame  # type: ignore[no-any-return]
     body = _packer.pack(message)
-    return HEADER.pack(len(body)) + body
+    return HEADER.pack(len(body)) + body  # type: ignore[no-any-return]
 
 
-def pack(value) -> bytes:
+def pack(value: Any) -> bytes:
     """One value's msgpack bytes, as encode packs it inside a frame."""
     if _native is not None:
         packed = _native.pack(value)
         if packed is not None:
-            return packed
-    return _packer.pack(value)
+            return packed  # type: ignore[no-any-return]
+    return _packer.pack(value)  # type: ignore[no-any-return]
 
 
 class Raw:
@@ -302,7 +331,7 @@ class Raw:
 
     __slots__ = ("data",)
 
-    def __init__(self, data: bytes):
+    def __init__(self, data: bytes) -> None:
         self.data = data
 
 
@@ -311,7 +340,7 @@ class Raw:
 # A local pool whose observation space has a fixed shape (a Box, or a Dict or
 # Tuple of Boxes) gives each env a slot: a memfd of its own, made by the worker,
 # sized from the declared space and sealed against resizing once the space is
-# known, mapped by that env (fd SLOT_FD) and by the trainer, nobody else. An env
+# known, mapped by that env (fd abi.SLOT_FD) and by the trainer, nobody else. An env
 # writes its obs there, then the header's seq, and replies with a SLOT_EXT marker
 # carrying the same seq in place of the obs; the trainer copies the slot out once
 # that reply has come, after checking the header (docs/wire.md, "Observations in
@@ -321,7 +350,6 @@ class Raw:
 # reply whose obs it holds, and the data's size), then each of the space's Boxes
 # in the space's order, each at a multiple of 64 bytes.
 
-SLOT_FD = 7  # where an env finds its slot (past the channel, 3 and 4, and the seccomp programs', 5 and 6)
 SLOT_MAGIC = 0x534C5A42  # "BZLS"
 SLOT_HEADER = struct.Struct("<IIQQ")  # magic, version, seq, data size
 SLOT_SEQ = struct.Struct("<Q")  # the seq alone, at offset 8
@@ -337,7 +365,7 @@ class Slot:
 
     __slots__ = ("seq",)
 
-    def __init__(self, seq: int):
+    def __init__(self, seq: int) -> None:
         self.seq = seq
 
     def __repr__(self) -> str:
@@ -354,23 +382,23 @@ class SlotLayout:
 
     __slots__ = ("leaves", "size", "spec")
 
-    def __init__(self, leaves: list, size: int, spec: dict):
+    def __init__(self, leaves: list[Any], size: int, spec: dict[str, Any]) -> None:
         self.leaves, self.size, self.spec = leaves, size, spec
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         """Plain data for the READY (the client builds its views from it)."""
         return {"leaves": [[list(path), dtype, list(shape), offset] for path, dtype, shape, offset in self.leaves],
                 "size": self.size}
 
 
-def slot_layout(spec, max_bytes: int) -> SlotLayout | None:
+def slot_layout(spec: Any, max_bytes: int) -> SlotLayout | None:
     """The slot layout of a space spec (boltzlabs.runtime.spec.to_spec's), or
     None when the space has no fixed shape (anything but Box, and Dict and
     Tuple of them), is malformed, or needs more than `max_bytes`. The spec may
     come from an env: it is only read, with bounds (at most 64 Boxes of at
     most 32 dimensions, 8 levels deep)."""
-    leaves: list = []
-    stack = [((), spec, 0)]
+    leaves: list[Any] = []
+    stack: list[tuple[tuple[Any, ...], Any, int]] = [((), spec, 0)]
     while stack:
         path, node, depth = stack.pop()
         if type(node) is not dict or depth > 8 or len(leaves) > 64:
@@ -440,13 +468,13 @@ class Limits:
     __slots__ = ("max_frame", "kwargs", "max_depth", "max_objects", "guarded", "_count", "made", "_inner",
                  "slot_marks")
 
-    def __init__(self, max_frame: int, max_str_len: int = None, max_bin_len: int = None,
-                 max_array_len: int = None, max_map_len: int = None, arrays: str = "decode",
-                 max_depth: int = None, max_objects: int = None):
+    def __init__(self, max_frame: int, max_str_len: int | None = None, max_bin_len: int | None = None,
+                 max_array_len: int | None = None, max_map_len: int | None = None, arrays: str = "decode",
+                 max_depth: int | None = None, max_objects: int | None = None) -> None:
         self.max_frame = int(max_frame)
         cap = self.max_frame
 
-        def clamp(limit):  # None: only the frame cap applies
+        def clamp(limit: Any) -> Any:  # None: only the frame cap applies
             return cap if limit is None else min(int(limit), cap)
 
         self.kwargs = dict(
@@ -467,7 +495,8 @@ class Limits:
         self.slot_marks = [-1]
         if arrays != "pass":  # "pass" keeps every ExtType: msgpack's default, no hook
             self.kwargs["ext_hook"] = _ext_hook(arrays, self._inner, self.slot_marks)
-        self.max_depth = self.max_objects = None
+        self.max_depth: int | None = None
+        self.max_objects: int | None = None
         self.guarded = None
         self._count = [0, 0]  # objects, containers: of the frame being decoded
         # Objects made by every frame decoded under these limits (an upper
@@ -482,14 +511,14 @@ class Limits:
             self.max_objects = max(self.max_depth, int(max_objects))
             count, limit = self._count, self.max_objects
 
-            def counted_list(obj):
+            def counted_list(obj: Any) -> Any:
                 count[0] += 1 + len(obj)
                 count[1] += 1
                 if count[0] > limit:
                     raise TooMany
                 return obj
 
-            def counted_map(obj):
+            def counted_map(obj: Any) -> Any:
                 count[0] += 1 + 2 * len(obj)
                 count[1] += 1
                 if count[0] > limit:
@@ -499,7 +528,7 @@ class Limits:
             self.guarded = dict(self.kwargs, list_hook=counted_list, object_hook=counted_map)
 
 
-def _ext_hook(mode: str, inner: list, marks: list):
+def _ext_hook(mode: str, inner: list[Any], marks: list[Any]) -> Any:
     """The ext hook of a Limits in `mode` "decode" (client, env) or "check"
     (worker, from an env: anything unknown is malformed). `inner[0]` holds
     the decode options a tuple's items are decoded with; `marks[0]` counts the
@@ -507,7 +536,7 @@ def _ext_hook(mode: str, inner: list, marks: list):
     level = [0]  # tuples being decoded inside one another
     check_only = mode == "check"
 
-    def items_of(data):
+    def items_of(data: Any) -> Any:
         if level[0] >= MAX_TUPLE_NESTING:
             raise ValueError(f"tuples nested more than {MAX_TUPLE_NESTING} deep (MAX_TUPLE_NESTING)")
         level[0] += 1
@@ -522,7 +551,7 @@ def _ext_hook(mode: str, inner: list, marks: list):
 
     # Hot path: an array is the common ext, tested first, decoded inline.
     if check_only:
-        def hook(code: int, data: bytes):
+        def hook(code: int, data: bytes) -> Any:
             if code == ARRAY_EXT:
                 check_array_header(data)
                 return msgpack.ExtType(code, data)
@@ -535,14 +564,14 @@ def _ext_hook(mode: str, inner: list, marks: list):
                 return msgpack.ExtType(code, data)
             raise ValueError(f"unknown msgpack extension type {code}")
     else:
-        def hook(code: int, data: bytes):
+        def hook(code: int, data: bytes) -> Any:
             if code == ARRAY_EXT:
                 dtype, shape, start = check_array_header(data)
                 np = sys.modules.get("numpy")
                 if np is None:
-                    import numpy as np
+                    import numpy as np  # type: ignore[no-redef]
                 # Zero-copy: a read-only view of the payload's bytes.
-                return np.frombuffer(data, dtype=np.dtype(dtype), offset=start).reshape(shape)
+                return np.frombuffer(data, dtype=np.dtype(dtype), offset=start).reshape(shape)  # type: ignore[union-attr]
             if code == TUPLE_EXT:
                 return items_of(data)
             if code == SCALAR_EXT:
@@ -567,7 +596,7 @@ MAX_DEPTH = 512
 
 
 
-def _too_deep(message, limit: int) -> bool:
+def _too_deep(message: Any, limit: int) -> bool:
     """Whether a decoded value nests deeper than `limit` levels (the message is level 1)."""
     stack = [(message, 1)]
     pop, push = stack.pop, stack.append
@@ -582,7 +611,7 @@ def _too_deep(message, limit: int) -> bool:
     return False
 
 
-def decode(body, limits: Limits):
+def decode(body: Any, limits: Limits) -> Any:
     """Decode one frame body (bytes or memoryview) under `limits`."""
     message = None
     guarded = limits.guarded
@@ -592,7 +621,7 @@ def decode(body, limits: Limits):
     try:
         if guarded is None:
             message = msgpack.unpackb(body, **limits.kwargs)
-        elif len(body) <= limits.max_depth:
+        elif len(body) <= limits.max_depth:  # type: ignore[operator]
             limits.made += len(body)
             message = msgpack.unpackb(body, **limits.kwargs)
         else:
@@ -613,10 +642,10 @@ def decode(body, limits: Limits):
         if type(exc).__name__ == "StackError":
             error = "frame is nested deeper than msgpack's limit of 1024 levels"
     else:
-        error = None
+        error = None  # type: ignore[assignment]  # (a str in the branches above)
         if type(message) is not list or not message or type(message[0]) is not int:
             error = "frame is not a message (an array led by an integer code)"
-        elif guarded is not None and limits._count[1] > limits.max_depth and _too_deep(message, limits.max_depth):
+        elif guarded is not None and limits._count[1] > limits.max_depth and _too_deep(message, limits.max_depth):  # type: ignore[arg-type,operator]
             error = f"frame is nested deeper than {limits.max_depth} levels (limits.max_depth)"
         elif marks[0] > 0 and not (marks[0] == 1 and message[0] in (STEPPED, RESET_DONE) and len(message) > 2
                                    and type(message[2]) is msgpack.ExtType and message[2].code == SLOT_EXT):
@@ -652,11 +681,11 @@ class FrameReader:
     __slots__ = ("limits", "_buf", "_allocate", "_frame", "_have")
     DIRECT_MIN = 1 << 18
 
-    def __init__(self, limits: Limits, allocate=None):
+    def __init__(self, limits: Limits, allocate: Any=None) -> None:
         self.limits = limits
         self._buf = bytearray()
         self._allocate = allocate
-        self._frame = None  # a long frame read in place (allocate given), and how much of it is in
+        self._frame: Any = None  # a long frame read in place (allocate given), and how much of it is in
         self._have = 0
 
     @property
@@ -664,14 +693,14 @@ class FrameReader:
         """Bytes of an incomplete frame held back."""
         return self._have if self._frame is not None else len(self._buf)
 
-    def room(self):
+    def room(self) -> Any:
         """The rest of a long frame still to come, as a writable memoryview
         (release it before the next call), or None: then read and feed()."""
         if self._frame is None:
             return None
         return memoryview(self._frame).cast("B")[self._have:]
 
-    def filled(self, n: int) -> list:
+    def filled(self, n: int) -> list[Any]:
         """n bytes were read into room(): the frame's message once it is whole."""
         self._have += n
         if self._have < len(self._frame):
@@ -680,7 +709,7 @@ class FrameReader:
         with memoryview(frame) as view:
             return [decode(view.cast("B")[4:], self.limits)]
 
-    def feed(self, data) -> list:
+    def feed(self, data: Any) -> list[Any]:
         if self._frame is not None:  # the rest of a long frame came by feed(), not room()
             with self.room() as room:
                 n = min(len(room), len(data))
@@ -719,5 +748,5 @@ class FrameReader:
             del buf[:start]
         return out
 
-    def _too_big(self, length: int):
+    def _too_big(self, length: int) -> None:
         raise ProtocolError(f"frame of {length} bytes is over the cap of {self.limits.max_frame} bytes")

@@ -52,7 +52,7 @@ else
          "+5.4 GB installed; BOLTZLABS_TORCH=<wheel or requirement> names another)"
   fi
   echo "ci/setup.sh: installing boltzlabs and the test extras (pytest, hypothesis, gymnasium with ale-py, minigrid," \
-       "box2d and mujoco, matplotlib, ray, stable-baselines3) into .venv"
+       "box2d and mujoco, matplotlib, ray, stable-baselines3, ruff and mypy) into .venv"
   .venv/bin/python -m pip install -q -e ".[test]"
 fi
 # The editable install finds boltzlabs through a finder consulted after every directory of

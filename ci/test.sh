@@ -4,7 +4,8 @@
 #   pure    the whole test suite again on the pure-Python one (BOLTZLABS_PURE=1), less the
 #           files that never start a pool (PURE_SKIPS below): every test that runs a pool runs on both;
 #   asan    the fuzz and fault tests under AddressSanitizer and UBSan (ci/asan.sh);
-#   v2      the cgroup tests in a cgroup-v2-only QEMU guest, twice (ci/v2guest.sh, ci/v2tests.sh).
+#   v2      the cgroup tests in a cgroup-v2-only QEMU guest, twice (ci/v2guest.sh, ci/v2tests.sh);
+#   lint    ruff check, ruff format --check and mypy (ci/lint.sh), when no arguments choose tests.
 # Much of the suite waits (sandboxes starting, envs sleeping, time-outs running out, Ray
 # starting), so two sessions at once on two cores take far less than the two in turn
 # (docs/ci.md has the figures). While they run, a progress line every CI_PROGRESS seconds
@@ -12,7 +13,9 @@
 # output is printed whole when it ends, with how long it took. Exit status: the first
 # failed stage's; "no tests ran" (pytest's 5) counts as a failure.
 # Arguments go to every pytest run. CI_PATHS="native" (or "pure") runs one path;
-# CI_ASAN=0 skips the sanitizer run; CI_SERIAL=1 runs the stages one after another.
+# CI_ASAN=0 skips the sanitizer run; CI_LINT=0 the lint stage; CI_SERIAL=1 runs the stages one
+# after another. One test file on one path, no ASan:
+#   CI_PATHS=native CI_ASAN=0 bash ci/test.sh tests/test_wire.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 echo "ci/test.sh: setting up (ci/setup.sh: apt packages if missing, .venv with the test extras)" >&2
@@ -77,6 +80,10 @@ for path in ${CI_PATHS:-native pure}; do
 done
 if [ "${CI_ASAN:-1}" != 0 ]; then
   start asan "ASan+UBSan over the fuzz and fault tests" bash ci/asan.sh
+fi
+# Lint and types: seconds of CPU, so it runs beside the suites (skipped when arguments choose tests).
+if [ "${CI_LINT:-1}" != 0 ] && [ $# = 0 ]; then
+  start lint "ruff and mypy (ci/lint.sh)" bash ci/lint.sh
 fi
 # The cgroup tests on cgroup v2, in a guest with v1 disabled: worker in the root cgroup,
 # then in a service's cgroup beside another process (ci/v2tests.sh: its own choice of

@@ -2,7 +2,10 @@
 
 import contextlib
 import fcntl
+import functools
 import os
+import shutil
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -17,6 +20,41 @@ COUNTER = TESTS.parent / "examples" / "counter"
 # emulated (QEMU TCG, ~10x) and sets BOLTZLABS_TIME_SCALE=10. Deadlines a test
 # sets to catch a hang or a straggler are multiplied by it.
 TIME_SCALE = float(os.environ.get("BOLTZLABS_TIME_SCALE") or 1)
+
+
+# Test files that never build a sandbox (no pool, no bwrap): the lane state machine, the layout,
+# the wire format, the C benchmarks' checks. Every other test is marked `sandbox`, and skips,
+# saying why, on a host without bubblewrap or unprivileged user namespaces.
+NO_SANDBOX = {"test_lanes.py", "test_layout.py", "test_wire.py", "test_benchmarks.py", "test_codec.py"}
+
+
+@functools.cache
+def sandbox_missing() -> str:
+    """Why this host cannot build a sandbox ('' when it can): bubblewrap on PATH, and a user
+    namespace it may make (what every sandbox starts with)."""
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        return "bubblewrap (bwrap) is not on PATH: apt-get install bubblewrap (`boltzlabs doctor` checks the host)"
+    try:
+        out = subprocess.run([bwrap, "--unshare-user", "--ro-bind", "/", "/", "true"], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bubblewrap could not run here ({exc}); `boltzlabs doctor` says what the host lacks"
+    if out.returncode != 0:
+        return (f"bubblewrap cannot make a user namespace here ({out.stderr.strip()[:200]}): enable unprivileged "
+                "user namespaces (`boltzlabs doctor` says how)")
+    return ""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name not in NO_SANDBOX and "sandbox" not in item.keywords:
+            item.add_marker(pytest.mark.sandbox)
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("sandbox") is not None and (why := sandbox_missing()):
+        pytest.skip(f"needs a sandbox: {why}")
 
 
 def scaled(seconds: float) -> float:

@@ -25,6 +25,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from boltzlabs.errors import ProtocolError
 from boltzlabs import wire
 from boltzlabs.worker import native
 from boltzlabs.worker.reactor import check_reply
@@ -146,7 +147,7 @@ class NativeReader:
         reader = wire.FrameReader(self.limits)
         try:
             messages = reader.feed(data)
-        except wire.ProtocolError:
+        except ProtocolError:
             return 0, False
         if len(messages) != 1 or reader.pending or len(messages[0]) < 2:
             return 0, False
@@ -161,7 +162,7 @@ class NativeReader:
         reader = wire.FrameReader(self.limits)
         try:
             messages = reader.feed(data)
-        except wire.ProtocolError as exc:
+        except ProtocolError as exc:
             raise AssertionError(f"step() vouched for a read Python refuses ({exc}): {data[:200]!r}") from exc
         assert len(messages) == 1 and not reader.pending, data[:200]
         message = messages[0]
@@ -227,7 +228,7 @@ class NativeReader:
     def __del__(self):
         try:
             self.close()
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
 

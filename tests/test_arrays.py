@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from boltzlabs.errors import ProtocolError
 from boltzlabs import RLPool, wire
 
 DTYPES = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
@@ -159,7 +160,7 @@ def header(text: str, pad_to: int = None) -> bytes:
 def test_malformed_array_ext_is_a_protocol_error(code, payload, mode):
     if mode == "decode" and code != wire.ARRAY_EXT:
         pytest.skip("decode leaves unknown extensions to the worker's check")
-    with pytest.raises(wire.ProtocolError, match="malformed frame"):
+    with pytest.raises(ProtocolError, match="malformed frame"):
         wire.FrameReader(wire.Limits(1 << 20, arrays=mode)).feed(ext_frame(code, payload))
 
 

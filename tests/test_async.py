@@ -515,7 +515,7 @@ def test_gym_step_async_wait_equals_step(mode):
             envs.reset(seed=1)
         rng = np.random.default_rng(0)
         completed = 0
-        for t in range(80):
+        for _t in range(80):
             actions = rng.integers(0, 2, 3)
             if mode == AutoresetMode.DISABLED and a._autoreset.any():
                 mask = a._autoreset.copy()

@@ -146,7 +146,7 @@ def test_a_cgroup_that_is_not_given_memory_says_so_and_what_to_run(service):
     inner = service / "unit"
     inner.mkdir()  # service passes nothing to its children: no controller in inner
     code = ("import sys; sys.path.insert(0, %r)\n"
-            "from boltzlabs.sandbox.cgroups import CgroupPool, CgroupUnavailable\n"
+            "from boltzlabs.errors import CgroupUnavailable\nfrom boltzlabs.sandbox.cgroups import CgroupPool\n"
             "try:\n    CgroupPool()\nexcept CgroupUnavailable as exc:\n    print(__import__('json').dumps(str(exc)))\n"
             % str(TESTS.parent))
     said = run_in(inner, code)

@@ -15,13 +15,13 @@ import pytest
 # Ray swaps a loopback address for the machine's interface address unless
 # told this is a single-host setup; every node here is 127.0.0.1.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-import ray  # noqa: E402 - after the variable above
+import ray
 
-from boltzlabs import wire  # noqa: E402
-from boltzlabs.cluster import ClusterPool, doctor, placement  # noqa: E402
-from boltzlabs.errors import WorkerError  # noqa: E402
+from boltzlabs import wire
+from boltzlabs.cluster import ClusterPool, doctor, placement
+from boltzlabs.errors import WorkerError
 
-from conftest import COUNTER, PROBE, has_ended, two_node_ray_cluster  # noqa: E402
+from conftest import COUNTER, PROBE, has_ended, two_node_ray_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 100 << 20}

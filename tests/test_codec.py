@@ -159,7 +159,7 @@ def test_the_hook_returns_what_the_python_hook_returns_or_raises_alike(item, che
     python, c = python_hook(check), native.Hook(check, python_hook(check))
     try:
         want = python(code, payload)
-    except Exception as exc:  # noqa: BLE001 - compared with what C raises
+    except Exception as exc:
         with pytest.raises(type(exc)) as got:
             c(code, payload)
         assert str(got.value) == str(exc)

@@ -32,7 +32,7 @@ from gymnasium import error as gym_error
 from gymnasium import spaces
 from gymnasium.utils.env_checker import data_equivalence
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
-from gymnasium.wrappers import RecordEpisodeStatistics, TransformObservation, TransformReward
+from gymnasium.wrappers import RecordEpisodeStatistics, TransformObservation
 
 from boltzlabs import RLPool
 from boltzlabs.errors import EnvStartError

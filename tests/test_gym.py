@@ -239,7 +239,7 @@ def test_terminations_and_truncations_are_kept_apart(pools):
     # Pendulum only truncates (time limit); the Dict env terminates (distance) and truncates (horizon).
     pool = pools("Pendulum")
     pool.reset(seed=0)
-    for t in range(9):
+    for _t in range(9):
         _, _, dones, _ = pool.step(np.zeros((N, 1), np.float32))
     assert dones.all() and pool.truncated.all() and not pool.terminated.any()
     envs = BoltzLabsVecEnv(pools("Dict"))

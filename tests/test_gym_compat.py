@@ -124,7 +124,7 @@ def test_every_info_key_is_in_the_vector_format(pool_factory, mode):
     ours, _ = typed_pair(pool_factory, mode, horizon=3)
     _, infos = ours.reset(seed=1)
     check_vector_format(infos, N)
-    for t in range(8):
+    for _t in range(8):
         *_, truncated, infos = ours.step(np.array([1, 2]))
         check_vector_format(infos, N)
         if truncated.any():

@@ -10,7 +10,6 @@ the pool is still usable.
 
 import time
 
-import numpy as np
 import psutil
 import pytest
 

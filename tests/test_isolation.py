@@ -120,7 +120,7 @@ class TokenServer:
         while not self._stop.is_set():
             try:
                 conn, _ = self.sock.accept()
-            except (socket.timeout, OSError):
+            except (TimeoutError, OSError):
                 continue
             self.accepted += 1
             with conn:

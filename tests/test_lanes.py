@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from boltzlabs import wire
-from boltzlabs.worker.lanes import EVENTS, SHOWN, TRANSITIONS, Lane, LaneStateError, State
+from boltzlabs.errors import LaneStateError
+from boltzlabs.worker.lanes import EVENTS, SHOWN, TRANSITIONS, Lane, State
 
 LIMITS = wire.Limits(1 << 16)
 

@@ -2,13 +2,16 @@
 
 Where code runs decides what it may import:
 
-    adapters   gym, cluster, cli/*, remote/*, __main__,  anything below; nothing below imports them
-               testing, pytest_plugin (users' CI), sb3 (Stable-Baselines3)
-    pool/      the trainer: RLPool and its links        wire, errors, units, pool/*
-    worker/    the worker process on the host           sandbox/*, runtime/*, wire, errors, units, worker/*
-    sandbox/   policy, builder, seccomp compile, ...    runtime/*, wire, errors, units, sandbox/*
-    runtime/   inside the sandbox (and the env shim)    stdlib, msgpack, wire, errors, runtime/*
+    adapters   gym, cluster, cli/*, __main__, testing,  anything below; nothing below imports them
+               pytest_plugin (users' CI), sb3 (Stable-Baselines3)
+    remote/    the listener on a worker's host           worker/*, sandbox/*, runtime/*, link, ...; never pool/
+    pool/      the trainer: RLPool and its links        link, wire, errors, units, pool/*
+    worker/    the worker process on the host           sandbox/*, runtime/*, wire, abi, errors, units, worker/*
+    sandbox/   policy, builder, seccomp compile, ...    runtime/*, wire, abi, errors, units, sandbox/*
+    runtime/   inside the sandbox (and the env shim)    stdlib, msgpack, wire, abi, errors, runtime/*
+    link       the remote handshake, both ends           wire, errors
     wire       the frame format (and _wire, its C twin)  errors
+    abi        the host/sandbox contract (fds, names)    nothing of ours
     errors, units                                       nothing of ours
 
 Every import is read with `ast`, function-level ones included, so a lazy
@@ -28,19 +31,24 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "boltzlabs"
 
-LEAVES = {"errors", "units"}
+LEAVES = {"errors", "units", "abi"}
 ALLOWED = {  # layer -> the layers it may import
-    "errors": set(),
+    "errors": {"abi"},  # describe_exit names abi's exit codes
     "units": set(),
+    "abi": set(),
     "wire": {"errors", "wire"},
-    "runtime": {"errors", "wire", "runtime"},
-    "sandbox": {"errors", "units", "wire", "runtime", "sandbox"},
-    "worker": {"errors", "units", "wire", "runtime", "sandbox", "worker"},
-    "pool": {"errors", "units", "wire", "pool"},
-    "adapter": {"errors", "units", "wire", "runtime", "sandbox", "worker", "pool", "adapter", "root"},
+    "link": {"errors", "wire", "link"},
+    "runtime": {"errors", "abi", "wire", "runtime"},
+    "sandbox": {"errors", "units", "abi", "wire", "runtime", "sandbox"},
+    "worker": {"errors", "units", "abi", "wire", "runtime", "sandbox", "worker"},
+    "pool": {"errors", "units", "wire", "link", "pool"},
+    # Host code beside a worker: it hands connections to workers, and never reaches into the trainer's side.
+    "remote": {"errors", "units", "abi", "wire", "link", "runtime", "sandbox", "worker", "remote"},
+    "adapter": {"errors", "units", "abi", "wire", "link", "runtime", "sandbox", "worker", "pool", "remote",
+                "adapter", "root"},
     "root": {"errors", "pool", "adapter"},  # boltzlabs/__init__.py's lazy names
 }
-ADAPTERS = {"gym", "sb3", "cluster", "cli", "remote", "__main__", "testing", "pytest_plugin"}
+ADAPTERS = {"gym", "sb3", "cluster", "cli", "__main__", "testing", "pytest_plugin"}
 
 # Edges that break a rule today and could not be removed without a change of
 # behaviour within the layout move (issue #15 asks for each in a later step).
@@ -76,7 +84,7 @@ def layer(module: str) -> str | None:
         return "runtime"
     if top in ADAPTERS:
         return "adapter"
-    if top in ("runtime", "sandbox", "worker", "pool", "wire", "errors", "units"):
+    if top in ("runtime", "sandbox", "worker", "pool", "remote", "link", "wire", "abi", "errors", "units"):
         return top
     if top == "_wire":  # the wire's C twin (native/wire.c): imported by wire only
         return "wire"
@@ -228,14 +236,15 @@ def test_no_import_cycle(granularity):
 
 def test_the_env_entry_point_loads_only_the_runtime():
     """`from boltzlabs.env import serve` in a fresh interpreter loads the standard library, msgpack and
-    boltzlabs.{env, runtime.*, wire, _wire, errors}: nothing else (numpy, the client, the sandbox builder)."""
+    boltzlabs.{env, runtime.*, abi, wire, _wire, errors}: nothing else (numpy, the client, the sandbox builder)."""
     code = ("import sys; before = set(sys.modules); from boltzlabs.env import serve; "
             "print(' '.join(sorted(set(sys.modules) - before)))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
                             env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr
     loaded = result.stdout.split()
-    ours = {"boltzlabs", "boltzlabs.env", "boltzlabs.wire", "boltzlabs._wire", "boltzlabs.errors", "boltzlabs.runtime"}
+    ours = {"boltzlabs", "boltzlabs.env", "boltzlabs.abi", "boltzlabs.wire", "boltzlabs._wire", "boltzlabs.errors",
+            "boltzlabs.runtime"}
     extra = [m for m in loaded
              if not (m in ours or m.startswith("boltzlabs.runtime.") or m.split(".")[0] in sys.stdlib_module_names
                      or m.split(".")[0] == "msgpack"

@@ -2,7 +2,6 @@
 
 import ast
 import time
-import warnings
 from pathlib import Path
 
 import pytest

@@ -33,6 +33,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from boltzlabs.errors import ProtocolError
 from boltzlabs import RLPool, wire
 from framers import ENV, SEQ, WORKER_PACK, Lanes, NativeReader, caps_of, fp, request, same
 
@@ -328,7 +329,7 @@ def test_a_long_hostile_frame_is_walked_whole_and_handed_back(lanes, obs):
     batch = ls.step(timeout=10)
     writer.join()
     assert batch.done == 0 and batch.rest == [(0, fp.UNUSUAL, data)]
-    with pytest.raises(wire.ProtocolError):
+    with pytest.raises(ProtocolError):
         wire.FrameReader(ENV).feed(data)
 
 
@@ -453,8 +454,8 @@ def test_random_reply_streams_cut_anywhere_are_vouched_for_or_handed_back_whole(
         for piece in pieces:
             try:
                 want = theirs.feed(piece)
-            except wire.ProtocolError:
-                with pytest.raises(wire.ProtocolError):
+            except ProtocolError:
+                with pytest.raises(ProtocolError):
                     ours.feed(piece)
                 break
             got = ours.feed(piece)

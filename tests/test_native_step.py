@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from boltzlabs.errors import ProtocolError
 from boltzlabs import wire
 from boltzlabs.worker.native import caps
 from boltzlabs.worker.reactor import check_reply
@@ -44,7 +45,7 @@ def python_reply(data: bytes, reset: bool, seq: int, limits: wire.Limits):
     reader = wire.FrameReader(limits)
     try:
         messages = reader.feed(data)
-    except wire.ProtocolError:
+    except ProtocolError:
         return None
     if len(messages) != 1 or reader.pending:
         return None

@@ -22,7 +22,7 @@ def test_the_product_page_loop(spawn):
         obs = pool.reset(seed=0)
         assert obs == [{"t": 0}] * 8
         total = 0
-        for t in range(150):
+        for _t in range(150):
             obs, rewards, dones, infos = pool.step(np.ones(8))
             assert rewards.dtype == np.float32 and rewards.shape == (8,)
             assert dones.dtype == np.bool_ and dones.shape == (8,)

@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 
 from boltzlabs import RLPool, wire
 from boltzlabs.errors import PoolClosedError, WorkerError
-from boltzlabs.pool.remote_link import _Peer, _proof, pack_env_dir
+from boltzlabs.link import Peer, proof
+from boltzlabs.pool.remote_link import pack_env_dir
 from boltzlabs.sandbox.cgroups import PoolView
 from boltzlabs.sandbox.limits import host_tasks
 
@@ -96,13 +97,13 @@ def worker(tmp_path_factory):
     assert w.proc.returncode == 0, w.text()
 
 
-def handshake(port: int, token: str = TOKEN) -> _Peer:
+def handshake(port: int, token: str = TOKEN) -> Peer:
     """A raw client through authentication, for tests that misbehave after it."""
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    peer = _Peer(sock, 1 << 20, time.monotonic() + 10)
+    peer = Peer(sock, 1 << 20, time.monotonic() + 10)
     challenge = peer.receive()
     assert challenge[0] == wire.CHALLENGE
-    peer.send([wire.AUTH, _proof(token, challenge[2])])
+    peer.send([wire.AUTH, proof(token, challenge[2])])
     return peer
 
 
@@ -370,7 +371,7 @@ def test_two_clients_share_a_worker_in_isolation(worker):
     try:
         a.reset(seed=0)
         b.reset(seed=100)
-        for k in range(5):
+        for _k in range(5):
             _, ra, _, _ = a.step([1.0, 2.0])
             _, rb, _, _ = b.step([10.0, 20.0])
             assert ra.tolist() == [1.0, 2.0] and rb.tolist() == [10.0, 20.0]
@@ -490,7 +491,7 @@ def _still_open(sock: socket.socket, wait: float = 0.5) -> bool:
         while True:
             if not sock.recv(4096):
                 return False
-    except socket.timeout:
+    except TimeoutError:
         return True
     except ConnectionResetError:
         return False
@@ -797,7 +798,8 @@ def test_a_hostile_tree_left_in_the_cache_is_removed_at_start(tmp_path):
 @given(data=st.data())
 def test_the_archive_parser_refuses_or_returns_a_plain_tree(data):
     """Random damage to a valid archive: plan() refuses it, or every entry is plainly relative and in the blob."""
-    from boltzlabs.remote.envcache import UnpackRefused, plan
+    from boltzlabs.errors import UnpackRefused
+    from boltzlabs.remote.envcache import plan
 
     blob = bytearray(_tar([_member("pkg", tarfile.DIRTYPE), _member("pkg/a.py", data=b"x" * 700), ENV_PY]))
     for _ in range(data.draw(st.integers(1, 8))):

@@ -27,16 +27,16 @@ import pytest
 
 pytest.importorskip("stable_baselines3", reason="Stable-Baselines3 is not installed: pip install -e '.[sb3]'")
 
-import gymnasium as gym  # noqa: E402
-from gymnasium import spaces  # noqa: E402
-from stable_baselines3.common.monitor import Monitor  # noqa: E402
-from stable_baselines3.common.vec_env import DummyVecEnv, VecFrameStack, VecMonitor, VecNormalize  # noqa: E402
+import gymnasium as gym
+from gymnasium import spaces
+from stable_baselines3.common.monitor import Monitor
+from stable_baselines3.common.vec_env import DummyVecEnv, VecFrameStack, VecMonitor, VecNormalize
 
-from boltzlabs import RLPool  # noqa: E402
-from boltzlabs.errors import EnvError  # noqa: E402
-from boltzlabs.sb3 import BoltzLabsSB3VecEnv  # noqa: E402
+from boltzlabs import RLPool
+from boltzlabs.errors import EnvError
+from boltzlabs.sb3 import BoltzLabsSB3VecEnv
 
-from conftest import TESTS, env_class  # noqa: E402
+from conftest import TESTS, env_class
 
 CUSTOM = TESTS / "envs" / "sb3_custom"
 DICT_ENV = TESTS / "envs" / "dict_env"

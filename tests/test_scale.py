@@ -18,7 +18,7 @@ def test_a_thousand_envs(spawn):
         obs = pool.reset(seed=0)
         assert obs == [{"t": 0}] * n
         actions = np.arange(n) % 3
-        for t in range(1, 101):
+        for _t in range(1, 101):
             obs, rewards, dones, infos = pool.step(actions)
             assert rewards.tolist() == actions.astype(np.float32).tolist()
             assert pool.timing.stragglers == []

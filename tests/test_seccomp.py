@@ -29,7 +29,7 @@ import pytest
 from boltzlabs import RLPool
 from boltzlabs.sandbox import seccomp
 from boltzlabs.sandbox.policy import load_policy
-from boltzlabs.errors import SandboxUnavailable
+from boltzlabs.errors import SandboxUnavailable, SeccompPolicyError
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="syscall numbers and the int 0x80 stub are x86_64's")
 
@@ -453,7 +453,7 @@ def policy_with(rule: dict) -> dict:
     ({"why": "arg", "syscalls": ["ioctl"], "errno": "EPERM", "when": {"arg": 7, "equals": 1}}, "arg = 0..5"),
 ])
 def test_a_bad_policy_gives_a_clear_error(rule, message):
-    with pytest.raises(seccomp.SeccompPolicyError) as info:
+    with pytest.raises(SeccompPolicyError) as info:
         seccomp.compile_filter(policy_with(rule))
     assert message in str(info.value)
     assert f"[[deny]] #{len(load_policy().seccomp['deny']) + 1} ({rule['why']!r})" in str(info.value)
@@ -462,7 +462,7 @@ def test_a_bad_policy_gives_a_clear_error(rule, message):
 def test_template_allow_must_name_a_denied_call():
     rules = load_policy().seccomp
     rules["template"] = {"allow": ["mount", "mkdir"]}
-    with pytest.raises(seccomp.SeccompPolicyError, match=r"\['mkdir'\]"):
+    with pytest.raises(SeccompPolicyError, match=r"\['mkdir'\]"):
         seccomp.compile_filter(rules, template=True)
 
 
@@ -482,5 +482,6 @@ def test_exec_modes_set_up_imports_no_host_half():
                          env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
     assert out.returncode == 0, out.stderr
     new = set(out.stdout.split())
-    assert {m for m in new if m.startswith("boltzlabs")} == {"boltzlabs", "boltzlabs.runtime", "boltzlabs.runtime.confine"}
+    assert {m for m in new if m.startswith("boltzlabs")} == {"boltzlabs", "boltzlabs.abi", "boltzlabs.runtime",
+                                                              "boltzlabs.runtime.confine"}
     assert not new & {"dataclasses", "functools", "inspect", "typing", "re", "json"}, new

@@ -1,6 +1,5 @@
 """spawn="template": envs forked from one warm template, each its own sandbox."""
 
-import errno
 import os
 import time
 import warnings
@@ -346,7 +345,7 @@ def test_a_template_handshake_sent_by_another_process_moves_only_the_template(en
         assert pool.spawn == "exec"
         pool.reset(seed=0)
         for i, pid in enumerate(pool.pids()):
-            line = next(l for l in Path(f"/proc/{pid}/cgroup").read_text().splitlines() if ":memory:" in l)
+            line = next(text for text in Path(f"/proc/{pid}/cgroup").read_text().splitlines() if ":memory:" in text)
             assert line.endswith(f"/env-{i}"), line
         assert pool.step([0, 0])[1].tolist() == [1.0, 1.0]
 

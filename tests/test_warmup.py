@@ -2,7 +2,6 @@
 so the template imports what reset and step import (boltzlabs.worker.spawn.TemplateSpawner._warmup,
 then boltzlabs.runtime.template.warm)."""
 
-import os
 import re
 import warnings
 from pathlib import Path

@@ -8,6 +8,7 @@ or `ProtocolError` -- never another exception, a hang, or an unbounded buffer.
 
 from __future__ import annotations
 
+import ast
 import collections
 import contextlib
 import enum
@@ -25,6 +26,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from boltzlabs.errors import ProtocolError
 from boltzlabs import wire
 from framers import PATHS, make_reader
 
@@ -198,7 +200,7 @@ def test_empty_feeds_and_zero_length_tail():
 def test_oversized_prefix_refused_on_header_alone(length):
     limits = wire.Limits(4096)
     reader = wire.FrameReader(limits)
-    with pytest.raises(wire.ProtocolError, match="over the cap"):
+    with pytest.raises(ProtocolError, match="over the cap"):
         reader.feed(struct.pack("<I", length))
     assert reader.pending == 4  # nothing of the body was awaited or allocated
 
@@ -208,14 +210,14 @@ def test_oversized_prefix_refused_byte_by_byte():
     header = struct.pack("<I", 2**31)
     for b in header[:3]:
         assert reader.feed(bytes([b])) == []
-    with pytest.raises(wire.ProtocolError):
+    with pytest.raises(ProtocolError):
         reader.feed(header[3:])
     assert reader.pending == 4
 
 
 def test_oversized_prefix_after_valid_frame_in_same_read():
     reader = wire.FrameReader(wire.Limits(1000))
-    with pytest.raises(wire.ProtocolError):
+    with pytest.raises(ProtocolError):
         reader.feed(wire.encode([1, "ok"]) + struct.pack("<I", 1001))
     assert reader.pending <= len(wire.encode([1, "ok"])) + 4
 
@@ -224,7 +226,7 @@ def test_oversized_whole_frame_in_one_read_is_refused():
     # The fast path (read == exactly one frame) must check the cap too.
     limits = wire.Limits(64)
     msg = [1, "x" * 100]
-    with pytest.raises(wire.ProtocolError, match="over the cap"):
+    with pytest.raises(ProtocolError, match="over the cap"):
         wire.FrameReader(limits).feed(wire.encode(msg))
 
 
@@ -233,7 +235,7 @@ def test_cap_boundary_is_inclusive():
     at_cap = wire.FrameReader(wire.Limits(len(body)))
     assert at_cap.feed(frame(body)) == [[1, b"x" * 50]]
     below = wire.FrameReader(wire.Limits(len(body) - 1))
-    with pytest.raises(wire.ProtocolError):
+    with pytest.raises(ProtocolError):
         below.feed(frame(body)[:4])
     # A frame exactly at the cap is awaited, not refused, when its body is late.
     waiting = wire.FrameReader(wire.Limits(len(body)))
@@ -246,7 +248,7 @@ def test_cap_boundary_is_inclusive():
 def test_any_prefix_over_cap_refused_and_memory_bounded(cap, excess, tail):
     assume(cap + excess <= 2**32 - 1)
     reader = wire.FrameReader(wire.Limits(cap))
-    with pytest.raises(wire.ProtocolError):
+    with pytest.raises(ProtocolError):
         reader.feed(struct.pack("<I", cap + excess) + tail)
     assert reader.pending <= 4 + len(tail)
 
@@ -295,7 +297,7 @@ def check_hostile(stream: bytes, cuts, limits: wire.Limits, path: str = "pure"):
         for chunk in split(stream, cuts):
             try:
                 out = reader.feed(chunk)
-            except wire.ProtocolError:
+            except ProtocolError:
                 assert trigger is not None and fed < trigger <= fed + len(chunk), (fed, len(chunk), trigger)
                 # Messages completed in earlier reads came out; the failing read's are dropped.
                 want = [m for m, end in expected if end <= fed]
@@ -377,7 +379,7 @@ def test_garbage_body_byte_by_byte(path):
 def test_malformed_bodies_raise_protocol_error(body, split_read):
     data = frame(body)
     reader = wire.FrameReader(wire.Limits(4096))
-    with pytest.raises(wire.ProtocolError, match="malformed frame|not a message"):
+    with pytest.raises(ProtocolError, match="malformed frame|not a message"):
         if split_read:
             reader.feed(data[:3])
             reader.feed(data[3:])
@@ -405,7 +407,7 @@ def test_deep_nesting_raises_protocol_error(body, split_read):
     limits = wire.Limits(1 << 20)
     assert len(body) <= limits.max_frame
     reader = wire.FrameReader(limits)
-    with pytest.raises(wire.ProtocolError):
+    with pytest.raises(ProtocolError):
         if split_read:
             reader.feed(data[: len(data) // 2])
             reader.feed(data[len(data) // 2:])
@@ -459,7 +461,7 @@ NOT_MESSAGES = [
 def test_non_message_bodies_raise_protocol_error(value, split_read):
     data = wire.encode(value)  # encode() frames anything; the reader must refuse it
     reader = wire.FrameReader(wire.Limits(4096))
-    with pytest.raises(wire.ProtocolError, match="not a message"):
+    with pytest.raises(ProtocolError, match="not a message"):
         if split_read:
             reader.feed(data[:2])
             reader.feed(data[2:])
@@ -469,7 +471,7 @@ def test_non_message_bodies_raise_protocol_error(value, split_read):
 
 def test_non_message_after_good_frame_in_one_read():
     reader = wire.FrameReader(wire.Limits(4096))
-    with pytest.raises(wire.ProtocolError, match="not a message"):
+    with pytest.raises(ProtocolError, match="not a message"):
         reader.feed(wire.encode([1, "fine"]) + wire.encode({"not": "a message"}))
 
 
@@ -486,10 +488,10 @@ def test_int_code_extremes_are_messages():
 def test_str_over_max_str_len_raises():
     limits = wire.Limits(4096, max_str_len=16)
     assert wire.FrameReader(limits).feed(wire.encode([1, "a" * 16])) == [[1, "a" * 16]]
-    with pytest.raises(wire.ProtocolError):
+    with pytest.raises(ProtocolError):
         wire.FrameReader(limits).feed(wire.encode([1, "a" * 17]))
     # The limit counts encoded bytes: 9 two-byte characters are 18 bytes.
-    with pytest.raises(wire.ProtocolError):
+    with pytest.raises(ProtocolError):
         wire.FrameReader(limits).feed(wire.encode([1, "é" * 9]))
     assert wire.FrameReader(limits).feed(wire.encode([1, "é" * 8])) == [[1, "é" * 8]]
 
@@ -509,7 +511,7 @@ def test_each_length_limit(field, ok, too_long):
     assert wire.FrameReader(limits).feed(wire.encode([1, ok])) == [[1, ok]]
     data = wire.encode([1, too_long])
     assert len(data) - 4 <= limits.max_frame  # within the frame cap: the msgpack limit is what fires
-    with pytest.raises(wire.ProtocolError):
+    with pytest.raises(ProtocolError):
         wire.FrameReader(limits).feed(data)
 
 
@@ -531,7 +533,7 @@ def test_str_limit_property(limit, length):
     if length <= limit:
         assert reader.feed(wire.encode(msg)) == [msg]
     else:
-        with pytest.raises(wire.ProtocolError):
+        with pytest.raises(ProtocolError):
             reader.feed(wire.encode(msg))
 
 
@@ -568,7 +570,7 @@ def test_error_in_one_reader_does_not_touch_another():
     good, bad = wire.FrameReader(BIG), wire.FrameReader(wire.Limits(16))
     stream = wire.encode([1, "x" * 40])
     assert good.feed(stream[:10]) == []
-    with pytest.raises(wire.ProtocolError):
+    with pytest.raises(ProtocolError):
         bad.feed(stream[:10])
     assert good.feed(stream[10:]) == [[1, "x" * 40]]
     assert good.pending == 0
@@ -687,7 +689,7 @@ def test_tuples_nested_past_the_cap_are_refused_both_ways(depth):
         inner = msgpack.packb([msgpack.ExtType(wire.TUPLE_EXT, inner)])
     body = b"\x92\x01" + inner
     for limits in (BIG, GUARDED):
-        with pytest.raises(wire.ProtocolError, match="tuples nested more than 32 deep"):
+        with pytest.raises(ProtocolError, match="tuples nested more than 32 deep"):
             wire.FrameReader(limits).feed(frame(body))
     ok = ()  # 32 tuples, the innermost empty
     for _ in range(31):
@@ -697,12 +699,12 @@ def test_tuples_nested_past_the_cap_are_refused_both_ways(depth):
 
 def test_tuple_items_count_toward_the_frame_caps():
     wide = [1, tuple(range(20_000))]
-    with pytest.raises(wire.ProtocolError, match="more than 10000 objects"):
+    with pytest.raises(ProtocolError, match="more than 10000 objects"):
         wire.FrameReader(GUARDED).feed(wire.encode(wide))
     deep_value = None
     for k in range(70):  # lists and tuples: 70 levels, 24 of them tuples
         deep_value = [deep_value] if k % 3 else (deep_value,)
-    with pytest.raises(wire.ProtocolError, match="nested deeper than 64"):
+    with pytest.raises(ProtocolError, match="nested deeper than 64"):
         wire.FrameReader(GUARDED).feed(wire.encode([1, deep_value, "z" * 100]))
 
 
@@ -715,16 +717,16 @@ def test_tuple_items_count_toward_the_frame_caps():
 def test_bogus_scalar_ext_is_refused(payload, match):
     body = b"\x92\x01" + msgpack.packb(msgpack.ExtType(wire.SCALAR_EXT, payload))
     for limits in (BIG, GUARDED):
-        with pytest.raises(wire.ProtocolError, match=match):
+        with pytest.raises(ProtocolError, match=match):
             wire.FrameReader(limits).feed(frame(body))
 
 
 def test_a_tuple_ext_that_is_not_an_array_is_refused():
     body = b"\x92\x01" + msgpack.packb(msgpack.ExtType(wire.TUPLE_EXT, msgpack.packb({"a": 1})))
-    with pytest.raises(wire.ProtocolError, match="tuple ext does not hold an array"):
+    with pytest.raises(ProtocolError, match="tuple ext does not hold an array"):
         wire.FrameReader(GUARDED).feed(frame(body))
     body = b"\x92\x01" + msgpack.packb(msgpack.ExtType(wire.TUPLE_EXT, msgpack.packb([1]) + b"\x01"))
-    with pytest.raises(wire.ProtocolError, match="malformed frame"):
+    with pytest.raises(ProtocolError, match="malformed frame"):
         wire.FrameReader(GUARDED).feed(frame(body))
 
 
@@ -757,12 +759,12 @@ def test_a_caught_protocol_error_pins_no_buffer():
     # The error's traceback must not hold a view of the reader's or the
     # caller's buffer: either would stop that buffer from being resized.
     reader = wire.FrameReader(wire.Limits(100))
-    with pytest.raises(wire.ProtocolError) as first:
+    with pytest.raises(ProtocolError) as first:
         reader.feed(wire.encode([1]) + wire.encode({1: 2}))
-    with pytest.raises(wire.ProtocolError):
+    with pytest.raises(ProtocolError):
         reader.feed(b"\x00")  # not a BufferError
     buf = bytearray(wire.encode({1: 2}))
-    with pytest.raises(wire.ProtocolError) as second:
+    with pytest.raises(ProtocolError) as second:
         wire.FrameReader(wire.Limits(100)).feed(buf)
     buf.clear()
     assert first.value is not None and second.value is not None
@@ -782,7 +784,7 @@ def nested(depth):
 
 @pytest.mark.parametrize("depth", [65, 200, 1000])
 def test_depth_over_the_cap_is_refused(depth):
-    with pytest.raises(wire.ProtocolError, match="nested deeper than 64 levels"):
+    with pytest.raises(ProtocolError, match="nested deeper than 64 levels"):
         wire.FrameReader(GUARDED).feed(wire.encode([1, nested(depth)]))
 
 
@@ -799,7 +801,7 @@ def test_depth_at_the_cap_decodes_and_wide_frames_are_not_deep():
     b"\x92\x01\xdf\x00\x00\x80\x00" + b"\x01\x80" * 32768,  # [1, {1: {}, ...}]
 ], ids=["empty-lists", "strings", "maps"])
 def test_more_objects_than_the_cap_are_refused(body):
-    with pytest.raises(wire.ProtocolError, match="more than 10000 objects"):
+    with pytest.raises(ProtocolError, match="more than 10000 objects"):
         wire.FrameReader(GUARDED).feed(frame(body))
     # The same reader goes on with the next peer's frame (its count restarts).
     assert wire.FrameReader(GUARDED).feed(wire.encode([1, list(range(100))])) == [[1, list(range(100))]]
@@ -877,6 +879,49 @@ def test_a_long_frame_can_be_finished_by_feed_and_what_follows_is_parsed():
 def test_a_prefix_over_the_cap_is_refused_before_anything_is_allocated():
     allocated = []
     reader = wire.FrameReader(wire.Limits(1 << 20), allocate=lambda n: allocated.append(n) or bytearray(n))
-    with pytest.raises(wire.ProtocolError, match="over the cap"):
+    with pytest.raises(ProtocolError, match="over the cap"):
         reader.feed(struct.pack("<I", (1 << 20) + 1) + b"\x97")
     assert allocated == []
+
+
+def _message_codes(tree) -> dict[str, int]:
+    """wire.py's message table: the module-level int constants from HELLO to PROBED, in source order."""
+    codes: dict[str, int] = {}
+    inside = False
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            name = node.targets[0].id
+            inside = inside or name == "HELLO"
+            if inside and isinstance(node.value, ast.Constant) and isinstance(node.value.value, int):
+                codes[name] = node.value.value
+            if name == "PROBED":
+                break
+    return codes
+
+
+def test_every_message_code_is_in_one_table_once():
+    """Every hop (env, client, remote handshake, template control, probe) shares one code space: a frame
+    sent on the wrong channel is refused as an unknown code, never read as another message."""
+    root = Path(wire.__file__).resolve().parent
+    codes = _message_codes(ast.parse((root / "wire.py").read_text()))
+    assert {"HELLO", "STEP", "OPEN", "ERROR", "CHALLENGE", "ACCEPTED", "FORK", "WARMED", "PROBED"} <= set(codes)
+    by_value = collections.defaultdict(list)
+    for name, value in codes.items():
+        by_value[value].append(name)
+        assert getattr(wire, name) == value
+    assert not {v: n for v, n in by_value.items() if len(n) > 1}, "message codes used twice"
+    # No other module defines a code of its own under one of the table's names.
+    elsewhere = [f"{path.relative_to(root.parent)}:{node.lineno}: {target.id}"
+                 for path in sorted(root.rglob("*.py")) if path.name != "wire.py"
+                 for node in ast.walk(ast.parse(path.read_text()))
+                 if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                 and isinstance(node.value.value, int)
+                 for target in node.targets if isinstance(target, ast.Name) and target.id in codes]
+    assert not elsewhere, elsewhere
+
+
+def test_the_table_check_catches_a_repeated_code():
+    tree = ast.parse("HELLO = 0\nSTEP = 10\nFORK = 10\nPROBED = 46\nLATER = 0\n")
+    codes = _message_codes(tree)
+    assert codes == {"HELLO": 0, "STEP": 10, "FORK": 10, "PROBED": 46}
+    assert len(set(codes.values())) < len(codes)

@@ -8,8 +8,6 @@ refused now, in both spawn modes where it applies, and trusted mode
 that can still hold there.
 """
 
-import os
-import signal
 import time
 import warnings
 from pathlib import Path

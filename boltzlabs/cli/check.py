@@ -36,7 +36,6 @@ fail) as it ends, so a caller can print them as they come.
 from __future__ import annotations
 
 import math
-import os
 import re
 import sys
 import time
@@ -118,7 +117,7 @@ def check_env(source, *, actions=None, steps: int = 10, spawn: str = "template",
             yield Finding("pool", FAIL, f"the pool broke during the check: {type(exc).__name__}: {exc}")
 
 
-def _stages(pool, actions, steps: int, seed: int, birth: "_Snapshot"):
+def _stages(pool, actions, steps: int, seed: int, birth: _Snapshot):
     contract = pool.env_contract
     obs_space, action_space = yield from _spaces(contract)
     if actions is None:
@@ -276,7 +275,7 @@ class _Snapshot:
         self.pid, self.private, self.extensions, self.error = pid, private, extensions, error
 
     @classmethod
-    def of(cls, pool) -> "_Snapshot":
+    def of(cls, pool) -> _Snapshot:
         try:
             pid = _env_process(pool.pids()[0])
             if pid is None:

@@ -193,6 +193,7 @@ def _env_dir(root: Path, name: str, source: str) -> Path:
 def _sandbox(bwrap: str | None) -> list[Finding]:
     if bwrap is None:
         return [Finding("sandbox", FAIL, "not tried: bwrap is missing (above)")]
+    from boltzlabs import abi
     from boltzlabs.sandbox import seccomp
     from boltzlabs.sandbox.builder import SandboxSpec, load_policy
 
@@ -202,7 +203,7 @@ def _sandbox(bwrap: str | None) -> list[Finding]:
     root.chmod(0o755)
     try:
         # It serves nothing, so it ends itself (an env.py that just returns exits with
-        # boltzlabs.runtime.rlimits.NO_SERVE_EXIT, saying it never called serve()).
+        # boltzlabs.abi.NO_SERVE_EXIT, saying it never called serve()).
         bare = _env_dir(root, "bare", f"import os\nprint({marker!r}, flush=True)\nos._exit(0)\n")
         spec = SandboxSpec(load_policy(), bare, 16 << 20)
         argv = spec.argv((3,), 0)
@@ -212,8 +213,8 @@ def _sandbox(bwrap: str | None) -> list[Finding]:
                 # CHILD_FILTER_FD; here they are wherever program_fd put them.
                 fds = {target: stack.enter_context(seccomp.program_fd(program))
                        for target, program in spec.programs().items()}
-                argv[argv.index("--seccomp") + 1] = str(fds[seccomp.FILTER_FD])
-                argv[argv.index("BOLTZLABS_CHILD_FILTER_FD") + 1] = str(fds[seccomp.CHILD_FILTER_FD])
+                argv[argv.index("--seccomp") + 1] = str(fds[abi.FILTER_FD])
+                argv[argv.index(abi.CHILD_FILTER_VARIABLE) + 1] = str(fds[abi.CHILD_FILTER_FD])
                 out = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
                                      pass_fds=list(fds.values()))
             said = (out.stderr.strip() or out.stdout.strip())[-2000:]
@@ -324,7 +325,8 @@ def _cgroups() -> list[Finding]:
     one trial env cgroup with a memory limit, a pids limit and the pool's cap,
     a process started in it that forks past its pids limit, frozen and thawed;
     then all of it removed. Each finding says what the kernel did."""
-    from boltzlabs.sandbox.cgroups import CgroupPool, CgroupUnavailable, PoolView, delegation_fix
+    from boltzlabs.errors import CgroupUnavailable
+    from boltzlabs.sandbox.cgroups import CgroupPool, PoolView, delegation_fix
 
     try:
         pool = CgroupPool(_TRIAL_MEMORY, _TRIAL_PIDS, freezer=True, pool_pids=_TRIAL_POOL_PIDS)
@@ -433,7 +435,8 @@ def _memory_cgroup_bookkeeping(n: int, probes: int = 64) -> list[Finding]:
     mqueue one), so a pool of n envs makes the table ~n/20 KiB for each of
     its n cgroups, and the high-water mark stays until reboot. Measured: the rise in unreclaimable slab while `probes`
     empty memory cgroups are made (median of three rounds)."""
-    from boltzlabs.sandbox.cgroups import CgroupPool, CgroupUnavailable
+    from boltzlabs.errors import CgroupUnavailable
+    from boltzlabs.sandbox.cgroups import CgroupPool
 
     try:
         pool = CgroupPool(None)

@@ -25,14 +25,15 @@ import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
 from boltzlabs import wire
+from boltzlabs.link import worker_environment
 from boltzlabs.pool import imports, slots, sources
-from boltzlabs.errors import (EnvError, EnvStartError, PoolClosedError, SandboxUnavailable, WorkerError,
-                              WorkerSideError, describe_returncode)
+from boltzlabs.errors import (CATEGORIES, HOST, INTERNAL, POLICY, START, USAGE, USAGE_TYPE, EnvError, EnvStartError,
+                              PolicyError, PoolClosedError, SandboxUnavailable, WorkerError, WorkerSideError,
+                              describe_exit, exit_signal)
 from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_n
 from boltzlabs.units import parse_size
 
@@ -392,15 +393,15 @@ class RLPool(Pool):
                 elif code == wire.READY:
                     return message[1]
                 elif code == wire.ERROR:
-                    _, _, kind, text, detail = message
-                    if kind == "start":
+                    category, text, detail = _error_parts(message)
+                    if category == START:
                         others = detail["failed"] - 1
                         more = f" ({others} other env(s) failed too)" if others > 0 else ""
                         gym_id = self._resolved.gym_id
                         if "without calling serve()" in text:
                             fix = (f"End {config['source_dir']}/env.py with serve(reset=..., step=...) (from "
                                    "boltzlabs.env), or serve_env(env) for a Gymnasium env object.")
-                        elif _set_up_failed(detail["log"]):
+                        elif detail.get("set_up") is True:
                             fix = ("The sandbox's own set-up failed before any env code ran (boltzlabs.runtime, "
                                    "above): not your env's doing. Check the policy (sandbox/policy.toml, or "
                                    "$BOLTZLABS_POLICY) and the host: `boltzlabs doctor` says what it lacks.")
@@ -416,14 +417,8 @@ class RLPool(Pool):
                             f"{text}{more}.\n--- the tail of env {detail['env']}'s output ---\n{detail['log']}\n"
                             f"--- end ---\n{fix}",
                             env_index=detail["env"], log=detail["log"])
-                    if kind == "TypeError":  # e.g. limits= of the wrong type, as the worker's policy says
-                        raise TypeError(text)
-                    if kind == "ValueError":
-                        raise ValueError(text)
-                    if kind == "SandboxUnavailable":  # the host or the policy: the text says what to change
-                        raise SandboxUnavailable(text)
-                    raise WorkerError(f"the worker could not start the pool: {kind} (the worker's account is the "
-                                      "cause, above)", kind=kind) from WorkerSideError(kind, text)
+                    raise _error(category, text, "the worker could not start the pool") \
+                        from WorkerSideError(category, detail.get("traceback") or text)
         finally:
             if bar is not None:
                 bar.close()
@@ -467,7 +462,7 @@ class RLPool(Pool):
             room = self._reader.room()  # the rest of a long frame, read in place
             try:
                 data = self._conn.recv(_RECV_SIZE) if room is None else self._conn.recv_into(room)
-            except socket.timeout:
+            except TimeoutError:
                 if not self._link.alive():
                     raise self._worker_died() from None
                 continue
@@ -511,13 +506,11 @@ class RLPool(Pool):
                     self.timing.wait_ms = self.timing.queued_ms = 0.0
                     return message[3]
                 if message[0] == wire.ERROR:
-                    _, _, kind, text, _ = message
-                    if kind in ("ValueError", "TypeError", "IndexError", "KeyError"):
-                        raise ValueError(text)  # the worker's check of an argument: its text says what
-                    raise WorkerError(f"the worker failed {name}() with {kind} (the worker's traceback is the "
-                                      f"cause, above); the pool may be unusable: close it and create a new one",
-                                      kind=kind) from WorkerSideError(kind, text)
-        except (ValueError, WorkerError):
+                    category, text, detail = _error_parts(message)
+                    raise _error(category, text, f"the worker failed {name}()",
+                                 "; the pool may be unusable: close it and create a new one") \
+                        from WorkerSideError(category, detail.get("traceback") or text)
+        except (ValueError, TypeError, SandboxUnavailable, WorkerError):
             raise
         except BaseException:
             # Interrupted half way (Ctrl-C): the stream is out of step; end it.
@@ -711,14 +704,6 @@ def _warn_pool_option_typos(params: dict) -> None:
                           UserWarning, stacklevel=3)
 
 
-def _worker_environment() -> dict:
-    env = dict(os.environ)
-    # The worker must import this very boltzlabs, installed or not.
-    root = str(Path(__file__).resolve().parent.parent.parent)
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
 class _LocalLink:
     """The worker as our child process, over a socketpair (RLPool without worker=)."""
 
@@ -733,7 +718,7 @@ class _LocalLink:
                 [sys.executable, "-m", "boltzlabs.worker", "--fd", str(theirs.fileno())],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=self.stderr,
                 stderr=self.stderr, start_new_session=True,  # Ctrl-C reaches us, not the worker
-                env=_worker_environment())
+                env=worker_environment())
         except BaseException:
             ours.close()
             self.stderr.close()
@@ -751,7 +736,8 @@ class _LocalLink:
     def died(self) -> WorkerError:
         self.stderr.seek(0)
         tail = self.stderr.read()[-4000:].decode("utf-8", "replace")
-        how, signum = describe_returncode(self.proc.poll())
+        code = self.proc.poll()
+        how, signum = describe_exit(code), exit_signal(code)
         fix = ("if nobody here sent it, the kernel's OOM killer may have (see `dmesg`): give the host more "
                "memory or the pool fewer envs; " if signum is not None else "")
         return WorkerError(f"the boltzlabs worker (pid {self.proc.pid}) {how}; the pool is gone: {fix}create a "
@@ -802,11 +788,24 @@ class _LocalLink:
             poller.poll(int(timeout * 1000))
 
 
-def _set_up_failed(log: str) -> bool:
-    """Whether an env's start-up output ends in a traceback raised by the
-    sandbox's set-up (boltzlabs.runtime.confine or template: mounts, ids,
-    quotas, the filter) rather than by the env's code."""
-    start = log.rfind("Traceback (most recent call last):")
-    frames = [line for line in log[start:].splitlines() if line.lstrip().startswith('File "')] if start >= 0 else []
-    return bool(frames) and "/boltzlabs/runtime/" in frames[-1] \
-        and not any("/boltzlabs/runtime/serve.py" in frame or "env.py" in frame for frame in frames)
+# The exception each ERROR category (errors.CATEGORIES) raises here; any other: WorkerError.
+_RAISES = {USAGE: ValueError, USAGE_TYPE: TypeError, POLICY: PolicyError, HOST: SandboxUnavailable}
+
+
+def _error_parts(message: list) -> tuple[str, str, dict]:
+    """(category, text, detail) of an ERROR frame, checked: what a remote worker sends is input.
+    An unknown category is the worker's fault (INTERNAL)."""
+    category, text, detail = (list(message[2:5]) + [None, None, None])[:3]
+    return (category if category in CATEGORIES else INTERNAL, text if isinstance(text, str) else repr(text)[:2000],
+            detail if isinstance(detail, dict) else {})
+
+
+def _error(category: str, text: str, failed: str, then: str = "") -> Exception:
+    """The exception for an ERROR frame other than START: the caller's mistake as ValueError or
+    TypeError (its text says what), the policy's as PolicyError, the host's as SandboxUnavailable,
+    anything else (the worker's own fault, a protocol break) as WorkerError. The caller raises it
+    from a WorkerSideError holding the worker's text or traceback."""
+    kind = _RAISES.get(category)
+    if kind is not None:
+        return kind(text)
+    return WorkerError(f"{failed}: {category} error (the worker's account is the cause, above){then}", kind=category)

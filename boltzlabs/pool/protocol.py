@@ -20,7 +20,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from boltzlabs.errors import PoolClosedError
 from boltzlabs.pool.ids import uuid7
 
 __all__ = ["Pool", "StepResult", "RecvResult"]

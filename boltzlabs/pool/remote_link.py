@@ -11,16 +11,15 @@
       5. the connection is handed to its own worker process: OPEN, CALL, REPLY
          exactly as a local pool, on the same framed msgpack (wire.py).
 
-Runs in the trainer (RLPool). The framing helpers both ends use (parse_url,
-_tune, _proof, _Peer, the port and handshake caps) live here, below the
-listener, which imports them. The token never crosses the network: the
-client proves it knows it with an HMAC of a fresh nonce.
+Runs in the trainer (RLPool). What both ends use (parse_url, tune, proof,
+Peer, the port and handshake caps) lives in boltzlabs/link.py, which the
+listener imports too; neither side imports the other. The token never crosses
+the network: the client proves it knows it with an HMAC of a fresh nonce.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import io
 import os
 import socket
@@ -28,77 +27,14 @@ import ssl
 import tarfile
 import time
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from boltzlabs import wire
-from boltzlabs.errors import WorkerError
+from boltzlabs.link import GYM_ENV_DIR, Peer, parse_url, proof, tune
+from boltzlabs.errors import ProtocolError, WorkerError
 
-__all__ = ["RemoteLink", "connect", "pack_env_dir", "parse_url", "DEFAULT_PORT"]
+__all__ = ["RemoteLink", "connect", "pack_env_dir"]
 
-DEFAULT_PORT = 7733
-_PRE_AUTH_FRAME = 4096  # nothing before authentication needs more
-_HANDSHAKE_TIMEOUT = 10.0
 _SKIP = {"__pycache__", ".git", ".hg", ".svn", ".venv", ".mypy_cache", ".pytest_cache"}
-
-
-# -- both ends -------------------------------------------------------------------------
-
-def parse_url(url: str) -> tuple[str, str, int]:
-    """("tcp" or "tls", host, port) from "tcp://host:port" / "tls://host:port"."""
-    parts = urlsplit(url)
-    if parts.scheme not in ("tcp", "tls") or not parts.hostname:
-        raise ValueError(f"worker address {url!r} must look like tcp://host:port or tls://host:port")
-    try:
-        port = parts.port or DEFAULT_PORT
-    except ValueError:
-        raise ValueError(f"worker address {url!r} has a bad port") from None
-    return parts.scheme, parts.hostname, port
-
-
-def _tune(sock: socket.socket) -> None:
-    """No Nagle (a step is one small frame each way); notice a vanished peer
-    within about half a minute, even mid-send."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (("TCP_KEEPIDLE", 10), ("TCP_KEEPINTVL", 5), ("TCP_KEEPCNT", 3), ("TCP_USER_TIMEOUT", 30000)):
-        if hasattr(socket, name):
-            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-
-
-def _proof(token: str, nonce: bytes) -> bytes:
-    return hmac.new(token.encode(), nonce, hashlib.sha256).digest()
-
-
-class _Peer:
-    """Frames from a socket with one deadline for the whole exchange."""
-
-    def __init__(self, sock, max_frame: int, deadline: float):
-        self.sock = sock
-        self.reader = wire.FrameReader(wire.Limits(max_frame))
-        self.inbox: list = []
-        self.deadline = deadline
-
-    def limit(self, max_frame: int) -> None:
-        self.reader.limits = wire.Limits(max_frame)
-
-    def send(self, message) -> None:
-        self._arm()
-        self.sock.sendall(wire.encode(message))
-
-    def receive(self) -> list:
-        while not self.inbox:
-            self._arm()
-            data = self.sock.recv(1 << 16)
-            if not data:
-                raise ConnectionError("the peer closed the connection")
-            self.inbox.extend(self.reader.feed(data))
-        return self.inbox.pop(0)
-
-    def _arm(self) -> None:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the handshake took too long")  # a slow upload, or a slowloris
-        self.sock.settimeout(left)
 
 
 # -- the client side -------------------------------------------------------------------
@@ -177,8 +113,6 @@ class RemoteLink:
 
 def connect(url: str, token: str | None, source, tls_ca=None, timeout: float = 30.0) -> RemoteLink:
     """Connect, authenticate and ship `source` (a sources.Source) to the worker at `url`."""
-    from boltzlabs.pool.sources import GYM_ENV_DIR
-
     scheme, host, port = parse_url(url)
     token = token if token is not None else os.environ.get("BOLTZLABS_TOKEN")
     if not token:
@@ -190,7 +124,7 @@ def connect(url: str, token: str | None, source, tls_ca=None, timeout: float = 3
         raise WorkerError(f"cannot reach the boltzlabs worker at {url}: {exc}; is `boltzlabs worker --listen "
                           f"{host}:{port}` running there?") from exc
     try:
-        _tune(sock)
+        tune(sock)
         if scheme == "tls":
             context = ssl.create_default_context(cafile=tls_ca)
             try:
@@ -198,14 +132,14 @@ def connect(url: str, token: str | None, source, tls_ca=None, timeout: float = 3
             except ssl.SSLError as exc:
                 raise WorkerError(f"TLS with the worker at {url} failed: {exc}; give the worker's certificate "
                                   "(or its CA) as tls_ca=") from exc
-        peer = _Peer(sock, 1 << 20, time.monotonic() + timeout)
+        peer = Peer(sock, 1 << 20, time.monotonic() + timeout)
         message = peer.receive()
         if message[0] == wire.ERROR:
             raise WorkerError(f"the worker at {url} refused the connection: {message[3]}")
         if message[0] != wire.CHALLENGE or len(message) != 3 or message[1] != wire.PROTOCOL_VERSION:
             raise WorkerError(f"{url} did not answer as a boltzlabs worker of protocol {wire.PROTOCOL_VERSION} "
                               f"(got {str(message)[:60]}); upgrade the older side")
-        peer.send([wire.AUTH, _proof(token, message[2])])
+        peer.send([wire.AUTH, proof(token, message[2])])
         if source.env_dir == GYM_ENV_DIR:
             peer.send([wire.SOURCE, {"kind": "gym"}])
             blob = None
@@ -227,7 +161,7 @@ def connect(url: str, token: str | None, source, tls_ca=None, timeout: float = 3
                 raise WorkerError(f"the worker at {url} refused: {message[3]}")
             else:
                 raise WorkerError(f"the worker at {url} sent an unexpected message {str(message)[:60]}")
-    except (OSError, wire.ProtocolError, ValueError, WorkerError) as exc:
+    except (OSError, ProtocolError, ValueError, WorkerError) as exc:
         sock.close()
         if isinstance(exc, (WorkerError, ValueError)):
             raise

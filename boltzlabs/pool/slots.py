@@ -144,7 +144,7 @@ def receive(conn: socket.socket, frame: bytes, reader: wire.FrameReader, alive) 
     while True:
         try:
             data, ancillary, _, _ = conn.recvmsg(1 << 16, space)
-        except socket.timeout:
+        except TimeoutError:
             if not alive():
                 raise
             continue

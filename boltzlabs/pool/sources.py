@@ -31,10 +31,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from boltzlabs.link import GYM_ENV_DIR
+
 __all__ = ["Source", "resolve"]
 
 GYM_PREFIX = "gym://"
-GYM_ENV_DIR = Path(__file__).resolve().parent.parent / "runtime" / "gym_env"
 FN_ENV_DIR = GYM_ENV_DIR.parent / "fn_env"
 # Namespaces and id prefixes of plugins whose ids a bare gymnasium does not know, and
 # the module that registers them: named in the error for an id this process lacks.

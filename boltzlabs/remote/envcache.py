@@ -32,7 +32,6 @@ Kernel facts this depends on:
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import io
 import os
@@ -45,9 +44,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from boltzlabs.errors import UnpackRefused  # noqa: F401 - envcache.UnpackRefused, its old home
+from boltzlabs import abi
+from boltzlabs.errors import UnpackRefused
 
-__all__ = ["UnpackRefused", "Entry", "plan", "EnvCache"]
+__all__ = ["Entry", "plan", "EnvCache"]
 
 MAX_DEPTH = 32  # directories below the env dir
 MAX_NAME = 255  # bytes in one component (NAME_MAX)
@@ -55,9 +55,6 @@ MAX_PATH = 1024  # bytes in a member's whole name: far below PATH_MAX, whatever 
 _PAX_KEYS = {"path", "size", "mtime", "atime", "ctime", "uid", "gid", "uname", "gname"}
 _UNPACK_SECONDS = 60.0
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_PR_SET_PDEATHSIG, _PR_SET_DUMPABLE = 1, 4
-_libc = ctypes.CDLL(None, use_errno=True)
-
 
 
 
@@ -114,7 +111,7 @@ def plan(blob: bytes, max_files: int) -> list[Entry]:
                     entries.append(Entry(parts, False, mode, info.offset_data, info.size))
     except UnpackRefused:
         raise
-    except Exception as exc:  # noqa: BLE001 - whatever tarfile makes of hostile bytes
+    except Exception as exc:  # whatever tarfile makes of hostile bytes
         raise UnpackRefused(f"the archive cannot be read as a tar: {type(exc).__name__}: {exc}") from None
     if seen.get(("env.py",)) is not False:
         raise UnpackRefused("the env directory has no env.py file")
@@ -194,8 +191,8 @@ def _child(parent: int, root_fd: int, report_fd: int, entries: list[Entry], blob
             os.setgid(gid)
             os.setuid(uid)
         # After the switch: changing credentials clears both of these.
-        _libc.prctl(_PR_SET_DUMPABLE, 0)
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        abi.libc.prctl(abi.PR_SET_DUMPABLE, 0)
+        abi.libc.prctl(abi.PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:  # the listener died before the prctl
             return
         os.umask(0o077)
@@ -203,10 +200,10 @@ def _child(parent: int, root_fd: int, report_fd: int, entries: list[Entry], blob
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
         _write(root_fd, entries, blob)
         code = 0
-    except BaseException as exc:  # noqa: BLE001 - reported to the parent, then exit
+    except BaseException as exc:  # reported to the parent, then exit
         try:
             os.write(report_fd, f"{type(exc).__name__}: {exc}".encode(errors="replace")[:1000])
-        except BaseException:  # noqa: BLE001
+        except BaseException:
             pass
     finally:
         os._exit(code)

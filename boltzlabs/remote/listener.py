@@ -48,12 +48,13 @@ from pathlib import Path
 
 from boltzlabs import wire
 from boltzlabs.errors import HandshakeRefused as _Refused
-from boltzlabs.pool.remote_link import (_HANDSHAKE_TIMEOUT, _PRE_AUTH_FRAME, DEFAULT_PORT, RemoteLink, _Peer, _proof,
-                                        _tune, connect, pack_env_dir)
+from boltzlabs.errors import REFUSED, ProtocolError, UnpackRefused
+from boltzlabs.link import (DEFAULT_PORT, GYM_ENV_DIR, HANDSHAKE_TIMEOUT, PRE_AUTH_FRAME, Peer, proof, tune,
+                            worker_environment)
 from boltzlabs.worker.ceilings import CEILINGS, NO_LIMIT, apply_ceilings, ceiling_value, default_ceilings
-from boltzlabs.remote.envcache import EnvCache, UnpackRefused
+from boltzlabs.remote.envcache import EnvCache
 
-__all__ = ["Listener", "RemoteLink", "connect", "pack_env_dir", "main", "CEILINGS", "apply_ceilings",
+__all__ = ["Listener", "main", "CEILINGS", "apply_ceilings",
            "default_ceilings", "add_worker_arguments", "run_worker"]
 
 
@@ -97,7 +98,7 @@ class Listener:
     def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, token: str,
                  cache_dir: Path, max_clients: int = 16, max_envs: int = 4096, max_code_size: int = 64 << 20,
                  cache_size: int = 1 << 30, cache_files: int = 100_000, max_code_files: int = 10_000,
-                 tls: ssl.SSLContext | None = None, handshake_timeout: float = _HANDSHAKE_TIMEOUT,
+                 tls: ssl.SSLContext | None = None, handshake_timeout: float = HANDSHAKE_TIMEOUT,
                  max_handshakes: int = 64, max_handshakes_per_address: int = 8, ceilings: dict | None = None,
                  allow_trust_env: bool = False, log=sys.stderr):
         if not token:
@@ -140,7 +141,7 @@ class Listener:
         while not self._stopping.is_set():
             try:
                 conn, addr = self.sock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 if self._stopping.is_set():
@@ -171,7 +172,7 @@ class Listener:
                     slot.close()
                 conn.close()
 
-    def _drop(self, slot: "_Slot") -> None:
+    def _drop(self, slot: _Slot) -> None:
         """End an unauthenticated connection (with self._lock held): shutdown()
         wakes its thread's recv, which then closes the socket and the slot."""
         self._pre_auth.remove(slot)
@@ -181,7 +182,7 @@ class Listener:
         except OSError:
             pass
 
-    def _authenticated(self, slot: "_Slot") -> None:
+    def _authenticated(self, slot: _Slot) -> None:
         """The connection proved the token: no longer one a flood may push out."""
         with self._lock:
             if slot in self._pre_auth:
@@ -211,11 +212,11 @@ class Listener:
 
     # -- one client ----------------------------------------------------------------
 
-    def _client(self, conn: socket.socket, addr, slot: "_Slot") -> None:
+    def _client(self, conn: socket.socket, addr, slot: _Slot) -> None:
         where = f"{addr[0]}:{addr[1]}"
         try:
-            _tune(conn)
-            peer = _Peer(conn, _PRE_AUTH_FRAME, time.monotonic() + self.handshake_timeout)
+            tune(conn)
+            peer = Peer(conn, PRE_AUTH_FRAME, time.monotonic() + self.handshake_timeout)
             if self.tls is not None:
                 conn.settimeout(self.handshake_timeout)
                 conn = peer.sock = self.tls.wrap_socket(conn, server_side=True)
@@ -223,12 +224,12 @@ class Listener:
         except _Refused as exc:
             self._say(f"refused {where}: {exc}")
             try:
-                peer.send([wire.ERROR, 0, "refused", str(exc), {}])
+                peer.send([wire.ERROR, 0, REFUSED, str(exc), {}])
             except (OSError, TimeoutError):
                 pass
             conn.close()
             return
-        except (OSError, TimeoutError, wire.ProtocolError, ssl.SSLError, ConnectionError) as exc:
+        except (OSError, TimeoutError, ProtocolError, ssl.SSLError, ConnectionError) as exc:
             why = f"no complete handshake within {self.handshake_timeout:g} s" if isinstance(exc, TimeoutError) else exc
             if slot.dropped:
                 why = (f"the oldest unauthenticated connection {'from ' + slot.source if slot.source else ''}, "
@@ -250,18 +251,16 @@ class Listener:
                 with self._lock:
                     self._in_use[key] -= 1
 
-    def _handshake(self, peer: _Peer, where: str, slot: "_Slot") -> tuple[str, str | None]:
-        from boltzlabs.pool.sources import GYM_ENV_DIR
-
+    def _handshake(self, peer: Peer, where: str, slot: _Slot) -> tuple[str, str | None]:
         nonce = secrets.token_bytes(32)
         peer.send([wire.CHALLENGE, wire.PROTOCOL_VERSION, nonce])
         message = peer.receive()
         if (message[0] != wire.AUTH or len(message) != 2 or not isinstance(message[1], bytes)
-                or not hmac.compare_digest(message[1], _proof(self.token, nonce))):
+                or not hmac.compare_digest(message[1], proof(self.token, nonce))):
             raise _Refused("wrong or missing token; give the worker's token as RLPool(..., token=...) "
                            "or BOLTZLABS_TOKEN")
         self._authenticated(slot)
-        peer.limit(self.max_code_size + _PRE_AUTH_FRAME)
+        peer.limit(self.max_code_size + PRE_AUTH_FRAME)
         message = peer.receive()
         if message[0] != wire.SOURCE or len(message) != 2 or not isinstance(message[1], dict):
             raise _Refused("expected the pool's source after authentication")
@@ -307,13 +306,13 @@ class Listener:
             raise
         return str(path), key
 
-    def _run_pool(self, conn, peer: _Peer, source_dir: str, key, where: str) -> None:
+    def _run_pool(self, conn, peer: Peer, source_dir: str, key, where: str) -> None:
         """Hand the connection to a worker process of its own; wait for it."""
         if peer.reader.pending or peer.inbox:
             why = "requests sent before the handshake ended (wait for ACCEPTED)"
             self._say(f"refused {where}: {why}")
             try:
-                peer.send([wire.ERROR, 0, "refused", why, {}])
+                peer.send([wire.ERROR, 0, REFUSED, why, {}])
             except (OSError, TimeoutError):
                 pass
             conn.close()
@@ -329,7 +328,7 @@ class Listener:
                 "--ceilings", json.dumps(self.ceilings)] + (["--allow-trust-env"] if self.allow_trust_env else [])
         try:
             proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env=_worker_environment())
+                                    start_new_session=True, env=worker_environment())
         except OSError as exc:
             self._say(f"could not start a worker for {where}: {exc}")
             conn.close()
@@ -406,12 +405,6 @@ def _unpack_account() -> tuple[str, int, int] | None:
     return account.name, account.uid, account.gid
 
 
-def _worker_environment() -> dict:
-    from boltzlabs.pool.client import _worker_environment as local
-
-    return local()
-
-
 # -- boltzlabs worker ------------------------------------------------------------------
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
@@ -459,7 +452,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-trust-env", action="store_true",
                         help="let a client ask for trust_env=True: its env.py is then imported in the template "
                              "that forks its envs, outside any env's sandbox (default: refused)")
-    parser.add_argument("--handshake-timeout", type=float, default=_HANDSHAKE_TIMEOUT,
+    parser.add_argument("--handshake-timeout", type=float, default=HANDSHAKE_TIMEOUT,
                         help="seconds a client has to authenticate and ship its code (default %(default)s)")
 
 

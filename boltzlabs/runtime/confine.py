@@ -49,21 +49,20 @@ import errno
 import os
 import sys
 
-VARIABLE = "BOLTZLABS_CONFINE"
+from boltzlabs import abi
+
+TYPE_CHECKING = False  # typing is not imported at run time: every env would pay for it
+if TYPE_CHECKING:
+    from typing import Any
+
+VARIABLE = abi.CONFINE_VARIABLE
 # Exec mode's interpreter runs this, then env.py. Not `-m`: that imports
 # runpy (with typing, re, contextlib: ~5 ms and their pages in every env).
 BOOTSTRAP = "import boltzlabs.runtime.confine as m; m.main()"
 SYSCTL_DIR = "/proc/sys/user"
 
-_libc = ctypes.CDLL(None, use_errno=True)
 # The template's parsed VARIABLE (template.main), for its children's Plan.
-prepared: dict | None = None
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
-_CLONE_NEWNS, _CLONE_NEWUSER = 0x00020000, 0x10000000
-_PR_SET_NO_NEW_PRIVS, _PR_CAPBSET_DROP = 38, 24
-_PR_GET_NO_NEW_PRIVS, _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 39, 22, 2
-BPF_INSTRUCTION = 8  # bytes of one struct sock_filter
-_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+prepared: dict[str, Any] | None = None
 
 
 # The text's bounds: it comes from the worker, and is still parsed as input.
@@ -74,7 +73,7 @@ _KEYS = {"unshare", "uid", "gid", "hostname", "workspace", "size", "inodes", "pt
 _NAMESPACES = {"net", "ipc", "uts", "cgroup"}  # what a child unshares besides its user and pid namespaces
 
 
-def encode(items: dict) -> str:
+def encode(items: dict[str, Any]) -> str:
     """VARIABLE's text: one "key=value" line per item (a key of _KEYS, or
     "sysctl.<name of SYSCTL_DIR>"). Raises ValueError for a key or value the
     parser would refuse."""
@@ -83,7 +82,7 @@ def encode(items: dict) -> str:
     return text
 
 
-def parse(text: str) -> dict:
+def parse(text: str) -> dict[str, Any]:
     """{key: value text} from VARIABLE's text, checked: bounded, known keys,
     no duplicates, and every key the set-up needs present."""
     if not isinstance(text, str) or len(text) > _MAX_TEXT or "\0" in text:
@@ -106,22 +105,17 @@ def parse(text: str) -> dict:
     return values
 
 
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
 
-
-def id_maps(inside: tuple, outside: tuple) -> list[tuple[str, bytes]]:
+def id_maps(inside: tuple[Any, ...], outside: tuple[Any, ...]) -> list[tuple[str, bytes]]:
     """The (file, text) writes that map uid/gid `inside` to `outside` in a new user namespace."""
     return [("/proc/self/setgroups", b"deny"),
             ("/proc/self/uid_map", f"{inside[0]} {outside[0]} 1".encode()),
             ("/proc/self/gid_map", f"{inside[1]} {outside[1]} 1".encode())]
 
 
-def enter_user_namespace(inside: tuple, outside: tuple, also: int = 0) -> None:
+def enter_user_namespace(inside: tuple[Any, ...], outside: tuple[Any, ...], also: int = 0) -> None:
     """unshare(CLONE_NEWUSER | also), mapping uid/gid `inside` to `outside` (ours)."""
-    _check(_libc.unshare(_CLONE_NEWUSER | also), "unshare a user namespace")
+    abi.check(abi.libc.unshare(abi.CLONE_NEWUSER | also), "unshare a user namespace")
     for path, data in id_maps(inside, outside):
         fd = os.open(path, os.O_WRONLY)
         try:
@@ -142,7 +136,7 @@ class _CapData(ctypes.Structure):
 class Capabilities:
     """Dropping every capability, with the arguments made ahead of time."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         with open("/proc/sys/kernel/cap_last_cap") as f:
             self.last = int(f.read())
         self.header = _CapHeader(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
@@ -150,12 +144,12 @@ class Capabilities:
 
     def drop(self) -> None:
         """No capabilities now or after any execve, and no way to gain privileges."""
-        _check(_libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+        abi.check(abi.libc.prctl(abi.PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
         for cap in range(self.last + 1):
-            if _libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != errno.EINVAL:
-                _check(-1, f"drop capability {cap} from the bounding set")
-        _libc.prctl(_PR_CAP_AMBIENT, _PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-        _check(_libc.capset(ctypes.byref(self.header), self.data), "capset")
+            if abi.libc.prctl(abi.PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 and ctypes.get_errno() != errno.EINVAL:
+                abi.check(-1, f"drop capability {cap} from the bounding set")
+        abi.libc.prctl(abi.PR_CAP_AMBIENT, abi.PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+        abi.check(abi.libc.capset(ctypes.byref(self.header), self.data), "capset")
 
 
 class _SockFprog(ctypes.Structure):
@@ -165,18 +159,17 @@ class _SockFprog(ctypes.Structure):
 class FilterLoader:
     """A seccomp BPF program (struct sock_filter[]) and the prctl calls that load it, prepared."""
 
-    def __init__(self, program: bytes):
-        self.prctl = ctypes.CDLL(None, use_errno=True).prctl
-        self.prctl.restype = ctypes.c_int
+    def __init__(self, program: bytes) -> None:
+        self.prctl = abi.libc.prctl  # restype c_int, ctypes' default
         self.buffer = ctypes.create_string_buffer(program, len(program))
-        self.fprog = _SockFprog(len(program) // BPF_INSTRUCTION, ctypes.addressof(self.buffer))
+        self.fprog = _SockFprog(len(program) // abi.BPF_INSTRUCTION, ctypes.addressof(self.buffer))
         self.calls = [(ctypes.c_int(option), *(ctypes.c_ulong(a) for a in args)) for option, args in (
-            (_PR_SET_NO_NEW_PRIVS, (1, 0, 0, 0)),
-            (_PR_SET_SECCOMP, (_SECCOMP_MODE_FILTER, ctypes.addressof(self.fprog), 0, 0)))]
+            (abi.PR_SET_NO_NEW_PRIVS, (1, 0, 0, 0)),
+            (abi.PR_SET_SECCOMP, (abi.SECCOMP_MODE_FILTER, ctypes.addressof(self.fprog), 0, 0)))]
         # One harmless call through the same path (PR_GET_NO_NEW_PRIVS), so
         # lazy symbol binding and ctypes' call machinery are settled before
         # the forks, not in every child.
-        self.prctl(ctypes.c_int(_PR_GET_NO_NEW_PRIVS), *(ctypes.c_ulong(0) for _ in range(4)))
+        self.prctl(ctypes.c_int(abi.PR_GET_NO_NEW_PRIVS), *(ctypes.c_ulong(0) for _ in range(4)))
 
     def load(self) -> None:
         for args in self.calls:
@@ -194,20 +187,20 @@ def read_filter(fd: int) -> FilterLoader:
     finally:
         os.close(fd)
     program = b"".join(chunks)
-    if not program or len(program) % BPF_INSTRUCTION:
+    if not program or len(program) % abi.BPF_INSTRUCTION:
         raise RuntimeError(f"the seccomp program on fd {fd} is {len(program)} bytes: not a BPF program")
     return FilterLoader(program)
 
 
-def path_of(values: dict, key: str) -> str:
+def path_of(values: dict[str, Any], key: str) -> str:
     """The parsed plan's `key`, checked to be a normalized absolute path (not /)."""
-    path = values[key]
+    path: str = values[key]
     if not path.startswith("/") or path == "/" or "," in path or os.path.normpath(path) != path:
         raise ValueError(f"${VARIABLE}: {key} must be a normalized absolute path, not {path!r}")
     return path
 
 
-def number_of(values: dict, key: str, low: int = 0) -> int:
+def number_of(values: dict[str, Any], key: str, low: int = 0) -> int:
     """The parsed plan's `key`, checked to be a whole number of at least `low`."""
     value = values[key]
     if not value.isdigit() or len(value) > 20 or int(value) < low:
@@ -229,7 +222,7 @@ class Plan:
     `hostname`, `proc`, `rlimits` (text for rlimits.parse).
     """
 
-    def __init__(self, values: dict):
+    def __init__(self, values: dict[str, Any]) -> None:
         unshare = values["unshare"].split(",") if values["unshare"] else []
         if not set(unshare) <= _NAMESPACES or len(set(unshare)) != len(unshare):
             raise ValueError(f"${VARIABLE}: unshare names {unshare!r}; only {sorted(_NAMESPACES)} are known")
@@ -242,16 +235,16 @@ class Plan:
         self.workspace = workspace.encode()
         size, inodes, ptys = (number_of(values, key, 1) for key in ("size", "inodes", "ptys"))
         self.rlimits = values["rlimits"]
-        flags = _MS_NOSUID | _MS_NODEV
+        flags = abi.MS_NOSUID | abi.MS_NODEV
         shm = f"{dev}/shm"
         self.shm_dirs = [(f"{shm}/w".encode(), 0o755), (f"{shm}/s".encode(), 0o1777)]
         mounts = [
             ("tmpfs", shm, "tmpfs", flags, f"size={size},nr_inodes={inodes},mode=0700",
              "mount the workspace tmpfs"),
-            (f"{shm}/w", workspace, None, _MS_BIND, None, "bind the workspace"),
-            (f"{shm}/s", shm, None, _MS_BIND, None, f"bind {shm}"),
+            (f"{shm}/w", workspace, None, abi.MS_BIND, None, "bind the workspace"),
+            (f"{shm}/s", shm, None, abi.MS_BIND, None, f"bind {shm}"),
             # (not nodev: its ptmx and ptys are the devices it is for)
-            ("devpts", f"{dev}/pts", "devpts", _MS_NOSUID | _MS_NOEXEC,
+            ("devpts", f"{dev}/pts", "devpts", abi.MS_NOSUID | abi.MS_NOEXEC,
              f"newinstance,ptmxmode=0666,mode=620,max={ptys}", f"mount {dev}/pts"),
         ]
         self.mounts = [((a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode()), what)
@@ -259,18 +252,18 @@ class Plan:
         self.sysctls = [(f"{SYSCTL_DIR}/{key[7:]}".encode(), str(number_of(values, key)).encode())
                         for key in values if key.startswith("sysctl.")]
         self.proc_read_only = ((None, self.proc.encode(), None, ctypes.c_ulong(
-            _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags | _MS_NOEXEC), None), f"make {self.proc} read-only")
+            abi.MS_BIND | abi.MS_REMOUNT | abi.MS_RDONLY | flags | abi.MS_NOEXEC), None), f"make {self.proc} read-only")
         self.capabilities = Capabilities()
 
     def mount_workspace_and_devpts(self) -> None:
         """The capped workspace (and /dev/shm) and a devpts of our own; cwd in the workspace."""
         mounts = self.mounts
-        _check(_libc.mount(*mounts[0][0]), mounts[0][1])
+        abi.check(abi.libc.mount(*mounts[0][0]), mounts[0][1])
         for path, mode in self.shm_dirs:
             os.mkdir(path)
             os.chmod(path, mode)  # past the umask
         for arguments, what in mounts[1:]:
-            _check(_libc.mount(*arguments), what)
+            abi.check(abi.libc.mount(*arguments), what)
         os.chdir(self.workspace)
 
     def become_ids(self) -> None:
@@ -285,7 +278,7 @@ class Plan:
         parent's uid 0 needs CAP_SETFCAP there (the plan adds it to the set-up's
         capabilities, dropped with the others before env.py). The quotas are
         then written in this namespace, the one the env's own count against."""
-        enter_user_namespace(self.ids, (0, 0), also=_CLONE_NEWNS)
+        enter_user_namespace(self.ids, (0, 0), also=abi.CLONE_NEWNS)
 
     def write_sysctls(self) -> None:
         """The per-user-namespace limits of the namespace we are in."""
@@ -300,24 +293,41 @@ class Plan:
         """Exec mode: everything after bubblewrap, before env.py (module docstring).
         Not through boltzlabs.sandbox.seccomp: its host half's imports (dataclasses,
         functools) would cost every exec-mode env ~2 MiB."""
-        env_filter = read_filter(int(os.environ.pop("BOLTZLABS_CHILD_FILTER_FD")))
+        env_filter = read_filter(int(os.environ.pop(abi.CHILD_FILTER_VARIABLE)))
         self.mount_workspace_and_devpts()
         if self.ids != (0, 0):
             self.become_ids()
         self.write_sysctls()
-        _check(_libc.mount(*self.proc_read_only[0]), self.proc_read_only[1])
+        abi.check(abi.libc.mount(*self.proc_read_only[0]), self.proc_read_only[1])
         self.capabilities.drop()
         env_filter.load()
 
 
-def main(argv=None) -> None:
-    """Exec mode's entry point: rlimits, the sandbox's last steps, then env.py."""
+def main(argv: Any=None) -> None:
+    """Exec mode's entry point: rlimits, the sandbox's last steps, then env.py.
+    A failure of the set-up (no env code has run) prints its traceback and exits
+    abi.SET_UP_EXIT: the worker tells the sandbox's fault from the env's by that code."""
     from boltzlabs.runtime import rlimits as limits
 
-    plan = Plan(parse(os.environ.pop(VARIABLE, "")))
-    limits.apply(plan.rlimits)
-    plan.finish()
+    try:
+        plan = Plan(parse(os.environ.pop(VARIABLE, "")))
+        limits.apply(plan.rlimits)
+        plan.finish()
+    except BaseException:
+        set_up_failed()
     limits.run((sys.argv[1:] if argv is None else argv)[0])
+
+
+def set_up_failed() -> None:
+    """In a sandbox whose own set-up raised (the exception being handled): its traceback on stderr
+    (the env's log), then exit abi.SET_UP_EXIT. Never returns."""
+    try:
+        import traceback  # only on failure
+
+        sys.stderr.write(traceback.format_exc())
+        sys.stderr.flush()
+    finally:
+        os._exit(abi.SET_UP_EXIT)
 
 
 if __name__ == "__main__":

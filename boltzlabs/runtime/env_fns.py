@@ -28,21 +28,27 @@ from __future__ import annotations
 import os
 import struct
 
+from boltzlabs import abi
+
+TYPE_CHECKING = False  # typing is not imported at run time: every env would pay for it
+if TYPE_CHECKING:
+    from typing import Any
+
 __all__ = ["VARIABLE", "write", "read", "build"]
 
-VARIABLE = "BOLTZLABS_ENV_FNS"  # the file's path inside the sandbox (set by the builder)
+VARIABLE = abi.ENV_FNS_VARIABLE  # the file's path inside the sandbox (set by the builder)
 MAGIC = b"BLZFNS1\n"
 _HEAD = struct.Struct("<8sQ")
 _PAIR = struct.Struct("<QQ")
 MAX_LANES = 1 << 20
 
 
-def write(path: str, blobs: list) -> None:
+def write(path: str, blobs: list[Any]) -> None:
     """Write lane i's pickle `blobs[i]` (bytes) to a new file at `path` (mode 0644)."""
     if not 0 < len(blobs) <= MAX_LANES or not all(isinstance(b, bytes) for b in blobs):
         raise ValueError(f"env_fns: expected 1 to {MAX_LANES} pickles (bytes), got {len(blobs)}")
     offsets, data, where = [], [], _HEAD.size + _PAIR.size * len(blobs)
-    stored: dict = {}
+    stored: dict[str, Any] = {}
     for blob in blobs:
         if blob not in stored:
             stored[blob] = where
@@ -77,7 +83,7 @@ def read(path: str, lane: int) -> bytes:
     return blob
 
 
-def build(modules=()):
+def build(modules: Any=()) -> Any:
     """This lane's env: env_fns[i]() for i = $BOLTZLABS_ENV_INDEX, unpickled here,
     once `modules` are imported (the plugins that registered the trainer's
     Gymnasium ids: the thunk's gymnasium.make needs their ids registered here too).
@@ -90,7 +96,7 @@ def build(modules=()):
     for module in modules:
         importlib.import_module(module)
 
-    lane = int(os.environ["BOLTZLABS_ENV_INDEX"])
+    lane = int(os.environ[abi.ENV_INDEX_VARIABLE])
     blob = read(os.environ[VARIABLE], lane)
     try:
         thunk = pickle.loads(blob)

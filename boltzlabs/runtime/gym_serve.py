@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from boltzlabs.runtime.serve import WRAPPER_CLASSES, serve
 
+TYPE_CHECKING = False  # typing is not imported at run time: every env would pay for it
+if TYPE_CHECKING:
+    from typing import Any
+
 __all__ = ["serve_env", "NP_RANDOM_SEED", "SPACES"]
 
 # The method that answers an adapter's check that every lane has the same
@@ -28,7 +32,7 @@ SPACES = "boltzlabs_spaces"
 NP_RANDOM_SEED = "boltzlabs_np_random_seed"
 
 
-def _metadata(metadata) -> dict:
+def _metadata(metadata: Any) -> dict[str, Any]:
     # Metadata may hold anything (a class, a function): keep what can travel.
     from boltzlabs import wire
 
@@ -42,12 +46,12 @@ def _metadata(metadata) -> dict:
     return kept
 
 
-def _is_wrapper(obj) -> bool:
+def _is_wrapper(obj: Any) -> bool:
     # isinstance(obj, gymnasium.Wrapper), by name: no import (the env has Gymnasium, this module need not).
     return any(cls.__module__ == "gymnasium.core" and cls.__qualname__ == "Wrapper" for cls in type(obj).__mro__)
 
 
-def serve_env(env, *, preload=(), warmup_actions=None, methods=None, attributes=None) -> None:
+def serve_env(env: Any, *, preload: Any=(), warmup_actions: Any=None, methods: Any=None, attributes: Any=None) -> None:
     """Serve the Gymnasium env object `env` to the pool that started this sandbox. Never returns.
 
         env = gymnasium.make("CartPole-v1")
@@ -61,7 +65,7 @@ def serve_env(env, *, preload=(), warmup_actions=None, methods=None, attributes=
     `preload` and `warmup_actions` are serve()'s.
     """
 
-    def wrapper_classes():
+    def wrapper_classes() -> Any:
         """Every class (each wrapper's MRO, as `module.qualname`) of the wrappers
         around the env: what the SB3 adapter's env_is_wrapped() looks in, as an
         isinstance() over the wrapper chain would (no class object crosses the wire)."""
@@ -71,11 +75,11 @@ def serve_env(env, *, preload=(), warmup_actions=None, methods=None, attributes=
             layer = layer.env
         return sorted(set(names))
 
-    def np_random_seed():
+    def np_random_seed() -> Any:
         seed = getattr(getattr(env, "unwrapped", env), "_np_random_seed", None)
         return seed if isinstance(seed, int) and 0 <= seed < 1 << 63 else -1
 
-    def spaces():
+    def spaces() -> Any:
         from boltzlabs.runtime.spec import to_spec
 
         return [to_spec(env.observation_space), to_spec(env.action_space)]

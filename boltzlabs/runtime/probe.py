@@ -24,6 +24,10 @@ import sys
 
 from boltzlabs import wire
 
+TYPE_CHECKING = False  # typing is not imported at run time: every env would pay for it
+if TYPE_CHECKING:
+    from typing import Any
+
 MAX_NAMES, MAX_NAME_LEN = 2048, 200  # what a report may name (the worker refuses the rest)
 # env.py's code, compiled by the probe and marshalled, that the template hands
 # its children (unread: only a child, a sandbox of the env's own, unmarshals
@@ -48,12 +52,12 @@ class ProbeRun:
     """What a probe child notes at its birth, before any env code: the modules
     it has (the template's), its private memory, and where it reports."""
 
-    def __init__(self, channel: tuple, memory: int, env_dir: str, workspace: str):
+    def __init__(self, channel: tuple[Any, ...], memory: int, env_dir: str, workspace: str) -> None:
         self.rfd, self.wfd = channel[0], channel[-1]
         self.env_dir, self.workspace = env_dir, workspace
         self.baseline = set(sys.modules)
         self.birth = _private_dirty()
-        self.sampling: set = set()
+        self.sampling: set[Any] = set()
         self.code = None  # env.py compiled and marshalled, for every env the template forks
         if memory > 0:
             # The probe's cgroup holds the env's memory limit (the worker makes
@@ -65,7 +69,7 @@ class ProbeRun:
                 held = next((int(line.split()[1]) * 1024 for line in status if line.startswith("VmData:")), 0)
             resource.setrlimit(resource.RLIMIT_DATA, (held + memory, held + memory))
 
-    def report(self, steps: int, error: str | None, preload) -> None:
+    def report(self, steps: int, error: str | None, preload: Any) -> None:
         """Write [PROBED, new library module names, how many, Private_Dirty at
         birth, now, steps, error text or None, serve(preload=) names, env.py's
         marshalled code or None] and exit.
@@ -104,7 +108,7 @@ class ProbeRun:
 current: ProbeRun | None = None  # set in a probe child (runtime/template.py), read by finish
 
 
-def finish(probe) -> None:
+def finish(probe: Any) -> None:
     """In a probe child: run the env's work (boltzlabs.runtime.serve._Probe:
     `prepare()`, then `run(report)`), report, exit. serve() calls it when it
     finds $BOLTZLABS_PROBE; a trusted template's probe child calls it directly."""

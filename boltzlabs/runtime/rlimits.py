@@ -21,6 +21,12 @@ import os
 import resource
 import sys
 
+from boltzlabs import abi
+
+TYPE_CHECKING = False  # typing is not imported at run time: every env would pay for it
+if TYPE_CHECKING:
+    from typing import Any
+
 # Policy key -> resource. Values are bytes (sizes) or counts.
 RLIMITS = {
     "open_files": ("NOFILE", resource.RLIMIT_NOFILE),
@@ -56,18 +62,11 @@ def apply(text: str | None) -> None:
     apply_parsed(parse(text))
 
 
-# The exit code of an env whose env.py returned (or exited with 0) without
-# calling serve(): the worker's description of the lane's death names it
-# (boltzlabs.worker.lifecycle.describe_exit). Not 0, which says nothing, nor 1
-# (an uncaught exception), nor above 128 (a signal, as bwrap reports one).
-NO_SERVE_EXIT = 87
-
-
-def run(path: str, code=None) -> None:
+def run(path: str, code: Any=None) -> None:
     """Run the env file `path` as __main__ (as `python /env/env.py` would;
     runpy would cost every env ~5 ms of imports). Never returns normally: serve()
     does not return, and an env.py that returns, or exits with status 0, without
-    calling it is told so on its stderr (its log) and exits NO_SERVE_EXIT.
+    calling it is told so on its stderr (its log) and exits abi.NO_SERVE_EXIT.
     boltzlabs.runtime.confine.main (exec mode) calls it, after the set-up, and
     so does a template's child once it is a sandbox. `code`: env.py already
     compiled (a template child's, from the warm-up probe), else it is compiled here."""
@@ -77,7 +76,7 @@ def run(path: str, code=None) -> None:
         code = compile(_read(path), path, "exec")
     module = type(sys)("__main__")
     module.__file__ = path
-    module.__builtins__ = __builtins__
+    module.__dict__["__builtins__"] = __builtins__
     sys.modules["__main__"] = module
     try:
         exec(code, module.__dict__)
@@ -93,7 +92,7 @@ def run(path: str, code=None) -> None:
                      "boltzlabs.env.serve(reset=..., step=...) (or serve_env(env) for a Gymnasium env), which "
                      "answers the pool's requests\n")
     sys.stderr.flush()
-    os._exit(NO_SERVE_EXIT)
+    os._exit(abi.NO_SERVE_EXIT)
 
 
 def _served() -> bool:
@@ -107,7 +106,7 @@ def _read(path: str) -> bytes:
     pages into every env (measured, counter env)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        chunks = []
+        chunks: list[bytes] = []
         while True:
             chunk = os.read(fd, 1 << 20)
             if not chunk:

@@ -20,22 +20,25 @@ from __future__ import annotations
 import os
 import sys
 
-from boltzlabs import wire
+from boltzlabs.errors import ProtocolError
+from boltzlabs import abi, wire
+
+TYPE_CHECKING = False  # typing is not imported at run time: every env would pay for it
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = ["serve", "serve_each", "params", "reset_caller"]
 
-_FD_VARIABLE = "BOLTZLABS_FD"
-_PARAMS_VARIABLE = "BOLTZLABS_PARAMS"
 # A trusted template's fork server (runtime/template.py sets it before it
 # imports env.py); None everywhere else, forked envs included.
-_fork_server = None
+_fork_server: Any = None
 # A forked env's channel ((3,) or (4, 3)), set by its template before env.py
 # runs; None in exec mode, where $BOLTZLABS_FD says it.
-channel = None
+channel: tuple[int, ...] | None = None
 started = False  # serve() has been called in this process
 
 
-def params() -> dict:
+def params() -> dict[str, Any]:
     """The construction params given to the pool: `RLPool(source, n, **params)`.
 
     They arrive as JSON in the environment, so values are JSON types (a tuple
@@ -43,17 +46,20 @@ def params() -> dict:
     """
     import json  # here, not at the top: an env that takes no params does not pay for it
 
-    return json.loads(os.environ.get(_PARAMS_VARIABLE) or "{}")
+    params: dict[str, Any] = json.loads(os.environ.get(abi.PARAMS_VARIABLE) or "{}")
+    return params
 
 
-def _channel_fds(value: str) -> tuple[int, ...]:
+def _channel_fds(value: str | None) -> tuple[int, ...]:
     """$BOLTZLABS_FD, set by the worker: "3" (a socket) or "4,3" (the pipe it
-    reads, the pipe it writes). Checked, since a wrong fd would fail obscurely later."""
+    reads, the pipe it writes). Checked, since a wrong fd would fail obscurely later
+    (a missing one too: not started by a worker)."""
+    value = value or ""
     parts = value.split(",") if len(value) <= 16 else []
     if (len(parts) in (1, 2) and all(p.isascii() and p.isdigit() and 3 <= int(p) < 1024 for p in parts)
             and len(set(map(int, parts))) == len(parts)):
         return tuple(map(int, parts))
-    raise RuntimeError(f"{_FD_VARIABLE}={value[:40]!r}: expected the channel's fd ('3') or its read and write "
+    raise RuntimeError(f"{abi.FD_VARIABLE}={value[:40]!r}: expected the channel's fd ('3') or its read and write "
                        "pipes' fds ('4,3'), as the boltzlabs worker sets it; start this env with RLPool")
 
 
@@ -63,14 +69,14 @@ class _Channel:
     its observation slot (_Slot), None without one, _UNOPENED until the
     first reply that could use it."""
 
-    def __init__(self, rfd: int, wfd: int):
+    def __init__(self, rfd: int, wfd: int) -> None:
         self.rfd, self.wfd = rfd, wfd
         # The worker is trusted more than an env, but a cap still costs nothing.
         self.reader = wire.FrameReader(wire.Limits(1 << 30))
-        self.inbox = []
+        self.inbox: list[Any] = []
         self.wait = _readable_waiter(rfd)
-        self.slot = None
-        self.space = None  # the declared observation space's spec, for the slot
+        self.slot: Any = None
+        self.space: Any = None  # the declared observation space's spec, for the slot
 
     def write(self, data: bytes) -> None:
         # Hot path: a reply goes out in one write; a short one (a big
@@ -81,7 +87,7 @@ class _Channel:
             while view:
                 view = view[os.write(self.wfd, view):]
 
-    def receive(self):
+    def receive(self) -> Any:
         inbox = self.inbox
         while not inbox:
             if self.wait is not None:
@@ -98,20 +104,20 @@ _UNOPENED = object()
 
 class _Slot:
     """This env's observation slot (wire.py, "observations in shared memory"):
-    the memfd on wire.SLOT_FD, which the worker made, sized from the declared
+    the memfd on abi.SLOT_FD, which the worker made, sized from the declared
     space and sealed before this env's first request; mapped once and its fd
     closed. An obs of exactly the declared shapes and dtypes is written there
     and the reply carries a SLOT_EXT marker instead; any other obs goes by the
     wire as before."""
 
-    def __init__(self, mapping, layout: wire.SlotLayout):
+    def __init__(self, mapping: Any, layout: wire.SlotLayout) -> None:
         self.mapping, self.layout = mapping, layout
-        self.views = None  # per leaf: (path, dtype, shape, the slot's array), made with the first array obs
+        self.views: list[tuple[Any, ...]] | None = None  # per leaf: (path, dtype, shape, the slot's array), made with the first array obs
         wire.SLOT_HEADER.pack_into(mapping, 0, wire.SLOT_MAGIC, 1, 0, layout.size - wire.SLOT_HEADER_SIZE)
 
     @classmethod
-    def open(cls, space) -> "_Slot | None":
-        """The slot on wire.SLOT_FD, if there is one of exactly this space's layout, sealed; else None."""
+    def open(cls, space: Any) -> _Slot | None:
+        """The slot on abi.SLOT_FD, if there is one of exactly this space's layout, sealed; else None."""
         layout = wire.slot_layout(space, 1 << 30) if space is not None else None
         if layout is None:
             return None
@@ -119,21 +125,21 @@ class _Slot:
         import mmap
 
         try:
-            size = os.fstat(wire.SLOT_FD).st_size
-            seals = fcntl.fcntl(wire.SLOT_FD, fcntl.F_GET_SEALS)
+            size = os.fstat(abi.SLOT_FD).st_size
+            seals = fcntl.fcntl(abi.SLOT_FD, fcntl.F_GET_SEALS)
         except OSError:  # no slot (a remote pool, BOLTZLABS_NO_SHM), or not a memfd
             return None
         need = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
         if size != layout.size or seals & need != need:
             return None  # the space allows no slot for this pool (the worker left it unsized)
         try:
-            mapping = mmap.mmap(wire.SLOT_FD, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mapping = mmap.mmap(abi.SLOT_FD, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError:
             return None
-        os.close(wire.SLOT_FD)  # the mapping is all this env keeps of it
+        os.close(abi.SLOT_FD)  # the mapping is all this env keeps of it
         return cls(mapping, layout)
 
-    def put(self, obs, seq: int):
+    def put(self, obs: Any, seq: int) -> Any:
         """The marker for reply `seq` once obs is in the slot, or obs itself (then it goes by the wire)."""
         views = self.views
         if views is None:
@@ -158,14 +164,14 @@ class _Slot:
         return _marker(seq)
 
 
-def _count(shape) -> int:
+def _count(shape: Any) -> int:
     count = 1
     for dim in shape:
         count *= dim
     return count
 
 
-def _leaf(obs, path, spec):
+def _leaf(obs: Any, path: Any, spec: Any) -> Any:
     """The array at `path` in obs, if obs follows the spec's containers there (exact types)."""
     for step in path:
         kind = spec["type"]
@@ -181,7 +187,7 @@ def _leaf(obs, path, spec):
     return obs if type(obs).__name__ == "ndarray" and type(obs).__module__ == "numpy" else None
 
 
-def _same_keys(obs, spec) -> bool:
+def _same_keys(obs: Any, spec: Any) -> bool:
     """Whether obs's dicts hold exactly the spec's keys in the spec's order (the
     trainer rebuilds them in that order), its tuples exactly its items."""
     stack = [(obs, spec)]
@@ -196,13 +202,13 @@ def _same_keys(obs, spec) -> bool:
     return True
 
 
-def _marker(seq: int):
+def _marker(seq: int) -> Any:
     import msgpack
 
     return msgpack.ExtType(wire.SLOT_EXT, seq.to_bytes(8, "little"))
 
 
-def _readable_waiter(fd: int):
+def _readable_waiter(fd: int) -> Any:
     """For a socket channel: a call that sleeps until `fd` is readable (poll), else None.
 
     An env blocked in read() on a stream socket sleeps on the socket's one
@@ -224,14 +230,14 @@ def _readable_waiter(fd: int):
     return poller.poll
 
 
-def _failure(seq, phase: str, exc: BaseException):
+def _failure(seq: Any, phase: str, exc: BaseException) -> Any:
     import traceback  # only on failure: 0.9 MiB and ~8 ms an env need not pay
 
     text = "".join(traceback.format_exception(exc))
     return [wire.FAILED, seq, phase, f"{type(exc).__name__}: {exc}", text]
 
 
-def _step_reply(seq, result):
+def _step_reply(seq: Any, result: Any) -> Any:
     if not isinstance(result, tuple) or len(result) not in (4, 5):
         raise TypeError(
             f"step() returned {type(result).__name__}"
@@ -249,7 +255,7 @@ def _step_reply(seq, result):
     return [wire.STEPPED, seq, obs, float(reward), bool(terminated), bool(truncated), info]
 
 
-def reset_caller(reset):
+def reset_caller(reset: Any) -> Any:
     """`call(seed, options)` that calls the env's `reset` the way it takes them.
 
     Gymnasium's `Env.reset` is keyword-only (`reset(*, seed=None, options=None)`);
@@ -283,7 +289,7 @@ def reset_caller(reset):
     return lambda seed, options: reset(seed, options=options) if options else reset(seed)
 
 
-def _reset_reply(seq, result):
+def _reset_reply(seq: Any, result: Any) -> Any:
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
         obs, info = result
     else:
@@ -291,11 +297,11 @@ def _reset_reply(seq, result):
     return [wire.RESET_DONE, seq, obs, info]
 
 
-def _render_reply(seq, frame):
+def _render_reply(seq: Any, frame: Any) -> Any:
     return [wire.RENDERED, seq, frame]
 
 
-def _attr_reply(seq, value):
+def _attr_reply(seq: Any, value: Any) -> Any:
     return [wire.ATTR_DONE, seq, value]
 
 
@@ -303,7 +309,7 @@ class _Attributes:
     """What `pool.call` / `get_attr` / `set_attr` reach in this env: the
     `methods`, `attributes` and `target` given to serve()."""
 
-    def __init__(self, methods, attributes, target):
+    def __init__(self, methods: Any, attributes: Any, target: Any) -> None:
         self.methods = dict(methods or {})
         self.attributes = {}
         for name, access in dict(attributes or {}).items():
@@ -322,12 +328,12 @@ class _Attributes:
                 raise TypeError(f"serve(methods=, attributes=) names must be str, not {name!r}")
         self.target = target
 
-    def describe(self) -> dict:
+    def describe(self) -> dict[str, Any]:
         """For the HELLO: what the client may ask for before it sends anything."""
         return {"methods": sorted(self.methods), "attributes": {k: v[1] is not None for k, v in self.attributes.items()},
                 "target": None if self.target is None else type(self.target).__name__}
 
-    def run(self, op: str, name: str, args: list, kwargs: dict):
+    def run(self, op: str, name: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
         if op == "call" and name in self.methods:
             return self.methods[name](*args, **kwargs)
         if name in self.attributes:
@@ -349,7 +355,7 @@ class _Attributes:
                              f"{sorted(self.methods)} and attributes {sorted(self.attributes)} "
                              "(serve(..., methods=, attributes=) in its env.py)")
 
-    def _on_target(self, op, name, args, kwargs):
+    def _on_target(self, op: Any, name: Any, args: Any, kwargs: Any) -> Any:
         # Gymnasium's semantics: get_wrapper_attr looks through the wrappers,
         # set_wrapper_attr sets where the name is defined (else on the outermost).
         target = self.target
@@ -377,7 +383,7 @@ WRAPPER_CLASSES = "boltzlabs_wrapper_classes"
 _ATTR_PHASES = {"call": "call", "get": "get_attr", "set": "set_attr"}
 
 
-def _reply(channel: _Channel, seq, phase: str, build, call, *args):
+def _reply(channel: _Channel, seq: Any, phase: str, build: Any, call: Any, *args: Any) -> None:
     """Answer request `seq` with build(seq, call(*args)), or FAILED with what it raised.
     A step's or reset's obs goes into the env's slot when it has one and the obs fits."""
     try:
@@ -404,8 +410,8 @@ def _reply(channel: _Channel, seq, phase: str, build, call, *args):
     channel.write(data)
 
 
-def serve(reset, step, *, observation_space=None, action_space=None, metadata=None, render=None,
-          render_mode=None, preload=(), warmup_actions=None, methods=None, attributes=None, target=None):
+def serve(reset: Any, step: Any, *, observation_space: Any=None, action_space: Any=None, metadata: Any=None, render: Any=None,
+          render_mode: Any=None, preload: Any=(), warmup_actions: Any=None, methods: Any=None, attributes: Any=None, target: Any=None) -> None:
     """Serve this env to the boltzlabs worker that started it. Never returns.
 
     Call it once, at the end of your `env.py`:
@@ -462,7 +468,7 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
     """
     global started
     started = True  # for the runner (rlimits.run): this env.py did call serve()
-    fd = os.environ.pop(_FD_VARIABLE, None)
+    fd = os.environ.pop(abi.FD_VARIABLE, None)
     if fd is None and channel is None:
         raise RuntimeError(
             "serve() talks to a boltzlabs worker and only runs inside a pool; "
@@ -481,10 +487,10 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
 
     reset = reset_caller(reset)
 
-    def run(channel: tuple) -> None:
+    def run(channel: tuple[Any, ...]) -> None:
         _serve_loop(_Channel(channel[0], channel[-1]), reset, step, render, info)
 
-    if os.environ.pop("BOLTZLABS_PROBE", None):
+    if os.environ.pop(abi.PROBE_VARIABLE, None):
         # The template's warm-up probe (a throwaway sandbox): the env's real
         # work once, its imports reported, then exit (runtime/probe.py).
         from boltzlabs.runtime import probe
@@ -494,14 +500,14 @@ def serve(reset, step, *, observation_space=None, action_space=None, metadata=No
         # RLPool(trust_env=True): this process is the template, env.py imported
         # in it; serve() becomes its fork server (runtime/template.py).
         if len(fds) != 1:
-            raise RuntimeError(f"{_FD_VARIABLE}: a template's control channel is one socket, not {fds}")
+            raise RuntimeError(f"{abi.FD_VARIABLE}: a template's control channel is one socket, not {fds}")
         _fork_server(run, fds[0], _Probe(lambda seed: reset(seed, None), step, action_space, warmup_actions, preload))
     run(fds)
     sys.stdout.flush()
     os._exit(0)
 
 
-def serve_each(main) -> None:
+def serve_each(main: Any) -> None:
     """Run `main()`, which builds the env and ends in serve(), in each process
     that serves a lane, and in no other.
 
@@ -515,10 +521,10 @@ def serve_each(main) -> None:
     if _fork_server is None:
         main()  # returns only if it never served: the runner says so (rlimits.run)
         return
-    fd = os.environ.pop(_FD_VARIABLE, None)
+    fd = os.environ.pop(abi.FD_VARIABLE, None)
     fds = _channel_fds(fd or "")
     if len(fds) != 1:
-        raise RuntimeError(f"{_FD_VARIABLE}: a template's control channel is one socket, not {fds}")
+        raise RuntimeError(f"{abi.FD_VARIABLE}: a template's control channel is one socket, not {fds}")
     _fork_server(None, fds[0], main)
 
 
@@ -545,7 +551,7 @@ def _warmup(steps: int = 24) -> None:
         # bigger than a pipe (large metadata or spaces) fits its buffer, where
         # it would block the template here for good.
         ours, theirs = socket.socketpair()
-        fds = []
+        fds: list[int] = []
         try:
             if pipes:
                 fds[:] = os.pipe()
@@ -571,7 +577,7 @@ class _Probe:
     runs it: actions decoded from a frame, replies built and encoded.
     `preload`: serve(preload=...), names the probe's report carries."""
 
-    def __init__(self, reset, step, action_space, actions, preload=(), steps: int = 8):
+    def __init__(self, reset: Any, step: Any, action_space: Any, actions: Any, preload: Any=(), steps: int = 8) -> None:
         self.reset, self.step, self.space, self.actions, self.steps = reset, step, action_space, actions, steps
         self.preload = list(preload or ())
 
@@ -585,7 +591,7 @@ class _Probe:
         self.actions = [reader.feed(wire.encode([wire.STEP, 0, action, False]))[0][2]
                         for action in list(actions or ())[:64]]
 
-    def run(self, report: dict) -> None:
+    def run(self, report: dict[str, Any]) -> None:
         """reset(0), then a step per action; a reset after each done. Raises what they raise."""
         wire.encode(_reset_reply(0, self.reset(0)))
         for action in self.actions:
@@ -596,7 +602,7 @@ class _Probe:
                 wire.encode(_reset_reply(0, self.reset(None)))
 
 
-def _serve_loop(channel: _Channel, reset, step, render, info: dict) -> None:
+def _serve_loop(channel: _Channel, reset: Any, step: Any, render: Any, info: dict[str, Any]) -> None:
     """Answer the worker's requests until it closes the channel."""
     channel.write(wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, dict(info, pid=os.getpid())]))
     if info.get("observation_space") is not None and not info.get("warm_up"):
@@ -625,6 +631,6 @@ def _serve_loop(channel: _Channel, reset, step, render, info: dict) -> None:
                 _, seq, op, name, args, kwargs = message
                 _reply(channel, seq, _ATTR_PHASES[op], _attr_reply, _ATTRIBUTES.run, op, name, args, kwargs)
             else:
-                raise wire.ProtocolError(f"unexpected message code {code}")
+                raise ProtocolError(f"unexpected message code {code}")
     except EOFError:
         pass  # the worker closed the channel: the pool is done with us

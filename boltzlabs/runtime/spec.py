@@ -20,10 +20,15 @@ or name the override to pass (boltzlabs/pool/spaces.py).
 
 from __future__ import annotations
 
+TYPE_CHECKING = False  # typing is not imported at run time: every env would pay for it
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
 __all__ = ["to_spec"]
 
 
-def _bound(values):
+def _bound(values: Any) -> Any:
     # A uniform bound (the common case: Box(-1, 1, (84, 84, 3))) is one number.
     flat = values.reshape(-1).tolist()
     if flat and all(v == flat[0] for v in flat):
@@ -31,7 +36,7 @@ def _bound(values):
     return values.tolist()
 
 
-def to_spec(space) -> dict | None:
+def to_spec(space: Any) -> dict[str, Any] | None:
     """The spec of a Gymnasium space (None for None). Imports nothing."""
     if space is None:
         return None
@@ -45,7 +50,7 @@ def to_spec(space) -> dict | None:
     return {"type": kind, "class": f"{type(space).__module__}.{type(space).__qualname__}", "repr": repr(space)[:2000]}
 
 
-_ENCODERS = {
+_ENCODERS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "Box": lambda s: {"type": "Box", "low": _bound(s.low), "high": _bound(s.high),
                       "shape": list(s.shape), "dtype": str(s.dtype)},
     "Discrete": lambda s: {"type": "Discrete", "n": int(s.n), "start": int(s.start),

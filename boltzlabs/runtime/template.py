@@ -120,10 +120,14 @@ import sys
 import threading
 import time
 
-from boltzlabs import wire
+from boltzlabs import abi, wire
 from boltzlabs.runtime import confine, probe
 from boltzlabs.runtime import filter as seccomp
 from boltzlabs.runtime import rlimits as limits
+
+TYPE_CHECKING = False  # typing is not imported at run time: every env would pay for it
+if TYPE_CHECKING:
+    from typing import Any
 
 # Entry point inside the template's sandbox. Not `-m`: that imports runpy (and
 # runs this module as __main__, a second copy beside the one env.py's serve()
@@ -139,7 +143,6 @@ BOOTSTRAP = "import boltzlabs.runtime.template as t; t.main()"
 _MAX_FAILED, _MAX_HELLO = 32, 60000
 MAX_NAMES, MAX_NAME_LEN = probe.MAX_NAMES, probe.MAX_NAME_LEN
 
-_libc = ctypes.CDLL(None, use_errno=True)
 # The GIL stays held across clone(), as in os.fork.
 _syscall = ctypes.PyDLL(None, use_errno=True).syscall
 # Resolved once here: a CDLL attribute met for the first time runs ctypes'
@@ -147,24 +150,12 @@ _syscall = ctypes.PyDLL(None, use_errno=True).syscall
 _before_fork = ctypes.pythonapi.PyOS_BeforeFork
 _after_fork_child = ctypes.pythonapi.PyOS_AfterFork_Child
 _after_fork_parent = ctypes.pythonapi.PyOS_AfterFork_Parent
-_SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine)
-_CLONE_NEWNS, _CLONE_NEWCGROUP, _CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
-_CLONE_NEWIPC, _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x08000000, 0x10000000, 0x20000000, 0x40000000
-_NAMESPACE_FLAGS = (("net", _CLONE_NEWNET), ("ipc", _CLONE_NEWIPC), ("uts", _CLONE_NEWUTS),
-                    ("cgroup", _CLONE_NEWCGROUP))
-_MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REMOUNT, _MS_BIND = 1, 2, 4, 8, 32, 4096
-_PR_SET_CHILD_SUBREAPER = 36
-_SIOCGIFFLAGS, _SIOCSIFFLAGS, _IFF_UP, _IFF_RUNNING = 0x8913, 0x8914, 0x1, 0x40
+_NAMESPACE_FLAGS = (("net", abi.CLONE_NEWNET), ("ipc", abi.CLONE_NEWIPC), ("uts", abi.CLONE_NEWUTS),
+                    ("cgroup", abi.CLONE_NEWCGROUP))
 
 
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def _mount(source, target, fstype, flags, data=None) -> None:
-    _check(_libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(),
+def _mount(source: Any, target: Any, fstype: Any, flags: Any, data: Any=None) -> None:
+    abi.check(abi.libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(),
                        ctypes.c_ulong(flags), data and data.encode()), f"mount {target}")
 
 
@@ -176,15 +167,15 @@ def drop_capabilities() -> None:
 # Built once: what the template does between two forks is copied into the
 # older child (every page it writes), so the fork path allocates nothing.
 _CLONE_ARGUMENTS = tuple(ctypes.c_long(value) for value in (
-    _SYS_CLONE or -1, _CLONE_NEWUSER | _CLONE_NEWPID | signal.SIGCHLD, 0, 0, 0, 0))
+    abi.SYS_CLONE or -1, abi.CLONE_NEWUSER | abi.CLONE_NEWPID | signal.SIGCHLD, 0, 0, 0, 0))
 
 
 def _clone_sandbox() -> int:
     """fork() into a new user and pid namespace: 0 in the child, its pid here."""
-    if _SYS_CLONE is None:
+    if abi.SYS_CLONE is None:
         raise OSError(errno.ENOSYS, f"no clone() number known for {os.uname().machine}: use spawn=\"exec\"")
     _before_fork()
-    pid = _syscall(*_CLONE_ARGUMENTS)
+    pid: int = _syscall(*_CLONE_ARGUMENTS)
     err = ctypes.get_errno()
     if pid == 0:
         _after_fork_child()
@@ -213,8 +204,8 @@ class _ChildForkHooks:
     changes but the memory.
     """
 
-    def __init__(self):
-        self.hooks: list | None = None
+    def __init__(self) -> None:
+        self.hooks: list[Any] | None = None
         self.index = 0
 
     def take_out_threading(self) -> None:
@@ -228,7 +219,7 @@ class _ChildForkHooks:
 
     def restore(self) -> None:
         if self.hooks is not None:
-            self.hooks.insert(self.index, threading._after_fork)
+            self.hooks.insert(self.index, threading._after_fork)  # type: ignore[attr-defined]  # CPython's own hook
             self.hooks = None
 
 
@@ -247,13 +238,13 @@ class _ChildPlan:
     arguments. Measured on the counter env: ~0.3 MiB less per env.
     """
 
-    def __init__(self, confined: confine.Plan, outside: tuple):
-        flags = _MS_NOSUID | _MS_NODEV
+    def __init__(self, confined: confine.Plan, outside: tuple[Any, ...]) -> None:
+        flags = abi.MS_NOSUID | abi.MS_NODEV
         self.id_maps = confine.id_maps(confined.ids, outside)  # the plan's ids inside, the template outside
         # A mount namespace always (the set-up mounts); the others the plan
         # names (the user and pid namespaces are made by the clone itself).
         unshare = confined.unshare
-        self.namespaces = ctypes.c_int(_CLONE_NEWNS | sum(flag for name, flag in _NAMESPACE_FLAGS if name in unshare))
+        self.namespaces = ctypes.c_int(abi.CLONE_NEWNS | sum(flag for name, flag in _NAMESPACE_FLAGS if name in unshare))
         self.net = "net" in unshare  # bring up loopback: only in a namespace of its own
         self.rlimits = limits.parse(confined.rlimits)
         self.open_max = min(os.sysconf("SC_OPEN_MAX"), 1 << 16)
@@ -266,9 +257,9 @@ class _ChildPlan:
         self.shm_dirs = confined.shm_dirs
         proc = confined.proc
         mounts = [
-            ("proc", proc, "proc", flags | _MS_NOEXEC, None, f"mount {proc}"),
-            (f"{proc}/sys", f"{proc}/sys", None, _MS_BIND, None, f"bind {proc}/sys"),
-            (None, f"{proc}/sys", None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags | _MS_NOEXEC, None,
+            ("proc", proc, "proc", flags | abi.MS_NOEXEC, None, f"mount {proc}"),
+            (f"{proc}/sys", f"{proc}/sys", None, abi.MS_BIND, None, f"bind {proc}/sys"),
+            (None, f"{proc}/sys", None, abi.MS_BIND | abi.MS_REMOUNT | abi.MS_RDONLY | flags | abi.MS_NOEXEC, None,
              f"make {proc}/sys read-only")]
         self.mounts = confined.mounts + [
             ((a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode()), what)
@@ -279,12 +270,12 @@ class _ChildPlan:
         # namespace, which counts everything the env makes.
         self.sysctls = confined.sysctls
         self.hostname = confined.hostname.encode()  # empty: no uts namespace of its own, nothing to name
-        self.sethostname = _libc.sethostname  # resolved here, not in every child
+        self.sethostname = abi.libc.sethostname  # resolved here, not in every child
         self.workspace = confined.workspace
         self.lo_request = struct.pack("16sH14x", b"lo", 0)
         self.capabilities = confined.capabilities
 
-    def become_sandbox(self, lane: int, fds: list, slot: int = -1) -> None:
+    def become_sandbox(self, lane: int, fds: list[Any], slot: int = -1) -> None:
         """In the child, pid 1 of its new user and pid namespace.
 
         The os.open/os.write/os.close writes below stay inline: moving
@@ -296,8 +287,8 @@ class _ChildPlan:
                 os.write(fd, data)
             finally:
                 os.close(fd)
-        _check(_libc.unshare(self.namespaces), "unshare namespaces")
-        os.environ["BOLTZLABS_ENV_INDEX"] = str(lane)
+        abi.check(abi.libc.unshare(self.namespaces), "unshare namespaces")
+        os.environ[abi.ENV_INDEX_VARIABLE] = str(lane)
         # fds: the channel (a socket; or the pipe it reads, the pipe it writes)
         # and the log. The log onto 1 and 2, the socket or the pipe it writes
         # onto 3, the pipe it reads onto 4. No source is a target met earlier:
@@ -315,40 +306,40 @@ class _ChildPlan:
             # The observation slot came last, so its number is above every target met so far (1-4).
             if slot <= 4:
                 raise OSError(f"the observation slot came on fd {slot}, among the channel's")
-            os.dup2(slot, wire.SLOT_FD)
-            os.closerange(2 + len(fds), wire.SLOT_FD)
-            os.closerange(wire.SLOT_FD + 1, self.open_max)
+            os.dup2(slot, abi.SLOT_FD)
+            os.closerange(2 + len(fds), abi.SLOT_FD)
+            os.closerange(abi.SLOT_FD + 1, self.open_max)
         else:
             os.closerange(2 + len(fds), self.open_max)
         # The env's own rlimits: the template's file limit has room for the
         # pipes it holds (closed above, before the limit drops below them).
         limits.apply_parsed(self.rlimits)
         mounts = self.mounts
-        _check(_libc.mount(*mounts[0][0]), mounts[0][1])
-        for path, mode in self.shm_dirs:
-            os.mkdir(path)
-            os.chmod(path, mode)  # past the umask
+        abi.check(abi.libc.mount(*mounts[0][0]), mounts[0][1])
+        for shm_dir, mode in self.shm_dirs:
+            os.mkdir(shm_dir)
+            os.chmod(shm_dir, mode)  # past the umask
         after = self.after_quotas
         for arguments, what in mounts[1:after]:
-            _check(_libc.mount(*arguments), what)
-        for path, data in self.sysctls:
-            fd = os.open(path, os.O_WRONLY)
+            abi.check(abi.libc.mount(*arguments), what)
+        for sysctl, data in self.sysctls:
+            fd = os.open(sysctl, os.O_WRONLY)
             try:
                 os.write(fd, data)
             finally:
                 os.close(fd)
         for arguments, what in mounts[after:]:
-            _check(_libc.mount(*arguments), what)
+            abi.check(abi.libc.mount(*arguments), what)
         if self.hostname:
-            _check(self.sethostname(self.hostname, len(self.hostname)), "sethostname")
+            abi.check(self.sethostname(self.hostname, len(self.hostname)), "sethostname")
         if self.net:
             # Interface ioctls on any socket reach its net namespace's devices, Unix
             # ones included: so the template's filter may refuse every other family.
             unix = _socket.socket(_socket.AF_UNIX, _socket.SOCK_DGRAM)
             try:
-                flags = int.from_bytes(fcntl.ioctl(unix.fileno(), _SIOCGIFFLAGS, self.lo_request)[16:18], "little")
-                fcntl.ioctl(unix.fileno(), _SIOCSIFFLAGS,
-                            self.lo_request[:16] + (flags | _IFF_UP | _IFF_RUNNING).to_bytes(2, "little")
+                flags = int.from_bytes(fcntl.ioctl(unix.fileno(), abi.SIOCGIFFLAGS, self.lo_request)[16:18], "little")
+                fcntl.ioctl(unix.fileno(), abi.SIOCSIFFLAGS,
+                            self.lo_request[:16] + (flags | abi.IFF_UP | abi.IFF_RUNNING).to_bytes(2, "little")
                             + self.lo_request[18:])
             finally:
                 unix.close()
@@ -429,7 +420,7 @@ def _shared_writable_mappings() -> list[str]:
     return found
 
 
-def warm(names, timeout: float, env_dir: str, workspace: str) -> dict:
+def warm(names: Any, timeout: float, env_dir: str, workspace: str) -> dict[str, Any]:
     """Import `names` (the worker's WARM: the pool's preload list and what its
     probe found) here, library modules only; returns what happened, for the
     pool's warm-up report: {"imported", "failed", "refused", "import_seconds"}.
@@ -446,7 +437,7 @@ def warm(names, timeout: float, env_dir: str, workspace: str) -> dict:
     imports left it, so episodes match exec mode's and hard resets stay
     byte-identical.
     """
-    report = {"imported": [], "failed": {}, "refused": 0}
+    report: dict[str, Any] = {"imported": [], "failed": {}, "refused": 0}
     try:
         own = {entry.split(".", 1)[0] for entry in os.listdir(env_dir)}
     except OSError:
@@ -495,7 +486,7 @@ def foreign_modules(env_dir: str, workspace: str) -> list[str]:
     return sorted(found)
 
 
-def _note_failure(report: dict, name: str, text: str) -> None:
+def _note_failure(report: dict[str, Any], name: str, text: str) -> None:
     if len(report["failed"]) < _MAX_FAILED:
         report["failed"][name] = text[:300]
     else:
@@ -515,13 +506,13 @@ def _reseed_numpy_in_children() -> None:
         os.register_at_fork(after_in_child=seed)
 
 
-def valid_name(name) -> bool:
+def valid_name(name: Any) -> bool:
     """A module name worth an import attempt: dotted ASCII identifiers, bounded."""
     return (type(name) is str and 0 < len(name) <= MAX_NAME_LEN and name.isascii()
             and all(part.isidentifier() for part in name.split(".")))
 
 
-def _warmup(values: dict) -> tuple[float, int]:
+def _warmup(values: dict[str, Any]) -> tuple[float, int]:
     """(seconds the warm-up's imports, and the probe, may take; the env's memory
     limit in bytes, 0: none) from the template's plan."""
     try:
@@ -535,7 +526,7 @@ def _warmup(values: dict) -> tuple[float, int]:
 
 # -- the children's main functions ------------------------------------------------------
 
-def _sandboxed(channel: tuple) -> None:
+def _sandboxed(channel: tuple[Any, ...]) -> None:
     """A child's first steps once it is a sandbox, before any env code: its
     channel handed to serve() directly (an environment variable set here would
     copy the environment's pages into every env), no fork server of a trusted
@@ -547,7 +538,7 @@ def _sandboxed(channel: tuple) -> None:
     sys.path.insert(0, "")
 
 
-def _env_code():
+def _env_code() -> Any:
     """env.py's code from the warm-up probe (unmarshalled here, in a child), or None."""
     code = _ENV_CODE[0]
     if code is None:
@@ -559,30 +550,30 @@ def _env_code():
     return code if type(code) is type(_env_code.__code__) else None
 
 
-def _lane_main(body):
+def _lane_main(body: Any) -> Any:
     """What an env's child runs once it is a sandbox, on its channel ((3,): a
     socket; (4, 3): pipes): `body()`, which ends in serve() (env.py as exec
     mode runs it; or a trusted template's serve_each main). One that returns
     never served: the lane's exit says so."""
 
-    def run(channel: tuple) -> None:
+    def run(channel: tuple[Any, ...]) -> None:
         _sandboxed(channel)
         body()
         sys.stderr.write("boltzlabs: the env was built but serve() was never called\n")
         sys.stderr.flush()
-        os._exit(limits.NO_SERVE_EXIT)
+        os._exit(abi.NO_SERVE_EXIT)
 
     return run
 
 
-def _probe_main(body, memory: int, workspace: str):
+def _probe_main(body: Any, memory: int, workspace: str) -> Any:
     """What the probe's child runs once it is a sandbox: `body()`, whose serve()
     finds $BOLTZLABS_PROBE and calls probe.finish."""
 
-    def run(channel: tuple) -> None:
+    def run(channel: tuple[Any, ...]) -> None:
         probe.current = probe.ProbeRun(channel, memory, os.path.dirname(_ENV_FILE[0]), workspace)
         _sandboxed(channel)
-        os.environ["BOLTZLABS_PROBE"] = "1"
+        os.environ[abi.PROBE_VARIABLE] = "1"
         try:
             body()
             error = "the env was built but serve() was never called"
@@ -593,40 +584,41 @@ def _probe_main(body, memory: int, workspace: str):
     return run
 
 
-def _run_env_file(env_file: str):
+def _run_env_file(env_file: str) -> Any:
     """env.py as exec mode runs it, from the probe's compiled code when there is one."""
     return lambda: limits.run(env_file, _env_code())
 
 
-def _compile_and_run_env_file(env_file: str):
+def _compile_and_run_env_file(env_file: str) -> Any:
     """The probe's env.py: compiled here once, its code marshalled for every env."""
 
     def body() -> None:
         code = compile(limits._read(env_file), env_file, "exec")
-        probe.current.code = marshal.dumps(code)
+        probe.current.code = marshal.dumps(code)  # type: ignore[union-attr]  # set by the probe's fork
         limits.run(env_file, code)
 
     return body
 
 
-def trusted_probe_main(work, memory: int, workspace: str):
+def trusted_probe_main(work: Any, memory: int, workspace: str) -> Any:
     """A trusted template's probe child: env.py was imported in the template,
     so its reset and step are here already (`work`, serve's _Probe)."""
 
-    def run(channel: tuple) -> None:
+    def run(channel: tuple[Any, ...]) -> None:
         probe.current = probe.ProbeRun(channel, memory, os.path.dirname(_ENV_FILE[0]), workspace)
         probe.finish(work)
 
     return run
 
 
-def serve_trusted(run, channel_fd: int, work) -> None:
+def serve_trusted(run: Any, channel_fd: int, work: Any) -> None:
     """serve() in a trusted template (RLPool(trust_env=True)): env.py was
     imported here, so children run the serve loop over its callables (`run`)
     and the probe runs them (`work`, serve's _Probe). From serve_each (an env
     built per lane), `run` is None and `work` the function that builds it and
     serves: every child and the probe call it once they are sandboxes. Never
     returns. main() hands it to serve() (boltzlabs.runtime.serve._fork_server)."""
+    assert confine.prepared is not None  # main() parsed the plan before env.py ran
     _, memory = _warmup(confine.prepared)
     workspace = confine.path_of(confine.prepared, "workspace")
     if run is None:
@@ -638,7 +630,7 @@ def serve_trusted(run, channel_fd: int, work) -> None:
 
 # -- the fork server -----------------------------------------------------------------
 
-def fork_server(child_main, channel_fd: int, probe_main, origin: str, trusted: bool = False) -> None:
+def fork_server(child_main: Any, channel_fd: int, probe_main: Any, origin: str, trusted: bool = False) -> None:
     """The template's loop: fork a child per request. Never returns.
 
     `child_main(channel)` is what an env's child runs once it is a sandbox
@@ -663,7 +655,7 @@ def fork_server(child_main, channel_fd: int, probe_main, origin: str, trusted: b
         os._exit(0)
     if confine.prepared is None:
         raise RuntimeError("the template's set-up did not run (boltzlabs.runtime.template.main); refusing to fork envs")
-    _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "child subreaper")
+    abi.check(abi.libc.prctl(abi.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "child subreaper")
     timeout, _ = _warmup(confine.prepared)
     env_dir = os.path.dirname(_ENV_FILE[0])
     workspace = confine.path_of(confine.prepared, "workspace")
@@ -674,13 +666,13 @@ def fork_server(child_main, channel_fd: int, probe_main, origin: str, trusted: b
     wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    children: dict[int, tuple] = {}  # pid (our namespace) -> (lane, generation)
-    lanes: dict[tuple, int] = {}
+    children: dict[int, tuple[Any, ...]] = {}  # pid (our namespace) -> (lane, generation)
+    lanes: dict[tuple[Any, ...], int] = {}
     # Replies queue here and go out only when the socket takes them: the
     # template must never block on a send while the worker is blocked
     # sending to it (1000 kills answered by 1000 exits would deadlock).
     outbox = bytearray()
-    forked: list = []  # (FORKED frame, the child's pidfd or -1): one packet each, sent before outbox
+    forked: list[Any] = []  # (FORKED frame, the child's pidfd or -1): one packet each, sent before outbox
     control.setblocking(False)
     poller = select.poll()
     poller.register(wake_r, select.POLLIN)
@@ -719,7 +711,8 @@ def fork_server(child_main, channel_fd: int, probe_main, origin: str, trusted: b
                     slot = fds.pop() if has_slot is True else -1
                     main, child_plan = (probe_main, probe_plan) if probe is True else (child_main, plan)
                     try:
-                        pid = _fork_child(main, 0 if probe is True else lane, fds, child_plan, slot)
+                        pid = _fork_child(main, 0 if probe is True else lane, fds, child_plan,  # type: ignore[arg-type]
+                                          slot)  # (a FORK before WARM ended above)
                     except OSError as exc:  # pids.max, memory, a namespace limit: the lane's failure
                         os.write(2, f"boltzlabs: could not make env {lane}'s sandbox: {exc}\n".encode())
                         forked.append((wire.encode([wire.FORKED, lane, generation]), -1))
@@ -732,9 +725,9 @@ def fork_server(child_main, channel_fd: int, probe_main, origin: str, trusted: b
                         forked.append((wire.encode([wire.FORKED, lane, generation]), os.pidfd_open(pid)))
                     fds = []  # closed by _fork_child
                 elif code == wire.KILL and len(message) == 3:
-                    pid = lanes.get((message[1], message[2]))
-                    if pid is not None:
-                        _kill(pid)
+                    target = lanes.get((message[1], message[2]))
+                    if target is not None:
+                        _kill(target)
                 elif code == wire.WARM and len(message) == 3 and plan is None and type(message[1]) is list:
                     if message[2] is True and len(fds) == 1:
                         _ENV_CODE[0] = _read_code(fds[0])  # unread here: see _env_code
@@ -762,14 +755,14 @@ def fork_server(child_main, channel_fd: int, probe_main, origin: str, trusted: b
                 break
             if pid == 0:
                 break
-            key = children.pop(pid, None)
+            key = children.pop(pid, None)  # type: ignore[arg-type]
             if key is not None:
                 lanes.pop(key, None)
                 outbox += wire.encode([wire.EXITED, key[0], key[1], status])
         _flush(control, forked, outbox)
 
 
-def _ready_to_fork() -> "_ChildPlan":
+def _ready_to_fork() -> _ChildPlan:
     """After WARM: the envs' plan, and everything imported frozen, shared copy
     on write by every child."""
     from boltzlabs.runtime import serve as serving  # imported by main() already
@@ -779,6 +772,7 @@ def _ready_to_fork() -> "_ChildPlan":
     # before the forks share pages with the rest of the fork path, which
     # children touch anyway; main()'s sit among the imports' objects
     # (a child touching them copied ~70 KiB more per env, measured).
+    assert confine.prepared is not None  # main() parsed it
     plan = _ChildPlan(confine.Plan(confine.prepared), (os.geteuid(), os.getegid()))
     # Freezing keeps the collector from writing to (and so copying) them.
     _child_hooks.take_out_threading()  # before freeze: get_referrers skips frozen objects
@@ -793,7 +787,7 @@ def _protocol_error(what: str) -> None:
     os._exit(3)
 
 
-def _fit_warmed(report: dict) -> bytes:
+def _fit_warmed(report: dict[str, Any]) -> bytes:
     """The WARMED frame, its lists cut (and marked "truncated") until it fits
     one packet the worker reads."""
     frame = wire.encode([wire.WARMED, report])
@@ -819,7 +813,7 @@ def _flush_all(control: socket.socket, outbox: bytearray) -> None:
         pass
 
 
-def _flush(control: socket.socket, forked: list, outbox: bytearray) -> None:
+def _flush(control: socket.socket, forked: list[Any], outbox: bytearray) -> None:
     """Send what the socket takes now: each FORKED in a packet of its own, with
     the child's pidfd, ahead of the rest (so before that child's EXITED); then
     the other frames, many to a packet."""
@@ -853,7 +847,7 @@ _RECEIVE_BUFFER = bytearray(1 << 16)
 _ANCILLARY_SPACE = socket.CMSG_SPACE(4 * 4)  # a FORK brings two or three fds, and a slot; extra ones are closed
 
 
-def _receive(control: socket.socket):
+def _receive(control: socket.socket) -> Any:
     fds = array.array("i")
     size, ancillary, _, _ = control.recvmsg_into([_RECEIVE_BUFFER], _ANCILLARY_SPACE)
     data = bytes(_RECEIVE_BUFFER[:size])
@@ -863,7 +857,7 @@ def _receive(control: socket.socket):
     return data, list(fds)
 
 
-def _fork_child(main, index: int, fds, plan: _ChildPlan, slot: int = -1) -> int:
+def _fork_child(main: Any, index: int, fds: Any, plan: _ChildPlan, slot: int = -1) -> int:
     """Clone a child into a new user and pid namespace (it makes the others)
     that becomes a sandbox and runs main(channel); returns its pid. The
     template is in the child's cgroup meanwhile (the worker moves it), so
@@ -882,8 +876,9 @@ def _fork_child(main, index: int, fds, plan: _ChildPlan, slot: int = -1) -> int:
     return pid
 
 
-def _child(main, index: int, fds, plan: _ChildPlan, slot: int = -1) -> None:
-    """The env process. Becomes a sandbox, then runs main. Never returns."""
+def _child(main: Any, index: int, fds: Any, plan: _ChildPlan, slot: int = -1) -> None:
+    """The env process. Becomes a sandbox, then runs main. Never returns.
+    A failure before any env code ran exits abi.SET_UP_EXIT (the sandbox's fault, not the env's)."""
     code = 1
     try:
         plan.become_sandbox(index, fds, slot)
@@ -893,7 +888,7 @@ def _child(main, index: int, fds, plan: _ChildPlan, slot: int = -1) -> None:
             os.write(2, f"boltzlabs: env child failed before serving: {exc!r}\n".encode())
         except OSError:
             pass
-        os._exit(code)
+        os._exit(abi.SET_UP_EXIT)
     try:
         main((3,) if len(fds) == 2 else (4, 3))  # (the fd it reads, the fd it writes)
         code = 0
@@ -914,7 +909,7 @@ def _print_exception(exc: BaseException, traceback: bool = True) -> None:
 
             text = "".join(tb.format_exception(exc))
         else:
-            text = f"{exc.code}\n"
+            text = f"{getattr(exc, 'code', None)}\n"  # a SystemExit's
         sys.stdout.flush()
         sys.stderr.flush()
         os.write(2, text.encode("utf-8", "replace"))
@@ -926,7 +921,7 @@ _ENV_FILE: list[str] = []  # env.py's path inside, from main's argv
 # env.py's code, marshalled by the warm-up probe (WARM brings it in a memfd),
 # or None: each child compiles env.py itself. The template never reads these
 # bytes; only its children unmarshal them, each a sandbox of env.py's own.
-_ENV_CODE: list = [None]
+_ENV_CODE: list[Any] = [None]
 
 
 def _read_code(fd: int) -> bytes | None:
@@ -940,7 +935,7 @@ def _read_code(fd: int) -> bytes | None:
     return None
 
 
-def _write_own_quotas(proc_root: int, values: dict) -> None:
+def _write_own_quotas(proc_root: int, values: dict[str, Any]) -> None:
     """The [quotas] sysctls of the template's own user namespace, the one
     every child's namespaces are made in and counted against (ucounts are
     hierarchical): what the children make is capped at namespaces= of each
@@ -962,7 +957,7 @@ def _write_own_quotas(proc_root: int, values: dict) -> None:
             os.close(fd)
 
 
-def main(argv=None) -> None:
+def main(argv: Any=None) -> None:
     """Template entry point: set up, drop privileges, then serve forks of the
     env (untrusted: the zygote, which never runs env code; trusted: env.py,
     imported here first)."""
@@ -985,22 +980,22 @@ def main(argv=None) -> None:
     own.mount_workspace_and_devpts()
     proc = own.proc
     del own  # not kept alive in this frame (the children's pages sit among what follows)
-    flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    flags = abi.MS_NOSUID | abi.MS_NODEV | abi.MS_NOEXEC
     hidden = confine.path_of(values, "hidden_proc")
     _mount("proc", hidden, "proc", flags)
     proc_root = os.open(hidden, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)  # for our own quotas, closed below
     # Cover its parent: the proc stays in the mount table, no path reaches it.
-    _mount("tmpfs", os.path.dirname(hidden), "tmpfs", flags | _MS_RDONLY, "size=4k,mode=0000")
+    _mount("tmpfs", os.path.dirname(hidden), "tmpfs", flags | abi.MS_RDONLY, "size=4k,mode=0000")
     # /proc stays writable here (children write their uid maps through it),
     # but not the sysctls: they are checked against the uid, not capabilities.
     for path in (f"{proc}/sys", f"{proc}/sysrq-trigger"):
         if os.path.exists(path):
-            _mount(path, path, None, _MS_BIND)
-            _mount(None, path, None, _MS_BIND | _MS_REMOUNT | _MS_RDONLY | flags)
+            _mount(path, path, None, abi.MS_BIND)
+            _mount(None, path, None, abi.MS_BIND | abi.MS_REMOUNT | abi.MS_RDONLY | flags)
     # A non-zero uid of our own, so that children may map their root to it
     # without CAP_SETFCAP (see sandbox/policy.toml, [template]).
     uid, gid = confine.number_of(values, "template_uid", 1), confine.number_of(values, "template_gid", 1)
-    seccomp.receive_child_filter(int(os.environ.pop("BOLTZLABS_CHILD_FILTER_FD")))
+    seccomp.receive_child_filter(int(os.environ.pop(abi.CHILD_FILTER_VARIABLE)))
     confine.enter_user_namespace((uid, gid), (os.geteuid(), os.getegid()))
     try:
         _write_own_quotas(proc_root, values)
@@ -1026,5 +1021,5 @@ def main(argv=None) -> None:
         limits.run(env_file)  # its serve() never returns; one that is never called exits NO_SERVE_EXIT
     # The zygote: library modules only.
 
-    fork_server(_lane_main(_run_env_file(env_file)), int(os.environ.pop("BOLTZLABS_FD")),
+    fork_server(_lane_main(_run_env_file(env_file)), int(os.environ.pop(abi.FD_VARIABLE)),
                 _probe_main(_compile_and_run_env_file(env_file), memory, workspace), "the template's own set-up")

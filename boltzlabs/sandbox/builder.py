@@ -15,21 +15,20 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
+from boltzlabs import abi
 from boltzlabs.runtime import confine, template
-from boltzlabs.sandbox import seccomp
 from boltzlabs.sandbox.identity import HostAccount
 from boltzlabs.sandbox.plan import NAMESPACES, Plan, compile_plan
 from boltzlabs.sandbox.policy import Policy, find_bwrap, load_policy
 
-__all__ = ["SandboxSpec", "Policy", "Plan", "load_policy", "find_bwrap", "ARGS_FD"]
+__all__ = ["SandboxSpec", "Policy", "Plan", "load_policy", "find_bwrap"]
 
-# Where bwrap reads its options (`--args ARGS_FD`, NUL-separated), past the
-# channel's fds (3, 4), the seccomp programs' (5, 6) and an observation slot's
-# (7): bwrap closes it once read, and nothing of the options shows in
-# /proc/<pid>/cmdline of bwrap or of the sandbox's pid 1 (a fork of it): no
-# host bind source, no plan.
-ARGS_FD = 9
+# bwrap reads its options from abi.ARGS_FD (`--args`, NUL-separated), past the
+# channel's fds, the seccomp programs' and an observation slot's: bwrap closes
+# it once read, and nothing of the options shows in /proc/<pid>/cmdline of
+# bwrap or of the sandbox's pid 1 (a fork of it): no host bind source, no plan.
 
 
 class SandboxSpec:
@@ -46,8 +45,8 @@ class SandboxSpec:
     """
 
     def __init__(self, policy: Policy, source_dir: Path, workspace_size: int | None = None,
-                 params: dict | None = None, account: HostAccount | None = None, limits: dict | None = None,
-                 *, env_fns: str | None = None, import_roots=(), env_vars: dict | None = None):
+                 params: dict[str, Any] | None = None, account: HostAccount | None = None, limits: dict[str, Any] | None = None,
+                 *, env_fns: str | None = None, import_roots: Any=(), env_vars: dict[str, Any] | None = None) -> None:
         self.account = account
         # RLPool(source, n, **params), read in the env by boltzlabs.env.params().
         self.params_json = json.dumps(params or {}, sort_keys=True)
@@ -112,11 +111,11 @@ class SandboxSpec:
         # Both modes start under the template's filter, which leaves out what
         # the set-up inside needs (mount, ...); the set-up then loads the
         # env's full filter before any env code (boltzlabs.runtime.confine, template.py).
-        args += ["--seccomp", str(seccomp.FILTER_FD)]
+        args += ["--seccomp", str(abi.FILTER_FD)]
         args += ["--chdir", plan.workspace, "--clearenv"]
         for name, value in plan.environment:
             args += ["--setenv", name, value]
-        args += ["--setenv", "BOLTZLABS_PARAMS", self.params_json]
+        args += ["--setenv", abi.PARAMS_VARIABLE, self.params_json]
         return args
 
     def hand_over(self, argv: list[str]) -> tuple[list[str], dict[int, bytes]]:
@@ -125,9 +124,9 @@ class SandboxSpec:
         start = len(self.account.prefix) + 1 if self.account else 1
         end = argv.index("--", start)
         options = b"".join(arg.encode() + b"\0" for arg in argv[start:end])
-        return argv[:start] + ["--args", str(ARGS_FD)] + argv[end:], {ARGS_FD: options}
+        return argv[:start] + ["--args", str(abi.ARGS_FD)] + argv[end:], {abi.ARGS_FD: options}
 
-    def environment(self) -> dict:
+    def environment(self) -> dict[str, Any]:
         """The variables an env sees (besides BOLTZLABS_FD, BOLTZLABS_ENV_INDEX and BOLTZLABS_PARAMS):
         the policy's, those it passes from this environment, the pool's env_vars."""
         return dict(self.plan.environment)
@@ -136,9 +135,9 @@ class SandboxSpec:
         """The seccomp programs a sandbox reads, by fd number (both modes):
         bwrap loads the template's filter from FILTER_FD; the set-up inside
         loads the env's full filter from CHILD_FILTER_FD."""
-        return {seccomp.FILTER_FD: self.plan.filters.template, seccomp.CHILD_FILTER_FD: self.plan.filters.env}
+        return {abi.FILTER_FD: self.plan.filters.template, abi.CHILD_FILTER_FD: self.plan.filters.env}
 
-    def template_argv(self, channel_fds: tuple, open_files: int = 0, trusted: bool = False,
+    def template_argv(self, channel_fds: tuple[Any, ...], open_files: int = 0, trusted: bool = False,
                       namespaces: int = 1) -> list[str]:
         """The command line of the warm template (spawn="template"). Its plan
         (Plan.template_text) carries each child's set-up and rlimits, the
@@ -149,14 +148,14 @@ class SandboxSpec:
         make of each namespace kind together."""
         plan = self.plan
         return self._template_head + [
-            "--setenv", "BOLTZLABS_FD", ",".join(map(str, channel_fds)),
+            "--setenv", abi.FD_VARIABLE, ",".join(map(str, channel_fds)),
             "--setenv", confine.VARIABLE, plan.template_text(open_files, trusted, namespaces),
-            "--setenv", "BOLTZLABS_CHILD_FILTER_FD", str(seccomp.CHILD_FILTER_FD),
+            "--setenv", abi.CHILD_FILTER_VARIABLE, str(abi.CHILD_FILTER_FD),
             "--", plan.executable, *plan.interpreter_flags,
             "-c", template.BOOTSTRAP, f"{plan.env_dir}/env.py",
         ]
 
-    def argv(self, channel_fds: tuple, env_index: int) -> list[str]:
+    def argv(self, channel_fds: tuple[Any, ...], env_index: int) -> list[str]:
         """The full command line of one env's sandbox, its channel on
         `channel_fds` (a socket's fd, or the read then the write pipe's:
         $BOLTZLABS_FD, "3" or "4,3"). boltzlabs.runtime.confine sets the env's
@@ -164,8 +163,8 @@ class SandboxSpec:
         plan = self.plan
         return self._head + [
             "--setenv", confine.VARIABLE, self._child_text,
-            "--setenv", "BOLTZLABS_CHILD_FILTER_FD", str(seccomp.CHILD_FILTER_FD),
-            "--setenv", "BOLTZLABS_FD", ",".join(map(str, channel_fds)),
-            "--setenv", "BOLTZLABS_ENV_INDEX", str(env_index),
+            "--setenv", abi.CHILD_FILTER_VARIABLE, str(abi.CHILD_FILTER_FD),
+            "--setenv", abi.FD_VARIABLE, ",".join(map(str, channel_fds)),
+            "--setenv", abi.ENV_INDEX_VARIABLE, str(env_index),
             "--", plan.executable, *plan.interpreter_flags, "-c", confine.BOOTSTRAP, f"{plan.env_dir}/env.py",
         ]

@@ -65,8 +65,9 @@ import signal
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from boltzlabs.errors import CgroupUnavailable  # noqa: F401 - cgroups.CgroupUnavailable, its old home
+from boltzlabs.errors import CgroupUnavailable
 
 LEAF = "boltzlabs-procs"  # v2: where the worker and its process tree go to make room
 # v2 controllers a pool needs: memory (accounting, memory_limit), pids (the
@@ -76,7 +77,7 @@ NEEDED = ("memory", "pids")
 HOST_DOC = "docs/host.md#cgroup-v2-and-systemd"
 
 
-def _own_cgroups(pid: int | str = "self"):
+def _own_cgroups(pid: int | str = "self") -> Any:
     """{controller or '' (v2): path} of a process, from /proc/<pid>/cgroup."""
     out = {}
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
@@ -86,7 +87,7 @@ def _own_cgroups(pid: int | str = "self"):
     return out
 
 
-def _mounts():
+def _mounts() -> Any:
     """[(mount point, fstype, super options)] from /proc/self/mountinfo."""
     out = []
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
@@ -114,8 +115,8 @@ def _read_limit(path: Path) -> int | None:
     return None if text == "max" else int(text)
 
 
-def _read_stat(path: Path) -> dict:
-    stats = {}
+def _read_stat(path: Path) -> dict[str, int]:
+    stats: dict[str, int] = {}
     for line in path.read_text().splitlines():
         key, _, value = line.partition(" ")
         if value.strip().isdigit():
@@ -144,7 +145,17 @@ class _Backend:
 
     version = ""
 
-    def __init__(self, home: Path | None):
+    # The freezer, where the version has one (v1's freezer controller, v2's cgroup.freeze).
+    def freeze(self, group: Path) -> None:
+        raise NotImplementedError
+
+    def thaw(self, group: Path) -> None:
+        raise NotImplementedError
+
+    def frozen(self, group: Path) -> bool:
+        raise NotImplementedError
+
+    def __init__(self, home: Path | None) -> None:
         self.home = home
         self.procs_home = home
         self.note = ""  # what the backend did to make room, for doctor
@@ -252,7 +263,7 @@ class _V1(_Backend):
 class _V2(_Backend):
     version = "v2"
 
-    def __init__(self, start: Path | None, make_room: bool = True):
+    def __init__(self, start: Path | None, make_room: bool = True) -> None:
         super().__init__(start)
         self.start = start  # the cgroup this process started in
         self.leaf: Path | None = None  # the leaf of the room it uses (and undoes if last)
@@ -265,6 +276,7 @@ class _V2(_Backend):
 
     def _make_room(self) -> None:
         start = self.start
+        assert start is not None  # only called with a start
         controllers = _words(start / "cgroup.controllers")
         if "memory" not in controllers:
             raise CgroupUnavailable(
@@ -341,7 +353,7 @@ class _V2(_Backend):
                 "once no process is left in it, and these are not ours to move. " + delegation_fix())
         return ours
 
-    def _enable(self, group: Path, controllers) -> bool:
+    def _enable(self, group: Path, controllers: Any) -> bool:
         """Enable `controllers` in group's subtree_control (those not yet on); False on EBUSY."""
         have = _words(group / "cgroup.subtree_control")
         for name in controllers:
@@ -514,9 +526,11 @@ def _classify(pids: list[int]) -> tuple[list[int], list[int]]:
     while parent in here:
         top, parent = parent, _ppid(parent)
     verdict = {top: True}
-    ours, foreign = [], []
+    ours: list[int] = []
+    foreign: list[int] = []
     for pid in pids:
-        chain, current = [], pid
+        chain: list[int] = []
+        current = pid
         while current not in verdict and current > 1 and len(chain) < 4096:
             chain.append(current)
             current = _ppid(current)
@@ -527,7 +541,7 @@ def _classify(pids: list[int]) -> tuple[list[int], list[int]]:
     return ours, foreign
 
 
-def _v2_start(own: dict, mounts) -> Path | None:
+def _v2_start(own: dict[str, Any], mounts: Any) -> Path | None:
     """This process's cgroup in the cgroup2 tree, if one is mounted."""
     if "" not in own:
         return None
@@ -623,7 +637,7 @@ def sweep_stale(homes: list[Path]) -> None:
         remove_pool_dir(pools, timeout=1.0)
 
 
-def remove_pool_dir(path, timeout: float = 5.0) -> bool:
+def remove_pool_dir(path: Any, timeout: float = 5.0) -> bool:
     """Kill whatever is left in a pool cgroup and remove it with its children.
     `path` may be a list of them (one per hierarchy): every hierarchy's tasks
     are killed and thawed before any directory is waited for, since a frozen
@@ -639,7 +653,7 @@ def remove_pool_dir(path, timeout: float = 5.0) -> bool:
     return all([_rmdir(pool, deadline) for pool in pools]) and ok
 
 
-def _rmdir(path: Path, deadline: float = 0.0, reap=None) -> bool:
+def _rmdir(path: Path, deadline: float = 0.0, reap: Any=None) -> bool:
     """Remove a cgroup, killing what is in it until it is empty (or deadline).
     `reap()` reaps the caller's exited children: a zombie keeps a cgroup busy."""
     while True:
@@ -686,7 +700,7 @@ class CgroupPool:
     """
 
     def __init__(self, memory_limit: int | None = None, pids_max: int | None = None, freezer: bool = False,
-                 pool_pids: int | None = None):
+                 pool_pids: int | None = None) -> None:
         self.memory_limit = memory_limit
         self.pids_max = pids_max
         self.pool_pids = pool_pids
@@ -739,8 +753,8 @@ class CgroupPool:
             if home is not None:
                 self._homes.append(home / "cgroup.procs")
         # key -> [memory group, pids group (v1) if any, freezer group (v1) if any]
-        self._groups: dict = {}
-        self._frozen_group: dict = {}  # key -> the group whose freezer holds it
+        self._groups: dict[Any, Any] = {}
+        self._frozen_group: dict[Any, Any] = {}  # key -> the group whose freezer holds it
 
     @property
     def version(self) -> str:
@@ -759,12 +773,12 @@ class CgroupPool:
         control = self.path / "cgroup.subtree_control"  # v2: enabled for the envs by prepare_pool
         return self.version == "v2" and "pids" in _words(control)
 
-    def group(self, key) -> Path:
+    def group(self, key: Any) -> Path:
         """The (memory) cgroup of env `key` (an int) or of a pool part (a name),
         made on first use."""
         return self._made(key)[0]
 
-    def remove(self, key, deadline: float, reap=None) -> bool:
+    def remove(self, key: Any, deadline: float, reap: Any=None) -> bool:
         """Kill what is in `key`'s cgroups and remove them (a pool part that is
         done: the warm-up probe's); False if one would not go by `deadline`."""
         if key not in self._groups:
@@ -778,7 +792,7 @@ class CgroupPool:
             self._frozen_group.pop(key, None)
         return ok
 
-    def _made(self, key) -> list[Path]:
+    def _made(self, key: Any) -> list[Path]:
         groups = self._groups.get(key)
         if groups is None:
             name = f"env-{key}" if isinstance(key, int) else key
@@ -797,7 +811,7 @@ class CgroupPool:
         return groups
 
     @contextmanager
-    def moving(self, pid: int, key, home):
+    def moving(self, pid: int, key: Any, home: Any) -> Any:
         """Run the body with process `pid` (0: this one) in `key`'s cgroup, then
         put it back in `home`'s (None: the worker's own cgroup)."""
         for group in self._joined(key):
@@ -809,13 +823,13 @@ class CgroupPool:
             for procs in homes:
                 procs.write_text(str(pid))
 
-    def procs_files(self, key) -> list[Path]:
+    def procs_files(self, key: Any) -> list[Path]:
         """The cgroup.procs file of each of `key`'s cgroups (one per hierarchy):
         a process that writes 0 to each joins them, itself alone, where
         `moving(0, ...)` would move every thread of the caller."""
         return [group / "cgroup.procs" for group in self._joined(key)]
 
-    def _joined(self, key) -> list[Path]:
+    def _joined(self, key: Any) -> list[Path]:
         """Every group a process of `key` is in, one per hierarchy."""
         groups = self._made(key)
         if self.freezer_path is not None:
@@ -832,7 +846,7 @@ class CgroupPool:
     def frozen(self, index: int) -> bool:
         return self.backend.frozen(self._frozen_group[index])
 
-    def usage(self, key) -> int:
+    def usage(self, key: Any) -> int:
         return self.backend.usage(self.group(key))
 
     def total(self) -> int:
@@ -883,7 +897,7 @@ class CgroupPool:
         no other pool needs it; the worker's guardian calls it too."""
         return self.backend.release()
 
-    def close(self, deadline: float, reap=None) -> bool:
+    def close(self, deadline: float, reap: Any=None) -> bool:
         """Kill what is left, remove every cgroup made; False if one would not go.
         `reap()`, if given, reaps the caller's exited children between tries."""
         ok = True
@@ -891,7 +905,7 @@ class CgroupPool:
             self.backend.kill(groups[0])
             if self.freezes:
                 self.thaw(key)
-        for key, groups in self._groups.items():
+        for key in self._groups:
             for group in self._joined(key):
                 ok &= _rmdir(group, deadline, reap)
         self._groups.clear()
@@ -908,7 +922,7 @@ class PoolView:
     same backends the worker uses: tests and diagnostics never name a file of
     one cgroup version. `key` is an env index or a pool part's name."""
 
-    def __init__(self, paths):
+    def __init__(self, paths: Any) -> None:
         self.paths = [Path(p) for p in paths]
         self.by_controller: dict[str, Path] = {}  # "memory" / "pids" / "freezer" -> the pool in that hierarchy
         v2 = False
@@ -926,39 +940,39 @@ class PoolView:
         self.backend = _V2(None, make_room=False) if v2 else _V1(None)
         self.version = self.backend.version
 
-    def group(self, key, controller: str = "memory") -> Path:
+    def group(self, key: Any, controller: str = "memory") -> Path:
         """Env `key`'s cgroup in the hierarchy of `controller`."""
         return self.by_controller[controller] / (f"env-{key}" if isinstance(key, int) else key)
 
     def pool(self, controller: str = "pids") -> Path:
         return self.by_controller[controller]
 
-    def procs(self, key) -> set[int]:
+    def procs(self, key: Any) -> set[int]:
         return set(self.backend.procs(self.group(key)))
 
-    def memory_limit(self, key) -> int | None:
+    def memory_limit(self, key: Any) -> int | None:
         return self.backend.memory_limit(self.group(key))
 
-    def swap_limit(self, key) -> int | None:
+    def swap_limit(self, key: Any) -> int | None:
         return self.backend.swap_limit(self.group(key))
 
-    def swap_used(self, key) -> int:
+    def swap_used(self, key: Any) -> int:
         return self.backend.swap_used(self.group(key))
 
-    def oom_kills(self, key) -> int:
+    def oom_kills(self, key: Any) -> int:
         return self.backend.oom_kills(self.group(key))
 
-    def pids_limit(self, key=None) -> int | None:
+    def pids_limit(self, key: Any=None) -> int | None:
         """Env `key`'s pids limit; None for the pool's own (limits.pool_pids)."""
         return self.backend.pids_limit(self.pool() if key is None else self.group(key, "pids"))
 
-    def pids_current(self, key=None) -> int:
+    def pids_current(self, key: Any=None) -> int:
         return self.backend.pids_current(self.pool() if key is None else self.group(key, "pids"))
 
-    def pids_refused(self, key) -> int:
+    def pids_refused(self, key: Any) -> int:
         return self.backend.pids_refused(self.group(key, "pids"))
 
-    def frozen(self, key) -> bool:
+    def frozen(self, key: Any) -> bool:
         return self.backend.frozen(self.group(key, "freezer"))
 
     def cgroup_of(self, pid: int, controller: str = "memory") -> Path | None:

@@ -33,7 +33,6 @@ Kernel facts this depends on:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import glob
 import grp
 import os
@@ -42,20 +41,12 @@ import shutil
 import stat
 import tempfile
 from dataclasses import dataclass, field
+from typing import Any
 
+from boltzlabs import abi
 from boltzlabs.errors import SandboxUnavailable
 
-_CLONE_NEWNS = 0x00020000
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_SLAVE = 2, 4, 8, 4096, 16384, 1 << 19
-_MNT_DETACH = 2
-_libc = ctypes.CDLL(None, use_errno=True)
 _FIX = "set [identity] host_user in sandbox/policy.toml to an existing unprivileged account"
-
-
-def _check(result: int, what: str) -> None:
-    if result != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
 
 
 def may(st: os.stat_result, uid: int, gid: int, bits: int) -> bool:
@@ -93,7 +84,7 @@ class HostAccount:
     gid: int
     inside: tuple[int, int]
     prefix: tuple[str, ...] = ()
-    _staged: dict = field(default_factory=dict)
+    _staged: dict[str, str] = field(default_factory=dict)
     _stage_dir: str | None = None
 
     @property
@@ -122,7 +113,7 @@ class HostAccount:
                 os.mkdir(node)
             else:
                 open(node, "x").close()
-            _check(_libc.mount(path.encode(), node.encode(), None, _MS_BIND | _MS_REC, None), f"bind {path}")
+            abi.check(abi.libc.mount(path.encode(), node.encode(), None, abi.MS_BIND | abi.MS_REC, None), f"bind {path}")
             self._staged[path] = node
         return self._staged[path]
 
@@ -130,7 +121,7 @@ class HostAccount:
         """Remove the staging directory (its mounts go with the worker's namespace)."""
         if self._stage_dir is None:
             return
-        _libc.umount2(self._stage_dir.encode(), _MNT_DETACH)
+        abi.libc.umount2(self._stage_dir.encode(), abi.MNT_DETACH)
         try:
             os.rmdir(self._stage_dir)
         except OSError:
@@ -143,8 +134,8 @@ def _private_stage_dir() -> str:
     """Move the worker into a mount namespace of its own (a slave of the host's:
     nothing mounted here propagates out) and mount a small tmpfs the account
     can walk through (mode 0711: through, not list). Returns its path."""
-    _check(_libc.unshare(_CLONE_NEWNS), "unshare a mount namespace for the worker")
-    _check(_libc.mount(None, b"/", None, _MS_REC | _MS_SLAVE, None), "make / a slave mount")
+    abi.check(abi.libc.unshare(abi.CLONE_NEWNS), "unshare a mount namespace for the worker")
+    abi.check(abi.libc.mount(None, b"/", None, abi.MS_REC | abi.MS_SLAVE, None), "make / a slave mount")
     # An empty directory on the host (the tmpfs is only in our namespace);
     # close() removes it; one left by a worker killed before it could (its pid
     # is in the name, and gone) is swept here. A live worker's looks empty
@@ -155,12 +146,12 @@ def _private_stage_dir() -> str:
             with contextlib.suppress(OSError):
                 os.rmdir(stale)
     path = tempfile.mkdtemp(prefix=f"boltzlabs-binds-{os.getpid()}-")
-    _check(_libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC,
+    abi.check(abi.libc.mount(b"tmpfs", path.encode(), b"tmpfs", abi.MS_NOSUID | abi.MS_NODEV | abi.MS_NOEXEC,
                        b"size=64k,mode=0711"), f"mount a tmpfs on {path}")
     return path
 
 
-def host_account(policy_identity: dict) -> HostAccount:
+def host_account(policy_identity: dict[str, Any]) -> HostAccount:
     """Resolve the policy's [identity] for this worker; see the module docstring."""
     inside = (int(policy_identity.get("uid", 0)), int(policy_identity.get("gid", 0)))
     if os.geteuid() != 0:

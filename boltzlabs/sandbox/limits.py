@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from boltzlabs.runtime.rlimits import RLIMITS
 from boltzlabs.units import parse_size
@@ -31,7 +32,7 @@ def host_tasks() -> int:
     return min(int(Path("/proc/sys/kernel", name).read_text()) for name in ("pid_max", "threads-max"))
 
 
-def task_count(value, what: str = "env limit pool_pids") -> int:
+def task_count(value: Any, what: str = "env limit pool_pids") -> int:
     """A whole pool's task cap: a count, or "N%" of host_tasks(); always below
     host_tasks(). ValueError names `what` and the host's figures."""
     host = host_tasks()
@@ -50,10 +51,11 @@ def task_count(value, what: str = "env limit pool_pids") -> int:
     if value >= host:
         raise ValueError(f"{what}={value} is not below this host's task limit of {host} (the smaller of "
                          "kernel.pid_max and kernel.threads-max): the pool could take every task of the host")
-    return value
+    count: int = value
+    return count
 
 
-def resolve(table: dict, overrides: dict | None = None, memory_limit=None) -> dict:
+def resolve(table: dict[str, Any], overrides: dict[str, Any] | None = None, memory_limit: Any=None) -> dict[str, Any]:
     """The pool's env limits: the policy's [env_limits] `table` with `overrides`
     (RLPool(limits=...)) and `memory_limit` applied, checked. Raises
     ValueError/TypeError naming the key and what it accepts."""
@@ -85,7 +87,7 @@ def resolve(table: dict, overrides: dict | None = None, memory_limit=None) -> di
     return out
 
 
-def encode(limits: dict, open_files: int | None = None) -> str:
+def encode(limits: dict[str, Any], open_files: int | None = None) -> str:
     """The rlimits of `limits` as the text `apply` reads ("NOFILE=1024,..."),
     with `open_files` in place of the env's own when given (the template's)."""
     values = {key: limits[key] for key in RLIMITS if key in limits}

@@ -22,6 +22,7 @@ import site
 import sys
 import sysconfig
 from dataclasses import dataclass
+from typing import Any
 
 from boltzlabs.errors import SandboxUnavailable
 from boltzlabs.runtime import confine
@@ -93,7 +94,7 @@ class Plan:
     executable: str
     interpreter_flags: tuple[str, ...]
     warmup_timeout: float
-    limits: dict
+    limits: dict[str, Any]
     filters: seccomp.Filters
     relocations: tuple[tuple[str, str], ...]
     relocate_tmp: str
@@ -128,7 +129,7 @@ class Plan:
             "namespaces": int(namespaces),
         })
 
-    def _child_items(self) -> dict:
+    def _child_items(self) -> dict[str, Any]:
         return {
             "unshare": ",".join(ns for ns in self.namespaces if ns not in _REQUIRED),
             "uid": self.inside_ids[0], "gid": self.inside_ids[1],
@@ -139,16 +140,17 @@ class Plan:
         }
 
 
-def _inside(path: str, relocations, tmp: str, relocate_tmp: str) -> str:
+def _inside(path: str, relocations: Any, tmp: str, relocate_tmp: str) -> str:
     for host, inside in relocations:
         if _below(path, host):
-            return inside + path[len(host):]
+            moved: str = inside + path[len(host):]
+            return moved
     if tmp and _below(path, tmp):
         return relocate_tmp + path[len(tmp):]
     return path
 
 
-def _with_setfcap(cap_add: tuple, inside_ids: tuple) -> tuple:
+def _with_setfcap(cap_add: tuple[Any, ...], inside_ids: tuple[Any, ...]) -> tuple[Any, ...]:
     """Exec mode's set-up capabilities: [process] cap_add, and CAP_SETFCAP when
     [identity] uid or gid is not 0. The set-up maps them onto uid 0 of
     bubblewrap's namespace (boltzlabs.runtime.confine.Plan.become_ids), which
@@ -159,9 +161,9 @@ def _with_setfcap(cap_add: tuple, inside_ids: tuple) -> tuple:
     return tuple(cap_add)
 
 
-def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, limits: dict | None = None,
-                 account: HostAccount | None = None, *, env_fns: str | None = None, import_roots=(),
-                 env_vars: dict | None = None, inherited: dict | None = None) -> Plan:
+def compile_plan(policy: Policy, source_dir: Any, workspace_size: int | None = None, limits: dict[str, Any] | None = None,
+                 account: HostAccount | None = None, *, env_fns: str | None = None, import_roots: Any=(),
+                 env_vars: dict[str, Any] | None = None, inherited: dict[str, Any] | None = None) -> Plan:
     """Check the policy and compile the plan of one pool's sandboxes.
 
     `source_dir`: the env's directory; `workspace_size`: bytes, None for the
@@ -218,7 +220,9 @@ def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, 
     roots, path_before, path_after = _import_roots(policy.mounts["interpreter"], import_roots, relocations)
     relocations += roots
     relocate_tmp = read.path("workspace", "relocate_tmp")
-    inside = lambda p: _inside(p, relocations, tmp_link, relocate_tmp)  # noqa: E731
+    def inside(p: str) -> str:
+        return _inside(p, relocations, tmp_link, relocate_tmp)
+
     values = {
         "base_prefix": sys.base_prefix,
         "site_packages": site_packages,
@@ -332,7 +336,7 @@ _NEVER_PASSED_NAMES = frozenset((
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
 
-def refused_variable(name: str, fixed) -> str | None:
+def refused_variable(name: str, fixed: Any) -> str | None:
     """Why the variable `name` may not be passed into a sandbox, or None."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         return "is not a variable name (letters, digits and '_')"
@@ -344,7 +348,7 @@ def refused_variable(name: str, fixed) -> str | None:
     return None
 
 
-def _passed(read: Reader, fixed: dict, env_vars: dict | None, inherited) -> tuple:
+def _passed(read: Reader, fixed: dict[str, Any], env_vars: dict[str, Any] | None, inherited: Any) -> tuple[Any, ...]:
     """The variables an env gets besides the policy's own: those of
     [pass_environment] names that are set in `inherited`, then the pool's
     `env_vars` (ValueError for one that may not be passed)."""
@@ -367,7 +371,7 @@ def _passed(read: Reader, fixed: dict, env_vars: dict | None, inherited) -> tupl
     return tuple(passed.items())
 
 
-def _import_roots(interpreter: dict, import_roots, relocations) -> tuple[list, list, list]:
+def _import_roots(interpreter: dict[str, Any], import_roots: Any, relocations: Any) -> tuple[list[Any], list[Any], list[Any]]:
     """(host path, inside) relocations for what the trainer imports from outside
     its site-packages (`import_roots`: [path, kind, name] from
     boltzlabs/pool/imports.py), each bound at import_dir/<k>; and the PYTHONPATH
@@ -375,7 +379,9 @@ def _import_roots(interpreter: dict, import_roots, relocations) -> tuple[list, l
     and those of .pth files and editable finders ("pth", "package": after). A
     root the sandbox sees already (below a site-packages directory, the
     interpreter or /usr) is not bound again: its entry names where it is."""
-    roots, before, after = [], [], []
+    roots: list[tuple[str, ...]] = []
+    before: list[str] = []
+    after: list[str] = []
     base = interpreter.get("import_dir", "/opt/import")
     seen = set()
     for item in import_roots or ():
@@ -404,13 +410,13 @@ def _import_roots(interpreter: dict, import_roots, relocations) -> tuple[list, l
     return roots, before, after
 
 
-def _relocations(interpreter: dict) -> tuple[list, list]:
+def _relocations(interpreter: dict[str, Any]) -> tuple[list[Any], list[Any]]:
     """(host path, inside) pairs for the interpreter and its site-packages
     (mounts/interpreter.toml), and those site-packages."""
     relocations = []
     if not _below(sys.base_prefix, "/usr"):
         relocations.append((sys.base_prefix, interpreter["python_dir"]))
-    site_packages = []
+    site_packages: list[str] = []
     for path in site.getsitepackages():
         if os.path.isdir(path) and not _below(path, sys.base_prefix) and not _below(path, "/usr") \
                 and os.path.realpath(path) not in map(os.path.realpath, site_packages):
@@ -419,16 +425,17 @@ def _relocations(interpreter: dict) -> tuple[list, list]:
     return relocations, site_packages
 
 
-def _expand(text: str, values: dict) -> list[str]:
+def _expand(text: str, values: dict[str, Any]) -> list[str]:
     key = text[1:-1] if text.startswith("{") and text.endswith("}") else None
     if key is not None and isinstance(values.get(key), list):
         return list(values[key])
     return [text.format(**values)]
 
 
-def _mount_ops(policy: Policy, values: dict, account: HostAccount | None, inside) -> list[tuple]:
+def _mount_ops(policy: Policy, values: dict[str, Any], account: HostAccount | None, inside: Any) -> list[tuple[Any, ...]]:
     """(flag, [source,] dest) operations from the mount profiles, in order."""
-    ops, seen = [], set()
+    ops: list[tuple[Any, ...]] = []
+    seen: set[str] = set()
     for profile in MOUNT_PROFILES:
         for entry in policy.mounts[profile].get("mount", []):
             for source in _expand(entry["source"], values):

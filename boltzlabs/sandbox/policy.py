@@ -19,8 +19,9 @@ import shutil
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from boltzlabs.errors import SandboxUnavailable
+from boltzlabs.errors import PolicyError, SandboxUnavailable
 from boltzlabs.wire import MAX_DEPTH
 from boltzlabs.sandbox import limits as _limits
 from boltzlabs.units import parse_size
@@ -67,7 +68,7 @@ class Reader:
 
     Every read of the policy goes through one of these (Policy.reader(),
     and the typed accessors on Policy built on it): a key the file lacks, a
-    value of the wrong type or out of its range is a SandboxUnavailable
+    value of the wrong type or out of its range is a PolicyError
     that names the key, the file and the fix. No default lives in code: an
     operator's policy.toml is a whole copy of the shipped one."""
 
@@ -75,13 +76,13 @@ class Reader:
         self.policy: Policy = policy  # what is read
         self.source: str = policy.path or "sandbox/policy.toml"  # the file, for error messages
 
-    def fail(self, key: str, what: str, value) -> SandboxUnavailable:
+    def fail(self, key: str, what: str, value: Any) -> PolicyError:
         hint = ("fix it, or unset BOLTZLABS_POLICY to use the shipped one" if os.environ.get("BOLTZLABS_POLICY")
                 else "fix it, or reinstall boltzlabs")
         if value is _MISSING:
-            return SandboxUnavailable(f"the sandbox policy {self.source} has no {key}; it must be {what} "
+            return PolicyError(f"the sandbox policy {self.source} has no {key}; it must be {what} "
                                       f"(sandbox/policy.toml has each key with its comment); {hint}")
-        return SandboxUnavailable(f"the sandbox policy {self.source}: {key} must be {what}, not {value!r}; {hint}")
+        return PolicyError(f"the sandbox policy {self.source}: {key} must be {what}, not {value!r}; {hint}")
 
     def table(self, table: str) -> dict:
         """The table [table] (dotted: "quotas.user_namespace"), which must be there."""
@@ -174,9 +175,9 @@ class Policy:
     """The sandbox policy, every file read once: sandbox/policy.toml (`sandbox`,
     from `path`), the mount profiles (`mounts`) and sandbox/seccomp.toml (`seccomp`)."""
 
-    sandbox: dict
-    mounts: dict  # profile name -> list of mount entries
-    seccomp: dict = field(default_factory=dict)
+    sandbox: dict[str, Any]
+    mounts: dict[str, Any]  # profile name -> list of mount entries
+    seccomp: dict[str, Any] = field(default_factory=dict)
     path: str = ""
 
     def reader(self) -> Reader:
@@ -208,7 +209,7 @@ class Policy:
         """[env_limits] as written (boltzlabs.sandbox.limits.resolve checks each value)."""
         return self.reader().table("env_limits")
 
-    def env_limits(self, overrides: dict | None = None, memory_limit=None) -> dict:
+    def env_limits(self, overrides: dict[str, Any] | None = None, memory_limit: Any=None) -> dict[str, Any]:
         """[env_limits] with a pool's overrides, checked (boltzlabs.sandbox.limits.resolve)."""
         return _limits.resolve(self.env_limits_table(), overrides, memory_limit)
 
@@ -241,8 +242,8 @@ def load_policy() -> Policy:
     return Policy(sandbox, mounts, seccomp, str(path))
 
 
-def _read(path, variable: str | None = None) -> dict:
-    """A policy file as TOML; SandboxUnavailable naming it (and `variable`, the
+def _read(path: Any, variable: str | None = None) -> dict[str, Any]:
+    """A policy file as TOML; PolicyError naming it (and `variable`, the
     environment variable that can name an operator's own file instead) if not."""
     try:
         with open(path, "rb") as f:
@@ -252,7 +253,7 @@ def _read(path, variable: str | None = None) -> dict:
             fix = f"fix it, or unset {variable} to use the shipped one"
         else:
             fix = "reinstall boltzlabs"
-        raise SandboxUnavailable(f"cannot read the sandbox policy file {path} ({exc}); {fix}") from None
+        raise PolicyError(f"cannot read the sandbox policy file {path} ({exc}); {fix}") from exc
 
 
 def find_bwrap() -> str:

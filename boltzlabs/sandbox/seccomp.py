@@ -28,18 +28,17 @@ import errno
 import fcntl
 import os
 from dataclasses import dataclass
+from typing import Any
 
+from boltzlabs import abi
 from boltzlabs.errors import SandboxUnavailable, SeccompPolicyError
-from boltzlabs.runtime import confine
 
-__all__ = ["FILTER_FD", "CHILD_FILTER_FD", "Filters", "SeccompPolicyError", "compile_rules",
+__all__ = ["Filters", "compile_rules",
            "compile_filter", "program_fd"]
 
-FILTER_FD = 5  # (past the channel: fds 3 and 4) where bubblewrap reads the program it loads (--seccomp)
-CHILD_FILTER_FD = 6  # where the template reads the program each forked env loads
 
 _BPF_MAXINSNS = 4096
-_INSTRUCTION = confine.BPF_INSTRUCTION
+_INSTRUCTION = abi.BPF_INSTRUCTION
 
 
 @dataclass(frozen=True)
@@ -51,13 +50,13 @@ class Filters:
     template: bytes
 
 
-def compile_rules(rules: dict) -> Filters:
+def compile_rules(rules: dict[str, Any]) -> Filters:
     """Both programs of a parsed seccomp.toml (Policy.seccomp, read by
     boltzlabs.sandbox.policy.load_policy with the rest of the policy)."""
     return Filters(env=compile_filter(rules), template=compile_filter(rules, template=True))
 
 
-def _libseccomp():
+def _libseccomp() -> Any:
     try:
         import pyseccomp
     except (ImportError, RuntimeError, OSError) as exc:  # RuntimeError: pyseccomp found no libseccomp
@@ -67,14 +66,14 @@ def _libseccomp():
     return pyseccomp
 
 
-def _errno(name, where: str) -> int:
+def _errno(name: Any, where: str) -> int:
     value = getattr(errno, str(name), None)
     if not isinstance(value, int):
         raise SeccompPolicyError(f"{where}: unknown errno {name!r}; use a name from the errno module, like 'EPERM'")
     return value
 
 
-def _value(value, constants: dict, where: str) -> int:
+def _value(value: Any, constants: dict[str, Any], where: str) -> int:
     if isinstance(value, str):
         if value not in constants:
             raise SeccompPolicyError(f"{where}: {value!r} is not defined in [constants]")
@@ -84,7 +83,7 @@ def _value(value, constants: dict, where: str) -> int:
     return value
 
 
-def _conditions(sc, when, constants: dict, where: str) -> list[tuple]:
+def _conditions(sc: Any, when: Any, constants: dict[str, Any], where: str) -> list[tuple[Any, ...]]:
     """A rule's `when` as alternatives, each a tuple of libseccomp comparisons."""
     if when is None:
         return [()]
@@ -104,7 +103,7 @@ def _conditions(sc, when, constants: dict, where: str) -> list[tuple]:
     raise SeccompPolicyError(f"{where}: `when` needs one of equals, not_equal or any_bit")
 
 
-def compile_filter(rules: dict, *, template: bool = False) -> bytes:
+def compile_filter(rules: dict[str, Any], *, template: bool = False) -> bytes:
     """Compile a parsed seccomp.toml to a BPF program for this machine's ABI.
 
     `template=True` leaves out the syscalls in [template].allow."""
@@ -153,7 +152,7 @@ def compile_filter(rules: dict, *, template: bool = False) -> bytes:
 
 
 @contextlib.contextmanager
-def program_fd(program: bytes):
+def program_fd(program: bytes) -> Any:
     """`with program_fd(program) as fd:` a sealed memfd holding `program` at
     offset 0, at fd >= 10 (so that dup2 onto FILTER_FD and CHILD_FILTER_FD in
     a spawned process never overwrites a source), closed on exit."""

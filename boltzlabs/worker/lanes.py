@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 
 from boltzlabs import wire
-from boltzlabs.errors import LaneStateError  # noqa: F401 (raised here; tests import it from here too)
+from boltzlabs.errors import LaneStateError
 
 
 class State(enum.Enum):
@@ -41,6 +41,10 @@ class State(enum.Enum):
     FINISHED_BUSY = ("finished", "busy", True)  # held for recv, and the env still owes a reply
     FINISHED_DEAD = ("finished", "dead", False)  # held for recv (a failure), and the env is dead
     DEAD = ("dead", "dead", False)
+
+    # Set once the table below is built: the states it may move to, and where each event takes it.
+    next: tuple[State, ...]
+    after: dict[str, State]
 
     def __init__(self, shown: str, process: str, due: bool):
         self.shown = shown
@@ -103,7 +107,7 @@ class Lane:
 
     __slots__ = ("index", "state", "pid", "chan", "wchan", "logfd", "reader", "log", "seq",
                  "out", "cause", "held", "started", "events_base", "generation", "expect",
-                 "result", "deadline", "done_at")
+                 "result", "deadline", "done_at", "exit_code")
 
     def __init__(self, index: int, limits: wire.Limits):
         self.index = index
@@ -124,6 +128,7 @@ class Lane:
         self.result: tuple | None = None  # held for recv: (obs, reward, terminated, truncated, info)
         self.deadline = 0.0  # IN_FLIGHT: when it becomes a straggler (inf while queued at the gate)
         self.done_at = 0.0  # held for recv: when the result was ready (for queued_ms)
+        self.exit_code: int | None = None  # its last process's, once dead (os.waitstatus_to_exitcode)
 
     def to(self, state: State) -> None:
         """Move to `state`, if the table declares the move; else LaneStateError."""

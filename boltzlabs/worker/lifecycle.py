@@ -50,12 +50,13 @@ import os
 import resource
 import signal
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import msgpack
 
-from boltzlabs import wire
-from boltzlabs.runtime.rlimits import NO_SERVE_EXIT
+from boltzlabs import abi, wire
+from boltzlabs.abi import PR_SET_NAME
+from boltzlabs.errors import ProtocolError, TemplateUnavailable, describe_status, exit_signal
 from boltzlabs.sandbox.builder import SandboxSpec
 from boltzlabs.sandbox.cgroups import CgroupPool
 from boltzlabs.worker.config import PoolConfig
@@ -63,9 +64,7 @@ from boltzlabs.worker.confinement import Confinement
 from boltzlabs.worker.lanes import BUSY, IDLE, IN_FLIGHT, STARTING, Lane
 from boltzlabs.worker.reactor import OBJECT_COST, Budget, Reactor, check_reply, describe, read_fd
 from boltzlabs.worker.slots import Slots
-from boltzlabs.worker.spawn import (TEMPLATE_LANE, ExecSpawner, SpawnContext, Spawner, TemplateSpawner,
-                                    TemplateUnavailable, reap_orphans)
-from boltzlabs.errors import StartFailure  # noqa: F401 (re-exported: server.py raises it)
+from boltzlabs.worker.spawn import TEMPLATE_LANE, ExecSpawner, SpawnContext, Spawner, TemplateSpawner, reap_orphans
 
 ABANDONED = "start-up abandoned after another env failed"
 
@@ -326,7 +325,7 @@ class Lifecycle:
                 if not budget.charge(lane, cost):
                     self.kill(lane, budget.over(lane))
                     return
-        except wire.ProtocolError as exc:
+        except ProtocolError as exc:
             lane.reader.limits.made = 0
             if lane.state is STARTING:
                 hello = self.config.hello_limits
@@ -425,8 +424,9 @@ class Lifecycle:
         if lane.state.dead:
             return
         self.drain_log(lane)
+        lane.exit_code = os.waitstatus_to_exitcode(status) if isinstance(status, int) else None
         if not cause:
-            cause = describe_exit(status) + self._limits_hit(lane, status)
+            cause = describe_status(status) + self._limits_hit(lane, status)
         self._release(lane, f"died: {cause}")
 
     def _limits_hit(self, lane: Lane, status) -> str:
@@ -450,7 +450,7 @@ class Lifecycle:
                 else:
                     where = own
                 notes.append(f"pids limit: {refused} fork(s) refused at {where}")
-        signum = _exit_signal(status)
+        signum = exit_signal(os.waitstatus_to_exitcode(status)) if isinstance(status, int) else None
         if signum == signal.SIGXFSZ:
             notes.append(f"file size limit: it wrote past limits.file_size={limits.get('file_size')} bytes")
         elif signum == signal.SIGXCPU:
@@ -601,33 +601,6 @@ def _no_async(lane: Lane, reply: list | None, cause: str) -> None:
     raise AssertionError(f"lane {lane.index} finished an async action with no stepping part to take it")
 
 
-
-
-def _exit_signal(status) -> int:
-    """The signal that ended a process, from its waitpid status (0: none).
-    bwrap reports a sandboxed process killed by signal S as exit 128+S."""
-    if not isinstance(status, int):
-        return 0
-    if os.WIFSIGNALED(status):
-        return os.WTERMSIG(status)
-    code = os.waitstatus_to_exitcode(status)
-    return code - 128 if code > 128 and code - 128 in signal.valid_signals() else 0
-
-
-def describe_exit(status: int) -> str:
-    """Plain words for a waitpid status of a bwrap process."""
-    if os.WIFSIGNALED(status):
-        return f"was killed by signal {signal.Signals(os.WTERMSIG(status)).name}"
-    code = os.waitstatus_to_exitcode(status)
-    if code > 128 and code - 128 in signal.valid_signals():
-        # bwrap reports a sandboxed process killed by signal S as exit 128+S.
-        return f"was killed by signal {signal.Signals(code - 128).name} (exit code {code})"
-    if code == NO_SERVE_EXIT:
-        return (f"exited with code {code}: its env.py returned without calling serve() (an env.py must end with "
-                "boltzlabs.env.serve(reset=..., step=...), or serve_env(env))")
-    return f"exited with code {code}"
-
-
 def warmup_note(report: dict | None) -> str:
     """The warning for a warm-up that failed (spawn.TemplateSpawner._warmup's report), or ''."""
     if report is None:
@@ -688,14 +661,11 @@ def guard_cgroups(paths: list[str], release=None) -> int:
 
 
 GUARDIAN_NAME = b"boltzlabs-guard"  # 15 bytes: the kernel's comm holds at most 15
-PR_SET_PDEATHSIG, PR_SET_NAME, PR_SET_CHILD_SUBREAPER = 1, 15, 36
 
 
 def prctl(option: int, value) -> None:
     """prctl(2) with one argument (an int, or bytes for PR_SET_NAME); the worker's one caller of it."""
-    import ctypes
-
-    ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
+    abi.libc.prctl(option, value, 0, 0, 0)
 
 
 _GUARD: list[int] = []

@@ -22,10 +22,11 @@ import os
 import reprlib
 import select
 import socket
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from boltzlabs import wire
-from boltzlabs.errors import ClientGone
+from boltzlabs.errors import PROTOCOL, ClientGone, ProtocolError
 from boltzlabs.worker.lanes import Lane
 
 OBJECT_COST = 64  # bytes a decoded object is charged to the pool's budget (an empty list is 56, a dict 64+)
@@ -157,10 +158,10 @@ class Reactor:
             raise ClientGone
         try:
             messages = self.client_reader.feed(data)
-        except wire.ProtocolError as exc:
+        except ProtocolError as exc:
             # The stream's frame boundaries are lost: say why, then end the pool.
             try:
-                self.send([wire.ERROR, 0, "ProtocolError", f"the client sent a bad frame: {exc}", {}])
+                self.send([wire.ERROR, 0, PROTOCOL, f"the client sent a bad frame: {exc}", {}])
             except OSError:
                 pass
             raise ClientGone from None

@@ -45,18 +45,20 @@ from typing import Any
 import msgpack
 
 from boltzlabs import wire
+from boltzlabs.abi import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, SET_UP_EXIT
+from boltzlabs.errors import (INTERNAL, PROTOCOL, USAGE, CgroupUnavailable, ClientGone, StartFailure,
+                              TemplateUnavailable)
 from boltzlabs.worker import native
 from boltzlabs.sandbox.builder import SandboxSpec
-from boltzlabs.sandbox.cgroups import CgroupPool, CgroupUnavailable
+from boltzlabs.sandbox.cgroups import CgroupPool
 from boltzlabs.sandbox.identity import HostAccount, host_account
 from boltzlabs.sandbox.policy import compile_sandbox_code, find_bwrap, load_policy
 from boltzlabs.worker.config import PIPES, PoolConfig, parse_open, raise_fd_limit
 from boltzlabs.worker.lanes import IDLE
-from boltzlabs.worker.lifecycle import (ABANDONED, PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, Lifecycle, StartFailure,
-                                        guard_cgroups, guard_closed, prctl, warmup_note)
-from boltzlabs.worker.reactor import Budget, ClientGone, Reactor, describe
+from boltzlabs.worker.lifecycle import ABANDONED, Lifecycle, guard_cgroups, guard_closed, prctl, warmup_note
+from boltzlabs.worker.reactor import Budget, Reactor, describe
 from boltzlabs.worker.requests import Requests, tail
-from boltzlabs.worker.spawn import TemplateSpawner, TemplateUnavailable, reap_orphans
+from boltzlabs.worker.spawn import TemplateSpawner, reap_orphans
 from boltzlabs.worker.slots import Slots
 from boltzlabs.worker.stepping import Stepping
 
@@ -186,7 +188,7 @@ class Worker:
         if failed:
             first = min(failed, key=lambda e: e.cause == ABANDONED)
             raise StartFailure(first.index, f"env {first.index} failed to start: {first.cause}",
-                               tail(first.log), len(failed))
+                               tail(first.log), len(failed), set_up=first.exit_code == SET_UP_EXIT)
         return {
             "n": n,
             "memory_source": self.memory_source,
@@ -277,15 +279,12 @@ class Worker:
         """OPEN, then one call at a time until the client goes (ClientGone)."""
         message = self._next_request()
         if message[0] != wire.OPEN or len(message) != 2:
-            self._send([wire.ERROR, 0, "ProtocolError", f"expected OPEN first, got {describe(message)}", {}])
+            self._send([wire.ERROR, 0, PROTOCOL, f"expected OPEN first, got {describe(message)}", {}])
             return
         try:
             ready = self.open(message[1])
-        except StartFailure as exc:
-            self._send([wire.ERROR, 0, "start", str(exc), {"env": exc.index, "log": exc.log, "failed": exc.count}])
-            return
-        except (ValueError, OSError, Exception) as exc:  # noqa: B014
-            self._send([wire.ERROR, 0, type(exc).__name__, str(exc), {}])
+        except Exception as exc:
+            self._send(wire.error_frame(0, exc))
             return
         self._send([wire.READY, ready])
         requests, stepping = self.requests, self.stepping
@@ -297,7 +296,7 @@ class Worker:
         while True:
             message = self._next_request()
             if message[0] != wire.CALL or len(message) != 4:
-                self._send([wire.ERROR, 0, "ProtocolError", f"unexpected message {describe(message)}", {}])
+                self._send([wire.ERROR, 0, PROTOCOL, f"unexpected message {describe(message)}", {}])
                 continue
             _, seq, name, args = message
             started = time.perf_counter()
@@ -305,12 +304,12 @@ class Worker:
                 self._send_slots(seq, args)
                 continue
             if name not in calls or not isinstance(args, list):
-                self._send([wire.ERROR, seq, "ProtocolError", f"no call {describe(name)} with those arguments", {}])
+                self._send([wire.ERROR, seq, PROTOCOL, f"no call {describe(name)} with those arguments", {}])
                 continue
             try:
                 result = calls[name](*args)
             except (ValueError, TypeError, KeyError, IndexError) as exc:
-                self._send([wire.ERROR, seq, type(exc).__name__, str(exc), {}])
+                self._send(wire.error_frame(seq, exc))
                 continue
             worker_ms = (time.perf_counter() - started) * 1000.0
             self._send([wire.REPLY, seq, worker_ms, result])
@@ -320,7 +319,7 @@ class Worker:
         whose sealed memfd comes attached to this frame, in that order (at most 250 a call)."""
         if self.slots is None or not self.slots.active or len(args) != 2 \
                 or not all(type(a) is int and a >= 0 for a in args):
-            self._send([wire.ERROR, seq, "ValueError", "this pool has no observation slots to send", {}])
+            self._send([wire.ERROR, seq, USAGE, "this pool has no observation slots to send", {}])
             return
         start, count = args
         fds = self.slots.batch(start, count)
@@ -383,7 +382,7 @@ def main(argv=None) -> int:
     except BaseException:
         code = 1
         try:
-            worker._send([wire.ERROR, -1, "WorkerError", "the worker failed:\n" + traceback.format_exc(), {}])
+            worker._send([wire.ERROR, -1, INTERNAL, "the worker failed:\n" + traceback.format_exc(), {}])
         except OSError:
             pass
     finally:

@@ -1,7 +1,7 @@
 """Observation slots: each env's obs in shared memory with the trainer (wire.py, docs/wire.md).
 
     open: Slots.wanted(request) -- a local pool that asked, room for one more fd per env
-    spawn (spawn.slot_fd): fd_for(lane) -- a memfd per lane, made at its first spawn, passed on wire.SLOT_FD
+    spawn (spawn.slot_fd): fd_for(lane) -- a memfd per lane, made at its first spawn, passed on abi.SLOT_FD
     HELLO (lifecycle.Lifecycle._on_message): on_hello(...) -- lane 0's spec gives the layout; every lane's memfd is
         sized from it and sealed (no shrinking, no growing, no more seals) before its first request
     after READY: the client's "slots" calls -- the sealed memfds, to map read-only
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import fcntl
 import os
-from typing import Callable
+from collections.abc import Callable
 
-from boltzlabs import wire
+from boltzlabs import abi, wire
 from boltzlabs.worker.config import _fd_room, fds_needed
 from boltzlabs.worker.lanes import STARTING, Lane
 
@@ -42,7 +42,7 @@ class Slots:
         self.decided = False  # lane 0's HELLO has said whether the space allows slots
 
     @classmethod
-    def wanted(cls, request: dict, remote, n: int, channel: str, max_bytes: int) -> "Slots | None":
+    def wanted(cls, request: dict, remote, n: int, channel: str, max_bytes: int) -> Slots | None:
         """Slots for this pool, if its client asked (a local client: it can map
         them), BOLTZLABS_NO_SHM is not set and the fd limit holds one more per env."""
         if remote or not isinstance(request, dict) or request.get("shared_memory") is not True:
@@ -111,7 +111,7 @@ class Slots:
             os.close(fd)
             self.fds[index] = -2
             kill(lane, "tampered with its observation slot (resized or sealed the memfd on fd "
-                       f"{wire.SLOT_FD}) before the worker sized it, and was killed")
+                       f"{abi.SLOT_FD}) before the worker sized it, and was killed")
             return
         self.sealed[index] = True
 

@@ -34,11 +34,13 @@ import signal
 import socket
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Literal, Protocol
+from contextlib import AbstractContextManager as ContextManager
+from typing import Any, Literal, Protocol
+from collections.abc import Callable
 
-from boltzlabs import wire
+from boltzlabs import abi, wire
+from boltzlabs.abi import CHANNEL_FD
 from boltzlabs.runtime import probe, template
-from boltzlabs.runtime.rlimits import NO_SERVE_EXIT
 from boltzlabs.sandbox import seccomp
 from boltzlabs.sandbox.builder import SandboxSpec
 from boltzlabs.sandbox.cgroups import CgroupPool
@@ -46,9 +48,8 @@ from boltzlabs.worker.config import PIPES, SOCKETPAIR, PoolConfig
 from boltzlabs.worker.confinement import Confinement
 from boltzlabs.worker.lanes import Lane
 from boltzlabs.worker.slots import Slots
-from boltzlabs.errors import TemplateUnavailable  # noqa: F401 - spawn.TemplateUnavailable, its old home
+from boltzlabs.errors import ProtocolError, TemplateUnavailable, describe_status
 
-CHANNEL_FD = 3  # where an env (and the template) finds its channel: a socket, or the pipe it writes (then 4: reads)
 TEMPLATE_LANE = "template"  # the template's cgroup name
 LOG_PIPE_SIZE = 4096  # one page: an env's output is rarely written, and every page counts against the pipe quota
 F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ from Python 3.10 on; the number is the kernel's
@@ -183,7 +184,7 @@ def _posix_spawn(argv, channel: tuple, log_w: int, programs: dict, slot: int = -
     and write ends) on channel_fds, the log pipe on 1 and 2, each of
     `programs` ({fd number: bytes}: the seccomp programs, bwrap's options) in
     a sealed memfd on its fd, and the env's observation slot (a memfd, or -1:
-    none) on wire.SLOT_FD."""
+    none) on abi.SLOT_FD."""
     with contextlib.ExitStack() as stack:
         # The actions run in order, so no source may be a target met earlier:
         # sources are moved to fd 10 or above (as program_fd's are).
@@ -195,7 +196,7 @@ def _posix_spawn(argv, channel: tuple, log_w: int, programs: dict, slot: int = -
             return high
 
         channel, log_w = [above(fd) for fd in channel], above(log_w)
-        slots = [(os.POSIX_SPAWN_DUP2, above(slot), wire.SLOT_FD)] if slot >= 0 else []
+        slots = [(os.POSIX_SPAWN_DUP2, above(slot), abi.SLOT_FD)] if slot >= 0 else []
         targets = channel_fds(PIPES if len(channel) == 2 else SOCKETPAIR)
         actions = [(os.POSIX_SPAWN_DUP2, fd, target) for fd, target in zip(channel, targets)] + [
             (os.POSIX_SPAWN_DUP2, log_w, 1),
@@ -280,11 +281,11 @@ class ExecSpawner:
             pass
 
     def close(self, deadline: float) -> None:
-        for pidfd, pid in list(self.reaping.items()):
+        for pidfd, _pid in list(self.reaping.items()):
             remaining = max(0.0, deadline - time.monotonic())
             if _readable([pidfd], remaining):
                 self._reap(pidfd)
-        for pidfd, pid in self.reaping.items():
+        for pidfd, _pid in self.reaping.items():
             os.close(pidfd)  # a zombie we could not wait for: init will
         self.reaping.clear()
 
@@ -388,7 +389,7 @@ class TemplateSpawner:
                 reader = wire.FrameReader(wire.Limits(1 << 16, max_depth=3, max_objects=64))
                 try:
                     messages = reader.feed(data) if data else []
-                except wire.ProtocolError:
+                except ProtocolError:
                     messages = []
                 if len(messages) == 1 and messages[0][0] == wire.HELLO and len(messages[0]) == 3 \
                         and isinstance(messages[0][2], dict):
@@ -536,7 +537,7 @@ class TemplateSpawner:
                 if data:
                     try:
                         messages = reader.feed(data)
-                    except wire.ProtocolError as exc:
+                    except ProtocolError as exc:
                         return None, f"the probe sent no valid report (it was refused: {exc})"
                     if messages:
                         return messages[0], None
@@ -577,7 +578,7 @@ class TemplateSpawner:
 
         def start(channel: tuple, log_w: int) -> None:
             # The child's channel ends (one socket, or the read then the write pipe), its log pipe, then
-            # its observation slot if it has one (the template puts it on wire.SLOT_FD).
+            # its observation slot if it has one (the template puts it on abi.SLOT_FD).
             fds = array.array("i", [*channel, log_w] + ([slot] if slot >= 0 else [])).tobytes()
             # The template's pid is moved between cgroups: it must still be ours.
             if _readable([self.template_pidfd], 0):
@@ -634,7 +635,7 @@ class TemplateSpawner:
                 return False
             try:
                 messages = self.reader.feed(data)
-            except wire.ProtocolError as exc:
+            except ProtocolError as exc:
                 self.failure = f"it sent a malformed control frame ({exc})"
                 return False
             for message in messages:
@@ -856,19 +857,6 @@ def _take_probe_report(message, status, error, oom: int, memory_limit, report: d
                                                    f"limit (memory_limit={memory_limit} bytes)")
     report["error"] = error
     return code
-
-
-def describe_status(status: int) -> str:
-    """'was killed by SIGSEGV', 'exited with status 1': a wait status in words."""
-    if os.WIFEXITED(status) and os.waitstatus_to_exitcode(status) == NO_SERVE_EXIT:
-        return "exited: env.py returned without calling serve()"
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        try:
-            return f"was killed by {signal.Signals(sig).name}"
-        except ValueError:
-            return f"was killed by signal {sig}"
-    return f"exited with status {os.waitstatus_to_exitcode(status)}"
 
 
 _CONTROL_NAMES = {wire.HELLO: "HELLO", wire.FORK: "FORK", wire.KILL: "KILL", wire.WARM: "WARM",

@@ -20,7 +20,7 @@ import msgpack
 import numpy as np
 from gymnasium import spaces
 
-from boltzlabs import wire
+from boltzlabs import abi, wire
 from boltzlabs.env import params, serve
 from boltzlabs.runtime import serve as runtime
 
@@ -34,9 +34,9 @@ kept = {}
 
 try:  # at import: in exec mode the env's own process, which holds its slot; a template holds none
     if P.get("tamper") == "grow":
-        os.ftruncate(wire.SLOT_FD, 1 << 20)
+        os.ftruncate(abi.SLOT_FD, 1 << 20)
     elif P.get("tamper") == "seal":
-        fcntl.fcntl(wire.SLOT_FD, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW)
+        fcntl.fcntl(abi.SLOT_FD, fcntl.F_ADD_SEALS, fcntl.F_SEAL_GROW)
 except OSError:
     pass
 
@@ -52,7 +52,7 @@ def observe():
 def reset(seed, options=None):
     if P.get("tamper") == "keep" and "fd" not in kept:  # the runtime maps and closes fd 7 after this reply
         try:
-            kept["fd"] = os.dup(wire.SLOT_FD)
+            kept["fd"] = os.dup(abi.SLOT_FD)
         except OSError:  # the template's warm-up probe: no slot there
             pass
     state["seed"], state["t"] = seed or 0, 0
