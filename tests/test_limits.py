@@ -375,7 +375,7 @@ def test_a_1_gib_stdout_flood_costs_the_worker_bounded_memory(pool_factory):
           f"step {elapsed:.2f} s")
     assert grew < 16 * MiB, grew
     tail = pool.log(0).split("--- env 0 ---\n")[-1]
-    assert len(tail) <= load_policy().limits["log_tail"] and tail.endswith("x")
+    assert len(tail) <= load_policy().pool_limits().log_tail and tail.endswith("x")
 
 
 def test_a_2_gib_length_prefix_breaks_only_its_lane(pool_factory):
