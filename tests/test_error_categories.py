@@ -132,6 +132,7 @@ def test_sandbox_tests_skip_with_the_reason_where_there_is_no_bubblewrap(tmp_pat
     """The `sandbox` marker (tests/conftest.py): on a host without bwrap a pool test is skipped, and says
     why; a test of a file that builds no sandbox (NO_SANDBOX) still runs."""
     env = dict(os.environ, PATH=str(tmp_path), PYTHONPATH=str(ROOT))
+    env.pop("BOLTZLABS_REQUIRE_SANDBOX", None)
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                           "tests/test_error_categories.py::test_a_policy_error_is_the_policys",
                           "tests/test_wire.py::test_the_table_check_catches_a_repeated_code"],
@@ -139,3 +140,9 @@ def test_sandbox_tests_skip_with_the_reason_where_there_is_no_bubblewrap(tmp_pat
     assert out.returncode == 0, out.stdout + out.stderr
     assert "1 passed, 1 skipped" in out.stdout, out.stdout
     assert "needs a sandbox: bubblewrap (bwrap) is not on PATH" in out.stdout, out.stdout
+    # Where sandboxes must be built (ci/test.sh sets BOLTZLABS_REQUIRE_SANDBOX), the same test fails.
+    env["BOLTZLABS_REQUIRE_SANDBOX"] = "1"
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "tests/test_error_categories.py::test_a_policy_error_is_the_policys"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    assert out.returncode == 1 and "BOLTZLABS_REQUIRE_SANDBOX is set" in out.stdout, out.stdout

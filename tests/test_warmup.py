@@ -196,7 +196,7 @@ serve(reset=reset, step=step, warmup_actions=["fault", "fault"])
 
 FAULTS = {
     "raises": ("reset", "raise ValueError('the probe broke')", "ValueError: the probe broke"),
-    "exits": ("step", "os._exit(3)", "exited with status 3"),
+    "exits": ("step", "os._exit(3)", "exited with code 3"),
     "segfaults": ("reset", "ctypes.string_at(0)", "killed by SIGSEGV"),
     "hangs": ("reset", "time.sleep(1000)", "did not finish within 1 s"),
     "writes_files": ("step", "pass", None),
