@@ -39,6 +39,7 @@ import re
 import resource
 import selectors
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -171,6 +172,9 @@ class ShardedPool(RLPool):
         self.shared_memory = all(shard.shared_memory for shard in self._shards)
         self.worker = first.worker
         self._selector = selectors.DefaultSelector()  # epoll over the k sockets
+        # A selector refers to itself (its key mapping): only the cycle collector would free it, and
+        # its epoll fd with it. Closed with the pool, or when the pool is dropped.
+        self._selector_closer = weakref.finalize(self, self._selector.close)
         for s, shard in enumerate(self._shards):
             self._selector.register(shard._conn, selectors.EVENT_READ, s)
         # send/recv: lanes sent and not yet handed out; per shard, lanes sent to its worker whose
@@ -522,9 +526,8 @@ class ShardedPool(RLPool):
 
     def _close_shards(self) -> None:
         shards, self._shards = self._shards, []
-        if getattr(self, "_selector", None) is not None:
-            self._selector.close()
-            self._selector = None
+        if getattr(self, "_selector_closer", None) is not None:
+            self._selector_closer()
         if not shards:
             return
         # Each close waits for its worker and its cgroups to be gone: all at once, not in turn.
