@@ -77,6 +77,7 @@ def test_every_method_over_uneven_shards(k):
     n = 7
     with RLPool(PROBE, n, workers=k, step_timeout=scaled(5)) as pool:
         assert isinstance(pool, RLPool) and isinstance(pool, ShardedPool) and pool.workers == k
+        assert pool.source == str(PROBE) and repr(pool) == f"RLPool({str(PROBE)!r}, {n}, workers={k}, open)"
         assert pool.shards[0][0] == 0 and pool.shards[-1][1] == n and len(pool.shards) == k
         assert len({end - start for start, end in pool.shards}) == 2  # uneven
         assert len(set(_workers(pool))) == k
@@ -339,9 +340,11 @@ def test_a_trainer_killed_leaves_no_worker_sandbox_or_cgroup():
 def test_gymnasium_and_sb3_adapters_over_a_sharded_pool():
     from boltzlabs.gym import BoltzLabsVecEnv
 
-    envs = BoltzLabsVecEnv.make("CartPole-v1", num_envs=5, workers=2)
+    import gymnasium as gym
+
+    envs = BoltzLabsVecEnv([lambda: gym.make("CartPole-v1")] * 5, workers=2)  # env_fns, split by shard
     try:
-        assert envs.pool.workers == 2
+        assert envs.pool.workers == 2 and envs.pool.source.startswith("env_fns[5: ")
         obs, infos = envs.reset(seed=0)
         assert obs.shape == (5, 4)
         for _ in range(30):

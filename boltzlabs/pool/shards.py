@@ -126,7 +126,6 @@ class ShardedPool(RLPool):
         n = check_n(n)
         k = workers_for((source, n), {"serialize_measurement": serialize_measurement}, workers)
         self.batch_size = check_batch_size(batch_size, n)
-        self.source = source if isinstance(source, str) else getattr(source, "name", None) or str(source)
         self.workers = k
         self._bounds = [n * s // k for s in range(k + 1)]
         self._gated = bool(serialize_measurement)
@@ -134,8 +133,6 @@ class ShardedPool(RLPool):
         fns = isinstance(source, (list, tuple))
         if fns and len(source) != n:
             raise ValueError(f"env_fns has {len(source)} callables but n={n}: one env per callable")
-        if fns:
-            self.source = f"env_fns[{n}]"
 
         def open_shard(s):
             start, end = self._bounds[s], self._bounds[s + 1]
@@ -163,6 +160,8 @@ class ShardedPool(RLPool):
                                     log=exc.log) from exc
             raise exc
         first = self._shards[0]
+        # As one worker's pool names it (env_fns by their count and first callable).
+        self.source = re.sub(r"^env_fns\[\d+", f"env_fns[{n}", first.source) if fns else first.source
         self._init_lanes(n)
         self.timing = Timing(shards=[0.0] * k)
         self.env_contract, self.hello = first.env_contract, first.hello
