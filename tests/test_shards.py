@@ -66,6 +66,10 @@ def test_the_default_rule():
     assert default_workers(100, cores=128, fd_capacity=1 << 20) == 1
     assert default_workers(5000, cores=64, gated=True, fd_capacity=1 << 20) == 1
     assert default_workers(7, cores=64, fd_capacity=2) == 4
+    from boltzlabs.pool.shards import workers_for
+
+    assert workers_for((COUNTER, 10_000), {"worker": "tcp://node:7733"}, None) == 1  # not this machine's cores
+    assert workers_for((COUNTER, 10_000), {"worker": "tcp://node:7733"}, 3) == 3
     with RLPool(COUNTER, 2) as pool:  # this 2-core machine: one worker
         assert type(pool) is RLPool and pool.workers == 1
 

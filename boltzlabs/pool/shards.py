@@ -96,6 +96,8 @@ def workers_for(args: tuple, kwargs: dict, workers) -> int:
     if n is None:
         return 1  # RLPool.__init__ says what is missing
     n = check_n(n)
+    if workers is None and kwargs.get("worker") is not None:
+        return 1  # a remote node's cores and fd limit are not this machine's: one worker unless asked
     if workers is None:
         return default_workers(n, gated=bool(kwargs.get("serialize_measurement")))
     if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)):
