@@ -18,7 +18,7 @@ Actions: all 1 for the counter (reset(where=dones) when an episode ends),
 a fixed random array for HalfCheetah-v5 (truncated at 1000 steps by its
 TimeLimit; the chunks are shorter, so no reset happens inside them).
 A markdown table goes to stdout, progress to stderr, every figure to
-benchmarks/results/shards.json.
+benchmarks/results/shards-<envs>.json.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from bench_pool import CounterEnv, _runtime_ns
 from boltzlabs import RLPool
 
 COUNTER = ROOT / "examples" / "counter"
-RESULTS = ROOT / "benchmarks" / "results" / "shards.json"
+RESULTS = ROOT / "benchmarks" / "results" / "shards-{env}.json"
 
 
 def log(message: str) -> None:
@@ -62,7 +62,8 @@ class Ours:
         self.label, self.n, self.env = f"workers={k}", n, env
         started = time.perf_counter()
         source = COUNTER if env == "counter" else "HalfCheetah-v5"
-        self.pool = RLPool(source, n, workers=k, progress=False)
+        # A generous start_timeout: on a loaded machine 64 MuJoCo envs can take over a minute to start.
+        self.pool = RLPool(source, n, workers=k, progress=False, start_timeout=600)
         self.ready_s = time.perf_counter() - started
         self.workers = ([shard._proc.pid for shard in self.pool._shards] if k > 1 else [self.pool._proc.pid])
         self.actions = (np.ones(n, np.int64) if env == "counter"
@@ -164,9 +165,10 @@ def main() -> None:
             steps = max(5, args.env_steps // scale // n)
             limit = args.async_max if env == "counter" else args.async_max // 4
             rows += bench(env, n, args.workers, args.rounds, steps, not args.no_async and n <= limit)
-            log(json.dumps(rows[-len(args.workers):]))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            log(json.dumps([row for row in rows if row["env"] == env and row["n"] == n]))
+    results = Path(str(RESULTS).format(env="-".join(args.env)))
+    results.parent.mkdir(parents=True, exist_ok=True)
+    results.write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                    "cores": len(os.sched_getaffinity(0)), "load": os.getloadavg(),
                                    "rows": rows}, indent=1))
     print(f"cores {len(os.sched_getaffinity(0))}, load {os.getloadavg()[0]:.1f}, medians of {args.rounds} rounds\n")

@@ -15,7 +15,8 @@ import pytest
 
 from boltzlabs import PoolClosedError, RLPool, WorkerError
 from boltzlabs.errors import EnvError, EnvStartError
-from boltzlabs.pool.shards import ShardedPool, default_workers
+from boltzlabs.pool.client import ShardedPool
+from boltzlabs.pool.shards import default_workers
 from conftest import COUNTER, PROBE, intervals, open_fds, overlaps, scaled
 
 TESTS = Path(__file__).resolve().parent

@@ -30,13 +30,13 @@ from pathlib import Path
 import numpy as np
 
 from boltzlabs import wire
-from boltzlabs.pool import imports, slots, sources
+from boltzlabs.pool import imports, shards, slots, sources
 from boltzlabs.errors import (EnvError, EnvStartError, PoolClosedError, SandboxUnavailable, WorkerError,
                               WorkerSideError, describe_returncode)
 from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_n
 from boltzlabs.units import parse_size
 
-__all__ = ["RLPool", "Timing", "MemoryReport", "EnvContract"]
+__all__ = ["RLPool", "ShardedPool", "Timing", "MemoryReport", "EnvContract"]
 
 _PROGRESS_MIN_ENVS = 64
 # Reads from the worker. Not 1 MiB: a buffer that large is an mmap, mremap and
@@ -272,11 +272,8 @@ class RLPool(Pool):
     def __new__(cls, *args, workers=None, **kwargs):
         # RLPool(source, n, workers=k) with k > 1 (or chosen so) is a pool over k
         # worker processes (pool/shards.py), still an RLPool to its caller.
-        if cls is RLPool:
-            from boltzlabs.pool import shards
-
-            if shards.workers_for(args, kwargs, workers) > 1:
-                cls = shards.ShardedPool
+        if cls is RLPool and shards.workers_for(args, kwargs, workers) > 1:
+            cls = ShardedPool
         return super().__new__(cls)
 
     def __init__(self, source, n: int, *, step_timeout=None, serialize_measurement: bool = False,
@@ -744,6 +741,14 @@ class RLPool(Pool):
     def pids(self) -> list:
         """Host pid of each env's sandbox (its bwrap process), -1 when dead."""
         return self._call("pids")
+
+
+class ShardedPool(shards.Sharding, RLPool):
+    """An RLPool over several worker processes: RLPool(source, n, workers=k) with k > 1 (pool/shards.py)."""
+
+    _one_worker = RLPool
+    _timing = Timing
+    _memory = MemoryReport
 
 
 def _offered(described):

@@ -44,11 +44,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from boltzlabs.errors import EnvError, EnvStartError, PoolClosedError, WorkerError
-from boltzlabs.pool.client import MemoryReport, RLPool, Timing
+from boltzlabs.errors import EnvStartError, PoolClosedError, WorkerError
 from boltzlabs.pool.protocol import RecvResult, StepResult, check_batch_size, check_n
 
-__all__ = ["ShardedPool", "default_workers", "workers_for"]
+__all__ = ["Sharding", "default_workers", "workers_for"]
 
 # The default rule (docs/sharding.md has the measurements): one worker per
 # CORES_PER_WORKER cores the process may use, each shard holding at least
@@ -113,12 +112,19 @@ def _global_text(text: str, start: int) -> str:
     return _ENV_INDEX.sub(lambda m: f"env {int(m.group(1)) + start}", text)
 
 
-class ShardedPool(RLPool):
-    """An RLPool whose lanes are split over several worker processes (see the module docstring).
+class Sharding:
+    """RLPool's hooks over several worker processes (see the module docstring).
 
-    Made by RLPool(source, n, workers=k) (k > 1, or chosen so); its API is
-    RLPool's. `shards` lists each shard's (first lane, end) range.
+    client.ShardedPool is this over RLPool, made by RLPool(source, n,
+    workers=k) (k > 1, or chosen so); its API is RLPool's. `shards` lists
+    each shard's (first lane, end) range. The one-worker pool class and the
+    report classes come from client.py (`_one_worker`, `_timing`, `_memory`),
+    which imports this module, not the other way round.
     """
+
+    _one_worker = None
+    _timing = None
+    _memory = None
 
     def __init__(self, source, n: int, *, workers=None, batch_size=None, progress=None,
                  serialize_measurement: bool = False, **options):
@@ -138,7 +144,7 @@ class ShardedPool(RLPool):
 
         def open_shard(s):
             start, end = self._bounds[s], self._bounds[s + 1]
-            return RLPool(source[start:end] if fns else source, end - start, workers=1, progress=False,
+            return self._one_worker(source[start:end] if fns else source, end - start, workers=1, progress=False,
                           serialize_measurement=serialize_measurement, **options)
 
         # The workers start at once, each spawning its own sandboxes (RLPool's start waits on the
@@ -165,7 +171,7 @@ class ShardedPool(RLPool):
         # As one worker's pool names it (env_fns by their count and first callable).
         self.source = re.sub(r"^env_fns\[\d+", f"env_fns[{n}", first.source) if fns else first.source
         self._init_lanes(n)
-        self.timing = Timing(shards=[0.0] * k)
+        self.timing = self._timing(shards=[0.0] * k)
         self.env_contract, self.hello = first.env_contract, first.hello
         self.memory_source, self.step_timeout, self.spawn = first.memory_source, first.step_timeout, first.spawn
         self.fast_path = all(shard.fast_path for shard in self._shards)
@@ -489,11 +495,11 @@ class ShardedPool(RLPool):
         self._gather({s: (name, []) for s in range(self.workers)}, replies.__setitem__)
         return replies
 
-    def memory(self) -> MemoryReport:
+    def memory(self):
         """Each env's memory in lane order, and what every shard's worker shares (its template), summed."""
         reports = self._everywhere("memory")
         notes = [report["note"] for report in reports if report["note"]]
-        return MemoryReport([value for report in reports for value in report["per_env"]], reports[0]["source"],
+        return self._memory([value for report in reports for value in report["per_env"]], reports[0]["source"],
                             "; ".join(dict.fromkeys(notes)), sum(report["shared"] for report in reports))
 
     def states(self) -> list:
