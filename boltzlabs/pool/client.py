@@ -331,6 +331,7 @@ class RLPool(Pool):
         self._init_lanes(n)
         self.timing = Timing()
         self._seq = 0
+        self._started = 0.0  # perf_counter at the latest CALL's send: its roundtrip_ms counts from there
         # A long REPLY (image observations) is read straight into a buffer of its own.
         self._reader = wire.FrameReader(wire.Limits(1 << 30), allocate=_frame_buffer)
         self._inbox: list = []
