@@ -394,7 +394,7 @@ class Requests:
         """Each env's memory charge and the pool's shared pages, and where the figures come from."""
         shared = 0
         if self.cgroups is not None:
-            per_env = [self.cgroups.usage(e.index) if not e.state.dead else 0 for e in self.envs]
+            per_env = self.cgroups.env_usages([not e.state.dead for e in self.envs])
             if self.spawner.kind == "template":
                 shared = self.cgroups.usage(TEMPLATE_LANE)
         else:
