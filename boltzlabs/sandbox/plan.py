@@ -266,7 +266,7 @@ def compile_plan(policy: Policy, source_dir, workspace_size: int | None = None, 
     tmp_link = read.get("workspace", "tmp_link", "")
     if tmp_link:
         tmp_link = read.path("workspace", "tmp_link")
-    ptys = read.integer("quotas", "ptys", 1, 1 << 20)
+    ptys = read.integer("quotas", "ptys", 0, 1 << 20)
     quotas = read.get("quotas", "user_namespace", {})
     if not isinstance(quotas, dict):
         raise read.fail("[quotas.user_namespace]", "a table", quotas)
