@@ -174,19 +174,26 @@ class ClusterPool(Pool):
     Every call sends one batched request per node, concurrently;
     `timing.worker_ms` is the slowest node's, `timing.nodes` each node's.
     envs_per_node caps how many lanes a node takes (default: by its memory;
-    lanes are split by CPUs). Everything else RLPool takes (step_timeout,
-    spawn, memory_limit, ...) applies on every node.
+    lanes are split by CPUs). workers_per_node (default 1) splits each
+    node's lanes over that many worker processes there (RLPool(workers=),
+    docs/sharding.md), for nodes with many cores. Everything else RLPool
+    takes (step_timeout, spawn, memory_limit, ...) applies on every node.
     """
 
-    def __init__(self, source, n: int, *, cluster="ray", envs_per_node=None, batch_size=None, **kwargs):
+    def __init__(self, source, n: int, *, cluster="ray", envs_per_node=None, workers_per_node: int = 1,
+                 batch_size=None, **kwargs):
         self._closed = True
         self._shards: list[_Shard] = []
         self._actors: dict = {}
         n = check_n(n)
         self.batch_size = check_batch_size(batch_size, n)
-        for name in ("worker", "token"):
+        for name in ("worker", "token", "workers"):
             if kwargs.get(name) is not None:
-                raise TypeError(f"ClusterPool places its own workers, one per node; do not pass {name}=")
+                more = " (workers_per_node= runs several on each)" if name == "workers" else ""
+                raise TypeError(f"ClusterPool places its own workers, one per node{more}; do not pass {name}=")
+        if isinstance(workers_per_node, bool) or not isinstance(workers_per_node, int) or workers_per_node < 1:
+            raise ValueError(f"workers_per_node must be a whole number >= 1, not {workers_per_node!r:.80}")
+        self._workers_per_node = workers_per_node
         self._init_lanes(n)
         self.source = str(source)
         kwargs.pop("progress", None)  # each node's pool starts quietly
@@ -243,7 +250,8 @@ class ClusterPool(Pool):
 
         def open_pool(shard):
             shard.pool = RLPool(self.source, len(shard.lanes), worker=addresses[shard.node], token=self._token,
-                                progress=False, **self._kwargs)
+                                progress=False, workers=min(self._workers_per_node, len(shard.lanes)),
+                                **self._kwargs)
             return shard
 
         futures = [self._executor.submit(open_pool, shard) for shard in shards]

@@ -104,6 +104,19 @@ def test_lanes_spread_over_two_nodes_in_the_users_order(cluster):
         assert pool.envs_per_gb() > 0
 
 
+def test_a_node_may_run_several_workers(cluster):
+    with pytest.raises(TypeError, match="workers_per_node"):
+        ClusterPool(COUNTER, 4, cluster=cluster.address, workers=2)
+    with ClusterPool(PROBE, 6, cluster=cluster.address, envs_per_node=3, workers_per_node=2, step_timeout=10) as pool:
+        assert sorted(shard.pool.workers for shard in pool._shards) == [2, 2]
+        obs = pool.reset(seed=10)
+        assert [o["seed"] for o in obs] == list(range(10, 16))
+        _, rewards, dones, infos = pool.step([1.0, 2.0, {"op": "raise"}, 4.0, 5.0, 6.0])
+        assert rewards.tolist() == [1.0, 2.0, 0.0, 4.0, 5.0, 6.0] and dones.tolist()[2]
+        assert "step failed on purpose" in infos[2]["error"]
+        assert len(pool.memory().per_env) == 6 and len(set(pool.pids())) == 6
+
+
 def test_hard_reset_and_async_stepping_across_nodes(cluster):
     with ClusterPool(COUNTER, 4, cluster=cluster.address, envs_per_node=2) as pool:
         def episode():

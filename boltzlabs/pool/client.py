@@ -68,6 +68,11 @@ class Timing:
 
     nodes: for a pool spread over a cluster (boltzlabs.cluster.ClusterPool), each
     node's worker_ms in that call; worker_ms is then the slowest node's.
+
+    shards: for a pool over several worker processes (RLPool(..., workers=k)),
+    each shard's worker_ms in that call, in shard order (0 for a shard the
+    call did not reach); worker_ms is then the slowest shard's (their sum
+    with serialize_measurement, where the shards take turns).
     """
 
     worker_ms: float = 0.0
@@ -76,6 +81,7 @@ class Timing:
     wait_ms: float = 0.0
     queued_ms: float = 0.0
     nodes: dict = field(default_factory=dict)
+    shards: list = field(default_factory=list)
 
     def __str__(self) -> str:
         text = (f"worker {self.worker_ms:.2f} ms, roundtrip {self.roundtrip_ms:.2f} ms, "
@@ -234,6 +240,12 @@ class RLPool(Pool):
         are set here (shipped: the ones that change numerical results, such
         as OPENBLAS_CORETYPE, and MUJOCO_GL), and these. PYTHON*, LD_* and
         the policy's own names are refused (ValueError).
+      workers: the number of worker processes the lanes are split over
+        (contiguous lane ranges, stepped concurrently; docs/sharding.md).
+        None chooses from n and the cores this process may use
+        (os.sched_getaffinity): 1 unless the pool is big enough to gain.
+        Every call keeps its meaning: lane order, failures on their lanes,
+        resets, send/recv, timing (timing.shards), memory().
       cluster: refused (TypeError): a pool over a Ray cluster is
         boltzlabs.cluster.ClusterPool(source, n, cluster="ray", ...), the
         same protocol (boltzlabs.pool.protocol.Pool).
@@ -257,11 +269,23 @@ class RLPool(Pool):
     ("socketpair", 3 fds per env; BOLTZLABS_CHANNEL=socketpair forces it).
     """
 
+    def __new__(cls, *args, workers=None, **kwargs):
+        # RLPool(source, n, workers=k) with k > 1 (or chosen so) is a pool over k
+        # worker processes (pool/shards.py), still an RLPool to its caller.
+        if cls is RLPool:
+            from boltzlabs.pool import shards
+
+            if shards.workers_for(args, kwargs, workers) > 1:
+                cls = shards.ShardedPool
+        return super().__new__(cls)
+
     def __init__(self, source, n: int, *, step_timeout=None, serialize_measurement: bool = False,
                  memory_limit=None, workspace_size=None, spawn: str = "template", start_timeout=None,
                  progress=None, batch_size=None, limits=None, worker=None, token=None, tls_ca=None, cluster=None,
-                 warmup: bool = True, preload=None, trust_env: bool = False, env_vars=None, **params):
+                 warmup: bool = True, preload=None, trust_env: bool = False, env_vars=None, workers=None,
+                 **params):
         self._closed = True
+        self.workers = 1  # the worker processes the lanes are split over (pool/shards.py for more than one)
         self._closed_reason = None
         if cluster is not None:
             raise TypeError("RLPool(..., cluster=...) no longer makes a cluster pool: make it with "
@@ -464,65 +488,99 @@ class RLPool(Pool):
     def _receive(self) -> list:
         """Next message from the worker; never blocks past the worker's death."""
         while not self._inbox:
-            room = self._reader.room()  # the rest of a long frame, read in place
-            try:
-                data = self._conn.recv(_RECV_SIZE) if room is None else self._conn.recv_into(room)
-            except socket.timeout:
-                if not self._link.alive():
-                    raise self._worker_died() from None
-                continue
-            except OSError:
-                data = b""
-            finally:
-                if room is not None:
-                    room.release()
-            if not data:
-                self._link.wait_dead()
-                raise self._worker_died()
-            self._inbox.extend(self._reader.feed(data) if room is None else self._reader.filled(data))
+            self._read()
         return self._inbox.pop(0)
+
+    def _read(self) -> None:
+        """One read from the worker into the inbox (nothing when it timed out
+        with the worker alive); WorkerError when the worker is gone."""
+        room = self._reader.room()  # the rest of a long frame, read in place
+        try:
+            data = self._conn.recv(_RECV_SIZE) if room is None else self._conn.recv_into(room)
+        except socket.timeout:
+            if not self._link.alive():
+                raise self._worker_died() from None
+            return
+        except OSError:
+            data = b""
+        finally:
+            if room is not None:
+                room.release()
+        if not data:
+            self._link.wait_dead()
+            raise self._worker_died()
+        self._inbox.extend(self._reader.feed(data) if room is None else self._reader.filled(data))
 
     def _worker_died(self) -> WorkerError:
         self._closed = True
         return self._link.died()
 
     def _call(self, name: str, *args, diagnose=None):
+        return self._reply(name, self._request(name, args, diagnose))
+
+    def _request(self, name: str, args, diagnose=None) -> int:
+        """Send one CALL; its sequence number, for _reply."""
+        return self._send_frame(self._frame(name, args, diagnose))
+
+    def _frame(self, name: str, args, diagnose=None) -> bytes:
+        """The next CALL, encoded (a sharded pool encodes every shard's before it sends any)."""
         self._check_open()
         try:
-            frame = wire.encode([wire.CALL, self._seq + 1, name, list(args)])
+            return wire.encode([wire.CALL, self._seq + 1, name, list(args)])
         except (TypeError, ValueError, OverflowError) as exc:
             if diagnose is not None:
                 diagnose()  # raises, naming the culprit
             raise TypeError(f"{name}() arguments cannot be serialized: {exc}") from exc
+
+    def _send_frame(self, frame: bytes) -> int:
+        """Send a CALL _frame made; its sequence number."""
         self._seq += 1
-        seq = self._seq
-        started = time.perf_counter()
+        self._started = time.perf_counter()
         try:
-            try:
-                self._conn.sendall(frame)
-            except OSError:
-                self._link.wait_dead()
-                raise self._worker_died() from None
+            self._conn.sendall(frame)
+        except OSError:
+            self._link.wait_dead()
+            raise self._worker_died() from None
+        except BaseException:
+            self._shutdown()  # interrupted half way (Ctrl-C): the stream is out of step; end it
+            raise
+        return self._seq
+
+    def _reply(self, name: str, seq: int):
+        """The reply to CALL `seq`, waiting for it."""
+        try:
             while True:
-                message = self._receive()
-                if message[0] == wire.REPLY and message[1] == seq:
-                    self.timing.roundtrip_ms = (time.perf_counter() - started) * 1000.0
-                    self.timing.worker_ms = message[2]
-                    self.timing.wait_ms = self.timing.queued_ms = 0.0
-                    return message[3]
-                if message[0] == wire.ERROR:
-                    _, _, kind, text, _ = message
-                    if kind in ("ValueError", "TypeError", "IndexError", "KeyError"):
-                        raise ValueError(text)  # the worker's check of an argument: its text says what
-                    raise WorkerError(f"the worker failed {name}() with {kind} (the worker's traceback is the "
-                                      f"cause, above); the pool may be unusable: close it and create a new one",
-                                      kind=kind) from WorkerSideError(kind, text)
+                while not self._inbox:
+                    self._read()
+                found, value = self._take(name, seq)
+                if found:
+                    return value
         except (ValueError, WorkerError):
             raise
         except BaseException:
             # Interrupted half way (Ctrl-C): the stream is out of step; end it.
             self._shutdown()
             raise
+
+    def _take(self, name: str, seq: int) -> tuple:
+        """(True, the reply's value) when the inbox holds the reply to `seq`,
+        (False, None) when it does not yet; raises what an ERROR reply says."""
+        inbox = self._inbox
+        while inbox:
+            message = inbox.pop(0)
+            if message[0] == wire.REPLY and message[1] == seq:
+                self.timing.roundtrip_ms = (time.perf_counter() - self._started) * 1000.0
+                self.timing.worker_ms = message[2]
+                self.timing.wait_ms = self.timing.queued_ms = 0.0
+                return True, message[3]
+            if message[0] == wire.ERROR:
+                _, _, kind, text, _ = message
+                if kind in ("ValueError", "TypeError", "IndexError", "KeyError"):
+                    raise ValueError(text)  # the worker's check of an argument: its text says what
+                raise WorkerError(f"the worker failed {name}() with {kind} (the worker's traceback is the "
+                                  f"cause, above); the pool may be unusable: close it and create a new one",
+                                  kind=kind) from WorkerSideError(kind, text)
+        return False, None
 
     def _shutdown(self) -> None:
         self._closed = True
@@ -573,8 +631,11 @@ class RLPool(Pool):
             raise PoolClosedError("this RLPool is closed; create a new one")
 
     def _step_lanes(self, actions: list, resets) -> StepResult:
-        obs, rewards, terminated, truncated, infos, stragglers = self._call(
-            "step", actions, resets, diagnose=lambda: self._raise_unserializable(actions))
+        return self._stepped(self._call("step", actions, resets, diagnose=lambda: self._raise_unserializable(actions)))
+
+    def _stepped(self, reply) -> StepResult:
+        """A step's reply as a StepResult (a sharded pool turns each shard's reply so, as it lands)."""
+        obs, rewards, terminated, truncated, infos, stragglers = reply
         # Hot path: the arrays come as raw bytes, one copy each.
         self.timing.stragglers = stragglers
         result = StepResult(obs, np.frombuffer(rewards, dtype=np.float64).copy(),
@@ -588,8 +649,10 @@ class RLPool(Pool):
         self._call("send", actions, lanes, resets, diagnose=lambda: self._raise_unserializable(actions))
 
     def _recv_lanes(self, batch_size, timeout) -> RecvResult:
-        lanes, obs, rewards, terminated, truncated, infos, stragglers, wait_ms, queued_ms = self._call(
-            "recv", batch_size, timeout)
+        return self._received(self._call("recv", batch_size, timeout))
+
+    def _received(self, reply) -> RecvResult:
+        lanes, obs, rewards, terminated, truncated, infos, stragglers, wait_ms, queued_ms = reply
         self.timing.wait_ms, self.timing.queued_ms, self.timing.stragglers = wait_ms, queued_ms, stragglers
         result = RecvResult(np.array(lanes, dtype=np.int64), obs, np.frombuffer(rewards, dtype=np.float64).copy(),
                             np.frombuffer(terminated, dtype=np.bool_).copy(),
@@ -599,7 +662,10 @@ class RLPool(Pool):
         return result
 
     def _reset_lanes(self, lanes: list, seeds, hard: bool, options) -> tuple:
-        _, obs, infos = self._call("reset", lanes, seeds, hard, options)
+        return self._was_reset(lanes, self._call("reset", lanes, seeds, hard, options))
+
+    def _was_reset(self, lanes: list, reply) -> tuple:
+        _, obs, infos = reply
         if self._slots is not None:
             count = len(lanes)
             self._slots.fill(lanes, obs, np.zeros(count), np.zeros(count, np.bool_), np.zeros(count, np.bool_),
@@ -608,11 +674,15 @@ class RLPool(Pool):
         return obs, infos
 
     def _render_lanes(self, lanes: list) -> list:
-        frames, errors = self._call("render", lanes)
+        frames, errors = self._render_request(lanes)
         if errors:
             index, error = min((int(k), v) for k, v in errors.items())
             raise EnvError(f"env {index} could not render: {error}", env_index=index)
         return frames
+
+    def _render_request(self, lanes: list) -> tuple:
+        """(frames aligned with lanes, {lane: error} of the lanes that could not render)."""
+        return self._call("render", lanes)
 
     def _log(self, index: int) -> str:
         return self._call("log", index)
@@ -644,7 +714,7 @@ class RLPool(Pool):
             return []
         verb = {"call": "call", "get": "get the attribute", "set": "set the attribute"}[op]
         try:
-            results, errors = self._call("attr", lanes, op, name, args, kwargs, values)
+            results, errors = self._attr_request(lanes, op, name, args, kwargs, values)
         except TypeError as exc:
             raise TypeError(f"{verb} {name!r}: the arguments cannot cross the wire ({exc}); they must be "
                             "msgpack-able values or numpy arrays, like actions") from None
@@ -655,6 +725,10 @@ class RLPool(Pool):
             others = f" ({len(errors) - 1} other env(s) failed too)" if len(errors) > 1 else ""
             raise EnvError(f"env {index} could not {verb} {name!r}{others}: {detail or message}", env_index=index)
         return results
+
+    def _attr_request(self, lanes: list, op: str, name: str, args: list, kwargs: dict, values) -> tuple:
+        """(results aligned with lanes, {lane: (message, detail)} of the lanes that failed)."""
+        return self._call("attr", lanes, op, name, args, kwargs, values)
 
     def memory(self) -> MemoryReport:
         """Each env's memory in bytes (kernel accounting) and its source."""
@@ -695,7 +769,7 @@ def _missing(op: str, name: str, methods: list, attributes: dict, source: str) -
 
 _POOL_OPTIONS = ("step_timeout", "serialize_measurement", "memory_limit", "workspace_size", "start_timeout",
                  "progress", "batch_size", "limits", "worker", "token", "tls_ca", "cluster", "envs_per_node",
-                 "warmup", "env_vars")
+                 "warmup", "env_vars", "workers", "workers_per_node")
 
 
 def _warn_pool_option_typos(params: dict) -> None:

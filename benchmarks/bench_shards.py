@@ -1,0 +1,184 @@
+"""RLPool(workers=k) for k = 1, 2, 4 against each other (and AsyncVectorEnv), one run.
+
+    python benchmarks/bench_shards.py                                 # counter and HalfCheetah-v5, n = 64 512 1000
+    python benchmarks/bench_shards.py --env counter --n 512 1000 --workers 1 2 4
+    python benchmarks/bench_shards.py --env halfcheetah --n 64 --no-async
+
+For each env and n, every contender is open at once (a pool per k, and
+gymnasium's AsyncVectorEnv where --async-max allows) and they take turns in
+--rounds chunks of S steps, so load from elsewhere on a shared machine slows
+them alike; the figures are medians over the rounds:
+  * env-steps/s of the chunk (n * S / wall time);
+  * the client's CPU per env-step (time.process_time() in this process, the
+    trainer: what sharding must not make the bottleneck);
+  * for the pools, the workers' CPU per env-step (all shards summed, and the
+    busiest shard's), from each worker's own scheduler counter: the serial
+    cost a shard takes off the others, what decides k on a many-core node.
+Actions: all 1 for the counter (reset(where=dones) when an episode ends),
+a fixed random array for HalfCheetah-v5 (truncated at 1000 steps by its
+TimeLimit; the chunks are shorter, so no reset happens inside them).
+A markdown table goes to stdout, progress to stderr, every figure to
+benchmarks/results/shards.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+try:
+    import boltzlabs  # noqa: F401
+except ImportError:
+    sys.path.insert(0, str(ROOT))
+
+import gymnasium as gym
+import numpy as np
+from gymnasium.vector import AsyncVectorEnv, AutoresetMode
+
+from bench_pool import CounterEnv, _runtime_ns
+from boltzlabs import RLPool
+
+COUNTER = ROOT / "examples" / "counter"
+RESULTS = ROOT / "benchmarks" / "results" / "shards.json"
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _cheetah():
+    return gym.make("HalfCheetah-v5")
+
+
+class Ours:
+    def __init__(self, env: str, n: int, k: int):
+        self.label, self.n, self.env = f"workers={k}", n, env
+        started = time.perf_counter()
+        source = COUNTER if env == "counter" else "HalfCheetah-v5"
+        self.pool = RLPool(source, n, workers=k, progress=False)
+        self.ready_s = time.perf_counter() - started
+        self.workers = ([shard._proc.pid for shard in self.pool._shards] if k > 1 else [self.pool._proc.pid])
+        self.actions = (np.ones(n, np.int64) if env == "counter"
+                        else np.random.default_rng(0).uniform(-1, 1, (n, 6)).astype(np.float32))
+
+    def reset(self) -> None:
+        self.pool.reset(seed=0)
+
+    def chunk(self, steps: int) -> tuple:
+        pool, actions = self.pool, self.actions
+        worker_before = [_runtime_ns(pid) or 0 for pid in self.workers]
+        cpu, wall = time.process_time(), time.perf_counter()
+        for _ in range(steps):
+            _, _, dones, _ = pool.step(actions)
+            if dones.any():
+                pool.reset(where=dones)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        worker = [(_runtime_ns(pid) or 0) - b for pid, b in zip(self.workers, worker_before)]
+        return wall, cpu, worker
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class Async:
+    def __init__(self, env: str, n: int):
+        self.label, self.n = "AsyncVectorEnv", n
+        started = time.perf_counter()
+        fn = CounterEnv if env == "counter" else _cheetah
+        self.envs = AsyncVectorEnv([fn] * n, context="fork", autoreset_mode=AutoresetMode.SAME_STEP)
+        self.ready_s = time.perf_counter() - started
+        self.actions = (np.ones(n, np.int64) if env == "counter"
+                        else np.random.default_rng(0).uniform(-1, 1, (n, 6)).astype(np.float32))
+
+    def reset(self) -> None:
+        self.envs.reset(seed=0)
+
+    def chunk(self, steps: int) -> tuple:
+        envs, actions = self.envs, self.actions
+        cpu, wall = time.process_time(), time.perf_counter()
+        for _ in range(steps):
+            envs.step(actions)
+        return time.perf_counter() - wall, time.process_time() - cpu, None
+
+    def close(self) -> None:
+        self.envs.close()
+
+
+def bench(env: str, n: int, ks: list, rounds: int, steps: int, with_async: bool) -> list:
+    contenders = []
+    try:
+        for k in ks:
+            log(f"{env} n={n}: starting workers={k}")
+            contenders.append(Ours(env, n, k))
+        if with_async:
+            log(f"{env} n={n}: starting AsyncVectorEnv")
+            contenders.append(Async(env, n))
+        for c in contenders:
+            c.reset()
+            c.chunk(max(2, steps // 5))  # warm-up
+        samples = {c.label: [] for c in contenders}
+        for r in range(rounds):
+            order = contenders if r % 2 == 0 else contenders[::-1]
+            for c in order:
+                samples[c.label].append(c.chunk(steps))
+        rows = []
+        for c in contenders:
+            got = samples[c.label]
+            env_steps = n * steps
+            row = {"env": env, "n": n, "who": c.label, "steps": steps, "rounds": rounds, "ready_s": c.ready_s,
+                   "env_steps_per_s": statistics.median(env_steps / wall for wall, _, _ in got),
+                   "client_us": statistics.median(cpu * 1e6 / env_steps for _, cpu, _ in got)}
+            if got[0][2] is not None:
+                row["worker_us"] = statistics.median(sum(w) / 1e3 / env_steps for _, _, w in got)
+                row["busiest_worker_us"] = statistics.median(max(w) / 1e3 / env_steps for _, _, w in got)
+                row["fast_path"] = c.pool.fast_path
+            rows.append(row)
+        return rows
+    finally:
+        for c in contenders:
+            c.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--env", nargs="+", default=["counter", "halfcheetah"], choices=["counter", "halfcheetah"])
+    parser.add_argument("--n", nargs="+", type=int, default=[64, 512, 1000])
+    parser.add_argument("--workers", nargs="+", type=int, default=[1, 2, 4])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--env-steps", type=int, default=40_000, help="env-steps per chunk (S = this / n)")
+    parser.add_argument("--async-max", type=int, default=1000,
+                        help="largest n AsyncVectorEnv runs at (HalfCheetah: a quarter of it)")
+    parser.add_argument("--no-async", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    for env in args.env:
+        scale = 1 if env == "counter" else 8  # HalfCheetah's step costs ~8x the counter's
+        for n in args.n:
+            steps = max(5, args.env_steps // scale // n)
+            limit = args.async_max if env == "counter" else args.async_max // 4
+            rows += bench(env, n, args.workers, args.rounds, steps, not args.no_async and n <= limit)
+            log(json.dumps(rows[-len(args.workers):]))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                   "cores": len(os.sched_getaffinity(0)), "load": os.getloadavg(),
+                                   "rows": rows}, indent=1))
+    print(f"cores {len(os.sched_getaffinity(0))}, load {os.getloadavg()[0]:.1f}, medians of {args.rounds} rounds\n")
+    print("| env | n | who | env-steps/s | vs workers=1 | client us/env-step | workers us/env-step (busiest) | ready s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        base = next(r for r in rows if r["env"] == row["env"] and r["n"] == row["n"] and r["who"] == "workers=1")
+        worker = (f"{row['worker_us']:.2f} ({row['busiest_worker_us']:.2f})" if "worker_us" in row else "-")
+        print(f"| {row['env']} | {row['n']} | {row['who']} | {row['env_steps_per_s']:,.0f} | "
+              f"{row['env_steps_per_s'] / base['env_steps_per_s']:.2f}x | {row['client_us']:.2f} | {worker} | "
+              f"{row['ready_s']:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
