@@ -4,7 +4,8 @@
     python benchmarks/bench_tenk.py --n 1000 --memory-limit 256M   # per-env memory cgroups
 
 n envs run as ceil(n / --per-pool) pools in this process (one worker each:
-a worker's fd table holds ~6,500 envs here), started one after another.
+a worker's fd table holds ~6,500 envs here), started one after another, or
+with --sharded as one pool over that many workers (RLPool(..., workers=k)).
 For each n it prints: the time until every env is ready, env-steps/s over
 --steps batched steps of all pools, the time to hard-reset every env, and
 memory per env three ways:
@@ -125,8 +126,12 @@ def run(n: int, args) -> None:
     pools = []
     try:
         started = time.monotonic()
-        for size in sizes:
-            pools.append(RLPool(args.source, size, **kwargs))
+        if args.sharded:  # one pool, a worker per --per-pool envs
+            sizes = [n]
+            pools.append(RLPool(args.source, n, workers=math.ceil(n / per_pool), **kwargs))
+        else:
+            for size in sizes:
+                pools.append(RLPool(args.source, size, **kwargs))
         for pool in pools:
             pool.reset(seed=0)
         ready = time.monotonic() - started
@@ -163,7 +168,7 @@ def run(n: int, args) -> None:
     kernel = sum(mem1[k] - mem0[k] for k in KERNEL) / n
     machine = (mem0["MemAvailable"] - mem1["MemAvailable"]) / n
     mib = 2 ** 20
-    print(f"n={n} pools={len(pools)} memory_limit={args.memory_limit or 'none'} ready={ready:.1f}s "
+    print(f"n={n} pools={len(pools)}{' sharded' if args.sharded else ''} memory_limit={args.memory_limit or 'none'} ready={ready:.1f}s "
           f"env-steps/s={rate:,.0f} hard-reset={f'{hard:.1f}s' if args.hard_reset else 'skipped'} close={close:.1f}s lane-errors={errors}")
     print(f"  MiB/env: cgroup {cgroup / mib:.3f}  kernel {kernel / mib:.3f} "
           f"(SUnreclaim {(mem1['SUnreclaim'] - mem0['SUnreclaim']) / n / mib:.3f}, "
@@ -186,6 +191,8 @@ def main() -> None:
     parser.add_argument("--per-pool", type=int, default=5000)
     parser.add_argument("--source", default=str(ROOT / "examples" / "counter"))
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--sharded", action="store_true",
+                        help="one pool, RLPool(..., workers=ceil(n / per-pool)), not several pools")
     parser.add_argument("--no-hard-reset", dest="hard_reset", action="store_false",
                         help="skip the hard reset of every env (memory figures only)")
     parser.add_argument("--memory-limit", default=None, help='a per-env memory limit ("256M"): per-env memory cgroups')
