@@ -698,7 +698,10 @@ class CgroupPool:
     `pool_pids` to the pool's cgroup as a whole (every env and part together).
     `freezer=True` makes envs freezable
     (`freeze`, `thaw`, `frozen`) if the host allows it; `freezes` says
-    whether it does, `freezer_note` why not. Everything is removed by
+    whether it does, `freezer_note` why not. `per_env_memory` (None: only
+    with a `memory_limit`) gives each env a memory cgroup of its own on v1;
+    without it the envs share SHARED (the module's docstring says why) and
+    `env_usages` splits it. Everything is removed by
     `close()`, and on cgroup v2 the room made for it too (`_V2`).
     """
 
