@@ -266,6 +266,10 @@ def step(action):
         out = pty_number()
     elif action["op"] == "open":
         out = open_path(action["path"])
+    elif action["op"] == "pts":  # what /dev/pts is: the filesystems mounted there, its entries, writable
+        types = [line.split(" - ")[1].split()[0] for line in open("/proc/self/mountinfo")
+                 if line.split()[4] == "/dev/pts"]
+        out = {"types": types, "entries": os.listdir("/dev/pts"), "writable": os.access("/dev/pts", os.W_OK)}
     return {"alive": True, "out": out}, 0.0, False, {}
 
 serve(reset=lambda seed, options=None: 0, step=step)
@@ -374,6 +378,29 @@ def test_an_env_spending_the_accounts_pipe_quota_leaves_other_pools_channels_who
         assert max(map(int, other_sizes["held"])) < 65536, other_sizes  # its own pipe: the account's, spent
         other.close()
         pool.close()  # inside the lock: its env's pipes are spent quota until it is gone
+
+
+def test_a_policy_of_no_ptys_mounts_no_devpts_and_hides_every_other(quota_pool, tmp_path, monkeypatch):
+    """`[quotas] ptys = 0`: no env mounts a devpts (one superblock less per
+    env); /dev/pts is an empty read-only directory over whatever devpts was
+    below (bwrap's, the template's), so /dev/ptmx names nothing and no env
+    reaches a pty of another."""
+    text = (Path(__file__).resolve().parent.parent / "sandbox" / "policy.toml").read_text()
+    assert "\nptys = 16\n" in text
+    policy = tmp_path / "policy.toml"
+    policy.write_text(text.replace("\nptys = 16\n", "\nptys = 0\n"))
+    monkeypatch.setenv("BOLTZLABS_POLICY", str(policy))
+    pool = quota_pool()
+    for lane in (0, 1):
+        actions = [1.0, 1.0]
+        actions[lane] = {"op": "pts"}
+        obs, _, _, infos = pool.step(actions)
+        assert "error" not in infos[lane], infos[lane]
+        pts = obs[lane]["out"]
+        assert "devpts" != pts["types"][-1] and pts["entries"] == [] and not pts["writable"], pts
+    assert _take(pool, "ptys", 4) == {"took": 0, "errno": errno.ENOENT}
+    pool.reset(seed=0, hard=True)
+    assert _take(pool, "ptys", 1) == {"took": 0, "errno": errno.ENOENT}
 
 
 def test_a_lane_cannot_open_another_lanes_pty(quota_pool):

@@ -15,7 +15,9 @@ MiB = 1 << 20
 
 
 def test_envs_per_gb_tracks_a_known_allocation(probe_pool):
-    pool = probe_pool(4)
+    # A per-env memory limit gives each env a memory cgroup of its own, so
+    # memory() charges each allocation to the env that made it.
+    pool = probe_pool(4, memory_limit="512M")
     pool.reset(seed=0)
     before = pool.memory()
     assert before.source.startswith(f"cgroup {PoolView(pool._cgroup).version} ")  # the kernel's, not PSS
@@ -32,8 +34,44 @@ def test_envs_per_gb_tracks_a_known_allocation(probe_pool):
     assert pool.envs_per_gb() < epg_before
 
 
+def test_shared_env_memory_cgroup_without_per_env_limits(probe_pool):
+    # No per-env memory limit: on cgroup v1 every env shares one memory
+    # cgroup (a memory cgroup per env costs the kernel a slot per superblock
+    # of the host in each: n x 3n); memory() splits it evenly over the live
+    # envs, the pool's total stays exact. Each env keeps its own pids group.
+    pool = probe_pool(4)
+    view = PoolView(pool._cgroup)
+    if view.version != "v1":
+        pytest.skip("cgroup v2 pools keep a cgroup per env (one tree)")
+    pool.reset(seed=0)
+    memory = view.pool("memory")
+    assert (memory / "envs").is_dir() and not any((memory / f"env-{i}").exists() for i in range(4))
+    pids = pool.pids()
+    for i in range(4):
+        assert pids[i] in view.procs(i) and view.procs(i).isdisjoint(pids[:i] + pids[i + 1:])
+        assert view.pids_limit(i) is not None  # the per-env fork cap holds
+        assert view.memory_limit(i) is None
+    before = pool.memory()
+    assert "split evenly" in before.source
+    assert len(set(before.per_env)) == 1 and before.per_env[0] > 0
+    pool.step([{"op": "alloc", "mb": 64}, 1, {"op": "alloc", "mb": 32}, 1])
+    after = pool.memory()
+    assert len(set(after.per_env)) == 1
+    assert 90 * MiB < after.total - before.total < 108 * MiB, (before.total, after.total)
+    # A dead lane is charged nothing; the live ones share the envs' cgroup.
+    pool.step([{"op": "exit", "code": 3}, 1, 1, 1])
+    memory_now = pool.memory()
+    assert memory_now.per_env[0] == 0 and len(set(memory_now.per_env[1:])) == 1 and memory_now.per_env[1] > 0
+    pool.reset(where=[0], hard=True, seed=0)
+    assert pool.step([1] * 4)[1].tolist() == [1.0] * 4
+    assert not any((memory / f"env-{i}").exists() for i in range(4))
+
+
 def test_memory_limit_kills_and_reports_oom(probe_pool):
     pool = probe_pool(2, memory_limit="96M")
+    view = PoolView(pool._cgroup)
+    if view.version == "v1":  # a per-env limit: each env has a memory cgroup of its own
+        assert not (view.pool("memory") / "envs").exists()
     pool.reset(seed=0)
     obs, rewards, dones, infos = pool.step([{"op": "alloc", "mb": 256}, 1])
     assert dones[0] and "OOM" in infos[0]["error"], infos[0]

@@ -431,15 +431,17 @@ def _memory_cgroup_bookkeeping(n: int, probes: int = 64) -> list[Finding]:
 
     Linux keeps, per memory cgroup, a table with a slot for every filesystem
     superblock mounted since boot (its shrinker table: 1 KiB per 64). Each
-    env's sandbox mounts a tmpfs and a proc (and its IPC namespace has an
-    mqueue one), so a pool of n envs makes the table ~n/20 KiB for each of
-    its n cgroups, and the high-water mark stays until reboot. Measured: the rise in unreclaimable slab while `probes`
+    env's sandbox mounts a tmpfs, a proc and a devpts (and its IPC namespace has an
+    mqueue one), so a pool of n envs makes the table ~n/16 KiB for each memory
+    cgroup, and the high-water mark stays until reboot. A pool has a memory
+    cgroup per env only where it sets a per-env memory limit (cgroup v1;
+    always on v2), else three. Measured: the rise in unreclaimable slab while `probes`
     empty memory cgroups are made (median of three rounds)."""
     from boltzlabs.errors import CgroupUnavailable
     from boltzlabs.sandbox.cgroups import CgroupPool
 
     try:
-        pool = CgroupPool(None)
+        pool = CgroupPool(None, per_env_memory=True)  # a memory cgroup per key, as a per-env memory limit makes
     except CgroupUnavailable:
         return []  # the memory cgroup finding above says why
     rounds = []
@@ -453,7 +455,8 @@ def _memory_cgroup_bookkeeping(n: int, probes: int = 64) -> list[Finding]:
         pool.close(time.monotonic() + 10)
     per_group = sorted(rounds)[1]
     detail = (f"each memory cgroup made now costs ~{per_group:.0f} KiB of kernel memory that no cgroup is "
-              f"charged for (the kernel's shrinker table); a pool adds that per env on top of "
+              f"charged for (the kernel's shrinker table); a pool with a memory cgroup per env (a per-env "
+              f"memory limit, or cgroup v2) adds that per env on top of "
               f"envs_per_gb()'s figure (~{per_group * n / 1024:.0f} MiB at n={n}), and it grows with the "
               "number of filesystems mounted since boot (each env's sandbox mounts at least two)")
     if per_group > _BOOKKEEPING_WARN_KIB:

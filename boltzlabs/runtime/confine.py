@@ -212,8 +212,9 @@ class Plan:
     """The set-up's system calls, their arguments built once from VARIABLE's parsed values.
 
     `mounts`: (mount(2)'s five arguments, what it is for an error message), in
-    order: the workspace tmpfs at <dev>/shm (its two directories are made
-    next, `shm_dirs`), the workspace and <dev>/shm bound from it, the devpts.
+    order: the workspace tmpfs at <dev>/shm (its directories are made
+    next, `shm_dirs`), the workspace and <dev>/shm bound from it, the devpts
+    (with `ptys` 0: an empty read-only directory of it over <dev>/pts instead).
     The workspace and /dev/shm are two directories of one capped tmpfs, the
     shm one bound over the tmpfs's own root, which no path reaches after: one
     superblock per env, not two (each costs every memory cgroup a slot in a
@@ -233,19 +234,34 @@ class Plan:
             raise ValueError(f"${VARIABLE}: a hostname needs a uts namespace")
         workspace, dev, self.proc = (path_of(values, key) for key in ("workspace", "dev", "proc"))
         self.workspace = workspace.encode()
-        size, inodes, ptys = (number_of(values, key, 1) for key in ("size", "inodes", "ptys"))
+        size, inodes = (number_of(values, key, 1) for key in ("size", "inodes"))
+        ptys = number_of(values, "ptys")
         self.rlimits = values["rlimits"]
         flags = abi.MS_NOSUID | abi.MS_NODEV
         shm = f"{dev}/shm"
         self.shm_dirs = [(f"{shm}/w".encode(), 0o755), (f"{shm}/s".encode(), 0o1777)]
+        cover, pts = [], []
+        if ptys:
+            # (not nodev: its ptmx and ptys are the devices it is for)
+            pts = [("devpts", f"{dev}/pts", "devpts", abi.MS_NOSUID | abi.MS_NOEXEC,
+                    f"newinstance,ptmxmode=0666,mode=620,max={ptys}", f"mount {dev}/pts")]
+        else:
+            # No ptys: an empty read-only directory of the workspace tmpfs over
+            # <dev>/pts, hiding the devpts below (bwrap's, or the template's,
+            # which every child would share), and no superblock of its own.
+            # /dev/ptmx (-> pts/ptmx) then names nothing: ENOENT. Bound while
+            # the tmpfs's root is still reachable (before <dev>/shm covers it).
+            self.shm_dirs.append((f"{shm}/p".encode(), 0o555))
+            cover = [(f"{shm}/p", f"{dev}/pts", None, abi.MS_BIND, None, f"cover {dev}/pts"),
+                     (None, f"{dev}/pts", None, abi.MS_BIND | abi.MS_REMOUNT | abi.MS_RDONLY | flags | abi.MS_NOEXEC, None,
+                      f"make {dev}/pts read-only")]
         mounts = [
             ("tmpfs", shm, "tmpfs", flags, f"size={size},nr_inodes={inodes},mode=0700",
              "mount the workspace tmpfs"),
             (f"{shm}/w", workspace, None, abi.MS_BIND, None, "bind the workspace"),
+            *cover,
             (f"{shm}/s", shm, None, abi.MS_BIND, None, f"bind {shm}"),
-            # (not nodev: its ptmx and ptys are the devices it is for)
-            ("devpts", f"{dev}/pts", "devpts", abi.MS_NOSUID | abi.MS_NOEXEC,
-             f"newinstance,ptmxmode=0666,mode=620,max={ptys}", f"mount {dev}/pts"),
+            *pts,
         ]
         self.mounts = [((a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode()), what)
                        for a, b, c, f, d, what in mounts]

@@ -4,6 +4,9 @@
         <the worker's own cgroup in each>/
             boltzlabs-<worker pid>-<tag>/      the pool (pids.max: the pool's cap)
                 env-0/  env-1/  ...  template/ probe/     one per env, a sandbox's whole tree
+        memory, when the pool sets no per-env memory limit:
+            boltzlabs-<worker pid>-<tag>/
+                envs/  template/  probe/       every env in one memory cgroup
     cgroup v2 (one tree), the worker started in cgroup S:
         S/                                     +memory +pids in cgroup.subtree_control
             boltzlabs-procs/                   "the leaf": what was in S, the worker among it
@@ -49,6 +52,18 @@ Kernel facts this depends on:
   per-env cap cannot take every pid of the host together. The "max" line of
   pids.events counts refused forks, which is how a lane learns its env hit a
   limit.
+- Every memory cgroup keeps, per memory-cgroup-aware shrinker (one per
+  mounted superblock: each env's workspace tmpfs, devpts and proc), a slot
+  in its shrinker_info (~16 bytes: 520-byte units of 64 in kmalloc-1k),
+  allocated in every memory cgroup for every shrinker and charged to none.
+  One memory cgroup per env makes that n x 3n: ~90 KiB per env at 1,000
+  envs, ~0.9 MiB at 10,000. So on v1, where memory is a hierarchy of its
+  own, an env gets a memory cgroup of its own only when the pool sets a
+  per-env memory limit; otherwise every env shares the pool's "envs" memory
+  cgroup (accounting stays exact for the pool; `env_usages` splits it
+  evenly), while the pids and freezer groups, which keep no such slots,
+  stay per env: kills, task counts, fork caps and the measurement gate are
+  still one env's. v2 has one tree, so its envs keep a cgroup each.
 - Freezing is asynchronous: v1's freezer.state reads FREEZING until every
   task has stopped (reading it re-checks), v2's cgroup.events says
   "frozen 1". A SIGKILL to a task frozen by the v1 freezer waits for the
@@ -683,6 +698,8 @@ def _thaw_v1(group: Path) -> None:
 
 # Pool parts that get the env's memory limit (see CgroupPool).
 LIMITED_PARTS = ("template", "probe")
+# The memory cgroup every env of a pool without per-env memory limits shares (v1).
+SHARED = "envs"
 
 
 class CgroupPool:
@@ -695,12 +712,15 @@ class CgroupPool:
     `pool_pids` to the pool's cgroup as a whole (every env and part together).
     `freezer=True` makes envs freezable
     (`freeze`, `thaw`, `frozen`) if the host allows it; `freezes` says
-    whether it does, `freezer_note` why not. Everything is removed by
+    whether it does, `freezer_note` why not. `per_env_memory` (None: only
+    with a `memory_limit`) gives each env a memory cgroup of its own on v1;
+    without it the envs share SHARED (the module's docstring says why) and
+    `env_usages` splits it. Everything is removed by
     `close()`, and on cgroup v2 the room made for it too (`_V2`).
     """
 
     def __init__(self, memory_limit: int | None = None, pids_max: int | None = None, freezer: bool = False,
-                 pool_pids: int | None = None) -> None:
+                 pool_pids: int | None = None, per_env_memory: bool | None = None) -> None:
         self.memory_limit = memory_limit
         self.pids_max = pids_max
         self.pool_pids = pool_pids
@@ -752,7 +772,15 @@ class CgroupPool:
         for home in (self.pids_home, self.freezer_path and self.freezer_home):
             if home is not None:
                 self._homes.append(home / "cgroup.procs")
-        # key -> [memory group, pids group (v1) if any, freezer group (v1) if any]
+        # Whether each env has a memory cgroup of its own (the module's docstring
+        # says what a memory cgroup costs the kernel): always on v2 (one tree),
+        # and where there is no pids hierarchy (its group is what a kill
+        # empties); on v1 otherwise only for a per-env memory limit, unless
+        # `per_env_memory` says otherwise.
+        own_memory = bool(memory_limit) if per_env_memory is None else per_env_memory
+        self.per_env_memory = own_memory or not v1 or self.pids_path is None
+        # key -> [memory group, pids group (v1) if any]; the last one is the
+        # key's own (the one whose tasks are its alone, which a kill empties)
         self._groups: dict[Any, Any] = {}
         self._frozen_group: dict[Any, Any] = {}  # key -> the group whose freezer holds it
 
@@ -783,10 +811,10 @@ class CgroupPool:
         done: the warm-up probe's); False if one would not go by `deadline`."""
         if key not in self._groups:
             return True
-        self.backend.kill(self._groups[key][0])
+        self.backend.kill(self._groups[key][-1])
         if self.freezes:
             self.backend.thaw(self._frozen_group[key])
-        ok = all([_rmdir(group, deadline, reap) for group in self._joined(key)])
+        ok = all([_rmdir(group, deadline, reap) for group in self._joined(key) if group.name != SHARED])
         if ok:
             del self._groups[key]
             self._frozen_group.pop(key, None)
@@ -796,7 +824,8 @@ class CgroupPool:
         groups = self._groups.get(key)
         if groups is None:
             name = f"env-{key}" if isinstance(key, int) else key
-            groups = [self.path / name] + ([self.pids_path / name] if self.pids_path is not None else [])
+            memory = self.path / (name if self.per_env_memory or not isinstance(key, int) else SHARED)
+            groups = [memory] + ([self.pids_path / name] if self.pids_path is not None else [])
             for group in groups:
                 group.mkdir(exist_ok=True)
             if self.memory_limit and (isinstance(key, int) or key in LIMITED_PARTS):
@@ -847,7 +876,27 @@ class CgroupPool:
         return self.backend.frozen(self._frozen_group[index])
 
     def usage(self, key: Any) -> int:
+        """The working set of `key`'s memory cgroup (with shared env memory,
+        every env's together for an env index)."""
         return self.backend.usage(self.group(key))
+
+    def env_usages(self, alive: list) -> list[int]:
+        """Each env's memory charge, env i's when alive[i] is true, else 0:
+        its own cgroup's working set, or with shared env memory the envs'
+        cgroup's split evenly over the live envs."""
+        if self.per_env_memory:
+            return [self.usage(i) if up else 0 for i, up in enumerate(alive)]
+        live = sum(map(bool, alive))
+        share = self.backend.usage(self.path / SHARED) // live if live and (self.path / SHARED).exists() else 0
+        return [share if up else 0 for up in alive]
+
+    @property
+    def memory_source(self) -> str:
+        """Where env_usages() comes from, in words."""
+        where = ("each env's own cgroup" if self.per_env_memory else
+                 "the envs' one memory cgroup, split evenly over the live envs (an env has its own "
+                 "memory cgroup only with a per-env memory limit)")
+        return f"cgroup {self.version} working set (usage - inactive file), kernel memory included, of {where}"
 
     def total(self) -> int:
         """Every env and pool part (the template's shared pages are the pool's)."""
@@ -859,7 +908,9 @@ class CgroupPool:
         counts = []
         for read, group in ((self.backend.oom_kills, groups[0]), (self.backend.pids_refused, groups[-1])):
             try:
-                counts.append(read(group))
+                # The envs' shared memory cgroup has no limit, and its OOM count
+                # (a host-wide OOM's kills) is no one env's: a lane killed so says SIGKILL.
+                counts.append(read(group) if group.name != SHARED else 0)
             except OSError:
                 counts.append(0)
         return counts[0], counts[1]
@@ -888,7 +939,7 @@ class CgroupPool:
     def kill(self, index: int) -> None:
         """SIGKILL everything in env `index`'s cgroup now (one round, no wait)."""
         if index in self._groups:
-            self.backend.kill(self._groups[index][0])
+            self.backend.kill(self._groups[index][-1])
             if self.freezes:
                 self.thaw(index)  # a frozen task dies only once thawed
 
@@ -902,12 +953,15 @@ class CgroupPool:
         `reap()`, if given, reaps the caller's exited children between tries."""
         ok = True
         for key, groups in self._groups.items():
-            self.backend.kill(groups[0])
+            self.backend.kill(groups[-1])
             if self.freezes:
                 self.thaw(key)
-        for key in self._groups:
+        removed = set()
+        for key, groups in self._groups.items():
             for group in self._joined(key):
-                ok &= _rmdir(group, deadline, reap)
+                if group not in removed:  # the envs' shared memory cgroup once
+                    ok &= _rmdir(group, deadline, reap)
+                    removed.add(group)
         self._groups.clear()
         for path in (self.path, self.pids_path, self.freezer_path):
             if path is not None:
@@ -941,14 +995,24 @@ class PoolView:
         self.version = self.backend.version
 
     def group(self, key: Any, controller: str = "memory") -> Path:
-        """Env `key`'s cgroup in the hierarchy of `controller`."""
-        return self.by_controller[controller] / (f"env-{key}" if isinstance(key, int) else key)
+        """Env `key`'s cgroup in the hierarchy of `controller` (for the memory
+        controller, the envs' shared one where env `key` has none of its own)."""
+        pool = self.by_controller[controller]
+        own = pool / (f"env-{key}" if isinstance(key, int) else key)
+        if isinstance(key, int) and not own.exists() and (pool / SHARED).is_dir():
+            return pool / SHARED
+        return own
+
+    def shares_memory(self) -> bool:
+        """Whether the pool's envs share one memory cgroup (no per-env memory limit, v1)."""
+        return (self.by_controller["memory"] / SHARED).is_dir()
 
     def pool(self, controller: str = "pids") -> Path:
         return self.by_controller[controller]
 
     def procs(self, key: Any) -> set[int]:
-        return set(self.backend.procs(self.group(key)))
+        """The processes of env (or part) `key` alone: its pids group's, which is its own in both cases."""
+        return set(self.backend.procs(self.group(key, "pids" if "pids" in self.by_controller else "memory")))
 
     def memory_limit(self, key: Any) -> int | None:
         return self.backend.memory_limit(self.group(key))

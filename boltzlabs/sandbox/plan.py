@@ -205,7 +205,7 @@ def compile_plan(policy: Policy, source_dir: Any, workspace_size: int | None = N
     tmp_link = read.get("workspace", "tmp_link", "an absolute path, or \"\" for none")
     if tmp_link:
         tmp_link = read.path("workspace", "tmp_link")
-    ptys = read.integer("quotas", "ptys", 1, 1 << 20)
+    ptys = read.integer("quotas", "ptys", 0, 1 << 20)
     quotas = read.table("quotas.user_namespace")
     # Only the limits this kernel has (max_fanotify_* came in 5.13): the
     # host's /proc/sys/user lists the same kernel's.

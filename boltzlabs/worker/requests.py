@@ -393,7 +393,7 @@ class Requests:
         lifecycle = self.lifecycle
         cgroups, spawner = lifecycle.cgroups, lifecycle.spawner
         if cgroups is not None:
-            per_env = [cgroups.usage(e.index) if not e.state.dead else 0 for e in lifecycle.lanes]
+            per_env = cgroups.env_usages([not e.state.dead for e in lifecycle.lanes])
             if spawner.kind == "template":
                 shared = cgroups.usage(TEMPLATE_LANE)
         else:

@@ -150,7 +150,7 @@ class Worker:
                 self.limits_note = (f"no writable pids cgroup here: the per-env pids limit "
                                     f"({limits.get('pids')} tasks) and the pool's "
                                     f"({limits.get('pool_pids')} tasks) are not enforced; {DELEGATE_FIX}")
-            self.memory_source = f"cgroup {self.cgroups.version} working set (usage - inactive file), kernel memory included"
+            self.memory_source = self.cgroups.memory_source
         except CgroupUnavailable as exc:
             self.cgroups = None
             self.memory_source = "psutil PSS of each sandbox's processes (no writable memory cgroup)"
