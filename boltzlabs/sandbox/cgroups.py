@@ -956,8 +956,8 @@ class CgroupPool:
             self.backend.kill(groups[-1])
             if self.freezes:
                 self.thaw(key)
-        removed = set()
-        for key, groups in self._groups.items():
+        removed: set[Path] = set()
+        for key in self._groups:
             for group in self._joined(key):
                 if group not in removed:  # the envs' shared memory cgroup once
                     ok &= _rmdir(group, deadline, reap)
