@@ -1,4 +1,4 @@
-"""The house rules of the package layout, checked on every import of every module (issue #15).
+"""The house rules of the package layout, checked on every import of every module.
 
 Where code runs decides what it may import:
 
@@ -51,7 +51,7 @@ ALLOWED = {  # layer -> the layers it may import
 ADAPTERS = {"gym", "sb3", "cluster", "cli", "__main__", "testing", "pytest_plugin"}
 
 # Edges that break a rule today and could not be removed without a change of
-# behaviour within the layout move (issue #15 asks for each in a later step).
+# behaviour; each says why it is still there.
 # (importing module, imported module) -> why it is still there.
 EXCEPTIONS = {
     ("boltzlabs.cluster", "boltzlabs.cli.doctor"):
