@@ -50,8 +50,7 @@ ALLOWED = {  # layer -> the layers it may import
 }
 ADAPTERS = {"gym", "sb3", "cluster", "cli", "__main__", "testing", "pytest_plugin"}
 
-# Edges that break a rule today and could not be removed without a change of
-# behaviour; each says why it is still there.
+# Edges that break a rule and cannot be removed without a change of behaviour:
 # (importing module, imported module) -> why it is still there.
 EXCEPTIONS = {
     ("boltzlabs.cluster", "boltzlabs.cli.doctor"):
