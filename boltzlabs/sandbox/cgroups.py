@@ -880,7 +880,7 @@ class CgroupPool:
         every env's together for an env index)."""
         return self.backend.usage(self.group(key))
 
-    def env_usages(self, alive: list) -> list[int]:
+    def env_usages(self, alive: list[bool]) -> list[int]:
         """Each env's memory charge, env i's when alive[i] is true, else 0:
         its own cgroup's working set, or with shared env memory the envs'
         cgroup's split evenly over the live envs."""
