@@ -865,14 +865,14 @@ class CgroupPool:
             return groups + [self._frozen_group[key]]
         return groups
 
-    def freeze(self, index: int) -> None:
-        """Start freezing env `index` (every task of it); `frozen()` says when done."""
+    def freeze(self, index: int | str) -> None:
+        """Start freezing env `index` (every task of it; or a pool part, by name); `frozen()` says when done."""
         self.backend.freeze(self._frozen_group[index])
 
-    def thaw(self, index: int) -> None:
+    def thaw(self, index: int | str) -> None:
         self.backend.thaw(self._frozen_group[index])
 
-    def frozen(self, index: int) -> bool:
+    def frozen(self, index: int | str) -> bool:
         return self.backend.frozen(self._frozen_group[index])
 
     def usage(self, key: Any) -> int:
@@ -902,8 +902,8 @@ class CgroupPool:
         """Every env and pool part (the template's shared pages are the pool's)."""
         return sum(self.usage(key) for key in self._groups)
 
-    def events(self, index: int) -> tuple[int, int]:
-        """(OOM kills, forks refused by pids.max) so far in env `index`'s cgroup."""
+    def events(self, index: int | str) -> tuple[int, int]:
+        """(OOM kills, forks refused by pids.max) so far in env `index`'s cgroup (or a pool part's, by name)."""
         groups = self._made(index)
         counts = []
         for read, group in ((self.backend.oom_kills, groups[0]), (self.backend.pids_refused, groups[-1])):
@@ -936,8 +936,8 @@ class CgroupPool:
         except OSError:
             return 0
 
-    def kill(self, index: int) -> None:
-        """SIGKILL everything in env `index`'s cgroup now (one round, no wait)."""
+    def kill(self, index: int | str) -> None:
+        """SIGKILL everything in env `index`'s cgroup (or a pool part's, by name) now (one round, no wait)."""
         if index in self._groups:
             self.backend.kill(self._groups[index][-1])
             if self.freezes:
