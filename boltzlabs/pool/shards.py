@@ -41,15 +41,13 @@ import selectors
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from boltzlabs.errors import EnvStartError, PoolClosedError, WorkerError
 from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_n
-
-if TYPE_CHECKING:
-    from boltzlabs.pool.client import MemoryReport, RLPool, Timing
 
 __all__ = ["Sharding", "default_workers", "workers_for"]
 
@@ -126,10 +124,12 @@ class Sharding(Pool):
     which imports this module, not the other way round.
     """
 
-    # Set by client.ShardedPool (this module cannot import client.py).
-    _one_worker: type[RLPool]
-    _timing: type[Timing]
-    _memory: type[MemoryReport]
+    # Set by client.ShardedPool (client.py imports this module, not the other way round): the
+    # one-worker pool class, the report classes, and RLPool's naming of an action that does not encode.
+    _one_worker: Callable[..., Pool]
+    _timing: Callable[..., Any]
+    _memory: Callable[..., Any]
+    _raise_unserializable: Callable[[list[Any]], None]
 
     def __init__(self, source, n: int, *, workers=None, batch_size=None, progress=None,
                  serialize_measurement: bool = False, **options):
@@ -339,7 +339,7 @@ class Sharding(Pool):
             self._in_turns({s: ("step", [actions[bounds[s]:bounds[s + 1]], local_resets.get(s)])
                             for s in range(self.workers)}, land)
         except TypeError:
-            self._one_worker._raise_unserializable(actions)  # names the global lane
+            self._raise_unserializable(actions)  # names the global lane
             raise
         stragglers.sort()
         self.timing.stragglers = stragglers
@@ -388,7 +388,7 @@ class Sharding(Pool):
             try:
                 self._gather(calls, lambda s, reply: None)
             except TypeError:
-                self._one_worker._raise_unserializable(actions)
+                self._raise_unserializable(actions)
                 raise
             for s, (_, args) in calls.items():
                 self._out[s] += len(args[1])
