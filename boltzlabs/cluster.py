@@ -36,6 +36,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -92,6 +93,7 @@ class NodeWorker:
             [sys.executable, "-m", "boltzlabs", "worker", "--listen", f"{host}:0", "--parent", str(os.getpid()),
              "--max-envs", "100000", "--allow-trust-env", *no_ceilings],
             stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+        assert self.proc.stdout is not None  # stdout=PIPE
         line = self.proc.stdout.readline().strip()
         if not line.startswith("listening on "):
             raise RuntimeError(f"boltzlabs worker did not start on node {self.node_id}: {line!r}")
@@ -158,8 +160,8 @@ class _Shard:
     """One node's share: a remote pool and the global lanes it holds, in order."""
 
     node: str
-    pool: RLPool | None
-    lanes: list
+    pool: RLPool
+    lanes: list[int]
     lost: str = ""  # why the node was lost, once it is
 
 
@@ -235,7 +237,7 @@ class ClusterPool(Pool):
     def _place(self, lanes: list) -> None:
         """Start pools for `lanes` on the alive nodes, one per node, concurrently."""
         ray = _ray()
-        held = {}
+        held: dict[str, int] = {}  # lanes each node holds already
         for shard in self._live():
             held[shard.node] = held.get(shard.node, 0) + len(shard.lanes)
         try:
@@ -243,18 +245,17 @@ class ClusterPool(Pool):
         except ValueError as exc:
             raise WorkerError(str(exc)) from exc
         addresses = dict(ray.get([self._actor(node).address.remote() for node, _ in plan]))
-        shards, start = [], 0
+        parts, start = [], 0
         for node, count in plan:
-            shards.append(_Shard(node, None, lanes[start:start + count]))
+            parts.append((node, lanes[start:start + count]))
             start += count
 
-        def open_pool(shard):
-            shard.pool = RLPool(self.source, len(shard.lanes), worker=addresses[shard.node], token=self._token,
-                                progress=False, workers=min(self._workers_per_node, len(shard.lanes)),
-                                **self._kwargs)
-            return shard
+        def open_pool(node: str, part: list[int]) -> _Shard:
+            pool = RLPool(self.source, len(part), worker=addresses[node], token=self._token,
+                          progress=False, workers=min(self._workers_per_node, len(part)), **self._kwargs)
+            return _Shard(node, pool, part)
 
-        futures = [self._executor.submit(open_pool, shard) for shard in shards]
+        futures = [self._executor.submit(open_pool, node, part) for node, part in parts]
         errors = []
         for future in futures:
             try:
@@ -266,7 +267,7 @@ class ClusterPool(Pool):
         self._index()
 
     def _index(self) -> None:
-        self._lane_shard = {}
+        self._lane_shard: dict[int, tuple[_Shard, int]] = {}  # global lane -> (its shard, its lane there)
         for shard in self._shards:
             if not shard.lost:
                 for local, lane in enumerate(shard.lanes):
@@ -311,7 +312,7 @@ class ClusterPool(Pool):
     def _split(self, values, lanes: list) -> dict:
         """{shard: (local lanes, global lanes, values)} for `lanes` (global), values
         aligned with them (checked by Pool); shard None holds the lanes on no node (a lost one's)."""
-        out = {}
+        out: dict[_Shard | None, tuple[list[int | None], list[int], list[Any]]] = {}
         for value, lane in zip(values, lanes):
             shard, local = self._lane_shard.get(lane, (None, None))
             locals_, globals_, vals = out.setdefault(shard, ([], [], []))
@@ -343,7 +344,8 @@ class ClusterPool(Pool):
         calls = {shard: (lambda pool, a=vals, r=local_resets.get(shard): pool.step_full(a, r))
                  for shard, (_, _, vals) in split.items() if shard}
         results = self._fan_out(calls)
-        obs, infos = [None] * self.n, [None] * self.n
+        obs: list[Any] = [None] * self.n
+        infos: list[Any] = [None] * self.n  # every lane's filled below: a result's, or a lost node's error
         rewards = np.zeros(self.n, dtype=np.float64)
         terminated = np.zeros(self.n, dtype=np.bool_)
         truncated = np.zeros(self.n, dtype=np.bool_)
@@ -378,13 +380,15 @@ class ClusterPool(Pool):
             return run
 
         results = self._fan_out({shard: call(shard, locals_) for shard, locals_ in self._by_shard(lanes).items()})
-        obs, infos = [], []
+        obs: list[Any] = []
+        infos: list[Any] = []
         for lane in lanes:
-            shard, local = self._lane_shard.get(lane, (None, None))
-            if shard is None or isinstance(results.get(shard), Exception):
+            placed = self._lane_shard.get(lane)
+            if placed is None or isinstance(results.get(placed[0]), Exception):
                 obs.append(None)
                 infos.append({"error": self._lost_lane(lane)})
             else:
+                shard, local = placed
                 obs.append(results[shard][local])
                 infos.append(shard.pool.reset_infos[local])
         self._flying[lanes] = False
@@ -487,7 +491,7 @@ class ClusterPool(Pool):
             return lambda pool: pool.set_attr(name, vals, env_ids=locals_)
 
         results = self._fan_out({shard: run(locals_, vals) for shard, (locals_, _, vals) in split.items()})
-        out = {}
+        out: dict[int, Any] = {}  # global lane -> its value
         for shard, (_, globals_, _) in split.items():
             result = results[shard]
             if isinstance(result, Exception):  # the node was lost during the call

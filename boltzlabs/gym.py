@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import copy as _copy
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import gymnasium
 import numpy as np
@@ -85,6 +87,10 @@ class BoltzLabsVecEnv(VectorEnv):
     Other keywords are RLPool's options (step_timeout, memory_limit,
     spawn, env_vars, ...).
     """
+
+    # Set by make() before __init__ for the pool it makes: how to build one env here to read a space the
+    # handshake cannot describe (pool/spaces.py), or None. Absent otherwise (__init__ makes its own).
+    _rebuild: Callable[[str], Any] | None
 
     def __init__(self, env_fns, *, autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
                  observation_space: gymnasium.Space | None = None, action_space: gymnasium.Space | None = None,
@@ -155,7 +161,9 @@ class BoltzLabsVecEnv(VectorEnv):
         self._seeds = [-1] * self.num_envs  # the seed each lane was last reset with (-1: none yet)
         # A Gymnasium env object behind every lane (serve_env: gym ids, env_fns): ask it for its seed.
         self._env_objects = NP_RANDOM_SEED in ((contract.attributes or {}).get("methods") or ())
-        self._ids_list, self._ids_array = None, None  # pool.episode_ids, and as infos carry it
+        # pool.episode_ids, and as infos carry it
+        self._ids_list: list[Any] | None = None
+        self._ids_array: np.ndarray | None = None
         self.completed_episodes = 0
         """How many episodes ended on the latest step (0 after a reset)."""
 
@@ -169,6 +177,7 @@ class BoltzLabsVecEnv(VectorEnv):
         `cluster="ray"` (or a Ray cluster's address, with `envs_per_node=`)
         spreads the envs over a Ray cluster (boltzlabs.cluster.ClusterPool)."""
         observation_space, action_space = kwargs.pop("observation_space", None), kwargs.pop("action_space", None)
+        pool: Pool
         if kwargs.get("cluster") is not None:
             from boltzlabs.cluster import ClusterPool
 
@@ -213,7 +222,8 @@ class BoltzLabsVecEnv(VectorEnv):
     # -- the VectorEnv API --------------------------------------------------------------
 
     @property
-    def np_random_seed(self) -> tuple:
+    # A tuple, as Gymnasium's own SyncVectorEnv and AsyncVectorEnv return, where VectorEnv declares int | None.
+    def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]
         """The seed each env's generator was made from, as SyncVectorEnv's
         ((42, 43) after reset(seed=42)). For envs served as Gymnasium env
         objects (serve_env: gym ids, env_fns) the seed each env's generator
@@ -416,9 +426,13 @@ class BoltzLabsVecEnv(VectorEnv):
     def _add_runtime_info(self, infos: dict, completed) -> None:
         n = self.num_envs
         ids = self.pool.episode_ids
-        if ids is not self._ids_list:  # the pool replaces the list at every reset: made again only then
-            self._ids_list, self._ids_array = ids, np.array(ids, dtype=object)
-        runtime = {"episode_ids": (self._ids_array.copy(), np.ones(n, dtype=np.bool_))}
+        ids_array = self._ids_array
+        # The pool replaces the list at every reset: made again only then.
+        if ids is not self._ids_list or ids_array is None:
+            ids_array = np.array(ids, dtype=object)
+            self._ids_list, self._ids_array = ids, ids_array
+        # Each key's (value, mask), as _add_info makes them: an array, or a dict of arrays (episode_record).
+        runtime: dict[str, tuple[Any, np.ndarray]] = {"episode_ids": (ids_array.copy(), np.ones(n, dtype=np.bool_))}
         self.completed_episodes = len(completed or ())
         if completed:
             mask = np.zeros(n, dtype=np.bool_)

@@ -396,9 +396,11 @@ class _Plan:
 
     def actions(self, t: int, obs: list) -> list:
         """The n actions of step t (1 for the first)."""
-        if self.policy is not None and len(self.table) < t:
-            self.table.append(self._checked(self.policy(t, obs), t))
-        return self.table[t - 1]
+        table = self.table
+        assert table is not None, "resolve() makes the table before the first step"
+        if self.policy is not None and len(table) < t:
+            table.append(self._checked(self.policy(t, obs), t))
+        return table[t - 1]
 
     def _checked(self, actions, t: int) -> list:
         try:

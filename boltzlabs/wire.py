@@ -224,7 +224,7 @@ def check_array_header(data: bytes, max_bytes: int = _MAX_ARRAY_BYTES) -> Any:
 def _numpy() -> Any:
     np = sys.modules.get("numpy")
     if np is None:
-        import numpy as np  # type: ignore[no-redef]
+        import numpy as np
     return np
 
 
@@ -569,7 +569,7 @@ def _ext_hook(mode: str, inner: list[Any], marks: list[Any]) -> Any:
                 dtype, shape, start = check_array_header(data)
                 np = sys.modules.get("numpy")
                 if np is None:
-                    import numpy as np  # type: ignore[no-redef]
+                    import numpy as np
                 # Zero-copy: a read-only view of the payload's bytes.
                 return np.frombuffer(data, dtype=np.dtype(dtype), offset=start).reshape(shape)  # type: ignore[union-attr]
             if code == TUPLE_EXT:

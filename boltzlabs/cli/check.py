@@ -340,7 +340,7 @@ def _preloadable(modules, *, packages: bool = False) -> list:
 
 
 def _packages_of(extensions: set) -> list:
-    modules = {_module_of(path) for path in extensions} - {None}
+    modules = {module for path in extensions if (module := _module_of(path)) is not None}
     return sorted({module.rpartition(".")[0] or module for module in modules})
 
 
@@ -393,6 +393,7 @@ def _named(packages: list) -> str:
 
 
 def _growth(spawn: str, birth: _Snapshot, after: _Snapshot, steps: int, probe: str):
+    assert birth.private is not None and after.private is not None, "_memory calls it when both were read"
     grown = after.private - birth.private
     packages = _packages_of(after.extensions - birth.extensions)
     detail = (f"env process {after.pid}: private memory (Private_Dirty) {_mib(birth.private)} at birth, "

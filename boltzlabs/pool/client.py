@@ -25,6 +25,7 @@ import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -36,6 +37,9 @@ from boltzlabs.errors import (CATEGORIES, HOST, INTERNAL, POLICY, START, USAGE, 
                               describe_exit, exit_signal)
 from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_n
 from boltzlabs.units import parse_size
+
+if TYPE_CHECKING:
+    from boltzlabs.pool.remote_link import RemoteLink
 
 __all__ = ["RLPool", "ShardedPool", "Timing", "MemoryReport", "EnvContract"]
 
@@ -270,6 +274,9 @@ class RLPool(Pool):
     ("socketpair", 3 fds per env; BOLTZLABS_CHANNEL=socketpair forces it).
     """
 
+    _link: _LocalLink | RemoteLink  # the worker process, local or over the network (_start_worker)
+    _finalizer: weakref.finalize[[], RLPool]  # shuts the worker down when the pool is collected unclosed
+
     def __new__(cls, *args, workers=None, **kwargs):
         # RLPool(source, n, workers=k) with k > 1 (or chosen so) is a pool over k
         # worker processes (pool/shards.py), still an RLPool to its caller.
@@ -284,7 +291,7 @@ class RLPool(Pool):
                  **params):
         self._closed = True
         self.workers = 1  # the worker processes the lanes are split over (pool/shards.py for more than one)
-        self._closed_reason = None
+        self._closed_reason: str | None = None
         if cluster is not None:
             raise TypeError("RLPool(..., cluster=...) no longer makes a cluster pool: make it with "
                             "boltzlabs.cluster.ClusterPool(source, n, cluster='ray', ...) (same options)")
@@ -354,21 +361,21 @@ class RLPool(Pool):
         self.step_timeout = ready["step_timeout"]
         self._cgroup = ready["cgroup"]  # the worker's (and its guardian's) to remove; kept for diagnostics
         self._link.watch_guardian(ready.get("guardian"))
-        self.spawn = ready["spawn"]
+        self.spawn: str = ready["spawn"]
         # Which step path the worker runs: native (boltzlabs.worker._fastpath) or pure Python.
-        self.fast_path = bool(ready.get("fast_path"))
+        self.fast_path: bool = bool(ready.get("fast_path"))
         # Each env's channel: "pipes", or "socketpair" when the worker's fd limit
         # cannot hold two pipes per env (docs/wire.md#the-channel).
-        self.channel = ready.get("channel", "socketpair")
+        self.channel: str = ready.get("channel", "socketpair")
         # Each env's observation slot (pool/slots.py), when the worker made them: None otherwise.
-        self._slots = None
+        self._slots: slots.Slots | None = None
         if ready.get("slots"):
             try:
                 self._slots = self._map_slots(ready["slots"])
             except BaseException:
                 self._shutdown()
                 raise
-        self.shared_memory = self._slots is not None
+        self.shared_memory: bool = self._slots is not None
         if ready.get("fast_path_note"):
             import warnings
 
@@ -392,7 +399,7 @@ class RLPool(Pool):
             from boltzlabs.pool.remote_link import connect
 
             self._link = connect(worker, token, resolved, tls_ca)
-        self.worker = worker or "local"
+        self.worker: str = worker or "local"
         self._conn = self._link.conn
         self._conn.settimeout(1.0)  # _receive wakes each second to check that the worker lives
         self._closed = False
@@ -488,21 +495,25 @@ class RLPool(Pool):
         """One read from the worker into the inbox (nothing when it timed out
         with the worker alive); WorkerError when the worker is gone."""
         room = self._reader.room()  # the rest of a long frame, read in place
+        data, got = b"", 0  # what recv read, or how many bytes recv_into put in place
         try:
-            data = self._conn.recv(_RECV_SIZE) if room is None else self._conn.recv_into(room)
+            if room is None:
+                data = self._conn.recv(_RECV_SIZE)
+            else:
+                got = self._conn.recv_into(room)
         except TimeoutError:
             if not self._link.alive():
                 raise self._worker_died() from None
             return
         except OSError:
-            data = b""
+            data, got = b"", 0
         finally:
             if room is not None:
                 room.release()
-        if not data:
+        if not data and not got:
             self._link.wait_dead()
             raise self._worker_died()
-        self._inbox.extend(self._reader.feed(data) if room is None else self._reader.filled(data))
+        self._inbox.extend(self._reader.feed(data) if room is None else self._reader.filled(got))
 
     def _worker_died(self) -> WorkerError:
         self._closed = True
@@ -601,8 +612,9 @@ class RLPool(Pool):
         if hasattr(self, "_finalizer"):
             self._finalizer()
         self._failure_summary()
-        if getattr(self, "_slots", None) is not None:
-            self._slots.close()
+        mapped = getattr(self, "_slots", None)  # not there when __init__ failed before the worker was up
+        if mapped is not None:
+            mapped.close()
             self._slots = None
 
     def __repr__(self) -> str:

@@ -81,6 +81,9 @@ class Pool(abc.ABC):
     are replaced, never written in place: what a call returned stays as it was.
     """
 
+    source: str  # what the envs are, in words (set by each kind's __init__)
+    batch_size: int | None  # recv()'s default batch size (None: every env in flight or finished)
+
     def _init_lanes(self, n: int) -> None:
         """The per-lane state every pool kind starts with."""
         self.n = n

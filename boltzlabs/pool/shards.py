@@ -41,11 +41,13 @@ import selectors
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from boltzlabs.errors import EnvStartError, PoolClosedError, WorkerError
-from boltzlabs.pool.protocol import RecvResult, StepResult, check_batch_size, check_n
+from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_n
 
 __all__ = ["Sharding", "default_workers", "workers_for"]
 
@@ -112,7 +114,7 @@ def _global_text(text: str, start: int) -> str:
     return _ENV_INDEX.sub(lambda m: f"env {int(m.group(1)) + start}", text)
 
 
-class Sharding:
+class Sharding(Pool):
     """RLPool's hooks over several worker processes (see the module docstring).
 
     client.ShardedPool is this over RLPool, made by RLPool(source, n,
@@ -122,14 +124,17 @@ class Sharding:
     which imports this module, not the other way round.
     """
 
-    _one_worker = None
-    _timing = None
-    _memory = None
+    # Set by client.ShardedPool (client.py imports this module, not the other way round): the
+    # one-worker pool class, the report classes, and RLPool's naming of an action that does not encode.
+    _one_worker: Callable[..., Pool]
+    _timing: Callable[..., Any]
+    _memory: Callable[..., Any]
+    _raise_unserializable: Callable[[list[Any]], None]
 
     def __init__(self, source, n: int, *, workers=None, batch_size=None, progress=None,
                  serialize_measurement: bool = False, **options):
         self._closed = True
-        self._closed_reason = None
+        self._closed_reason: str | None = None
         self._shards: list = []
         n = check_n(n)
         k = workers_for((source, n), {"serialize_measurement": serialize_measurement}, workers)
@@ -161,12 +166,12 @@ class Sharding:
             for shard in self._shards:
                 shard.close()
             self._shards = []
-            s, exc = errors[0]
-            if isinstance(exc, EnvStartError):
+            s, failure = errors[0]
+            if isinstance(failure, EnvStartError):
                 start = self._bounds[s]
-                raise EnvStartError(_global_text(str(exc), start), env_index=start + (exc.env_index or 0),
-                                    log=exc.log) from exc
-            raise exc
+                raise EnvStartError(_global_text(str(failure), start), env_index=start + (failure.env_index or 0),
+                                    log=failure.log) from failure
+            raise failure
         first = self._shards[0]
         # As one worker's pool names it (env_fns by their count and first callable).
         self.source = re.sub(r"^env_fns\[\d+", f"env_fns[{n}", first.source) if fns else first.source
@@ -191,7 +196,7 @@ class Sharding:
         self._out = [0] * k
         self._ready: list = []
         self._held: list = []
-        self._turn = None
+        self._turn: int | None = None  # under the gate: the shard whose sends are out
         self._closed = False
 
     # -- the fan-out -------------------------------------------------------------------
@@ -265,8 +270,8 @@ class Sharding:
         self.timing.worker_ms = sum(shown) if self._gated else max(shown)
         self.timing.wait_ms = self.timing.queued_ms = 0.0
         if refused is not None:
-            s, exc = refused
-            raise ValueError(_global_text(str(exc), self._bounds[s])) from None
+            s, refusal = refused
+            raise ValueError(_global_text(str(refusal), self._bounds[s])) from None
 
     def _lost(self, s: int, exc: Exception) -> WorkerError:
         """Shard s's worker is gone: close every shard; the error naming it."""
@@ -344,7 +349,9 @@ class Sharding:
         self._refuse_outstanding(lanes, "reset")
         bounds, shards = self._bounds, self._shards
         position = {lane: k for k, lane in enumerate(lanes)}
-        obs, infos = [None] * len(lanes), [None] * len(lanes)
+        # Every slot is filled by land() before they are returned (_gather raises otherwise).
+        obs: list[Any] = [None] * len(lanes)
+        infos: list[Any] = [None] * len(lanes)
         calls, mine = {}, {}
         for s, local in self._shard_of(lanes).items():
             globals_ = [bounds[s] + i for i in local]

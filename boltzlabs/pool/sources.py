@@ -96,8 +96,8 @@ def _env_fns(fns, params: dict, n: int | None) -> Source:
 
     roots = imports.roots()
     hidden = [module for name, module in list(sys.modules.items())
-              if "." not in name and name != "__main__" and isinstance(getattr(module, "__file__", None), str)
-              and not imports.visible(module.__file__, roots)]
+              if "." not in name and name != "__main__" and isinstance(where := getattr(module, "__file__", None), str)
+              and not imports.visible(where, roots)]
     for module in hidden:  # the sandbox cannot import them: their code travels with the thunks
         cloudpickle.register_pickle_by_value(module)
     try:
@@ -129,8 +129,8 @@ def _registering_modules(roots) -> list[str]:
         name = entry.split(":")[0] if isinstance(entry, str) else getattr(entry, "__module__", None) or ""
         top = name.split(".")[0]
         module = sys.modules.get(top)
-        if top not in ("", "gymnasium", "__main__") and isinstance(getattr(module, "__file__", None), str) \
-                and imports.visible(module.__file__, roots):
+        if top not in ("", "gymnasium", "__main__") and isinstance(where := getattr(module, "__file__", None), str) \
+                and imports.visible(where, roots):
             found.add(top)
     return sorted(found)
 

@@ -43,9 +43,13 @@ import tarfile
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from boltzlabs import abi
 from boltzlabs.errors import UnpackRefused
+
+if TYPE_CHECKING:
+    from os import _ScandirIterator  # typeshed's name for what os.scandir returns: an iterator with close()
 
 __all__ = ["Entry", "plan", "EnvCache"]
 
@@ -186,7 +190,7 @@ def _child(parent: int, root_fd: int, report_fd: int, entries: list[Entry], blob
         os.closerange(3, keep[0])
         os.closerange(keep[0] + 1, keep[1])
         os.closerange(keep[1] + 1, 1 << 20)
-        if uid is not None:
+        if uid is not None and gid is not None:  # both or neither (_unpack)
             os.setgroups([])
             os.setgid(gid)
             os.setuid(uid)
@@ -316,7 +320,7 @@ class EnvCache:
         if self.account is not None:
             _, uid, gid = self.account
             os.fchown(root, uid, gid)
-            switch = (uid, gid)
+            switch: tuple[int | None, int | None] = (uid, gid)
         else:
             uid, switch = os.geteuid(), (None, None)
         largest = max((e.size for e in entries), default=0)
@@ -467,7 +471,7 @@ def _walk(parent: int, name: str, remove: bool = False):
     contents (the top's included). remove=True removes each entry after it
     is yielded, children first."""
     top = os.open(name, _O_DIR, dir_fd=parent)
-    stack = [((), top, os.scandir(top), name)]
+    stack: list[tuple[tuple[str, ...], int, _ScandirIterator[str], str]] = [((), top, os.scandir(top), name)]
     try:
         while stack:
             parts, fd, items, own_name = stack[-1]

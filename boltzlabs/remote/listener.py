@@ -69,7 +69,8 @@ class _Slot:
     object, plain or TLS, holds it now)."""
 
     def __init__(self, source: str, wake: socket.socket):
-        self.source, self.wake, self.uploading, self.dropped = source, wake, False, False
+        self.source, self.uploading, self.dropped = source, False, False
+        self.wake: socket.socket | None = wake  # None once closed
 
     def close(self) -> None:
         if self.wake is not None:
@@ -177,8 +178,11 @@ class Listener:
         wakes its thread's recv, which then closes the socket and the slot."""
         self._pre_auth.remove(slot)
         slot.dropped = True
+        wake = slot.wake
+        if wake is None:  # its thread closed it already
+            return
         try:
-            slot.wake.shutdown(socket.SHUT_RDWR)
+            wake.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
 
@@ -317,8 +321,8 @@ class Listener:
                 pass
             conn.close()
             return
-        tls = isinstance(conn, ssl.SSLSocket)
-        if tls:  # TLS state lives in this process: relay plain bytes to the worker
+        ours: socket.socket | None  # our end of the relay: None without TLS
+        if isinstance(conn, ssl.SSLSocket):  # TLS state lives in this process: relay plain bytes to the worker
             ours, theirs = socket.socketpair()
         else:
             ours, theirs = None, conn
@@ -342,14 +346,14 @@ class Listener:
             pass
         self._say(f"{where}: pool started (worker pid {proc.pid})")
         try:
-            if tls:
+            if ours is not None:
                 theirs.close()
                 _relay(conn, ours, proc)
             else:
                 conn.close()  # the worker holds the connection now
                 proc.wait()
         finally:
-            if tls:
+            if ours is not None:
                 ours.close()
                 conn.close()
             proc.wait()
@@ -468,7 +472,7 @@ def run_worker(args: argparse.Namespace) -> int:
     if not token and args.token_file:
         token = Path(args.token_file).read_text().strip()
     made = not token
-    if made:
+    if not token:
         token = secrets.token_urlsafe(24)
     tls = None
     if args.tls_cert or args.tls_key:

@@ -44,7 +44,7 @@ class SandboxSpec:
     current user with no staging (as a description of the policy).
     """
 
-    def __init__(self, policy: Policy, source_dir: Path, workspace_size: int | None = None,
+    def __init__(self, policy: Policy, source_dir: str | Path, workspace_size: int | None = None,
                  params: dict[str, Any] | None = None, account: HostAccount | None = None, limits: dict[str, Any] | None = None,
                  *, env_fns: str | None = None, import_roots: Any=(), env_vars: dict[str, Any] | None = None) -> None:
         self.account = account

@@ -92,9 +92,9 @@ NEEDED = ("memory", "pids")
 HOST_DOC = "docs/host.md#cgroup-v2-and-systemd"
 
 
-def _own_cgroups(pid: int | str = "self") -> Any:
+def _own_cgroups(pid: int | str = "self") -> dict[str, str]:
     """{controller or '' (v2): path} of a process, from /proc/<pid>/cgroup."""
-    out = {}
+    out: dict[str, str] = {}
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         for name in controllers.split(",") if controllers else [""]:
@@ -102,9 +102,9 @@ def _own_cgroups(pid: int | str = "self") -> Any:
     return out
 
 
-def _mounts() -> Any:
+def _mounts() -> list[tuple[str, str, list[str]]]:
     """[(mount point, fstype, super options)] from /proc/self/mountinfo."""
-    out = []
+    out: list[tuple[str, str, list[str]]] = []
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         left, right = line.split(" - ", 1)
         fstype, _source, options = right.split(" ", 2)
@@ -219,11 +219,16 @@ class _Backend:
         return _procs(group)
 
     def kill(self, group: Path) -> None:
-        for pid in _procs(group):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        _kill_procs(group)
+
+
+def _kill_procs(group: Path) -> None:
+    """SIGKILL each process listed in `group` (one round; any version, no backend needed)."""
+    for pid in _procs(group):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 class _V1(_Backend):
@@ -391,9 +396,9 @@ class _V2(_Backend):
         """Undo the room once no pool is left beside the leaf (whichever worker
         made it): memory and pids off, every process of the leaf back in the
         cgroup above, the leaf removed. True when nothing of it is left."""
-        if self.leaf is None:
-            return True
         start, leaf = self.home, self.leaf
+        if leaf is None or start is None:  # a leaf is made only below a home (_make_room)
+            return True
         try:
             others = [c for c in start.iterdir() if c.is_dir() and c != leaf]
         except FileNotFoundError:
@@ -556,7 +561,7 @@ def _classify(pids: list[int]) -> tuple[list[int], list[int]]:
     return ours, foreign
 
 
-def _v2_start(own: dict[str, Any], mounts: Any) -> Path | None:
+def _v2_start(own: dict[str, str], mounts: list[tuple[str, str, list[str]]]) -> Path | None:
     """This process's cgroup in the cgroup2 tree, if one is mounted."""
     if "" not in own:
         return None
@@ -595,6 +600,7 @@ def pool_home() -> Path | None:
     except CgroupUnavailable:
         return None
     start = backend.home
+    assert start is not None, "a backend _find_backend found has its home (only PoolView's has none)"
     if backend.version == "v2" and start.name == LEAF:
         return start.parent
     return start
@@ -661,7 +667,7 @@ def remove_pool_dir(path: Any, timeout: float = 5.0) -> bool:
     deadline = time.monotonic() + timeout
     groups = [g for pool in pools if pool.is_dir() for g in pool.iterdir() if g.is_dir()]
     for group in groups:
-        _Backend.kill(None, group)
+        _kill_procs(group)
     for group in groups:
         _thaw_v1(group)
     ok = all([_rmdir(group, deadline) for group in groups])
@@ -680,7 +686,7 @@ def _rmdir(path: Path, deadline: float = 0.0, reap: Any=None) -> bool:
         except OSError as exc:
             if exc.errno != errno.EBUSY or time.monotonic() >= deadline:
                 return False
-            _Backend.kill(None, path)  # forked since the last round: kill again
+            _kill_procs(path)  # forked since the last round: kill again
             _thaw_v1(path)
             if reap is not None:
                 reap()
@@ -732,7 +738,9 @@ class CgroupPool:
             self.pids_home = _find_v1_home("pids") if v1 else None
             self.freezer_home = _find_v1_home("freezer") if v1 and freezer else None
             sweep_stale([home for home in (self.backend.home, self.pids_home, self.freezer_home) if home is not None])
-            self.path = self.backend.home / name
+            home = self.backend.home
+            assert home is not None, "a backend _find_backend found has its home (only PoolView's has none)"
+            self.path = home / name
             self.pids_path = self.pids_home / name if self.pids_home is not None else None
             try:
                 self.backend.prepare_pool(self.path)
@@ -768,7 +776,9 @@ class CgroupPool:
             self.freezes = (self.path / "cgroup.freeze").exists()
             self.freezer_note = "" if self.freezes else f"no cgroup.freeze in {self.path} (kernel older than 5.2)"
         # Where the worker goes back to after a spawn: its own cgroup in each hierarchy.
-        self._homes = [self.backend.procs_home / "cgroup.procs"]
+        procs_home = self.backend.procs_home
+        assert procs_home is not None, "the worker's own cgroup: its home or the leaf it made"
+        self._homes = [procs_home / "cgroup.procs"]
         for home in (self.pids_home, self.freezer_path and self.freezer_home):
             if home is not None:
                 self._homes.append(home / "cgroup.procs")
@@ -865,14 +875,14 @@ class CgroupPool:
             return groups + [self._frozen_group[key]]
         return groups
 
-    def freeze(self, index: int) -> None:
-        """Start freezing env `index` (every task of it); `frozen()` says when done."""
+    def freeze(self, index: int | str) -> None:
+        """Start freezing env `index` (every task of it; or a pool part, by name); `frozen()` says when done."""
         self.backend.freeze(self._frozen_group[index])
 
-    def thaw(self, index: int) -> None:
+    def thaw(self, index: int | str) -> None:
         self.backend.thaw(self._frozen_group[index])
 
-    def frozen(self, index: int) -> bool:
+    def frozen(self, index: int | str) -> bool:
         return self.backend.frozen(self._frozen_group[index])
 
     def usage(self, key: Any) -> int:
@@ -880,7 +890,7 @@ class CgroupPool:
         every env's together for an env index)."""
         return self.backend.usage(self.group(key))
 
-    def env_usages(self, alive: list) -> list[int]:
+    def env_usages(self, alive: list[bool]) -> list[int]:
         """Each env's memory charge, env i's when alive[i] is true, else 0:
         its own cgroup's working set, or with shared env memory the envs'
         cgroup's split evenly over the live envs."""
@@ -902,8 +912,8 @@ class CgroupPool:
         """Every env and pool part (the template's shared pages are the pool's)."""
         return sum(self.usage(key) for key in self._groups)
 
-    def events(self, index: int) -> tuple[int, int]:
-        """(OOM kills, forks refused by pids.max) so far in env `index`'s cgroup."""
+    def events(self, index: int | str) -> tuple[int, int]:
+        """(OOM kills, forks refused by pids.max) so far in env `index`'s cgroup (or a pool part's, by name)."""
         groups = self._made(index)
         counts = []
         for read, group in ((self.backend.oom_kills, groups[0]), (self.backend.pids_refused, groups[-1])):
@@ -936,8 +946,8 @@ class CgroupPool:
         except OSError:
             return 0
 
-    def kill(self, index: int) -> None:
-        """SIGKILL everything in env `index`'s cgroup now (one round, no wait)."""
+    def kill(self, index: int | str) -> None:
+        """SIGKILL everything in env `index`'s cgroup (or a pool part's, by name) now (one round, no wait)."""
         if index in self._groups:
             self.backend.kill(self._groups[index][-1])
             if self.freezes:

@@ -250,10 +250,10 @@ def compile_plan(policy: Policy, source_dir: Any, workspace_size: int | None = N
     remount_ro = read.names("finish", "remount_ro")
     if not all(path.startswith("/") and os.path.normpath(path) == path for path in remount_ro):
         raise read.fail("[finish] remount_ro", "a list of absolute paths", list(remount_ro))
-    environment = read.table("environment")
+    written = read.table("environment")
     try:
-        environment = tuple((name, _no_empty_entries(name, str(value).format(**values)))
-                            for name, value in environment.items())
+        environment: tuple[tuple[str, Any], ...] = tuple(
+            (name, _no_empty_entries(name, str(value).format(**values))) for name, value in written.items())
     except (KeyError, IndexError, ValueError) as exc:
         raise read.fail("[environment]", "strings whose {placeholders} are " + ", ".join(sorted(values)),
                         str(exc)) from None

@@ -84,7 +84,7 @@ class Reader:
                                       f"(sandbox/policy.toml has each key with its comment); {hint}")
         return PolicyError(f"the sandbox policy {self.source}: {key} must be {what}, not {value!r}; {hint}")
 
-    def table(self, table: str) -> dict:
+    def table(self, table: str) -> dict[str, Any]:
         """The table [table] (dotted: "quotas.user_namespace"), which must be there."""
         node: object = self.policy.sandbox
         for part in table.split("."):
@@ -93,7 +93,7 @@ class Reader:
             raise self.fail(f"[{table}]", "a table", node)
         return node
 
-    def get(self, table: str, name: str, what: str = "set"):
+    def get(self, table: str, name: str, what: str = "set") -> Any:
         """[table] name, whatever its type (the callers below check it); `what`: what it must be, if missing."""
         node = self.table(table)
         if name not in node:
@@ -187,7 +187,10 @@ class Policy:
     def pool_limits(self) -> PoolLimits:
         """[limits], every key checked (a whole number or seconds, in its range)."""
         read = self.reader()
-        count = lambda name: read.integer("limits", name, 1)  # noqa: E731
+
+        def count(name: str) -> int:
+            return read.integer("limits", name, 1)
+
         return PoolLimits(
             step_timeout=read.number("limits", "step_timeout"),
             start_timeout=read.number("limits", "start_timeout"),
@@ -205,7 +208,7 @@ class Policy:
             log_tail=read.integer("limits", "log_tail", 0),
         )
 
-    def env_limits_table(self) -> dict:
+    def env_limits_table(self) -> dict[str, Any]:
         """[env_limits] as written (boltzlabs.sandbox.limits.resolve checks each value)."""
         return self.reader().table("env_limits")
 
@@ -213,7 +216,7 @@ class Policy:
         """[env_limits] with a pool's overrides, checked (boltzlabs.sandbox.limits.resolve)."""
         return _limits.resolve(self.env_limits_table(), overrides, memory_limit)
 
-    def identity(self) -> dict:
+    def identity(self) -> dict[str, Any]:
         """[identity]: the host account every sandbox runs as (boltzlabs.sandbox.identity.host_account)."""
         return self.reader().table("identity")
 

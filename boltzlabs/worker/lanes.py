@@ -22,6 +22,7 @@ in the worker process.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from boltzlabs import wire
 from boltzlabs.errors import LaneStateError
@@ -125,7 +126,7 @@ class Lane:
         self.events_base = (0, 0)  # the cgroup's (OOM kills, refused forks) at spawn
         self.generation = 0
         self.expect: int | None = None  # the reply code due for the request in flight
-        self.result: tuple | None = None  # held for recv: (obs, reward, terminated, truncated, info)
+        self.result: tuple[Any, ...] | None = None  # held for recv: (obs, reward, terminated, truncated, info)
         self.deadline = 0.0  # IN_FLIGHT: when it becomes a straggler (inf while queued at the gate)
         self.done_at = 0.0  # held for recv: when the result was ready (for queued_ms)
         self.exit_code: int | None = None  # its last process's, once dead (os.waitstatus_to_exitcode)

@@ -51,6 +51,7 @@ import resource
 import signal
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import msgpack
 
@@ -77,7 +78,7 @@ class Op:
     def __init__(self, seq: int):
         self.seq = seq
         self.waiting: set[int] = set()
-        self.results: dict[int, list] = {}
+        self.results: dict[int, list[Any] | None] = {}  # None: the lane failed (its cause says why)
 
 
 class Lifecycle:
@@ -92,8 +93,10 @@ class Lifecycle:
         self.slots: Slots | None = slots  # the observation slots, sealed at each lane's HELLO; None without
         self.lanes: list[Lane] = [Lane(i, config.env_limits) for i in range(config.n)]
         # What the kernel must say of every lane's process (and the probe's) before its first request.
+        account = spec.account
+        assert account is not None, "the worker's sandboxes always run as its host account (server.py)"
         self.confinement: Confinement = Confinement(spec.plan.namespaces, len(spec.programs()),
-                                                    spec.account.uid, spec.account.gid)
+                                                    account.uid, account.gid)
         # What the spawners may use of the pool (spawn.SpawnContext), the same for every spawner made.
         self.spawn_context: SpawnContext = SpawnContext(
             spec=spec, config=config, channel=channel, cgroups=cgroups, confinement=self.confinement,
@@ -373,7 +376,7 @@ class Lifecycle:
         if result is None or result[0] not in (lane.expect, wire.FAILED):
             self.kill(lane, f"sent a malformed reply {describe(message)}")
             return
-        obs = result[2] if result[0] != wire.FAILED else None
+        obs: Any = result[2] if result[0] != wire.FAILED else None  # a decoded value (msgpack: untyped)
         if type(obs) is msgpack.ExtType and obs.code == wire.SLOT_EXT:
             # (wire.decode lets a marker through only as the obs of a step or reset, and only with slots on.)
             if self.slots is None or not self.slots.sealed[lane.index]:

@@ -332,7 +332,7 @@ class Requests:
                 or not isinstance(kwargs, dict) or (values is not None and (not isinstance(values, list)
                                                                            or len(values) != len(indices))):
             raise ValueError("attr() takes an op (call, get, set), a name, args, kwargs and one value per lane")
-        same = {}
+        same: dict[int, bytes] = {}  # [0]: the one frame, once encoded
 
         def frame(seq, k):
             if values is not None:

@@ -40,6 +40,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -203,7 +204,7 @@ class Worker:
             "channel": self.channel,
             # The observation slots' layout (wire.SlotLayout.describe), None without them: the client
             # then asks for the memfds ("slots").
-            "slots": self.slots.layout.describe() if self.slots is not None and self.slots.active else None,
+            "slots": self.slots.layout.describe() if self.slots is not None and self.slots.layout is not None else None,
             "warning": "\n".join(note for note in (self.warning, self.limits_note, self.gate_note,
                                                    warmup_note(warmup)) if note),
             "warmup": warmup,
@@ -289,7 +290,8 @@ class Worker:
         self._send([wire.READY, ready])
         requests, stepping = self.requests, self.stepping
         assert requests is not None and stepping is not None
-        calls = {"step": requests.step, "reset": requests.reset, "render": requests.render, "attr": requests.attr,
+        calls: dict[str, Callable[..., Any]] = {
+                 "step": requests.step, "reset": requests.reset, "render": requests.render, "attr": requests.attr,
                  "memory": self.memory, "log": requests.log,
                  "states": requests.states, "pids": requests.pids, "send": stepping.send, "recv": stepping.recv,
                  "lane_states": stepping.lane_states, "shutdown": self.shutdown}

@@ -98,7 +98,9 @@ class Slots:
         index = lane.index
         if self.sealed[index] or self.fds[index] < 0:
             return
-        fd, size = self.fds[index], self.layout.size
+        layout = self.layout
+        assert layout is not None, "a lane's slot is sealed only once the layout is decided (on_hello)"
+        fd, size = self.fds[index], layout.size
         try:
             os.ftruncate(fd, size)
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)

@@ -109,6 +109,8 @@ def _open_channel(start, channel: str = SOCKETPAIR, kind=socket.SOCK_STREAM, log
     16: ~3.5 us of kernel time per round trip against ~7 us). The sandbox's
     ends are closed once `start` returns; ours too if it raises.
     """
+    ours: tuple[int, ...]  # the pipes' (read, write) ends, or the socket's fd twice
+    theirs: tuple[int, ...]
     if channel == PIPES:
         to_env_r, to_env_w = os.pipe()
         from_env_r, from_env_w = os.pipe()
@@ -195,10 +197,10 @@ def _posix_spawn(argv, channel: tuple, log_w: int, programs: dict, slot: int = -
             stack.callback(os.close, high)
             return high
 
-        channel, log_w = [above(fd) for fd in channel], above(log_w)
+        sources, log_w = [above(fd) for fd in channel], above(log_w)
         slots = [(os.POSIX_SPAWN_DUP2, above(slot), abi.SLOT_FD)] if slot >= 0 else []
-        targets = channel_fds(PIPES if len(channel) == 2 else SOCKETPAIR)
-        actions = [(os.POSIX_SPAWN_DUP2, fd, target) for fd, target in zip(channel, targets)] + [
+        targets = channel_fds(PIPES if len(sources) == 2 else SOCKETPAIR)
+        actions = [(os.POSIX_SPAWN_DUP2, fd, target) for fd, target in zip(sources, targets)] + [
             (os.POSIX_SPAWN_DUP2, log_w, 1),
             (os.POSIX_SPAWN_DUP2, log_w, 2),
             (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
@@ -373,19 +375,21 @@ class TemplateSpawner:
         except BaseException:
             self.close(time.monotonic() + 5)
             raise
-        context.watch(self.control.fileno(), self._on_control, None)
+        context.watch(parent.fileno(), self._on_control, None)
         context.watch(self.logfd, self._on_log, None)
 
     def _handshake(self, deadline: float) -> dict:
         """Wait for the template's HELLO, reading its log meanwhile (output at
         start-up must never stall it on a full pipe); returns its info."""
+        control = self.control
+        assert control is not None, "_start opens the control channel before the handshake"
         while True:
             remaining = deadline - time.monotonic()
-            ready = _readable([self.control, self.pidfd, self.logfd], remaining)
+            ready = _readable([control, self.pidfd, self.logfd], remaining)
             if self.logfd in ready:
                 self._take_log()
-            if self.control.fileno() in ready:
-                data = self.control.recv(1 << 16)
+            if control.fileno() in ready:
+                data = control.recv(1 << 16)
                 reader = wire.FrameReader(wire.Limits(1 << 16, max_depth=3, max_objects=64))
                 try:
                     messages = reader.feed(data) if data else []
@@ -515,7 +519,10 @@ class TemplateSpawner:
         reader = wire.FrameReader(limits)
         os.set_blocking(chan, False)
         os.set_blocking(logfd, False)
-        watched = [chan, logfd, self.control] + ([pidfd] if pidfd >= 0 else [])
+        control = self.control
+        # Only close() drops the channel, and the probe runs within _start, before anything could close it.
+        assert control is not None, "the probe runs while the template's control channel is open"
+        watched = [chan, logfd, control] + ([pidfd] if pidfd >= 0 else [])
         exited = False
         while True:
             remaining = deadline - time.monotonic()
@@ -525,7 +532,7 @@ class TemplateSpawner:
             if logfd in ready:
                 log += _drain(logfd)
                 del log[:-65536]
-            if self.control.fileno() in ready and not self._read_control():
+            if control.fileno() in ready and not self._read_control():
                 return None, f"the template failed while its probe ran ({self.failure or 'it exited'})"
             if chan in ready:
                 try:
@@ -572,7 +579,8 @@ class TemplateSpawner:
         """FORK child `key` into cgroup `cgroup_key`: our ends of its channel and
         log. `slot`: its observation slot's memfd (kept by the worker), or -1."""
         context = self.context
-        if self.control is None:
+        control = self.control
+        if control is None:
             raise OSError("the template is gone")
         frame = wire.encode([wire.FORK, key[0], key[1], probe, slot >= 0])
 
@@ -584,7 +592,7 @@ class TemplateSpawner:
             if _readable([self.template_pidfd], 0):
                 raise OSError("the template is gone")
             with _charged_to(context, cgroup_key, self.pid, TEMPLATE_LANE), context.thawed():
-                self.control.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+                control.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
                 self.unexited.add(key)
                 self._wait_forked(key)
 
@@ -623,8 +631,11 @@ class TemplateSpawner:
     def _read_control(self) -> bool:
         """Read one packet of the template's; False if it is gone or broke the
         protocol (self.failure says how): only what is due is taken."""
+        control = self.control
+        if control is None:  # closed: the template is gone
+            return False
         try:
-            data, ancillary, _, _ = self.control.recvmsg(1 << 16, _PIDFD_SPACE)
+            data, ancillary, _, _ = control.recvmsg(1 << 16, _PIDFD_SPACE)
         except (BlockingIOError, InterruptedError):
             return True
         except OSError:
@@ -723,9 +734,12 @@ class TemplateSpawner:
         self._sendmsg(frame, [])
 
     def _sendmsg(self, frame: bytes, fds: list) -> None:
+        control = self.control
+        if control is None:
+            raise TemplateUnavailable("the template is gone (its control channel is closed)")
         try:
             ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
-            self.control.sendmsg([frame], ancillary)
+            control.sendmsg([frame], ancillary)
         except OSError as exc:
             raise TemplateUnavailable(f"the template stopped reading its control channel ({exc})") from None
 

@@ -161,7 +161,9 @@ class Stepping:
                 released += lane.held
                 lane.held = 0
             indices[j] = index
-            obs[j], rewards[j], terminated[j], truncated[j], infos[j] = lane.result
+            result = lane.result
+            assert result is not None, "every finished lane holds its result (_finish)"
+            obs[j], rewards[j], terminated[j], truncated[j], infos[j] = result
             if infos[j].get("straggler") is True and "error" in infos[j] and obs[j] is None:
                 stragglers.append(index)
             queued += now - lane.done_at
