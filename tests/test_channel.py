@@ -343,21 +343,24 @@ from boltzlabs import RLPool
 n, limit = int(sys.argv[1]), int(sys.argv[2])
 resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
 try:
-    with RLPool(sys.argv[3], n, spawn=sys.argv[4]) as pool:
+    # One worker: its own fallback is what is tested (workers=None would
+    # split a pool its open-file table cannot hold with pipes over more workers).
+    with RLPool(sys.argv[3], n, spawn=sys.argv[4], workers=int(sys.argv[5]) or None) as pool:
         pool.reset(seed=0)
         obs = pool.step([1] * n)[0]
-        print(json.dumps({"channel": pool.channel, "obs": obs}))
+        print(json.dumps({"channel": pool.channel, "obs": obs, "workers": pool.workers}))
 except ValueError as exc:
     print(json.dumps({"error": str(exc)}))
 """
 
 
-def run_with_fd_limit(n: int, limit: int, spawn: str) -> dict:
+def run_with_fd_limit(n: int, limit: int, spawn: str, workers: int = 1) -> dict:
     """A pool opened by a client whose hard open-file limit is `limit` (the
     worker inherits it; without CAP_SYS_RESOURCE it cannot raise it)."""
     # setpriv drops CAP_SYS_RESOURCE so that root cannot raise the hard limit either.
     prefix = ["setpriv", "--inh-caps=-sys_resource", "--bounding-set=-sys_resource"] if os.geteuid() == 0 else []
-    done = subprocess.run([*prefix, sys.executable, "-c", FALLBACK_CLIENT, str(n), str(limit), str(COUNTER), spawn],
+    done = subprocess.run([*prefix, sys.executable, "-c", FALLBACK_CLIENT, str(n), str(limit), str(COUNTER), spawn,
+                           str(workers)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -372,6 +375,12 @@ def test_the_pool_falls_back_to_the_socketpair_when_the_fd_limit_cannot_hold_pip
     assert tight["channel"] == "socketpair" and tight["obs"] == [{"t": 1}] * n, tight
     short = run_with_fd_limit(n, fds_needed(n, "socketpair") - 1, spawn)
     assert "needs about" in short.get("error", "") and "ulimit -n" in short["error"], short
+
+
+def test_by_default_a_pool_one_worker_cannot_hold_with_pipes_takes_more_workers(spawn):
+    n = 8
+    split = run_with_fd_limit(n, fds_needed(n) - 1, spawn, workers=0)  # 0: workers=None
+    assert split["workers"] == 2 and split["channel"] == "pipes" and split["obs"] == [{"t": 1}] * n, split
 
 
 def test_envs_within_counts_the_fallback():

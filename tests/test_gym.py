@@ -20,7 +20,7 @@ import pytest
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from gymnasium.wrappers.vector import NormalizeObservation, RecordEpisodeStatistics
 
-from boltzlabs import RLPool
+from boltzlabs import RLPool, wire
 from boltzlabs.pool import sources
 from boltzlabs.errors import EnvError
 from boltzlabs.gym import BoltzLabsVecEnv
@@ -163,7 +163,7 @@ def test_make_and_the_contract(monkeypatch):
         assert uuid.UUID(envs.env_id).version == 7
         contract = envs.env_contract
         assert contract.id == "CartPole-v1" and contract.render_mode is None
-        assert contract.protocol_version == 3
+        assert contract.protocol_version == wire.PROTOCOL_VERSION
         assert contract.observation_space["type"] == "Box" and contract.action_space == envs.action_space_spec
         assert contract.metadata["render_fps"] == 50
         assert envs.metadata["autoreset_mode"] is AutoresetMode.NEXT_STEP
