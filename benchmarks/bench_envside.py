@@ -80,8 +80,8 @@ reset, step = counter_env()
 
 def env_filter() -> bytes:
     """The env's seccomp program, compiled as a pool compiles it."""
-    from boltzlabs.sandbox import seccomp
-    from boltzlabs.sandbox.policy import load_policy
+    from boltzlabs.host import seccomp
+    from boltzlabs.host.policy import load_policy
 
     return seccomp.compile_rules(load_policy().seccomp).env
 

@@ -1,6 +1,6 @@
 """The contract between the host and the sandbox: fd numbers, variable names, Linux constants, libc.
 
-    host (sandbox/builder.py, worker/spawn.py)          sandbox (runtime/confine, template, serve, env_fns)
+    host (host/builder.py, worker/spawn.py)          sandbox (runtime/confine, template, serve, env_fns)
       puts the channel on CHANNEL_FD, the filters  ==>    finds them there, reads the variables,
       on FILTER_FD / CHILD_FILTER_FD, the slot on         makes its mounts and namespaces with the
       SLOT_FD, bwrap's options on ARGS_FD; sets           constants below through `libc`, each call

@@ -189,7 +189,7 @@ def _clean_up(processes: dict, cgroups: list) -> None:
     """Kill what is left (the same processes, by pid and start time) and remove the cgroups."""
     import psutil
 
-    from boltzlabs.sandbox.cgroups import remove_pool_dir
+    from boltzlabs.host.cgroups import remove_pool_dir
 
     for pid, start in processes.items():
         try:

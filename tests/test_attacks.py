@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from boltzlabs import RLPool
-from boltzlabs.sandbox.policy import load_policy
+from boltzlabs.host.policy import load_policy
 from conftest import host_lock
 
 ATTACK_ENV = r'''
@@ -294,8 +294,8 @@ print(0 if fd >= 0 else ctypes.get_errno())
 
 def _host_account_takes(kind: str) -> int:
     """0 if a host process of the sandboxes' account can take one `kind`, else its errno."""
-    from boltzlabs.sandbox.identity import host_account
-    from boltzlabs.sandbox.policy import load_policy
+    from boltzlabs.host.identity import host_account
+    from boltzlabs.host.policy import load_policy
 
     account = host_account(load_policy().sandbox["identity"])
     # The system's interpreter when there is one: the account may not reach ours (pyenv under /root).

@@ -1,4 +1,4 @@
-"""cgroup v2: the worker makes its own room in the cgroup it starts in (boltzlabs/sandbox/cgroups.py).
+"""cgroup v2: the worker makes its own room in the cgroup it starts in (boltzlabs/host/cgroups.py).
 
 Each test makes a cgroup S of its own below the cgroup2 root, as systemd makes a
 service's, puts a shell there that stays (a service's main process) with a child
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from boltzlabs.sandbox import cgroups
+from boltzlabs.host import cgroups
 from conftest import TESTS, scaled
 
 HOSTILE = TESTS / "envs" / "hostile"
@@ -31,7 +31,7 @@ import json, os, sys, warnings
 sys.path.insert(0, {root!r})
 from pathlib import Path
 from boltzlabs import RLPool
-from boltzlabs.sandbox.cgroups import PoolView
+from boltzlabs.host.cgroups import PoolView
 S = Path({cgroup!r})
 out = {{"cgroup_before": open("/proc/self/cgroup").read().strip()}}
 with warnings.catch_warnings(record=True) as caught:
@@ -146,7 +146,7 @@ def test_a_cgroup_that_is_not_given_memory_says_so_and_what_to_run(service):
     inner = service / "unit"
     inner.mkdir()  # service passes nothing to its children: no controller in inner
     code = ("import sys; sys.path.insert(0, %r)\n"
-            "from boltzlabs.errors import CgroupUnavailable\nfrom boltzlabs.sandbox.cgroups import CgroupPool\n"
+            "from boltzlabs.errors import CgroupUnavailable\nfrom boltzlabs.host.cgroups import CgroupPool\n"
             "try:\n    CgroupPool()\nexcept CgroupUnavailable as exc:\n    print(__import__('json').dumps(str(exc)))\n"
             % str(TESTS.parent))
     said = run_in(inner, code)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from boltzlabs.sandbox import cgroups
+from boltzlabs.host import cgroups
 from conftest import COUNTER, PROBE, TESTS, scaled
 
 ENVS = TESTS / "envs"

@@ -365,7 +365,7 @@ BIG_REPLIES = """
 @pytest.fixture
 def small_budget(tmp_path, monkeypatch):
     """A policy whose pool budget is 4 MiB: BOLTZLABS_POLICY, read by the worker."""
-    from boltzlabs.sandbox.policy import _data_dir
+    from boltzlabs.host.policy import _data_dir
 
     text = (_data_dir("sandbox") / "policy.toml").read_text()
     assert "\nmax_pool_bytes = 1073741824\n" in text
@@ -409,7 +409,7 @@ def test_replies_past_the_pools_budget_fail_their_lanes_only(env_dir, pool_facto
 
 def test_a_broken_policy_file_is_a_clear_error(env_dir, tmp_path, monkeypatch):
     from boltzlabs.errors import SandboxUnavailable
-    from boltzlabs.sandbox.policy import load_policy
+    from boltzlabs.host.policy import load_policy
 
     broken = tmp_path / "policy.toml"
     broken.write_text("[limits\n")

@@ -25,7 +25,7 @@ import psutil
 import pytest
 
 from boltzlabs import RLPool
-from boltzlabs.sandbox.builder import SandboxSpec, load_policy
+from boltzlabs.host.builder import SandboxSpec, load_policy
 
 PROBE = Path(__file__).resolve().parent / "envs" / "probe"
 ENV_DIR = "/env"

@@ -4,10 +4,11 @@ Where code runs decides what it may import:
 
     adapters   gym, cluster, cli/*, __main__, testing,  anything below; nothing below imports them
                pytest_plugin (users' CI), sb3 (Stable-Baselines3)
-    remote/    the listener on a worker's host           worker/*, sandbox/*, runtime/*, link, ...; never pool/
+    remote/    the listener on a worker's host           worker/*, host/*, runtime/*, link, ...; never pool/
     pool/      the trainer: RLPool and its links        link, wire, errors, units, pool/*
-    worker/    the worker process on the host           sandbox/*, runtime/*, wire, abi, errors, units, worker/*
-    sandbox/   policy, builder, seccomp compile, ...    runtime/*, wire, abi, errors, units, sandbox/*
+    worker/    the worker process on the host           host/*, runtime/*, wire, abi, errors, units, worker/*
+    host/      the host's half of a sandbox: policy,    runtime/*, wire, abi, errors, units, host/*
+               bwrap argv, seccomp compile, cgroups
     runtime/   inside the sandbox (and the env shim)    stdlib, msgpack, wire, abi, errors, runtime/*
     link       the remote handshake, both ends           wire, errors
     wire       the frame format (and _wire, its C twin)  errors
@@ -39,12 +40,12 @@ ALLOWED = {  # layer -> the layers it may import
     "wire": {"errors", "wire"},
     "link": {"errors", "wire", "link"},
     "runtime": {"errors", "abi", "wire", "runtime"},
-    "sandbox": {"errors", "units", "abi", "wire", "runtime", "sandbox"},
-    "worker": {"errors", "units", "abi", "wire", "runtime", "sandbox", "worker"},
+    "host": {"errors", "units", "abi", "wire", "runtime", "host"},
+    "worker": {"errors", "units", "abi", "wire", "runtime", "host", "worker"},
     "pool": {"errors", "units", "wire", "link", "pool"},
     # Host code beside a worker: it hands connections to workers, and never reaches into the trainer's side.
-    "remote": {"errors", "units", "abi", "wire", "link", "runtime", "sandbox", "worker", "remote"},
-    "adapter": {"errors", "units", "abi", "wire", "link", "runtime", "sandbox", "worker", "pool", "remote",
+    "remote": {"errors", "units", "abi", "wire", "link", "runtime", "host", "worker", "remote"},
+    "adapter": {"errors", "units", "abi", "wire", "link", "runtime", "host", "worker", "pool", "remote",
                 "adapter", "root"},
     "root": {"errors", "pool", "adapter"},  # boltzlabs/__init__.py's lazy names
 }
@@ -83,7 +84,7 @@ def layer(module: str) -> str | None:
         return "runtime"
     if top in ADAPTERS:
         return "adapter"
-    if top in ("runtime", "sandbox", "worker", "pool", "remote", "link", "wire", "abi", "errors", "units"):
+    if top in ("runtime", "host", "worker", "pool", "remote", "link", "wire", "abi", "errors", "units"):
         return top
     if top == "_wire":  # the wire's C twin (native/wire.c): imported by wire only
         return "wire"
@@ -147,7 +148,7 @@ def _where(edge) -> str:
 
 def test_every_module_has_a_layer():
     unknown = [name for name in our_modules() if layer(name) == "unknown"]
-    assert not unknown, (f"modules outside every layer: {unknown}; put them in runtime/, sandbox/, worker/, pool/ "
+    assert not unknown, (f"modules outside every layer: {unknown}; put them in runtime/, host/, worker/, pool/ "
                          "or an adapter, or add the module to tests/test_layout.py's layers")
 
 
@@ -264,7 +265,7 @@ def test_the_rules_catch_a_crossing(tmp_path):
 
 # -- one reader of the policy ---------------------------------------------------------------------
 
-# The policy's raw tables (sandbox/policy.py's Policy): read only through boltzlabs/sandbox/'s Reader
+# The policy's raw tables (host/policy.py's Policy): read only through boltzlabs/host/'s Reader
 # and the typed accessors on Policy, so every default is in sandbox/policy.toml and every bad or
 # missing value is named with its key and file.
 RAW_TABLES = {"sandbox", "mounts", "seccomp", "limits"}
@@ -281,7 +282,7 @@ def _policyish(node: ast.AST) -> bool:
 
 def policy_table_reads(source: str, filename: str = "<source>") -> list[int]:
     """Lines of `source` that index a policy's raw tables: `policy.sandbox[...]`, `policy.limits.get(...)`,
-    `load_policy().mounts`, ... (a whole table handed to sandbox/ as an argument is not indexing)."""
+    `load_policy().mounts`, ... (a whole table handed to host/ as an argument is not indexing)."""
     lines = []
     for node in ast.walk(ast.parse(source, filename)):
         table = None
@@ -290,21 +291,21 @@ def policy_table_reads(source: str, filename: str = "<source>") -> list[int]:
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get":
             table = node.func.value
         elif isinstance(node, ast.Attribute) and node.attr in ("sandbox", "mounts", "limits"):
-            table = node  # the raw dict itself: nothing outside sandbox/ needs it
+            table = node  # the raw dict itself: nothing outside host/ needs it
         if isinstance(table, ast.Attribute) and table.attr in RAW_TABLES and _policyish(table.value):
             lines.append(node.lineno)
     return sorted(set(lines))
 
 
-def test_only_sandbox_reads_the_policys_tables():
+def test_only_host_reads_the_policys_tables():
     broken = []
     for name, path in our_modules().items():
-        if name.startswith("boltzlabs.sandbox"):
+        if name.startswith("boltzlabs.host"):
             continue
         for line in policy_table_reads(path.read_text(), str(path)):
             broken.append(f"{path.relative_to(ROOT)}:{line}")
-    assert not broken, ("modules outside boltzlabs/sandbox/ that index the policy's tables (use a typed accessor "
-                        "of boltzlabs.sandbox.policy.Policy, e.g. pool_limits(), identity()):\n" + "\n".join(broken))
+    assert not broken, ("modules outside boltzlabs/host/ that index the policy's tables (use a typed accessor "
+                        "of boltzlabs.host.policy.Policy, e.g. pool_limits(), identity()):\n" + "\n".join(broken))
 
 
 def test_the_policy_check_catches_a_raw_read():
@@ -312,7 +313,7 @@ def test_the_policy_check_catches_a_raw_read():
               "    a = policy.sandbox['limits']['log_tail']\n"
               "    b = self.policy.limits.get('max_pool_bytes', 1 << 30)\n"
               "    c = load_policy().sandbox.get('identity', {})\n"
-              "    d = seccomp.compile_rules(load_policy().seccomp)\n"  # a whole table to sandbox/: allowed
+              "    d = seccomp.compile_rules(load_policy().seccomp)\n"  # a whole table to host/: allowed
               "    e = policy.pool_limits().log_tail\n")
     assert policy_table_reads(source) == [2, 3, 4]
 

@@ -26,8 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from boltzlabs import EnvStartError, RLPool, wire
-from boltzlabs.sandbox.cgroups import PoolView
-from boltzlabs.sandbox.policy import load_policy
+from boltzlabs.host.cgroups import PoolView
+from boltzlabs.host.policy import load_policy
 from conftest import COUNTER, TESTS, scaled
 
 HOSTILE = TESTS / "envs" / "hostile"
@@ -535,7 +535,7 @@ DYING_CLIENT = """
 import os, sys, json
 sys.path.insert(0, {root!r})
 from boltzlabs import RLPool
-from boltzlabs.sandbox.cgroups import PoolView
+from boltzlabs.host.cgroups import PoolView
 pool = RLPool({hostile!r}, 2, spawn={spawn!r}, serialize_measurement={gated!r})
 pool.reset(seed=0)
 pool.step([{{"op": "daemons"}}] * 2)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from boltzlabs import RLPool
-from boltzlabs.sandbox import cgroups
-from boltzlabs.sandbox.cgroups import PoolView
+from boltzlabs.host import cgroups
+from boltzlabs.host.cgroups import PoolView
 from conftest import PROBE, intervals, overlaps, scaled
 
 MiB = 1 << 20

@@ -20,8 +20,8 @@ import pytest
 
 from boltzlabs import RLPool
 from boltzlabs.errors import SandboxUnavailable
-from boltzlabs.sandbox.identity import host_account, reachable
-from boltzlabs.sandbox.policy import load_policy
+from boltzlabs.host.identity import host_account, reachable
+from boltzlabs.host.policy import load_policy
 from conftest import PROBE, TESTS
 
 REPO = TESTS.parent
@@ -130,7 +130,7 @@ def test_an_account_that_is_missing_or_root_is_a_clear_error():
 # permissions, then become that user with runuser.
 EXPOSE = r"""
 import ctypes, json, os, sys, tempfile
-from boltzlabs.sandbox.identity import reachable, may
+from boltzlabs.host.identity import reachable, may
 user, uid, gid, needed, command = json.loads(sys.argv[1])
 libc = ctypes.CDLL(None, use_errno=True)
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18

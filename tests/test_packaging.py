@@ -36,7 +36,7 @@ def test_wheel_ships_the_policy_and_uses_it_when_installed(tmp_path):
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
                    check=True, capture_output=True)
-    code = ("import boltzlabs.sandbox.policy as s; p = s.load_policy(); "
+    code = ("import boltzlabs.host.policy as s; p = s.load_policy(); "
             "print(s._data_dir('sandbox')); print(p.sandbox['workspace']['path'])")
     out = subprocess.run([sys.executable, "-c", code], env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
                          capture_output=True, text=True, cwd=tmp_path, check=True).stdout.split()

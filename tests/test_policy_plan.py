@@ -214,7 +214,7 @@ def test_a_bogus_policy_value_is_named(facts_env, spawn, policy, case):
 # -- the plan's child part, as the sandbox reads it ($BOLTZLABS_CONFINE) ----------------------
 
 from boltzlabs.runtime import confine  # noqa: E402
-from boltzlabs.sandbox.builder import SandboxSpec, load_policy  # noqa: E402
+from boltzlabs.host.builder import SandboxSpec, load_policy  # noqa: E402
 
 
 def _child_values() -> dict:
@@ -358,7 +358,7 @@ def test_an_unreadable_seccomp_file_is_named(facts_env, monkeypatch, tmp_path):
 
 import tomllib  # noqa: E402
 
-from boltzlabs.sandbox.policy import Policy  # noqa: E402
+from boltzlabs.host.policy import Policy  # noqa: E402
 
 OPERATOR = "/etc/boltzlabs/operator-policy.toml"
 

@@ -174,7 +174,7 @@ def _descendants():
 def _our_cgroups(*workers: int) -> set:
     """The pool cgroups of these worker pids (named boltzlabs-<worker pid>-<tag>) where
     this process's pools make them, which other test sessions share (CI runs two at once)."""
-    from boltzlabs.sandbox.cgroups import pool_home
+    from boltzlabs.host.cgroups import pool_home
 
     home = pool_home()
     return {p.name for worker in workers for p in home.glob(f"boltzlabs-{worker}-*")}

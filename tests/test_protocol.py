@@ -244,7 +244,7 @@ def test_each_exception_has_one_home():
     """errors.py is where every exception is imported from: no other module hands one out as its own."""
     from boltzlabs import errors, wire
     from boltzlabs.remote import envcache
-    from boltzlabs.sandbox import cgroups, seccomp
+    from boltzlabs.host import cgroups, seccomp
     from boltzlabs.worker import lifecycle, spawn
 
     names = {name for name, value in vars(errors).items() if isinstance(value, type) and issubclass(value, Exception)}

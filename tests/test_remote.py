@@ -26,8 +26,8 @@ from boltzlabs import RLPool, wire
 from boltzlabs.errors import PoolClosedError, WorkerError
 from boltzlabs.link import Peer, proof
 from boltzlabs.pool.remote_link import pack_env_dir
-from boltzlabs.sandbox.cgroups import PoolView
-from boltzlabs.sandbox.limits import host_tasks
+from boltzlabs.host.cgroups import PoolView
+from boltzlabs.host.limits import host_tasks
 
 from conftest import COUNTER, PROBE, scaled
 

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from boltzlabs import RLPool
-from boltzlabs.sandbox import seccomp
-from boltzlabs.sandbox.policy import load_policy
+from boltzlabs.host import seccomp
+from boltzlabs.host.policy import load_policy
 from boltzlabs.errors import SandboxUnavailable, SeccompPolicyError
 
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="syscall numbers and the int 0x80 stub are x86_64's")
@@ -474,7 +474,7 @@ def test_a_missing_libseccomp_says_what_to_install(monkeypatch):
 
 def test_exec_modes_set_up_imports_no_host_half():
     """An exec-mode env runs boltzlabs.runtime.confine before env.py: what it imports
-    every env pays for (boltzlabs.sandbox.seccomp, the host half, with dataclasses and
+    every env pays for (boltzlabs.host.seccomp, the host half, with dataclasses and
     functools, cost each env ~2 MiB)."""
     code = ("import sys; before = set(sys.modules); import boltzlabs.runtime.confine; "
             "print(' '.join(sorted(set(sys.modules) - before)))")

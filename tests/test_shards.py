@@ -28,7 +28,7 @@ def _descendants():
 
 
 def _cgroups(*workers: int) -> set:
-    from boltzlabs.sandbox.cgroups import pool_home
+    from boltzlabs.host.cgroups import pool_home
 
     home = pool_home()
     return {p.name for worker in workers for p in home.glob(f"boltzlabs-{worker}-*")}

@@ -79,7 +79,7 @@ def test_each_child_is_born_in_its_own_cgroup():
 
 
 def check_cgroups(pool):
-    from boltzlabs.sandbox.cgroups import PoolView
+    from boltzlabs.host.cgroups import PoolView
 
     pool.reset(seed=0)
     view = PoolView(pool._cgroup)
@@ -362,7 +362,7 @@ def test_the_worker_byte_compiles_what_every_sandbox_imports(tmp_path):
     worker compiles it on the host before the first spawn."""
     import importlib.util
 
-    from boltzlabs.sandbox.policy import PACKAGE_DIR
+    from boltzlabs.host.policy import PACKAGE_DIR
 
     source = PACKAGE_DIR / "runtime" / "serve.py"
     cached = Path(importlib.util.cache_from_source(str(source)))

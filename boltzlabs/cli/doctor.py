@@ -131,8 +131,8 @@ def _persist(name: str, value) -> str:
 
 
 def _seccomp() -> list[Finding]:
-    from boltzlabs.sandbox import seccomp
-    from boltzlabs.sandbox.policy import load_policy
+    from boltzlabs.host import seccomp
+    from boltzlabs.host.policy import load_policy
     from boltzlabs.errors import SandboxUnavailable
 
     try:
@@ -194,8 +194,8 @@ def _sandbox(bwrap: str | None) -> list[Finding]:
     if bwrap is None:
         return [Finding("sandbox", FAIL, "not tried: bwrap is missing (above)")]
     from boltzlabs import abi
-    from boltzlabs.sandbox import seccomp
-    from boltzlabs.sandbox.builder import SandboxSpec, load_policy
+    from boltzlabs.host import seccomp
+    from boltzlabs.host.builder import SandboxSpec, load_policy
 
     marker = f"boltzlabs-doctor-{secrets.token_hex(4)}"
     findings = []
@@ -272,7 +272,7 @@ def _pool(env_dir: Path) -> list[Finding]:
 
 
 def _cgroup_mounts() -> tuple[list, list]:
-    from boltzlabs.sandbox.cgroups import _mounts
+    from boltzlabs.host.cgroups import _mounts
 
     v1 = [(point, options) for point, fstype, options in _mounts() if fstype == "cgroup"]
     v2 = [point for point, fstype, _ in _mounts() if fstype == "cgroup2"]
@@ -280,7 +280,7 @@ def _cgroup_mounts() -> tuple[list, list]:
 
 
 def _cgroup_version() -> list[Finding]:
-    from boltzlabs.sandbox.cgroups import _mounts, _own_cgroups, _v2_start, delegation_fix, systemd_delegated, version
+    from boltzlabs.host.cgroups import _mounts, _own_cgroups, _v2_start, delegation_fix, systemd_delegated, version
 
     v1, v2 = _cgroup_mounts()
     pools = version()
@@ -326,7 +326,7 @@ def _cgroups() -> list[Finding]:
     a process started in it that forks past its pids limit, frozen and thawed;
     then all of it removed. Each finding says what the kernel did."""
     from boltzlabs.errors import CgroupUnavailable
-    from boltzlabs.sandbox.cgroups import CgroupPool, PoolView, delegation_fix
+    from boltzlabs.host.cgroups import CgroupPool, PoolView, delegation_fix
 
     try:
         pool = CgroupPool(_TRIAL_MEMORY, _TRIAL_PIDS, freezer=True, pool_pids=_TRIAL_POOL_PIDS)
@@ -438,7 +438,7 @@ def _memory_cgroup_bookkeeping(n: int, probes: int = 64) -> list[Finding]:
     always on v2), else three. Measured: the rise in unreclaimable slab while `probes`
     empty memory cgroups are made (median of three rounds)."""
     from boltzlabs.errors import CgroupUnavailable
-    from boltzlabs.sandbox.cgroups import CgroupPool
+    from boltzlabs.host.cgroups import CgroupPool
 
     try:
         pool = CgroupPool(None, per_env_memory=True)  # a memory cgroup per key, as a per-env memory limit makes

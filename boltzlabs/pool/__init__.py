@@ -6,6 +6,6 @@ client.py (RLPool), shards.py (one pool over several workers: RLPool(workers=k))
 sources.py (what a source names), imports.py (which modules an env may import),
 slots.py (observations read from the worker's shared memory), ids.py (UUIDv7),
 spaces.py (specs back to Gymnasium spaces), remote_link.py (the TCP client).
-May import wire, errors, units and pool/*; never sandbox/builder,
-sandbox/cgroups or worker internals (the worker is a process, started by name).
+May import wire, errors, units and pool/*; never host/builder,
+host/cgroups or worker internals (the worker is a process, started by name).
 """

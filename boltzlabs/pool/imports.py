@@ -1,7 +1,7 @@
 """What the trainer imports that a sandbox would not see by itself, and what it sees.
 
     trainer's sys.path and editable finders --roots()--> [[host path, kind, name], ...]
-        --OPEN import_roots--> worker: boltzlabs/sandbox/plan.py binds each read-only at a
+        --OPEN import_roots--> worker: boltzlabs/host/plan.py binds each read-only at a
         neutral path (mounts/interpreter.toml import_dir/<k>) and puts it on the sandbox's
         PYTHONPATH in the trainer's order
     visible(path)  whether code at `path` is importable inside (env_fns pickle by value what is not)

@@ -402,8 +402,8 @@ def _unpack_account() -> tuple[str, int, int] | None:
     else None (the listener's own, unprivileged, account)."""
     if os.geteuid() != 0:
         return None
-    from boltzlabs.sandbox.identity import host_account
-    from boltzlabs.sandbox.policy import load_policy
+    from boltzlabs.host.identity import host_account
+    from boltzlabs.host.policy import load_policy
 
     account = host_account(load_policy().identity())
     return account.name, account.uid, account.gid

@@ -1,6 +1,6 @@
 """The last steps of a sandbox, made inside it before any env code runs: in both spawn modes.
 
-    host: boltzlabs/sandbox/plan.py compiles the policy --Plan.child_text()--> $BOLTZLABS_CONFINE
+    host: boltzlabs/host/plan.py compiles the policy --Plan.child_text()--> $BOLTZLABS_CONFINE
     here: parse() (bounded, checked) --> Plan: prepared system-call arguments, then
             exec mode:     `python -c BOOTSTRAP /env/env.py` (main below): rlimits, then
                            Plan.finish(): workspace, devpts, the env's ids ([identity]),
@@ -307,7 +307,7 @@ class Plan:
 
     def finish(self) -> None:
         """Exec mode: everything after bubblewrap, before env.py (module docstring).
-        Not through boltzlabs.sandbox.seccomp: its host half's imports (dataclasses,
+        Not through boltzlabs.host.seccomp: its host half's imports (dataclasses,
         functools) would cost every exec-mode env ~2 MiB."""
         env_filter = read_filter(int(os.environ.pop(abi.CHILD_FILTER_VARIABLE)))
         self.mount_workspace_and_devpts()

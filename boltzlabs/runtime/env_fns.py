@@ -2,7 +2,7 @@
 
     trainer: cloudpickle.dumps(env_fns[i]) for each lane i (boltzlabs/pool/sources.py)
         --OPEN {"env_fns": [bytes, ...]}--> worker: write(path, blobs), one file per pool
-        --bound read-only at $BOLTZLABS_ENV_FNS (mounts/env.toml, boltzlabs/sandbox/plan.py)-->
+        --bound read-only at $BOLTZLABS_ENV_FNS (mounts/env.toml, boltzlabs/host/plan.py)-->
     sandbox: boltzlabs/runtime/fn_env/env.py: build() unpickles lane i's thunk and calls it
 
 The trainer is the trusted side: it pickles its own callables, as

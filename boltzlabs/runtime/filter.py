@@ -4,7 +4,7 @@
                    apply_child_filter() in each forked env, after its namespace set-up
                    and before any env code
 
-The programs are compiled on the host (boltzlabs/sandbox/seccomp.py). This
+The programs are compiled on the host (boltzlabs/host/seccomp.py). This
 half is standard library only (prctl(2) through boltzlabs.runtime.confine):
 nothing in the sandbox needs libseccomp. Fails closed: no program, no env.
 """

@@ -1,6 +1,6 @@
 """Per-env rlimits, the in-sandbox half: the plan's rlimits text in, setrlimit out.
 
-    host (boltzlabs/sandbox/limits.py): policy [env_limits] --resolve(), encode()--> rlimits= (and the
+    host (boltzlabs/host/limits.py): policy [env_limits] --resolve(), encode()--> rlimits= (and the
         template's template_rlimits=) in $BOLTZLABS_CONFINE (boltzlabs/runtime/confine.py)
     in the sandbox, before any env code runs:
         exec mode:     `python -c BOOTSTRAP /env/env.py` (boltzlabs.runtime.confine.main) --apply(), run()

@@ -8,7 +8,7 @@
                / [EXITED, lane, generation, status]
 
 `python -c BOOTSTRAP /env/env.py` runs inside a bubblewrap sandbox built
-from the same plan as an exec-mode env's (boltzlabs/sandbox/plan.py), which
+from the same plan as an exec-mode env's (boltzlabs/host/plan.py), which
 keeps the capabilities of the policy's [template] cap_add (shipped:
 CAP_SYS_ADMIN, CAP_SETPCAP and CAP_SETFCAP) in the sandbox's user namespace
 only, and only for the template's own set-up: it mounts its workspace and
@@ -16,7 +16,7 @@ devpts, a second, fully visible proc at a hidden path, enters a user
 namespace of its own as the plan's template ids (CAP_SETFCAP is for that
 map), writes that namespace's quotas (what all its children together may
 make), drops every capability, sets no_new_privs and reads the seccomp
-program its children will load (compiled by boltzlabs/sandbox/seccomp.py).
+program its children will load (compiled by boltzlabs/host/seccomp.py).
 
 Then, as Android's zygote preloads the framework and never an app's code,
 the template imports library modules only (`warm`: names from the worker,
@@ -962,7 +962,7 @@ def main(argv: Any=None) -> None:
     env (untrusted: the zygote, which never runs env code; trusted: env.py,
     imported here first)."""
     argv = sys.argv[1:] if argv is None else argv
-    # The plan (sandbox/plan.py on the host), parsed once: popped, so a
+    # The plan (host/plan.py on the host), parsed once: popped, so a
     # child's environment is an exec-mode env's environment exactly. Every
     # setting below comes from it; a missing one is an error, never a default.
     values = confine.parse(os.environ.pop(confine.VARIABLE, ""))

@@ -12,6 +12,6 @@
     spawn.py      the Spawner protocol, exec and template spawners, SpawnContext
     ceilings.py   a remote client's limits
 
-May import sandbox/*, runtime/*, wire, errors, units and worker/*; never
+May import host/*, runtime/*, wire, errors, units and worker/*; never
 pool/ or an adapter: the trainer starts it as a process by module name.
 """

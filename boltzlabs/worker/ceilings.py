@@ -9,8 +9,8 @@ imports the listener: the listener passes its ceilings on the command line.
 
 from __future__ import annotations
 
-from boltzlabs.sandbox import limits as _limits
-from boltzlabs.sandbox.policy import Policy
+from boltzlabs.host import limits as _limits
+from boltzlabs.host.policy import Policy
 from boltzlabs.units import parse_size
 
 __all__ = ["CEILINGS", "NO_LIMIT", "ceiling_value", "default_ceilings", "apply_ceilings"]
@@ -29,7 +29,7 @@ CEILINGS = {
     "workspace_size": ("--max-workspace", "256M", "size"),
     "pids": ("--max-pids", 256, "count"),
     # The whole pool's tasks (every env, the template, its probe): a count or a
-    # share of the worker host's task limit (sandbox/limits.py's task_count).
+    # share of the worker host's task limit (host/limits.py's task_count).
     "pool_pids": ("--max-pool-pids", "25%", "tasks"),
     "open_files": ("--max-open-files", 1024, "count"),
     "file_size": ("--max-file-size", "1G", "size"),

@@ -18,7 +18,7 @@ import resource
 from dataclasses import dataclass
 
 from boltzlabs import wire
-from boltzlabs.sandbox.policy import Policy
+from boltzlabs.host.policy import Policy
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class PoolConfig:
     log_tail: int
     env_fns: tuple | None = None  # an env_fns pool: one pickled thunk (bytes) per lane (runtime/env_fns.py)
     import_roots: tuple = ()  # what the trainer imports from outside site-packages (pool/imports.py); local only
-    env_vars: dict | None = None  # RLPool(env_vars=): variables for every env (sandbox/plan.py checks them)
+    env_vars: dict | None = None  # RLPool(env_vars=): variables for every env (host/plan.py checks them)
 
 
 def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
@@ -66,7 +66,7 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
             raise ValueError("this worker does not import a remote client's env code in its template: "
                              "trust_env=True is refused (its operator allows it with `boltzlabs worker "
                              "--allow-trust-env`); leave trust_env out")
-    limits = policy.pool_limits()  # [limits], every key typed and checked (sandbox/policy.py)
+    limits = policy.pool_limits()  # [limits], every key typed and checked (host/policy.py)
     lengths = (limits.max_str_len, limits.max_bin_len, limits.max_array_len, limits.max_map_len)
     depth = limits.max_depth
     start_timeout = float(request.get("start_timeout") or limits.start_timeout)

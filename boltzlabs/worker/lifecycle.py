@@ -58,8 +58,8 @@ import msgpack
 from boltzlabs import abi, wire
 from boltzlabs.abi import PR_SET_NAME
 from boltzlabs.errors import ProtocolError, TemplateUnavailable, describe_status, exit_signal
-from boltzlabs.sandbox.builder import SandboxSpec
-from boltzlabs.sandbox.cgroups import CgroupPool
+from boltzlabs.host.builder import SandboxSpec
+from boltzlabs.host.cgroups import CgroupPool
 from boltzlabs.worker.config import PoolConfig
 from boltzlabs.worker.confinement import Confinement
 from boltzlabs.worker.lanes import BUSY, IDLE, IN_FLIGHT, STARTING, Lane
@@ -636,7 +636,7 @@ def guard_cgroups(paths: list[str], release=None) -> int:
     A fork shares the worker's pages; it writes little (measured in
     tests/test_protocol.py).
     """
-    from boltzlabs.sandbox.cgroups import remove_pool_dir
+    from boltzlabs.host.cgroups import remove_pool_dir
 
     r, w = os.pipe()
     pid = os.fork()

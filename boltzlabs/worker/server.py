@@ -50,10 +50,10 @@ from boltzlabs.abi import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, SET_UP_EXIT
 from boltzlabs.errors import (INTERNAL, PROTOCOL, USAGE, CgroupUnavailable, ClientGone, StartFailure,
                               TemplateUnavailable)
 from boltzlabs.worker import native
-from boltzlabs.sandbox.builder import SandboxSpec
-from boltzlabs.sandbox.cgroups import CgroupPool
-from boltzlabs.sandbox.identity import HostAccount, host_account
-from boltzlabs.sandbox.policy import compile_sandbox_code, find_bwrap, load_policy
+from boltzlabs.host.builder import SandboxSpec
+from boltzlabs.host.cgroups import CgroupPool
+from boltzlabs.host.identity import HostAccount, host_account
+from boltzlabs.host.policy import compile_sandbox_code, find_bwrap, load_policy
 from boltzlabs.worker.config import PIPES, PoolConfig, parse_open, raise_fd_limit
 from boltzlabs.worker.lanes import IDLE
 from boltzlabs.worker.lifecycle import ABANDONED, Lifecycle, guard_cgroups, guard_closed, prctl, warmup_note
@@ -134,7 +134,7 @@ class Worker:
         find_bwrap()  # before the account's checks: a host without bwrap is told that first
         compile_sandbox_code()  # what every sandbox imports, as .pyc: the sandbox cannot write them
         self.account = host_account(policy.identity())
-        # The policy compiled once (boltzlabs.sandbox.plan); both spawners use this spec's plan.
+        # The policy compiled once (boltzlabs.host.plan); both spawners use this spec's plan.
         spec = SandboxSpec(policy, config.source_dir, config.workspace_size, config.params,
                            self.account, config.limits, env_fns=self._write_env_fns(config.env_fns),
                            import_roots=config.import_roots, env_vars=config.env_vars)

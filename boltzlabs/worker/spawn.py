@@ -41,9 +41,9 @@ from collections.abc import Callable
 from boltzlabs import abi, wire
 from boltzlabs.abi import CHANNEL_FD
 from boltzlabs.runtime import probe, template
-from boltzlabs.sandbox import seccomp
-from boltzlabs.sandbox.builder import SandboxSpec
-from boltzlabs.sandbox.cgroups import CgroupPool
+from boltzlabs.host import seccomp
+from boltzlabs.host.builder import SandboxSpec
+from boltzlabs.host.cgroups import CgroupPool
 from boltzlabs.worker.config import PIPES, SOCKETPAIR, PoolConfig
 from boltzlabs.worker.confinement import Confinement
 from boltzlabs.worker.lanes import Lane

@@ -26,10 +26,10 @@ from typing import Any
 
 from boltzlabs.errors import SandboxUnavailable
 from boltzlabs.runtime import confine
-from boltzlabs.sandbox import limits as _limits
-from boltzlabs.sandbox import seccomp
-from boltzlabs.sandbox.identity import HostAccount
-from boltzlabs.sandbox.policy import MOUNT_PROFILES, PACKAGE_DIR, Policy, Reader
+from boltzlabs.host import limits as _limits
+from boltzlabs.host import seccomp
+from boltzlabs.host.identity import HostAccount
+from boltzlabs.host.policy import MOUNT_PROFILES, PACKAGE_DIR, Policy, Reader
 
 __all__ = ["Plan", "compile_plan", "NAMESPACES"]
 

@@ -5,7 +5,7 @@
     Plan --SandboxSpec--> argv for `[setpriv ...] bwrap ... python env.py` (exec mode),
                           and for the template's own bwrap (template mode)
 
-Every value comes from the plan (boltzlabs/sandbox/plan.py); this module only
+Every value comes from the plan (boltzlabs/host/plan.py); this module only
 orders the operations. bubblewrap applies its arguments in order, so binds
 come first and the workspace tmpfs is mounted on a path that is no parent of
 any bind (a tmpfs on a parent would hide what was bound below it).
@@ -19,9 +19,9 @@ from typing import Any
 
 from boltzlabs import abi
 from boltzlabs.runtime import confine, template
-from boltzlabs.sandbox.identity import HostAccount
-from boltzlabs.sandbox.plan import NAMESPACES, Plan, compile_plan
-from boltzlabs.sandbox.policy import Policy, find_bwrap, load_policy
+from boltzlabs.host.identity import HostAccount
+from boltzlabs.host.plan import NAMESPACES, Plan, compile_plan
+from boltzlabs.host.policy import Policy, find_bwrap, load_policy
 
 __all__ = ["SandboxSpec", "Policy", "Plan", "load_policy", "find_bwrap"]
 
@@ -40,7 +40,7 @@ class SandboxSpec:
     policy's default workspace size and env limits). The argv is
     built once per pool; per-env parts (the channel fd number, the env
     index) are appended by `argv()`. `account`: who bwrap runs as on the
-    host (boltzlabs.sandbox.identity); None builds the command line for the
+    host (boltzlabs.host.identity); None builds the command line for the
     current user with no staging (as a description of the policy).
     """
 

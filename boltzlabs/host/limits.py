@@ -1,11 +1,11 @@
 """Per-env resource limits, the host half: policy data in, checked limits and the rlimits' text out.
 
     sandbox/policy.toml [env_limits] + RLPool(limits=...) --resolve()--> limits (worker)
-        memory, pids        --> the env's cgroup (boltzlabs/sandbox/cgroups.py)
+        memory, pids        --> the env's cgroup (boltzlabs/host/cgroups.py)
         pool_pids           --> the pool's cgroup, all envs together (host_tasks() bounds it)
         straggler_grace     --> the worker's deadline kill (boltzlabs/worker/lifecycle.py)
         open_files, file_size, core_size, msgqueue --encode()--> rlimits= of the plan's
-            $BOLTZLABS_CONFINE (boltzlabs/sandbox/plan.py)
+            $BOLTZLABS_CONFINE (boltzlabs/host/plan.py)
             --> boltzlabs/runtime/rlimits.py applies them inside the sandbox
 """
 

@@ -52,7 +52,7 @@ class Filters:
 
 def compile_rules(rules: dict[str, Any]) -> Filters:
     """Both programs of a parsed seccomp.toml (Policy.seccomp, read by
-    boltzlabs.sandbox.policy.load_policy with the rest of the policy)."""
+    boltzlabs.host.policy.load_policy with the rest of the policy)."""
     return Filters(env=compile_filter(rules), template=compile_filter(rules, template=True))
 
 

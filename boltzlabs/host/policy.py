@@ -7,7 +7,7 @@
 Runs on the host (worker, and the trainer's early checks). The policy files
 are the reviewable part (what an env may see and do); this module finds them
 in the installation and reads them. Every value is read through Reader,
-whose failures name the key and the file; no module outside boltzlabs/sandbox/
+whose failures name the key and the file; no module outside boltzlabs/host/
 indexes the policy's tables (tests/test_layout.py checks it), and no
 default lives in code: each key and its default are in sandbox/policy.toml.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 from boltzlabs.errors import PolicyError, SandboxUnavailable
 from boltzlabs.wire import MAX_DEPTH
-from boltzlabs.sandbox import limits as _limits
+from boltzlabs.host import limits as _limits
 from boltzlabs.units import parse_size
 
 __all__ = ["PACKAGE_DIR", "MOUNT_PROFILES", "Policy", "PoolLimits", "Reader", "load_policy", "find_bwrap", "parse_size", "compile_sandbox_code"]
@@ -209,15 +209,15 @@ class Policy:
         )
 
     def env_limits_table(self) -> dict[str, Any]:
-        """[env_limits] as written (boltzlabs.sandbox.limits.resolve checks each value)."""
+        """[env_limits] as written (boltzlabs.host.limits.resolve checks each value)."""
         return self.reader().table("env_limits")
 
     def env_limits(self, overrides: dict[str, Any] | None = None, memory_limit: Any=None) -> dict[str, Any]:
-        """[env_limits] with a pool's overrides, checked (boltzlabs.sandbox.limits.resolve)."""
+        """[env_limits] with a pool's overrides, checked (boltzlabs.host.limits.resolve)."""
         return _limits.resolve(self.env_limits_table(), overrides, memory_limit)
 
     def identity(self) -> dict[str, Any]:
-        """[identity]: the host account every sandbox runs as (boltzlabs.sandbox.identity.host_account)."""
+        """[identity]: the host account every sandbox runs as (boltzlabs.host.identity.host_account)."""
         return self.reader().table("identity")
 
     def default_workspace_size(self) -> int:
@@ -236,7 +236,7 @@ def load_policy() -> Policy:
     sandbox/seccomp.toml: an env that needs a call the shipped list refuses,
     or a host that wants more refused). The mount profiles stay the
     installation's. Nothing else reads these files: the worker compiles this
-    Policy into each pool's plan (boltzlabs.sandbox.plan)."""
+    Policy into each pool's plan (boltzlabs.host.plan)."""
     path = os.environ.get("BOLTZLABS_POLICY") or _data_dir("sandbox") / "policy.toml"
     sandbox = _read(path, "BOLTZLABS_POLICY")
     mounts = {profile: _read(_data_dir("mounts") / f"{profile}.toml") for profile in MOUNT_PROFILES}
