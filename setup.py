@@ -27,16 +27,30 @@ class OptionalBuildExt(build_ext):
             self._skipped(exc)
 
     def _skipped(self, exc):
-        print(f"boltzlabs: could not build the native step path boltzlabs.worker._fastpath ({exc}); installing without it "
-              "(the pure-Python path runs). Install gcc and the Python headers (bash ci/setup.sh) and reinstall.")
+        print(
+            f"boltzlabs: could not build the native step path boltzlabs.worker._fastpath ({exc}); installing without it "
+            "(the pure-Python path runs). Install gcc and the Python headers (bash ci/setup.sh) and reinstall."
+        )
 
 
 setup(
-    ext_modules=[Extension("boltzlabs.worker._fastpath", ["native/fastpath.c"], depends=["native/arrays.h"],
-                           extra_compile_args=["-O2", "-Wall"], optional=True),
-                 # The wire's encoder and ext hook (boltzlabs/wire.py uses it when it is there): every process
-                 # of a pool imports it, envs included; it imports only msgpack (numpy on the first array).
-                 Extension("boltzlabs._wire", ["native/wire.c"], depends=["native/arrays.h"],
-                           extra_compile_args=["-O2", "-Wall"], optional=True)],
+    ext_modules=[
+        Extension(
+            "boltzlabs.worker._fastpath",
+            ["native/fastpath.c"],
+            depends=["native/arrays.h"],
+            extra_compile_args=["-O2", "-Wall"],
+            optional=True,
+        ),
+        # The wire's encoder and ext hook (boltzlabs/wire.py uses it when it is there): every process
+        # of a pool imports it, envs included; it imports only msgpack (numpy on the first array).
+        Extension(
+            "boltzlabs._wire",
+            ["native/wire.c"],
+            depends=["native/arrays.h"],
+            extra_compile_args=["-O2", "-Wall"],
+            optional=True,
+        ),
+    ],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -84,8 +84,10 @@ def main() -> None:
             rate, wait_ms, queued_ms = bench_recv(pool, n // 2, args.seconds)
         rows.append((n, sync, rate, wait_ms, queued_ms))
         log(f"n={n}: step() {sync:,.0f}/s, recv(n/2) {rate:,.0f}/s")
-    print(f"Heavy-tailed env (1 ms, 50 ms one step in 100); {os.cpu_count()} cores, {platform.machine()}, "
-          f"Python {platform.python_version()}, {args.seconds:g} s per loop.\n")
+    print(
+        f"Heavy-tailed env (1 ms, 50 ms one step in 100); {os.cpu_count()} cores, {platform.machine()}, "
+        f"Python {platform.python_version()}, {args.seconds:g} s per loop.\n"
+    )
     print("| n | step() env-steps/s | recv(n/2) env-steps/s | speed-up | recv wait_ms | recv queued_ms |")
     print("|---|---|---|---|---|---|")
     for n, sync, rate, wait_ms, queued_ms in rows:

@@ -79,8 +79,10 @@ def run(kind: str, n: int, rounds: int) -> str:
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
     trips = n * rounds
-    return (f"| {kind} | {(after.ru_utime - before.ru_utime) * 1e6 / trips:.1f} | "
-            f"{(after.ru_stime - before.ru_stime) * 1e6 / trips:.1f} | {trips / elapsed:,.0f} |")
+    return (
+        f"| {kind} | {(after.ru_utime - before.ru_utime) * 1e6 / trips:.1f} | "
+        f"{(after.ru_stime - before.ru_stime) * 1e6 / trips:.1f} | {trips / elapsed:,.0f} |"
+    )
 
 
 def main() -> None:

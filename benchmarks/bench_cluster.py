@@ -79,17 +79,32 @@ def main() -> int:
     log("starting a 2-node Ray cluster on 127.0.0.1")
     cluster = local_cluster(2)
     token = "bench-" + os.urandom(8).hex()
-    listener = subprocess.Popen([sys.executable, "-m", "boltzlabs", "worker", "--listen", "127.0.0.1:0",
-                                 "--token", token, "--max-envs", str(n)],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    listener = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "boltzlabs",
+            "worker",
+            "--listen",
+            "127.0.0.1:0",
+            "--token",
+            token,
+            "--max-envs",
+            str(n),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     url = listener.stdout.readline().split()[-1]
     pools, figures = {}, {}
     try:
-        for name, make in (("local", lambda: RLPool(COUNTER, n)),
-                           ("remote", lambda: RLPool(COUNTER, n, worker=url, token=token)),
-                           ("cluster", lambda: ClusterPool(COUNTER, n, cluster=cluster.address,
-                                                           envs_per_node=(n + 1) // 2))):
+        for name, make in (
+            ("local", lambda: RLPool(COUNTER, n)),
+            ("remote", lambda: RLPool(COUNTER, n, worker=url, token=token)),
+            ("cluster", lambda: ClusterPool(COUNTER, n, cluster=cluster.address, envs_per_node=(n + 1) // 2)),
+        ):
             started = time.perf_counter()
             pools[name] = make()
             figures[name] = {"start_s": time.perf_counter() - started, "seconds": 0.0, "worker": [], "roundtrip": []}
@@ -120,12 +135,21 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
     for name, f in figures.items():
         rate = n * chunk * rounds / f["seconds"]
-        row = {"pool": name, "n": n, "env_steps_per_s": rate, "vs_local": rate / base,
-               "worker_ms": float(np.mean(f["worker"])), "roundtrip_ms": float(np.mean(f["roundtrip"])),
-               "start_s": f["start_s"], "envs_per_gb": f["envs_per_gb"]}
+        row = {
+            "pool": name,
+            "n": n,
+            "env_steps_per_s": rate,
+            "vs_local": rate / base,
+            "worker_ms": float(np.mean(f["worker"])),
+            "roundtrip_ms": float(np.mean(f["roundtrip"])),
+            "start_s": f["start_s"],
+            "envs_per_gb": f["envs_per_gb"],
+        }
         rows.append(row)
-        print(f"| {name} | {rate:,.0f} | {rate / base:.2f}x | {row['worker_ms']:.2f} | {row['roundtrip_ms']:.2f} | "
-              f"{row['start_s']:.2f} | {row['envs_per_gb']:.0f} |")
+        print(
+            f"| {name} | {rate:,.0f} | {rate / base:.2f}x | {row['worker_ms']:.2f} | {row['roundtrip_ms']:.2f} | "
+            f"{row['start_s']:.2f} | {row['envs_per_gb']:.0f} |"
+        )
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps({"rows": rows, "steps": chunk * rounds, "load": os.getloadavg()}, indent=2))
     return 0

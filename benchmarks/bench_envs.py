@@ -79,9 +79,16 @@ def _pong84():
 ENVS = {
     "halfcheetah": ("gym://HalfCheetah-v5", lambda: gym.make("HalfCheetah-v5"), ("HalfCheetah-v5", {})),
     "lunarlander": ("gym://LunarLander-v3", lambda: gym.make("LunarLander-v3"), ("LunarLander-v3", {})),
-    "pong": ("gym://ale_py:ALE/Pong-v5", lambda: gym.make("ale_py:ALE/Pong-v5"),
-             ("Pong-v5", dict(img_height=210, img_width=160, gray_scale=False, stack_num=1, noop_max=1,
-                              repeat_action_probability=0.25))),
+    "pong": (
+        "gym://ale_py:ALE/Pong-v5",
+        lambda: gym.make("ale_py:ALE/Pong-v5"),
+        (
+            "Pong-v5",
+            dict(
+                img_height=210, img_width=160, gray_scale=False, stack_num=1, noop_max=1, repeat_action_probability=0.25
+            ),
+        ),
+    ),
     "pong84": (str(PONG84), _pong84, ("Pong-v5", {})),
 }
 IMPLEMENTATIONS = ("boltzlabs", "rlpool", "async", "sync", "envpool")
@@ -126,11 +133,18 @@ class Impl:
         n = self.n
         rates = [n * steps / seconds for seconds, steps, _ in self.chunks]
         roles = sorted({role for _, _, cpu in self.chunks for role in cpu})
-        by = {role: statistics.median(1e6 * cpu.get(role, 0.0) / (n * steps) for _, steps, cpu in self.chunks)
-              for role in roles}
+        by = {
+            role: statistics.median(1e6 * cpu.get(role, 0.0) / (n * steps) for _, steps, cpu in self.chunks)
+            for role in roles
+        }
         total = statistics.median(1e6 * sum(cpu.values()) / (n * steps) for _, steps, cpu in self.chunks)
-        return {"env_steps_per_s": statistics.median(rates), "rates": rates, "cpu_us_per_env_step": total,
-                "cpu_us_per_env_step_by": by, "steps": sum(s for _, s, _ in self.chunks)}
+        return {
+            "env_steps_per_s": statistics.median(rates),
+            "rates": rates,
+            "cpu_us_per_env_step": total,
+            "cpu_us_per_env_step_by": by,
+            "steps": sum(s for _, s, _ in self.chunks),
+        }
 
     def close(self) -> None:
         pass
@@ -163,10 +177,16 @@ class Ours(Impl):
     def figures(self) -> dict:
         pool = self.pool
         uss = [uss_of_tree(pid) for pid in pool.pids() if pid > 0]
-        return {**super().figures(), "startup_s": self.startup, "fast_path": pool.fast_path,
-                "channel": pool.channel, "spawn": pool.spawn, "memory_per_env_mib": pool.memory().mean / MIB,
-                "uss_per_env_mib": float(np.mean(uss)) / MIB if uss else None,
-                "failed_lanes": sum(state != "idle" for state in pool.states())}
+        return {
+            **super().figures(),
+            "startup_s": self.startup,
+            "fast_path": pool.fast_path,
+            "channel": pool.channel,
+            "spawn": pool.spawn,
+            "memory_per_env_mib": pool.memory().mean / MIB,
+            "uss_per_env_mib": float(np.mean(uss)) / MIB if uss else None,
+            "failed_lanes": sum(state != "idle" for state in pool.states()),
+        }
 
     def close(self) -> None:
         (self.vec or self.pool).close()
@@ -277,10 +297,13 @@ def bench(env: str, n: int, rounds: int, chunk_s: float, only) -> dict:
             per_step = (time.perf_counter() - started) / 10
             steps[impl.name] = max(10, int(chunk_s / max(per_step, 1e-6)))
         cost = in_process(make, bank, max(200, min(steps.values()) * 2))
-        log(f"[{env} n={n}] in-process {cost:.1f} us/step; timing {rounds} rounds of "
-            + ", ".join(f"{k} {v}" for k, v in steps.items()) + " steps")
+        log(
+            f"[{env} n={n}] in-process {cost:.1f} us/step; timing {rounds} rounds of "
+            + ", ".join(f"{k} {v}" for k, v in steps.items())
+            + " steps"
+        )
         for r in range(rounds):
-            for impl in impls[r % len(impls):] + impls[:r % len(impls)]:
+            for impl in impls[r % len(impls) :] + impls[: r % len(impls)]:
                 impl.timed(steps[impl.name])
         figures = {impl.name: impl.figures() for impl in impls}
     finally:
@@ -288,15 +311,20 @@ def bench(env: str, n: int, rounds: int, chunk_s: float, only) -> dict:
             impl.close()
     for fig in figures.values():
         fig["overhead_us"] = fig["cpu_us_per_env_step"] - cost
-    log(f"[{env} n={n}] " + "; ".join(f"{k} {v['env_steps_per_s']:,.0f}/s {v['cpu_us_per_env_step']:.1f} us"
-                                      for k, v in figures.items()))
+    log(
+        f"[{env} n={n}] "
+        + "; ".join(f"{k} {v['env_steps_per_s']:,.0f}/s {v['cpu_us_per_env_step']:.1f} us" for k, v in figures.items())
+    )
     return {"env": env, "n": n, "in_process_us": cost, "load": os.getloadavg(), "results": figures}
 
 
 def table(rows: list) -> str:
     names = [name for name in IMPLEMENTATIONS if any(name in row["results"] for row in rows)]
-    head = ["env", "n"] + [f"{name} env-steps/s" for name in names] + ["ours / async", "ours / envpool",
-                                                                       "boltzlabs / rlpool", "load"]
+    head = (
+        ["env", "n"]
+        + [f"{name} env-steps/s" for name in names]
+        + ["ours / async", "ours / envpool", "boltzlabs / rlpool", "load"]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         res = row["results"]
@@ -306,8 +334,12 @@ def table(rows: list) -> str:
             return f"{rate[a] / rate[b]:.2f}x" if a in rate and b in rate else "n/a"
 
         cells = [row["env"], str(row["n"])] + [f"{rate[k]:,.0f}" if k in rate else "n/a" for k in names]
-        cells += [ratio("boltzlabs", "async"), ratio("boltzlabs", "envpool"), ratio("boltzlabs", "rlpool"),
-                  f"{row['load'][0]:.1f}"]
+        cells += [
+            ratio("boltzlabs", "async"),
+            ratio("boltzlabs", "envpool"),
+            ratio("boltzlabs", "rlpool"),
+            f"{row['load'][0]:.1f}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -321,8 +353,9 @@ def cpu_table(rows: list) -> str:
             if fig is None:
                 continue
             by = fig["cpu_us_per_env_step_by"]
-            cells = [row["env"], str(row["n"]), name] + [f"{by[k]:.1f}" if k in by else "" for k in
-                                                        ("client", "worker", "template", "envs")]
+            cells = [row["env"], str(row["n"]), name] + [
+                f"{by[k]:.1f}" if k in by else "" for k in ("client", "worker", "template", "envs")
+            ]
             cells += [f"{fig['cpu_us_per_env_step']:.1f}", f"{row['in_process_us']:.1f}", f"{fig['overhead_us']:.1f}"]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -346,12 +379,23 @@ def main(argv=None) -> int:
     print()
     print(cpu_table(rows))
     print()
-    print(f"CPU microseconds per env-step, medians over {args.rounds} rounds; 1-min load average "
-          f"{load_before[0]:.2f} before, {load_after[0]:.2f} after; {total:.0f} s.")
+    print(
+        f"CPU microseconds per env-step, medians over {args.rounds} rounds; 1-min load average "
+        f"{load_before[0]:.2f} before, {load_after[0]:.2f} after; {total:.0f} s."
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**run_record(argv, total, load_before, load_after),
-                                    "settings": vars(args) | {"out": str(args.out)}, "rows": rows}, indent=2,
-                                   default=str) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                **run_record(argv, total, load_before, load_after),
+                "settings": vars(args) | {"out": str(args.out)},
+                "rows": rows,
+            },
+            indent=2,
+            default=str,
+        )
+        + "\n"
+    )
     log(f"wrote {args.out}")
     return 0
 

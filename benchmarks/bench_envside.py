@@ -52,7 +52,12 @@ from boltzlabs import wire
 from boltzlabs.runtime import serve as serve_module
 
 _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC, _CLONE_NEWUSER, _CLONE_NEWNET = (
-    0x00020000, 0x04000000, 0x08000000, 0x10000000, 0x40000000)
+    0x00020000,
+    0x04000000,
+    0x08000000,
+    0x10000000,
+    0x40000000,
+)
 
 
 def counter_env() -> tuple:
@@ -90,8 +95,9 @@ def serve_loop_of(name: str):
     """The serve module to run: this checkout's ("worktree") or a git revision's."""
     if name == "worktree":
         return serve_module
-    source = subprocess.run(["git", "show", f"{name}:boltzlabs/runtime/serve.py"], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout
+    source = subprocess.run(
+        ["git", "show", f"{name}:boltzlabs/runtime/serve.py"], cwd=ROOT, check=True, capture_output=True, text=True
+    ).stdout
     path = Path(tempfile.mkdtemp()) / f"serve_{name}.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location(f"serve_{name}", path)
@@ -210,11 +216,19 @@ def main() -> None:
     """Run every (loop, layer, policy) at each n, interleaved, and print the table."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, nargs="+", default=[64, 512])
-    parser.add_argument("--layers", nargs="+", default=["bare", "seccomp", "memcg", "ns", "all"],
-                        choices=["bare", "seccomp", "memcg", "ns", "all"])
+    parser.add_argument(
+        "--layers",
+        nargs="+",
+        default=["bare", "seccomp", "memcg", "ns", "all"],
+        choices=["bare", "seccomp", "memcg", "ns", "all"],
+    )
     parser.add_argument("--sched", nargs="+", default=["other"], choices=["other", "batch"])
-    parser.add_argument("--loops", nargs="+", default=["worktree"],
-                        help="serve loops: 'worktree' (this checkout) and/or git revisions, e.g. main")
+    parser.add_argument(
+        "--loops",
+        nargs="+",
+        default=["worktree"],
+        help="serve loops: 'worktree' (this checkout) and/or git revisions, e.g. main",
+    )
     parser.add_argument("--steps", type=int, default=None, help="steps per chunk (default: ~0.4 s of steps)")
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
@@ -253,9 +267,11 @@ def main() -> None:
                             total[i + 1] += after[i] - before[i]
                 for kind, total in totals.items():
                     env_steps = n * steps * args.rounds
-                    print(f"| {n} | {kind[0]} | {kind[1]} | {kind[2]} | {env_steps / total[0]:,.0f} | "
-                          f"{total[1] * 1e6 / env_steps:.1f} | {total[2] / env_steps:.2f} | {total[3] / env_steps:.2f} |",
-                          flush=True)
+                    print(
+                        f"| {n} | {kind[0]} | {kind[1]} | {kind[2]} | {env_steps / total[0]:,.0f} | "
+                        f"{total[1] * 1e6 / env_steps:.1f} | {total[2] / env_steps:.2f} | {total[3] / env_steps:.2f} |",
+                        flush=True,
+                    )
             finally:
                 for children in sets.values():
                     children.close()

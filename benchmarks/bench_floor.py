@@ -28,8 +28,9 @@ _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x4000000
 LINES = {
     "fork + exit": 0,
     "+ network namespace": _CLONE_NEWUSER | _CLONE_NEWNET,
-    "+ user, pid, mount, net, ipc, uts": (_CLONE_NEWUSER | _CLONE_NEWPID | _CLONE_NEWNS | _CLONE_NEWNET
-                                           | _CLONE_NEWIPC | _CLONE_NEWUTS),
+    "+ user, pid, mount, net, ipc, uts": (
+        _CLONE_NEWUSER | _CLONE_NEWPID | _CLONE_NEWNS | _CLONE_NEWNET | _CLONE_NEWIPC | _CLONE_NEWUTS
+    ),
 }
 
 

@@ -86,7 +86,10 @@ class Lane:
     def figures(self) -> dict:
         env_steps = self.n * self.steps
         return {
-            "path": self.path, "channel": self.channel, "n": self.n, "steps": self.steps,
+            "path": self.path,
+            "channel": self.channel,
+            "n": self.n,
+            "steps": self.steps,
             "env_steps_per_s": env_steps / self.seconds,
             "worker_user_us": 1e6 * self.user / env_steps,
             "worker_system_us": 1e6 * self.system / env_steps,
@@ -116,7 +119,7 @@ def main(argv=None) -> int:
                 lane.run(HORIZON // 5, timed=False)  # warm-up
             chunks = [args.steps // args.rounds] * args.rounds
             for i, chunk in enumerate(chunks):
-                for lane in (lanes if i % 2 == 0 else lanes[::-1]):
+                for lane in lanes if i % 2 == 0 else lanes[::-1]:
                     lane.run(chunk)
             rows.append([lane.figures() for lane in lanes])
         finally:
@@ -125,22 +128,44 @@ def main(argv=None) -> int:
         log(f"[n={n}] " + ", ".join(f"{f['path']}/{f['channel']} {f['env_steps_per_s']:,.0f}/s" for f in rows[-1]))
     total = time.perf_counter() - started
     load_after = os.getloadavg()
-    head = ["n", "path", "channel", "env-steps/s", "worker user us", "worker sys us", "worker us", "envs us",
-            "client us"]
+    head = [
+        "n",
+        "path",
+        "channel",
+        "env-steps/s",
+        "worker user us",
+        "worker sys us",
+        "worker us",
+        "envs us",
+        "client us",
+    ]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for pair in rows:
         for f in pair:
             by = f["cpu_us_per_env_step_by"]
-            print(f"| {f['n']} | {f['path']} | {f['channel']} | {f['env_steps_per_s']:,.0f} | {f['worker_user_us']:.1f} | "
-                  f"{f['worker_system_us']:.1f} | {by.get('worker', 0):.1f} | {by.get('envs', 0):.1f} | "
-                  f"{by.get('client', 0):.1f} |")
-    print(f"\n{args.env} env; {args.steps} timed steps per pool in {args.rounds} alternating chunks; "
-          f"1-min load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; {total:.0f} s.")
+            print(
+                f"| {f['n']} | {f['path']} | {f['channel']} | {f['env_steps_per_s']:,.0f} | {f['worker_user_us']:.1f} | "
+                f"{f['worker_system_us']:.1f} | {by.get('worker', 0):.1f} | {by.get('envs', 0):.1f} | "
+                f"{by.get('client', 0):.1f} |"
+            )
+    print(
+        f"\n{args.env} env; {args.steps} timed steps per pool in {args.rounds} alternating chunks; "
+        f"1-min load average {load_before[0]:.1f} before, {load_after[0]:.1f} after; {total:.0f} s."
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**run_record(argv, total, load_before, load_after),
-                                    "settings": vars(args) | {"out": str(args.out)}, "results": rows},
-                                   indent=2, default=str) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                **run_record(argv, total, load_before, load_after),
+                "settings": vars(args) | {"out": str(args.out)},
+                "results": rows,
+            },
+            indent=2,
+            default=str,
+        )
+        + "\n"
+    )
     return 0
 
 

@@ -98,7 +98,7 @@ class ImageEnv(gym.Env):
         self.frame, self.t, self.y, self.x = None, 0, 0, 0
 
     def _draw(self, value: int) -> None:
-        self.frame[self.y:self.y + self.SPRITE, self.x:self.x + self.SPRITE] = value
+        self.frame[self.y : self.y + self.SPRITE, self.x : self.x + self.SPRITE] = value
 
     def reset(self, *, seed=None, options=None):
         super().reset(seed=seed)
@@ -211,8 +211,10 @@ def check(label: str, n: int, steps: int, reward: float | None, episodes: int) -
     counter; None: not checked), one episode end per 100 steps."""
     want_episodes = n * (steps // HORIZON)
     if (reward is not None and reward != n * steps) or episodes != want_episodes:
-        log(f"WARNING [{label}]: total reward {reward:g} (expected {n * steps}), episodes ended {episodes} "
-            f"(expected {want_episodes}): some env-steps did not happen as they should")
+        log(
+            f"WARNING [{label}]: total reward {reward:g} (expected {n * steps}), episodes ended {episodes} "
+            f"(expected {want_episodes}): some env-steps did not happen as they should"
+        )
 
 
 class Side:
@@ -424,7 +426,7 @@ def bench(n: int, steps: int | None, target_s: float, spawn: str | None, rounds:
         chunks = [steps // rounds + (i < steps % rounds) for i in range(rounds)]
         log(f"[n={n}] timing {steps} steps each, in {rounds} alternating chunks")
         for i, chunk in enumerate(chunks):
-            for side in ((ours, theirs) if i % 2 == 0 else (theirs, ours)):
+            for side in (ours, theirs) if i % 2 == 0 else (theirs, ours):
                 side.timed(chunk)
         results = ours.figures(), theirs.figures()
     finally:
@@ -432,9 +434,11 @@ def bench(n: int, steps: int | None, target_s: float, spawn: str | None, rounds:
             ours.close()
         theirs.close()
     o, a = results
-    log(f"[n={n}] boltzlabs {o['env_steps_per_s']:,.0f} env-steps/s (worker {o['worker_ms_mean']:.2f} ms, "
+    log(
+        f"[n={n}] boltzlabs {o['env_steps_per_s']:,.0f} env-steps/s (worker {o['worker_ms_mean']:.2f} ms, "
         f"roundtrip {o['roundtrip_ms_mean']:.2f} ms), {o['memory_per_env_mib']:.2f} MiB/env; "
-        f"async {a['env_steps_per_s']:,.0f} env-steps/s, {a['uss_per_env_mib']:.2f} MiB USS/env")
+        f"async {a['env_steps_per_s']:,.0f} env-steps/s, {a['uss_per_env_mib']:.2f} MiB USS/env"
+    )
     return results
 
 
@@ -448,8 +452,10 @@ def git_state() -> dict:
         except (OSError, subprocess.SubprocessError):
             return ""
 
-    return {"commit": git("rev-parse", "HEAD") or None,
-            "dirty": bool(git("status", "--porcelain", "--", "boltzlabs", "sandbox", "mounts", "examples"))}
+    return {
+        "commit": git("rev-parse", "HEAD") or None,
+        "dirty": bool(git("status", "--porcelain", "--", "boltzlabs", "sandbox", "mounts", "examples")),
+    }
 
 
 def run_record(argv, total: float, load_before, load_after) -> dict:
@@ -461,8 +467,12 @@ def run_record(argv, total: float, load_before, load_after) -> dict:
         "total_s": total,
         "loadavg_before": load_before,
         "loadavg_after": load_after,
-        "machine": {"python": platform.python_version(), "platform": platform.platform(),
-                    "cpus": os.cpu_count(), "memory_gib": psutil.virtual_memory().total / (1 << 30)},
+        "machine": {
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "cpus": os.cpu_count(),
+            "memory_gib": psutil.virtual_memory().total / (1 << 30),
+        },
         "git": git_state(),
         "versions": {"boltzlabs": boltzlabs.__version__, "gymnasium": gym.__version__, "numpy": np.__version__},
     }
@@ -476,20 +486,42 @@ def _num(value) -> str:
 
 
 def table(rows: list) -> str:
-    head = ["n", "steps", "ours start (s)", "async start (s)", "ours env-steps/s", "async env-steps/s",
-            "speed ours/async", "ours CPU us/env-step", "async CPU us/env-step", "worker ms", "roundtrip ms",
-            "ours MiB/env", "ours USS MiB/env", "async USS MiB/env", "mem ours/async", "envs/GiB"]
+    head = [
+        "n",
+        "steps",
+        "ours start (s)",
+        "async start (s)",
+        "ours env-steps/s",
+        "async env-steps/s",
+        "speed ours/async",
+        "ours CPU us/env-step",
+        "async CPU us/env-step",
+        "worker ms",
+        "roundtrip ms",
+        "ours MiB/env",
+        "ours USS MiB/env",
+        "async USS MiB/env",
+        "mem ours/async",
+        "envs/GiB",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         o, a = row["boltzlabs"], row["async"]
         cells = [
-            str(row["n"]), str(o["steps"]),
-            f"{o['startup_s']:.2f}", f"{a['startup_s']:.2f}",
-            f"{o['env_steps_per_s']:,.0f}", f"{a['env_steps_per_s']:,.0f}",
+            str(row["n"]),
+            str(o["steps"]),
+            f"{o['startup_s']:.2f}",
+            f"{a['startup_s']:.2f}",
+            f"{o['env_steps_per_s']:,.0f}",
+            f"{a['env_steps_per_s']:,.0f}",
             f"{row['speed_ratio']:.2f}x",
-            f"{o['cpu_us_per_env_step']:.1f}", f"{a['cpu_us_per_env_step']:.1f}",
-            f"{o['worker_ms_mean']:.2f}", f"{o['roundtrip_ms_mean']:.2f}",
-            f"{o['memory_per_env_mib']:.2f}", _num(o["uss_per_env_mib"]), _num(a["uss_per_env_mib"]),
+            f"{o['cpu_us_per_env_step']:.1f}",
+            f"{a['cpu_us_per_env_step']:.1f}",
+            f"{o['worker_ms_mean']:.2f}",
+            f"{o['roundtrip_ms_mean']:.2f}",
+            f"{o['memory_per_env_mib']:.2f}",
+            _num(o["uss_per_env_mib"]),
+            _num(a["uss_per_env_mib"]),
             f"{row['memory_ratio']:.2f}x",
             f"{o['envs_per_gb']:.0f}",
         ]
@@ -499,16 +531,30 @@ def table(rows: list) -> str:
 
 def cpu_table(rows: list) -> str:
     """CPU microseconds per env-step, by process: where the time goes."""
-    head = ["n", "path", "client", "worker", "template", "envs", "ours total", "async client", "async envs",
-            "async total"]
+    head = [
+        "n",
+        "path",
+        "client",
+        "worker",
+        "template",
+        "envs",
+        "ours total",
+        "async client",
+        "async envs",
+        "async total",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         o, a = row["boltzlabs"], row["async"]
         by, theirs = o["cpu_us_per_env_step_by"], a["cpu_us_per_env_step_by"]
         path = {True: "native", False: "pure", None: "n/a"}[o.get("fast_path")]
         cells = [str(row["n"]), path] + [f"{by.get(k, 0.0):.1f}" for k in ("client", "worker", "template", "envs")]
-        cells += [f"{o['cpu_us_per_env_step']:.1f}", f"{theirs.get('client', 0.0):.1f}",
-                  f"{theirs.get('envs', 0.0):.1f}", f"{a['cpu_us_per_env_step']:.1f}"]
+        cells += [
+            f"{o['cpu_us_per_env_step']:.1f}",
+            f"{theirs.get('client', 0.0):.1f}",
+            f"{theirs.get('envs', 0.0):.1f}",
+            f"{a['cpu_us_per_env_step']:.1f}",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -516,17 +562,34 @@ def cpu_table(rows: list) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, nargs="+", default=[64, 256, 1000], help="pool sizes (default 64 256 1000)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="timed steps per measurement (default: adapted so each boltzlabs loop takes ~--target s)")
-    parser.add_argument("--target", type=float, default=5.0,
-                        help="seconds a boltzlabs timed loop should take when --steps is not given (default 5)")
-    parser.add_argument("--rounds", type=int, default=10,
-                        help="chunks the timed steps are split into, the two sides taking turns (default 10)")
-    parser.add_argument("--spawn", choices=["template", "exec"], default=None,
-                        help="RLPool(spawn=...) (default: the library's default)")
-    parser.add_argument("--env", choices=sorted(SOURCES), default="counter",
-                        help="examples/counter (default), benchmarks/envs/numpy_env or benchmarks/envs/image_env "
-                             "(Atari-sized frames), each against its gymnasium twin")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per measurement (default: adapted so each boltzlabs loop takes ~--target s)",
+    )
+    parser.add_argument(
+        "--target",
+        type=float,
+        default=5.0,
+        help="seconds a boltzlabs timed loop should take when --steps is not given (default 5)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=10,
+        help="chunks the timed steps are split into, the two sides taking turns (default 10)",
+    )
+    parser.add_argument(
+        "--spawn", choices=["template", "exec"], default=None, help="RLPool(spawn=...) (default: the library's default)"
+    )
+    parser.add_argument(
+        "--env",
+        choices=sorted(SOURCES),
+        default="counter",
+        help="examples/counter (default), benchmarks/envs/numpy_env or benchmarks/envs/image_env "
+        "(Atari-sized frames), each against its gymnasium twin",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON output (default {RESULTS.relative_to(ROOT)})")
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.n) or (args.steps is not None and args.steps < 1) or args.rounds < 1:
@@ -534,21 +597,26 @@ def main(argv=None) -> int:
 
     load_before = os.getloadavg()
     if load_before[0] > 1.5:
-        log(f"warning: load average is {load_before[0]:.1f} before the run; other work on this machine "
-            "will slow both sides (compare the ratios and the CPU columns, not absolute rates)")
+        log(
+            f"warning: load average is {load_before[0]:.1f} before the run; other work on this machine "
+            "will slow both sides (compare the ratios and the CPU columns, not absolute rates)"
+        )
     run_started = time.perf_counter()
     rows = []
     for n in args.n:
         ours, theirs = bench(n, args.steps, args.target, args.spawn, args.rounds, args.env)  # same n, same steps
-        rows.append({
-            "n": n,
-            "boltzlabs": ours,
-            "async": theirs,
-            "speed_ratio": ours["env_steps_per_s"] / theirs["env_steps_per_s"],
-            "memory_ratio": ours["memory_per_env_mib"] / theirs["uss_per_env_mib"],
-            "uss_ratio": (ours["uss_per_env_mib"] / theirs["uss_per_env_mib"]
-                          if ours["uss_per_env_mib"] is not None else None),
-        })
+        rows.append(
+            {
+                "n": n,
+                "boltzlabs": ours,
+                "async": theirs,
+                "speed_ratio": ours["env_steps_per_s"] / theirs["env_steps_per_s"],
+                "memory_ratio": ours["memory_per_env_mib"] / theirs["uss_per_env_mib"],
+                "uss_ratio": (
+                    ours["uss_per_env_mib"] / theirs["uss_per_env_mib"] if ours["uss_per_env_mib"] is not None else None
+                ),
+            }
+        )
     total = time.perf_counter() - run_started
     load_after = os.getloadavg()
 
@@ -556,9 +624,11 @@ def main(argv=None) -> int:
     print()
     print(cpu_table(rows))
     print()
-    print(f"speed ours/async: env-steps/s ratio (higher is better for boltzlabs). mem ours/async: "
-          f"pool.memory().mean / AsyncVectorEnv worker USS (lower is better). Total run {total:.0f} s; "
-          f"1-min load average {load_before[0]:.2f} before, {load_after[0]:.2f} after.")
+    print(
+        f"speed ours/async: env-steps/s ratio (higher is better for boltzlabs). mem ours/async: "
+        f"pool.memory().mean / AsyncVectorEnv worker USS (lower is better). Total run {total:.0f} s; "
+        f"1-min load average {load_before[0]:.2f} before, {load_after[0]:.2f} after."
+    )
     if rows:
         spawn = rows[0]["boltzlabs"]["spawn"]
         print(f"boltzlabs spawn mode: {spawn or 'n/a'}; memory source: {rows[0]['boltzlabs']['memory_source']}.")
@@ -569,9 +639,15 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         **run_record(argv, total, load_before, load_after),
-        "settings": {"warmup_steps": WARMUP_STEPS, "target_s": args.target, "steps": args.steps,
-                     "rounds": args.rounds, "spawn": args.spawn, "env": args.env,
-                     "async": {"context": "fork", "shared_memory": True, "autoreset_mode": "SameStep"}},
+        "settings": {
+            "warmup_steps": WARMUP_STEPS,
+            "target_s": args.target,
+            "steps": args.steps,
+            "rounds": args.rounds,
+            "spawn": args.spawn,
+            "env": args.env,
+            "async": {"context": "fork", "shared_memory": True, "autoreset_mode": "SameStep"},
+        },
         "results": rows,
     }
     args.out.write_text(json.dumps(payload, indent=2) + "\n")

@@ -32,7 +32,9 @@ def main() -> None:
     parser.add_argument("--resets", type=int, default=5)
     parser.add_argument("--source", default=str(ROOT / "examples" / "counter"))
     parser.add_argument("--steps", type=int, default=100, help="steps of every env before memory.stepped")
-    parser.add_argument("--trust-env", action="store_true", help="RLPool(trust_env=True): env.py imported in the template")
+    parser.add_argument(
+        "--trust-env", action="store_true", help="RLPool(trust_env=True): env.py imported in the template"
+    )
     args = parser.parse_args()
     started = time.monotonic()
     pool = RLPool(args.source, args.n, spawn="template", **({"trust_env": True} if args.trust_env else {}))
@@ -55,10 +57,12 @@ def main() -> None:
     started = time.monotonic()
     pool.close()
     close = time.monotonic() - started
-    print(f"n={args.n} start={start:.2f}s hard={' '.join(f'{h:.2f}' for h in hard)}s "
-          f"close={close:.2f}s memory.mean={mean / 1024:.0f}KiB "
-          f"memory.stepped={stepped / 1024:.0f}KiB "
-          f"one-lane hard reset median={sorted(one)[len(one) // 2] * 1000:.1f}ms")
+    print(
+        f"n={args.n} start={start:.2f}s hard={' '.join(f'{h:.2f}' for h in hard)}s "
+        f"close={close:.2f}s memory.mean={mean / 1024:.0f}KiB "
+        f"memory.stepped={stepped / 1024:.0f}KiB "
+        f"one-lane hard reset median={sorted(one)[len(one) // 2] * 1000:.1f}ms"
+    )
 
 
 if __name__ == "__main__":

@@ -73,8 +73,11 @@ def main() -> None:
     kwargs: dict = {}
     cluster = None
     if nodes > 1:
-        print(f"the fd limit here ({room}, not raisable) holds ~{per_worker} envs per worker: "
-              f"splitting {n} envs over {nodes} local workers (a {nodes}-node Ray cluster)", flush=True)
+        print(
+            f"the fd limit here ({room}, not raisable) holds ~{per_worker} envs per worker: "
+            f"splitting {n} envs over {nodes} local workers (a {nodes}-node Ray cluster)",
+            flush=True,
+        )
         from bench_cluster import local_cluster  # imports ray: only when it is needed
 
         cluster = local_cluster(nodes)
@@ -119,9 +122,11 @@ def main() -> None:
             cluster.shutdown()
     time.sleep(2)
     sandboxes, groups = (len(now - then) for now, then in zip(_leftovers(), before))
-    print(f"n={n} workers={nodes} start={start:.1f}s env-steps/s={rate:,.0f} lane errors={errors} "
-          f"MiB/env={memory.mean / 2**20:.2f} envs/GiB={per_gb:.0f} (machine: {used:.2f} MiB/env) "
-          f"hard reset={hard:.1f}s close={close:.1f}s left after close: {sandboxes} sandboxes, {groups} cgroups")
+    print(
+        f"n={n} workers={nodes} start={start:.1f}s env-steps/s={rate:,.0f} lane errors={errors} "
+        f"MiB/env={memory.mean / 2**20:.2f} envs/GiB={per_gb:.0f} (machine: {used:.2f} MiB/env) "
+        f"hard reset={hard:.1f}s close={close:.1f}s left after close: {sandboxes} sandboxes, {groups} cgroups"
+    )
     if errors or sandboxes or groups:
         raise SystemExit(1)
 

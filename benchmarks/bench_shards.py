@@ -65,9 +65,12 @@ class Ours:
         # A generous start_timeout: on a loaded machine 64 MuJoCo envs can take over a minute to start.
         self.pool = RLPool(source, n, workers=k, progress=False, start_timeout=600)
         self.ready_s = time.perf_counter() - started
-        self.workers = ([shard._proc.pid for shard in self.pool._shards] if k > 1 else [self.pool._proc.pid])
-        self.actions = (np.ones(n, np.int64) if env == "counter"
-                        else np.random.default_rng(0).uniform(-1, 1, (n, 6)).astype(np.float32))
+        self.workers = [shard._proc.pid for shard in self.pool._shards] if k > 1 else [self.pool._proc.pid]
+        self.actions = (
+            np.ones(n, np.int64)
+            if env == "counter"
+            else np.random.default_rng(0).uniform(-1, 1, (n, 6)).astype(np.float32)
+        )
 
     def reset(self) -> None:
         self.pool.reset(seed=0)
@@ -95,8 +98,11 @@ class Async:
         fn = CounterEnv if env == "counter" else _cheetah
         self.envs = AsyncVectorEnv([fn] * n, context="fork", autoreset_mode=AutoresetMode.SAME_STEP)
         self.ready_s = time.perf_counter() - started
-        self.actions = (np.ones(n, np.int64) if env == "counter"
-                        else np.random.default_rng(0).uniform(-1, 1, (n, 6)).astype(np.float32))
+        self.actions = (
+            np.ones(n, np.int64)
+            if env == "counter"
+            else np.random.default_rng(0).uniform(-1, 1, (n, 6)).astype(np.float32)
+        )
 
     def reset(self) -> None:
         self.envs.reset(seed=0)
@@ -133,9 +139,16 @@ def bench(env: str, n: int, ks: list, rounds: int, steps: int, with_async: bool)
         for c in contenders:
             got = samples[c.label]
             env_steps = n * steps
-            row = {"env": env, "n": n, "who": c.label, "steps": steps, "rounds": rounds, "ready_s": c.ready_s,
-                   "env_steps_per_s": statistics.median(env_steps / wall for wall, _, _ in got),
-                   "client_us": statistics.median(cpu * 1e6 / env_steps for _, cpu, _ in got)}
+            row = {
+                "env": env,
+                "n": n,
+                "who": c.label,
+                "steps": steps,
+                "rounds": rounds,
+                "ready_s": c.ready_s,
+                "env_steps_per_s": statistics.median(env_steps / wall for wall, _, _ in got),
+                "client_us": statistics.median(cpu * 1e6 / env_steps for _, cpu, _ in got),
+            }
             if got[0][2] is not None:
                 row["worker_us"] = statistics.median(sum(w) / 1e3 / env_steps for _, _, w in got)
                 row["busiest_worker_us"] = statistics.median(max(w) / 1e3 / env_steps for _, _, w in got)
@@ -154,8 +167,9 @@ def main() -> None:
     parser.add_argument("--workers", nargs="+", type=int, default=[1, 2, 4])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--env-steps", type=int, default=40_000, help="env-steps per chunk (S = this / n)")
-    parser.add_argument("--async-max", type=int, default=1000,
-                        help="largest n AsyncVectorEnv runs at (HalfCheetah: a quarter of it)")
+    parser.add_argument(
+        "--async-max", type=int, default=1000, help="largest n AsyncVectorEnv runs at (HalfCheetah: a quarter of it)"
+    )
     parser.add_argument("--no-async", action="store_true")
     args = parser.parse_args()
     rows = []
@@ -168,18 +182,30 @@ def main() -> None:
             log(json.dumps([row for row in rows if row["env"] == env and row["n"] == n]))
     results = Path(str(RESULTS).format(env="-".join(args.env)))
     results.parent.mkdir(parents=True, exist_ok=True)
-    results.write_text(json.dumps({"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                   "cores": len(os.sched_getaffinity(0)), "load": os.getloadavg(),
-                                   "rows": rows}, indent=1))
+    results.write_text(
+        json.dumps(
+            {
+                "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                "cores": len(os.sched_getaffinity(0)),
+                "load": os.getloadavg(),
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"cores {len(os.sched_getaffinity(0))}, load {os.getloadavg()[0]:.1f}, medians of {args.rounds} rounds\n")
-    print("| env | n | who | env-steps/s | vs workers=1 | client us/env-step | workers us/env-step (busiest) | ready s |")
+    print(
+        "| env | n | who | env-steps/s | vs workers=1 | client us/env-step | workers us/env-step (busiest) | ready s |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         base = next(r for r in rows if r["env"] == row["env"] and r["n"] == row["n"] and r["who"] == "workers=1")
-        worker = (f"{row['worker_us']:.2f} ({row['busiest_worker_us']:.2f})" if "worker_us" in row else "-")
-        print(f"| {row['env']} | {row['n']} | {row['who']} | {row['env_steps_per_s']:,.0f} | "
-              f"{row['env_steps_per_s'] / base['env_steps_per_s']:.2f}x | {row['client_us']:.2f} | {worker} | "
-              f"{row['ready_s']:.1f} |")
+        worker = f"{row['worker_us']:.2f} ({row['busiest_worker_us']:.2f})" if "worker_us" in row else "-"
+        print(
+            f"| {row['env']} | {row['n']} | {row['who']} | {row['env_steps_per_s']:,.0f} | "
+            f"{row['env_steps_per_s'] / base['env_steps_per_s']:.2f}x | {row['client_us']:.2f} | {worker} | "
+            f"{row['ready_s']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

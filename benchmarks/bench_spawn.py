@@ -149,8 +149,7 @@ def settle() -> None:
 def wait_for_quiet(max_load: float, max_wait_s: float) -> None:
     waited = 0.0
     while os.getloadavg()[0] > max_load and waited < max_wait_s:
-        log(f"1-min load average {os.getloadavg()[0]:.1f} > {max_load}; waiting 30 s "
-            f"({waited:.0f}/{max_wait_s:.0f} s)")
+        log(f"1-min load average {os.getloadavg()[0]:.1f} > {max_load}; waiting 30 s ({waited:.0f}/{max_wait_s:.0f} s)")
         time.sleep(30)
         waited += 30
     if os.getloadavg()[0] > max_load:
@@ -158,8 +157,11 @@ def wait_for_quiet(max_load: float, max_wait_s: float) -> None:
 
 
 def error_record(exc: BaseException, stage: str) -> dict:
-    return {"error": f"{type(exc).__name__}: {exc}", "stage": stage,
-            "traceback": "".join(traceback.format_exception(exc))}
+    return {
+        "error": f"{type(exc).__name__}: {exc}",
+        "stage": stage,
+        "traceback": "".join(traceback.format_exception(exc)),
+    }
 
 
 # -- boltzlabs -------------------------------------------------------------------------------
@@ -202,18 +204,28 @@ def bench_pool(source: Path, n: int, spawn: str, steps: int, uss_sample: int, ha
         actions = [1] * n
         timed_steps(pool, actions, WARMUP_STEPS)
         seconds, worker, roundtrip, failed = timed_steps(pool, actions, steps)
-        result.update(steps=steps, step_s=seconds, env_steps_per_s=n * steps / seconds,
-                      worker_ms_mean=float(np.mean(worker)), roundtrip_ms_mean=float(np.mean(roundtrip)),
-                      step_failures=failed)
+        result.update(
+            steps=steps,
+            step_s=seconds,
+            env_steps_per_s=n * steps / seconds,
+            worker_ms_mean=float(np.mean(worker)),
+            roundtrip_ms_mean=float(np.mean(roundtrip)),
+            step_failures=failed,
+        )
         log(f"[{source.name} {spawn} n={n}] {result['env_steps_per_s']:,.0f} env-steps/s")
         stage = "memory"
         report = pool.memory()
-        result.update(mem_per_env_mib=report.mean / MIB, mem_shared_mib=report.shared / MIB,
-                      mem_total_gib=report.total / GIB, envs_per_gib=pool.envs_per_gb(),
-                      mem_source=report.source, mem_note=report.note,
-                      sys_per_env_mib=(used_bytes() - used_before) / n / MIB,
-                      uss_per_env_mib=sampled_uss(pool.pids(), uss_sample) / MIB,
-                      uss_sampled=min(n, uss_sample))
+        result.update(
+            mem_per_env_mib=report.mean / MIB,
+            mem_shared_mib=report.shared / MIB,
+            mem_total_gib=report.total / GIB,
+            envs_per_gib=pool.envs_per_gb(),
+            mem_source=report.source,
+            mem_note=report.note,
+            sys_per_env_mib=(used_bytes() - used_before) / n / MIB,
+            uss_per_env_mib=sampled_uss(pool.pids(), uss_sample) / MIB,
+            uss_sampled=min(n, uss_sample),
+        )
         if hard_reset:
             stage = "hard reset"
             log(f"[{source.name} {spawn} n={n}] hard reset")
@@ -269,10 +281,14 @@ def bench_async(n: int, steps: int, uss_sample: int) -> dict:
         log(f"[async n={n}] {result['env_steps_per_s']:,.0f} env-steps/s")
         stage = "memory"
         uss = sampled_uss([p.pid for p in envs.processes], uss_sample)
-        result.update(uss_per_env_mib=uss / MIB, uss_sampled=min(n, uss_sample),
-                      mem_per_env_mib=uss / MIB, envs_per_gib=GIB / uss,
-                      sys_per_env_mib=(used_bytes() - used_before) / n / MIB,
-                      mem_source="USS (psutil memory_full_info().uss) per worker process")
+        result.update(
+            uss_per_env_mib=uss / MIB,
+            uss_sampled=min(n, uss_sample),
+            mem_per_env_mib=uss / MIB,
+            envs_per_gib=GIB / uss,
+            sys_per_env_mib=(used_bytes() - used_before) / n / MIB,
+            mem_source="USS (psutil memory_full_info().uss) per worker process",
+        )
         result["hard_reset_s"] = None  # AsyncVectorEnv has no hard reset
         stage = "close"
         started = time.perf_counter()
@@ -327,8 +343,20 @@ def fmt(value, spec: str, missing: str = "-") -> str:
 
 
 def table(rows: list) -> str:
-    head = ["mode", "n", "start (s)", "hard reset (s)", "env-steps/s", "worker ms", "roundtrip ms",
-            "MiB/env", "USS MiB/env", "envs/GiB", "sys MiB/env", "close (s)"]
+    head = [
+        "mode",
+        "n",
+        "start (s)",
+        "hard reset (s)",
+        "env-steps/s",
+        "worker ms",
+        "roundtrip ms",
+        "MiB/env",
+        "USS MiB/env",
+        "envs/GiB",
+        "sys MiB/env",
+        "close (s)",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if "skipped" in r:
@@ -338,7 +366,9 @@ def table(rows: list) -> str:
         else:
             boltz = r["mode"] != "async"
             cells = [
-                r["mode"] if r.get("spawn_in_use", r["mode"]) == r["mode"] else f"{r['mode']} (fell back to {r['spawn_in_use']})",
+                r["mode"]
+                if r.get("spawn_in_use", r["mode"]) == r["mode"]
+                else f"{r['mode']} (fell back to {r['spawn_in_use']})",
                 str(r["n"]),
                 fmt(r.get("start_s"), ".2f"),
                 fmt(r.get("hard_reset_s"), ".2f", "n/a" if not boltz else "-"),
@@ -360,32 +390,49 @@ def counter_line(c: dict) -> str:
         return f"counter (template), n={c['n']}: {c['skipped']}"
     if "error" in c:
         return f"counter (template), n={c['n']}: FAILED at {c['stage']}: {c['error']}"
-    return (f"counter (template), n={c['n']:,}: start {c['start_s']:.2f} s, "
-            f"{c['env_steps_per_s']:,.0f} env-steps/s over {c['steps']} steps "
-            f"(worker {c['worker_ms_mean']:.1f} ms, roundtrip {c['roundtrip_ms_mean']:.1f} ms per step), "
-            f"hard reset {c['hard_reset_s']:.2f} s ({c['hard_reset_failures']} lane(s) failed), "
-            f"{c['envs_per_gib']:,.0f} envs/GiB ({c['mem_per_env_mib']:.2f} MiB/env), close {c['close_s']:.2f} s")
+    return (
+        f"counter (template), n={c['n']:,}: start {c['start_s']:.2f} s, "
+        f"{c['env_steps_per_s']:,.0f} env-steps/s over {c['steps']} steps "
+        f"(worker {c['worker_ms_mean']:.1f} ms, roundtrip {c['roundtrip_ms_mean']:.1f} ms per step), "
+        f"hard reset {c['hard_reset_s']:.2f} s ({c['hard_reset_failures']} lane(s) failed), "
+        f"{c['envs_per_gib']:,.0f} envs/GiB ({c['mem_per_env_mib']:.2f} MiB/env), close {c['close_s']:.2f} s"
+    )
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--n", type=int, nargs="+", default=[100, 1000, 10000],
-                        help="pool sizes (default 100 1000 10000)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
-                        help="what to measure (default: template exec async)")
+    parser.add_argument(
+        "--n", type=int, nargs="+", default=[100, 1000, 10000], help="pool sizes (default 100 1000 10000)"
+    )
+    parser.add_argument(
+        "--modes", nargs="+", choices=MODES, default=list(MODES), help="what to measure (default: template exec async)"
+    )
     parser.add_argument("--steps", type=int, default=30, help="timed batched steps per measurement (default 30)")
-    parser.add_argument("--counter-n", type=int, default=10000,
-                        help="size of the examples/counter template pool line (default 10000; 0 skips it)")
-    parser.add_argument("--mem-budget-gib", type=float, default=None,
-                        help="skip a combination projected to need more (default: 80%% of available memory)")
+    parser.add_argument(
+        "--counter-n",
+        type=int,
+        default=10000,
+        help="size of the examples/counter template pool line (default 10000; 0 skips it)",
+    )
+    parser.add_argument(
+        "--mem-budget-gib",
+        type=float,
+        default=None,
+        help="skip a combination projected to need more (default: 80%% of available memory)",
+    )
     parser.add_argument("--uss-sample", type=int, default=200, help="envs whose USS is read (default 200)")
-    parser.add_argument("--max-load", type=float, default=3.0,
-                        help="wait (up to --max-wait s) until the 1-min load average is below this")
+    parser.add_argument(
+        "--max-load",
+        type=float,
+        default=3.0,
+        help="wait (up to --max-wait s) until the 1-min load average is below this",
+    )
     parser.add_argument("--max-wait", type=float, default=300.0, help="seconds to wait for a quiet machine")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON output (default {RESULTS.relative_to(ROOT)})")
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.n) or args.steps < 1 or args.counter_n < 0:
         parser.error("--n and --steps must be positive, --counter-n at least 0")
+
     def budget() -> float:  # what is available now: other jobs may share the machine
         return args.mem_budget_gib or 0.8 * psutil.virtual_memory().available / GIB
 
@@ -428,23 +475,33 @@ def main(argv=None) -> int:
         print(counter_line(counter))
         print()
     sources = sorted({r["mem_source"] for r in rows + ([counter] if counter else []) if r.get("mem_source")})
-    print("MiB/env: boltzlabs rows are pool.memory().mean (kernel accounting, the shared template included); "
-          "async rows are mean worker USS - different accounting methods, not like-for-like. "
-          "USS MiB/env is the like-for-like column (sampled); sys MiB/env is the drop in available memory "
-          "(noisy on a shared machine).")
+    print(
+        "MiB/env: boltzlabs rows are pool.memory().mean (kernel accounting, the shared template included); "
+        "async rows are mean worker USS - different accounting methods, not like-for-like. "
+        "USS MiB/env is the like-for-like column (sampled); sys MiB/env is the drop in available memory "
+        "(noisy on a shared machine)."
+    )
     for source in sources:
         print(f"memory source: {source}")
-    print(f"memory budget for skipping: {budget():.1f} GiB now (--mem-budget-gib, else 80% of available "
-          f"memory, checked before each run). Total run {total:.0f} s; 1-min load average "
-          f"{load_before[0]:.2f} before, {load_after[0]:.2f} after; {os.cpu_count()} CPUs, "
-          f"{psutil.virtual_memory().total / GIB:.0f} GiB.")
+    print(
+        f"memory budget for skipping: {budget():.1f} GiB now (--mem-budget-gib, else 80% of available "
+        f"memory, checked before each run). Total run {total:.0f} s; 1-min load average "
+        f"{load_before[0]:.2f} before, {load_after[0]:.2f} after; {os.cpu_count()} CPUs, "
+        f"{psutil.virtual_memory().total / GIB:.0f} GiB."
+    )
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         **run_record(argv, total, load_before, load_after),
-        "settings": {"steps": args.steps, "warmup_steps": WARMUP_STEPS, "modes": args.modes, "n": args.n,
-                     "mem_budget_gib": args.mem_budget_gib, "uss_sample": args.uss_sample,
-                     "async": {"context": "fork", "shared_memory": True}},
+        "settings": {
+            "steps": args.steps,
+            "warmup_steps": WARMUP_STEPS,
+            "modes": args.modes,
+            "n": args.n,
+            "mem_budget_gib": args.mem_budget_gib,
+            "uss_sample": args.uss_sample,
+            "async": {"context": "fork", "shared_memory": True},
+        },
         "results": rows,
         "counter": counter,
         "counter_probe": probe,

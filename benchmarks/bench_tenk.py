@@ -87,11 +87,15 @@ def leftovers(ours=()) -> dict:
     workers = {f"boltzlabs-{p.pid}-" for p in ours}
     groups = set()
     for top, dirs, _ in os.walk("/sys/fs/cgroup"):
-        groups.update(os.path.join(top, d) for d in dirs
-                      if d.startswith("boltzlabs-") and d[:d.rindex("-") + 1] in workers)
-    return {"processes": alive, "cgroups": groups,
-            "mounts": set(Path("/proc/self/mountinfo").read_text().splitlines()),
-            "fds": set(os.listdir("/proc/self/fd"))}
+        groups.update(
+            os.path.join(top, d) for d in dirs if d.startswith("boltzlabs-") and d[: d.rindex("-") + 1] in workers
+        )
+    return {
+        "processes": alive,
+        "cgroups": groups,
+        "mounts": set(Path("/proc/self/mountinfo").read_text().splitlines()),
+        "fds": set(os.listdir("/proc/self/fd")),
+    }
 
 
 def superblocks(pools) -> tuple[int, dict]:
@@ -167,20 +171,29 @@ def run(n: int, args) -> None:
     left = {k: len(after[k] - before[k]) for k in before}
     kernel = sum(mem1[k] - mem0[k] for k in KERNEL) / n
     machine = (mem0["MemAvailable"] - mem1["MemAvailable"]) / n
-    mib = 2 ** 20
-    print(f"n={n} pools={len(pools)}{' sharded' if args.sharded else ''} memory_limit={args.memory_limit or 'none'} ready={ready:.1f}s "
-          f"env-steps/s={rate:,.0f} hard-reset={f'{hard:.1f}s' if args.hard_reset else 'skipped'} close={close:.1f}s lane-errors={errors}")
-    print(f"  MiB/env: cgroup {cgroup / mib:.3f}  kernel {kernel / mib:.3f} "
-          f"(SUnreclaim {(mem1['SUnreclaim'] - mem0['SUnreclaim']) / n / mib:.3f}, "
-          f"SReclaimable {(mem1['SReclaimable'] - mem0['SReclaimable']) / n / mib:.3f}, "
-          + ", ".join(f"{k} {(mem1[k] - mem0[k]) / n / mib:.3f}" for k in KERNEL[1:])
-          + f")  machine {machine / mib:.3f}")
+    mib = 2**20
+    print(
+        f"n={n} pools={len(pools)}{' sharded' if args.sharded else ''} memory_limit={args.memory_limit or 'none'} ready={ready:.1f}s "
+        f"env-steps/s={rate:,.0f} hard-reset={f'{hard:.1f}s' if args.hard_reset else 'skipped'} close={close:.1f}s lane-errors={errors}"
+    )
+    print(
+        f"  MiB/env: cgroup {cgroup / mib:.3f}  kernel {kernel / mib:.3f} "
+        f"(SUnreclaim {(mem1['SUnreclaim'] - mem0['SUnreclaim']) / n / mib:.3f}, "
+        f"SReclaimable {(mem1['SReclaimable'] - mem0['SReclaimable']) / n / mib:.3f}, "
+        + ", ".join(f"{k} {(mem1[k] - mem0[k]) / n / mib:.3f}" for k in KERNEL[1:])
+        + f")  machine {machine / mib:.3f}"
+    )
     grown = sorted(((slab1.get(k, 0) - slab0.get(k, 0), k) for k in slab1), reverse=True)[:8]
     print("  slab growth, KiB/env: " + ", ".join(f"{k} {d / n / 1024:.1f}" for d, k in grown))
-    print(f"  memory cgroups +{cg1 - cg0}, superblocks in the envs' mount tables {sbs} "
-          f"({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})")
-    print(f"  left after close: {left['processes']} processes, {left['cgroups']} cgroups, "
-          f"{left['mounts']} mounts, {left['fds']} fds", flush=True)
+    print(
+        f"  memory cgroups +{cg1 - cg0}, superblocks in the envs' mount tables {sbs} "
+        f"({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))})"
+    )
+    print(
+        f"  left after close: {left['processes']} processes, {left['cgroups']} cgroups, "
+        f"{left['mounts']} mounts, {left['fds']} fds",
+        flush=True,
+    )
     if errors or any(left.values()):
         raise SystemExit(1)
 
@@ -191,10 +204,15 @@ def main() -> None:
     parser.add_argument("--per-pool", type=int, default=5000)
     parser.add_argument("--source", default=str(ROOT / "examples" / "counter"))
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--sharded", action="store_true",
-                        help="one pool, RLPool(..., workers=ceil(n / per-pool)), not several pools")
-    parser.add_argument("--no-hard-reset", dest="hard_reset", action="store_false",
-                        help="skip the hard reset of every env (memory figures only)")
+    parser.add_argument(
+        "--sharded", action="store_true", help="one pool, RLPool(..., workers=ceil(n / per-pool)), not several pools"
+    )
+    parser.add_argument(
+        "--no-hard-reset",
+        dest="hard_reset",
+        action="store_false",
+        help="skip the hard reset of every env (memory figures only)",
+    )
     parser.add_argument("--memory-limit", default=None, help='a per-env memory limit ("256M"): per-env memory cgroups')
     args = parser.parse_args()
     for n in args.n:

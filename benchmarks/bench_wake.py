@@ -63,8 +63,15 @@ HERE = Path(__file__).resolve().parent
 SOURCE = HERE / "wake_bench.c"
 MODES = ["pipe", "futex", "bcast", "pipe+bcast", "uring", "shm", "shm+wake"]
 SCHEDS = ["other", "batch"]
-FIGURES = ["parent_user_us", "parent_sys_us", "parent_us", "parent_wake_us", "child_us", "child_rounds_per_s",
-           "waits_per_round"]
+FIGURES = [
+    "parent_user_us",
+    "parent_sys_us",
+    "parent_us",
+    "parent_wake_us",
+    "child_us",
+    "child_rounds_per_s",
+    "waits_per_round",
+]
 UNAVAILABLE = 3  # wake_bench's exit status for a mode this machine refuses (io_uring)
 
 
@@ -78,12 +85,15 @@ def build(cc: str, directory: Path, name: str = "wake_bench", nap_divisor: float
     the build fails."""
     compiler = shutil.which(cc)
     if compiler is None:
-        sys.exit(f"bench_wake: no C compiler ({cc!r} is not on PATH): install one "
-                 "(`apt-get install gcc`, or `bash ci/setup.sh`) or name it with --cc / $CC")
+        sys.exit(
+            f"bench_wake: no C compiler ({cc!r} is not on PATH): install one "
+            "(`apt-get install gcc`, or `bash ci/setup.sh`) or name it with --cc / $CC"
+        )
     binary = directory / name
     divisor = [] if nap_divisor is None else [f"-DNAP_DIVISOR={float(nap_divisor)!r}"]
-    done = subprocess.run([compiler, "-O2", "-Wall", *divisor, "-o", str(binary), str(SOURCE)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [compiler, "-O2", "-Wall", *divisor, "-o", str(binary), str(SOURCE)], capture_output=True, text=True
+    )
     if done.returncode != 0:
         sys.exit(f"bench_wake: {cc} could not build {SOURCE}:\n{done.stderr}")
     return binary
@@ -92,14 +102,17 @@ def build(cc: str, directory: Path, name: str = "wake_bench", nap_divisor: float
 def run(binary: Path, mode: str, sched: str, n: int, rounds: int, timeout: float) -> dict | None:
     """One run's figures, or None when the mode cannot run on this machine.
     Raises RunFailed on an error or a hang (the run is killed, children and all)."""
-    proc = subprocess.Popen([str(binary), mode, sched, str(n), str(rounds)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [str(binary), mode, sched, str(n), str(rounds)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         err = _stop(proc)
-        raise RunFailed(f"{mode}/{sched} n={n} rounds={rounds} did not finish in {timeout:.0f} s "
-                        f"and was killed; its stderr: {err.strip() or '(none)'}") from None
+        raise RunFailed(
+            f"{mode}/{sched} n={n} rounds={rounds} did not finish in {timeout:.0f} s "
+            f"and was killed; its stderr: {err.strip() or '(none)'}"
+        ) from None
     except BaseException:  # Ctrl-C in this script: the run goes too
         _stop(proc)
         raise
@@ -156,17 +169,21 @@ def cell(figure: dict, digits: int = 2) -> str:
 def table(n: int, summary: dict) -> str:
     """The markdown table of one n: one row per configuration."""
     base = "/".join(next(iter(summary)))
-    lines = [f"n = {n}: CPU microseconds per child-round, median (min-max) over the repeats; "
-             f"'parent / {base}' is the parent total over {base}'s in the same repeat",
-             "",
-             f"| mode | children | parent user | parent sys | parent total | parent / {base} | parent waking "
-             "| children total | child-rounds/s | waits/round |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"n = {n}: CPU microseconds per child-round, median (min-max) over the repeats; "
+        f"'parent / {base}' is the parent total over {base}'s in the same repeat",
+        "",
+        f"| mode | children | parent user | parent sys | parent total | parent / {base} | parent waking "
+        "| children total | child-rounds/s | waits/round |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for (mode, sched), figures in summary.items():
-        lines.append(f"| {mode} | {sched} | {cell(figures['parent_user_us'])} | {cell(figures['parent_sys_us'])} | "
-                     f"**{cell(figures['parent_us'])}** | {cell(figures['parent_vs_base'])} | "
-                     f"{cell(figures['parent_wake_us'])} | {cell(figures['child_us'])} | "
-                     f"{cell(figures['child_rounds_per_s'], 0)} | {cell(figures['waits_per_round'])} |")
+        lines.append(
+            f"| {mode} | {sched} | {cell(figures['parent_user_us'])} | {cell(figures['parent_sys_us'])} | "
+            f"**{cell(figures['parent_us'])}** | {cell(figures['parent_vs_base'])} | "
+            f"{cell(figures['parent_wake_us'])} | {cell(figures['child_us'])} | "
+            f"{cell(figures['child_rounds_per_s'], 0)} | {cell(figures['waits_per_round'])} |"
+        )
     return "\n".join(lines)
 
 
@@ -185,8 +202,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=2.0, help="target length of one run (default 2)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per configuration, interleaved (default 3)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a run is called hung (default 60)")
-    parser.add_argument("--nap-divisor", type=float, default=8.0,
-                        help="the fan-in nap's divisor, built into the program (default 8, as native/fastpath.c)")
+    parser.add_argument(
+        "--nap-divisor",
+        type=float,
+        default=8.0,
+        help="the fan-in nap's divisor, built into the program (default 8, as native/fastpath.c)",
+    )
     parser.add_argument("--cc", default=os.environ.get("CC", "cc"), help="C compiler (default $CC or cc)")
     parser.add_argument("--json", type=Path, default=HERE / "results" / "wake.json")
     args = parser.parse_args()
@@ -196,8 +217,7 @@ def main() -> None:
         parser.error("--nap-divisor must be between 1 and 1000")
 
     load_before = os.getloadavg()
-    print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)} ({os.cpu_count()} cpus)",
-          file=sys.stderr)
+    print(f"load average before: {' '.join(f'{x:.2f}' for x in load_before)} ({os.cpu_count()} cpus)", file=sys.stderr)
     notes = []
     with tempfile.TemporaryDirectory(prefix="bench_wake_") as directory:
         binary = build(args.cc, Path(directory), nap_divisor=args.nap_divisor)
@@ -212,21 +232,30 @@ def main() -> None:
         summary, raw = {}, {}
         try:
             for n in args.n:
-                rounds = {config: args.rounds or calibrate(binary, config, n, args.seconds, args.timeout)
-                          for config in configs}
+                rounds = {
+                    config: args.rounds or calibrate(binary, config, n, args.seconds, args.timeout)
+                    for config in configs
+                }
                 raw[n] = {config: [] for config in configs}
                 for repeat in range(args.repeat):
                     for config in configs:  # interleaved: ABCABC
                         figures = run(binary, *config, n, rounds[config], args.timeout)
                         raw[n][config].append(figures)
-                        print(f"n={n} {config[0]}/{config[1]} #{repeat + 1}: parent {figures['parent_us']:.2f} us, "
-                              f"{figures['child_rounds_per_s']:,.0f} child-rounds/s", file=sys.stderr, flush=True)
-                summary[n] = {config: {figure: spread([r[figure] for r in raw[n][config]]) for figure in FIGURES}
-                              for config in configs}
+                        print(
+                            f"n={n} {config[0]}/{config[1]} #{repeat + 1}: parent {figures['parent_us']:.2f} us, "
+                            f"{figures['child_rounds_per_s']:,.0f} child-rounds/s",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                summary[n] = {
+                    config: {figure: spread([r[figure] for r in raw[n][config]]) for figure in FIGURES}
+                    for config in configs
+                }
                 base = configs[0]
                 for config in configs:  # paired: each run against the baseline's run of the same repeat
                     summary[n][config]["parent_vs_base"] = spread(
-                        [mine["parent_us"] / theirs["parent_us"] for mine, theirs in zip(raw[n][config], raw[n][base])])
+                        [mine["parent_us"] / theirs["parent_us"] for mine, theirs in zip(raw[n][config], raw[n][base])]
+                    )
         except RunFailed as error:
             sys.exit(f"bench_wake: {error}")
     load_after = os.getloadavg()
@@ -234,8 +263,10 @@ def main() -> None:
     for n in args.n:
         print(table(n, summary[n]))
         print()
-    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min); "
-          f"{os.cpu_count()} cpus; {args.repeat} repeat(s); nap divisor {args.nap_divisor:g}")
+    print(
+        f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f} (1 min); "
+        f"{os.cpu_count()} cpus; {args.repeat} repeat(s); nap divisor {args.nap_divisor:g}"
+    )
     for note in notes:
         print(note)
 
@@ -244,11 +275,17 @@ def main() -> None:
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "commit": git_commit(),
         "machine": {"cpus": os.cpu_count(), "kernel": platform.release(), "python": platform.python_version()},
-        "load_before": load_before, "load_after": load_after,
-        "repeat": args.repeat, "seconds": args.seconds, "nap_divisor": args.nap_divisor, "notes": notes,
-        "results": [{"n": n, "mode": mode, "sched": sched, **summary[n][(mode, sched)],
-                     "runs": raw[n][(mode, sched)]}
-                    for n in args.n for (mode, sched) in configs],
+        "load_before": load_before,
+        "load_after": load_after,
+        "repeat": args.repeat,
+        "seconds": args.seconds,
+        "nap_divisor": args.nap_divisor,
+        "notes": notes,
+        "results": [
+            {"n": n, "mode": mode, "sched": sched, **summary[n][(mode, sched)], "runs": raw[n][(mode, sched)]}
+            for n in args.n
+            for (mode, sched) in configs
+        ],
     }
     args.json.write_text(json.dumps(record, indent=1))
     print(f"figures: {args.json}", file=sys.stderr)

@@ -96,8 +96,18 @@ import psutil
 from gymnasium.vector import AsyncVectorEnv
 
 from bench_pool import CounterEnv, run_record  # benchmarks/ is sys.path[0] when run as a script
-from bench_spawn import (NumpyEnv, error_record, fmt, log, reset_failures, sampled_uss, settle, timed_steps,
-                         used_bytes, wait_for_quiet)
+from bench_spawn import (
+    NumpyEnv,
+    error_record,
+    fmt,
+    log,
+    reset_failures,
+    sampled_uss,
+    settle,
+    timed_steps,
+    used_bytes,
+    wait_for_quiet,
+)
 from boltzlabs import RLPool
 
 RESULTS = ROOT / "benchmarks" / "results" / "warm.json"
@@ -199,8 +209,13 @@ class LazyHeavyEnv(_Twin):
         return x[:4].copy(), float(-np.dot(d, d)), self.t >= HORIZON, False, {}
 
 
-TWINS = {"counter": CounterEnv, "numpy_env": NumpyEnv, "lazy_rng": LazyRngEnv,
-         "lazy_linalg": LazyLinalgEnv, "lazy_heavy": LazyHeavyEnv}
+TWINS = {
+    "counter": CounterEnv,
+    "numpy_env": NumpyEnv,
+    "lazy_rng": LazyRngEnv,
+    "lazy_linalg": LazyLinalgEnv,
+    "lazy_heavy": LazyHeavyEnv,
+}
 
 
 # -- what the installed boltzlabs can do -------------------------------------------------------
@@ -249,8 +264,9 @@ def first_error(pool, infos) -> str | None:
     return None
 
 
-def bench_pool(env: str, mode: str, n: int, steps: int, uss_sample: int, warm: bool, step_timeout: float,
-               full: bool = True) -> dict:
+def bench_pool(
+    env: str, mode: str, n: int, steps: int, uss_sample: int, warm: bool, step_timeout: float, full: bool = True
+) -> dict:
     result: dict = {"env": env, "mode": mode, "n": n}
     source = ENV_DIRS[env]
     settle()
@@ -279,12 +295,15 @@ def bench_pool(env: str, mode: str, n: int, steps: int, uss_sample: int, warm: b
         result.update(steps=steps, env_steps_per_s=n * steps / seconds, step_failures=failed)
         stage = "memory"
         memory = pool.memory()
-        result.update(mem_per_env_mib=memory.mean / MIB, mem_shared_mib=memory.shared / MIB,
-                      envs_per_gib=pool.envs_per_gb(), mem_source=memory.source,
-                      sys_per_env_mib=(used_bytes() - used_before) / n / MIB)
+        result.update(
+            mem_per_env_mib=memory.mean / MIB,
+            mem_shared_mib=memory.shared / MIB,
+            envs_per_gib=pool.envs_per_gb(),
+            mem_source=memory.source,
+            sys_per_env_mib=(used_bytes() - used_before) / n / MIB,
+        )
         if full:
-            result.update(uss_per_env_mib=sampled_uss(pool.pids(), uss_sample) / MIB,
-                          uss_sampled=min(n, uss_sample))
+            result.update(uss_per_env_mib=sampled_uss(pool.pids(), uss_sample) / MIB, uss_sampled=min(n, uss_sample))
             stage = "hard reset"
             log(f"{label} {result['mem_per_env_mib']:.2f} MiB/env; hard reset")
             started = time.perf_counter()
@@ -330,10 +349,16 @@ def bench_async(env: str, n: int, steps: int, uss_sample: int, full: bool = True
         result.update(steps=steps, env_steps_per_s=n * steps / seconds)
         stage = "memory"
         uss = sampled_uss([p.pid for p in envs.processes], uss_sample)
-        result.update(uss_per_env_mib=uss / MIB, uss_sampled=min(n, uss_sample), mem_per_env_mib=uss / MIB,
-                      mem_shared_mib=0.0, envs_per_gib=GIB / uss,
-                      sys_per_env_mib=(used_bytes() - used_before) / n / MIB,
-                      mem_source="USS (psutil memory_full_info().uss) per worker process", hard_reset_s=None)
+        result.update(
+            uss_per_env_mib=uss / MIB,
+            uss_sampled=min(n, uss_sample),
+            mem_per_env_mib=uss / MIB,
+            mem_shared_mib=0.0,
+            envs_per_gib=GIB / uss,
+            sys_per_env_mib=(used_bytes() - used_before) / n / MIB,
+            mem_source="USS (psutil memory_full_info().uss) per worker process",
+            hard_reset_s=None,
+        )
         log(f"{label} {result['uss_per_env_mib']:.2f} MiB/env (USS)")
         stage = "close"
         envs.close()
@@ -375,28 +400,55 @@ def mode_label(r: dict, warm: bool) -> str:
 
 
 def table(rows: list, warm: bool) -> str:
-    head = ["env", "mode", "n", "start (s)", "probe (s)", "reset (s)", "hard reset (s)", "MiB/env", "USS MiB/env", "envs/GiB",
-            "env-steps/s", "modules", "note"]
+    head = [
+        "env",
+        "mode",
+        "n",
+        "start (s)",
+        "probe (s)",
+        "reset (s)",
+        "hard reset (s)",
+        "MiB/env",
+        "USS MiB/env",
+        "envs/GiB",
+        "env-steps/s",
+        "modules",
+        "note",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         note = r.get("note", "")
         if "skipped" in r:
             cells = [r["env"], r["mode"], str(r["n"])] + [""] * (len(head) - 4) + [r["skipped"]]
         elif "error" in r:
-            cells = [r["env"], r["mode"], str(r["n"])] + [""] * (len(head) - 4) + \
-                    [f"FAILED at {r['stage']}: {r['error'][:160]}"]
+            cells = (
+                [r["env"], r["mode"], str(r["n"])]
+                + [""] * (len(head) - 4)
+                + [f"FAILED at {r['stage']}: {r['error'][:160]}"]
+            )
         else:
             report = r.get("warmup") or {}
             boltz = r["mode"] != "async"
             if report.get("error"):
                 note = (note + "; " if note else "") + f"probe failed: {str(report['error'])[:80]}"
-            failed = {what: r.get(key) for what, key in (("reset", "reset_failures"), ("step", "step_failures"),
-                                                           ("hard reset", "hard_reset_failures"))}
+            failed = {
+                what: r.get(key)
+                for what, key in (
+                    ("reset", "reset_failures"),
+                    ("step", "step_failures"),
+                    ("hard reset", "hard_reset_failures"),
+                )
+            }
             if any(failed.values()):
-                note = (note + "; " if note else "") + "FAILED lanes: " + ", ".join(
-                    f"{count} at {what}" for what, count in failed.items() if count)
+                note = (
+                    (note + "; " if note else "")
+                    + "FAILED lanes: "
+                    + ", ".join(f"{count} at {what}" for what, count in failed.items() if count)
+                )
             cells = [
-                r["env"], mode_label(r, warm), str(r["n"]),
+                r["env"],
+                mode_label(r, warm),
+                str(r["n"]),
                 fmt(r.get("start_s"), ".2f"),
                 fmt(report.get("seconds"), ".2f"),
                 fmt(r.get("reset_s"), ".2f"),
@@ -415,22 +467,48 @@ def table(rows: list, warm: bool) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=1000, help="envs per pool (default 1000)")
-    parser.add_argument("--exec-n", type=int, default=200,
-                        help="cap on n in exec mode (default 200; one interpreter per env is slow to start)")
-    parser.add_argument("--envs", nargs="+", choices=list(ENV_DIRS), default=list(ENV_DIRS),
-                        help="envs to measure (default: all)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
-                        help="modes to measure (default: all; template-nowarm only where warmup= exists)")
+    parser.add_argument(
+        "--exec-n",
+        type=int,
+        default=200,
+        help="cap on n in exec mode (default 200; one interpreter per env is slow to start)",
+    )
+    parser.add_argument(
+        "--envs", nargs="+", choices=list(ENV_DIRS), default=list(ENV_DIRS), help="envs to measure (default: all)"
+    )
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        default=list(MODES),
+        help="modes to measure (default: all; template-nowarm only where warmup= exists)",
+    )
     parser.add_argument("--steps", type=int, default=10, help="batched steps before the memory reading (default 10)")
-    parser.add_argument("--pilot-n", type=int, default=50,
-                        help="size of the pool that projects a combination's memory first (default 50; 0: none)")
-    parser.add_argument("--mem-budget-gib", type=float, default=None,
-                        help="largest projected pool memory to run (default: 60%% of available memory)")
-    parser.add_argument("--step-timeout", type=float, default=120.0,
-                        help="the pools' step_timeout in seconds (default 120; see the docstring)")
+    parser.add_argument(
+        "--pilot-n",
+        type=int,
+        default=50,
+        help="size of the pool that projects a combination's memory first (default 50; 0: none)",
+    )
+    parser.add_argument(
+        "--mem-budget-gib",
+        type=float,
+        default=None,
+        help="largest projected pool memory to run (default: 60%% of available memory)",
+    )
+    parser.add_argument(
+        "--step-timeout",
+        type=float,
+        default=120.0,
+        help="the pools' step_timeout in seconds (default 120; see the docstring)",
+    )
     parser.add_argument("--uss-sample", type=int, default=200, help="envs whose USS is read (default 200)")
-    parser.add_argument("--max-load", type=float, default=3.0,
-                        help="wait (up to --max-wait s) until the 1-min load average is below this")
+    parser.add_argument(
+        "--max-load",
+        type=float,
+        default=3.0,
+        help="wait (up to --max-wait s) until the 1-min load average is below this",
+    )
     parser.add_argument("--max-wait", type=float, default=120.0, help="seconds to wait for a quiet machine")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON output (default {RESULTS.relative_to(ROOT)})")
     args = parser.parse_args(argv)
@@ -457,22 +535,29 @@ def main(argv=None) -> int:
             n = min(args.n, args.exec_n) if mode == "exec" else args.n
             note = f"exec capped at --exec-n {args.exec_n}" if mode == "exec" and n < args.n else ""
             if args.pilot_n and n > args.pilot_n:
-                pilot = (bench_async(env, args.pilot_n, 3, args.uss_sample, full=False) if mode == "async" else
-                         bench_pool(env, mode, args.pilot_n, 3, args.uss_sample, warm, args.step_timeout, full=False))
+                pilot = (
+                    bench_async(env, args.pilot_n, 3, args.uss_sample, full=False)
+                    if mode == "async"
+                    else bench_pool(env, mode, args.pilot_n, 3, args.uss_sample, warm, args.step_timeout, full=False)
+                )
                 if "error" in pilot:
                     rows.append(pilot)
                     continue
                 fits, need = fitting_n(pilot, n, budget())
                 if fits < n:
-                    note = (note + "; " if note else "") + \
-                        f"n={n} would need ~{need:.1f} GiB (from n={args.pilot_n}), budget {budget():.1f} GiB"
+                    note = (
+                        note + "; " if note else ""
+                    ) + f"n={n} would need ~{need:.1f} GiB (from n={args.pilot_n}), budget {budget():.1f} GiB"
                     log(f"[{env} {mode}] {note}: running n={fits}")
                     n = fits
                 if n < 1:
                     rows.append({"env": env, "mode": mode, "n": 0, "skipped": note})
                     continue
-            row = (bench_async(env, n, args.steps, args.uss_sample) if mode == "async" else
-                   bench_pool(env, mode, n, args.steps, args.uss_sample, warm, args.step_timeout))
+            row = (
+                bench_async(env, n, args.steps, args.uss_sample)
+                if mode == "async"
+                else bench_pool(env, mode, n, args.steps, args.uss_sample, warm, args.step_timeout)
+            )
             row["note"] = note
             row["loadavg_1min_after"] = os.getloadavg()[0]
             rows.append(row)
@@ -481,21 +566,34 @@ def main(argv=None) -> int:
 
     print(table(rows, warm))
     print()
-    print(f"boltzlabs {'takes warmup= (the probe): template is probe on, template-nowarm probe off' if warm else 'takes no warmup= (no probe): template is as-is'}. "
-          "MiB/env: boltzlabs rows are pool.memory().mean (kernel accounting, the shared template included); "
-          "async rows are mean worker USS (pages shared with the parent left out): not like-for-like; "
-          "USS MiB/env is the like-for-like column (sampled). Hard reset after reset(seed=0) and the steps.")
+    print(
+        f"boltzlabs {'takes warmup= (the probe): template is probe on, template-nowarm probe off' if warm else 'takes no warmup= (no probe): template is as-is'}. "
+        "MiB/env: boltzlabs rows are pool.memory().mean (kernel accounting, the shared template included); "
+        "async rows are mean worker USS (pages shared with the parent left out): not like-for-like; "
+        "USS MiB/env is the like-for-like column (sampled). Hard reset after reset(seed=0) and the steps."
+    )
     for source in sorted({r["mem_source"] for r in rows if r.get("mem_source")}):
         print(f"memory source: {source}")
-    print(f"Total run {total:.0f} s; 1-min load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
-          f"{os.cpu_count()} CPUs, {psutil.virtual_memory().total / GIB:.0f} GiB.")
+    print(
+        f"Total run {total:.0f} s; 1-min load average {load_before[0]:.2f} before, {load_after[0]:.2f} after; "
+        f"{os.cpu_count()} CPUs, {psutil.virtual_memory().total / GIB:.0f} GiB."
+    )
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         **run_record(argv, total, load_before, load_after),
         "takes_warmup": warm,
-        "settings": {"n": args.n, "exec_n": args.exec_n, "envs": args.envs, "modes": modes, "steps": args.steps,
-                     "pilot_n": args.pilot_n, "step_timeout": args.step_timeout, "mem_budget_gib": args.mem_budget_gib, "uss_sample": args.uss_sample},
+        "settings": {
+            "n": args.n,
+            "exec_n": args.exec_n,
+            "envs": args.envs,
+            "modes": modes,
+            "steps": args.steps,
+            "pilot_n": args.pilot_n,
+            "step_timeout": args.step_timeout,
+            "mem_budget_gib": args.mem_budget_gib,
+            "uss_sample": args.uss_sample,
+        },
         "results": rows,
     }
     args.out.write_text(json.dumps(payload, indent=2, default=str) + "\n")

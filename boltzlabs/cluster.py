@@ -90,14 +90,31 @@ class NodeWorker:
         # its trust_env is the owner's to choose, as for a local pool.
         no_ceilings = [arg for flag, _, _ in CEILINGS.values() for arg in (flag, "none")]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "boltzlabs", "worker", "--listen", f"{host}:0", "--parent", str(os.getpid()),
-             "--max-envs", "100000", "--allow-trust-env", *no_ceilings],
-            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=env, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "boltzlabs",
+                "worker",
+                "--listen",
+                f"{host}:0",
+                "--parent",
+                str(os.getpid()),
+                "--max-envs",
+                "100000",
+                "--allow-trust-env",
+                *no_ceilings,
+            ],
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         assert self.proc.stdout is not None  # stdout=PIPE
         line = self.proc.stdout.readline().strip()
         if not line.startswith("listening on "):
             raise RuntimeError(f"boltzlabs worker did not start on node {self.node_id}: {line!r}")
-        self.url = line[len("listening on "):]
+        self.url = line[len("listening on ") :]
 
     def address(self) -> tuple:
         """(node id, the listener's tcp:// url)."""
@@ -128,8 +145,11 @@ def doctor(cluster="ray", n: int = 1000) -> list:
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     task = ray.remote(num_cpus=0)(_doctor_here)
-    refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(n)
-            for node in ray.nodes() if node["Alive"]]
+    refs = [
+        task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(n)
+        for node in ray.nodes()
+        if node["Alive"]
+    ]
     return ray.get(refs)
 
 
@@ -139,18 +159,25 @@ def placement(n: int, nodes: list, envs_per_node=None, held=None) -> list:
     lanes it already holds (`held`: {node id: lanes}). Returns [(node id,
     count)] with count > 0; ValueError when n does not fit."""
     held = held or {}
-    caps = {node: (int(envs_per_node) if envs_per_node else max(1, int(memory * _MEMORY_SHARE) // _ENV_BUDGET))
-            - held.get(node, 0) for node, _, memory in nodes}
+    caps = {
+        node: (int(envs_per_node) if envs_per_node else max(1, int(memory * _MEMORY_SHARE) // _ENV_BUDGET))
+        - held.get(node, 0)
+        for node, _, memory in nodes
+    }
     room = sum(max(0, cap) for cap in caps.values())
     if n > room:
         sizing = f"envs_per_node={envs_per_node}" if envs_per_node else "sized by memory"
-        raise ValueError(f"the cluster has room for {room} more env(s) on {len(nodes)} alive node(s) ({sizing}); "
-                         f"{n} are needed: add nodes or raise envs_per_node")
+        raise ValueError(
+            f"the cluster has room for {room} more env(s) on {len(nodes)} alive node(s) ({sizing}); "
+            f"{n} are needed: add nodes or raise envs_per_node"
+        )
     counts = {node: 0 for node, _, _ in nodes}
     weights = {node: max(cpus, 1e-3) for node, cpus, _ in nodes}
     for _ in range(n):  # each lane to the node least loaded for its CPUs, among those with room
-        node = min((node for node in counts if counts[node] < caps[node]),
-                   key=lambda node: (held.get(node, 0) + counts[node] + 1) / weights[node])
+        node = min(
+            (node for node in counts if counts[node] < caps[node]),
+            key=lambda node: (held.get(node, 0) + counts[node] + 1) / weights[node],
+        )
         counts[node] += 1
     return [(node, count) for node, count in counts.items() if count]
 
@@ -182,8 +209,9 @@ class ClusterPool(Pool):
     takes (step_timeout, spawn, memory_limit, ...) applies on every node.
     """
 
-    def __init__(self, source, n: int, *, cluster="ray", envs_per_node=None, workers_per_node: int = 1,
-                 batch_size=None, **kwargs):
+    def __init__(
+        self, source, n: int, *, cluster="ray", envs_per_node=None, workers_per_node: int = 1, batch_size=None, **kwargs
+    ):
         self._closed = True
         self._shards: list[_Shard] = []
         self._actors: dict = {}
@@ -221,8 +249,11 @@ class ClusterPool(Pool):
     def _alive_nodes(self) -> list:
         ray = _ray()
         lost = {shard.node for shard in self._shards if shard.lost}
-        return [(node["NodeID"], node["Resources"].get("CPU", 0.0), node["Resources"].get("memory", 0.0))
-                for node in ray.nodes() if node["Alive"] and node["NodeID"] not in lost]
+        return [
+            (node["NodeID"], node["Resources"].get("CPU", 0.0), node["Resources"].get("memory", 0.0))
+            for node in ray.nodes()
+            if node["Alive"] and node["NodeID"] not in lost
+        ]
 
     def _actor(self, node: str):
         ray = _ray()
@@ -231,7 +262,8 @@ class ClusterPool(Pool):
 
             actor_class = ray.remote(num_cpus=0, max_restarts=0)(NodeWorker)
             self._actors[node] = actor_class.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(self._token)
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            ).remote(self._token)
         return self._actors[node]
 
     def _place(self, lanes: list) -> None:
@@ -247,12 +279,19 @@ class ClusterPool(Pool):
         addresses = dict(ray.get([self._actor(node).address.remote() for node, _ in plan]))
         parts, start = [], 0
         for node, count in plan:
-            parts.append((node, lanes[start:start + count]))
+            parts.append((node, lanes[start : start + count]))
             start += count
 
         def open_pool(node: str, part: list[int]) -> _Shard:
-            pool = RLPool(self.source, len(part), worker=addresses[node], token=self._token,
-                          progress=False, workers=min(self._workers_per_node, len(part)), **self._kwargs)
+            pool = RLPool(
+                self.source,
+                len(part),
+                worker=addresses[node],
+                token=self._token,
+                progress=False,
+                workers=min(self._workers_per_node, len(part)),
+                **self._kwargs,
+            )
             return _Shard(node, pool, part)
 
         futures = [self._executor.submit(open_pool, node, part) for node, part in parts]
@@ -305,8 +344,11 @@ class ClusterPool(Pool):
             except (WorkerError, PoolClosedError, OSError) as exc:
                 self._lose(shard, exc)
                 results[shard] = exc
-        self.timing = Timing(worker_ms=max(nodes.values(), default=0.0),
-                             roundtrip_ms=(time.perf_counter() - started) * 1000.0, nodes=nodes)
+        self.timing = Timing(
+            worker_ms=max(nodes.values(), default=0.0),
+            roundtrip_ms=(time.perf_counter() - started) * 1000.0,
+            nodes=nodes,
+        )
         return results
 
     def _split(self, values, lanes: list) -> dict:
@@ -341,8 +383,11 @@ class ClusterPool(Pool):
     def _step_lanes(self, actions: list, resets) -> StepResult:
         split = self._split(actions, list(range(self.n)))
         local_resets = self._by_shard(resets or [])
-        calls = {shard: (lambda pool, a=vals, r=local_resets.get(shard): pool.step_full(a, r))
-                 for shard, (_, _, vals) in split.items() if shard}
+        calls = {
+            shard: (lambda pool, a=vals, r=local_resets.get(shard): pool.step_full(a, r))
+            for shard, (_, _, vals) in split.items()
+            if shard
+        }
         results = self._fan_out(calls)
         obs: list[Any] = [None] * self.n
         infos: list[Any] = [None] * self.n  # every lane's filled below: a result's, or a lost node's error
@@ -355,7 +400,11 @@ class ClusterPool(Pool):
             if isinstance(result, StepResult):
                 for k, lane in enumerate(lanes):
                     obs[lane], infos[lane] = result.obs[k], result.infos[k]
-                rewards[lanes], terminated[lanes], truncated[lanes] = result.rewards, result.terminated, result.truncated
+                rewards[lanes], terminated[lanes], truncated[lanes] = (
+                    result.rewards,
+                    result.terminated,
+                    result.truncated,
+                )
                 stragglers += [shard.lanes[i] for i in shard.pool.timing.stragglers]
             else:
                 for lane in lanes:
@@ -374,9 +423,13 @@ class ClusterPool(Pool):
 
         def call(shard, locals_):
             def run(pool):
-                shard_seeds = None if by_lane is None else [
-                    by_lane.get(lane) if i in locals_ else None for i, lane in enumerate(shard.lanes)]
+                shard_seeds = (
+                    None
+                    if by_lane is None
+                    else [by_lane.get(lane) if i in locals_ else None for i, lane in enumerate(shard.lanes)]
+                )
                 return pool.reset(seed=shard_seeds, where=locals_, hard=hard, options=options)
+
             return run
 
         results = self._fan_out({shard: call(shard, locals_) for shard, locals_ in self._by_shard(lanes).items()})
@@ -400,8 +453,13 @@ class ClusterPool(Pool):
             raise ValueError("send() to an env that is in flight or has a result not yet received")
         split = self._split(actions, lanes)
         local_resets = self._by_shard(resets or [])
-        results = self._fan_out({shard: (lambda pool, where=loc, a=vals, r=local_resets.get(shard): pool.send(a, where, r))
-                                 for shard, (loc, _, vals) in split.items() if shard})
+        results = self._fan_out(
+            {
+                shard: (lambda pool, where=loc, a=vals, r=local_resets.get(shard): pool.send(a, where, r))
+                for shard, (loc, _, vals) in split.items()
+                if shard
+            }
+        )
         self._flying[lanes] = True
         for shard, (_, globals_, _) in split.items():
             if shard is None or isinstance(results.get(shard), Exception):
@@ -412,8 +470,10 @@ class ClusterPool(Pool):
         flying = int(self._flying.sum())
         want = flying if batch_size is None else batch_size
         if flying == 0 or want > flying:
-            raise ValueError(f"recv(batch_size={want}) would wait forever: only {flying} result(s) can come "
-                             "(envs in flight or finished); send() to more envs first")
+            raise ValueError(
+                f"recv(batch_size={want}) would wait forever: only {flying} result(s) can come "
+                "(envs in flight or finished); send() to more envs first"
+            )
         deadline = None if timeout is None else time.monotonic() + timeout
         started = time.perf_counter()
         while len(self._ready) < want:
@@ -429,8 +489,9 @@ class ClusterPool(Pool):
             # One node: block on it. Several: poll each briefly, so one slow
             # node does not hold back the results another already has.
             wait = left if len(pending) == 1 else (0.005 if left is None else min(0.005, left))
-            results = self._fan_out({shard: (lambda pool, k=k, w=wait: pool.recv_full(k, w))
-                                     for shard, k in pending.items()})
+            results = self._fan_out(
+                {shard: (lambda pool, k=k, w=wait: pool.recv_full(k, w)) for shard, k in pending.items()}
+            )
             for shard, result in results.items():
                 if isinstance(result, Exception):
                     for lane in shard.lanes:
@@ -438,17 +499,30 @@ class ClusterPool(Pool):
                             self._ready.append((lane, None, 0.0, False, True, {"error": self._lost_lane(lane)}))
                     continue
                 for k, local in enumerate(result.env_ids.tolist()):
-                    self._ready.append((shard.lanes[local], result.obs[k], float(result.rewards[k]),
-                                        bool(result.terminated[k]), bool(result.truncated[k]), result.infos[k]))
+                    self._ready.append(
+                        (
+                            shard.lanes[local],
+                            result.obs[k],
+                            float(result.rewards[k]),
+                            bool(result.terminated[k]),
+                            bool(result.truncated[k]),
+                            result.infos[k],
+                        )
+                    )
             if deadline is not None and time.monotonic() >= deadline:
                 break
         taken, self._ready = self._ready[:want], self._ready[want:]
         env_ids = np.array([r[0] for r in taken], dtype=np.int64)
         self._flying[env_ids] = False
         self.timing.roundtrip_ms = (time.perf_counter() - started) * 1000.0
-        return RecvResult(env_ids, [r[1] for r in taken], np.array([r[2] for r in taken], dtype=np.float64),
-                          np.array([r[3] for r in taken], dtype=np.bool_),
-                          np.array([r[4] for r in taken], dtype=np.bool_), [r[5] for r in taken])
+        return RecvResult(
+            env_ids,
+            [r[1] for r in taken],
+            np.array([r[2] for r in taken], dtype=np.float64),
+            np.array([r[3] for r in taken], dtype=np.bool_),
+            np.array([r[4] for r in taken], dtype=np.bool_),
+            [r[5] for r in taken],
+        )
 
     def _render_lanes(self, lanes: list) -> list:
         for lane in lanes:
@@ -467,11 +541,15 @@ class ClusterPool(Pool):
             result = results[shard]
             if isinstance(result, EnvError):
                 lane = shard.lanes[result.env_index]
-                raise EnvError(f"env {lane} (env {result.env_index} of node {shard.node}) could not render: "
-                               f"{str(result).partition('could not render: ')[2]}", env_index=lane) from result
+                raise EnvError(
+                    f"env {lane} (env {result.env_index} of node {shard.node}) could not render: "
+                    f"{str(result).partition('could not render: ')[2]}",
+                    env_index=lane,
+                ) from result
             if isinstance(result, Exception):
-                raise WorkerError(f"env {shard.lanes[locals_[0]]}: {shard.lost}; reset it to place it on another "
-                                  "node") from result
+                raise WorkerError(
+                    f"env {shard.lanes[locals_[0]]}: {shard.lost}; reset it to place it on another node"
+                ) from result
             for local in locals_:
                 frames[shard.lanes[local]] = result[local]
         return [frames[lane] for lane in lanes]
@@ -514,8 +592,7 @@ class ClusterPool(Pool):
                     per_env[lane] = report.per_env[local]
                 shared += report.shared
                 sources.add(report.source)
-        return MemoryReport(per_env, "; ".join(sorted(sources)) + f" (over {len(results)} node(s))",
-                            shared=shared)
+        return MemoryReport(per_env, "; ".join(sorted(sources)) + f" (over {len(results)} node(s))", shared=shared)
 
     def pids(self) -> list:
         """Each env's host pid on its node (-1 for a lost node's lanes)."""

@@ -4,6 +4,7 @@
 Gymnasium env object, with its spaces, metadata, render_mode and render
 (boltzlabs/runtime/gym_serve.py); `params()` reads the pool's params.
 """
+
 from boltzlabs.runtime.gym_serve import serve_env
 from boltzlabs.runtime.serve import params, serve
 

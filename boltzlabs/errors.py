@@ -119,8 +119,10 @@ def describe_exit(code: int) -> str:
             name = "an unknown signal"
         return f"was killed by {name} (signal {signum})" + (f" (exit code {code})" if code > 0 else "")
     if code == _abi.NO_SERVE_EXIT:
-        return (f"exited with code {code}: its env.py returned without calling serve() (an env.py must end with "
-                "boltzlabs.env.serve(reset=..., step=...), or serve_env(env))")
+        return (
+            f"exited with code {code}: its env.py returned without calling serve() (an env.py must end with "
+            "boltzlabs.env.serve(reset=..., step=...), or serve_env(env))"
+        )
     if code == _abi.SET_UP_EXIT:
         return f"exited with code {code}: the sandbox's own set-up failed before any env code ran"
     return f"exited with code {code}"

@@ -92,41 +92,63 @@ class BoltzLabsVecEnv(VectorEnv):
     # handshake cannot describe (pool/spaces.py), or None. Absent otherwise (__init__ makes its own).
     _rebuild: Callable[[str], Any] | None
 
-    def __init__(self, env_fns, *, autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
-                 observation_space: gymnasium.Space | None = None, action_space: gymnasium.Space | None = None,
-                 copy: bool = True, observation_mode="same", shared_memory=None, context=None, daemon=None,
-                 **pool_kwargs):
+    def __init__(
+        self,
+        env_fns,
+        *,
+        autoreset_mode: str | AutoresetMode = AutoresetMode.NEXT_STEP,
+        observation_space: gymnasium.Space | None = None,
+        action_space: gymnasium.Space | None = None,
+        copy: bool = True,
+        observation_mode="same",
+        shared_memory=None,
+        context=None,
+        daemon=None,
+        **pool_kwargs,
+    ):
         rebuild = None
         if isinstance(env_fns, Pool):
             if pool_kwargs:
-                raise TypeError(f"BoltzLabsVecEnv(pool) takes an open pool alone; pool options "
-                                f"({', '.join(sorted(pool_kwargs))}) go with env_fns or a source "
-                                "(BoltzLabsVecEnv.make(source, n, ...))")
+                raise TypeError(
+                    f"BoltzLabsVecEnv(pool) takes an open pool alone; pool options "
+                    f"({', '.join(sorted(pool_kwargs))}) go with env_fns or a source "
+                    "(BoltzLabsVecEnv.make(source, n, ...))"
+                )
             pool = env_fns
         elif isinstance(env_fns, (list, tuple)) or (hasattr(env_fns, "__iter__") and not isinstance(env_fns, str)):
             env_fns = list(env_fns)
             if callable(pool_kwargs.get("worker")):
-                raise TypeError("worker= is AsyncVectorEnv's custom worker function, which cannot run here: each "
-                                "env is served by boltzlabs inside its sandbox (worker='tcp://host:port' runs the "
-                                "pool on a remote boltzlabs worker)")
+                raise TypeError(
+                    "worker= is AsyncVectorEnv's custom worker function, which cannot run here: each "
+                    "env is served by boltzlabs inside its sandbox (worker='tcp://host:port' runs the "
+                    "pool on a remote boltzlabs worker)"
+                )
             from boltzlabs.pool.client import RLPool
 
             pool = RLPool(env_fns, len(env_fns), **pool_kwargs)
             rebuild = rebuilder(env_fns[0] if env_fns else None)
         else:
-            raise TypeError(f"BoltzLabsVecEnv takes a list of env_fns (callables returning Gymnasium envs, as "
-                            f"AsyncVectorEnv) or an open pool (an RLPool or a boltzlabs.cluster.ClusterPool), "
-                            f"not {type(env_fns).__name__}; for a source, BoltzLabsVecEnv.make(source, n)")
+            raise TypeError(
+                f"BoltzLabsVecEnv takes a list of env_fns (callables returning Gymnasium envs, as "
+                f"AsyncVectorEnv) or an open pool (an RLPool or a boltzlabs.cluster.ClusterPool), "
+                f"not {type(env_fns).__name__}; for a source, BoltzLabsVecEnv.make(source, n)"
+            )
         try:
-            self._attach(pool, autoreset_mode, observation_space, action_space, copy, observation_mode,
-                         getattr(self, "_rebuild", rebuild))
+            self._attach(
+                pool,
+                autoreset_mode,
+                observation_space,
+                action_space,
+                copy,
+                observation_mode,
+                getattr(self, "_rebuild", rebuild),
+            )
         except BaseException:
             if pool is not env_fns:
                 pool.close()
             raise
 
-    def _attach(self, pool, autoreset_mode, observation_space, action_space, copy, observation_mode,
-                rebuild) -> None:
+    def _attach(self, pool, autoreset_mode, observation_space, action_space, copy, observation_mode, rebuild) -> None:
         self.pool = pool
         self.autoreset_mode = AutoresetMode(autoreset_mode)
         contract = pool.env_contract
@@ -135,12 +157,16 @@ class BoltzLabsVecEnv(VectorEnv):
         elif observation_mode == "same":
             batched = None
         else:
-            raise ValueError(f"observation_mode={observation_mode!r}: a pool's envs share one observation space; "
-                             "use 'same' (the default) or an (observation_space, single_observation_space) pair")
+            raise ValueError(
+                f"observation_mode={observation_mode!r}: a pool's envs share one observation space; "
+                "use 'same' (the default) or an (observation_space, single_observation_space) pair"
+            )
         self.single_observation_space = observation_space or space_or_rebuild(
-            contract.observation_space, "observation_space", rebuild, "BoltzLabsVecEnv")
+            contract.observation_space, "observation_space", rebuild, "BoltzLabsVecEnv"
+        )
         self.single_action_space = action_space or space_or_rebuild(
-            contract.action_space, "action_space", rebuild, "BoltzLabsVecEnv")
+            contract.action_space, "action_space", rebuild, "BoltzLabsVecEnv"
+        )
         self.num_envs = pool.n
         if SPACES in ((contract.attributes or {}).get("methods") or ()) and pool.n > 1:
             _check_same_spaces(pool, contract)
@@ -168,8 +194,9 @@ class BoltzLabsVecEnv(VectorEnv):
         """How many episodes ended on the latest step (0 after a reset)."""
 
     @classmethod
-    def make(cls, source: str, num_envs: int = 1, *, autoreset_mode=AutoresetMode.NEXT_STEP, copy: bool = True,
-             **kwargs) -> BoltzLabsVecEnv:
+    def make(
+        cls, source: str, num_envs: int = 1, *, autoreset_mode=AutoresetMode.NEXT_STEP, copy: bool = True, **kwargs
+    ) -> BoltzLabsVecEnv:
         """A pool of `num_envs` sandboxes of `source` ("CartPole-v1",
         "gym://Pendulum-v1" or an env directory) behind the adapter. `kwargs`
         are RLPool's options (step_timeout, memory_limit, ...) and the env's
@@ -189,8 +216,14 @@ class BoltzLabsVecEnv(VectorEnv):
         self = cls.__new__(cls)
         self._rebuild = gym_rebuilder(source, kwargs)  # read by __init__ for a pool it did not make
         try:
-            cls.__init__(self, pool, autoreset_mode=autoreset_mode, copy=copy, observation_space=observation_space,
-                         action_space=action_space)
+            cls.__init__(
+                self,
+                pool,
+                autoreset_mode=autoreset_mode,
+                copy=copy,
+                observation_space=observation_space,
+                action_space=action_space,
+            )
         except BaseException:
             pool.close()
             raise
@@ -263,8 +296,9 @@ class BoltzLabsVecEnv(VectorEnv):
             infos = self._add_info(infos, info, i)
         self._all_reset = self._all_reset or all(o is not None for o in self._env_obs)
         if failed:
-            raise EnvError(f"env {failed[0]} could not be reset: {self.pool.reset_infos[failed[0]]['error']}",
-                           env_index=failed[0])
+            raise EnvError(
+                f"env {failed[0]} could not be reset: {self.pool.reset_infos[failed[0]]['error']}", env_index=failed[0]
+            )
         self._autoreset[lanes] = False
         self._add_runtime_info(infos, completed=None)
         return self._batch(), infos
@@ -302,9 +336,14 @@ class BoltzLabsVecEnv(VectorEnv):
         self._waiting = False
         finished = sorted(self._episodes_ended, key=lambda e: e["env"])
         self._episodes_ended = []
-        return self._stepped([x[0] for x in lanes], np.array([x[1] for x in lanes], dtype=np.float64),
-                             np.array([x[2] for x in lanes], dtype=np.bool_),
-                             np.array([x[3] for x in lanes], dtype=np.bool_), [x[4] for x in lanes], finished)
+        return self._stepped(
+            [x[0] for x in lanes],
+            np.array([x[1] for x in lanes], dtype=np.float64),
+            np.array([x[2] for x in lanes], dtype=np.bool_),
+            np.array([x[3] for x in lanes], dtype=np.bool_),
+            [x[4] for x in lanes],
+            finished,
+        )
 
     def _prepare(self, actions):
         n = self.num_envs
@@ -313,9 +352,11 @@ class BoltzLabsVecEnv(VectorEnv):
             raise ValueError("a step_async() is waiting for its step_wait()")
         if not self._all_reset:
             lanes = [i for i, o in enumerate(self._env_obs) if o is None]
-            raise gym_error.ResetNeeded(f"Cannot call step() before calling reset(): env(s) {lanes[:10]} "
-                                        f"{'have' if len(lanes) > 1 else 'has'} not been reset (as in "
-                                        "SyncVectorEnv, whose envs raise this)")
+            raise gym_error.ResetNeeded(
+                f"Cannot call step() before calling reset(): env(s) {lanes[:10]} "
+                f"{'have' if len(lanes) > 1 else 'has'} not been reset (as in "
+                "SyncVectorEnv, whose envs raise this)"
+            )
         items = list(iterate(self.action_space, actions))
         if len(items) != n:
             raise ValueError(f"step() needs {n} actions, one per env; got {len(items)}")
@@ -324,8 +365,10 @@ class BoltzLabsVecEnv(VectorEnv):
             resets = np.flatnonzero(self._autoreset).tolist()
         elif mode == AutoresetMode.DISABLED and self._autoreset.any():
             lanes = np.flatnonzero(self._autoreset).tolist()
-            raise ValueError(f"envs {lanes} finished their episodes and autoreset is DISABLED: reset them first "
-                             "with reset(options={'reset_mask': mask})")
+            raise ValueError(
+                f"envs {lanes} finished their episodes and autoreset is DISABLED: reset them first "
+                "with reset(options={'reset_mask': mask})"
+            )
         return items, resets
 
     def _stepped(self, obs, rewards, terminated, truncated, env_infos, finished=None):
@@ -413,8 +456,11 @@ class BoltzLabsVecEnv(VectorEnv):
             raise EnvError(f"env {missing[0]} has no observation yet; reset it first", env_index=missing[0])
         if self.copy:
             batch = _rows_of_one_batch(self._env_obs)
-            if batch is not None and batch.dtype == self._observations.dtype \
-                    and batch.shape == self._observations.shape:  # the pool's batch (its slots'): one copy, not two
+            if (
+                batch is not None
+                and batch.dtype == self._observations.dtype
+                and batch.shape == self._observations.shape
+            ):  # the pool's batch (its slots'): one copy, not two
                 return batch.copy()
         self._observations = concatenate(self.single_observation_space, self._env_obs, self._observations)
         if not self.copy:
@@ -436,8 +482,12 @@ class BoltzLabsVecEnv(VectorEnv):
         self.completed_episodes = len(completed or ())
         if completed:
             mask = np.zeros(n, dtype=np.bool_)
-            record = {"id": np.full(n, None, dtype=object), "seed": np.full(n, None, dtype=object),
-                      "length": np.zeros(n, dtype=np.int64), "return": np.zeros(n, dtype=np.float64)}
+            record = {
+                "id": np.full(n, None, dtype=object),
+                "seed": np.full(n, None, dtype=object),
+                "length": np.zeros(n, dtype=np.int64),
+                "return": np.zeros(n, dtype=np.float64),
+            }
             for episode in completed:
                 i = episode["env"]
                 mask[i] = True
@@ -450,8 +500,9 @@ class BoltzLabsVecEnv(VectorEnv):
             if key in infos:
                 if key not in self._shadowed:
                     self._shadowed.add(key)
-                    logger.warning("the env's info key %r shadows boltzlabs' own %r (the env's value is kept)",
-                                   key, key)
+                    logger.warning(
+                        "the env's info key %r shadows boltzlabs' own %r (the env's value is kept)", key, key
+                    )
                 continue
             infos[key] = value
             infos[f"_{key}"] = mask
@@ -463,13 +514,17 @@ def _check_same_spaces(pool, contract) -> None:
     batch of observations from differing spaces would be wrong, not refused."""
     for i, (observation, action) in enumerate(pool.call(SPACES)):
         if _comparable(observation) != _comparable(contract.observation_space):
-            raise RuntimeError(f"BoltzLabsVecEnv(..., observation_mode='same') however env {i}'s observation space "
-                               f"({observation}) is not env 0's ({contract.observation_space}): the envs of a pool "
-                               "must share one observation space")
+            raise RuntimeError(
+                f"BoltzLabsVecEnv(..., observation_mode='same') however env {i}'s observation space "
+                f"({observation}) is not env 0's ({contract.observation_space}): the envs of a pool "
+                "must share one observation space"
+            )
         if _comparable(action) != _comparable(contract.action_space):
-            raise RuntimeError(f"Some environments have an action space different from env 0's (env {i}: "
-                               f"{action}, env 0: {contract.action_space}). In order to batch actions, the action "
-                               "spaces from all environments must be equal.")
+            raise RuntimeError(
+                f"Some environments have an action space different from env 0's (env {i}: "
+                f"{action}, env 0: {contract.action_space}). In order to batch actions, the action "
+                "spaces from all environments must be equal."
+            )
 
 
 def _comparable(spec):
@@ -493,11 +548,14 @@ def _check_seeds(seed, n: int) -> list:
         try:
             seeds = list(seed)
         except TypeError:
-            raise TypeError(f"seed must be an int, a list of {n} ints (or None) or None, not "
-                            f"{type(seed).__name__} (as SyncVectorEnv)") from None
+            raise TypeError(
+                f"seed must be an int, a list of {n} ints (or None) or None, not "
+                f"{type(seed).__name__} (as SyncVectorEnv)"
+            ) from None
         if len(seeds) != n:
-            raise ValueError(f"If seeds are passed as a list the length must match num_envs={n} "
-                             f"but got length={len(seeds)}.")
+            raise ValueError(
+                f"If seeds are passed as a list the length must match num_envs={n} but got length={len(seeds)}."
+            )
     for i, value in enumerate(seeds):
         if value is None or (isinstance(value, int) and value >= 0):
             continue
@@ -522,8 +580,13 @@ def _rows_of_one_batch(obs: list):
         return None
     start, stride = batch.ctypes.data, batch.strides[0]
     for i, row in enumerate(obs):
-        if type(row) is not np.ndarray or row.base is not batch or row.ctypes.data != start + i * stride \
-                or row.dtype != batch.dtype or row.shape != first.shape:
+        if (
+            type(row) is not np.ndarray
+            or row.base is not batch
+            or row.ctypes.data != start + i * stride
+            or row.dtype != batch.dtype
+            or row.shape != first.shape
+        ):
             return None
     return batch
 
@@ -594,6 +657,7 @@ def _check_reset_mask(mask, n: int) -> np.ndarray:
     if mask.dtype != np.bool_:
         raise TypeError(f"`options['reset_mask']` must have `dtype=np.bool_`, got {mask.dtype}")
     if not np.any(mask):
-        raise ValueError(f"`options['reset_mask']` must contain a boolean array with at least one True value, "
-                         f"got reset_mask={mask}")
+        raise ValueError(
+            f"`options['reset_mask']` must contain a boolean array with at least one True value, got reset_mask={mask}"
+        )
     return mask

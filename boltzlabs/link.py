@@ -27,8 +27,17 @@ from urllib.parse import urlsplit
 
 from boltzlabs import wire
 
-__all__ = ["DEFAULT_PORT", "PRE_AUTH_FRAME", "HANDSHAKE_TIMEOUT", "GYM_ENV_DIR", "parse_url", "tune", "proof", "Peer",
-           "worker_environment"]
+__all__ = [
+    "DEFAULT_PORT",
+    "PRE_AUTH_FRAME",
+    "HANDSHAKE_TIMEOUT",
+    "GYM_ENV_DIR",
+    "parse_url",
+    "tune",
+    "proof",
+    "Peer",
+    "worker_environment",
+]
 
 DEFAULT_PORT = 7733
 PRE_AUTH_FRAME = 4096  # nothing before authentication needs more

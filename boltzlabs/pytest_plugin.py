@@ -37,11 +37,19 @@ _POOLS = pytest.StashKey[list]()
 def pytest_addoption(parser) -> None:
     """The plugin's command-line options."""
     group = parser.getgroup("boltzlabs", "boltzlabs sandboxed env pools (the rlpool fixture)")
-    group.addoption("--boltzlabs-spawn", choices=("template", "exec"), default="template",
-                    help="how pools made by the rlpool fixture start their sandboxes, unless a test passes "
-                         "spawn= (default: template)")
-    group.addoption("--boltzlabs-keep-logs", action="store_true", default=False,
-                    help="attach the log of every env of a failing test's rlpool pools to its report")
+    group.addoption(
+        "--boltzlabs-spawn",
+        choices=("template", "exec"),
+        default="template",
+        help="how pools made by the rlpool fixture start their sandboxes, unless a test passes "
+        "spawn= (default: template)",
+    )
+    group.addoption(
+        "--boltzlabs-keep-logs",
+        action="store_true",
+        default=False,
+        help="attach the log of every env of a failing test's rlpool pools to its report",
+    )
 
 
 @pytest.fixture
@@ -69,9 +77,13 @@ def rlpool(request):
     for entry in tracked:
         left.extend(entry.close())
     if left:
-        pytest.fail("rlpool: after close() and a wait of {:g} s these remain:\n  {}\nThey were killed and removed "
-                    "now; a pool that leaves them behind leaks on every run (report it with this list)."
-                    .format(LEFTOVER_WAIT, "\n  ".join(left)), pytrace=False)
+        pytest.fail(
+            "rlpool: after close() and a wait of {:g} s these remain:\n  {}\nThey were killed and removed "
+            "now; a pool that leaves them behind leaks on every run (report it with this list).".format(
+                LEFTOVER_WAIT, "\n  ".join(left)
+            ),
+            pytrace=False,
+        )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -120,8 +132,13 @@ class _Tracked:
         except BoltzLabsError as exc:
             sections.append((name, f"the logs could not be read: {type(exc).__name__}: {exc}"))
         if len(pool) > shown:
-            sections.append((name, f"logs of envs {shown}..{len(pool) - 1} left out (at most {KEEP_LOGS_MAX} "
-                                   "per pool); read them with pool.log(i) in the test"))
+            sections.append(
+                (
+                    name,
+                    f"logs of envs {shown}..{len(pool) - 1} left out (at most {KEEP_LOGS_MAX} "
+                    "per pool); read them with pool.log(i) in the test",
+                )
+            )
         return sections
 
     def close(self) -> list:
@@ -161,8 +178,7 @@ def remaining(processes: dict, cgroups: list, wait: float) -> list:
     directories still exist, waiting up to `wait` seconds for them to go."""
     deadline = time.monotonic() + wait
     while True:
-        left = [f"process {pid} ({what})" for pid, start in sorted(processes.items())
-                if (what := _running(pid, start))]
+        left = [f"process {pid} ({what})" for pid, start in sorted(processes.items()) if (what := _running(pid, start))]
         left += [f"cgroup {path}" for path in cgroups if os.path.isdir(path)]
         if not left or time.monotonic() >= deadline:
             return left

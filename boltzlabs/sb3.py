@@ -37,7 +37,9 @@ try:
     from stable_baselines3.common.vec_env.base_vec_env import VecEnv
     from stable_baselines3.common.vec_env.util import dict_to_obs, obs_space_info
 except ImportError as exc:  # pragma: no cover - depends on the install
-    raise ImportError("boltzlabs.sb3 needs Stable-Baselines3: pip install -e '.[sb3]' in a checkout of boltzlabs") from exc
+    raise ImportError(
+        "boltzlabs.sb3 needs Stable-Baselines3: pip install -e '.[sb3]' in a checkout of boltzlabs"
+    ) from exc
 
 from boltzlabs.pool.client import RLPool
 from boltzlabs.runtime.serve import WRAPPER_CLASSES
@@ -71,16 +73,28 @@ class BoltzLabsSB3VecEnv(VecEnv):
     SubprocVecEnv's and does nothing here.
     """
 
-    def __init__(self, source, n_envs: int | None = None, *, observation_space=None, action_space=None,
-                 start_method=None, **pool_kwargs):
+    def __init__(
+        self,
+        source,
+        n_envs: int | None = None,
+        *,
+        observation_space=None,
+        action_space=None,
+        start_method=None,
+        **pool_kwargs,
+    ):
         if isinstance(source, ClusterPool) or pool_kwargs.get("cluster") is not None:
-            raise TypeError("BoltzLabsSB3VecEnv runs on one worker's RLPool; a cluster pool (RLPool(cluster=...)) "
-                            "is not supported: drop cluster=, or use RLPool(..., worker='tcp://...') for a remote one")
+            raise TypeError(
+                "BoltzLabsSB3VecEnv runs on one worker's RLPool; a cluster pool (RLPool(cluster=...)) "
+                "is not supported: drop cluster=, or use RLPool(..., worker='tcp://...') for a remote one"
+            )
         rebuild = None
         if isinstance(source, RLPool):
             if n_envs is not None or pool_kwargs:
-                raise TypeError("BoltzLabsSB3VecEnv(pool) takes an open RLPool alone; n_envs and pool options "
-                                "go with a source: BoltzLabsSB3VecEnv('CartPole-v1', 8, step_timeout=5)")
+                raise TypeError(
+                    "BoltzLabsSB3VecEnv(pool) takes an open RLPool alone; n_envs and pool options "
+                    "go with a source: BoltzLabsSB3VecEnv('CartPole-v1', 8, step_timeout=5)"
+                )
             pool = source
         elif isinstance(source, (list, tuple)):
             pool = RLPool(list(source), len(source) if n_envs is None else n_envs, **pool_kwargs)
@@ -101,9 +115,11 @@ class BoltzLabsSB3VecEnv(VecEnv):
         self.pool = pool
         contract = pool.env_contract
         observation_space = observation_space or space_or_rebuild(
-            contract.observation_space, "observation_space", rebuild, "BoltzLabsSB3VecEnv")
-        action_space = action_space or space_or_rebuild(contract.action_space, "action_space", rebuild,
-                                                        "BoltzLabsSB3VecEnv")
+            contract.observation_space, "observation_space", rebuild, "BoltzLabsSB3VecEnv"
+        )
+        action_space = action_space or space_or_rebuild(
+            contract.action_space, "action_space", rebuild, "BoltzLabsSB3VecEnv"
+        )
         self._waiting = False
         # super().__init__ asks get_attr("render_mode"), answered from the contract.
         super().__init__(pool.n, observation_space, action_space)
@@ -216,14 +232,17 @@ class BoltzLabsSB3VecEnv(VecEnv):
         if not lanes or offered is None or WRAPPER_CLASSES not in offered["methods"]:
             return [False] * len(lanes)
         name = f"{wrapper_class.__module__}.{wrapper_class.__qualname__}"
-        return [isinstance(classes, list) and name in classes
-                for classes in self.pool.call(WRAPPER_CLASSES, env_ids=lanes)]
+        return [
+            isinstance(classes, list) and name in classes for classes in self.pool.call(WRAPPER_CLASSES, env_ids=lanes)
+        ]
 
     def get_images(self) -> Sequence[np.ndarray | None]:
         """Each env's frame (render_mode "rgb_array"), in one request."""
         if self.render_mode != "rgb_array":
-            warnings.warn(f"The render mode is {self.render_mode}, but this method assumes it is `rgb_array` "
-                          "to obtain images.", stacklevel=2)
+            warnings.warn(
+                f"The render mode is {self.render_mode}, but this method assumes it is `rgb_array` to obtain images.",
+                stacklevel=2,
+            )
             return [None] * self.num_envs
         return self.pool.render_all()
 
@@ -248,8 +267,11 @@ class BoltzLabsSB3VecEnv(VecEnv):
         for i in lanes:
             info = pool.reset_infos[i]
             if obs[i] is None and "error" in info:
-                raise EnvError(f"env {i} of {pool.source} could not be reset: {info.get('error')}; "
-                               f"its output: pool.log({i}). Fix the env, or close this VecEnv.", env_index=i)
+                raise EnvError(
+                    f"env {i} of {pool.source} could not be reset: {info.get('error')}; "
+                    f"its output: pool.log({i}). Fix the env, or close this VecEnv.",
+                    env_index=i,
+                )
             error = self._save_obs(i, obs[i])
             if error is not None:
                 raise EnvError(f"env {i} of {pool.source}: its reset: {error}", env_index=i)
@@ -267,8 +289,10 @@ class BoltzLabsSB3VecEnv(VecEnv):
                 self.buf_obs[key][i] = value
         except (ValueError, TypeError, KeyError, IndexError, OverflowError) as exc:
             where = "" if key is None else f"[{key!r}]"
-            return (f"the env sent an observation{where} that does not fit {self.observation_space}: "
-                    f"{type(exc).__name__}: {str(exc)[:200]}")
+            return (
+                f"the env sent an observation{where} that does not fit {self.observation_space}: "
+                f"{type(exc).__name__}: {str(exc)[:200]}"
+            )
         return None
 
     def _obs_from_buf(self):

@@ -39,8 +39,17 @@ from dataclasses import dataclass
 
 from boltzlabs import wire
 
-__all__ = ["assert_reproducible", "NotReproducible", "EpisodeFailed", "Episode", "Difference",
-           "first_difference", "AFTER_HARD_RESET", "ACROSS_POOLS", "ACTION_SEED"]
+__all__ = [
+    "assert_reproducible",
+    "NotReproducible",
+    "EpisodeFailed",
+    "Episode",
+    "Difference",
+    "first_difference",
+    "AFTER_HARD_RESET",
+    "ACROSS_POOLS",
+    "ACTION_SEED",
+]
 
 AFTER_HARD_RESET = "after hard reset"
 ACROSS_POOLS = "across pools"
@@ -101,8 +110,16 @@ class Episode:
 
     def add_step(self, obs, reward: float, terminated: bool, truncated: bool, info) -> None:
         """Record one step's results, as the env returned them."""
-        self._add("step", (("obs", obs), ("reward", float(reward)), ("terminated", bool(terminated)),
-                           ("truncated", bool(truncated)), ("info", info)))
+        self._add(
+            "step",
+            (
+                ("obs", obs),
+                ("reward", float(reward)),
+                ("terminated", bool(terminated)),
+                ("truncated", bool(truncated)),
+                ("info", info),
+            ),
+        )
 
     def _add(self, kind: str, fields: tuple) -> None:
         encode = wire.encode
@@ -147,8 +164,9 @@ def first_difference(a: Episode, b: Episode) -> Difference | None:
                 path, first, then = _locate(va, vb, name)
                 return Difference(t, a.kinds[t], name, path, first, then)
     if len(a.records) != len(b.records):
-        return Difference(min(len(a.records), len(b.records)), "length", "length", "the number of steps",
-                          a.steps, b.steps)
+        return Difference(
+            min(len(a.records), len(b.records)), "length", "length", "the number of steps", a.steps, b.steps
+        )
     return None
 
 
@@ -172,8 +190,13 @@ def _locate(a, b, path: str, depth: int = 0):
                 return _locate(x, y, f"{path}[{i}]", depth + 1)
         i = min(len(a), len(b))
         return f"{path}[{i}]", a[i] if i < len(a) else MISSING, b[i] if i < len(b) else MISSING
-    if type(a).__name__ == "ndarray" and type(b).__name__ == "ndarray" and a.dtype == b.dtype \
-            and a.shape == b.shape and a.size:
+    if (
+        type(a).__name__ == "ndarray"
+        and type(b).__name__ == "ndarray"
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.size
+    ):
         return _locate_in_array(a, b, path)
     return path, a, b
 
@@ -204,8 +227,10 @@ def _locate_in_array(a, b, path: str):
 
 # -- what a failure says ----------------------------------------------------------------------
 
-_REMEDY = ("An env must take all its randomness from the seed given to reset (no clock, os.urandom, "
-           "uuid.uuid4 or unseeded random.Random())")
+_REMEDY = (
+    "An env must take all its randomness from the seed given to reset (no clock, os.urandom, "
+    "uuid.uuid4 or unseeded random.Random())"
+)
 
 
 class NotReproducible(AssertionError):
@@ -232,18 +257,24 @@ class NotReproducible(AssertionError):
             how = f"replayed with reset(seed={self.seed}, hard=True) and the same actions"
         else:
             how = "replayed in a second, fresh pool with the same seed and actions"
-        head = f"not reproducible {self.comparison}: lane {self.lane} (seed {self.seed}), {how}, gave a different " \
-               "episode: "
+        head = (
+            f"not reproducible {self.comparison}: lane {self.lane} (seed {self.seed}), {how}, gave a different "
+            "episode: "
+        )
         if d.kind == "length":
             return head + f"the first run had {d.first} steps, the other {d.then}. {_REMEDY}."
         where = {"reset": " (the reset)", "autoreset": " (an autoreset, seed None, after the episode ended)"}
         field = f"{'reset ' if d.kind != 'step' else ''}{d.field}"
-        text = (f"at step {d.step}{where.get(d.kind, '')} the {field} differs at {d.path}: first {_short(d.first)}, "
-                f"then {_short(d.then)}. {_REMEDY}.")
+        text = (
+            f"at step {d.step}{where.get(d.kind, '')} the {field} differs at {d.path}: first {_short(d.first)}, "
+            f"then {_short(d.then)}. {_REMEDY}."
+        )
         if self.comparison == ACROSS_POOLS:
-            text += (" A hard reset replayed the episode, so this was drawn before the env's first reset, e.g. at "
-                     "import: in template mode every env and every hard reset inherits what the template drew "
-                     "there. Seed in reset.")
+            text += (
+                " A hard reset replayed the episode, so this was drawn before the env's first reset, e.g. at "
+                "import: in template mode every env and every hard reset inherits what the template drew "
+                "there. Seed in reset."
+            )
         return head + text
 
 
@@ -254,8 +285,10 @@ class EpisodeFailed(AssertionError):
 
     def __init__(self, *, lane: int, seed, step: int, run: str, error: str, log: str = ""):
         self.lane, self.seed, self.step, self.run, self.error = lane, seed, step, run, str(error)
-        text = (f"lane {lane} (seed {seed}) failed at step {step}{' (the reset)' if step == 0 else ''} of "
-                f"{run}: {_tail(self.error, 4000)}")
+        text = (
+            f"lane {lane} (seed {seed}) failed at step {step}{' (the reset)' if step == 0 else ''} of "
+            f"{run}: {_tail(self.error, 4000)}"
+        )
         if log:
             text += f"\n--- the tail of env {lane}'s log ---\n{_tail(log, 2000)}\n--- end ---"
         super().__init__(text + "\nFix the env so that it answers every reset and step of the episode.")
@@ -296,8 +329,7 @@ def assert_reproducible(source, *, seeds=(0, 1, 2, 3), steps: int = 100, actions
     with RLPool(source, n, **pool_kwargs) as pool:
         plan.resolve(pool.env_contract)
         first = _run(pool, seeds, steps, plan, hard=False, run="the first run")
-        _compare(first, _run(pool, seeds, steps, plan, hard=True, run="the run after a hard reset"),
-                 AFTER_HARD_RESET)
+        _compare(first, _run(pool, seeds, steps, plan, hard=True, run="the run after a hard reset"), AFTER_HARD_RESET)
     with RLPool(source, n, **pool_kwargs) as pool:
         _compare(first, _run(pool, seeds, steps, plan, hard=False, run="the run in a second pool"), ACROSS_POOLS)
 
@@ -314,8 +346,11 @@ def _check_seeds(seeds) -> list:
 
 def _compare(first: list, other: list, comparison: str) -> None:
     """Raise NotReproducible at the earliest step where any lane differs."""
-    found = [(d.step, lane.lane, d, lane.seed) for lane, again in zip(first, other)
-             if (d := first_difference(lane, again)) is not None]
+    found = [
+        (d.step, lane.lane, d, lane.seed)
+        for lane, again in zip(first, other)
+        if (d := first_difference(lane, again)) is not None
+    ]
     if found:
         _, lane, difference, seed = min(found, key=lambda f: f[:2])
         raise NotReproducible(difference, lane=lane, seed=seed, comparison=comparison)
@@ -368,11 +403,15 @@ class _Plan:
         try:
             given = len(actions)
         except TypeError:
-            raise TypeError("actions must be None (sampled from the action space), a list of per-step action "
-                            f"lists, or a callable (step, obs) -> actions; not {type(actions).__name__}") from None
+            raise TypeError(
+                "actions must be None (sampled from the action space), a list of per-step action "
+                f"lists, or a callable (step, obs) -> actions; not {type(actions).__name__}"
+            ) from None
         if given < steps:
-            raise ValueError(f"actions has {given} step(s) of actions but steps={steps}: give one list of {n} "
-                             "actions per step, or fewer steps")
+            raise ValueError(
+                f"actions has {given} step(s) of actions but steps={steps}: give one list of {n} "
+                "actions per step, or fewer steps"
+            )
         self.table = [self._checked(actions[t], t + 1) for t in range(steps)]
 
     def resolve(self, contract) -> None:
@@ -381,16 +420,20 @@ class _Plan:
             return
         spec = contract.action_space
         if spec is None:
-            raise ValueError(f"the env {contract.id!r} declares no action_space, so actions cannot be sampled: "
-                             "pass actions= (a list of per-step action lists, or a callable (step, obs) -> "
-                             "actions), or declare serve(..., action_space=...)")
+            raise ValueError(
+                f"the env {contract.id!r} declares no action_space, so actions cannot be sampled: "
+                "pass actions= (a list of per-step action lists, or a callable (step, obs) -> "
+                "actions), or declare serve(..., action_space=...)"
+            )
         try:
             from boltzlabs.pool.spaces import from_spec
 
             space = from_spec(spec)
         except ImportError:
-            raise ValueError("sampling actions from the env's action space needs Gymnasium: pip install "
-                             "-e '.[gym]' in a checkout of boltzlabs, or pass actions=") from None
+            raise ValueError(
+                "sampling actions from the env's action space needs Gymnasium: pip install "
+                "-e '.[gym]' in a checkout of boltzlabs, or pass actions="
+            ) from None
         space.seed(ACTION_SEED)
         self.table = [[space.sample() for _ in range(self.n)] for _ in range(self.steps)]
 
@@ -406,8 +449,10 @@ class _Plan:
         try:
             got = len(actions)
         except TypeError:
-            raise TypeError(f"the actions for step {t} must be a list of {self.n} actions (one per seed), not "
-                            f"{type(actions).__name__}") from None
+            raise TypeError(
+                f"the actions for step {t} must be a list of {self.n} actions (one per seed), not "
+                f"{type(actions).__name__}"
+            ) from None
         if got != self.n:
             raise ValueError(f"the actions for step {t} are {got}, but there are {self.n} lanes (one per seed)")
         return list(actions)

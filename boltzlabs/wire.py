@@ -121,8 +121,6 @@ WARMED = 45  # template -> worker: [WARMED, {imported, failed, refused, import_s
 PROBED = 46
 
 
-
-
 def error_frame(seq: int, exc: BaseException) -> list[Any]:
     """The worker's ERROR frame for an exception it caught: [ERROR, seq, category, text, detail], the
     category decided by errors.category_of. A start failure's detail names the env, its log, how many
@@ -159,8 +157,12 @@ _MAX_NDIM = 32  # NumPy 1.x's NPY_MAXDIMS
 # The size an array's shape may describe, empty dimensions counted as 1. A
 # real array is at most one frame; 2**40 leaves NumPy's intp far away.
 _MAX_ARRAY_BYTES = 1 << 40
-_NUMERIC = frozenset([("b", 1)] + [(k, s) for k in "iu" for s in (1, 2, 4, 8)]
-                     + [("f", s) for s in (2, 4, 8, 16)] + [("c", s) for s in (8, 16, 32)])
+_NUMERIC = frozenset(
+    [("b", 1)]
+    + [(k, s) for k in "iu" for s in (1, 2, 4, 8)]
+    + [("f", s) for s in (2, 4, 8, 16)]
+    + [("c", s) for s in (8, 16, 32)]
+)
 
 
 def _array_ext(array: Any, code: int = ARRAY_EXT) -> Any:
@@ -194,17 +196,23 @@ def check_array_header(data: bytes, max_bytes: int = _MAX_ARRAY_BYTES) -> Any:
     if start > len(data):
         raise ValueError("array ext header runs past the payload")
     try:
-        text = bytes(data[_HEAD.size:start]).decode("ascii").rstrip(" ")
+        text = bytes(data[_HEAD.size : start]).decode("ascii").rstrip(" ")
     except UnicodeDecodeError:
         raise ValueError("array ext header is not ASCII") from None
     dtype, colon, dims = text.partition(":")
-    if (not colon or len(dtype) < 3 or len(dtype) > 4 or dtype[0] not in "<>|" or not dtype[2:].isdigit()
-            or not dtype[2:].isascii() or (dtype[1], int(dtype[2:])) not in _NUMERIC):
+    if (
+        not colon
+        or len(dtype) < 3
+        or len(dtype) > 4
+        or dtype[0] not in "<>|"
+        or not dtype[2:].isdigit()
+        or not dtype[2:].isascii()
+        or (dtype[1], int(dtype[2:])) not in _NUMERIC
+    ):
         raise ValueError(f"array ext has an unsupported dtype {dtype[:16]!r}")
     parts = dims.split(",") if dims else []
     if len(parts) > _MAX_NDIM or not all(p.isdigit() and p.isascii() and len(p) <= 19 for p in parts):
-        raise ValueError(f"array ext has a bad shape {dims[:100]!r} (at most {_MAX_NDIM} dimensions of "
-                         "decimal digits)")
+        raise ValueError(f"array ext has a bad shape {dims[:100]!r} (at most {_MAX_NDIM} dimensions of decimal digits)")
     shape = tuple(int(p) for p in parts)
     itemsize = int(dtype[2:])
     # Python ints do not overflow; each step is checked against the cap so
@@ -214,8 +222,10 @@ def check_array_header(data: bytes, max_bytes: int = _MAX_ARRAY_BYTES) -> Any:
         nbytes *= dim
         virtual *= dim or 1
         if virtual > max_bytes:
-            raise ValueError(f"array ext of shape {shape[:_MAX_NDIM]} and dtype {dtype} is too big: "
-                             f"over {max_bytes} bytes even counting empty dimensions as 1")
+            raise ValueError(
+                f"array ext of shape {shape[:_MAX_NDIM]} and dtype {dtype} is too big: "
+                f"over {max_bytes} bytes even counting empty dimensions as 1"
+            )
     if nbytes != len(data) - start:
         raise ValueError(f"array ext of shape {shape} and dtype {dtype} does not match its {len(data) - start} bytes")
     return dtype, shape, start
@@ -288,8 +298,10 @@ _nesting = [0]  # tuples being packed inside one another
 def _pack_items(items: Any) -> bytes:
     # A packer is not reentrant: a tuple's items are packed by a fresh one.
     if _nesting[0] >= MAX_TUPLE_NESTING:
-        raise ValueError(f"tuples nested more than {MAX_TUPLE_NESTING} deep cannot be sent (MAX_TUPLE_NESTING): "
-                         "use lists for deep structures")
+        raise ValueError(
+            f"tuples nested more than {MAX_TUPLE_NESTING} deep cannot be sent (MAX_TUPLE_NESTING): "
+            "use lists for deep structures"
+        )
     _nesting[0] += 1
     try:
         return msgpack.packb(list(items), default=_default, use_bin_type=True, strict_types=True)  # type: ignore[no-any-return]
@@ -356,8 +368,22 @@ SLOT_SEQ = struct.Struct("<Q")  # the seq alone, at offset 8
 SLOT_HEADER_SIZE = 64
 SLOT_ALIGN = 64
 # The Box dtypes a slot holds (the spec's str(dtype)): their item sizes, no NumPy needed.
-_SLOT_DTYPES = {"bool": 1, "int8": 1, "uint8": 1, "int16": 2, "uint16": 2, "int32": 4, "uint32": 4, "int64": 8,
-                "uint64": 8, "float16": 2, "float32": 4, "float64": 8, "complex64": 8, "complex128": 16}
+_SLOT_DTYPES = {
+    "bool": 1,
+    "int8": 1,
+    "uint8": 1,
+    "int16": 2,
+    "uint16": 2,
+    "int32": 4,
+    "uint32": 4,
+    "int64": 8,
+    "uint64": 8,
+    "float16": 2,
+    "float32": 4,
+    "float64": 8,
+    "complex64": 8,
+    "complex128": 16,
+}
 
 
 class Slot:
@@ -387,8 +413,10 @@ class SlotLayout:
 
     def describe(self) -> dict[str, Any]:
         """Plain data for the READY (the client builds its views from it)."""
-        return {"leaves": [[list(path), dtype, list(shape), offset] for path, dtype, shape, offset in self.leaves],
-                "size": self.size}
+        return {
+            "leaves": [[list(path), dtype, list(shape), offset] for path, dtype, shape, offset in self.leaves],
+            "size": self.size,
+        }
 
 
 def slot_layout(spec: Any, max_bytes: int) -> SlotLayout | None:
@@ -406,8 +434,12 @@ def slot_layout(spec: Any, max_bytes: int) -> SlotLayout | None:
         kind = node.get("type")
         if kind == "Box":
             shape, dtype = node.get("shape"), node.get("dtype")
-            if (type(shape) is not list or len(shape) > 32 or dtype not in _SLOT_DTYPES
-                    or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape)):
+            if (
+                type(shape) is not list
+                or len(shape) > 32
+                or dtype not in _SLOT_DTYPES
+                or not all(type(d) is int and 0 <= d < 1 << 40 for d in shape)
+            ):
                 return None
             leaves.append((path, dtype, tuple(shape)))
         elif kind == "Dict":
@@ -465,12 +497,19 @@ class Limits:
     (no recursion), after the decode.
     """
 
-    __slots__ = ("max_frame", "kwargs", "max_depth", "max_objects", "guarded", "_count", "made", "_inner",
-                 "slot_marks")
+    __slots__ = ("max_frame", "kwargs", "max_depth", "max_objects", "guarded", "_count", "made", "_inner", "slot_marks")
 
-    def __init__(self, max_frame: int, max_str_len: int | None = None, max_bin_len: int | None = None,
-                 max_array_len: int | None = None, max_map_len: int | None = None, arrays: str = "decode",
-                 max_depth: int | None = None, max_objects: int | None = None) -> None:
+    def __init__(
+        self,
+        max_frame: int,
+        max_str_len: int | None = None,
+        max_bin_len: int | None = None,
+        max_array_len: int | None = None,
+        max_map_len: int | None = None,
+        arrays: str = "decode",
+        max_depth: int | None = None,
+        max_objects: int | None = None,
+    ) -> None:
         self.max_frame = int(max_frame)
         cap = self.max_frame
 
@@ -551,6 +590,7 @@ def _ext_hook(mode: str, inner: list[Any], marks: list[Any]) -> Any:
 
     # Hot path: an array is the common ext, tested first, decoded inline.
     if check_only:
+
         def hook(code: int, data: bytes) -> Any:
             if code == ARRAY_EXT:
                 check_array_header(data)
@@ -564,6 +604,7 @@ def _ext_hook(mode: str, inner: list[Any], marks: list[Any]) -> Any:
                 return msgpack.ExtType(code, data)
             raise ValueError(f"unknown msgpack extension type {code}")
     else:
+
         def hook(code: int, data: bytes) -> Any:
             if code == ARRAY_EXT:
                 dtype, shape, start = check_array_header(data)
@@ -581,6 +622,7 @@ def _ext_hook(mode: str, inner: list[Any], marks: list[Any]) -> Any:
                     raise ValueError(f"slot ext of {len(data)} bytes (a seq is 8)")
                 return Slot(int.from_bytes(data, "little"))
             return msgpack.ExtType(code, data)
+
     if _native is not None:
         # Arrays and numpy scalars in C; a tuple, any other code and any header C
         # refuses go to the Python hook above (its caps, its error messages).
@@ -592,8 +634,6 @@ def _ext_hook(mode: str, inner: list[Any], marks: list[Any]) -> Any:
 # and decoded again, it stays under msgpack's 1024-level stack in C, and
 # under Python's default recursion limit (1000) for code that walks it.
 MAX_DEPTH = 512
-
-
 
 
 def _too_deep(message: Any, limit: int) -> bool:
@@ -635,8 +675,10 @@ def decode(body: Any, limits: Limits) -> Any:
                 inner[0] = limits.kwargs
                 limits.made += count[0]
     except TooMany:
-        error = (f"frame holds more than {limits.max_objects} objects (lists, maps and their items); "
-                 "send big data as numpy arrays or bytes")
+        error = (
+            f"frame holds more than {limits.max_objects} objects (lists, maps and their items); "
+            "send big data as numpy arrays or bytes"
+        )
     except Exception as exc:  # msgpack raises several types for bad input
         error = f"malformed frame ({type(exc).__name__}: {exc})"
         if type(exc).__name__ == "StackError":
@@ -647,8 +689,13 @@ def decode(body: Any, limits: Limits) -> Any:
             error = "frame is not a message (an array led by an integer code)"
         elif guarded is not None and limits._count[1] > limits.max_depth and _too_deep(message, limits.max_depth):  # type: ignore[arg-type,operator]
             error = f"frame is nested deeper than {limits.max_depth} levels (limits.max_depth)"
-        elif marks[0] > 0 and not (marks[0] == 1 and message[0] in (STEPPED, RESET_DONE) and len(message) > 2
-                                   and type(message[2]) is msgpack.ExtType and message[2].code == SLOT_EXT):
+        elif marks[0] > 0 and not (
+            marks[0] == 1
+            and message[0] in (STEPPED, RESET_DONE)
+            and len(message) > 2
+            and type(message[2]) is msgpack.ExtType
+            and message[2].code == SLOT_EXT
+        ):
             error = "frame holds a slot marker (SLOT_EXT) where no observation goes: only a step's or a reset's obs may be one"
     if error is not None:
         message = None
@@ -681,7 +728,7 @@ class FrameReader:
     __slots__ = ("limits", "_buf", "_allocate", "_frame", "_have")
     DIRECT_MIN = 1 << 18
 
-    def __init__(self, limits: Limits, allocate: Any=None) -> None:
+    def __init__(self, limits: Limits, allocate: Any = None) -> None:
         self.limits = limits
         self._buf = bytearray()
         self._allocate = allocate
@@ -698,7 +745,7 @@ class FrameReader:
         (release it before the next call), or None: then read and feed()."""
         if self._frame is None:
             return None
-        return memoryview(self._frame).cast("B")[self._have:]
+        return memoryview(self._frame).cast("B")[self._have :]
 
     def filled(self, n: int) -> list[Any]:
         """n bytes were read into room(): the frame's message once it is whole."""
@@ -738,11 +785,11 @@ class FrameReader:
                     self._frame = self._allocate(4 + length)
                     self._have = end - start
                     with memoryview(self._frame) as into:
-                        into.cast("B")[:self._have] = buf[start:end]
+                        into.cast("B")[: self._have] = buf[start:end]
                     start = end
                 break
             with memoryview(buf) as view:
-                out.append(decode(view[start + 4:start + 4 + length], self.limits))
+                out.append(decode(view[start + 4 : start + 4 + length], self.limits))
             start += 4 + length
         if start:
             del buf[:start]

@@ -71,10 +71,20 @@ class Agent(nn.Module):
     def __init__(self, envs):
         super().__init__()
         n_obs, n_actions = int(np.prod(envs.single_observation_space.shape)), envs.single_action_space.n
-        self.critic = nn.Sequential(layer_init(nn.Linear(n_obs, 64)), nn.Tanh(), layer_init(nn.Linear(64, 64)),
-                                    nn.Tanh(), layer_init(nn.Linear(64, 1), std=1.0))
-        self.actor = nn.Sequential(layer_init(nn.Linear(n_obs, 64)), nn.Tanh(), layer_init(nn.Linear(64, 64)),
-                                   nn.Tanh(), layer_init(nn.Linear(64, n_actions), std=0.01))
+        self.critic = nn.Sequential(
+            layer_init(nn.Linear(n_obs, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, 1), std=1.0),
+        )
+        self.actor = nn.Sequential(
+            layer_init(nn.Linear(n_obs, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, 64)),
+            nn.Tanh(),
+            layer_init(nn.Linear(64, n_actions), std=0.01),
+        )
 
     def get_value(self, x):
         return self.critic(x)
@@ -97,8 +107,10 @@ def main(argv=None) -> list:
     np.random.seed(args.seed)
 
     VectorEnv = gym.vector.AsyncVectorEnv if args.vector_env == "async" else BoltzLabsVecEnv
-    envs = VectorEnv([make_env(args.env_id, i, args.seed) for i in range(args.num_envs)],
-                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+    envs = VectorEnv(
+        [make_env(args.env_id, i, args.seed) for i in range(args.num_envs)],
+        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
+    )
 
     agent = Agent(envs)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)
@@ -146,12 +158,13 @@ def main(argv=None) -> list:
         for _ in range(args.update_epochs):
             np.random.shuffle(b_inds)
             for begin in range(0, batch_size, minibatch_size):
-                mb = b_inds[begin:begin + minibatch_size]
+                mb = b_inds[begin : begin + minibatch_size]
                 _, newlogprob, entropy, newvalue = agent.get_action_and_value(b_obs[mb], b_actions.long()[mb])
                 ratio = (newlogprob - b_logprobs[mb]).exp()
                 mb_adv = (b_advantages[mb] - b_advantages[mb].mean()) / (b_advantages[mb].std() + 1e-8)
-                pg_loss = torch.max(-mb_adv * ratio,
-                                    -mb_adv * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)).mean()
+                pg_loss = torch.max(
+                    -mb_adv * ratio, -mb_adv * torch.clamp(ratio, 1 - args.clip_coef, 1 + args.clip_coef)
+                ).mean()
                 v_loss = 0.5 * ((newvalue.view(-1) - b_returns[mb]) ** 2).mean()
                 loss = pg_loss - args.ent_coef * entropy.mean() + v_loss * args.vf_coef
                 optimizer.zero_grad()

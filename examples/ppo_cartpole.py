@@ -111,7 +111,7 @@ def train(args) -> tuple[list, list]:
         for _ in range(args.epochs):
             order = torch.randperm(batch)
             for start in range(0, batch, batch // args.minibatches):
-                idx = order[start:start + batch // args.minibatches]
+                idx = order[start : start + batch // args.minibatches]
                 _, logp, entropy, value = agent.act(b_obs[idx], b_act[idx].long())
                 ratio = (logp - b_logp[idx]).exp()
                 adv = (b_adv[idx] - b_adv[idx].mean()) / (b_adv[idx].std() + 1e-8)
@@ -126,9 +126,12 @@ def train(args) -> tuple[list, list]:
         recent = curve_returns[-20:]
         if (update + 1) % 25 and update + 1 != updates:
             continue
-        print(f"update {update + 1}/{updates}  steps {step}  "
-              f"mean return (last 20 episodes) {np.mean(recent) if recent else float('nan'):.1f}  "
-              f"{step / (time.perf_counter() - started):.0f} steps/s", flush=True)
+        print(
+            f"update {update + 1}/{updates}  steps {step}  "
+            f"mean return (last 20 episodes) {np.mean(recent) if recent else float('nan'):.1f}  "
+            f"{step / (time.perf_counter() - started):.0f} steps/s",
+            flush=True,
+        )
     envs.close()
     return curve_steps, curve_returns
 
@@ -144,7 +147,7 @@ def plot(steps, returns, path: Path, envs: int) -> None:
     if len(returns) >= 20:
         window = 20
         smooth = np.convolve(returns, np.ones(window) / window, mode="valid")
-        ax.plot(steps[window - 1:], smooth, color="C1", linewidth=2, label=f"mean of {window} episodes")
+        ax.plot(steps[window - 1 :], smooth, color="C1", linewidth=2, label=f"mean of {window} episodes")
     ax.set_xlabel("environment steps")
     ax.set_ylabel("episode return")
     ax.set_title(f"PPO on CartPole-v1, {envs} envs in bubblewrap sandboxes (BoltzLabsVecEnv)")

@@ -1,7 +1,7 @@
 """The main job: the example env at scale, with timing and envs_per_gb().
 
-    python examples/run_pool.py            # 1000 envs, 300 steps
-    python examples/run_pool.py -n 64 --steps 1000
+python examples/run_pool.py            # 1000 envs, 300 steps
+python examples/run_pool.py -n 64 --steps 1000
 """
 
 import argparse
@@ -38,8 +38,10 @@ def main() -> None:
                 obs = pool.reset(where=dones)
         elapsed = time.perf_counter() - began
         print(f"last step: {pool.timing}")
-        print(f"{args.steps} steps x {args.n} envs in {elapsed:.2f} s: "
-              f"{args.steps * args.n / elapsed:,.0f} env-steps/s, {episodes} episodes finished")
+        print(
+            f"{args.steps} steps x {args.n} envs in {elapsed:.2f} s: "
+            f"{args.steps * args.n / elapsed:,.0f} env-steps/s, {episodes} episodes finished"
+        )
         print(f"mean per step: worker {worker_ms / args.steps:.2f} ms, roundtrip {roundtrip_ms / args.steps:.2f} ms")
         memory = pool.memory()
         print(f"memory per env: {memory.mean / 2**20:.2f} MiB ({memory.source})")

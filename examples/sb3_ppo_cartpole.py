@@ -84,10 +84,21 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)  # leave the cores to the sandboxes
     venv = VecMonitor(BoltzLabsSB3VecEnv("CartPole-v1", args.n_envs))
     # rl-baselines3-zoo's CartPole-v1 PPO (its learning rate and clip range decay linearly).
-    model = PPO("MlpPolicy", venv, n_steps=args.n_steps, batch_size=min(256, args.n_steps * args.n_envs),
-                gae_lambda=0.8, gamma=0.98, n_epochs=20, ent_coef=0.0,
-                learning_rate=lambda left: left * 1e-3, clip_range=lambda left: left * 0.2,
-                seed=args.seed, device="cpu", verbose=0)
+    model = PPO(
+        "MlpPolicy",
+        venv,
+        n_steps=args.n_steps,
+        batch_size=min(256, args.n_steps * args.n_envs),
+        gae_lambda=0.8,
+        gamma=0.98,
+        n_epochs=20,
+        ent_coef=0.0,
+        learning_rate=lambda left: left * 1e-3,
+        clip_range=lambda left: left * 0.2,
+        seed=args.seed,
+        device="cpu",
+        verbose=0,
+    )
     curve = LearningCurve(args.out)
     started = time.perf_counter()
     try:
@@ -98,8 +109,10 @@ def main(argv=None) -> None:
     last = curve.rows[-1] if curve.rows else (0, 0, math.nan, 0.0)
     png = args.out.with_suffix(".png")
     drew = plot(curve.rows, png) if curve.rows else False
-    print(f"{last[0]} steps in {seconds:.1f} s ({last[0] / seconds:.0f} steps/s), {last[1]} episodes; "
-          f"mean return of the last 100: {last[2]:.1f}")
+    print(
+        f"{last[0]} steps in {seconds:.1f} s ({last[0] / seconds:.0f} steps/s), {last[1]} episodes; "
+        f"mean return of the last 100: {last[2]:.1f}"
+    )
     print(f"learning curve: {args.out}" + (f" and {png}" if drew else " (no PNG: matplotlib is not installed)"))
 
 

@@ -52,9 +52,19 @@ def main(argv=None) -> PPO:
 
     venv = VecMonitor(BoltzLabsSB3VecEnv([make_env(i, args.seed) for i in range(args.n_envs)]))
     venv.seed(args.seed)
-    model = PPO("CnnPolicy", venv, n_steps=args.n_steps, n_epochs=4, batch_size=min(256, args.n_steps * args.n_envs),
-                learning_rate=lambda progress: 2.5e-4 * progress, clip_range=lambda progress: 0.1 * progress,
-                ent_coef=0.01, vf_coef=0.5, seed=args.seed, verbose=1)
+    model = PPO(
+        "CnnPolicy",
+        venv,
+        n_steps=args.n_steps,
+        n_epochs=4,
+        batch_size=min(256, args.n_steps * args.n_envs),
+        learning_rate=lambda progress: 2.5e-4 * progress,
+        clip_range=lambda progress: 0.1 * progress,
+        ent_coef=0.01,
+        vf_coef=0.5,
+        seed=args.seed,
+        verbose=1,
+    )
     try:
         model.learn(total_timesteps=args.timesteps)
         if args.save:

@@ -31,8 +31,14 @@ NO_SANDBOX = {"test_lanes.py", "test_layout.py", "test_wire.py", "test_benchmark
 # What bubblewrap says when the kernel refuses it a user namespace (sysctls, an LSM, a container):
 # only these, and no bwrap at all, skip. Any other failure runs the tests, which then fail loudly:
 # a loaded host's slow or failed bwrap must not turn the suite into skips.
-_NO_USERNS = ("no permission to create", "operation not permitted", "permission denied",
-              "user namespaces", "no space left on device", "creating new namespace failed")
+_NO_USERNS = (
+    "no permission to create",
+    "operation not permitted",
+    "permission denied",
+    "user namespaces",
+    "no space left on device",
+    "creating new namespace failed",
+)
 
 
 @functools.cache
@@ -43,13 +49,16 @@ def sandbox_missing() -> str:
     if bwrap is None:
         return "bubblewrap (bwrap) is not on PATH: apt-get install bubblewrap (`boltzlabs doctor` checks the host)"
     try:
-        out = subprocess.run([bwrap, "--unshare-user", "--ro-bind", "/", "/", "true"], capture_output=True,
-                             text=True, timeout=60)
+        out = subprocess.run(
+            [bwrap, "--unshare-user", "--ro-bind", "/", "/", "true"], capture_output=True, text=True, timeout=60
+        )
     except (OSError, subprocess.TimeoutExpired):
         return ""  # not a missing feature: let the tests say what is wrong
     if out.returncode != 0 and any(words in out.stderr.lower() for words in _NO_USERNS):
-        return (f"bubblewrap cannot make a user namespace here ({out.stderr.strip()[:200]}): enable unprivileged "
-                "user namespaces (`boltzlabs doctor` says how)")
+        return (
+            f"bubblewrap cannot make a user namespace here ({out.stderr.strip()[:200]}): enable unprivileged "
+            "user namespaces (`boltzlabs doctor` says how)"
+        )
     return ""
 
 

@@ -36,8 +36,12 @@ except ImportError:
     fp = None
 
 FASTPATH, _ = native.load()  # what the worker runs: None under BOLTZLABS_PURE=1
-PATHS = ["pure", pytest.param("native", marks=pytest.mark.skipif(FASTPATH is None,
-                                                                  reason="boltzlabs.worker._fastpath is not built"))]
+PATHS = [
+    "pure",
+    pytest.param(
+        "native", marks=pytest.mark.skipif(FASTPATH is None, reason="boltzlabs.worker._fastpath is not built")
+    ),
+]
 
 # The worker's env limits with sandbox/policy.toml's defaults (config.parse_open).
 ENV = wire.Limits(16 << 20, 4 << 20, 16 << 20, 1 << 20, 1 << 18, arrays="check", max_depth=512, max_objects=1 << 19)
@@ -79,8 +83,16 @@ def caps_of(limits: wire.Limits) -> tuple:
     if limits.max_objects is not None:
         return native.caps(limits)
     kw = limits.kwargs
-    return (limits.max_frame, kw["max_str_len"], kw["max_bin_len"], kw["max_array_len"], kw["max_map_len"],
-            kw["max_ext_len"], wire.MAX_DEPTH, 2**64 - 1)
+    return (
+        limits.max_frame,
+        kw["max_str_len"],
+        kw["max_bin_len"],
+        kw["max_array_len"],
+        kw["max_map_len"],
+        kw["max_ext_len"],
+        wire.MAX_DEPTH,
+        2**64 - 1,
+    )
 
 
 def request(action, seq: int, reset: bool) -> bytes:
@@ -112,8 +124,17 @@ class Lanes:
         lane not in the call): actions default to 0, resets to none."""
         n = len(self.pairs)
         fds = self.fds if fds is None else fds
-        return fp.step(self.epoll.fileno(), fds, fds, WORKER_PACK.pack([0] * n if actions is None else actions),
-                       seq, bytes(resets or bytes(n)), time.monotonic() + timeout, caps_of(limits), budget)
+        return fp.step(
+            self.epoll.fileno(),
+            fds,
+            fds,
+            WORKER_PACK.pack([0] * n if actions is None else actions),
+            seq,
+            bytes(resets or bytes(n)),
+            time.monotonic() + timeout,
+            caps_of(limits),
+            budget,
+        )
 
     def close(self):
         self.epoll.close()
@@ -169,7 +190,8 @@ class NativeReader:
         assert check_reply(message) is not None and message[1] == seq, message
         assert message[0] == (wire.RESET_DONE if reset else wire.STEPPED), message
         obs, rewards, terminated, truncated, infos, stragglers = msgpack.unpackb(
-            batch.compose({}, wire.pack([])), **self.limits.kwargs)
+            batch.compose({}, wire.pack([])), **self.limits.kwargs
+        )
         assert stragglers == [] and same(obs[0], message[2])
         if reset:
             assert same(infos[0], message[3]) and (rewards, terminated, truncated) == (bytes(8), b"\0", b"\0")
@@ -194,18 +216,19 @@ class NativeReader:
             # What step() will do with the bytes in the socket: a first read whose
             # prefix announces a longer frame (within the caps) is completed in C,
             # or, when the rest is not there, handed back as read at the deadline.
-            first = data[got:sent][:fp.READ_SIZE]
+            first = data[got:sent][: fp.READ_SIZE]
             want = 4 + struct.unpack("<I", first[:4])[0] if len(first) >= 4 else 0
             long_frame = want > len(first) and want - 4 <= self.limits.max_frame
             cut = long_frame and got + want > sent
-            batch = self._lanes.step([0], seq=seq, resets=bytes([reset]), timeout=0.02 if cut else 5.0,
-                                     budget=1 << 40, limits=self.limits)
+            batch = self._lanes.step(
+                [0], seq=seq, resets=bytes([reset]), timeout=0.02 if cut else 5.0, budget=1 << 40, limits=self.limits
+            )
             want_request = request(0, seq, reset)
             assert self._env.recv(len(want_request) + 1) == want_request  # the lane's request, written whole
             assert batch.why == (fp.TIMEOUT if cut else fp.DONE), batch.why
             if batch.done:
                 # Vouched: step() read batch.held bytes, which its REPLY holds undecoded.
-                piece = data[got:got + batch.held]
+                piece = data[got : got + batch.held]
                 self._check_vouched(batch, piece, seq, reset)
                 self.vouched += 1
             else:

@@ -22,8 +22,24 @@ from hypothesis import strategies as st
 from boltzlabs.errors import ProtocolError
 from boltzlabs import RLPool, wire
 
-DTYPES = [np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64,
-          np.float16, np.float32, np.float64, np.longdouble, np.complex64, np.complex128, np.clongdouble]
+DTYPES = [
+    np.bool_,
+    np.int8,
+    np.int16,
+    np.int32,
+    np.int64,
+    np.uint8,
+    np.uint16,
+    np.uint32,
+    np.uint64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.longdouble,
+    np.complex64,
+    np.complex128,
+    np.clongdouble,
+]
 BIG = wire.Limits(1 << 26)
 
 
@@ -69,14 +85,18 @@ def test_every_dtype_and_shape_round_trips(dtype, shape):
     assert got.ctypes.data % got.dtype.alignment == 0
 
 
-@pytest.mark.parametrize("make", [
-    lambda: np.arange(24.0).reshape(4, 6).T,
-    lambda: np.arange(100, dtype=np.int32)[::3],
-    lambda: np.arange(60, dtype=np.uint8).reshape(3, 4, 5)[:, ::2, 1:],
-    lambda: np.broadcast_to(np.arange(3.0), (4, 3)),
-    lambda: np.arange(10, dtype=">i4"),  # big-endian
-    lambda: np.asfortranarray(np.arange(12.0).reshape(3, 4)),
-], ids=["transposed", "strided", "sliced-3d", "broadcast", "big-endian", "fortran"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: np.arange(24.0).reshape(4, 6).T,
+        lambda: np.arange(100, dtype=np.int32)[::3],
+        lambda: np.arange(60, dtype=np.uint8).reshape(3, 4, 5)[:, ::2, 1:],
+        lambda: np.broadcast_to(np.arange(3.0), (4, 3)),
+        lambda: np.arange(10, dtype=">i4"),  # big-endian
+        lambda: np.asfortranarray(np.arange(12.0).reshape(3, 4)),
+    ],
+    ids=["transposed", "strided", "sliced-3d", "broadcast", "big-endian", "fortran"],
+)
 def test_non_contiguous_and_odd_layouts_round_trip(make):
     array = make()
     got = roundtrip(array)
@@ -140,22 +160,39 @@ def header(text: str, pad_to: int = None) -> bytes:
     return len(raw).to_bytes(2, "little") + raw
 
 
-@pytest.mark.parametrize("code, payload", [
-    (7, b"anything"),  # unknown extension
-    (wire.ARRAY_EXT, b""),  # no header
-    (wire.ARRAY_EXT, b"\xff\xff<f8:1"),  # header runs past the payload
-    (wire.ARRAY_EXT, header("|O8:1") + b"\0" * 8),  # object dtype
-    (wire.ARRAY_EXT, header("<U4:1") + b"\0" * 16),  # str dtype
-    (wire.ARRAY_EXT, header("<f3:1") + b"\0" * 3),  # no such float
-    (wire.ARRAY_EXT, header("<f8:2") + b"\0" * 8),  # too few bytes
-    (wire.ARRAY_EXT, header("<f8:1") + b"\0" * 9),  # too many bytes
-    (wire.ARRAY_EXT, header("<f8:-1") + b""),  # negative dimension
-    (wire.ARRAY_EXT, header("<f8:" + ",".join(["1"] * 33)) + b"\0" * 8),  # too many dimensions
-    (wire.ARRAY_EXT, header("<f8:\u00b2") + b"\0" * 16),  # non-ASCII digit
-    (wire.ARRAY_EXT, header("<f8:99999999999999999999") + b""),  # absurd size
-    (wire.ARRAY_EXT, header("<f8") + b"\0" * 8),  # no shape separator
-], ids=["unknown-code", "empty", "header-overrun", "object", "str", "f3", "short", "long", "negative",
-        "ndim", "unicode-digit", "huge", "no-colon"])
+@pytest.mark.parametrize(
+    "code, payload",
+    [
+        (7, b"anything"),  # unknown extension
+        (wire.ARRAY_EXT, b""),  # no header
+        (wire.ARRAY_EXT, b"\xff\xff<f8:1"),  # header runs past the payload
+        (wire.ARRAY_EXT, header("|O8:1") + b"\0" * 8),  # object dtype
+        (wire.ARRAY_EXT, header("<U4:1") + b"\0" * 16),  # str dtype
+        (wire.ARRAY_EXT, header("<f3:1") + b"\0" * 3),  # no such float
+        (wire.ARRAY_EXT, header("<f8:2") + b"\0" * 8),  # too few bytes
+        (wire.ARRAY_EXT, header("<f8:1") + b"\0" * 9),  # too many bytes
+        (wire.ARRAY_EXT, header("<f8:-1") + b""),  # negative dimension
+        (wire.ARRAY_EXT, header("<f8:" + ",".join(["1"] * 33)) + b"\0" * 8),  # too many dimensions
+        (wire.ARRAY_EXT, header("<f8:\u00b2") + b"\0" * 16),  # non-ASCII digit
+        (wire.ARRAY_EXT, header("<f8:99999999999999999999") + b""),  # absurd size
+        (wire.ARRAY_EXT, header("<f8") + b"\0" * 8),  # no shape separator
+    ],
+    ids=[
+        "unknown-code",
+        "empty",
+        "header-overrun",
+        "object",
+        "str",
+        "f3",
+        "short",
+        "long",
+        "negative",
+        "ndim",
+        "unicode-digit",
+        "huge",
+        "no-colon",
+    ],
+)
 @pytest.mark.parametrize("mode", ["check", "decode"])
 def test_malformed_array_ext_is_a_protocol_error(code, payload, mode):
     if mode == "decode" and code != wire.ARRAY_EXT:

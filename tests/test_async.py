@@ -218,12 +218,15 @@ def test_deadline_is_kept_between_calls(probe_pool):
     assert sorted(drain(pool)) == [0, 1]
 
 
-@pytest.mark.parametrize("fault, state, expect", [
-    ({"op": "raise"}, "idle", "ValueError: step failed on purpose"),
-    ({"op": "exit"}, "dead", "died: exited with code 3"),
-    ({"op": "segv"}, "dead", "SIGSEGV"),
-    (sleep(5.0), "straggler", "missed the step deadline"),
-])
+@pytest.mark.parametrize(
+    "fault, state, expect",
+    [
+        ({"op": "raise"}, "idle", "ValueError: step failed on purpose"),
+        ({"op": "exit"}, "dead", "died: exited with code 3"),
+        ({"op": "segv"}, "dead", "SIGSEGV"),
+        (sleep(5.0), "straggler", "missed the step deadline"),
+    ],
+)
 def test_faults_in_flight_come_back_in_recv(probe_pool, fault, state, expect):
     pool = probe_pool(3, step_timeout=1.0)
     pool.reset(seed=0)
@@ -439,8 +442,12 @@ def test_nothing_lost_across_random_interleavings(spawn):
     try:
         from hypothesis.stateful import run_state_machine_as_test
 
-        run_state_machine_as_test(interleavings(pool, calls), settings=settings(
-            max_examples=50, stateful_step_count=80, deadline=None, suppress_health_check=list(HealthCheck)))
+        run_state_machine_as_test(
+            interleavings(pool, calls),
+            settings=settings(
+                max_examples=50, stateful_step_count=80, deadline=None, suppress_health_check=list(HealthCheck)
+            ),
+        )
         print(calls)
         assert sum(calls.values()) - calls["results"] >= 1000, calls  # thousands of calls, with lane_states
     finally:

@@ -15,7 +15,7 @@ from boltzlabs import RLPool
 from boltzlabs.host.policy import load_policy
 from conftest import host_lock
 
-ATTACK_ENV = r'''
+ATTACK_ENV = r"""
 import errno
 import os
 import signal
@@ -72,7 +72,7 @@ def step(action):
     return {"alive": True, "out": out}, 0.0, False, {}
 
 serve(reset=reset, step=step)
-'''
+"""
 
 
 @pytest.fixture
@@ -167,8 +167,16 @@ def test_symlinks_planted_in_the_workspace_are_never_followed_by_the_host(attack
     secret = tmp_path / "secret"
     secret.write_text("host data")
     before = sorted(p.name for p in tmp_path.iterdir())
-    out = run({"op": "plant", "links": {"to-secret": str(secret), "to-passwd": "/etc/passwd",
-                                         "to-proc-root": "/proc/1/root/etc/hostname"}})
+    out = run(
+        {
+            "op": "plant",
+            "links": {
+                "to-secret": str(secret),
+                "to-passwd": "/etc/passwd",
+                "to-proc-root": "/proc/1/root/etc/hostname",
+            },
+        }
+    )
     assert out["to-secret"] == {"errno": errno.ENOENT}
     assert "ok" not in out["to-passwd"] and "ok" not in out["to-proc-root"], out
     out = run({"op": "plant", "dirs": True, "links": {"to-tmp": str(tmp_path), "to-root": "/"}})
@@ -187,7 +195,7 @@ def test_symlinks_planted_in_the_workspace_are_never_followed_by_the_host(attack
 # Each "take" op takes as many of one kernel resource as it can (up to `most`)
 # and holds them until the pool closes; it answers how many and the errno
 # that stopped it (0: none did).
-QUOTA_ENV = r'''
+QUOTA_ENV = r"""
 import ctypes
 import errno
 import fcntl
@@ -273,10 +281,10 @@ def step(action):
     return {"alive": True, "out": out}, 0.0, False, {}
 
 serve(reset=lambda seed, options=None: 0, step=step)
-'''
+"""
 
 # What a process of the sandboxes' host account, outside any sandbox, takes of the same thing.
-HOST_TAKE = r'''
+HOST_TAKE = r"""
 import ctypes, os, sys
 libc = ctypes.CDLL(None, use_errno=True)
 kind = sys.argv[1]
@@ -289,7 +297,7 @@ elif kind == "mqueue":
     fd = libc.mq_open(name, os.O_CREAT | os.O_RDWR, 0o600, None)
     libc.mq_unlink(name)
 print(0 if fd >= 0 else ctypes.get_errno())
-'''
+"""
 
 
 def _host_account_takes(kind: str) -> int:
@@ -300,8 +308,9 @@ def _host_account_takes(kind: str) -> int:
     account = host_account(load_policy().sandbox["identity"])
     # The system's interpreter when there is one: the account may not reach ours (pyenv under /root).
     python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
-    out = subprocess.run([*account.prefix, python, "-S", "-c", HOST_TAKE, kind],
-                         capture_output=True, text=True, timeout=30, cwd="/")
+    out = subprocess.run(
+        [*account.prefix, python, "-S", "-c", HOST_TAKE, kind], capture_output=True, text=True, timeout=30, cwd="/"
+    )
     assert out.returncode == 0, out.stderr
     return int(out.stdout)
 
@@ -339,8 +348,9 @@ def test_one_env_takes_at_most_its_own_ptys_and_other_pools_still_get_theirs(quo
     assert _take(pool, "ptys", 1) == {"took": 0, "errno": errno.ENOSPC}  # still held, still capped
 
 
-@pytest.mark.parametrize("kind, refused", [
-    ("inotify", errno.ENOSYS), ("fanotify", errno.EPERM), ("mqueue", errno.EMFILE)])
+@pytest.mark.parametrize(
+    "kind, refused", [("inotify", errno.ENOSYS), ("fanotify", errno.EPERM), ("mqueue", errno.EMFILE)]
+)
 def test_one_env_cannot_use_up_the_host_accounts_quota(quota_pool, kind, refused):
     """inotify instances, fanotify groups and message-queue bytes are counted per
     host account (through every user namespace); the sandboxes share one. An

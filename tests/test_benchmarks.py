@@ -51,8 +51,8 @@ def _processes():
             stat = (entry / "stat").read_text()
         except (OSError, ValueError):
             continue
-        after = stat[stat.rindex(")") + 2:].split()
-        yield int(entry.name), stat[stat.index("(") + 1:stat.rindex(")")], after[0], int(after[1])
+        after = stat[stat.rindex(")") + 2 :].split()
+        yield int(entry.name), stat[stat.index("(") + 1 : stat.rindex(")")], after[0], int(after[1])
 
 
 def _alive(name: str) -> list:
@@ -83,8 +83,7 @@ def _bench(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run bench_wake.py. Its runs are named wake_bench: one test session at a time
     (CI runs two), so counting them by name sees only its own."""
     with host_lock("bench_wake"):
-        return subprocess.run([sys.executable, str(BENCH_WAKE), *args], capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run([sys.executable, str(BENCH_WAKE), *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_bench_wake_runs_quickly_and_writes_every_figure(tmp_path):
@@ -112,9 +111,29 @@ def test_bench_wake_runs_quickly_and_writes_every_figure(tmp_path):
 def test_a_run_that_hangs_past_its_timeout_is_killed_with_its_children(tmp_path):
     with host_lock("bench_wake"):
         started = time.monotonic()
-        done = subprocess.run([sys.executable, str(BENCH_WAKE), "--n", "16", "--modes", "pipe", "--sched", "other",
-                               "--repeat", "1", "--rounds", "100000000", "--timeout", "1",
-                               "--json", str(tmp_path / "w.json")], capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(BENCH_WAKE),
+                "--n",
+                "16",
+                "--modes",
+                "pipe",
+                "--sched",
+                "other",
+                "--repeat",
+                "1",
+                "--rounds",
+                "100000000",
+                "--timeout",
+                "1",
+                "--json",
+                str(tmp_path / "w.json"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 1
         assert "pipe/other n=16 rounds=100000000 did not finish in 1 s and was killed" in done.stderr
         assert time.monotonic() - started < 30
@@ -122,12 +141,20 @@ def test_a_run_that_hangs_past_its_timeout_is_killed_with_its_children(tmp_path)
     assert not (tmp_path / "w.json").exists()
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--n", "0"], "must be >= 1"), (["--repeat", "0"], "must be >= 1"), (["--rounds", "-5"], "must be >= 1"),
-    (["--seconds", "0"], "--seconds > 0"), (["--modes", "nosuch"], "invalid choice"),
-    (["--nap-divisor", "0"], "between 1 and 1000"), (["--nap-divisor", "nan"], "between 1 and 1000"),
-    (["--sched", "fifo"], "invalid choice"), (["--n", "x"], "invalid int value"),
-])
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--n", "0"], "must be >= 1"),
+        (["--repeat", "0"], "must be >= 1"),
+        (["--rounds", "-5"], "must be >= 1"),
+        (["--seconds", "0"], "--seconds > 0"),
+        (["--modes", "nosuch"], "invalid choice"),
+        (["--nap-divisor", "0"], "between 1 and 1000"),
+        (["--nap-divisor", "nan"], "between 1 and 1000"),
+        (["--sched", "fifo"], "invalid choice"),
+        (["--n", "x"], "invalid int value"),
+    ],
+)
 def test_bench_wake_refuses_bad_options(args, says):
     done = _bench(*args, timeout=30)
     assert done.returncode == 2 and says in done.stderr
@@ -173,8 +200,9 @@ def test_the_nap_divisor_is_built_in(tmp_path):
 def test_interrupted_or_killed_mid_run_leaves_no_child(binary, mode, how):
     """SIGINT / SIGTERM: the program kills and reaps its children; SIGKILL: they die by
     their parent-death signal."""
-    proc = subprocess.Popen([str(binary), mode, "other", "16", "100000000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [str(binary), mode, "other", "16", "100000000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     _children(proc.pid, 16)
     time.sleep(0.2)  # into the rounds
     proc.send_signal(how)
@@ -187,8 +215,13 @@ def _signal_a_child_mid_run(binary, mode: str, how: int, within: float, env=None
     """Run `mode` with 16 children for good, send `how` to one child 0.2 s in, and wait
     up to `within` seconds for the program to end (killed, children and all, if it
     does not). Returns (the child's pid, the exit status, stderr)."""
-    proc = subprocess.Popen([str(binary), mode, "other", "16", "100000000"], env={**os.environ, **(env or {})},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [str(binary), mode, "other", "16", "100000000"],
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         victim = sorted(_children(proc.pid, 16))[5]
         time.sleep(0.2)
@@ -226,33 +259,52 @@ def test_a_child_that_stops_answering_in_shared_memory_ends_the_run_at_the_deadl
     """A stopped child is alive and silent: the round's deadline (10 s; 1 s here, by
     WAKE_BENCH_ROUND_DEADLINE) ends the run, whether the parent naps (shm) or sleeps
     on the doorbell (shm+wake)."""
-    _, status, err = _signal_a_child_mid_run(binary, mode, signal.SIGSTOP, within=40,
-                                             env={"WAKE_BENCH_ROUND_DEADLINE": "1"})
+    _, status, err = _signal_a_child_mid_run(
+        binary, mode, signal.SIGSTOP, within=40, env={"WAKE_BENCH_ROUND_DEADLINE": "1"}
+    )
     assert status == 1
     assert re.search(r"1 of 16 children had not answered after 1 s \(child \d+ first\)", err)
     assert _none_left(binary.name) == []
 
 
 @pytest.mark.parametrize("mode", SHM_MODES)
-@pytest.mark.parametrize("fault, says", [
-    ("seq", "child 5's reply slot holds sequence"),
-    ("payload", "child 5's reply in round"),
-])
+@pytest.mark.parametrize(
+    "fault, says",
+    [
+        ("seq", "child 5's reply slot holds sequence"),
+        ("payload", "child 5's reply in round"),
+    ],
+)
 def test_a_child_that_writes_its_reply_slot_wrongly_is_named(binary, mode, fault, says):
     """The reply slots are the children's to write: the parent checks the sequence
     word and its own copy of the payload, and ends the run naming the child."""
-    done = subprocess.run([str(binary), mode, "other", "16", "100000"], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "WAKE_BENCH_FAULT": f"5:{fault}"})
+    done = subprocess.run(
+        [str(binary), mode, "other", "16", "100000"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "WAKE_BENCH_FAULT": f"5:{fault}"},
+    )
     assert done.returncode == 1 and done.stdout == ""
     assert f"wake_bench {mode} n=16: " in done.stderr and says in done.stderr
     assert _none_left(binary.name) == []
 
 
-@pytest.mark.parametrize("argv", [
-    [], ["pipe", "other", "8"], ["nosuch", "other", "8", "10"], ["pipe", "fifo", "8", "10"],
-    ["pipe", "other", "0", "10"], ["pipe", "other", "8", "-1"], ["pipe", "other", "8x", "10"],
-    ["pipe", "other", "1000000", "10"], ["pipe", "other", "8", "99999999999999999999"], ["shm+", "other", "8", "10"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["pipe", "other", "8"],
+        ["nosuch", "other", "8", "10"],
+        ["pipe", "fifo", "8", "10"],
+        ["pipe", "other", "0", "10"],
+        ["pipe", "other", "8", "-1"],
+        ["pipe", "other", "8x", "10"],
+        ["pipe", "other", "1000000", "10"],
+        ["pipe", "other", "8", "99999999999999999999"],
+        ["shm+", "other", "8", "10"],
+    ],
+)
 def test_bad_arguments_are_refused_before_any_fork(binary, argv):
     done = subprocess.run([str(binary), *argv], capture_output=True, text=True, timeout=10)
     assert done.returncode == 2
@@ -262,13 +314,23 @@ def test_bad_arguments_are_refused_before_any_fork(binary, argv):
 
 @pytest.mark.parametrize("fault", ["8:seq", "-1:seq", "5:other", "5", "x:seq", "5:seq:more", "5:payloadx"])
 def test_a_bad_fault_variable_is_refused_before_any_fork(binary, fault):
-    done = subprocess.run([str(binary), "shm", "other", "8", "10"], capture_output=True, text=True, timeout=10,
-                          env={**os.environ, "WAKE_BENCH_FAULT": fault})
+    done = subprocess.run(
+        [str(binary), "shm", "other", "8", "10"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        env={**os.environ, "WAKE_BENCH_FAULT": fault},
+    )
     assert done.returncode == 2 and "bad WAKE_BENCH_FAULT" in done.stderr and done.stdout == ""
 
 
 @pytest.mark.parametrize("value", ["0", "0.05", "4000", "nan", "1x", "-1"])
 def test_a_bad_round_deadline_is_refused_before_any_fork(binary, value):
-    done = subprocess.run([str(binary), "pipe", "other", "8", "10"], capture_output=True, text=True, timeout=10,
-                          env={**os.environ, "WAKE_BENCH_ROUND_DEADLINE": value})
+    done = subprocess.run(
+        [str(binary), "pipe", "other", "8", "10"],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        env={**os.environ, "WAKE_BENCH_ROUND_DEADLINE": value},
+    )
     assert done.returncode == 2 and "bad WAKE_BENCH_ROUND_DEADLINE" in done.stderr and done.stdout == ""

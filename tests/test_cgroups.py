@@ -23,8 +23,10 @@ from conftest import TESTS, scaled
 HOSTILE = TESTS / "envs" / "hostile"
 MiB = 1 << 20
 
-pytestmark = pytest.mark.skipif(cgroups.version() != "v2" or os.geteuid() != 0,
-                                reason="needs cgroup v2 pools and root (CI's v2 guest: ci/v2guest.sh)")
+pytestmark = pytest.mark.skipif(
+    cgroups.version() != "v2" or os.geteuid() != 0,
+    reason="needs cgroup v2 pools and root (CI's v2 guest: ci/v2guest.sh)",
+)
 
 POOL = """
 import json, os, sys, warnings
@@ -85,7 +87,7 @@ def run_in(group: Path, code: str, *, wrap: str = "", extra: str = "") -> dict:
     """Run `code` with Python from a shell that moves itself into `group` and
     stays there with a `sleep` child (a service's main process and a helper),
     optionally inside `wrap` (e.g. unshare). Returns what the code printed (JSON)."""
-    inner = (f"sleep 600 & {extra} {sys.executable} -c \"$0\"; rc=$?; kill $! 2>/dev/null; exit $rc")
+    inner = f'sleep 600 & {extra} {sys.executable} -c "$0"; rc=$?; kill $! 2>/dev/null; exit $rc'
     script = f"echo $$ > {group}/cgroup.procs || exit 1; " + (f"{wrap} sh -c '{inner}' \"$0\"" if wrap else inner)
     out = subprocess.run(["sh", "-c", script, code], capture_output=True, text=True, timeout=scaled(120))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -145,10 +147,12 @@ def test_a_cgroup_that_is_not_given_memory_says_so_and_what_to_run(service):
     and the fix, from CgroupPool itself."""
     inner = service / "unit"
     inner.mkdir()  # service passes nothing to its children: no controller in inner
-    code = ("import sys; sys.path.insert(0, %r)\n"
-            "from boltzlabs.errors import CgroupUnavailable\nfrom boltzlabs.host.cgroups import CgroupPool\n"
-            "try:\n    CgroupPool()\nexcept CgroupUnavailable as exc:\n    print(__import__('json').dumps(str(exc)))\n"
-            % str(TESTS.parent))
+    code = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "from boltzlabs.errors import CgroupUnavailable\nfrom boltzlabs.host.cgroups import CgroupPool\n"
+        "try:\n    CgroupPool()\nexcept CgroupUnavailable as exc:\n    print(__import__('json').dumps(str(exc)))\n"
+        % str(TESTS.parent)
+    )
     said = run_in(inner, code)
     assert "has no memory controller" in said and str(inner) in said, said
     assert "Delegate=yes" in said and "boltzlabs doctor" in said
@@ -161,9 +165,11 @@ def test_memory_without_pids_runs_and_doctor_warns_that_fork_bombs_are_not_bound
     (service / "cgroup.subtree_control").write_text("+memory")
     inner = service / "unit"
     inner.mkdir()  # given memory, not pids
-    code = ("import sys, json; sys.path.insert(0, %r)\n"
-            "from boltzlabs.cli import doctor\n"
-            "print(json.dumps({f.name: [f.status, f.detail] for f in doctor._cgroups()}))\n" % str(TESTS.parent))
+    code = (
+        "import sys, json; sys.path.insert(0, %r)\n"
+        "from boltzlabs.cli import doctor\n"
+        "print(json.dumps({f.name: [f.status, f.detail] for f in doctor._cgroups()}))\n" % str(TESTS.parent)
+    )
     found = run_in(inner, code)
     assert found["memory cgroup"][0] == "ok" and "cgroup v2" in found["memory cgroup"][1], found
     assert found["pids cgroup"][0] == "warn" and "fork bomb is not bounded" in found["pids cgroup"][1], found
@@ -177,8 +183,12 @@ def test_a_pool_inside_a_containers_cgroup_namespace(service):
     if shutil.which("unshare") is None:
         pytest.skip("no unshare(1)")
     code = pool_code(Path("/sys/fs/cgroup"), "template")
-    seen = run_in(service, code, wrap="unshare -C -m",
-                  extra="mount --make-rprivate / && umount /sys/fs/cgroup && mount -t cgroup2 none /sys/fs/cgroup &&")
+    seen = run_in(
+        service,
+        code,
+        wrap="unshare -C -m",
+        extra="mount --make-rprivate / && umount /sys/fs/cgroup && mount -t cgroup2 none /sys/fs/cgroup &&",
+    )
     assert seen["cgroup_before"] == "0::/", seen  # the namespace's root
     assert seen["source"].startswith("cgroup v2"), seen
     assert not seen["warnings"], seen["warnings"]

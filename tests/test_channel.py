@@ -192,8 +192,9 @@ def test_a_wrong_channel_choice_is_a_clear_error(monkeypatch):
         RLPool(COUNTER, 2)
 
 
-@pytest.mark.parametrize("value", ["", "3,", ",3", "3,4,5", "4,4", "2", "1024", "x", "\u0663", " 3", "3" * 40,
-                                   "-3", "3.0", "4,3,"])
+@pytest.mark.parametrize(
+    "value", ["", "3,", ",3", "3,4,5", "4,4", "2", "1024", "x", "\u0663", " 3", "3" * 40, "-3", "3.0", "4,3,"]
+)
 def test_the_env_refuses_a_malformed_channel_variable(value):
     with pytest.raises(RuntimeError, match="BOLTZLABS_FD"):
         _channel_fds(value)
@@ -308,10 +309,13 @@ def test_an_env_that_never_reads_cannot_block_the_worker(channel_pool):
     recovers(pool, 0)
 
 
-@pytest.mark.parametrize("fd, words", [
-    (3, "invalid frame"),      # its stdout into the pipe the worker reads: garbage, killed at once
-    (4, "Bad file descriptor"),  # its stdout onto the end it reads: its own writes fail
-])
+@pytest.mark.parametrize(
+    "fd, words",
+    [
+        (3, "invalid frame"),  # its stdout into the pipe the worker reads: garbage, killed at once
+        (4, "Bad file descriptor"),  # its stdout onto the end it reads: its own writes fail
+    ],
+)
 def test_an_env_that_puts_its_channel_over_stdout_hurts_only_its_lane(channel_pool, fd, words):
     pool = channel_pool()
     obs, _, dones, infos = pool.step([{"op": "dup_over_stdout", "fd": fd}, 7])
@@ -359,9 +363,12 @@ def run_with_fd_limit(n: int, limit: int, spawn: str, workers: int = 1) -> dict:
     worker inherits it; without CAP_SYS_RESOURCE it cannot raise it)."""
     # setpriv drops CAP_SYS_RESOURCE so that root cannot raise the hard limit either.
     prefix = ["setpriv", "--inh-caps=-sys_resource", "--bounding-set=-sys_resource"] if os.geteuid() == 0 else []
-    done = subprocess.run([*prefix, sys.executable, "-c", FALLBACK_CLIENT, str(n), str(limit), str(COUNTER), spawn,
-                           str(workers)],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [*prefix, sys.executable, "-c", FALLBACK_CLIENT, str(n), str(limit), str(COUNTER), spawn, str(workers)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

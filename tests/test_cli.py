@@ -46,15 +46,18 @@ def test_no_command_is_a_usage_error():
     assert code == 2 and "usage: boltzlabs" in err
 
 
-@pytest.mark.parametrize("args, words", [
-    (["check", "/no/such/env"], "is not a directory"),
-    (["check", COUNTER, "--actions", "[1, 2"], "--actions is not JSON"),
-    (["check", COUNTER, "--actions", "{}"], "non-empty JSON list"),
-    (["check", COUNTER, "--param", "novalue"], "NAME=VALUE"),
-    (["check", "gym://NoSuchEnv-v0"], "not a registered Gymnasium id"),
-    (["bench", COUNTER, "-n", "0"], "whole number >= 1"),
-    (["bench", COUNTER], "-n"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["check", "/no/such/env"], "is not a directory"),
+        (["check", COUNTER, "--actions", "[1, 2"], "--actions is not JSON"),
+        (["check", COUNTER, "--actions", "{}"], "non-empty JSON list"),
+        (["check", COUNTER, "--param", "novalue"], "NAME=VALUE"),
+        (["check", "gym://NoSuchEnv-v0"], "not a registered Gymnasium id"),
+        (["bench", COUNTER, "-n", "0"], "whole number >= 1"),
+        (["bench", COUNTER], "-n"),
+    ],
+)
 def test_usage_errors_exit_2_with_the_cause(args, words):
     code, out, err = boltzlabs(*args)
     assert code == 2, (out, err)
@@ -175,9 +178,20 @@ def test_doctor_passes_here_and_names_the_cgroup_version():
     assert code == 0, out + err
     assert "FAIL" not in out
     assert f"cgroup {cgroups.version()}" in out
-    for name in ("bwrap version", "bwrap mode", "user namespaces", "bwrap sandbox", "pool (spawn=template)",
-                 "pool (spawn=exec)", "memory cgroup", "pids cgroup", "freezer cgroup", "fd limit", "python",
-                 "packages"):
+    for name in (
+        "bwrap version",
+        "bwrap mode",
+        "user namespaces",
+        "bwrap sandbox",
+        "pool (spawn=template)",
+        "pool (spawn=exec)",
+        "memory cgroup",
+        "pids cgroup",
+        "freezer cgroup",
+        "fd limit",
+        "python",
+        "packages",
+    ):
         assert f"PASS  {name}" in out, name
     # Each PASS says what the kernel did when it was tried.
     assert "refused" in out.split("PASS  pids cgroup")[1].splitlines()[0]
@@ -194,8 +208,9 @@ def test_doctor_json():
     for finding in report["findings"]:
         assert set(finding) == {"name", "status", "detail", "fix"}
         assert finding["status"] in ("ok", "warn", "fail")
-    assert any(f"cgroup {cgroups.version()}" in f["detail"] for f in report["findings"]
-               if f["name"] == "cgroup version")
+    assert any(
+        f"cgroup {cgroups.version()}" in f["detail"] for f in report["findings"] if f["name"] == "cgroup version"
+    )
 
 
 @pytest.mark.parametrize("hidden", ["memory", "pids"])
@@ -205,10 +220,17 @@ def test_doctor_warns_for_each_cgroup_controller_it_cannot_use(hidden):
     mount = cgroups.hierarchy(hidden)
     if hidden == "pids" and mount == cgroups.hierarchy("memory"):
         pytest.skip("cgroup v2: pids is in the memory's tree (tests/test_cgroups.py delegates memory without pids)")
-    script = (f"mount --make-rprivate / && mount -o remount,bind,ro {mount} && "
-              f"exec {sys.executable} -m boltzlabs doctor --json")
-    out = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=scaled(300),
-                         env=dict(os.environ, PYTHONPATH=str(TESTS.parent)))
+    script = (
+        f"mount --make-rprivate / && mount -o remount,bind,ro {mount} && "
+        f"exec {sys.executable} -m boltzlabs doctor --json"
+    )
+    out = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+        env=dict(os.environ, PYTHONPATH=str(TESTS.parent)),
+    )
     findings = {f["name"]: f for f in json.loads(out.stdout)["findings"]}
     pids = findings["pids cgroup"]
     assert pids["status"] == "warn" and "fork bomb is not bounded" in pids["detail"], pids
@@ -242,8 +264,10 @@ def test_bookkeeping_is_the_median_round_per_cgroup_and_warns_past_the_threshold
     rounds of 64 cgroups, the median round, a negative round read as 0."""
     from boltzlabs.cli import doctor
 
-    for readings, expected, status in (([0, 64 * 50, 0, 64 * 10, 0, -64 * 900], 10, "ok"),
-                                       ([0, 64 * 300, 0, 64 * 250, 0, 64 * 400], 300, "warn")):
+    for readings, expected, status in (
+        ([0, 64 * 50, 0, 64 * 10, 0, -64 * 900], 10, "ok"),
+        ([0, 64 * 300, 0, 64 * 250, 0, 64 * 400], 300, "warn"),
+    ):
         values = iter(readings)
         monkeypatch.setattr(doctor, "_unreclaimable_kib", lambda: next(values))
         [finding] = doctor._memory_cgroup_bookkeeping(1000)
@@ -282,8 +306,12 @@ def test_bench_shows_a_progress_bar_on_a_terminal():
     master, slave = pty.openpty()
     # A terminal of 24 x 80 (a bare pty has 0 columns, where tqdm draws nothing).
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
-    proc = subprocess.Popen([sys.executable, "-m", "boltzlabs", "bench", str(COUNTER), "-n", "2", "--steps", "30"],
-                            stderr=slave, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "boltzlabs", "bench", str(COUNTER), "-n", "2", "--steps", "30"],
+        stderr=slave,
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+    )
     os.close(slave)
     out = b""
     while True:

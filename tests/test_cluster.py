@@ -119,6 +119,7 @@ def test_a_node_may_run_several_workers(cluster):
 
 def test_hard_reset_and_async_stepping_across_nodes(cluster):
     with ClusterPool(COUNTER, 4, cluster=cluster.address, envs_per_node=2) as pool:
+
         def episode():
             out = [pool.reset(seed=1, hard=True)]
             for _ in range(4):
@@ -211,8 +212,13 @@ DRIVER = textwrap.dedent("""
 
 def test_a_dead_client_leaves_nothing_on_the_cluster(cluster):
     before = {p.pid for p in listeners()}
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(PROBE), cluster.address], stdout=subprocess.PIPE,
-                              text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)), start_new_session=True)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(PROBE), cluster.address],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        start_new_session=True,
+    )
     try:
         pids = [int(p) for p in driver.stdout.readline().split()]
         assert len(pids) == 4
@@ -239,9 +245,13 @@ def test_doctor_runs_on_every_node(cluster):
 def test_doctor_command_runs_on_the_cluster(cluster):
     import json
 
-    out = subprocess.run([sys.executable, "-m", "boltzlabs", "doctor", "--ray", cluster.address, "-n", "10", "--json"],
-                         capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    out = subprocess.run(
+        [sys.executable, "-m", "boltzlabs", "doctor", "--ray", cluster.address, "-n", "10", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
     assert report["ok"] and len(report["nodes"]) >= 2

@@ -24,8 +24,33 @@ from boltzlabs import wire
 native = pytest.importorskip("boltzlabs._wire")
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-NUMERIC = ["?", "i1", "u1", "<i2", "<u2", "<i4", "<u4", "<i8", "<u8", "<f2", "<f4", "<f8", "<f16", "<c8",
-           "<c16", "<c32", ">i2", ">u4", ">i8", ">f4", ">f8", ">c16", "intc", "longlong", "ulonglong"]
+NUMERIC = [
+    "?",
+    "i1",
+    "u1",
+    "<i2",
+    "<u2",
+    "<i4",
+    "<u4",
+    "<i8",
+    "<u8",
+    "<f2",
+    "<f4",
+    "<f8",
+    "<f16",
+    "<c8",
+    "<c16",
+    "<c32",
+    ">i2",
+    ">u4",
+    ">i8",
+    ">f4",
+    ">f8",
+    ">c16",
+    "intc",
+    "longlong",
+    "ulonglong",
+]
 
 
 def python_frame(value) -> bytes:
@@ -46,8 +71,13 @@ def same(a, b) -> bool:
     if type(a) is not type(b):
         return False
     if isinstance(a, np.ndarray):
-        return (a.dtype == b.dtype and a.dtype.str == b.dtype.str and a.shape == b.shape
-                and a.tobytes() == b.tobytes() and a.flags.writeable == b.flags.writeable)
+        return (
+            a.dtype == b.dtype
+            and a.dtype.str == b.dtype.str
+            and a.shape == b.shape
+            and a.tobytes() == b.tobytes()
+            and a.flags.writeable == b.flags.writeable
+        )
     if isinstance(a, np.generic):
         return a.dtype.str == b.dtype.str and a.tobytes() == b.tobytes()
     if isinstance(a, float):
@@ -60,8 +90,13 @@ def same(a, b) -> bool:
 
 
 def arrays(draw_shape=st.lists(st.integers(0, 4), max_size=4)):
-    return st.builds(lambda dtype, shape, seed, transpose: _array(dtype, shape, seed, transpose),
-                     st.sampled_from(NUMERIC), draw_shape, st.integers(0, 2**32 - 1), st.booleans())
+    return st.builds(
+        lambda dtype, shape, seed, transpose: _array(dtype, shape, seed, transpose),
+        st.sampled_from(NUMERIC),
+        draw_shape,
+        st.integers(0, 2**32 - 1),
+        st.booleans(),
+    )
 
 
 def _array(dtype, shape, seed, transpose):
@@ -71,14 +106,29 @@ def _array(dtype, shape, seed, transpose):
     return array.T if transpose else array  # transposed: not C-contiguous
 
 
-scalars = st.builds(lambda dtype, seed: _array(dtype, (), seed, False)[()], st.sampled_from(NUMERIC),
-                    st.integers(0, 2**32 - 1))
-leaves = st.one_of(st.none(), st.booleans(), st.integers(-2**64, 2**64), st.floats(allow_nan=True),
-                   st.text(max_size=40), st.binary(max_size=300), st.binary(max_size=3).map(bytearray),
-                   arrays(), scalars)
-values = st.recursive(leaves, lambda inner: st.one_of(
-    st.lists(inner, max_size=20), st.lists(inner, max_size=5).map(tuple),
-    st.dictionaries(st.one_of(st.text(max_size=8), st.integers(-5, 5)), inner, max_size=6)), max_leaves=40)
+scalars = st.builds(
+    lambda dtype, seed: _array(dtype, (), seed, False)[()], st.sampled_from(NUMERIC), st.integers(0, 2**32 - 1)
+)
+leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**64), 2**64),
+    st.floats(allow_nan=True),
+    st.text(max_size=40),
+    st.binary(max_size=300),
+    st.binary(max_size=3).map(bytearray),
+    arrays(),
+    scalars,
+)
+values = st.recursive(
+    leaves,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=20),
+        st.lists(inner, max_size=5).map(tuple),
+        st.dictionaries(st.one_of(st.text(max_size=8), st.integers(-5, 5)), inner, max_size=6),
+    ),
+    max_leaves=40,
+)
 
 
 @SETTINGS
@@ -94,15 +144,65 @@ def test_the_encoder_makes_the_python_packers_bytes_or_declines(value):
         assert native.pack(value) == want[4:]
 
 
-@pytest.mark.parametrize("value", [
-    None, True, 0, -1, 127, 128, -32, -33, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**63 - 1, 2**63,
-    2**64 - 1, -2**63, -129, -32769, -2**31 - 1, 1.5, float("nan"), "", "a" * 31, "a" * 32, "é" * 200,
-    "x" * 70000, b"", b"x" * 255, b"x" * 256, b"x" * 70000, bytearray(b"ab"), [], list(range(16)),
-    list(range(70000)), {}, {i: i for i in range(16)}, (), (1, (2, (3,))), [np.zeros(3)] * 2,
-    np.zeros((0, 2**20)), np.zeros(()), np.arange(12).reshape(3, 4)[:, ::2], np.float64(1.5), np.float32(2),
-    np.int64(-3), np.bool_(True), np.uint64(2**64 - 1), np.float16(1), np.complex64(1j),
-    msgpack.ExtType(5, b"abc"), {"obs": np.ones(17), "reward_ctrl": np.float32(-0.1), "x": np.float64(2)},
-], ids=lambda v: type(v).__name__)
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        True,
+        0,
+        -1,
+        127,
+        128,
+        -32,
+        -33,
+        255,
+        256,
+        65535,
+        65536,
+        2**32 - 1,
+        2**32,
+        2**63 - 1,
+        2**63,
+        2**64 - 1,
+        -(2**63),
+        -129,
+        -32769,
+        -(2**31) - 1,
+        1.5,
+        float("nan"),
+        "",
+        "a" * 31,
+        "a" * 32,
+        "é" * 200,
+        "x" * 70000,
+        b"",
+        b"x" * 255,
+        b"x" * 256,
+        b"x" * 70000,
+        bytearray(b"ab"),
+        [],
+        list(range(16)),
+        list(range(70000)),
+        {},
+        {i: i for i in range(16)},
+        (),
+        (1, (2, (3,))),
+        [np.zeros(3)] * 2,
+        np.zeros((0, 2**20)),
+        np.zeros(()),
+        np.arange(12).reshape(3, 4)[:, ::2],
+        np.float64(1.5),
+        np.float32(2),
+        np.int64(-3),
+        np.bool_(True),
+        np.uint64(2**64 - 1),
+        np.float16(1),
+        np.complex64(1j),
+        msgpack.ExtType(5, b"abc"),
+        {"obs": np.ones(17), "reward_ctrl": np.float32(-0.1), "x": np.float64(2)},
+    ],
+    ids=lambda v: type(v).__name__,
+)
 def test_the_common_values_are_encoded_in_c(value):
     assert native.frame(value) == python_frame(value)
 
@@ -111,11 +211,27 @@ class Color(enum.IntEnum):
     RED = 1
 
 
-@pytest.mark.parametrize("value", [
-    2**64, -2**63 - 1, "\ud800", Color.RED, collections.OrderedDict(a=1), memoryview(b"ab"),
-    np.zeros(2, dtype=object), np.array(["a"]), np.zeros(2, dtype=[("a", "<i4")]), np.datetime64(1, "s"),
-    np.str_("a"), np.longdouble(3), np.zeros(2, np.clongdouble), object(), [[1]] * 3 + [object()],
-], ids=lambda v: type(v).__name__)
+@pytest.mark.parametrize(
+    "value",
+    [
+        2**64,
+        -(2**63) - 1,
+        "\ud800",
+        Color.RED,
+        collections.OrderedDict(a=1),
+        memoryview(b"ab"),
+        np.zeros(2, dtype=object),
+        np.array(["a"]),
+        np.zeros(2, dtype=[("a", "<i4")]),
+        np.datetime64(1, "s"),
+        np.str_("a"),
+        np.longdouble(3),
+        np.zeros(2, np.clongdouble),
+        object(),
+        [[1]] * 3 + [object()],
+    ],
+    ids=lambda v: type(v).__name__,
+)
 def test_what_c_does_not_make_exactly_is_left_to_python(value):
     assert native.frame(value) is None and native.pack(value) is None
 
@@ -139,8 +255,10 @@ def test_nesting_past_the_c_limit_and_deep_tuples_are_left_to_python():
 
 def ext_payloads():
     """Real ARRAY_EXT / SCALAR_EXT payloads (the test mutates them, with its own data)."""
-    return st.one_of(arrays().map(lambda a: (wire.ARRAY_EXT, wire._array_ext(a).data)),
-                     scalars.map(lambda s: (wire.SCALAR_EXT, wire._array_ext(np.asarray(s), wire.SCALAR_EXT).data)))
+    return st.one_of(
+        arrays().map(lambda a: (wire.ARRAY_EXT, wire._array_ext(a).data)),
+        scalars.map(lambda s: (wire.SCALAR_EXT, wire._array_ext(np.asarray(s), wire.SCALAR_EXT).data)),
+    )
 
 
 @SETTINGS
@@ -171,7 +289,7 @@ def test_the_hook_returns_what_the_python_hook_returns_or_raises_alike(item, che
 def test_scalars_of_every_dtype_decode_as_python_decodes_them(dtype):
     python, c = python_hook(False), native.Hook(False, python_hook(False))
     for raw in (b"\x00" * 32, b"\xff" * 32, bytes(range(32)), struct.pack("<f", float("nan")) * 8):
-        value = np.frombuffer(raw[:np.dtype(dtype).itemsize], dtype=dtype)[0]
+        value = np.frombuffer(raw[: np.dtype(dtype).itemsize], dtype=dtype)[0]
         payload = wire._array_ext(np.asarray(value), wire.SCALAR_EXT).data
         assert same(c(wire.SCALAR_EXT, payload), python(wire.SCALAR_EXT, payload))
 

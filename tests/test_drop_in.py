@@ -111,9 +111,14 @@ def test_env_fns_build_each_lane_with_its_own_thunk_as_sync_vector_env(spawn):
 def confinement():
     """What the process that calls it is: capabilities, no_new_privs, seccomp, namespaces."""
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
-    return {"cap_eff": int(fields["CapEff"], 16), "no_new_privs": fields["NoNewPrivs"].strip(),
-            "seccomp": fields["Seccomp"].strip(), "pid_ns": os.readlink("/proc/self/ns/pid"),
-            "lane": os.environ.get("BOLTZLABS_ENV_INDEX"), "uid": os.getuid()}
+    return {
+        "cap_eff": int(fields["CapEff"], 16),
+        "no_new_privs": fields["NoNewPrivs"].strip(),
+        "seccomp": fields["Seccomp"].strip(),
+        "pid_ns": os.readlink("/proc/self/ns/pid"),
+        "lane": os.environ.get("BOLTZLABS_ENV_INDEX"),
+        "uid": os.getuid(),
+    }
 
 
 class Recorded(gym.Wrapper):
@@ -155,8 +160,10 @@ def test_env_fns_are_checked_before_any_sandbox_starts():
         RLPool([make_env("CartPole-v1", 0)] * 2, 3)
     with pytest.raises(TypeError, match="non-empty list of callables"):
         RLPool([make_env("CartPole-v1", 0), "CartPole-v1"], 2)
-    with pytest.raises(TypeError, match="not options of the pool: step_timout"), \
-            pytest.warns(UserWarning, match="did you mean the pool option 'step_timeout'"):
+    with (
+        pytest.raises(TypeError, match="not options of the pool: step_timout"),
+        pytest.warns(UserWarning, match="did you mean the pool option 'step_timeout'"),
+    ):
         BoltzLabsVecEnv([make_env("CartPole-v1", 0)], step_timout=3)
     lock = threading.Lock()
     with pytest.raises(TypeError, match="cannot be pickled"):
@@ -175,8 +182,10 @@ def raises_in_thunk():
     raise RuntimeError("the thunk broke")
 
 
-@pytest.mark.parametrize("thunk, match", [(returns_no_env, "returned int, not a Gymnasium env"),
-                                          (raises_in_thunk, "RuntimeError: the thunk broke")])
+@pytest.mark.parametrize(
+    "thunk, match",
+    [(returns_no_env, "returned int, not a Gymnasium env"), (raises_in_thunk, "RuntimeError: the thunk broke")],
+)
 def test_a_thunk_that_fails_in_its_sandbox_fails_the_start_with_its_error(spawn, thunk, match):
     with pytest.raises(EnvStartError, match=match):
         ours([thunk, thunk], spawn)
@@ -225,8 +234,13 @@ def test_the_sb3_adapter_takes_env_fns_as_subproc_vec_env_does():
 
     from boltzlabs.sb3 import BoltzLabsSB3VecEnv
 
-    venv = make_vec_env("CartPole-v1", n_envs=2, seed=5, vec_env_cls=BoltzLabsSB3VecEnv,
-                        vec_env_kwargs={"step_timeout": STEP_TIMEOUT, "warmup": False})
+    venv = make_vec_env(
+        "CartPole-v1",
+        n_envs=2,
+        seed=5,
+        vec_env_cls=BoltzLabsSB3VecEnv,
+        vec_env_kwargs={"step_timeout": STEP_TIMEOUT, "warmup": False},
+    )
     reference = make_vec_env("CartPole-v1", n_envs=2, seed=5, vec_env_cls=DummyVecEnv)
     try:
         assert venv.env_is_wrapped(Monitor) == [True, True]  # make_vec_env's thunks wrap in Monitor inside
@@ -310,10 +324,20 @@ def test_reset_is_called_the_way_it_takes_its_arguments():
         caller = reset_caller(reset)
         caller(3, None)
         caller(4, {})
-    assert calls == [("positional", 3), ("positional", 4), ("documented", 3), ("documented", 4),
-                     ("with_options", 3, None), ("with_options", 4, {}), ("keyword_only", 3, None),
-                     ("keyword_only", 4, {}), ("forwarding", {"seed": 3, "options": None}),
-                     ("forwarding", {"seed": 4, "options": {}}), ("method", 3, None), ("method", 4, {})]
+    assert calls == [
+        ("positional", 3),
+        ("positional", 4),
+        ("documented", 3),
+        ("documented", 4),
+        ("with_options", 3, None),
+        ("with_options", 4, {}),
+        ("keyword_only", 3, None),
+        ("keyword_only", 4, {}),
+        ("forwarding", {"seed": 3, "options": None}),
+        ("forwarding", {"seed": 4, "options": {}}),
+        ("method", 3, None),
+        ("method", 4, {}),
+    ]
     with pytest.raises(TypeError, match="options"):
         reset_caller(documented)(5, {"level": 2})  # options it cannot take: its lane's failure, with why
 
@@ -325,8 +349,9 @@ def test_reset_is_called_the_way_it_takes_its_arguments():
 def test_an_id_a_plugin_registered_here_runs_in_the_sandbox(spawn, source):
     ale_py = pytest.importorskip("ale_py")
     gym.register_envs(ale_py)
-    pool = RLPool(source, 1, spawn=spawn, step_timeout=STEP_TIMEOUT, warmup=False, frameskip=1,
-                  repeat_action_probability=0.0)
+    pool = RLPool(
+        source, 1, spawn=spawn, step_timeout=STEP_TIMEOUT, warmup=False, frameskip=1, repeat_action_probability=0.0
+    )
     try:
         obs = pool.reset(seed=1)[0]
         want, _ = gym.make("ALE/Pong-v5", frameskip=1, repeat_action_probability=0.0).reset(seed=1)
@@ -352,12 +377,14 @@ def test_an_id_no_module_here_registered_names_the_module_to_give():
 
 
 def test_an_id_registered_from_a_directory_the_sandbox_cannot_see_is_refused_early(tmp_path, monkeypatch):
-    (tmp_path / "local_envs.py").write_text(textwrap.dedent("""
+    (tmp_path / "local_envs.py").write_text(
+        textwrap.dedent("""
         import gymnasium
         gymnasium.register("LocalCartPole-v0", entry_point="local_envs:make")
         def make(**kwargs):
             return gymnasium.make("CartPole-v1")
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     import local_envs  # noqa: F401
 
@@ -416,8 +443,11 @@ CUSTOM_SPACE = """
 
 def test_a_space_of_the_envs_own_says_where_it_is_and_which_override_to_pass(pool_factory, env_dir):
     pool = pool_factory(env_dir(CUSTOM_SPACE), 1)
-    with pytest.raises(UnsupportedSpace, match=r"space\['mission'\].*a __main__\.Mission.*"
-                                               r"BoltzLabsVecEnv\(\.\.\., observation_space=\.\.\.\)"):
+    with pytest.raises(
+        UnsupportedSpace,
+        match=r"space\['mission'\].*a __main__\.Mission.*"
+        r"BoltzLabsVecEnv\(\.\.\., observation_space=\.\.\.\)",
+    ):
         BoltzLabsVecEnv(pool)
 
 
@@ -481,14 +511,16 @@ def test_editable_installs_are_importable_inside(pool_factory, env_dir, tmp_path
 
 
 def test_env_fns_using_a_module_of_the_scripts_own_directory_travel_by_value(spawn, tmp_path, monkeypatch):
-    (tmp_path / "script_helpers.py").write_text(textwrap.dedent("""
+    (tmp_path / "script_helpers.py").write_text(
+        textwrap.dedent("""
         import gymnasium
         class Scaled(gymnasium.RewardWrapper):
             def reward(self, reward):
                 return 10 * reward
         def make():
             return Scaled(gymnasium.make("CartPole-v1"))
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     import script_helpers
 
@@ -517,9 +549,15 @@ def test_variables_pass_by_policy_or_by_the_pool_and_dangerous_ones_never(pool_f
     assert env["OPENBLAS_CORETYPE"] == "Haswell" and env["MY_SETTING"] == "on"
     assert env["MUJOCO_GL"] == "osmesa"  # the pool's own wins over the trainer's
     assert "BOLTZLABS_TEST_SECRET" not in env and env["PYTHONHASHSEED"] == "0"
-    for name, why in [("PYTHONPATH", "sandbox policy"), ("PYTHONWARNINGS", "never passed"),
-                      ("LD_PRELOAD", "never passed"), ("GCONV_PATH", "never passed"), ("HOME", "sandbox policy"),
-                      ("BOLTZLABS_FD", "never passed"), ("not a name", "not a variable name")]:
+    for name, why in [
+        ("PYTHONPATH", "sandbox policy"),
+        ("PYTHONWARNINGS", "never passed"),
+        ("LD_PRELOAD", "never passed"),
+        ("GCONV_PATH", "never passed"),
+        ("HOME", "sandbox policy"),
+        ("BOLTZLABS_FD", "never passed"),
+        ("not a name", "not a variable name"),
+    ]:
         with pytest.raises(ValueError, match=f"env_vars: '{name}' .*{why}"):
             pool_factory(source, 1, env_vars={name: "/tmp/x"})
     with pytest.raises(TypeError, match="env_vars must be a dict"):
@@ -627,8 +665,11 @@ def test_a_pool_whose_every_env_fails_says_so_once_per_kind_and_at_close(pool_fa
         warnings.simplefilter("error")  # once per kind: the same failures again warn no more
         pool.reset(seed=0)
         pool.step([0, 0, 0])
-    with pytest.warns(RuntimeWarning, match=r"closed; its envs failed: reset raised: 6 time\(s\), first env 0 "
-                                            r"\(ValueError: no level file\); step raised: 6 time\(s\)"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=r"closed; its envs failed: reset raised: 6 time\(s\), first env 0 "
+        r"\(ValueError: no level file\); step raised: 6 time\(s\)",
+    ):
         pool.close()
 
 

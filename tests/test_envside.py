@@ -1,6 +1,5 @@
 """The env side's per-step cost (issue 16): what an env pays per step, seen from inside the env."""
 
-
 from boltzlabs import RLPool
 
 SWITCHES = """

@@ -17,9 +17,23 @@ from pathlib import Path
 import pytest
 
 from boltzlabs import RLPool, abi, wire
-from boltzlabs.errors import (CATEGORIES, HOST, INTERNAL, POLICY, PROTOCOL, START, USAGE, USAGE_TYPE, PolicyError,
-                              SandboxUnavailable, StartFailure, WorkerError, WorkerSideError, category_of,
-                              describe_exit)
+from boltzlabs.errors import (
+    CATEGORIES,
+    HOST,
+    INTERNAL,
+    POLICY,
+    PROTOCOL,
+    START,
+    USAGE,
+    USAGE_TYPE,
+    PolicyError,
+    SandboxUnavailable,
+    StartFailure,
+    WorkerError,
+    WorkerSideError,
+    category_of,
+    describe_exit,
+)
 from boltzlabs.pool.client import _error, _error_parts
 
 from conftest import COUNTER
@@ -52,15 +66,23 @@ def test_an_internal_fault_carries_its_traceback_and_a_start_failure_its_set_up_
         frame = wire.error_frame(7, exc)
     assert frame[:3] == [wire.ERROR, 7, INTERNAL] and "Traceback" in frame[4]["traceback"]
     frame = wire.error_frame(0, StartFailure(2, "env 2 failed to start", "log", 3, set_up=True))
-    assert frame == [wire.ERROR, 0, START, "env 2 failed to start", {"env": 2, "log": "log", "failed": 3,
-                                                                      "set_up": True}]
+    assert frame == [
+        wire.ERROR,
+        0,
+        START,
+        "env 2 failed to start",
+        {"env": 2, "log": "log", "failed": 3, "set_up": True},
+    ]
 
 
-@pytest.mark.parametrize("message", [
-    [wire.ERROR, 0, "KeyError", "'x'", {}],  # a class name is no category: the worker's fault
-    [wire.ERROR, 0, USAGE, b"\xff" * 10, []],  # a hostile remote worker's frame
-    [wire.ERROR, 0],
-])
+@pytest.mark.parametrize(
+    "message",
+    [
+        [wire.ERROR, 0, "KeyError", "'x'", {}],  # a class name is no category: the worker's fault
+        [wire.ERROR, 0, USAGE, b"\xff" * 10, []],  # a hostile remote worker's frame
+        [wire.ERROR, 0],
+    ],
+)
 def test_a_frame_of_no_known_category_is_the_workers_fault(message):
     category, text, detail = _error_parts(message)
     assert category == INTERNAL and isinstance(text, str) and detail == {} or category == USAGE
@@ -74,7 +96,7 @@ def test_each_category_reaches_the_caller_as_its_exception_with_the_cause():
             pool._call("step", [1, 2, 3])  # past the client's own check: the worker's
         _cause(err.value, USAGE)
         with pytest.raises(WorkerError, match=r"the worker failed log\(\): internal error") as err:
-            pool._call("log", 10 ** 6)  # an unchecked index in the worker: its fault, not the caller's
+            pool._call("log", 10**6)  # an unchecked index in the worker: its fault, not the caller's
         assert not isinstance(err.value, ValueError) and err.value.kind == INTERNAL
         assert "IndexError" in _cause(err.value, INTERNAL).text
         with pytest.raises(WorkerError, match=r"protocol error") as err:
@@ -114,8 +136,13 @@ def test_a_set_up_that_fails_exits_with_its_own_code():
     which the worker reads as "the sandbox's fault" (StartFailure.set_up)."""
     env = {k: v for k, v in os.environ.items() if k != abi.CONFINE_VARIABLE}
     env["PYTHONPATH"] = str(ROOT)
-    out = subprocess.run([sys.executable, "-c", "import boltzlabs.runtime.confine as m; m.main(['env.py'])"],
-                         capture_output=True, text=True, timeout=60, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", "import boltzlabs.runtime.confine as m; m.main(['env.py'])"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert out.returncode == abi.SET_UP_EXIT, out
     assert "Traceback" in out.stderr and abi.CONFINE_VARIABLE in out.stderr
     assert "the sandbox's own set-up failed" in describe_exit(out.returncode)
@@ -133,16 +160,43 @@ def test_sandbox_tests_skip_with_the_reason_where_there_is_no_bubblewrap(tmp_pat
     why; a test of a file that builds no sandbox (NO_SANDBOX) still runs."""
     env = dict(os.environ, PATH=str(tmp_path), PYTHONPATH=str(ROOT))
     env.pop("BOLTZLABS_REQUIRE_SANDBOX", None)
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                          "tests/test_error_categories.py::test_a_policy_error_is_the_policys",
-                          "tests/test_wire.py::test_the_table_check_catches_a_repeated_code"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_error_categories.py::test_a_policy_error_is_the_policys",
+            "tests/test_wire.py::test_the_table_check_catches_a_repeated_code",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "1 passed, 1 skipped" in out.stdout, out.stdout
     assert "needs a sandbox: bubblewrap (bwrap) is not on PATH" in out.stdout, out.stdout
     # Where sandboxes must be built (ci/test.sh sets BOLTZLABS_REQUIRE_SANDBOX), the same test fails.
     env["BOLTZLABS_REQUIRE_SANDBOX"] = "1"
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "tests/test_error_categories.py::test_a_policy_error_is_the_policys"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "tests/test_error_categories.py::test_a_policy_error_is_the_policys",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env=env,
+    )
     assert out.returncode == 1 and "BOLTZLABS_REQUIRE_SANDBOX is set" in out.stdout, out.stdout

@@ -19,8 +19,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def run(*args, timeout=600) -> str:
-    done = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout,
-                          cwd=EXAMPLES.parent)
+    done = subprocess.run(
+        [sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=EXAMPLES.parent
+    )
     assert done.returncode == 0, f"{args} exited {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
     return done.stdout
 
@@ -37,8 +38,10 @@ def test_the_cleanrl_style_ppo_runs_the_same_on_async_vector_env_and_ours():
     assert re.search(r"VectorEnv = gym\.vector\.AsyncVectorEnv if .* else BoltzLabsVecEnv", source)
 
 
-@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("stable_baselines3", "ale_py", "cv2")),
-                    reason="the example needs stable-baselines3, ale-py and opencv (the test extras)")
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("stable_baselines3", "ale_py", "cv2")),
+    reason="the example needs stable-baselines3, ale-py and opencv (the test extras)",
+)
 def test_sb3_ppo_with_cnn_policy_trains_on_pong_84x84x4():
     out = run(EXAMPLES / "sb3_ppo_pong.py", "--timesteps", "64", "--n-envs", "2", "--n-steps", "32")
     assert re.search(r"total_timesteps\s*\|\s*64", out), out

@@ -130,8 +130,15 @@ def test_stray_output_goes_to_the_log_not_the_channel(probe_pool):
     obs, rewards, dones, infos = pool.step([{"op": "print"}])
     assert obs[0]["out"] == {"printed": True} and "error" not in infos[0]
     log = pool.log(0)
-    for text in ("probe env importing", "raw write at import", "reset called", "hello from step",
-                 "more stray output", "raw fd 1 write", "raw fd 2 write"):
+    for text in (
+        "probe env importing",
+        "raw write at import",
+        "reset called",
+        "hello from step",
+        "more stray output",
+        "raw fd 1 write",
+        "raw fd 2 write",
+    ):
         assert text in log
 
 

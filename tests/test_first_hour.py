@@ -1,12 +1,12 @@
 """A new user's first hour (issue 27): the docs' code runs as written, and the set-up says what it does.
 
-  - every ```python block of the README and of docs/gym.md, sb3.md, testing.md and api.md runs:
-    a block whose first line names a file (`# my_env/env.py`) is written there, in a fresh
-    folder; the other blocks run in order as one script from that folder; a named script
-    (`# train.py`) runs with python, a named test file (`# tests/...`) with pytest;
-  - `from boltzlabs import RLPool` works from the folder that holds the checkout;
-  - `boltzlabs worker --help` shows its default address once;
-  - ci/test.sh's progress line and ci/setup.sh's choice of a CPU build of torch.
+- every ```python block of the README and of docs/gym.md, sb3.md, testing.md and api.md runs:
+  a block whose first line names a file (`# my_env/env.py`) is written there, in a fresh
+  folder; the other blocks run in order as one script from that folder; a named script
+  (`# train.py`) runs with python, a named test file (`# tests/...`) with pytest;
+- `from boltzlabs import RLPool` works from the folder that holds the checkout;
+- `boltzlabs worker --help` shows its default address once;
+- ci/test.sh's progress line and ci/setup.sh's choice of a CPU build of torch.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def python_blocks(doc: Path) -> list[str]:
 def run(args, cwd, timeout=900) -> str:
     env = dict(os.environ, MUJOCO_GL=os.environ.get("MUJOCO_GL", "egl"))
     done = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
-    assert done.returncode == 0, f"{args} in {cwd} exited {done.returncode}:\n{done.stdout[-4000:]}\n" \
-                                 f"{done.stderr[-8000:]}"
+    assert done.returncode == 0, (
+        f"{args} in {cwd} exited {done.returncode}:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    )
     return done.stdout
 
 
@@ -86,15 +87,22 @@ def test_ci_test_sh_prints_progress_while_stages_run(tmp_path):
     function = re.search(r"^progress\(\) \{.*?^\}", source, re.S | re.M).group(0)
     (tmp_path / "native").write_text("....F.s. [ 10%]\n.....E.. [ 20%]\n..")
     (tmp_path / "pure").write_text("")
-    script = textwrap.dedent(f"""
+    script = (
+        textwrap.dedent(f"""
         set -euo pipefail
         logs={tmp_path}; declare -A label_of=([native]="suite, native path" [pure]="suite, pure-Python path")
         pending=(native pure); begun=$(( $(date +%s) - 42 ))
-    """) + function + "\nprogress\n"
+    """)
+        + function
+        + "\nprogress\n"
+    )
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert re.fullmatch(r"ci/test\.sh: 4[23] s: suite, native path 20% \(18 tests, 2 failed so far\); "
-                        r"suite, pure-Python path 0% \(0 tests\)\n", done.stderr), done.stderr
+    assert re.fullmatch(
+        r"ci/test\.sh: 4[23] s: suite, native path 20% \(18 tests, 2 failed so far\); "
+        r"suite, pure-Python path 0% \(0 tests\)\n",
+        done.stderr,
+    ), done.stderr
     assert "progress\n" in source.split("next_progress")[-2]  # called from the waiting loop
 
 
@@ -106,11 +114,16 @@ def test_ci_setup_sh_prefers_a_cpu_build_of_torch_pip_can_see(tmp_path):
         (tmp_path / f"torch-{version}+cpu-{tag.interpreter}-{tag.abi}-{tag.platform}.whl").write_bytes(b"")
     (tmp_path / "torch-99.0.0-cp311-cp311-manylinux_2_28_x86_64.whl").write_bytes(b"")  # not a CPU build
     env = dict(os.environ, PIP_CONFIG_FILE=os.devnull, PIP_FIND_LINKS=str(tmp_path))
-    out = subprocess.run([sys.executable, str(ROOT / "ci" / "cpu_torch.py")], capture_output=True, text=True,
-                         env=env, timeout=120).stdout.strip()
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "ci" / "cpu_torch.py")], capture_output=True, text=True, env=env, timeout=120
+    ).stdout.strip()
     assert out == str(tmp_path / f"torch-9.9.0+cpu-{tag.interpreter}-{tag.abi}-{tag.platform}.whl")
     env["PIP_FIND_LINKS"] = str(tmp_path / "none")
-    assert subprocess.run([sys.executable, str(ROOT / "ci" / "cpu_torch.py")], capture_output=True, text=True,
-                          env=env, timeout=120).stdout.strip() == ""
+    assert (
+        subprocess.run(
+            [sys.executable, str(ROOT / "ci" / "cpu_torch.py")], capture_output=True, text=True, env=env, timeout=120
+        ).stdout.strip()
+        == ""
+    )
     setup = (ROOT / "ci" / "setup.sh").read_text()
-    assert "ci/cpu_torch.py" in setup and '--minimal' in (ROOT / "ci" / "demo.sh").read_text()
+    assert "ci/cpu_torch.py" in setup and "--minimal" in (ROOT / "ci" / "demo.sh").read_text()

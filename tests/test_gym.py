@@ -67,7 +67,9 @@ def assert_same(got, want, where="value"):
             assert_same(got[key], want[key], f"{where}[{key!r}]")
     elif isinstance(want, np.ndarray):
         assert isinstance(got, np.ndarray), f"{where}: {type(got)}"
-        assert got.dtype == want.dtype and got.shape == want.shape, f"{where}: {got.dtype}{got.shape} != {want.dtype}{want.shape}"
+        assert got.dtype == want.dtype and got.shape == want.shape, (
+            f"{where}: {got.dtype}{got.shape} != {want.dtype}{want.shape}"
+        )
         if want.dtype == object:
             for i, (g, w) in enumerate(zip(got, want)):
                 assert_same(g, w, f"{where}[{i}]")
@@ -181,22 +183,26 @@ def test_make_and_the_contract(monkeypatch):
 @pytest.fixture
 def no_sandbox(monkeypatch):
     """Fail the test if a worker (and so any sandbox) is started."""
+
     def refuse(self, *args):
         raise AssertionError("a worker was started")
 
     monkeypatch.setattr(RLPool, "_start_worker", refuse)
 
 
-@pytest.mark.parametrize("source, params, error, match", [
-    ("CartPol-v1", {}, ValueError, "not a registered Gymnasium id.*did you mean 'CartPole-v1'"),
-    ("gym://Nope-v0", {}, ValueError, "not a registered Gymnasium id"),
-    ("gym://CartPole-v9", {}, ValueError, "not a registered Gymnasium id"),
-    ("gym://nomodule_xyz:Thing-v0", {}, ValueError, "cannot import 'nomodule_xyz'"),
-    ("CartPole-v1", {"gravity": 3}, ValueError, "'CartPole-v1' takes no argument 'gravity'"),
-    ("CartPole-v1", {"render_mod": "rgb_array"}, ValueError, "did you mean 'render_mode'"),
-    ("CartPole-v1", {"render_mode": "ansi"}, ValueError, "has no render_mode 'ansi'"),
-    ("Pendulum-v1", {"g": object()}, TypeError, "must be JSON values"),
-])
+@pytest.mark.parametrize(
+    "source, params, error, match",
+    [
+        ("CartPol-v1", {}, ValueError, "not a registered Gymnasium id.*did you mean 'CartPole-v1'"),
+        ("gym://Nope-v0", {}, ValueError, "not a registered Gymnasium id"),
+        ("gym://CartPole-v9", {}, ValueError, "not a registered Gymnasium id"),
+        ("gym://nomodule_xyz:Thing-v0", {}, ValueError, "cannot import 'nomodule_xyz'"),
+        ("CartPole-v1", {"gravity": 3}, ValueError, "'CartPole-v1' takes no argument 'gravity'"),
+        ("CartPole-v1", {"render_mod": "rgb_array"}, ValueError, "did you mean 'render_mode'"),
+        ("CartPole-v1", {"render_mode": "ansi"}, ValueError, "has no render_mode 'ansi'"),
+        ("Pendulum-v1", {"g": object()}, TypeError, "must be JSON values"),
+    ],
+)
 def test_bad_ids_and_params_are_refused_before_any_sandbox_starts(no_sandbox, source, params, error, match):
     with pytest.raises(error, match=match):
         RLPool(source, 2, **params)
@@ -206,9 +212,11 @@ def test_bad_ids_and_params_are_refused_before_any_sandbox_starts(no_sandbox, so
 
 def test_good_params_pass_the_check(no_sandbox):
     # Constructor params, gymnasium.make's own, and module-prefixed ids.
-    for source, params in [("CartPole-v1", {"render_mode": "rgb_array", "sutton_barto_reward": True}),
-                           ("gym://Pendulum-v1", {"g": 9.0, "max_episode_steps": 5}),
-                           ("gymnasium.envs.classic_control:MountainCar-v0", {"goal_velocity": 0.1})]:
+    for source, params in [
+        ("CartPole-v1", {"render_mode": "rgb_array", "sutton_barto_reward": True}),
+        ("gym://Pendulum-v1", {"g": 9.0, "max_episode_steps": 5}),
+        ("gymnasium.envs.classic_control:MountainCar-v0", {"goal_velocity": 0.1}),
+    ]:
         with pytest.raises(AssertionError, match="a worker was started"):
             RLPool(source, 1, **params)
 
@@ -419,8 +427,12 @@ def test_reset_mask_is_checked_and_popped_like_sync_vector_env(pools):
     options = {"reset_mask": np.array([True, False, False])}
     envs.reset(options=options)
     assert options == {}  # SyncVectorEnv pops it: a wrapper above (RecordEpisodeStatistics) sees no mask
-    for bad, error in [([True, False, True], TypeError), (np.array([True]), ValueError),
-                       (np.array([1, 0, 0]), TypeError), (np.zeros(N, bool), ValueError)]:
+    for bad, error in [
+        ([True, False, True], TypeError),
+        (np.array([True]), ValueError),
+        (np.array([1, 0, 0]), TypeError),
+        (np.zeros(N, bool), ValueError),
+    ]:
         with pytest.raises(error, match="reset_mask"):
             envs.reset(options={"reset_mask": bad})
     with pytest.raises(ValueError, match="length must match num_envs=3"):
@@ -458,11 +470,14 @@ RENDER_FAULTS = """
 """
 
 
-@pytest.mark.parametrize("fault, error", [
-    ("raise", "(?s)env 0 could not render: Traceback.*RuntimeError: render failed on purpose"),
-    ("exit", "env 0 could not render: env is dead .*exited with code 3"),
-    ("hang", "env 0 could not render: missed the render deadline of 1 s"),
-])
+@pytest.mark.parametrize(
+    "fault, error",
+    [
+        ("raise", "(?s)env 0 could not render: Traceback.*RuntimeError: render failed on purpose"),
+        ("exit", "env 0 could not render: env is dead .*exited with code 3"),
+        ("hang", "env 0 could not render: missed the render deadline of 1 s"),
+    ],
+)
 def test_render_faults_are_typed_and_leave_other_envs_alone(env_dir, fault, error):
     with RLPool(env_dir(RENDER_FAULTS), 2, step_timeout=1.0) as pool:
         pool.reset()

@@ -37,18 +37,30 @@ def assert_equal_infos(got: dict, want: dict) -> None:
         assert got[key].tobytes() == want[key].tobytes(), key
 
 
-TYPED = [st.integers(-2**40, 2**40), st.floats(allow_nan=False), st.booleans(),
-         st.floats(width=32, allow_nan=False).map(np.float32), st.floats(allow_nan=False).map(np.float64),
-         st.integers(-100, 100).map(np.int64), st.integers(0, 200).map(np.uint8),
-         st.lists(st.floats(-1, 1), min_size=2, max_size=2).map(np.array),
-         st.lists(st.integers(0, 9), min_size=1, max_size=3).map(np.array), st.text(max_size=3),
-         st.booleans().map(np.bool_), st.none()]
+TYPED = [
+    st.integers(-(2**40), 2**40),
+    st.floats(allow_nan=False),
+    st.booleans(),
+    st.floats(width=32, allow_nan=False).map(np.float32),
+    st.floats(allow_nan=False).map(np.float64),
+    st.integers(-100, 100).map(np.int64),
+    st.integers(0, 200).map(np.uint8),
+    st.lists(st.floats(-1, 1), min_size=2, max_size=2).map(np.array),
+    st.lists(st.integers(0, 9), min_size=1, max_size=3).map(np.array),
+    st.text(max_size=3),
+    st.booleans().map(np.bool_),
+    st.none(),
+]
 values = st.one_of(*TYPED)
 
 
 @settings(max_examples=300, deadline=None)
-@given(keys=st.lists(st.sampled_from(["a", "b", "reward_ctrl", "x_position", "final_obs"]), unique=True, max_size=4),
-       n=st.integers(1, 6), same_types=st.booleans(), data=st.data())
+@given(
+    keys=st.lists(st.sampled_from(["a", "b", "reward_ctrl", "x_position", "final_obs"]), unique=True, max_size=4),
+    n=st.integers(1, 6),
+    same_types=st.booleans(),
+    data=st.data(),
+)
 def test_batched_infos_equal_gymnasiums_or_are_declined(keys, n, same_types, data):
     if same_types:
         kinds = {key: data.draw(st.sampled_from(TYPED)) for key in keys}
@@ -61,8 +73,15 @@ def test_batched_infos_equal_gymnasiums_or_are_declined(keys, n, same_types, dat
 
 
 def test_a_real_envs_infos_are_batched():
-    infos = [{"x_position": np.float64(i), "x_velocity": np.float64(-i), "reward_forward": np.float64(1.5),
-              "reward_ctrl": np.float32(-0.25 * i)} for i in range(8)]
+    infos = [
+        {
+            "x_position": np.float64(i),
+            "x_velocity": np.float64(-i),
+            "reward_forward": np.float64(1.5),
+            "reward_ctrl": np.float32(-0.25 * i),
+        }
+        for i in range(8)
+    ]
     batched = _batch_infos(infos, 8)
     assert batched is not None
     assert_equal_infos(batched, gymnasium_infos(infos))

@@ -47,8 +47,9 @@ def assert_same(got, want, where="value"):
         for i, (g, w) in enumerate(zip(got, want)):
             assert_same(g, w, f"{where}[{i}]")
     elif isinstance(want, np.ndarray):
-        assert got.dtype == want.dtype and got.shape == want.shape, \
+        assert got.dtype == want.dtype and got.shape == want.shape, (
             f"{where}: {got.dtype}{got.shape} != {want.dtype}{want.shape}"
+        )
         if want.dtype == object:
             for i, (g, w) in enumerate(zip(got, want)):
                 assert_same(g, w, f"{where}[{i}]")
@@ -77,8 +78,9 @@ def check_vector_format(infos: dict, n: int, where="infos") -> None:
             assert key[1:] in infos, f"{where}: a mask {key!r} with no {key[1:]!r}"
             continue
         mask = infos.get(f"_{key}")
-        assert isinstance(mask, np.ndarray) and mask.dtype == np.bool_ and mask.shape == (n,), \
+        assert isinstance(mask, np.ndarray) and mask.dtype == np.bool_ and mask.shape == (n,), (
             f"{where}[{key!r}] has no bool mask of {n}: {mask!r}"
+        )
         if isinstance(value, dict):
             check_vector_format(value, n, f"{where}[{key!r}]")
         else:
@@ -128,8 +130,9 @@ def test_every_info_key_is_in_the_vector_format(pool_factory, mode):
         *_, truncated, infos = ours.step(np.array([1, 2]))
         check_vector_format(infos, N)
         if truncated.any():
-            assert "episode_record" in infos and all(f"_{k}" in infos["episode_record"]
-                                                     for k in ("id", "seed", "length", "return"))
+            assert "episode_record" in infos and all(
+                f"_{k}" in infos["episode_record"] for k in ("id", "seed", "length", "return")
+            )
     assert "completed_episodes" not in infos
 
 
@@ -279,8 +282,11 @@ def test_call_get_attr_set_attr_reach_only_what_a_served_env_offers(pool_factory
     _, rewards, *_ = ours.step(np.array([0, 0]))
     assert rewards.tolist() == [2.0, 3.0]  # the setter reached the env
     offered = ours.pool.env_contract.attributes
-    assert offered == {"methods": ["explode", "scaled"], "attributes": {"gain": True, "label": False,
-                                                                        "np_random_seed": False}, "target": None}
+    assert offered == {
+        "methods": ["explode", "scaled"],
+        "attributes": {"gain": True, "label": False, "np_random_seed": False},
+        "target": None,
+    }
     # Refused in this process, before anything is sent, naming what the env offers.
     with pytest.raises(AttributeError, match=r"no method or attribute 'reset'.*\['explode', 'scaled'\].*'gain'"):
         ours.call("reset")
@@ -314,11 +320,14 @@ FAULTY_METHODS = """
 """
 
 
-@pytest.mark.parametrize("fault, error", [
-    ("hang", "env 0 could not call 'hang': missed the call deadline of 1 s"),
-    ("die", "env 0 could not call 'die': env is dead .*exited with code 4"),
-    ("deep", "(?s)env 0 could not call 'deep' .1 other.*tuples nested more than 32 deep"),
-])
+@pytest.mark.parametrize(
+    "fault, error",
+    [
+        ("hang", "env 0 could not call 'hang': missed the call deadline of 1 s"),
+        ("die", "env 0 could not call 'die': env is dead .*exited with code 4"),
+        ("deep", "(?s)env 0 could not call 'deep' .1 other.*tuples nested more than 32 deep"),
+    ],
+)
 def test_a_call_that_hangs_crashes_or_returns_too_much_fails_its_lane(pool_factory, env_dir, fault, error):
     pool = pool_factory(env_dir(FAULTY_METHODS), N, step_timeout=1.0)
     pool.reset()
@@ -333,10 +342,20 @@ def test_a_call_that_hangs_crashes_or_returns_too_much_fails_its_lane(pool_facto
 # --- 6. seeds --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("seed, error", [
-    (-1, gym_error.Error), ([3, -5], gym_error.Error), ([1.5, 2], gym_error.Error), ([np.int64(1), 2], gym_error.Error),
-    ([1, 2, 3], ValueError), ([1], ValueError), (1.5, TypeError), (np.int64(3), TypeError),
-], ids=repr)
+@pytest.mark.parametrize(
+    "seed, error",
+    [
+        (-1, gym_error.Error),
+        ([3, -5], gym_error.Error),
+        ([1.5, 2], gym_error.Error),
+        ([np.int64(1), 2], gym_error.Error),
+        ([1, 2, 3], ValueError),
+        ([1], ValueError),
+        (1.5, TypeError),
+        (np.int64(3), TypeError),
+    ],
+    ids=repr,
+)
 def test_seeds_are_checked_as_gymnasium_checks_them_before_anything_runs(pool_factory, seed, error):
     ours = BoltzLabsVecEnv(pool_factory("gym://CartPole-v1", N))
     reference = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * N)

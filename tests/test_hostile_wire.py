@@ -204,8 +204,9 @@ def test_raw_deep_frame_fails_its_lane(hostile_pool, op, depth):
 # --- 3. array headers ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape", [(0, 2**62), (2**62, 0), (0, 2**63 - 1, 2**63 - 1), (0,) * 33,
-                                   (2**31, 2**31, 0, 2**31)])
+@pytest.mark.parametrize(
+    "shape", [(0, 2**62), (2**62, 0), (0, 2**63 - 1, 2**63 - 1), (0,) * 33, (2**31, 2**31, 0, 2**31)]
+)
 def test_array_header_with_absurd_shape_fails_its_lane(hostile_pool, shape):
     pool = hostile_pool(2)
     pool.reset()
@@ -218,18 +219,31 @@ def test_array_header_with_absurd_shape_fails_its_lane(hostile_pool, shape):
 # --- tuples and numpy scalars (issue 17, point 4) ----------------------------------------------
 
 
-@pytest.mark.parametrize("attack, words", [
-    ({"op": "deep_tuple", "depth": 40}, "tuples nested more than 32 deep"),
-    ({"op": "deep_tuple", "depth": 5000}, "tuples nested more than 32 deep"),
-    ({"op": "wide_tuple"}, "objects"),
-    ({"op": "tuples_of_lists"}, "nested deeper than 512"),
-    ({"op": "tuple_not_array"}, "tuple ext does not hold an array"),
-    ({"op": "bad_scalar", "text": "<f4:3", "bytes": 12}, "scalar ext has the shape of an array"),
-    ({"op": "bad_scalar", "text": "<f4:", "bytes": 3}, "does not match"),
-    ({"op": "bad_scalar", "text": "<O8:", "bytes": 8}, "unsupported dtype"),
-    ({"op": "bad_scalar", "text": "<f8:" + "0," * 40 + "0", "bytes": 0}, "bad shape"),
-], ids=["deep-40", "deep-5000", "wide", "tuples-of-lists", "not-an-array", "scalar-shaped", "scalar-short",
-        "scalar-object", "scalar-ndim"])
+@pytest.mark.parametrize(
+    "attack, words",
+    [
+        ({"op": "deep_tuple", "depth": 40}, "tuples nested more than 32 deep"),
+        ({"op": "deep_tuple", "depth": 5000}, "tuples nested more than 32 deep"),
+        ({"op": "wide_tuple"}, "objects"),
+        ({"op": "tuples_of_lists"}, "nested deeper than 512"),
+        ({"op": "tuple_not_array"}, "tuple ext does not hold an array"),
+        ({"op": "bad_scalar", "text": "<f4:3", "bytes": 12}, "scalar ext has the shape of an array"),
+        ({"op": "bad_scalar", "text": "<f4:", "bytes": 3}, "does not match"),
+        ({"op": "bad_scalar", "text": "<O8:", "bytes": 8}, "unsupported dtype"),
+        ({"op": "bad_scalar", "text": "<f8:" + "0," * 40 + "0", "bytes": 0}, "bad shape"),
+    ],
+    ids=[
+        "deep-40",
+        "deep-5000",
+        "wide",
+        "tuples-of-lists",
+        "not-an-array",
+        "scalar-shaped",
+        "scalar-short",
+        "scalar-object",
+        "scalar-ndim",
+    ],
+)
 def test_hostile_tuple_and_scalar_exts_fail_their_lane(hostile_pool, attack, words):
     pool = hostile_pool(2)
     pool.reset()
@@ -332,10 +346,13 @@ def test_a_large_hello_starts_in_template_mode_promptly(env_dir):
         assert pool.step([0, 0])[0] == [0, 0]
 
 
-@pytest.mark.parametrize("metadata, words", [
-    ('{"a": "x" * (3 << 20), "b": "x" * (3 << 20)}', "handshake"),
-    ("[[]] * 1_000_000", "objects"),
-])
+@pytest.mark.parametrize(
+    "metadata, words",
+    [
+        ('{"a": "x" * (3 << 20), "b": "x" * (3 << 20)}', "handshake"),
+        ("[[]] * 1_000_000", "objects"),
+    ],
+)
 def test_an_oversized_hello_is_a_clear_start_error(env_dir, spawn, metadata, words):
     from boltzlabs import RLPool
 

@@ -74,8 +74,9 @@ def assert_denied(out: dict, *errnos: int) -> str:
     assert set(out) == {"denied"}, f"expected a refusal, got {out!r}"
     text = out["denied"]
     if errnos:
-        assert any(f"[Errno {e}]" in text for e in errnos), \
+        assert any(f"[Errno {e}]" in text for e in errnos), (
             f"expected one of {[errno.errorcode[e] for e in errnos]}, got {text!r}"
+        )
     return text
 
 
@@ -93,8 +94,10 @@ def expected_root_entries(spawn: str) -> set[str]:
     if spawn == "template":  # the template's fully visible proc, covered in every env
         entries.add(Path(load_policy().sandbox["template"]["hidden_proc"]).parts[1])
     entries |= {name for name in ("bin", "lib", "lib64", "sbin") if os.path.lexists("/" + name)}
-    if any(os.path.lexists(f"/etc/{name}") for name in
-           ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "alternatives")):
+    if any(
+        os.path.lexists(f"/etc/{name}")
+        for name in ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "alternatives")
+    ):
         entries.add("etc")
     entries |= {Path(p).parts[1] for p in interpreter_paths()}
     return entries
@@ -338,8 +341,14 @@ def test_root_holds_only_the_policys_mounts(probe_pool):
     for path in bound:
         for ancestor in Path(path).parents:
             a = str(ancestor)
-            if a == "/" or covered(a) or any(a == "/" + n or a.startswith("/" + n + "/")
-                                             for n in ("usr", "opt", "etc", "dev", "proc", "workspace")):
+            if (
+                a == "/"
+                or covered(a)
+                or any(
+                    a == "/" + n or a.startswith("/" + n + "/")
+                    for n in ("usr", "opt", "etc", "dev", "proc", "workspace")
+                )
+            ):
                 continue
             children = {Path(b).relative_to(a).parts[0] for b in bound if b.startswith(a + os.sep)}
             for out in run(pool, {"op": "listdir", "path": a}):
@@ -601,9 +610,19 @@ def test_no_host_directory_is_named_by_a_mount_point_or_the_interpreter(hostile_
     host = {str(Path(__file__).resolve().parents[1]), sys.prefix, sys.base_prefix, source}
     host = {path for path in host if not path.startswith("/usr/")}
     for out in hostile(pool, {"op": "where"}):
-        named = [value for value in [*out["mount_points"], out["executable"], out["prefix"], out["base_prefix"],
-                                     *out["path"], out["file"], out["cwd"]]
-                 if any(value == h or value.startswith(h + "/") for h in host)]
+        named = [
+            value
+            for value in [
+                *out["mount_points"],
+                out["executable"],
+                out["prefix"],
+                out["base_prefix"],
+                *out["path"],
+                out["file"],
+                out["cwd"],
+            ]
+            if any(value == h or value.startswith(h + "/") for h in host)
+        ]
         assert not named, f"host directories named inside: {named}"
         assert out["file"] == f"{ENV_DIR}/env.py"
     assert_healthy(pool)
@@ -650,8 +669,13 @@ def test_env_cannot_forge_the_pools_replies(hostile_pool):
 
 def test_sysctls_are_read_only(hostile_pool):
     pool = hostile_pool(2)
-    paths = ["/proc/sys/kernel/core_pattern", "/proc/sys/vm/drop_caches", "/proc/sys/kernel/hostname",
-             "/proc/sys/net/ipv4/ip_forward", "/proc/sysrq-trigger"]
+    paths = [
+        "/proc/sys/kernel/core_pattern",
+        "/proc/sys/vm/drop_caches",
+        "/proc/sys/kernel/hostname",
+        "/proc/sys/net/ipv4/ip_forward",
+        "/proc/sysrq-trigger",
+    ]
     # access() only: host-wide sysctls are never opened for writing here.
     for result in hostile(pool, {"op": "access", "paths": paths}):
         writable = [p for p, (exists, w) in result.items() if exists and w]

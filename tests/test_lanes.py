@@ -50,16 +50,20 @@ def test_a_new_lane_is_dead_and_every_state_is_reachable():
         path_to(state)
 
 
-@pytest.mark.parametrize("source,target", [(s, t) for s, targets in TRANSITIONS.items() for t in targets],
-                         ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "source,target", [(s, t) for s, targets in TRANSITIONS.items() for t in targets], ids=lambda s: s.name
+)
 def test_every_declared_transition_is_taken(source, target):
     lane = lane_in(source)
     lane.to(target)
     assert lane.state is target
 
 
-@pytest.mark.parametrize("source,target", [(s, t) for s, t in itertools.product(State, State)
-                                           if t not in TRANSITIONS[s]], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    "source,target",
+    [(s, t) for s, t in itertools.product(State, State) if t not in TRANSITIONS[s]],
+    ids=lambda s: s.name,
+)
 def test_every_undeclared_transition_raises_and_changes_nothing(source, target):
     lane = lane_in(source)
     with pytest.raises(LaneStateError, match=f"lane 7: no transition from {source.name} to {target.name}"):

@@ -45,8 +45,20 @@ ALLOWED = {  # layer -> the layers it may import
     "pool": {"errors", "units", "wire", "link", "pool"},
     # Host code beside a worker: it hands connections to workers, and never reaches into the trainer's side.
     "remote": {"errors", "units", "abi", "wire", "link", "runtime", "host", "worker", "remote"},
-    "adapter": {"errors", "units", "abi", "wire", "link", "runtime", "host", "worker", "pool", "remote",
-                "adapter", "root"},
+    "adapter": {
+        "errors",
+        "units",
+        "abi",
+        "wire",
+        "link",
+        "runtime",
+        "host",
+        "worker",
+        "pool",
+        "remote",
+        "adapter",
+        "root",
+    },
     "root": {"errors", "pool", "adapter"},  # boltzlabs/__init__.py's lazy names
 }
 ADAPTERS = {"gym", "sb3", "cluster", "cli", "__main__", "testing", "pytest_plugin"}
@@ -54,9 +66,11 @@ ADAPTERS = {"gym", "sb3", "cluster", "cli", "__main__", "testing", "pytest_plugi
 # Edges that break a rule and cannot be removed without a change of behaviour:
 # (importing module, imported module) -> why it is still there.
 EXCEPTIONS = {
-    ("boltzlabs.cluster", "boltzlabs.cli.doctor"):
-        "`boltzlabs doctor --cluster` (cli) fans cli.doctor's checks out to every Ray node through "
-        "cluster.doctor: a cycle between two adapters, no layer crossed",
+    (
+        "boltzlabs.cluster",
+        "boltzlabs.cli.doctor",
+    ): "`boltzlabs doctor --cluster` (cli) fans cli.doctor's checks out to every Ray node through "
+    "cluster.doctor: a cycle between two adapters, no layer crossed",
 }
 
 
@@ -148,8 +162,10 @@ def _where(edge) -> str:
 
 def test_every_module_has_a_layer():
     unknown = [name for name in our_modules() if layer(name) == "unknown"]
-    assert not unknown, (f"modules outside every layer: {unknown}; put them in runtime/, host/, worker/, pool/ "
-                         "or an adapter, or add the module to tests/test_layout.py's layers")
+    assert not unknown, (
+        f"modules outside every layer: {unknown}; put them in runtime/, host/, worker/, pool/ "
+        "or an adapter, or add the module to tests/test_layout.py's layers"
+    )
 
 
 def test_no_layer_imports_one_it_may_not():
@@ -174,8 +190,10 @@ def test_runtime_imports_only_the_standard_library_and_msgpack():
             continue
         top = target.split(".")[0]
         allowed = top in sys.stdlib_module_names or top == "msgpack" or top == "__future__"
-        if source in ("boltzlabs.runtime.gym_env.env", "boltzlabs.runtime.fn_env.env") \
-                and top in ("gymnasium", "cloudpickle"):
+        if source in ("boltzlabs.runtime.gym_env.env", "boltzlabs.runtime.fn_env.env") and top in (
+            "gymnasium",
+            "cloudpickle",
+        ):
             allowed = True
         if not allowed:
             broken.append(_where(edge))
@@ -198,7 +216,7 @@ def _cycle(graph: dict[str, set]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         stack.pop()
@@ -230,25 +248,49 @@ def test_no_import_cycle(granularity):
             graph.setdefault(a, set()).add(b)
             where.setdefault((a, b), _where(edge))
     cycle = _cycle(graph)
-    assert cycle is None, (f"import cycle {' -> '.join(cycle)}:\n"
-                           + "\n".join(where[(a, b)] for a, b in zip(cycle, cycle[1:])))
+    assert cycle is None, f"import cycle {' -> '.join(cycle)}:\n" + "\n".join(
+        where[(a, b)] for a, b in zip(cycle, cycle[1:])
+    )
 
 
 def test_the_env_entry_point_loads_only_the_runtime():
     """`from boltzlabs.env import serve` in a fresh interpreter loads the standard library, msgpack and
     boltzlabs.{env, runtime.*, abi, wire, _wire, errors}: nothing else (numpy, the client, the sandbox builder)."""
-    code = ("import sys; before = set(sys.modules); from boltzlabs.env import serve; "
-            "print(' '.join(sorted(set(sys.modules) - before)))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
-                            env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    code = (
+        "import sys; before = set(sys.modules); from boltzlabs.env import serve; "
+        "print(' '.join(sorted(set(sys.modules) - before)))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+    )
     assert result.returncode == 0, result.stderr
     loaded = result.stdout.split()
-    ours = {"boltzlabs", "boltzlabs.env", "boltzlabs.abi", "boltzlabs.wire", "boltzlabs._wire", "boltzlabs.errors",
-            "boltzlabs.runtime"}
-    extra = [m for m in loaded
-             if not (m in ours or m.startswith("boltzlabs.runtime.") or m.split(".")[0] in sys.stdlib_module_names
-                     or m.split(".")[0] == "msgpack"
-                     or m == "cython_runtime" or m.startswith("_cython_"))]  # what msgpack's C extension loads
+    ours = {
+        "boltzlabs",
+        "boltzlabs.env",
+        "boltzlabs.abi",
+        "boltzlabs.wire",
+        "boltzlabs._wire",
+        "boltzlabs.errors",
+        "boltzlabs.runtime",
+    }
+    extra = [
+        m
+        for m in loaded
+        if not (
+            m in ours
+            or m.startswith("boltzlabs.runtime.")
+            or m.split(".")[0] in sys.stdlib_module_names
+            or m.split(".")[0] == "msgpack"
+            or m == "cython_runtime"
+            or m.startswith("_cython_")
+        )
+    ]  # what msgpack's C extension loads
     assert not extra, f"`from boltzlabs.env import serve` loaded {extra}; every env would pay for them"
     assert "boltzlabs.runtime.serve" in loaded
 
@@ -304,17 +346,21 @@ def test_only_host_reads_the_policys_tables():
             continue
         for line in policy_table_reads(path.read_text(), str(path)):
             broken.append(f"{path.relative_to(ROOT)}:{line}")
-    assert not broken, ("modules outside boltzlabs/host/ that index the policy's tables (use a typed accessor "
-                        "of boltzlabs.host.policy.Policy, e.g. pool_limits(), identity()):\n" + "\n".join(broken))
+    assert not broken, (
+        "modules outside boltzlabs/host/ that index the policy's tables (use a typed accessor "
+        "of boltzlabs.host.policy.Policy, e.g. pool_limits(), identity()):\n" + "\n".join(broken)
+    )
 
 
 def test_the_policy_check_catches_a_raw_read():
-    source = ("def f(policy, self):\n"
-              "    a = policy.sandbox['limits']['log_tail']\n"
-              "    b = self.policy.limits.get('max_pool_bytes', 1 << 30)\n"
-              "    c = load_policy().sandbox.get('identity', {})\n"
-              "    d = seccomp.compile_rules(load_policy().seccomp)\n"  # a whole table to host/: allowed
-              "    e = policy.pool_limits().log_tail\n")
+    source = (
+        "def f(policy, self):\n"
+        "    a = policy.sandbox['limits']['log_tail']\n"
+        "    b = self.policy.limits.get('max_pool_bytes', 1 << 30)\n"
+        "    c = load_policy().sandbox.get('identity', {})\n"
+        "    d = seccomp.compile_rules(load_policy().seccomp)\n"  # a whole table to host/: allowed
+        "    e = policy.pool_limits().log_tail\n"
+    )
     assert policy_table_reads(source) == [2, 3, 4]
 
 
@@ -322,8 +368,14 @@ def test_the_policy_check_catches_a_raw_read():
 
 WORKER = PACKAGE / "worker"
 # Each part of the worker, by its module: the classes whose state is declared in their __init__.
-PARTS = {"server.py": {"Worker"}, "reactor.py": {"Reactor", "Budget"}, "lifecycle.py": {"Lifecycle"},
-         "stepping.py": {"Stepping"}, "requests.py": {"Requests"}, "spawn.py": {"ExecSpawner"}}
+PARTS = {
+    "server.py": {"Worker"},
+    "reactor.py": {"Reactor", "Budget"},
+    "lifecycle.py": {"Lifecycle"},
+    "stepping.py": {"Stepping"},
+    "requests.py": {"Requests"},
+    "spawn.py": {"ExecSpawner"},
+}
 # What a part is called where another part holds it: none of them is assigned to from outside.
 PART_NAMES = {"worker", "reactor", "budget", "lifecycle", "stepping", "requests", "spawner", "context"}
 
@@ -375,8 +427,13 @@ def test_no_part_assigns_another_parts_attributes():
     broken = []
     for path in sorted(WORKER.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            targets = node.targets if isinstance(node, ast.Assign) else \
-                [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+                else []
+            )
             for target in targets:
                 for leaf in ast.walk(target):
                     if not isinstance(leaf, ast.Attribute):
@@ -391,15 +448,21 @@ def test_no_part_assigns_another_parts_attributes():
 def test_the_spawners_implement_the_declared_protocol():
     from boltzlabs.worker import spawn
 
-    wanted = [name for name in ("kind", "spawn", "kill", "batching_kills", "process", "close")
-              if name in spawn.Spawner.__dict__ or name in spawn.Spawner.__annotations__]
+    wanted = [
+        name
+        for name in ("kind", "spawn", "kill", "batching_kills", "process", "close")
+        if name in spawn.Spawner.__dict__ or name in spawn.Spawner.__annotations__
+    ]
     assert set(wanted) == {"kind", "spawn", "kill", "batching_kills", "process", "close"}
     for spawner in (spawn.ExecSpawner, spawn.TemplateSpawner):
         missing = [name for name in wanted if not hasattr(spawner, name)]
         assert not missing, f"{spawner.__name__} lacks {missing} of spawn.Spawner"
     tree = ast.parse((WORKER / "spawn.py").read_text())
-    reach = [node.lineno for node in ast.walk(tree)
-             if (isinstance(node, ast.Name) and node.id == "worker")
-             or (isinstance(node, ast.Attribute) and node.attr == "worker")
-             or (isinstance(node, ast.arg) and node.arg == "worker")]
+    reach = [
+        node.lineno
+        for node in ast.walk(tree)
+        if (isinstance(node, ast.Name) and node.id == "worker")
+        or (isinstance(node, ast.Attribute) and node.attr == "worker")
+        or (isinstance(node, ast.arg) and node.arg == "worker")
+    ]
     assert not reach, f"worker/spawn.py reaches into the worker at lines {reach}: hand it what it needs (SpawnContext)"

@@ -70,24 +70,26 @@ def assert_own_lanes(obs, rewards, infos, actions, skip=()):
 
 def test_policy_has_every_env_limit():
     table = load_policy().sandbox["env_limits"]
-    assert {"memory", "pids", "pool_pids", "open_files", "file_size", "core_size",
-            "straggler_grace"} <= set(table)
+    assert {"memory", "pids", "pool_pids", "open_files", "file_size", "core_size", "straggler_grace"} <= set(table)
     assert table["core_size"] == 0
 
 
-@pytest.mark.parametrize("limits, message", [
-    ({"pidz": 3}, "unknown env limit"),
-    ({"pids": 2}, "at least 8"),
-    ({"open_files": "many"}, "whole number"),
-    ({"straggler_grace": 0}, "positive number"),
-    ({"file_size": "lots"}, "cannot read"),
-    # The whole pool's cap: a count or a share, and always below the host's task limit.
-    ({"pool_pids": 4}, "at least 8"),
-    ({"pool_pids": "100%"}, "share below 100%"),
-    ({"pool_pids": "many%"}, "share below 100%"),
-    ({"pool_pids": True}, "whole number of tasks"),
-    ({"pool_pids": 10 ** 9}, "not below this host's task limit"),
-])
+@pytest.mark.parametrize(
+    "limits, message",
+    [
+        ({"pidz": 3}, "unknown env limit"),
+        ({"pids": 2}, "at least 8"),
+        ({"open_files": "many"}, "whole number"),
+        ({"straggler_grace": 0}, "positive number"),
+        ({"file_size": "lots"}, "cannot read"),
+        # The whole pool's cap: a count or a share, and always below the host's task limit.
+        ({"pool_pids": 4}, "at least 8"),
+        ({"pool_pids": "100%"}, "share below 100%"),
+        ({"pool_pids": "many%"}, "share below 100%"),
+        ({"pool_pids": True}, "whole number of tasks"),
+        ({"pool_pids": 10**9}, "not below this host's task limit"),
+    ],
+)
 def test_bad_limits_are_refused_before_anything_starts(limits, message):
     before = descendants()
     with pytest.raises(ValueError, match=message):
@@ -371,8 +373,10 @@ def test_a_1_gib_stdout_flood_costs_the_worker_bounded_memory(pool_factory):
     assert obs[0]["out"] == {"flooded": 1024}
     assert_own_lanes(obs, rewards, infos, [None, 1], skip={0})
     grew = worker.memory_info().rss - rss
-    print(f"1 GiB flood: worker RSS {grew / MiB:+.1f} MiB, worker CPU {sum(worker.cpu_times()[:2]) - cpu:.2f} s, "
-          f"step {elapsed:.2f} s")
+    print(
+        f"1 GiB flood: worker RSS {grew / MiB:+.1f} MiB, worker CPU {sum(worker.cpu_times()[:2]) - cpu:.2f} s, "
+        f"step {elapsed:.2f} s"
+    )
     assert grew < 16 * MiB, grew
     tail = pool.log(0).split("--- env 0 ---\n")[-1]
     assert len(tail) <= load_policy().pool_limits().log_tail and tail.endswith("x")
@@ -434,10 +438,14 @@ PIECES = st.one_of(
     st.integers(1 << 24, (1 << 32) - 1).map(lambda n: struct.pack("<I", n)),  # huge length prefixes
     st.integers(1, 3000).map(lambda depth: _frame(b"\x91" * depth + b"\xc0")),  # deep nesting
     st.binary(max_size=32).map(_frame),  # well-framed garbage
-    st.builds(lambda code, seq, lane: _frame(msgpack.packb(
-        [code, seq, {"lane": lane, "echo": lane}, float(lane), False, False, {"lane": lane}])),
-        st.sampled_from([wire.STEPPED, wire.RESET_DONE, wire.HELLO, 99]), st.integers(-1, 1 << 40),
-        st.integers(0, 3)),  # well-formed replies claiming any sequence number and any lane
+    st.builds(
+        lambda code, seq, lane: _frame(
+            msgpack.packb([code, seq, {"lane": lane, "echo": lane}, float(lane), False, False, {"lane": lane}])
+        ),
+        st.sampled_from([wire.STEPPED, wire.RESET_DONE, wire.HELLO, 99]),
+        st.integers(-1, 1 << 40),
+        st.integers(0, 3),
+    ),  # well-formed replies claiming any sequence number and any lane
 )
 
 
@@ -445,7 +453,7 @@ def _cut(stream: bytes, how: str, points: list) -> list:
     if how == "whole":
         return [stream]
     if how == "bytes":
-        return [stream[i:i + 1] for i in range(min(len(stream), 160))]
+        return [stream[i : i + 1] for i in range(min(len(stream), 160))]
     edges = sorted({0, len(stream), *(p % (len(stream) + 1) for p in points)})
     return [stream[a:b] for a, b in zip(edges, edges[1:])]
 
@@ -457,11 +465,19 @@ def test_hostile_channel_bytes_never_crash_hang_or_cross_lanes(spawn):
     with RLPool(HOSTILE, 4, spawn=spawn, step_timeout=2.0) as pool:
         pool.reset(seed=0)
 
-        @settings(max_examples=25, deadline=None, database=None,
-                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-        @given(pieces=st.lists(PIECES, min_size=1, max_size=4), how=st.sampled_from(["whole", "bytes", "random"]),
-               points=st.lists(st.integers(0, 1 << 16), max_size=8), lane=st.integers(0, 3),
-               then=st.sampled_from(["exit", "exit", "return"]))
+        @settings(
+            max_examples=25,
+            deadline=None,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
+        @given(
+            pieces=st.lists(PIECES, min_size=1, max_size=4),
+            how=st.sampled_from(["whole", "bytes", "random"]),
+            points=st.lists(st.integers(0, 1 << 16), max_size=8),
+            lane=st.integers(0, 3),
+            then=st.sampled_from(["exit", "exit", "return"]),
+        )
         def attack(pieces, how, points, lane, then):
             chunks = _cut(b"".join(pieces), how, points)
             actions = [10 + i for i in range(4)]
@@ -551,10 +567,19 @@ import time; time.sleep(1)
 """
 
 
-@pytest.mark.parametrize("who, gated", [("client", False), ("worker", False), ("both", False),
-                                        # serialize_measurement freezes idle envs, and a frozen
-                                        # task ignores SIGKILL until thawed
-                                        ("client", True), ("worker", True), ("both", True)])
+@pytest.mark.parametrize(
+    "who, gated",
+    [
+        ("client", False),
+        ("worker", False),
+        ("both", False),
+        # serialize_measurement freezes idle envs, and a frozen
+        # task ignores SIGKILL until thawed
+        ("client", True),
+        ("worker", True),
+        ("both", True),
+    ],
+)
 def test_no_sandbox_outlives_a_killed_client_or_worker(spawn, who, gated):
     import json
 

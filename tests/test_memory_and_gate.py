@@ -48,7 +48,7 @@ def test_shared_env_memory_cgroup_without_per_env_limits(probe_pool):
     assert (memory / "envs").is_dir() and not any((memory / f"env-{i}").exists() for i in range(4))
     pids = pool.pids()
     for i in range(4):
-        assert pids[i] in view.procs(i) and view.procs(i).isdisjoint(pids[:i] + pids[i + 1:])
+        assert pids[i] in view.procs(i) and view.procs(i).isdisjoint(pids[:i] + pids[i + 1 :])
         assert view.pids_limit(i) is not None  # the per-env fork cap holds
         assert view.memory_limit(i) is None
     before = pool.memory()
@@ -101,8 +101,9 @@ def test_serialize_measurement_gate(spawn):
 def test_gate_holder_that_overruns_is_killed_so_the_gate_holds(spawn):
     with RLPool(PROBE, 3, serialize_measurement=True, step_timeout=scaled(0.5), spawn=spawn) as pool:
         pool.reset(seed=0)
-        obs, rewards, dones, infos = pool.step([{"op": "interval", "s": 0.05}, {"op": "loop"},
-                                                {"op": "interval", "s": 0.05}])
+        obs, rewards, dones, infos = pool.step(
+            [{"op": "interval", "s": 0.05}, {"op": "loop"}, {"op": "interval", "s": 0.05}]
+        )
         assert infos[1]["straggler"] and "holding the serialize_measurement gate" in infos[1]["error"]
         assert pool.states()[1] == "dead"
         spans = intervals([obs[0], obs[2]])
@@ -141,10 +142,13 @@ def test_without_a_writable_cgroup_memory_falls_back_to_pss(spawn):
     import sys
 
     code = FALLBACK.format(root=str(Path(__file__).parent.parent), probe=str(PROBE), spawn=spawn)
-    script = (f"mount --make-rprivate / && mount -o remount,bind,ro {cgroups.hierarchy('memory')} && "
-              f"exec {sys.executable} -c \"$0\"")
-    out = subprocess.run(["unshare", "-m", "sh", "-c", script, code], capture_output=True, text=True,
-                         timeout=scaled(120))
+    script = (
+        f"mount --make-rprivate / && mount -o remount,bind,ro {cgroups.hierarchy('memory')} && "
+        f'exec {sys.executable} -c "$0"'
+    )
+    out = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, code], capture_output=True, text=True, timeout=scaled(120)
+    )
     assert out.returncode == 0, out.stderr
     source, warned, grew, positive, refused = out.stdout.strip().splitlines()
     assert "PSS" in source
@@ -248,10 +252,13 @@ print([str(w.message) for w in caught if w.category is RuntimeWarning])
     # cgroup v1: the freezer hierarchy alone read-only. cgroup v2's freezer is
     # cgroup.freeze in the one tree, so there the whole tree goes (and with it
     # memory accounting, which warns too).
-    script = (f"mount --make-rprivate / && mount -o remount,bind,ro {cgroups.hierarchy('freezer')} && "
-              f"exec {sys.executable} -c \"$0\"")
-    out = subprocess.run(["unshare", "-m", "sh", "-c", script, code], capture_output=True, text=True,
-                         timeout=scaled(120))
+    script = (
+        f"mount --make-rprivate / && mount -o remount,bind,ro {cgroups.hierarchy('freezer')} && "
+        f'exec {sys.executable} -c "$0"'
+    )
+    out = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, code], capture_output=True, text=True, timeout=scaled(120)
+    )
     assert out.returncode == 0, out.stderr
     warned = ast.literal_eval(out.stdout.strip().splitlines()[-1])
     gate = [w for w in warned if "serialize_measurement" in w]

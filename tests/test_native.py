@@ -112,19 +112,33 @@ def test_lanes_answer_and_a_lane_outside_the_call_is_neither_written_nor_read(la
 
 
 @native
-@pytest.mark.parametrize("data", [
-    REPLY[:3],                                      # not even a whole prefix
-    REPLY + REPLY,                                  # two frames in one read
-    REPLY + b"\x00",                                # a frame and the start of another
-    struct.pack("<I", 2**32 - 1) + b"x" * 8,        # a prefix over the cap
-    frame(b"\xc0"),                                 # one frame, but not an array
-    frame(b"\x90\x01"),                             # an empty array
-    frame(b"\x92\xa1x\x01"),                        # an array led by a string
-    frame(b"\x92\xff\x01"),                         # led by a negative int
-    frame(b"\xdc\x00"),                             # array16 cut short
-    wire.encode([wire.STEPPED, SEQ + 1, 1, 1.0, False, False, {}]),  # a reply, but not the one due
-], ids=["part-prefix", "two-frames", "frame-and-a-bit", "prefix-over-cap", "not-array", "empty-array",
-        "led-by-str", "led-by-negative", "array16-cut", "stale-seq"])
+@pytest.mark.parametrize(
+    "data",
+    [
+        REPLY[:3],  # not even a whole prefix
+        REPLY + REPLY,  # two frames in one read
+        REPLY + b"\x00",  # a frame and the start of another
+        struct.pack("<I", 2**32 - 1) + b"x" * 8,  # a prefix over the cap
+        frame(b"\xc0"),  # one frame, but not an array
+        frame(b"\x90\x01"),  # an empty array
+        frame(b"\x92\xa1x\x01"),  # an array led by a string
+        frame(b"\x92\xff\x01"),  # led by a negative int
+        frame(b"\xdc\x00"),  # array16 cut short
+        wire.encode([wire.STEPPED, SEQ + 1, 1, 1.0, False, False, {}]),  # a reply, but not the one due
+    ],
+    ids=[
+        "part-prefix",
+        "two-frames",
+        "frame-and-a-bit",
+        "prefix-over-cap",
+        "not-array",
+        "empty-array",
+        "led-by-str",
+        "led-by-negative",
+        "array16-cut",
+        "stale-seq",
+    ],
+)
 def test_unusual_reads_are_handed_back_whole(lanes, data):
     ls = lanes(2)
     ls.env(0).sendall(data)
@@ -293,10 +307,13 @@ def test_end_of_file_halfway_through_a_frame_hands_back_the_part(lanes):
 
 
 @native
-@pytest.mark.parametrize("announced", [
-    ENV.max_frame + 1,  # over the frame cap: never reserved
-    1 << 20,            # within the cap, over the byte budget given below
-])
+@pytest.mark.parametrize(
+    "announced",
+    [
+        ENV.max_frame + 1,  # over the frame cap: never reserved
+        1 << 20,  # within the cap, over the byte budget given below
+    ],
+)
 def test_a_frame_announcing_more_than_the_caps_allow_reserves_nothing(lanes, announced):
     """A hostile prefix must not make step() reserve memory or wait: the first
     read goes back to Python as before, which refuses the frame."""
@@ -310,10 +327,14 @@ def test_a_frame_announcing_more_than_the_caps_allow_reserves_nothing(lanes, ann
 
 
 @native
-@pytest.mark.parametrize("obs", [
-    [None] * (ENV.kwargs["max_array_len"] - 1) + [[None] * 100_000],  # a huge count of tiny objects
-    "nest",                                                               # deeper than max_depth
-], ids=["tiny-objects", "deep"])
+@pytest.mark.parametrize(
+    "obs",
+    [
+        [None] * (ENV.kwargs["max_array_len"] - 1) + [[None] * 100_000],  # a huge count of tiny objects
+        "nest",  # deeper than max_depth
+    ],
+    ids=["tiny-objects", "deep"],
+)
 def test_a_long_hostile_frame_is_walked_whole_and_handed_back(lanes, obs):
     """A frame longer than one read is still walked under every cap before
     anything is vouched for: over max_objects or max_depth it goes back to
@@ -419,14 +440,22 @@ def test_a_reply_bigger_than_the_socket_buffer_is_read_as_the_env_writes_it(lane
 
 
 ints64 = st.integers(-(2**63), 2**64 - 1)
-plain = st.recursive(st.none() | st.booleans() | ints64 | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
-                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
-                                                                                 max_size=3), max_leaves=8)
+plain = st.recursive(
+    st.none() | st.booleans() | ints64 | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
 seqs = st.integers(0, 2**64 - 1)
 infos = st.dictionaries(st.text(max_size=4), plain, max_size=3)
-replies = (st.builds(lambda seq, obs, reward, t, u, info: wire.encode([wire.STEPPED, seq, obs, reward, t, u, info]),
-                     seqs, plain, st.floats() | ints64, st.booleans(), st.booleans(), infos)
-           | st.builds(lambda seq, obs, info: wire.encode([wire.RESET_DONE, seq, obs, info]), seqs, plain, infos))
+replies = st.builds(
+    lambda seq, obs, reward, t, u, info: wire.encode([wire.STEPPED, seq, obs, reward, t, u, info]),
+    seqs,
+    plain,
+    st.floats() | ints64,
+    st.booleans(),
+    st.booleans(),
+    infos,
+) | st.builds(lambda seq, obs, info: wire.encode([wire.RESET_DONE, seq, obs, info]), seqs, plain, infos)
 
 
 @native
@@ -525,7 +554,8 @@ def test_without_the_extension_pools_run_python_and_warn_once(tmp_path):
         "    def find_spec(self, name, path=None, target=None):\n"
         "        if name == 'boltzlabs.worker._fastpath':\n"
         "            raise ImportError('no compiler here')\n"
-        "sys.meta_path.insert(0, Refuse())\n")
+        "sys.meta_path.insert(0, Refuse())\n"
+    )
     script = f"""
 import warnings
 warnings.simplefilter("default")
@@ -542,8 +572,9 @@ print(len(notes), "no compiler here" in notes[0])
 """
     env = dict(os.environ, PYTHONPATH=f"{hide}:{ROOT}")
     env.pop("BOLTZLABS_PURE", None)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                         cwd=str(tmp_path), env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=str(tmp_path), env=env
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "True"]
 
@@ -556,16 +587,28 @@ def test_a_wheel_built_from_the_tree_carries_the_extension_and_uses_it(tmp_path)
     import zipfile
 
     wheels = tmp_path / "wheels"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(ROOT)],
-                   check=True, capture_output=True, cwd=tmp_path)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(ROOT)],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
+    )
     (wheel,) = wheels.glob("boltzlabs-*.whl")
     assert [n for n in zipfile.ZipFile(wheel).namelist() if n.startswith("boltzlabs/worker/_fastpath")]
     site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
     code = "import boltzlabs.worker._fastpath as f; print(f.__file__)"
-    out = subprocess.run([sys.executable, "-S", "-c", code], env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
-                         capture_output=True, text=True, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        env={"PYTHONPATH": str(site), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(str(site / "boltzlabs" / "worker" / "_fastpath"))
 
@@ -575,8 +618,9 @@ def test_a_wheel_built_from_the_tree_carries_the_extension_and_uses_it(tmp_path)
 def test_a_deadline_that_is_not_a_time_waits_for_nothing(lanes, deadline):
     ls = lanes(1)
     ls.env(0).sendall(REPLY)
-    batch = fp.step(ls.epoll.fileno(), ls.fds, ls.fds, WORKER_PACK.pack([0]), SEQ, bytes(1), deadline, caps_of(ENV),
-                    1 << 30)
+    batch = fp.step(
+        ls.epoll.fileno(), ls.fds, ls.fds, WORKER_PACK.pack([0]), SEQ, bytes(1), deadline, caps_of(ENV), 1 << 30
+    )
     assert batch.why == fp.TIMEOUT and batch.rest == [(0, fp.PENDING, None)]
 
 
@@ -584,8 +628,9 @@ def test_a_deadline_that_is_not_a_time_waits_for_nothing(lanes, deadline):
 def test_an_infinite_deadline_still_returns_when_every_lane_answered(lanes):
     ls = lanes(1)
     ls.env(0).sendall(REPLY)
-    batch = fp.step(ls.epoll.fileno(), ls.fds, ls.fds, WORKER_PACK.pack([0]), SEQ, bytes(1), float("inf"),
-                    caps_of(ENV), 1 << 30)
+    batch = fp.step(
+        ls.epoll.fileno(), ls.fds, ls.fds, WORKER_PACK.pack([0]), SEQ, bytes(1), float("inf"), caps_of(ENV), 1 << 30
+    )
     assert batch.why == fp.DONE and batch.done == 1 and batch.rest == []
 
 
@@ -605,8 +650,17 @@ class PipeLane:
         self.epoll.register(self.rfd, select.EPOLLIN)
 
     def step(self, action=0, timeout=2.0):
-        return fp.step(self.epoll.fileno(), [self.rfd], [self.wfd], WORKER_PACK.pack([action]), SEQ, bytes(1),
-                       time.monotonic() + timeout, caps_of(ENV), 1 << 30)
+        return fp.step(
+            self.epoll.fileno(),
+            [self.rfd],
+            [self.wfd],
+            WORKER_PACK.pack([action]),
+            SEQ,
+            bytes(1),
+            time.monotonic() + timeout,
+            caps_of(ENV),
+            1 << 30,
+        )
 
     def close(self):
         self.epoll.close()
@@ -687,8 +741,14 @@ print((faults() - start) / 8)
 """
     per_step = {}
     for mode in ("default", "keep"):
-        out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, timeout=60,
-                             cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        out = subprocess.run(
+            [sys.executable, "-c", script, mode],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
         assert out.returncode == 0, out.stderr
         per_step[mode] = float(out.stdout)
     assert per_step["default"] > 3000, per_step  # 24 MB is ~6,000 pages

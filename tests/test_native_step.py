@@ -84,16 +84,39 @@ def check_vouch(data: bytes, reset: bool = False, seq: int = SEQ, limits: wire.L
 # --- random values ------------------------------------------------------------------------
 
 _DTYPES = ["<f4", "<f8", ">f8", "<f2", "<i8", "|i1", "<u2", "|u1", "|b1", "<c8", "<c16"]
-keys = st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=6) \
+keys = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=6)
     | st.binary(max_size=6)
-arrays = st.builds(lambda dtype, shape, seed: np.random.default_rng(seed).integers(0, 3, shape).astype(dtype),
-                   st.sampled_from(_DTYPES), st.lists(st.integers(0, 3), max_size=3).map(tuple), st.integers(0, 99))
+)
+arrays = st.builds(
+    lambda dtype, shape, seed: np.random.default_rng(seed).integers(0, 3, shape).astype(dtype),
+    st.sampled_from(_DTYPES),
+    st.lists(st.integers(0, 3), max_size=3).map(tuple),
+    st.integers(0, 99),
+)
 numpy_scalars = st.builds(lambda dtype, v: np.array(v).astype(dtype)[()], st.sampled_from(_DTYPES), st.integers(0, 5))
-scalars = st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=12) \
-    | st.binary(max_size=12) | arrays | numpy_scalars
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(keys, inner, max_size=4)
-                      | st.lists(inner, max_size=3).map(tuple), max_leaves=25)
-rewards = st.floats() | st.integers(-2**63, 2**64 - 1) | st.floats(width=32).map(np.float32).map(float)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=12)
+    | st.binary(max_size=12)
+    | arrays
+    | numpy_scalars
+)
+values = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(keys, inner, max_size=4) | st.lists(inner, max_size=3).map(tuple)
+    ),
+    max_leaves=25,
+)
+rewards = st.floats() | st.integers(-(2**63), 2**64 - 1) | st.floats(width=32).map(np.float32).map(float)
 infos = st.dictionaries(keys, values, max_size=4)
 
 
@@ -147,9 +170,17 @@ def test_valid_replies_are_vouched_for_and_reach_the_client_unchanged(obs, rewar
 
 @pytest.mark.timeout(900)
 @settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
-@given(values, rewards, infos, st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255),
-                                                  st.sampled_from(["flip", "insert", "delete", "cut"])),
-                                        min_size=1, max_size=4), st.booleans())
+@given(
+    values,
+    rewards,
+    infos,
+    st.lists(
+        st.tuples(st.integers(0, 1 << 16), st.integers(0, 255), st.sampled_from(["flip", "insert", "delete", "cut"])),
+        min_size=1,
+        max_size=4,
+    ),
+    st.booleans(),
+)
 def test_mutated_replies_are_vouched_for_only_when_python_accepts(obs, reward, info, edits, fix_prefix):
     data = bytearray(stepped(obs, reward, False, True, info))
     for at, byte, how in edits:
@@ -174,8 +205,16 @@ def test_mutated_replies_are_vouched_for_only_when_python_accepts(obs, reward, i
 
 
 def small(**kw) -> wire.Limits:
-    base = dict(max_frame=1 << 16, max_str_len=100, max_bin_len=100, max_array_len=100, max_map_len=100,
-                arrays="check", max_depth=8, max_objects=1000)
+    base = dict(
+        max_frame=1 << 16,
+        max_str_len=100,
+        max_bin_len=100,
+        max_array_len=100,
+        max_map_len=100,
+        arrays="check",
+        max_depth=8,
+        max_objects=1000,
+    )
     base.update(kw)
     return wire.Limits(**base)
 
@@ -186,25 +225,43 @@ def nest(k: int, leaf=None, kind=list):
     return leaf
 
 
-@pytest.mark.parametrize("limits, at_cap, past_cap", [
-    (small(max_str_len=10), "s" * 10, "s" * 11),
-    (small(max_str_len=10), {"k" * 10: 1}, {"k" * 11: 1}),
-    (small(max_bin_len=10), b"b" * 10, b"b" * 11),
-    (small(max_array_len=10), list(range(10)), list(range(11))),
-    (small(max_array_len=10), tuple(range(10)), tuple(range(11))),
-    (small(max_map_len=5), {i: 0 for i in range(5)}, {i: 0 for i in range(6)}),
-    (small(max_frame=300, max_str_len=1000), "x" * 282, "x" * 283),  # a body of 18 + len bytes (str16)
-    # objects: the message 1 + 7, its info 1, the obs 1 + len (a map 1 + 2 len)
-    (small(max_objects=50), [0] * 40, [0] * 41),
-    (small(max_objects=50), {i: 0 for i in range(20)}, {i: 0 for i in range(21)}),
-    (small(max_objects=50), tuple([0] * 40), tuple([0] * 41)),
-    # depth: the message is level 1, obs level 2; tuples are levels too
-    (small(max_depth=8), nest(7), nest(8)),
-    (small(max_depth=8), nest(7, kind=tuple), nest(8, kind=tuple)),
-    (small(max_depth=8), nest(5, {"a": [1]}), nest(6, {"a": [1]})),
-    (small(max_depth=512, max_objects=10**6), tuples(32), tuples(33)),  # MAX_TUPLE_NESTING
-], ids=["str", "str-key", "bin", "array", "tuple", "map", "frame", "objects-list", "objects-map",
-        "objects-tuple", "depth", "depth-tuple", "depth-map", "tuple-nesting"])
+@pytest.mark.parametrize(
+    "limits, at_cap, past_cap",
+    [
+        (small(max_str_len=10), "s" * 10, "s" * 11),
+        (small(max_str_len=10), {"k" * 10: 1}, {"k" * 11: 1}),
+        (small(max_bin_len=10), b"b" * 10, b"b" * 11),
+        (small(max_array_len=10), list(range(10)), list(range(11))),
+        (small(max_array_len=10), tuple(range(10)), tuple(range(11))),
+        (small(max_map_len=5), {i: 0 for i in range(5)}, {i: 0 for i in range(6)}),
+        (small(max_frame=300, max_str_len=1000), "x" * 282, "x" * 283),  # a body of 18 + len bytes (str16)
+        # objects: the message 1 + 7, its info 1, the obs 1 + len (a map 1 + 2 len)
+        (small(max_objects=50), [0] * 40, [0] * 41),
+        (small(max_objects=50), {i: 0 for i in range(20)}, {i: 0 for i in range(21)}),
+        (small(max_objects=50), tuple([0] * 40), tuple([0] * 41)),
+        # depth: the message is level 1, obs level 2; tuples are levels too
+        (small(max_depth=8), nest(7), nest(8)),
+        (small(max_depth=8), nest(7, kind=tuple), nest(8, kind=tuple)),
+        (small(max_depth=8), nest(5, {"a": [1]}), nest(6, {"a": [1]})),
+        (small(max_depth=512, max_objects=10**6), tuples(32), tuples(33)),  # MAX_TUPLE_NESTING
+    ],
+    ids=[
+        "str",
+        "str-key",
+        "bin",
+        "array",
+        "tuple",
+        "map",
+        "frame",
+        "objects-list",
+        "objects-map",
+        "objects-tuple",
+        "depth",
+        "depth-tuple",
+        "depth-map",
+        "tuple-nesting",
+    ],
+)
 def test_each_cap_is_kept_exactly_as_python_keeps_it(limits, at_cap, past_cap):
     # Every body here is longer than max_depth bytes: Python counts its objects and measures its depth.
     assert check_vouch(stepped(at_cap, 1.0, False, False, {}), limits=limits) == (True, True)
@@ -214,7 +271,9 @@ def test_each_cap_is_kept_exactly_as_python_keeps_it(limits, at_cap, past_cap):
 # --- the hostile corpus ---------------------------------------------------------------------
 
 
-def body_frame(obs: bytes, info: bytes = b"\x80", head=b"\x97\x01" + bytes([SEQ]), mid=b"\xcb" + bytes(8) + b"\xc2\xc2"):
+def body_frame(
+    obs: bytes, info: bytes = b"\x80", head=b"\x97\x01" + bytes([SEQ]), mid=b"\xcb" + bytes(8) + b"\xc2\xc2"
+):
     body = head + obs + mid + info
     return wire.HEADER.pack(len(body)) + body
 
@@ -299,21 +358,29 @@ def test_the_hostile_corpus_is_never_vouched_for(name):
     assert check_vouch(HOSTILE[name], reset=True)[0] is False
 
 
-@pytest.mark.parametrize("data", [
-    body_frame(b"\xc0", head=b"\x97\x01\xcb" + struct.pack(">d", SEQ)),  # seq 77.0 == 77 for Python
-    body_frame(b"\xc0", head=b"\xdc\x00\x07\x01" + bytes([SEQ])),  # the message as an array16
-    body_frame(b"\xc0", head=b"\x97\xcc\x01\xcf" + struct.pack(">Q", SEQ)),  # code and seq in wide forms
-], ids=["float-seq", "array16-message", "wide-ints"])
+@pytest.mark.parametrize(
+    "data",
+    [
+        body_frame(b"\xc0", head=b"\x97\x01\xcb" + struct.pack(">d", SEQ)),  # seq 77.0 == 77 for Python
+        body_frame(b"\xc0", head=b"\xdc\x00\x07\x01" + bytes([SEQ])),  # the message as an array16
+        body_frame(b"\xc0", head=b"\x97\xcc\x01\xcf" + struct.pack(">Q", SEQ)),  # code and seq in wide forms
+    ],
+    ids=["float-seq", "array16-message", "wide-ints"],
+)
 def test_odd_but_valid_forms_are_safe_either_way(data):
     check_vouch(data)  # C may leave these to Python; it must not vouch for anything Python refuses
 
 
 def test_python_agrees_the_edge_forms_it_accepts_are_accepted():
     # Not everything odd is refused: C takes these as Python does.
-    for data in (body_frame(b"\xc0", head=b"\xdc\x00\x07\x01" + bytes([SEQ])),
-                 body_frame(b"\xc0", head=b"\x97\xcc\x01\xcf" + struct.pack(">Q", SEQ)),
-                 body_frame(array_ext("<f8:0,3", b"")), body_frame(array_ext("<f08:1   ", bytes(8))),
-                 body_frame(b"\xa4\xf0\x9f\x98\x80"), body_frame(tuples(32))):
+    for data in (
+        body_frame(b"\xc0", head=b"\xdc\x00\x07\x01" + bytes([SEQ])),
+        body_frame(b"\xc0", head=b"\x97\xcc\x01\xcf" + struct.pack(">Q", SEQ)),
+        body_frame(array_ext("<f8:0,3", b"")),
+        body_frame(array_ext("<f08:1   ", bytes(8))),
+        body_frame(b"\xa4\xf0\x9f\x98\x80"),
+        body_frame(tuples(32)),
+    ):
         assert check_vouch(data) == (True, True), data[:60]
 
 
@@ -334,9 +401,25 @@ def channels():
         c.close()
 
 
-ACTIONS = [0, 1, -1, 2**64 - 1, -2**63, 1.5, None, True, "a", "é" * 40, b"\x00" * 300, [1, [2, [3]]], {"a": {"b": 1}},
-           msgpack.ExtType(1, b"\x06\x00|u1:3" + b"\x01\x02\x03"), msgpack.ExtType(2, b"\x92\x01\x02"),
-           list(range(70_000)), {str(i): i for i in range(20)}]
+ACTIONS = [
+    0,
+    1,
+    -1,
+    2**64 - 1,
+    -(2**63),
+    1.5,
+    None,
+    True,
+    "a",
+    "é" * 40,
+    b"\x00" * 300,
+    [1, [2, [3]]],
+    {"a": {"b": 1}},
+    msgpack.ExtType(1, b"\x06\x00|u1:3" + b"\x01\x02\x03"),
+    msgpack.ExtType(2, b"\x92\x01\x02"),
+    list(range(70_000)),
+    {str(i): i for i in range(20)},
+]
 
 
 @pytest.mark.parametrize("seq", [0, 1, 127, 128, 255, 256, 65535, 65536, 2**32 - 1, 2**32, 2**64 - 1])
@@ -362,8 +445,16 @@ def test_step_writes_exactly_the_frames_wire_encode_writes(channels, seq):
 def test_actions_it_cannot_split_write_nothing(channels):
     ch = channels(2)
     epfd, fds = ch.epoll.fileno(), ch.fds
-    for packed in (WORKER_PACK.pack([1]), WORKER_PACK.pack([1, 2, 3]), WORKER_PACK.pack([1, 2]) + b"\x00",
-                   b"\x92\x01", b"\x92\xc1\x01", b"\xc0", b"", b"\xdd\xff\xff\xff\xff"):
+    for packed in (
+        WORKER_PACK.pack([1]),
+        WORKER_PACK.pack([1, 2, 3]),
+        WORKER_PACK.pack([1, 2]) + b"\x00",
+        b"\x92\x01",
+        b"\x92\xc1\x01",
+        b"\xc0",
+        b"",
+        b"\xdd\xff\xff\xff\xff",
+    ):
         assert fp.step(epfd, fds, fds, packed, 1, bytes(2), time.monotonic() + 1, caps(ENV), 1 << 30) is None
     for _, env in ch.pairs:
         env.setblocking(False)
@@ -394,8 +485,9 @@ def test_lanes_answer_done_or_handed_back_and_compose_matches_the_pure_reply(cha
     obs = [decoded[0][2], decoded[1][2], decoded[2][2], None, None, None]
     rewards = [0.25, 0.0, 0.125, 0.0, 0.0, 0.0]
     infos = [decoded[0][6], decoded[1][3], decoded[2][6]] + [{"error": f"lane {i}"} for i in (3, 4, 5)]
-    want = client(wire.pack([obs, np.array(rewards).tobytes(), bytes([0, 0, 0, 0, 0, 0]), bytes([1, 0, 1, 1, 1, 1]),
-                             infos, [5]]))
+    want = client(
+        wire.pack([obs, np.array(rewards).tobytes(), bytes([0, 0, 0, 0, 0, 0]), bytes([1, 0, 1, 1, 1, 1]), infos, [5]])
+    )
     assert same(got, want)
     with pytest.raises(ValueError, match="lane 5"):
         batch.compose({3: overrides[3], 4: overrides[4]}, wire.pack([]))
@@ -458,20 +550,33 @@ def steps(actions_of, count, resets_of=lambda t: None):
             r = pool.step_full(actions_of(t, pool.n), resets=resets_of(t))
             out.append((r.obs, r.rewards, r.terminated, r.truncated, r.infos))
         return out
+
     return script
 
 
 def test_pools_agree_on_the_counter(pool_factory, monkeypatch):
     from tests.conftest import COUNTER
-    out = both(pool_factory, monkeypatch, COUNTER, 5, steps(lambda t, n: [t % 3] * n, 12,
-                                                           lambda t: [1, 3] if t % 4 == 3 else None))
+
+    out = both(
+        pool_factory,
+        monkeypatch,
+        COUNTER,
+        5,
+        steps(lambda t, n: [t % 3] * n, 12, lambda t: [1, 3] if t % 4 == 3 else None),
+    )
     assert out[-1][0][0] is not None
 
 
 def test_pools_agree_on_typed_values(pool_factory, monkeypatch):
     from tests.conftest import TESTS
-    both(pool_factory, monkeypatch, TESTS / "envs" / "typed_env", 3,
-         steps(lambda t, n: [t % 3] * n, 8, lambda t: [0] if t == 5 else None))
+
+    both(
+        pool_factory,
+        monkeypatch,
+        TESTS / "envs" / "typed_env",
+        3,
+        steps(lambda t, n: [t % 3] * n, 8, lambda t: [0] if t == 5 else None),
+    )
 
 
 def test_pools_agree_on_numpy_observations(pool_factory, monkeypatch, env_dir):
@@ -518,18 +623,34 @@ def test_pools_agree_on_image_observations_bigger_than_a_read(pool_factory, monk
 
 def test_pools_agree_on_faults_lane_by_lane(pool_factory, monkeypatch):
     from tests.conftest import PROBE
-    faults = [{"op": "raise"}, {"op": "garbage", "fd": 3}, {"op": "exit", "code": 3}, {"op": "sleep", "s": 3},
-              {"op": "bad_return"}, 2.5]
+
+    faults = [
+        {"op": "raise"},
+        {"op": "garbage", "fd": 3},
+        {"op": "exit", "code": 3},
+        {"op": "sleep", "s": 3},
+        {"op": "bad_return"},
+        2.5,
+    ]
 
     def script(pool):
         out = [pool.reset(seed=list(range(pool.n)))]
         for t in range(3):
             actions = [1.5] * pool.n if t != 1 else faults
             r = pool.step_full(actions, resets=[3] if t == 2 else None)
-            out.append((r.obs, r.rewards, r.terminated, r.truncated,
-                        [{k: v for k, v in info.items() if k != "error"} | ({"error": str(info["error"])[:60]}
-                                                                           if "error" in info else {})
-                         for info in r.infos]))
+            out.append(
+                (
+                    r.obs,
+                    r.rewards,
+                    r.terminated,
+                    r.truncated,
+                    [
+                        {k: v for k, v in info.items() if k != "error"}
+                        | ({"error": str(info["error"])[:60]} if "error" in info else {})
+                        for info in r.infos
+                    ],
+                )
+            )
         return out
 
     out = both(pool_factory, monkeypatch, PROBE, len(faults), script, step_timeout=1.0)
@@ -563,13 +684,20 @@ def test_pools_agree_when_many_lanes_answer_at_staggered_times_and_one_hangs(poo
             started = time.monotonic()
             r = pool.step_full(actions, resets=[n - 1] if t == 3 else None)
             assert time.monotonic() - started < timeout + 5.0
-            out.append((r.obs, r.rewards, r.terminated, r.truncated,
-                        [{k: v for k, v in info.items() if k != "error"} for info in r.infos]))
+            out.append(
+                (
+                    r.obs,
+                    r.rewards,
+                    r.terminated,
+                    r.truncated,
+                    [{k: v for k, v in info.items() if k != "error"} for info in r.infos],
+                )
+            )
         return out
 
     out = both(pool_factory, monkeypatch, source, n, script, step_timeout=timeout)
     assert out[1][0] == [lane * 10 for lane in range(n)]
-    assert out[3][0][:n - 1] == [lane * 10 + 2 for lane in range(n - 1)]
+    assert out[3][0][: n - 1] == [lane * 10 + 2 for lane in range(n - 1)]
     assert out[3][4][n - 1].get("straggler") is True
 
 
@@ -616,8 +744,9 @@ def _marker(seq: int):
 
 
 def test_the_walker_vouches_for_a_slot_marker_only_as_the_obs():
-    slots = wire.Limits(16 << 20, 4 << 20, 16 << 20, 1 << 20, 1 << 18, arrays="check", max_depth=512,
-                        max_objects=1 << 19)
+    slots = wire.Limits(
+        16 << 20, 4 << 20, 16 << 20, 1 << 20, 1 << 18, arrays="check", max_depth=512, max_objects=1 << 19
+    )
     slots.slot_marks[0] = 0  # the pool has slots (worker/slots.py turns this on)
     honest = wire.encode([wire.STEPPED, SEQ, _marker(SEQ), 1.5, False, False, {"x": np.float32(1)}])
     got = fp.vouch(honest, False, SEQ, caps(slots))
@@ -627,12 +756,16 @@ def test_the_walker_vouches_for_a_slot_marker_only_as_the_obs():
     assert fp.vouch(reset, True, SEQ, caps(slots)) is not None
     # Without slots, or naming another request: C does not vouch (Python kills the lane).
     assert fp.vouch(honest, False, SEQ, caps(ENV)) is None and python_reply(honest, False, SEQ, ENV) is None
-    assert fp.vouch(wire.encode([wire.STEPPED, SEQ, _marker(SEQ + 1), 1.5, False, False, {}]), False, SEQ,
-                    caps(slots)) is None
+    assert (
+        fp.vouch(wire.encode([wire.STEPPED, SEQ, _marker(SEQ + 1), 1.5, False, False, {}]), False, SEQ, caps(slots))
+        is None
+    )
     # Anywhere but the obs: neither C nor Python accepts it.
-    for message in ([wire.STEPPED, SEQ, np.zeros(2), 1.5, False, False, {"m": _marker(SEQ)}],
-                    [wire.STEPPED, SEQ, [_marker(SEQ)], 1.5, False, False, {}],
-                    [wire.STEPPED, SEQ, _marker(SEQ), 1.5, False, False, {"m": _marker(SEQ)}]):
+    for message in (
+        [wire.STEPPED, SEQ, np.zeros(2), 1.5, False, False, {"m": _marker(SEQ)}],
+        [wire.STEPPED, SEQ, [_marker(SEQ)], 1.5, False, False, {}],
+        [wire.STEPPED, SEQ, _marker(SEQ), 1.5, False, False, {"m": _marker(SEQ)}],
+    ):
         frame = wire.encode(message)
         assert fp.vouch(frame, False, SEQ, caps(slots)) is None
         assert python_reply(frame, False, SEQ, slots) is None

@@ -204,10 +204,20 @@ def test_a_pool_started_by_an_ordinary_user_works(spawn, tmp_path):
     # directory) is exposed in the private namespace only.
     needed = sorted({sys.base_prefix, sys.prefix, str(REPO)})
     command = [sys.executable, "-c", CLIENT, str(PROBE), spawn, tag]
-    argv = ["unshare", "--mount", sys.executable, "-c", EXPOSE,
-            json.dumps([user.pw_name, user.pw_uid, user.pw_gid, needed, command])]
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": "/", "PYTHONDONTWRITEBYTECODE": "1",
-           "PYTHONPATH": str(REPO)}
+    argv = [
+        "unshare",
+        "--mount",
+        sys.executable,
+        "-c",
+        EXPOSE,
+        json.dumps([user.pw_name, user.pw_uid, user.pw_gid, needed, command]),
+    ]
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": "/",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONPATH": str(REPO),
+    }
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd="/", env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout.strip().splitlines()[-1])
@@ -229,7 +239,9 @@ def test_a_pool_started_by_an_ordinary_user_works(spawn, tmp_path):
 
 @as_root
 def test_env_code_the_account_cannot_read_is_a_clear_error(env_dir):
-    source = env_dir("from boltzlabs.env import serve\nserve(reset=lambda seed: 0, step=lambda a: (0, 0.0, False, {}))\n")
+    source = env_dir(
+        "from boltzlabs.env import serve\nserve(reset=lambda seed: 0, step=lambda a: (0, 0.0, False, {}))\n"
+    )
     (source / "env.py").chmod(0o600)
     with pytest.raises(SandboxUnavailable, match=r"env\.py is not readable by .*chmod -R o\+rX"):
         RLPool(source, 1)

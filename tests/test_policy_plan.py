@@ -124,7 +124,7 @@ def test_identity_uid_and_gid_follow_the_policy(facts_env, spawn, policy):
     """[identity] uid and gid other than 0 (software that refuses to run as
     root): the env is that uid and gid, confined as any env is. Both modes
     failed to start before (bubblewrap's --uid made the set-up's mounts fail)."""
-    policy((r'^uid = 0$', 'uid = 1000'), (r'^gid = 0$', 'gid = 1001'))
+    policy((r"^uid = 0$", "uid = 1000"), (r"^gid = 0$", "gid = 1001"))
     seen = _facts(facts_env, spawn)
     assert len(seen) == 6
     for facts in seen:
@@ -133,7 +133,7 @@ def test_identity_uid_and_gid_follow_the_policy(facts_env, spawn, policy):
 
 
 def test_no_net_namespace_when_the_policy_drops_it(facts_env, spawn, policy):
-    policy((r'^unshare = \[.*\]$', 'unshare = ["user", "pid", "ipc", "uts", "cgroup"]'))
+    policy((r"^unshare = \[.*\]$", 'unshare = ["user", "pid", "ipc", "uts", "cgroup"]'))
     seen = _facts(facts_env, spawn)
     for facts in seen:
         assert facts["ns"]["net"] == _host_ns("net"), facts
@@ -143,7 +143,7 @@ def test_no_net_namespace_when_the_policy_drops_it(facts_env, spawn, policy):
 
 
 def test_ipc_and_cgroup_namespaces_follow_the_policy(facts_env, spawn, policy):
-    policy((r'^unshare = \[.*\]$', 'unshare = ["user", "pid", "net", "uts"]'))
+    policy((r"^unshare = \[.*\]$", 'unshare = ["user", "pid", "net", "uts"]'))
     for facts in _facts(facts_env, spawn):
         assert facts["ns"]["net"] != _host_ns("net")
         # The env shares its ipc and cgroup namespaces with its sandbox's
@@ -157,7 +157,7 @@ def test_only_the_required_namespaces(facts_env, spawn, policy):
     """Only "user" and "pid", no hostname: no child unshares net, ipc, uts or
     cgroup, brings up a loopback or names a host (each would fail without
     its namespace), in either mode."""
-    policy((r'^unshare = \[.*\]$', 'unshare = ["user", "pid"]'), (r'^hostname = .*$', 'hostname = ""'))
+    policy((r"^unshare = \[.*\]$", 'unshare = ["user", "pid"]'), (r"^hostname = .*$", 'hostname = ""'))
     for facts in _facts(facts_env, spawn):
         for kind in ("net", "ipc", "uts", "cgroup"):
             assert facts["ns"][kind] == _host_ns(kind), (kind, facts)
@@ -165,13 +165,13 @@ def test_only_the_required_namespaces(facts_env, spawn, policy):
 
 
 def test_hostname_follows_the_policy(facts_env, spawn, policy):
-    policy((r'^hostname = .*$', 'hostname = "operator-box"'))
+    policy((r"^hostname = .*$", 'hostname = "operator-box"'))
     for facts in _facts(facts_env, spawn):
         assert facts["hostname"] == "operator-box"
 
 
 def test_workspace_default_size_follows_the_policy(facts_env, spawn, policy):
-    policy((r'^default_size = .*$', 'default_size = "24M"'))
+    policy((r"^default_size = .*$", 'default_size = "24M"'))
     for facts in _facts(facts_env, spawn):
         # One tmpfs holds the workspace and /dev/shm (confine.py): both say its size.
         assert facts["workspace"] == facts["shm"] == 24 << 20, facts
@@ -188,16 +188,16 @@ def test_workspace_path_follows_the_policy(facts_env, spawn, policy):
 
 
 BOGUS = {
-    "namespace": ((r'^unshare = \[.*\]$', 'unshare = ["user", "pid", "net", "moon"]'), "[namespaces] unshare"),
-    "no user namespace": ((r'^unshare = \[.*\]$', 'unshare = ["pid", "net"]'), "[namespaces] unshare"),
-    "default_size": ((r'^default_size = .*$', 'default_size = "lots"'), "[workspace] default_size"),
-    "hostname": ((r'^hostname = .*$', 'hostname = "a,b"'), "[process] hostname"),
-    "ptys": ((r'^ptys = .*$', 'ptys = -3'), "[quotas] ptys"),
-    "warmup_timeout": ((r'^warmup_timeout = .*$', 'warmup_timeout = "soon"'), "[template] warmup_timeout"),
-    "template uid": ((r'^uid = 1000$', 'uid = "x"'), "[template] uid"),
-    "bytes_per_inode": ((r'^bytes_per_inode = .*$', 'bytes_per_inode = 0'), "[workspace] bytes_per_inode"),
+    "namespace": ((r"^unshare = \[.*\]$", 'unshare = ["user", "pid", "net", "moon"]'), "[namespaces] unshare"),
+    "no user namespace": ((r"^unshare = \[.*\]$", 'unshare = ["pid", "net"]'), "[namespaces] unshare"),
+    "default_size": ((r"^default_size = .*$", 'default_size = "lots"'), "[workspace] default_size"),
+    "hostname": ((r"^hostname = .*$", 'hostname = "a,b"'), "[process] hostname"),
+    "ptys": ((r"^ptys = .*$", "ptys = -3"), "[quotas] ptys"),
+    "warmup_timeout": ((r"^warmup_timeout = .*$", 'warmup_timeout = "soon"'), "[template] warmup_timeout"),
+    "template uid": ((r"^uid = 1000$", 'uid = "x"'), "[template] uid"),
+    "bytes_per_inode": ((r"^bytes_per_inode = .*$", "bytes_per_inode = 0"), "[workspace] bytes_per_inode"),
     "workspace path": ((r'^path = "/workspace"$', 'path = "relative"'), "[workspace] path"),
-    "interpreter flags": ((r'^flags = .*$', 'flags = "-S"'), "[interpreter] flags"),
+    "interpreter flags": ((r"^flags = .*$", 'flags = "-S"'), "[interpreter] flags"),
 }
 
 
@@ -234,29 +234,46 @@ def test_the_child_part_round_trips():
     assert confine.parse(plan.template_text(100))["trusted"] == "0"
 
 
-@pytest.mark.parametrize("text, complaint", [
-    ("x" * 20000, "too long"),
-    ("\n".join(f"sysctl.max_{chr(97 + i % 26) * (1 + i // 26)}=0" for i in range(200)), "more than"),
-    ("unshare=net\nunshare=net", "repeated"),
-    ("bogus=1", "unknown"),
-    ("sysctl.../../kernel/core_pattern=|/x", "unknown"),
-    ("sysctl.Max=1", "unknown"),
-    ("no equals sign", "malformed"),
-    ("unshare=net\0", "not text"),
-    ("unshare=net", "lacks"),
-    (None, "missing"),
-])
+@pytest.mark.parametrize(
+    "text, complaint",
+    [
+        ("x" * 20000, "too long"),
+        ("\n".join(f"sysctl.max_{chr(97 + i % 26) * (1 + i // 26)}=0" for i in range(200)), "more than"),
+        ("unshare=net\nunshare=net", "repeated"),
+        ("bogus=1", "unknown"),
+        ("sysctl.../../kernel/core_pattern=|/x", "unknown"),
+        ("sysctl.Max=1", "unknown"),
+        ("no equals sign", "malformed"),
+        ("unshare=net\0", "not text"),
+        ("unshare=net", "lacks"),
+        (None, "missing"),
+    ],
+)
 def test_a_hostile_plan_text_is_refused(text, complaint):
     with pytest.raises(ValueError, match=complaint):
         confine.parse(text)
 
 
-@pytest.mark.parametrize("key, value", [
-    ("unshare", "net,moon"), ("unshare", "user"), ("unshare", "net,net"),
-    ("workspace", "relative"), ("workspace", "/a/../etc"), ("workspace", "/"), ("dev", "/dev,x"),
-    ("proc", ""), ("size", "-1"), ("size", "0"), ("size", "1e9"), ("size", "9" * 30), ("ptys", "x"),
-    ("uid", "-5"), ("sysctl.max_user_namespaces", "-1"),
-])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("unshare", "net,moon"),
+        ("unshare", "user"),
+        ("unshare", "net,net"),
+        ("workspace", "relative"),
+        ("workspace", "/a/../etc"),
+        ("workspace", "/"),
+        ("dev", "/dev,x"),
+        ("proc", ""),
+        ("size", "-1"),
+        ("size", "0"),
+        ("size", "1e9"),
+        ("size", "9" * 30),
+        ("ptys", "x"),
+        ("uid", "-5"),
+        ("sysctl.max_user_namespaces", "-1"),
+    ],
+)
 def test_a_bad_plan_value_is_refused(key, value):
     values = dict(_child_values(), **{key: value})
     with pytest.raises(ValueError, match=r"BOLTZLABS_CONFINE"):
@@ -281,8 +298,12 @@ def test_a_failed_sandbox_set_up_is_not_blamed_on_the_env(facts_env, policy):
     the set-up's traceback and says it is the policy or the host, not env.py.
     (A template whose set-up fails falls back to exec mode with its traceback
     in the warning: test_template.py.)"""
-    policy((r'^cap_add = \["CAP_SYS_ADMIN", "CAP_SYS_RESOURCE", "CAP_SETPCAP"\]$',
-            'cap_add = ["CAP_SYS_RESOURCE", "CAP_SETPCAP"]'))
+    policy(
+        (
+            r'^cap_add = \["CAP_SYS_ADMIN", "CAP_SYS_RESOURCE", "CAP_SETPCAP"\]$',
+            'cap_add = ["CAP_SYS_RESOURCE", "CAP_SETPCAP"]',
+        )
+    )
     with pytest.raises(EnvStartError) as caught:
         RLPool(facts_env, 1, spawn="exec", start_timeout=30).close()
     text = str(caught.value)
@@ -315,11 +336,11 @@ def step(action):
 serve(reset=reset, step=step)
 """
 
-LDT_RULE = '''[[deny]]
+LDT_RULE = """[[deny]]
 why = "16-bit segments: a historic source of kernel information leaks"
 syscalls = ["modify_ldt"]
 errno = "EPERM"
-'''
+"""
 
 
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="modify_ldt is x86's")
@@ -335,8 +356,9 @@ def test_an_operators_seccomp_file_is_the_filter(env_dir, spawn, tmp_path, monke
         assert pool.spawn == spawn
         assert pool.reset(seed=0)[0] == [-1, 0]  # modify_ldt: EPERM; syncfs: done
     path = tmp_path / "seccomp.toml"
-    path.write_text(shipped.replace(LDT_RULE, "")
-                    + '\n[[deny]]\nwhy = "a test"\nsyscalls = ["syncfs"]\nerrno = "EACCES"\n')
+    path.write_text(
+        shipped.replace(LDT_RULE, "") + '\n[[deny]]\nwhy = "a test"\nsyscalls = ["syncfs"]\nerrno = "EACCES"\n'
+    )
     monkeypatch.setenv("BOLTZLABS_SECCOMP", str(path))
     with RLPool(source, 1, spawn=spawn) as pool:
         assert pool.spawn == spawn
@@ -370,23 +392,34 @@ def _policy(change) -> Policy:
     return Policy(tables, {}, {}, OPERATOR)
 
 
-@pytest.mark.parametrize("change, read, key, what", [
-    (lambda t: t["limits"].pop("log_tail"), "pool_limits", "[limits] log_tail", "has no"),
-    (lambda t: t["limits"].pop("max_pool_bytes"), "pool_limits", "[limits] max_pool_bytes", "has no"),
-    (lambda t: t["limits"].update(log_tail="64K"), "pool_limits", "[limits] log_tail", "must be a whole number"),
-    (lambda t: t["limits"].update(max_frame=True), "pool_limits", "[limits] max_frame", "must be a whole number"),
-    (lambda t: t["limits"].update(step_timeout="30s"), "pool_limits", "[limits] step_timeout", "must be a number"),
-    (lambda t: t["limits"].update(max_depth=1 << 20), "pool_limits", "[limits] max_depth", "from 1 to 512"),
-    (lambda t: t["limits"].update(max_objects_per_frame=0), "pool_limits", "[limits] max_objects_per_frame",
-     "from 1 to"),
-    (lambda t: t["limits"].update(start_timeout=-1.0), "pool_limits", "[limits] start_timeout", "0 or more"),
-    (lambda t: t.pop("limits"), "pool_limits", "[limits]", "has no"),
-    (lambda t: t.pop("identity"), "identity", "[identity]", "has no"),
-    (lambda t: t.update(env_limits=3), "env_limits_table", "[env_limits]", "must be a table"),
-    (lambda t: t["workspace"].pop("default_size"), "default_workspace_size", "[workspace] default_size", "has no"),
-    (lambda t: t["workspace"].update(default_size="0"), "default_workspace_size", "[workspace] default_size",
-     "a positive size"),
-])
+@pytest.mark.parametrize(
+    "change, read, key, what",
+    [
+        (lambda t: t["limits"].pop("log_tail"), "pool_limits", "[limits] log_tail", "has no"),
+        (lambda t: t["limits"].pop("max_pool_bytes"), "pool_limits", "[limits] max_pool_bytes", "has no"),
+        (lambda t: t["limits"].update(log_tail="64K"), "pool_limits", "[limits] log_tail", "must be a whole number"),
+        (lambda t: t["limits"].update(max_frame=True), "pool_limits", "[limits] max_frame", "must be a whole number"),
+        (lambda t: t["limits"].update(step_timeout="30s"), "pool_limits", "[limits] step_timeout", "must be a number"),
+        (lambda t: t["limits"].update(max_depth=1 << 20), "pool_limits", "[limits] max_depth", "from 1 to 512"),
+        (
+            lambda t: t["limits"].update(max_objects_per_frame=0),
+            "pool_limits",
+            "[limits] max_objects_per_frame",
+            "from 1 to",
+        ),
+        (lambda t: t["limits"].update(start_timeout=-1.0), "pool_limits", "[limits] start_timeout", "0 or more"),
+        (lambda t: t.pop("limits"), "pool_limits", "[limits]", "has no"),
+        (lambda t: t.pop("identity"), "identity", "[identity]", "has no"),
+        (lambda t: t.update(env_limits=3), "env_limits_table", "[env_limits]", "must be a table"),
+        (lambda t: t["workspace"].pop("default_size"), "default_workspace_size", "[workspace] default_size", "has no"),
+        (
+            lambda t: t["workspace"].update(default_size="0"),
+            "default_workspace_size",
+            "[workspace] default_size",
+            "a positive size",
+        ),
+    ],
+)
 def test_the_reader_names_the_key_and_the_file(change, read, key, what):
     policy = _policy(change)
     with pytest.raises(SandboxUnavailable) as caught:
@@ -404,7 +437,7 @@ def test_the_shipped_policy_reads_whole():
 
 def test_a_policy_without_log_tail_fails_the_pool_naming_it(facts_env, policy):
     """The pool's start says which key of which file is missing (not `WorkerError: 'log_tail'`)."""
-    path = policy((r'^log_tail = .*$', ''))
+    path = policy((r"^log_tail = .*$", ""))
     with pytest.raises(SandboxUnavailable) as caught:
         RLPool(facts_env, 1, step_timeout=5)
     message = str(caught.value)

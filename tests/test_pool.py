@@ -59,7 +59,7 @@ def test_partial_reset_splices_latest_observations(probe_pool):
     assert [o["t"] for o in spliced] == [2, 0, 2, 0]
     assert spliced[0] == obs[0] and spliced[2] == obs[2]
     assert spliced[1]["seed"] == 101 and spliced[3]["seed"] == 103
-    assert pool.reset(where=[0]) [1:] == spliced[1:]
+    assert pool.reset(where=[0])[1:] == spliced[1:]
     assert pool.reset(where=np.zeros(4, bool)) == pool.reset(where=[])
 
 
@@ -96,14 +96,17 @@ def test_workspace_kept_by_soft_reset_wiped_by_hard_reset(probe_pool):
     assert "FileNotFoundError" in obs[1]["out"]["denied"]
 
 
-@pytest.mark.parametrize("bad, error", [
-    (lambda d: RLPool(d / "missing", 1), "is not a directory"),
-    (lambda d: RLPool(d, 1), "has no env.py"),
-    (lambda d: RLPool(PROBE, 0), "at least 1"),
-    (lambda d: RLPool(PROBE, 2.5), "whole number"),
-    (lambda d: RLPool(PROBE, 1, step_timeout=-1), "positive number"),
-    (lambda d: RLPool(PROBE, 1, workspace_size="lots"), "as a size"),
-])
+@pytest.mark.parametrize(
+    "bad, error",
+    [
+        (lambda d: RLPool(d / "missing", 1), "is not a directory"),
+        (lambda d: RLPool(d, 1), "has no env.py"),
+        (lambda d: RLPool(PROBE, 0), "at least 1"),
+        (lambda d: RLPool(PROBE, 2.5), "whole number"),
+        (lambda d: RLPool(PROBE, 1, step_timeout=-1), "positive number"),
+        (lambda d: RLPool(PROBE, 1, workspace_size="lots"), "as a size"),
+    ],
+)
 def test_bad_arguments_are_refused_before_anything_starts(tmp_path, bad, error):
     with pytest.raises((ValueError, TypeError), match=error):
         bad(tmp_path)
@@ -142,15 +145,20 @@ def test_use_after_close(probe_pool):
         pool.reset()
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("raise RuntimeError('broken at import')\n", "broken at import"),
-    ("import os\nos._exit(4)\n", "exited with code 4"),
-    ("x = 1  # never calls serve()\n", "returned without calling serve()"),
-    ("import time\ntime.sleep(60)\n", "did not complete its handshake"),
-    ("import os\nos.write(3, b'nonsense!')\nimport time\ntime.sleep(5)\n", "sent an invalid frame"),
-    ("import os, time\nfrom boltzlabs import wire\nos.write(3, wire.encode([99]))\ntime.sleep(5)\n",
-     "sent [99] instead of its handshake"),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("raise RuntimeError('broken at import')\n", "broken at import"),
+        ("import os\nos._exit(4)\n", "exited with code 4"),
+        ("x = 1  # never calls serve()\n", "returned without calling serve()"),
+        ("import time\ntime.sleep(60)\n", "did not complete its handshake"),
+        ("import os\nos.write(3, b'nonsense!')\nimport time\ntime.sleep(5)\n", "sent an invalid frame"),
+        (
+            "import os, time\nfrom boltzlabs import wire\nos.write(3, wire.encode([99]))\ntime.sleep(5)\n",
+            "sent [99] instead of its handshake",
+        ),
+    ],
+)
 def test_start_up_failure_names_env_and_shows_its_output(env_dir, spawn, source, expected):
     directory = env_dir(source)
     started = time.monotonic()
@@ -248,7 +256,10 @@ def test_worker_death_is_a_clear_error_and_kills_every_sandbox(spawn):
     pids = pool.pids()
     os.kill(pool._proc.pid, signal.SIGKILL)
     from boltzlabs import WorkerError
-    with pytest.raises(WorkerError, match=r"worker \(pid \d+\) was killed by SIGKILL \(signal 9\).*create a new") as err:
+
+    with pytest.raises(
+        WorkerError, match=r"worker \(pid \d+\) was killed by SIGKILL \(signal 9\).*create a new"
+    ) as err:
         pool.step([1, 1])
     assert err.value.signal is signal.SIGKILL and "exit code" not in str(err.value)
     deadline = time.monotonic() + 10
@@ -302,11 +313,18 @@ def test_start_up_shows_progress_on_a_terminal():
 def test_a_host_without_bwrap_is_told_what_to_install():
     """The worker checks for bwrap (the trainer no longer reads the sandbox policy, #15) and the
     pool raises SandboxUnavailable with the install command, before anything starts."""
-    code = ("from boltzlabs import RLPool, SandboxUnavailable\n"
-            f"try:\n    RLPool({str(COUNTER)!r}, 1)\n"
-            "except SandboxUnavailable as exc:\n    print(exc)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PATH": "/nonexistent"})
+    code = (
+        "from boltzlabs import RLPool, SandboxUnavailable\n"
+        f"try:\n    RLPool({str(COUNTER)!r}, 1)\n"
+        "except SandboxUnavailable as exc:\n    print(exc)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PATH": "/nonexistent"},
+    )
     assert out.returncode == 0, out.stderr
     assert "bubblewrap (bwrap) is not installed" in out.stdout and "apt-get install -y bubblewrap" in out.stdout
 

@@ -51,8 +51,10 @@ def test_adapters_call_only_public_names_of_a_pool():
 
 def test_the_private_use_check_catches_one(tmp_path):
     sample = tmp_path / "adapter.py"
-    sample.write_text("def f(self, shard):\n    self.pool._step(1)\n    shard.pool.step_full(1)\n"
-                      "    RLPool._lanes(self, None)\n    self.pool.__len__()\n")
+    sample.write_text(
+        "def f(self, shard):\n    self.pool._step(1)\n    shard.pool.step_full(1)\n"
+        "    RLPool._lanes(self, None)\n    self.pool.__len__()\n"
+    )
     assert private_uses_on_pools(sample) == ["adapter.py:2: self.pool._step", "adapter.py:4: RLPool._lanes"]
 
 
@@ -63,9 +65,26 @@ def test_both_kinds_are_pools_with_one_public_surface():
     assert issubclass(RLPool, Pool) and issubclass(ClusterPool, Pool)
     assert not RLPool.__abstractmethods__ and not ClusterPool.__abstractmethods__
     # What Pool defines, neither kind redefines: the shared surface cannot drift.
-    shared = {"reset", "step", "step_full", "send", "recv", "recv_full", "render", "render_all", "log",
-              "envs_per_gb", "lane_states", "observations", "_lanes", "_seeds", "_env_ids", "_actions",
-              "_count_episodes", "_begin_episodes"}
+    shared = {
+        "reset",
+        "step",
+        "step_full",
+        "send",
+        "recv",
+        "recv_full",
+        "render",
+        "render_all",
+        "log",
+        "envs_per_gb",
+        "lane_states",
+        "observations",
+        "_lanes",
+        "_seeds",
+        "_env_ids",
+        "_actions",
+        "_count_episodes",
+        "_begin_episodes",
+    }
     for cls in (RLPool, ClusterPool):
         assert not shared & set(vars(cls)), f"{cls.__name__} redefines {shared & set(vars(cls))}"
         assert public(Pool) <= public(cls)
@@ -91,8 +110,9 @@ def any_pool(request):
     else:
         from boltzlabs.cluster import ClusterPool
 
-        pool = ClusterPool(PROBE, 4, cluster=request.getfixturevalue("ray_cluster").address, envs_per_node=2,
-                           step_timeout=10)
+        pool = ClusterPool(
+            PROBE, 4, cluster=request.getfixturevalue("ray_cluster").address, envs_per_node=2, step_timeout=10
+        )
     yield pool
     pool.close()
 
@@ -214,8 +234,12 @@ def test_call_get_attr_set_attr_reach_every_lane_over_a_ray_cluster_as_locally(r
             pool.set_attr("marker", [10, 11, 12, 13])
             some = pool.get_attr("marker", env_ids=[3, 0])
             pool.set_attr("marker", 7, env_ids=[1])
-            return ([metadata["render_fps"] for metadata in before], some, pool.get_attr("marker"),
-                    pool.call("get_wrapper_attr", "marker"))
+            return (
+                [metadata["render_fps"] for metadata in before],
+                some,
+                pool.get_attr("marker"),
+                pool.call("get_wrapper_attr", "marker"),
+            )
 
     local = run(RLPool("gym://CartPole-v1", 4))
     remote = run(ClusterPool("gym://CartPole-v1", 4, cluster=ray_cluster.address, envs_per_node=2))
@@ -234,8 +258,10 @@ def test_every_exception_class_is_defined_in_errors_py():
             # AssertionError subclasses (boltzlabs.testing's failed checks for users' CI) are
             # assertions pytest reports, not errors of the pool: they stay with their checks.
             if isinstance(node, ast.ClassDef) and any(
-                    re.search(r"(Error|Exception|Unavailable|Refused|Gone)$", ast.unparse(base))
-                    and ast.unparse(base) != "AssertionError" for base in node.bases):
+                re.search(r"(Error|Exception|Unavailable|Refused|Gone)$", ast.unparse(base))
+                and ast.unparse(base) != "AssertionError"
+                for base in node.bases
+            ):
                 elsewhere.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.name}")
     assert not elsewhere, f"exception classes outside boltzlabs/errors.py: {elsewhere}"
 
@@ -298,9 +324,14 @@ def _policy_without_pids(tmp_path: Path) -> Path:
 
 
 def _listener(env: dict) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "boltzlabs", "worker", "--listen", "127.0.0.1:0",
-                             "--token", TOKEN], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env=dict(env, PYTHONPATH=str(ROOT)), start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "boltzlabs", "worker", "--listen", "127.0.0.1:0", "--token", TOKEN],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=dict(env, PYTHONPATH=str(ROOT)),
+        start_new_session=True,
+    )
     line = proc.stdout.readline()
     match = re.match(r"listening on (tcp://127\.0\.0\.1:\d+)", line)
     assert match, f"the worker did not start: {line!r}"
@@ -367,8 +398,10 @@ def test_a_killed_workers_cgroups_are_removed_by_its_guardian_without_the_client
         guardian = _guardian_of(pool._proc.pid)
         assert guardian is not None, "the worker forked no guardian"
         uss = guardian.memory_full_info().uss
-        print(f"guardian USS {uss / 2**20:.2f} MiB (worker USS "
-              f"{__import__('psutil').Process(pool._proc.pid).memory_full_info().uss / 2**20:.2f} MiB)")
+        print(
+            f"guardian USS {uss / 2**20:.2f} MiB (worker USS "
+            f"{__import__('psutil').Process(pool._proc.pid).memory_full_info().uss / 2**20:.2f} MiB)"
+        )
         assert uss < 16 << 20, f"the guardian holds {uss} private bytes"
         os.kill(pool._proc.pid, signal.SIGKILL)  # the client does nothing: no call, no close
         deadline = time.monotonic() + 30

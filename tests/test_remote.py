@@ -45,9 +45,13 @@ class Worker:
         self.log = open(self.log_path, "w+")
         env = dict(os.environ, PYTHONPATH=str(ROOT))
         self.proc = subprocess.Popen(
-            [*WORKER_COMMAND, "--listen", "127.0.0.1:0", "--token", TOKEN,
-             "--cache-dir", str(self.cache), *extra],
-            stdout=subprocess.PIPE, stderr=self.log, text=True, env=env, start_new_session=True)
+            [*WORKER_COMMAND, "--listen", "127.0.0.1:0", "--token", TOKEN, "--cache-dir", str(self.cache), *extra],
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
         line = self.proc.stdout.readline()
         match = re.match(r"listening on (tcp|tls)://127\.0\.0\.1:(\d+)", line)
         assert match, f"worker did not start: {line!r} {self.text()}"
@@ -123,6 +127,7 @@ def closed_by_worker(sock: socket.socket, timeout: float = 10.0) -> bytes:
 
 # -- the core API through a remote worker ---------------------------------------------
 
+
 def test_core_calls_keep_their_meaning(worker):
     with worker.pool(PROBE, 3) as pool:
         assert pool.worker == worker.url
@@ -148,6 +153,7 @@ def test_core_calls_keep_their_meaning(worker):
 
 def test_hard_reset_is_byte_identical_remotely(worker):
     with worker.pool(COUNTER, 2) as pool:
+
         def episode():
             out = [pool.reset(seed=3, hard=True)]
             for _ in range(5):
@@ -244,23 +250,44 @@ def test_env_dir_over_the_code_cap_is_refused(tmp_path, env_dir):
 
 # -- a remote client's limits stay under the worker's ceilings (point 9) ---------------------
 
-@pytest.mark.parametrize("kwargs, asked, ceiling, flag", [
-    ({"workspace_size": "100G"}, "workspace_size=107374182400 bytes (100G)", "256M", "--max-workspace"),
-    ({"memory_limit": "100G"}, "memory_limit=107374182400 bytes (100G)", "1G", "--max-memory"),
-    ({"limits": {"memory": 0}}, "limits['memory']=0 (no limit)", "1G", "--max-memory"),
-    ({"limits": {"pids": 100000}}, "limits['pids']=100000", "256", "--max-pids"),
-    ({"limits": {"open_files": 1 << 20}}, "limits['open_files']=1048576", "1024", "--max-open-files"),
-    ({"limits": {"file_size": "100G"}}, "limits['file_size']=107374182400 bytes (100G)", "1G", "--max-file-size"),
-    ({"limits": {"file_size": 0}}, "limits['file_size']=0 (no limit)", "1G", "--max-file-size"),
-    ({"limits": {"core_size": "1G"}}, "limits['core_size']=1073741824 bytes (1G)", "0", "--max-core-size"),
-    ({"limits": {"straggler_grace": 86400.0}}, "limits['straggler_grace']=86400", "60 s", "--max-straggler-grace"),
-    ({"step_timeout": 86400.0}, "step_timeout=86400", "300 s", "--max-step-timeout"),
-    ({"start_timeout": 86400.0}, "start_timeout=86400", "300 s", "--max-start-timeout"),
-    # The whole pool's tasks: the default ceiling is a quarter of the host's task limit.
-    ({"limits": {"pool_pids": "90%"}}, f"limits['pool_pids']={int(host_tasks() * 0.9)}", str(host_tasks() // 4),
-     "--max-pool-pids"),
-], ids=["workspace", "memory", "no-memory-limit", "pids", "open-files", "file-size", "no-file-size-limit",
-        "core-size", "straggler-grace", "step-timeout", "start-timeout", "pool-pids"])
+
+@pytest.mark.parametrize(
+    "kwargs, asked, ceiling, flag",
+    [
+        ({"workspace_size": "100G"}, "workspace_size=107374182400 bytes (100G)", "256M", "--max-workspace"),
+        ({"memory_limit": "100G"}, "memory_limit=107374182400 bytes (100G)", "1G", "--max-memory"),
+        ({"limits": {"memory": 0}}, "limits['memory']=0 (no limit)", "1G", "--max-memory"),
+        ({"limits": {"pids": 100000}}, "limits['pids']=100000", "256", "--max-pids"),
+        ({"limits": {"open_files": 1 << 20}}, "limits['open_files']=1048576", "1024", "--max-open-files"),
+        ({"limits": {"file_size": "100G"}}, "limits['file_size']=107374182400 bytes (100G)", "1G", "--max-file-size"),
+        ({"limits": {"file_size": 0}}, "limits['file_size']=0 (no limit)", "1G", "--max-file-size"),
+        ({"limits": {"core_size": "1G"}}, "limits['core_size']=1073741824 bytes (1G)", "0", "--max-core-size"),
+        ({"limits": {"straggler_grace": 86400.0}}, "limits['straggler_grace']=86400", "60 s", "--max-straggler-grace"),
+        ({"step_timeout": 86400.0}, "step_timeout=86400", "300 s", "--max-step-timeout"),
+        ({"start_timeout": 86400.0}, "start_timeout=86400", "300 s", "--max-start-timeout"),
+        # The whole pool's tasks: the default ceiling is a quarter of the host's task limit.
+        (
+            {"limits": {"pool_pids": "90%"}},
+            f"limits['pool_pids']={int(host_tasks() * 0.9)}",
+            str(host_tasks() // 4),
+            "--max-pool-pids",
+        ),
+    ],
+    ids=[
+        "workspace",
+        "memory",
+        "no-memory-limit",
+        "pids",
+        "open-files",
+        "file-size",
+        "no-file-size-limit",
+        "core-size",
+        "straggler-grace",
+        "step-timeout",
+        "start-timeout",
+        "pool-pids",
+    ],
+)
 def test_a_remote_client_cannot_pass_the_workers_ceilings(worker, kwargs, asked, ceiling, flag):
     started = time.monotonic()
     spawned = []  # every process below the listener while the refused pool was being opened
@@ -307,11 +334,29 @@ def test_a_remote_pool_gets_the_ceilings_when_it_asks_for_nothing(worker, spawn)
 
 
 def test_raised_ceilings_let_a_pool_ask_for_more(tmp_path, spawn):
-    w = Worker(tmp_path, "--max-memory", "2G", "--max-pids", "1000", "--max-workspace", "none",
-               "--max-step-timeout", "600", "--max-pool-pids", "2000")
+    w = Worker(
+        tmp_path,
+        "--max-memory",
+        "2G",
+        "--max-pids",
+        "1000",
+        "--max-workspace",
+        "none",
+        "--max-step-timeout",
+        "600",
+        "--max-pool-pids",
+        "2000",
+    )
     try:
-        with w.pool(PROBE, 1, memory_limit="1536M", limits={"pids": 512, "pool_pids": 1500}, workspace_size="1G",
-                    step_timeout=500.0, spawn=spawn) as pool:
+        with w.pool(
+            PROBE,
+            1,
+            memory_limit="1536M",
+            limits={"pids": 512, "pool_pids": 1500},
+            workspace_size="1G",
+            step_timeout=500.0,
+            spawn=spawn,
+        ) as pool:
             assert pool.spawn == spawn
             pool.reset()
             view = PoolView(pool._cgroup)
@@ -320,17 +365,24 @@ def test_raised_ceilings_let_a_pool_ask_for_more(tmp_path, spawn):
             assert pool.step_timeout == 500.0
         with w.pool(PROBE, 1) as pool:  # asks nothing: the raised ceiling
             assert PoolView(pool._cgroup).pids_limit() == 2000
-        with pytest.raises(ValueError, match=r"limits\['pool_pids'\]=2001 is over this worker's ceiling of 2000 "
-                                             r"\(--max-pool-pids\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"limits\['pool_pids'\]=2001 is over this worker's ceiling of 2000 "
+            r"\(--max-pool-pids\)",
+        ):
             w.pool(PROBE, 1, limits={"pool_pids": 2001})
-        with pytest.raises(ValueError, match=r"memory_limit=3221225472 bytes \(3G\) is over this worker's "
-                                             r"ceiling of 2G \(--max-memory\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"memory_limit=3221225472 bytes \(3G\) is over this worker's "
+            r"ceiling of 2G \(--max-memory\)",
+        ):
             w.pool(PROBE, 1, memory_limit="3G")
     finally:
         w.stop()
 
 
 # -- nobody else gets in ---------------------------------------------------------------
+
 
 def test_wrong_or_missing_token_is_refused(worker, monkeypatch):
     with pytest.raises(WorkerError, match="wrong or missing token"):
@@ -355,12 +407,23 @@ def test_worker_listens_on_loopback_by_default():
     assert args.listen.startswith("127.0.0.1:")
 
 
-@pytest.mark.parametrize("value, said", [("100%", "share below 100%"), ("0", "at least 8"),
-                                         (str(10 ** 9), "not below this host's task limit"),
-                                         ("lots", "--max-pool-pids must be a whole number of tasks or a share")])
+@pytest.mark.parametrize(
+    "value, said",
+    [
+        ("100%", "share below 100%"),
+        ("0", "at least 8"),
+        (str(10**9), "not below this host's task limit"),
+        ("lots", "--max-pool-pids must be a whole number of tasks or a share"),
+    ],
+)
 def test_a_pool_pids_ceiling_at_or_above_the_hosts_limit_is_refused(value, said):
-    out = subprocess.run([*WORKER_COMMAND, "--listen", "127.0.0.1:0", "--token", TOKEN, "--max-pool-pids", value],
-                         capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    out = subprocess.run(
+        [*WORKER_COMMAND, "--listen", "127.0.0.1:0", "--token", TOKEN, "--max-pool-pids", value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert out.returncode == 2 and said in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
 
@@ -396,8 +459,12 @@ CLIENT = textwrap.dedent("""
 
 
 def test_a_client_killed_mid_step_leaves_no_sandbox(worker):
-    client = subprocess.Popen([sys.executable, "-c", CLIENT, str(PROBE), worker.url, TOKEN],
-                              stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, str(PROBE), worker.url, TOKEN],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     pids = [int(p) for p in client.stdout.readline().split()]
     assert len(pids) == 3 and all(psutil.pid_exists(p) for p in pids)
     time.sleep(0.5)  # the step is in flight
@@ -431,6 +498,7 @@ def test_killing_the_listener_ends_every_pool(tmp_path):
 
 
 # -- hostile clients -------------------------------------------------------------------
+
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.binary(min_size=1, max_size=3000))
@@ -528,13 +596,17 @@ def test_idle_connections_cannot_lock_out_a_client(tmp_path):
         w.stop()
 
 
-@pytest.mark.parametrize("frames", [
-    [[wire.SOURCE, "not a dict"]],
-    [[wire.SOURCE, {"kind": "dir", "sha256": "zz", "size": 10}]],
-    [[wire.SOURCE, {"kind": "dir", "sha256": "0" * 64, "size": 10}], [wire.BLOB, b"0123456789"]],
-    [[wire.CALL, 1, "step", []]],
-    [[wire.SOURCE, {"kind": "gym"}], [wire.OPEN, {"n": 1}]],  # requests before ACCEPTED
-], ids=["source-not-dict", "bad-sha", "blob-mismatch", "call-before-source", "pipelined-open"])
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [[wire.SOURCE, "not a dict"]],
+        [[wire.SOURCE, {"kind": "dir", "sha256": "zz", "size": 10}]],
+        [[wire.SOURCE, {"kind": "dir", "sha256": "0" * 64, "size": 10}], [wire.BLOB, b"0123456789"]],
+        [[wire.CALL, 1, "step", []]],
+        [[wire.SOURCE, {"kind": "gym"}], [wire.OPEN, {"n": 1}]],  # requests before ACCEPTED
+    ],
+    ids=["source-not-dict", "bad-sha", "blob-mismatch", "call-before-source", "pipelined-open"],
+)
 def test_malformed_handshakes_after_authentication_are_refused(worker, frames):
     peer = handshake(worker.port)
     for frame in frames:
@@ -569,8 +641,9 @@ def _ship(port: int, blob: bytes) -> list:
 def _tar(members, **open_kwargs) -> bytes:
     """A tar of (TarInfo, data or None), built by hand: what a hostile client can send."""
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w", format=open_kwargs.pop("format", tarfile.PAX_FORMAT),
-                      **open_kwargs) as tar:
+    with tarfile.open(
+        fileobj=buffer, mode="w", format=open_kwargs.pop("format", tarfile.PAX_FORMAT), **open_kwargs
+    ) as tar:
         for info, data in members:
             if data is not None:
                 info.size = len(data)
@@ -651,9 +724,27 @@ def _cache_something(worker) -> None:
         assert _ship(worker.port, blob)[0] == wire.ACCEPTED
 
 
-HOSTILE_MEMBERS = ["../escape.py", "/etc/boltzlabs-evil", "./dot", "a//b", "link-out", "link-in", "hardlink-out",
-                   "hardlink-in", "fifo", "chardev", "blockdev", "contiguous", "duplicate", "orphan", "too-deep",
-                   "long-name", "pax-sparse-name", "pax-charset", "no-env-py"]
+HOSTILE_MEMBERS = [
+    "../escape.py",
+    "/etc/boltzlabs-evil",
+    "./dot",
+    "a//b",
+    "link-out",
+    "link-in",
+    "hardlink-out",
+    "hardlink-in",
+    "fifo",
+    "chardev",
+    "blockdev",
+    "contiguous",
+    "duplicate",
+    "orphan",
+    "too-deep",
+    "long-name",
+    "pax-sparse-name",
+    "pax-charset",
+    "no-env-py",
+]
 
 
 @pytest.mark.parametrize("member", HOSTILE_MEMBERS)
@@ -691,8 +782,11 @@ def _path_max_chain(victim: Path, steps: int = 17, width: int = 250) -> bytes:
         members.append(_member(f"{prefix}/{letters[k]}" if prefix else letters[k], tarfile.SYMTYPE, linkname=comp))
     chain = "/".join(letters)
     members.append(_member(f"{chain}/l", tarfile.SYMTYPE, linkname="../" * steps))
-    members.append(_member("escape", tarfile.SYMTYPE,
-                           linkname=f"{chain}/l/" + "../" * (steps + 1) + str(victim.parent).lstrip("/")))
+    members.append(
+        _member(
+            "escape", tarfile.SYMTYPE, linkname=f"{chain}/l/" + "../" * (steps + 1) + str(victim.parent).lstrip("/")
+        )
+    )
     members.append(_member("hl", tarfile.LNKTYPE, linkname=f"escape/{victim.name}"))
     members.append(_member("hl", data=b"overwritten by a shipped env archive\n"))
     return _tar(members)
@@ -715,8 +809,13 @@ def test_a_symlink_chain_past_path_max_and_a_hard_link_cannot_write_outside(work
 
 
 def test_shipped_code_is_unpacked_unprivileged_and_cached_read_only(worker):
-    blob = _tar([_member("pkg", tarfile.DIRTYPE, mode=0o777), _member("pkg/tool.sh", data=b"#!/bin/sh\n", mode=0o4777),
-                 _member("env.py", data=b"pass", mode=0o666)])
+    blob = _tar(
+        [
+            _member("pkg", tarfile.DIRTYPE, mode=0o777),
+            _member("pkg/tool.sh", data=b"#!/bin/sh\n", mode=0o4777),
+            _member("env.py", data=b"pass", mode=0o666),
+        ]
+    )
     key = hashlib.sha256(blob).hexdigest()
     message = _ship(worker.port, blob)
     assert message[0] == wire.ACCEPTED, message
@@ -726,8 +825,10 @@ def test_shipped_code_is_unpacked_unprivileged_and_cached_read_only(worker):
 
     assert int(match.group(1)) == pwd.getpwnam("nobody").pw_uid != 0  # sandbox/policy.toml's account
     entry = worker.cache / key
-    modes = {str(p.relative_to(entry)): (stat.S_IMODE(p.lstat().st_mode), p.lstat().st_uid)
-             for p in [entry, *entry.rglob("*")]}
+    modes = {
+        str(p.relative_to(entry)): (stat.S_IMODE(p.lstat().st_mode), p.lstat().st_uid)
+        for p in [entry, *entry.rglob("*")]
+    }
     assert modes == {".": (0o755, 0), "pkg": (0o755, 0), "pkg/tool.sh": (0o755, 0), "env.py": (0o644, 0)}
 
 
@@ -804,7 +905,7 @@ def test_the_archive_parser_refuses_or_returns_a_plain_tree(data):
     blob = bytearray(_tar([_member("pkg", tarfile.DIRTYPE), _member("pkg/a.py", data=b"x" * 700), ENV_PY]))
     for _ in range(data.draw(st.integers(1, 8))):
         blob[data.draw(st.integers(0, len(blob) - 1))] = data.draw(st.integers(0, 255))
-    blob = bytes(blob[:data.draw(st.integers(0, len(blob)))])
+    blob = bytes(blob[: data.draw(st.integers(0, len(blob)))])
     try:
         entries = plan(blob, 100)
     except UnpackRefused:
@@ -818,9 +919,11 @@ def test_the_archive_parser_refuses_or_returns_a_plain_tree(data):
 
 # -- the cache counts files, not only bytes (point 15) --------------------------------------
 
+
 def _empty_files(tag: str, count: int) -> bytes:
-    return _tar([_member("env.py", data=f"# {tag}\n".encode())]
-                + [_member(f"empty-{k:05d}", data=b"") for k in range(count)])
+    return _tar(
+        [_member("env.py", data=f"# {tag}\n".encode())] + [_member(f"empty-{k:05d}", data=b"") for k in range(count)]
+    )
 
 
 def test_the_cache_counts_files_and_evicts_archives_of_empty_files(tmp_path):
@@ -864,13 +967,33 @@ def test_bad_frames_after_the_hand_off_end_only_that_pool(worker):
 
 # -- TLS -------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def certificate(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tls")
     cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert, key
 
 

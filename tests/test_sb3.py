@@ -544,8 +544,10 @@ CASES = {
     "CartPole": ("CartPole-v1", {}, lambda: gym.make("CartPole-v1")),
     "Dict": (str(DICT_ENV), {"horizon": 7}, lambda: DictEnv(horizon=7)),
 }
-RESET_OPTIONS = {"CartPole": {"low": -0.01, "high": 0.01},
-                 "Dict": [{"tag": 1}, {}, {"tag": 3}]}  # one per lane, one of them empty (no options)
+RESET_OPTIONS = {
+    "CartPole": {"low": -0.01, "high": 0.01},
+    "Dict": [{"tag": 1}, {}, {"tag": 3}],
+}  # one per lane, one of them empty (no options)
 
 
 def assert_same(got, want, where="value"):
@@ -560,7 +562,9 @@ def assert_same(got, want, where="value"):
             assert_same(g, w, f"{where}[{k}]")
     elif isinstance(want, np.ndarray):
         assert isinstance(got, np.ndarray), f"{where}: {type(got)}"
-        assert (got.dtype, got.shape) == (want.dtype, want.shape), f"{where}: {got.dtype}{got.shape} != {want.dtype}{want.shape}"
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), (
+            f"{where}: {got.dtype}{got.shape} != {want.dtype}{want.shape}"
+        )
         np.testing.assert_array_equal(got, want, err_msg=where)
     else:
         assert got == want, f"{where}: {got!r} != {want!r}"
@@ -589,8 +593,9 @@ def vec_envs():
         @functools.cache
         def get(name):
             source, params, _ = CASES[name]
-            return stack.enter_context(contextlib.closing(BoltzLabsSB3VecEnv(source, N_ENVS, step_timeout=30.0,
-                                                                              **params)))
+            return stack.enter_context(
+                contextlib.closing(BoltzLabsSB3VecEnv(source, N_ENVS, step_timeout=30.0, **params))
+            )
 
         yield get
 
@@ -642,8 +647,11 @@ def test_a_remote_pool_gives_the_same_trajectories(tmp_path):
 
 @pytest.mark.parametrize("wrapper", ["VecNormalize", "VecMonitor", "VecFrameStack"])
 def test_wrappers_on_top_equal_dummy_vec_env(vec_envs, wrapper):
-    make = {"VecNormalize": VecNormalize, "VecMonitor": VecMonitor,
-            "VecFrameStack": functools.partial(VecFrameStack, n_stack=3)}[wrapper]
+    make = {
+        "VecNormalize": VecNormalize,
+        "VecMonitor": VecMonitor,
+        "VecFrameStack": functools.partial(VecFrameStack, n_stack=3),
+    }[wrapper]
     reference = make(DummyVecEnv([CASES["CartPole"][2]] * N_ENVS))
     venv = make(vec_envs("CartPole"))
     rng = np.random.default_rng(1)
@@ -672,9 +680,12 @@ def test_wrappers_on_top_equal_dummy_vec_env(vec_envs, wrapper):
 def test_ppo_learns_through_the_adapter(tmp_path):
     """The example trains PPO for a few hundred steps and writes its learning curve."""
     curve = tmp_path / "curve.csv"
-    result = subprocess.run([sys.executable, str(EXAMPLE), "--timesteps", "512", "--n-envs", "2",
-                             "--n-steps", "128", "--out", str(curve)],
-                            capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--timesteps", "512", "--n-envs", "2", "--n-steps", "128", "--out", str(curve)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     lines = curve.read_text().splitlines()
     assert lines[0] == "timesteps,episodes,mean_return,seconds"
@@ -758,17 +769,31 @@ def test_only_boltzlabs_sb3_imports_sb3_and_torch():
         if path.name == "sb3.py" and path.parent.name == "boltzlabs":
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
-                     if isinstance(node, ast.ImportFrom) else [])
-            offenders += [f"{path}:{node.lineno} imports {name}" for name in names
-                          if name.split(".")[0] in ("torch", "stable_baselines3") or name == "boltzlabs.sb3"]
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            offenders += [
+                f"{path}:{node.lineno} imports {name}"
+                for name in names
+                if name.split(".")[0] in ("torch", "stable_baselines3") or name == "boltzlabs.sb3"
+            ]
     assert offenders == []
     # And at run time: the client, the Gymnasium adapter and the env shim load neither.
-    code = ("import sys, boltzlabs, boltzlabs.gym, boltzlabs.env; from boltzlabs import RLPool; "
-            "print(sorted(m for m in ('torch', 'stable_baselines3') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                            env=dict(os.environ, PYTHONPATH=str(TESTS.parent)))
+    code = (
+        "import sys, boltzlabs, boltzlabs.gym, boltzlabs.env; from boltzlabs import RLPool; "
+        "print(sorted(m for m in ('torch', 'stable_baselines3') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(TESTS.parent)),
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
@@ -801,13 +826,18 @@ CRASHING = """
 """
 
 
-@pytest.mark.parametrize("crash,error,timeout", [
-    ("os._exit(7)", "exit", 10.0),
-    ("raise ValueError('boom at t=3')", "boom at t=3", 10.0),
-    ("import time; time.sleep(60)", "missed the step deadline of 2 s", 2.0),
-], ids=["exit", "raise", "hang"])
-def test_a_crash_mid_episode_is_a_truncated_lane_with_its_error_then_reset(env_dir, spawn, caplog, crash, error,
-                                                                           timeout):
+@pytest.mark.parametrize(
+    "crash,error,timeout",
+    [
+        ("os._exit(7)", "exit", 10.0),
+        ("raise ValueError('boom at t=3')", "boom at t=3", 10.0),
+        ("import time; time.sleep(60)", "missed the step deadline of 2 s", 2.0),
+    ],
+    ids=["exit", "raise", "hang"],
+)
+def test_a_crash_mid_episode_is_a_truncated_lane_with_its_error_then_reset(
+    env_dir, spawn, caplog, crash, error, timeout
+):
     source = env_dir(CRASHING.replace("CRASH", crash).replace("FAIL_RESET", "False"))
     venv = VecMonitor(BoltzLabsSB3VecEnv(source, 2, spawn=spawn, step_timeout=timeout))
     venv.seed(0)  # lane 1 gets seed 1: it crashes at its third step
@@ -870,15 +900,19 @@ BAD_OBS = """
 """
 
 
-@pytest.mark.parametrize("bad", [
-    "{'pos': [1.0, 2.0, 3.0], 'n': 1}",  # a longer row
-    "{'pos': 1.0, 'n': 1}",  # a scalar numpy would broadcast
-    "{'n': 1}",  # a missing key
-    "'text'",  # not a dict at all
-    "{'pos': ['a', 'b'], 'n': 1}",  # not numbers
-    "{'pos': [[1.0], [2.0, 3.0]], 'n': 1}",  # ragged
-    "None",  # nothing
-], ids=["long", "scalar", "missing", "text", "strings", "ragged", "none"])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "{'pos': [1.0, 2.0, 3.0], 'n': 1}",  # a longer row
+        "{'pos': 1.0, 'n': 1}",  # a scalar numpy would broadcast
+        "{'n': 1}",  # a missing key
+        "'text'",  # not a dict at all
+        "{'pos': ['a', 'b'], 'n': 1}",  # not numbers
+        "{'pos': [[1.0], [2.0, 3.0]], 'n': 1}",  # ragged
+        "None",  # nothing
+    ],
+    ids=["long", "scalar", "missing", "text", "strings", "ragged", "none"],
+)
 def test_an_observation_that_does_not_fit_the_space_fails_its_lane(env_dir, bad):
     source = env_dir(BAD_OBS.replace("BAD", bad))
     venv = BoltzLabsSB3VecEnv(source, 2, step_timeout=10.0)

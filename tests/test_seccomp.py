@@ -31,7 +31,9 @@ from boltzlabs.host import seccomp
 from boltzlabs.host.policy import load_policy
 from boltzlabs.errors import SandboxUnavailable, SeccompPolicyError
 
-pytestmark = pytest.mark.skipif(platform.machine() != "x86_64", reason="syscall numbers and the int 0x80 stub are x86_64's")
+pytestmark = pytest.mark.skipif(
+    platform.machine() != "x86_64", reason="syscall numbers and the int 0x80 stub are x86_64's"
+)
 
 # The attacks. The env runs ATTACK_CODE and answers {"op": "attack", "name": N}
 # with {"errno": e, "ret": r} (errno 0: the call succeeded and returned r).
@@ -150,7 +152,9 @@ ATTACKS = {
 }
 '''
 
-ENV_SOURCE = ATTACK_CODE + r'''
+ENV_SOURCE = (
+    ATTACK_CODE
+    + r'''
 import subprocess
 import sys
 import threading
@@ -193,27 +197,54 @@ def step(action):
 
 serve(reset=reset, step=step)
 '''
+)
 
 # name -> errno inside an env (0: allowed).
 EXPECTED = {
-    "ptrace_traceme": errno.EPERM, "ptrace_attach_pid1": errno.EPERM, "perf_event_open": errno.EPERM,
-    "keyctl": errno.EPERM, "add_key": errno.EPERM, "request_key": errno.EPERM,
-    "mount": errno.EPERM, "umount2": errno.EPERM, "pivot_root": errno.EPERM, "chroot": errno.EPERM,
-    "unshare_user": errno.EPERM, "unshare_net": errno.EPERM, "setns": errno.EPERM,
-    "clone_newnet": errno.EPERM, "clone_newuser": errno.EPERM,
+    "ptrace_traceme": errno.EPERM,
+    "ptrace_attach_pid1": errno.EPERM,
+    "perf_event_open": errno.EPERM,
+    "keyctl": errno.EPERM,
+    "add_key": errno.EPERM,
+    "request_key": errno.EPERM,
+    "mount": errno.EPERM,
+    "umount2": errno.EPERM,
+    "pivot_root": errno.EPERM,
+    "chroot": errno.EPERM,
+    "unshare_user": errno.EPERM,
+    "unshare_net": errno.EPERM,
+    "setns": errno.EPERM,
+    "clone_newnet": errno.EPERM,
+    "clone_newuser": errno.EPERM,
     "personality_read_implies_exec": errno.EPERM,
-    "tiocsti": errno.EPERM, "tioclinux": errno.EPERM,
-    "clone3": errno.ENOSYS, "fsopen": errno.ENOSYS, "open_tree": errno.ENOSYS,
-    "bpf": errno.EPERM, "userfaultfd": errno.EPERM, "io_uring_setup": errno.EPERM, "memfd_secret": errno.EPERM,
-    "process_vm_readv": errno.EPERM, "kexec_load": errno.EPERM, "init_module": errno.EPERM,
-    "finit_module": errno.EPERM, "syslog": errno.EPERM,
-    "socket_inet": errno.EAFNOSUPPORT, "socket_inet6": errno.EAFNOSUPPORT,
-    "socket_netlink": errno.EAFNOSUPPORT, "socket_packet": errno.EAFNOSUPPORT,
+    "tiocsti": errno.EPERM,
+    "tioclinux": errno.EPERM,
+    "clone3": errno.ENOSYS,
+    "fsopen": errno.ENOSYS,
+    "open_tree": errno.ENOSYS,
+    "bpf": errno.EPERM,
+    "userfaultfd": errno.EPERM,
+    "io_uring_setup": errno.EPERM,
+    "memfd_secret": errno.EPERM,
+    "process_vm_readv": errno.EPERM,
+    "kexec_load": errno.EPERM,
+    "init_module": errno.EPERM,
+    "finit_module": errno.EPERM,
+    "syslog": errno.EPERM,
+    "socket_inet": errno.EAFNOSUPPORT,
+    "socket_inet6": errno.EAFNOSUPPORT,
+    "socket_netlink": errno.EAFNOSUPPORT,
+    "socket_packet": errno.EAFNOSUPPORT,
     "socket_inet_high_bits": errno.EAFNOSUPPORT,
-    "inotify_init": errno.ENOSYS, "inotify_init1": errno.ENOSYS,
-    "fanotify_init": errno.EPERM, "fanotify_mark": errno.EPERM,
-    "int80_getpid": errno.ENOSYS, "x32_getpid": errno.ENOSYS,
-    "socket_unix": 0, "personality_query_linux": 0, "tcgets": 0,
+    "inotify_init": errno.ENOSYS,
+    "inotify_init1": errno.ENOSYS,
+    "fanotify_init": errno.EPERM,
+    "fanotify_mark": errno.EPERM,
+    "int80_getpid": errno.ENOSYS,
+    "x32_getpid": errno.ENOSYS,
+    "socket_unix": 0,
+    "personality_query_linux": 0,
+    "tcgets": 0,
 }
 
 
@@ -265,8 +296,9 @@ def test_attack_is_refused_and_the_pool_stays_healthy(pools, spawn, name):
     assert obs[1] == {"honest": True} and rewards[1] == 1.0 and "error" not in infos[1]
     got = obs[0]["out"]
     expected = EXPECTED[name]
-    assert got["errno"] == expected, \
+    assert got["errno"] == expected, (
         f"{name}: expected {errno.errorcode.get(expected, 'success')}, got {errno.errorcode.get(got['errno'], got)}"
+    )
     assert_healthy(pool)
 
 
@@ -299,7 +331,8 @@ def test_import_time_code_runs_under_the_envs_full_filter(pools, spawn):
 
 
 def test_numpy_still_works(env_dir, pool_factory):
-    pool = pool_factory(env_dir("""
+    pool = pool_factory(
+        env_dir("""
         import numpy as np
         from boltzlabs.env import serve
 
@@ -311,7 +344,9 @@ def test_numpy_still_works(env_dir, pool_factory):
             return float((a @ a.T).trace()), 1.0, False, {}
 
         serve(reset=reset, step=step)
-    """), 2)
+    """),
+        2,
+    )
     pool.reset(seed=0)
     obs, rewards, dones, infos = pool.step([0, 0])
     expected = float(sum(i * i for i in range(64)))
@@ -328,7 +363,7 @@ SECCOMP_RET_ALLOW, SECCOMP_RET_ERRNO = 0x7FFF0000, 0x00050000
 def run_bpf(program: bytes, nr: int, args=(), arch: int = AUDIT_ARCH_X86_64) -> int:
     """Evaluate a classic BPF seccomp program on one struct seccomp_data."""
     data = struct.pack("<iIQ6Q", nr, arch, 0, *(list(args) + [0] * (6 - len(args))))
-    insns = [struct.unpack("<HBBI", program[i:i + 8]) for i in range(0, len(program), 8)]
+    insns = [struct.unpack("<HBBI", program[i : i + 8]) for i in range(0, len(program), 8)]
     a = x = 0
     mem = [0] * 16
     pc = 0
@@ -442,16 +477,23 @@ def policy_with(rule: dict) -> dict:
     return rules
 
 
-@pytest.mark.parametrize("rule, message", [
-    ({"why": "typo", "syscalls": ["ptrace", "no_such_call"], "errno": "EPERM"},
-     "knows no system call named 'no_such_call'"),
-    ({"why": "empty", "syscalls": [], "errno": "EPERM"}, "`syscalls` must be a non-empty list"),
-    ({"why": "none", "errno": "EPERM"}, "`syscalls` must be a non-empty list"),
-    ({"why": "errno", "syscalls": ["ptrace"], "errno": "ENOPE"}, "unknown errno 'ENOPE'"),
-    ({"why": "const", "syscalls": ["ioctl"], "errno": "EPERM", "when": {"arg": 1, "equals": "TIOCNOPE"}},
-     "'TIOCNOPE' is not defined in [constants]"),
-    ({"why": "arg", "syscalls": ["ioctl"], "errno": "EPERM", "when": {"arg": 7, "equals": 1}}, "arg = 0..5"),
-])
+@pytest.mark.parametrize(
+    "rule, message",
+    [
+        (
+            {"why": "typo", "syscalls": ["ptrace", "no_such_call"], "errno": "EPERM"},
+            "knows no system call named 'no_such_call'",
+        ),
+        ({"why": "empty", "syscalls": [], "errno": "EPERM"}, "`syscalls` must be a non-empty list"),
+        ({"why": "none", "errno": "EPERM"}, "`syscalls` must be a non-empty list"),
+        ({"why": "errno", "syscalls": ["ptrace"], "errno": "ENOPE"}, "unknown errno 'ENOPE'"),
+        (
+            {"why": "const", "syscalls": ["ioctl"], "errno": "EPERM", "when": {"arg": 1, "equals": "TIOCNOPE"}},
+            "'TIOCNOPE' is not defined in [constants]",
+        ),
+        ({"why": "arg", "syscalls": ["ioctl"], "errno": "EPERM", "when": {"arg": 7, "equals": 1}}, "arg = 0..5"),
+    ],
+)
 def test_a_bad_policy_gives_a_clear_error(rule, message):
     with pytest.raises(SeccompPolicyError) as info:
         seccomp.compile_filter(policy_with(rule))
@@ -476,12 +518,23 @@ def test_exec_modes_set_up_imports_no_host_half():
     """An exec-mode env runs boltzlabs.runtime.confine before env.py: what it imports
     every env pays for (boltzlabs.host.seccomp, the host half, with dataclasses and
     functools, cost each env ~2 MiB)."""
-    code = ("import sys; before = set(sys.modules); import boltzlabs.runtime.confine; "
-            "print(' '.join(sorted(set(sys.modules) - before)))")
-    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60,
-                         env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    code = (
+        "import sys; before = set(sys.modules); import boltzlabs.runtime.confine; "
+        "print(' '.join(sorted(set(sys.modules) - before)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
     assert out.returncode == 0, out.stderr
     new = set(out.stdout.split())
-    assert {m for m in new if m.startswith("boltzlabs")} == {"boltzlabs", "boltzlabs.abi", "boltzlabs.runtime",
-                                                              "boltzlabs.runtime.confine"}
+    assert {m for m in new if m.startswith("boltzlabs")} == {
+        "boltzlabs",
+        "boltzlabs.abi",
+        "boltzlabs.runtime",
+        "boltzlabs.runtime.confine",
+    }
     assert not new & {"dataclasses", "functools", "inspect", "typing", "re", "json"}, new

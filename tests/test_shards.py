@@ -49,8 +49,11 @@ def _wait(predicate, timeout: float = 15.0) -> bool:
 
 # -- the argument and the default --------------------------------------------------------
 
-@pytest.mark.parametrize("bad, error", [(0, ValueError), (4, ValueError), (-1, ValueError), (1.5, TypeError),
-                                        (True, TypeError), ("2", TypeError)])
+
+@pytest.mark.parametrize(
+    "bad, error",
+    [(0, ValueError), (4, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError), ("2", TypeError)],
+)
 def test_bad_workers_are_refused_before_anything_starts(bad, error):
     children = _descendants()
     with pytest.raises(error, match="workers"):
@@ -76,6 +79,7 @@ def test_the_default_rule():
 
 
 # -- every method over uneven shards ----------------------------------------------------------
+
 
 @pytest.mark.parametrize("k", [2, 3])
 def test_every_method_over_uneven_shards(k):
@@ -135,6 +139,7 @@ def test_call_get_attr_set_attr_render_across_shards():
 
 # -- byte for byte --------------------------------------------------------------------------
 
+
 def _canon(value):
     """Everything a result says, arrays by dtype, shape and bytes: equal only if byte for byte."""
     if isinstance(value, np.ndarray):
@@ -156,15 +161,23 @@ def _episodes(source, n: int, workers: int, steps: int) -> list:
         record.append(_canon(pool.reset_infos))
         for t in range(steps):
             obs, rewards, dones, infos = pool.step(rng.integers(0, 3, n))
-            record.append((_canon(obs), rewards.tobytes(), dones.tobytes(), pool.terminated.tobytes(),
-                           pool.truncated.tobytes(), _canon(infos)))
+            record.append(
+                (
+                    _canon(obs),
+                    rewards.tobytes(),
+                    dones.tobytes(),
+                    pool.terminated.tobytes(),
+                    pool.truncated.tobytes(),
+                    _canon(infos),
+                )
+            )
             if t % 37 == 36:  # a hard reset of some lanes, seeded
-                record.append(_canon(pool.reset(seed=[50 + i for i in range(n)], where=[0, n // 2, n - 1],
-                                                hard=True)))
+                record.append(_canon(pool.reset(seed=[50 + i for i in range(n)], where=[0, n // 2, n - 1], hard=True)))
             elif dones.any():
                 record.append(_canon(pool.reset(where=dones)))
-            record.append([(e["env"], e["seed"], e["length"], e["return"], e["terminated"])
-                           for e in pool.finished_episodes])
+            record.append(
+                [(e["env"], e["seed"], e["length"], e["return"], e["terminated"]) for e in pool.finished_episodes]
+            )
     return record
 
 
@@ -180,6 +193,7 @@ def test_sharded_episodes_equal_unsharded_byte_for_byte(source, steps):
 
 
 # -- faults on their lanes ------------------------------------------------------------------
+
 
 def test_a_crash_and_a_hang_in_the_last_shard_come_back_on_their_global_lanes():
     n = 6
@@ -231,6 +245,7 @@ def test_a_start_failure_names_an_env_of_the_pool(env_dir):
 
 # -- send / recv ----------------------------------------------------------------------------
 
+
 def test_send_recv_takes_the_first_to_finish_across_shards():
     n = 6
     with RLPool(PROBE, n, workers=3, step_timeout=scaled(10)) as pool:
@@ -275,6 +290,7 @@ def test_recv_holds_what_a_shard_gave_beyond_the_batch():
 
 # -- the gate spans the pool ------------------------------------------------------------------
 
+
 def test_serialize_measurement_never_measures_two_envs_at_once_over_shards():
     n = 4
     with RLPool(PROBE, n, workers=2, serialize_measurement=True, step_timeout=scaled(5)) as pool:
@@ -299,6 +315,7 @@ def test_serialize_measurement_never_measures_two_envs_at_once_over_shards():
 
 
 # -- nothing left behind --------------------------------------------------------------------
+
 
 def test_close_leaves_nothing_behind():
     fds, children = open_fds(), _descendants()
@@ -341,6 +358,7 @@ def test_a_trainer_killed_leaves_no_worker_sandbox_or_cgroup():
 
 
 # -- the adapters over a sharded pool ---------------------------------------------------------
+
 
 def test_gymnasium_and_sb3_adapters_over_a_sharded_pool():
     from boltzlabs.gym import BoltzLabsVecEnv

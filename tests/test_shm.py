@@ -42,8 +42,15 @@ def same_obs(a, b) -> bool:
         return list(a) == list(b) and all(same_obs(a[k], b[k]) for k in a)
     if isinstance(a, tuple):
         return type(b) is tuple and len(a) == len(b) and all(same_obs(x, y) for x, y in zip(a, b))
-    return type(a) is np.ndarray and type(b) is np.ndarray and a.dtype == b.dtype and a.shape == b.shape \
-        and np.array_equal(a, b) and not a.flags.writeable and not b.flags.writeable
+    return (
+        type(a) is np.ndarray
+        and type(b) is np.ndarray
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and np.array_equal(a, b)
+        and not a.flags.writeable
+        and not b.flags.writeable
+    )
 
 
 def run(pool, steps=6):

@@ -110,16 +110,23 @@ def check_hard_reset(pool):
 
 
 UNFORKABLE_AT_IMPORT = [
-    ("import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n",
-     "env.py's import started threads"),
+    (
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n",
+        "env.py's import started threads",
+    ),
     ("import socket\nheld = socket.socketpair()\n", "env.py's import left sockets open"),
     # A process left running (here a daemon, reparented to the sandbox's init):
     # children would not have it, and the gate's freezer would not reach it.
-    ("import os, time\nif os.fork() == 0:\n    if os.fork() == 0:\n        time.sleep(60)\n    os._exit(0)\n"
-     "os.wait()\n", "env.py's import left processes running"),
+    (
+        "import os, time\nif os.fork() == 0:\n    if os.fork() == 0:\n        time.sleep(60)\n    os._exit(0)\n"
+        "os.wait()\n",
+        "env.py's import left processes running",
+    ),
 ]
-UNFORKABLE_SERVE = ("from boltzlabs.env import serve\nimport threading\n"
-                    "serve(reset=lambda seed: threading.active_count(), step=lambda a: (0, 1.0, False, {}))\n")
+UNFORKABLE_SERVE = (
+    "from boltzlabs.env import serve\nimport threading\n"
+    "serve(reset=lambda seed: threading.active_count(), step=lambda a: (0, 1.0, False, {}))\n"
+)
 
 
 @pytest.mark.parametrize("source, reason", UNFORKABLE_AT_IMPORT)
@@ -258,7 +265,6 @@ def test_each_child_mounts_one_tmpfs_for_its_workspace_and_dev_shm(env_dir):
         assert after["marked"] is False and len(after["devices"]) == 2, after
 
 
-
 SHARED_MAPPING = """
 import ctypes, os
 from boltzlabs.env import serve
@@ -350,7 +356,9 @@ def test_a_template_handshake_sent_by_another_process_moves_only_the_template(en
             # Its own cgroup: the pids one on v1 (the envs share a memory
             # cgroup without a per-env memory limit), the one cgroup on v2.
             lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-            line = next((text for text in lines if ":pids:" in text), None) or next(text for text in lines if text.startswith("0::"))
+            line = next((text for text in lines if ":pids:" in text), None) or next(
+                text for text in lines if text.startswith("0::")
+            )
             assert line.endswith(f"/env-{i}"), line
         assert pool.step([0, 0])[1].tolist() == [1.0, 1.0]
 

@@ -16,8 +16,15 @@ import time
 import psutil
 import pytest
 
-from boltzlabs.testing import (ACROSS_POOLS, AFTER_HARD_RESET, Episode, EpisodeFailed, NotReproducible,
-                               assert_reproducible, first_difference)
+from boltzlabs.testing import (
+    ACROSS_POOLS,
+    AFTER_HARD_RESET,
+    Episode,
+    EpisodeFailed,
+    NotReproducible,
+    assert_reproducible,
+    first_difference,
+)
 from conftest import COUNTER, TESTS
 
 pytest_plugins = ["pytester"]
@@ -126,21 +133,28 @@ def test_sampling_without_gymnasium_asks_for_actions(env_dir, tmp_path):
     (tmp_path / "shadow" / "gymnasium").mkdir(parents=True)
     (tmp_path / "shadow" / "gymnasium" / "__init__.py").write_text("raise ImportError('no gymnasium here')\n")
     # On sys.path in the trainer only: a $PYTHONPATH entry would be bound into the sandbox too.
-    code = (f"import sys; sys.path.insert(0, {str(tmp_path / 'shadow')!r})\n"
-            "from boltzlabs.testing import assert_reproducible\n"
-            f"assert_reproducible({str(source)!r}, seeds=(0,), steps=2)\n")
+    code = (
+        f"import sys; sys.path.insert(0, {str(tmp_path / 'shadow')!r})\n"
+        "from boltzlabs.testing import assert_reproducible\n"
+        f"assert_reproducible({str(source)!r}, seeds=(0,), steps=2)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG)
     assert out.returncode == 1
-    assert ("ValueError: sampling actions from the env's action space needs Gymnasium: pip install "
-            "-e '.[gym]' in a checkout of boltzlabs, or pass actions=") in out.stderr
+    assert (
+        "ValueError: sampling actions from the env's action space needs Gymnasium: pip install "
+        "-e '.[gym]' in a checkout of boltzlabs, or pass actions="
+    ) in out.stderr
 
 
-@pytest.mark.parametrize("actions, error, words", [
-    ([[1, 2, 3, 4]] * 3, ValueError, "actions has 3 step(s) of actions but steps=8"),
-    ([[1, 2, 3]] * STEPS, ValueError, "the actions for step 1 are 3, but there are 4 lanes"),
-    ([None] * STEPS, TypeError, "the actions for step 1 must be a list of 4 actions"),
-    (42, TypeError, "actions must be None (sampled from the action space), a list of per-step action lists"),
-])
+@pytest.mark.parametrize(
+    "actions, error, words",
+    [
+        ([[1, 2, 3, 4]] * 3, ValueError, "actions has 3 step(s) of actions but steps=8"),
+        ([[1, 2, 3]] * STEPS, ValueError, "the actions for step 1 are 3, but there are 4 lanes"),
+        ([None] * STEPS, TypeError, "the actions for step 1 must be a list of 4 actions"),
+        (42, TypeError, "actions must be None (sampled from the action space), a list of per-step action lists"),
+    ],
+)
 def test_bad_actions_are_refused_before_a_sandbox_starts(actions, error, words):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     with pytest.raises(error, match=re.escape(words)):
@@ -235,8 +249,12 @@ def test_the_comparison_is_byte_for_byte():
 
     # Equal in Python, not the same bytes on the wire: each is a difference, named.
     nan = float("nan")
-    for first, then, path in [(1, 1.0, 'obs["v"]'), (True, 1, 'obs["v"]'), (nan, -nan, 'obs["v"]'),
-                              ({"a": 1, "b": 2}, {"b": 2, "a": 1}, 'obs["v"] (the same keys, in another order)')]:
+    for first, then, path in [
+        (1, 1.0, 'obs["v"]'),
+        (True, 1, 'obs["v"]'),
+        (nan, -nan, 'obs["v"]'),
+        ({"a": 1, "b": 2}, {"b": 2, "a": 1}, 'obs["v"] (the same keys, in another order)'),
+    ]:
         difference = first_difference(reset_with(first), reset_with(then))
         assert difference is not None and difference.path == path, (first, then)
     # Not equal in Python, the same bytes: the same NaN is no difference.
@@ -253,9 +271,26 @@ def test_the_comparison_is_byte_for_byte():
 def test_check_prints_the_message_assert_reproducible_raises():
     with pytest.raises(NotReproducible) as caught:
         assert_reproducible(ENTROPY, seeds=(2,), steps=4, actions=[[1]] * 4, leak="urandom")
-    out = subprocess.run([sys.executable, "-m", "boltzlabs", "check", str(ENTROPY), "--seed", "2", "--steps", "4",
-                          "--actions", "[1]", "--param", "leak=urandom"],
-                         capture_output=True, text=True, timeout=HANG).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "boltzlabs",
+            "check",
+            str(ENTROPY),
+            "--seed",
+            "2",
+            "--steps",
+            "4",
+            "--actions",
+            "[1]",
+            "--param",
+            "leak=urandom",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=HANG,
+    ).stdout
     line = next(line for line in out.splitlines() if line.startswith("FAIL  replay"))
     numbers = re.compile(r"first \d+, then \d+")  # the leaked values themselves differ from run to run
     assert numbers.sub("first N, then N", line.split(None, 2)[2]) == numbers.sub("first N, then N", str(caught.value))
@@ -282,12 +317,14 @@ def test_the_plugin_loads_from_its_entry_point(pytester):
 def test_the_plugin_imports_nothing_heavy_at_collection():
     plugin_entry_point()
     # What every pytest run pays where boltzlabs is installed: the plugin as pytest loads it.
-    code = ("import sys, pytest\n"
-            "from importlib.metadata import entry_points\n"
-            "(plugin,) = [e for e in entry_points(group='pytest11') if e.value == 'boltzlabs.pytest_plugin']\n"
-            "plugin.load()\n"
-            "print(sorted(m for m in ('numpy', 'psutil', 'boltzlabs.client', 'boltzlabs.worker', 'msgpack')"
-            " if m in sys.modules))\n")
+    code = (
+        "import sys, pytest\n"
+        "from importlib.metadata import entry_points\n"
+        "(plugin,) = [e for e in entry_points(group='pytest11') if e.value == 'boltzlabs.pytest_plugin']\n"
+        "plugin.load()\n"
+        "print(sorted(m for m in ('numpy', 'psutil', 'boltzlabs.client', 'boltzlabs.worker', 'msgpack')"
+        " if m in sys.modules))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -295,7 +332,8 @@ def test_the_plugin_imports_nothing_heavy_at_collection():
 
 def inner_test(pytester, body: str, record=None):
     """Write an inner test file; `record` is a path it writes what it saw to, as JSON."""
-    pytester.makepyfile(test_inner=f"""
+    pytester.makepyfile(
+        test_inner=f"""
         import json
         COUNTER = {str(COUNTER)!r}
         ENTROPY = {str(ENTROPY)!r}
@@ -304,12 +342,15 @@ def inner_test(pytester, body: str, record=None):
             with open(RECORD, "w") as f:
                 json.dump(seen, f)
         {body}
-    """.replace("\n        ", "\n"))
+    """.replace("\n        ", "\n")
+    )
 
 
 def owned(pool) -> dict:
-    return {"pids": [pool._proc.pid] + [p.pid for p in psutil.Process(pool._proc.pid).children(recursive=True)],
-            "cgroups": list(pool._cgroup or [])}
+    return {
+        "pids": [pool._proc.pid] + [p.pid for p in psutil.Process(pool._proc.pid).children(recursive=True)],
+        "cgroups": list(pool._cgroup or []),
+    }
 
 
 def assert_gone(record: dict) -> None:
@@ -319,11 +360,15 @@ def assert_gone(record: dict) -> None:
         assert not os.path.isdir(path), path
 
 
-@pytest.mark.parametrize("option, expected", [([], "template"), (["--boltzlabs-spawn=exec"], "exec"),
-                                              (["--boltzlabs-spawn=template"], "template")])
+@pytest.mark.parametrize(
+    "option, expected",
+    [([], "template"), (["--boltzlabs-spawn=exec"], "exec"), (["--boltzlabs-spawn=template"], "template")],
+)
 def test_rlpool_makes_pools_in_the_chosen_spawn_mode_and_closes_them(pytester, tmp_path, option, expected):
     record = tmp_path / "seen.json"
-    inner_test(pytester, """
+    inner_test(
+        pytester,
+        """
         import psutil
         def test_two_pools(rlpool):
             a = rlpool(COUNTER, 2)
@@ -334,7 +379,9 @@ def test_rlpool_makes_pools_in_the_chosen_spawn_mode_and_closes_them(pytester, t
             pids = [p.pid for pool in (a, b) for p in psutil.Process(pool._proc.pid).children(recursive=True)]
             pids += [a._proc.pid, b._proc.pid]
             save(spawn=[a.spawn, b.spawn], pids=pids, cgroups=list(a._cgroup) + list(b._cgroup))
-    """, record)
+    """,
+        record,
+    )
     result = pytester.runpytest_subprocess(*option)
     result.assert_outcomes(passed=1)
     seen = json.loads(record.read_text())
@@ -347,7 +394,9 @@ def test_a_pool_that_leaves_processes_and_cgroups_fails_the_test(pytester, tmp_p
     # close() made to do nothing (its finalizer detached), as a close() with a bug would: the worker,
     # its sandboxes and the pool's cgroups stay. The test passes; its teardown must fail and clean up.
     record = tmp_path / "seen.json"
-    inner_test(pytester, """
+    inner_test(
+        pytester,
+        """
         import psutil
         def test_leaky(rlpool):
             pool = rlpool(COUNTER, 2)
@@ -355,7 +404,9 @@ def test_a_pool_that_leaves_processes_and_cgroups_fails_the_test(pytester, tmp_p
             pool._finalizer.detach()
             pids = [pool._proc.pid] + [p.pid for p in psutil.Process(pool._proc.pid).children(recursive=True)]
             save(pids=pids, cgroups=list(pool._cgroup))
-    """, record)
+    """,
+        record,
+    )
     result = pytester.runpytest_subprocess()
     result.assert_outcomes(passed=1, errors=1)
     seen = json.loads(record.read_text())
@@ -408,7 +459,9 @@ def test_keep_logs_attaches_each_env_log_to_a_failing_test(pytester, keep, env_d
 
         serve(reset=reset, step=lambda action: (action, 0.0, False, {}))
     """)
-    inner_test(pytester, f"""
+    inner_test(
+        pytester,
+        f"""
         def test_fails(rlpool):
             pool = rlpool({str(source)!r}, 2)
             pool.reset(seed=40)
@@ -416,13 +469,17 @@ def test_keep_logs_attaches_each_env_log_to_a_failing_test(pytester, keep, env_d
 
         def test_passes(rlpool):
             rlpool({str(source)!r}, 1).reset(seed=7)
-    """)
+    """,
+    )
     result = pytester.runpytest_subprocess(*(["--boltzlabs-keep-logs"] if keep else []))
     result.assert_outcomes(passed=1, failed=1)
     output = result.stdout.str()
     for lane, seed in ((0, 40), (1, 41)):
-        shown = re.search(rf"boltzlabs pool 0 \([^\n]*, spawn=template\): env {lane} log -+\n"
-                          rf"(?:(?!.*boltzlabs pool)[^\n]*\n)*?env log line: reset with seed {seed}\n", output)
+        shown = re.search(
+            rf"boltzlabs pool 0 \([^\n]*, spawn=template\): env {lane} log -+\n"
+            rf"(?:(?!.*boltzlabs pool)[^\n]*\n)*?env log line: reset with seed {seed}\n",
+            output,
+        )
         assert bool(shown) == keep, output
     assert "reset with seed 7" not in output  # a passing test's logs are not attached
 
@@ -440,11 +497,14 @@ def test_keep_logs_shows_a_bounded_number_of_env_logs(pytester, env_dir):
         serve(reset=reset, step=lambda action: (action, 0.0, False, {}))
     """)
     n = KEEP_LOGS_MAX + 4
-    inner_test(pytester, f"""
+    inner_test(
+        pytester,
+        f"""
         def test_fails(rlpool):
             rlpool({str(source)!r}, {n}).reset(seed=100)
             assert False, "the inner test fails"
-    """)
+    """,
+    )
     result = pytester.runpytest_subprocess("--boltzlabs-keep-logs")
     result.assert_outcomes(failed=1)
     output = result.stdout.str()

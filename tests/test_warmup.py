@@ -90,7 +90,9 @@ def test_a_lazy_numpy_random_costs_an_env_what_a_module_level_one_does(env_dir):
     at_import = _mean_memory(eager, n)
     warmed = _mean_memory(lazy, n)
     cold = _mean_memory(lazy, n, warmup=False)
-    print(f"MiB per env: module-level {at_import / MiB:.2f}, lazy warmed {warmed / MiB:.2f}, lazy cold {cold / MiB:.2f}")
+    print(
+        f"MiB per env: module-level {at_import / MiB:.2f}, lazy warmed {warmed / MiB:.2f}, lazy cold {cold / MiB:.2f}"
+    )
     assert warmed <= 1.25 * at_import + 0.3 * MiB, (warmed / MiB, at_import / MiB)
     assert cold > warmed + 2 * MiB, (cold / MiB, warmed / MiB)  # numpy.random's ~5 MiB, each env's own
 
@@ -263,10 +265,13 @@ serve(reset=reset, step=step)
 
 ATTACKS = {
     "many_names": "fill(f'fake_{i}' for i in range(100_000))",
-    "odd_names": ("fill(['os; rm -rf /', '../../etc/passwd', 'x' * 100_000, 'a\\nb', 'bad-name', '', '.', "
-                  "'a..b', 'caf\\u00e9', 'sys\\x00os', 7, ('tuple',)])"),
-    "garbage_report": ("os.write(3, wire.encode([34, ['decimal'] * 4000, -1, 'x', None, 0, 0]) + b'\\xc1' * 1000); "
-                       "os._exit(0)"),
+    "odd_names": (
+        "fill(['os; rm -rf /', '../../etc/passwd', 'x' * 100_000, 'a\\nb', 'bad-name', '', '.', "
+        "'a..b', 'caf\\u00e9', 'sys\\x00os', 7, ('tuple',)])"
+    ),
+    "garbage_report": (
+        "os.write(3, wire.encode([34, ['decimal'] * 4000, -1, 'x', None, 0, 0]) + b'\\xc1' * 1000); os._exit(0)"
+    ),
 }
 
 

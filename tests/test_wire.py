@@ -149,7 +149,7 @@ def test_round_trip_one_byte_at_a_time(path, msgs):
     reader = make_reader(path, BIG)
     got = []
     for i in range(len(stream)):
-        got.extend(reader.feed(stream[i:i + 1]))
+        got.extend(reader.feed(stream[i : i + 1]))
     assert len(got) == len(msgs)
     for g, m in zip(got, msgs):
         assert_same(g, m)
@@ -170,8 +170,24 @@ def test_round_trip_whole_frame_fast_path(path, msg):
 
 def test_round_trip_special_values():
     msg = [
-        wire.STEPPED, 2**64 - 1, -(2**63), math.nan, math.inf, -math.inf, -0.0, 0.0,
-        "", "ünïcødé ☃", b"", b"\x00\xff", None, True, False, [], {}, {None: 1, b"k": [1, {2: 3}]},
+        wire.STEPPED,
+        2**64 - 1,
+        -(2**63),
+        math.nan,
+        math.inf,
+        -math.inf,
+        -0.0,
+        0.0,
+        "",
+        "ünïcødé ☃",
+        b"",
+        b"\x00\xff",
+        None,
+        True,
+        False,
+        [],
+        {},
+        {None: 1, b"k": [1, {2: 3}]},
         {1.5: "float key", -1: "int key", True: "bool key"},
     ]
     reader = wire.FrameReader(BIG)
@@ -271,7 +287,7 @@ def reference_parse(stream: bytes, limits: wire.Limits):
             return out, pos + 4, pos
         if len(stream) - pos - 4 < length:
             break
-        body = stream[pos + 4:pos + 4 + length]
+        body = stream[pos + 4 : pos + 4 + length]
         try:
             value = msgpack.unpackb(body, **limits.kwargs)
         except Exception:
@@ -309,7 +325,7 @@ def check_hostile(stream: bytes, cuts, limits: wire.Limits, path: str = "pure"):
                 return got
             fed += len(chunk)
             got.extend(out)
-            taken = max([taken] + [end for _, end in expected[:len(got)]])
+            taken = max([taken] + [end for _, end in expected[: len(got)]])
             assert reader.pending == fed - taken
     assert trigger is None, f"no ProtocolError, expected one at offset {trigger}"
     assert len(got) == len(expected)
@@ -340,8 +356,7 @@ def test_valid_prefix_with_garbage_body(path, body, extra, data):
 
 @pytest.mark.parametrize("path", PATHS)
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(msgs=st.lists(messages, min_size=1, max_size=4), garbage=st.binary(min_size=1, max_size=256),
-       data=st.data())
+@given(msgs=st.lists(messages, min_size=1, max_size=4), garbage=st.binary(min_size=1, max_size=256), data=st.data())
 def test_valid_frames_then_garbage(path, msgs, garbage, data):
     frames = [wire.encode(m) for m in msgs]
     stream = b"".join(frames) + garbage
@@ -410,7 +425,7 @@ def test_deep_nesting_raises_protocol_error(body, split_read):
     with pytest.raises(ProtocolError):
         if split_read:
             reader.feed(data[: len(data) // 2])
-            reader.feed(data[len(data) // 2:])
+            reader.feed(data[len(data) // 2 :])
         else:
             reader.feed(data)
 
@@ -478,7 +493,9 @@ def test_non_message_after_good_frame_in_one_read():
 def test_int_code_extremes_are_messages():
     reader = wire.FrameReader(wire.Limits(4096))
     assert reader.feed(wire.encode([2**64 - 1]) + wire.encode([-(2**63)]) + wire.encode([0])) == [
-        [2**64 - 1], [-(2**63)], [0],
+        [2**64 - 1],
+        [-(2**63)],
+        [0],
     ]
 
 
@@ -614,8 +631,18 @@ def test_encode_frame_layout():
 
 @pytest.mark.parametrize(
     "value",
-    [np.int64(-7), np.uint64(2**64 - 1), np.int8(5), np.int32(-3), np.float32(0.1), np.float64(2.0),
-     np.float16(1.5), np.bool_(True), np.complex64(1 + 2j), np.float32(np.nan)],
+    [
+        np.int64(-7),
+        np.uint64(2**64 - 1),
+        np.int8(5),
+        np.int32(-3),
+        np.float32(0.1),
+        np.float64(2.0),
+        np.float16(1.5),
+        np.bool_(True),
+        np.complex64(1 + 2j),
+        np.float32(np.nan),
+    ],
     ids=repr,
 )
 def test_numpy_scalars_keep_their_type_and_dtype(value):
@@ -654,15 +681,33 @@ _Point = collections.namedtuple("_Point", "x y")
 
 
 def test_tuples_stay_tuples_and_subclasses_travel_as_their_base():
-    msg = [wire.STEPPED, (), (1, (2, [3, (4,)])), {"key": (22, 7, 0)}, {(1, 2): "tuple key"},
-           _Point(1, 2), _Color.RED, collections.OrderedDict(a=1), [(), [()]]]
-    want = [wire.STEPPED, (), (1, (2, [3, (4,)])), {"key": (22, 7, 0)}, {(1, 2): "tuple key"},
-            (1, 2), 3, {"a": 1}, [(), [()]]]
+    msg = [
+        wire.STEPPED,
+        (),
+        (1, (2, [3, (4,)])),
+        {"key": (22, 7, 0)},
+        {(1, 2): "tuple key"},
+        _Point(1, 2),
+        _Color.RED,
+        collections.OrderedDict(a=1),
+        [(), [()]],
+    ]
+    want = [
+        wire.STEPPED,
+        (),
+        (1, (2, [3, (4,)])),
+        {"key": (22, 7, 0)},
+        {(1, 2): "tuple key"},
+        (1, 2),
+        3,
+        {"a": 1},
+        [(), [()]],
+    ]
     for limits in (BIG, GUARDED):
         for data in (wire.encode(msg), wire.encode(msg + ["x" * 100])):  # short and guarded decodes
             (got,) = wire.FrameReader(limits).feed(data)
-            assert got[:len(want)] == want
-            assert [type(x) for x in got[:len(want)]] == [type(x) for x in want]
+            assert got[: len(want)] == want
+            assert [type(x) for x in got[: len(want)]] == [type(x) for x in want]
             assert type(got[2][1][1][1]) is tuple and type(got[3]["key"]) is tuple
 
 
@@ -708,12 +753,16 @@ def test_tuple_items_count_toward_the_frame_caps():
         wire.FrameReader(GUARDED).feed(wire.encode([1, deep_value, "z" * 100]))
 
 
-@pytest.mark.parametrize("payload, match", [
-    (b"\x0e\x00<f4:1         \x00\x00\x00?", "shape"),  # a 1-element array, not a scalar
-    (b"\x0e\x00<f4:          \x00\x00", "does not match"),  # 2 bytes for a float32
-    (b"\x0e\x00<O8:          \x00" + b"\x00" * 7, "unsupported dtype"),  # an object pointer
-    (b"\x01", "shorter than its header"),
-], ids=["array-shape", "short", "object-dtype", "truncated"])
+@pytest.mark.parametrize(
+    "payload, match",
+    [
+        (b"\x0e\x00<f4:1         \x00\x00\x00?", "shape"),  # a 1-element array, not a scalar
+        (b"\x0e\x00<f4:          \x00\x00", "does not match"),  # 2 bytes for a float32
+        (b"\x0e\x00<O8:          \x00" + b"\x00" * 7, "unsupported dtype"),  # an object pointer
+        (b"\x01", "shorter than its header"),
+    ],
+    ids=["array-shape", "short", "object-dtype", "truncated"],
+)
 def test_bogus_scalar_ext_is_refused(payload, match):
     body = b"\x92\x01" + msgpack.packb(msgpack.ExtType(wire.SCALAR_EXT, payload))
     for limits in (BIG, GUARDED):
@@ -734,7 +783,11 @@ def test_a_tuple_ext_that_is_not_an_array_is_refused():
 def test_env_side_does_not_import_numpy(module):
     code = f"import {module}, sys; print('numpy' in sys.modules)"
     result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
@@ -749,7 +802,11 @@ def test_encode_numpy_without_numpy_imported_by_wire():
         "print('numpy' in sys.modules)"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
@@ -795,11 +852,15 @@ def test_depth_at_the_cap_decodes_and_wide_frames_are_not_deep():
     assert wire.FrameReader(GUARDED).feed(wire.encode(wide)) == [wide]
 
 
-@pytest.mark.parametrize("body", [
-    b"\x92\x01\xdd\x00\x01\x00\x00" + b"\x90" * 65536,  # [1, [[], [], ...]]: 65,536 empty lists
-    b"\x92\x01\xdd\x00\x01\x00\x00" + b"\xa2ab" * 65536,  # [1, ["ab", ...]]: items count too
-    b"\x92\x01\xdf\x00\x00\x80\x00" + b"\x01\x80" * 32768,  # [1, {1: {}, ...}]
-], ids=["empty-lists", "strings", "maps"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\x92\x01\xdd\x00\x01\x00\x00" + b"\x90" * 65536,  # [1, [[], [], ...]]: 65,536 empty lists
+        b"\x92\x01\xdd\x00\x01\x00\x00" + b"\xa2ab" * 65536,  # [1, ["ab", ...]]: items count too
+        b"\x92\x01\xdf\x00\x00\x80\x00" + b"\x01\x80" * 32768,  # [1, {1: {}, ...}]
+    ],
+    ids=["empty-lists", "strings", "maps"],
+)
 def test_more_objects_than_the_cap_are_refused(body):
     with pytest.raises(ProtocolError, match="more than 10000 objects"):
         wire.FrameReader(GUARDED).feed(frame(body))
@@ -812,8 +873,9 @@ def test_limits_without_object_cap_keep_the_plain_decode():
     assert GUARDED.guarded is not None and GUARDED.max_depth == 64
 
 
-@pytest.mark.parametrize("shape", [(0, 2**62), (2**62, 0), (0, 2**63 - 1, 2**63 - 1), (2**31, 2**31, 0, 2**31),
-                                   (0,) * 33, (1 << 41, 0)])
+@pytest.mark.parametrize(
+    "shape", [(0, 2**62), (2**62, 0), (0, 2**63 - 1, 2**63 - 1), (2**31, 2**31, 0, 2**31), (0,) * 33, (1 << 41, 0)]
+)
 def test_array_headers_with_impossible_shapes_are_refused(shape):
     text = ("<f8:" + ",".join(map(str, shape))).encode()
     pad = -(2 + len(text)) % 16
@@ -842,11 +904,11 @@ def _read_in_place(reader, stream: bytes, cuts) -> list:
         size = next(sizes)
         room = reader.room()
         if room is None:
-            messages += reader.feed(stream[at:at + size])
+            messages += reader.feed(stream[at : at + size])
             at += size
         else:
             n = min(size, len(room), len(stream) - at)
-            room[:n] = stream[at:at + n]
+            room[:n] = stream[at : at + n]
             room.release()
             messages += reader.filled(n)
             at += n
@@ -854,9 +916,15 @@ def _read_in_place(reader, stream: bytes, cuts) -> list:
 
 
 @settings(max_examples=60, deadline=None)
-@given(sizes=st.lists(st.sampled_from([10, 5_000, wire.FrameReader.DIRECT_MIN - 5, wire.FrameReader.DIRECT_MIN,
-                                       600_000]), min_size=1, max_size=5),
-       cuts=st.lists(st.integers(1, 300_000), max_size=40), numpy_buffers=st.booleans())
+@given(
+    sizes=st.lists(
+        st.sampled_from([10, 5_000, wire.FrameReader.DIRECT_MIN - 5, wire.FrameReader.DIRECT_MIN, 600_000]),
+        min_size=1,
+        max_size=5,
+    ),
+    cuts=st.lists(st.integers(1, 300_000), max_size=40),
+    numpy_buffers=st.booleans(),
+)
 def test_long_frames_read_in_place_give_the_same_messages(sizes, cuts, numpy_buffers):
     messages = [[wire.STEPPED, i, bytes([i]) * size, 0.5, False, False, {}] for i, size in enumerate(sizes)]
     stream = b"".join(wire.encode(m) for m in messages)
@@ -911,12 +979,15 @@ def test_every_message_code_is_in_one_table_once():
         assert getattr(wire, name) == value
     assert not {v: n for v, n in by_value.items() if len(n) > 1}, "message codes used twice"
     # No other module defines a code of its own under one of the table's names.
-    elsewhere = [f"{path.relative_to(root.parent)}:{node.lineno}: {target.id}"
-                 for path in sorted(root.rglob("*.py")) if path.name != "wire.py"
-                 for node in ast.walk(ast.parse(path.read_text()))
-                 if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
-                 and isinstance(node.value.value, int)
-                 for target in node.targets if isinstance(target, ast.Name) and target.id in codes]
+    elsewhere = [
+        f"{path.relative_to(root.parent)}:{node.lineno}: {target.id}"
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "wire.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, int)
+        for target in node.targets
+        if isinstance(target, ast.Name) and target.id in codes
+    ]
     assert not elsewhere, elsewhere
 
 

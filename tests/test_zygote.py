@@ -133,8 +133,9 @@ def test_a_template_that_breaks_its_control_protocol_is_given_up_at_once(env_dir
     ends it, named, and the worker keeps none of it."""
     started = time.monotonic()
     with pytest.raises(EnvStartError, match=r"the template failed: it sent \[EXITED"):
-        quietly(lambda: RLPool(env_dir(EXITED_FLOOD), 2, spawn="template", trust_env=True, warmup=False,
-                               start_timeout=120))
+        quietly(
+            lambda: RLPool(env_dir(EXITED_FLOOD), 2, spawn="template", trust_env=True, warmup=False, start_timeout=120)
+        )
     assert time.monotonic() - started < 60  # not the start timeout
 
 
@@ -304,8 +305,15 @@ def test_nothing_outside_the_served_env_runs_during_a_gated_turn(env_dir):
     every turn now, like every env that is not being served."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        pool = RLPool(env_dir(TEMPLATE_THREAD), 2, spawn="template", trust_env=True, warmup=False,
-                      serialize_measurement=True, step_timeout=10)
+        pool = RLPool(
+            env_dir(TEMPLATE_THREAD),
+            2,
+            spawn="template",
+            trust_env=True,
+            warmup=False,
+            serialize_measurement=True,
+            step_timeout=10,
+        )
     with pool:
         if any("cannot freeze" in str(w.message) for w in caught):
             pytest.skip("no freezer on this host")
@@ -376,10 +384,14 @@ serve(reset=lambda seed: 0, step=lambda action: (0, 0.0, False, {}))
 """
 
 
-@pytest.mark.parametrize("source, problem", [
-    (SKIP_FILTER, r"1 seccomp filter\(s\) attached where the policy loads 2"),
-    (SKIP_NAMESPACES, r"shares its ipc namespace with the template"),
-], ids=["seccomp", "namespaces"])
+@pytest.mark.parametrize(
+    "source, problem",
+    [
+        (SKIP_FILTER, r"1 seccomp filter\(s\) attached where the policy loads 2"),
+        (SKIP_NAMESPACES, r"shares its ipc namespace with the template"),
+    ],
+    ids=["seccomp", "namespaces"],
+)
 def test_a_lane_that_is_not_confined_is_refused_by_the_check_from_outside(env_dir, source, problem):
     """Import-time code of a trusted template patched the runtime so that
     children skipped their own seccomp filter (1 filter where a benign lane
@@ -434,6 +446,7 @@ def test_a_confined_lane_passes_the_check_in_both_modes(pool_factory):
 
 # -- trust is the worker's to give -----------------------------------------------------------
 
+
 def test_a_remote_worker_refuses_trust_env_unless_its_operator_allows_it(env_dir, tmp_path):
     from conftest import COUNTER
     from test_remote import Worker
@@ -456,6 +469,7 @@ def test_a_remote_worker_refuses_trust_env_unless_its_operator_allows_it(env_dir
 
 
 # -- what the template imports --------------------------------------------------------------
+
 
 def test_the_template_never_imports_the_envs_own_modules(env_dir):
     """A module of the env's directory, and env.py itself, are imported by each
@@ -502,12 +516,15 @@ def test_preload_comes_from_the_pool_and_from_boltzlabs_toml(env_dir):
         assert pool.reset(seed=0) == [[False, True]] * 2
 
 
-@pytest.mark.parametrize("text, error", [
-    ("[boltzlabs]\npreload = 'colorsys'\n", "must be a list of module names"),
-    ("[boltzlabs]\npreload = ['../../etc/passwd']\n", "is not a module name"),
-    ("[boltzlabs\n", "is not valid TOML"),
-    ("#" * 70000, "is over 65536 bytes"),
-])
+@pytest.mark.parametrize(
+    "text, error",
+    [
+        ("[boltzlabs]\npreload = 'colorsys'\n", "must be a list of module names"),
+        ("[boltzlabs]\npreload = ['../../etc/passwd']\n", "is not a module name"),
+        ("[boltzlabs\n", "is not valid TOML"),
+        ("#" * 70000, "is over 65536 bytes"),
+    ],
+)
 def test_a_bad_boltzlabs_toml_is_a_clear_error_before_anything_starts(env_dir, text, error):
     directory = env_dir(PRELOAD_FILE)
     (directory / "boltzlabs.toml").write_text(text)
@@ -576,15 +593,21 @@ if os.environ.get("BOLTZLABS_PROBE"):  # in the warm-up probe: a report of its o
 serve(reset=lambda seed: "env.py ran", step=lambda action: (0, 0.0, False, {{}}))
 """
 
-OTHER_ENV = ("from boltzlabs.env import serve\n"
-             "serve(reset=lambda seed: 'the code the probe sent ran', step=lambda action: (0, 0.0, False, {}))\n")
+OTHER_ENV = (
+    "from boltzlabs.env import serve\n"
+    "serve(reset=lambda seed: 'the code the probe sent ran', step=lambda action: (0, 0.0, False, {}))\n"
+)
 
 
-@pytest.mark.parametrize("code, expected", [
-    ("b'\\x00not marshal data' * 100", "env.py ran"),
-    (f"__import__('marshal').dumps(compile({OTHER_ENV!r}, '/env/env.py', 'exec'))", "the code the probe sent ran"),
-    ("b'x' * ((4 << 20) + 1)", "env.py ran"),
-], ids=["garbage", "other-code", "too-big"])
+@pytest.mark.parametrize(
+    "code, expected",
+    [
+        ("b'\\x00not marshal data' * 100", "env.py ran"),
+        (f"__import__('marshal').dumps(compile({OTHER_ENV!r}, '/env/env.py', 'exec'))", "the code the probe sent ran"),
+        ("b'x' * ((4 << 20) + 1)", "env.py ran"),
+    ],
+    ids=["garbage", "other-code", "too-big"],
+)
 def test_env_code_the_probe_sends_is_only_ever_read_by_the_envs(env_dir, code, expected):
     """The probe compiles env.py once and sends it marshalled; the template keeps
     the bytes unread and each env unmarshals them (less memory than compiling

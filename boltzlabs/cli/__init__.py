@@ -38,8 +38,6 @@ exit codes:
 _LABELS = {"ok": "PASS", "warn": "WARN", "fail": "FAIL"}
 
 
-
-
 # -- argument types ----------------------------------------------------------------------------
 
 
@@ -84,18 +82,36 @@ def _actions(text: str) -> list:
 
 
 def _add_source(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", metavar="PATH|gym://ID",
-                        help="an env directory (holding env.py) or a Gymnasium id such as gym://CartPole-v1")
-    parser.add_argument("--spawn", choices=("template", "exec"), default="template",
-                        help="fork envs from one warm template (default) or start one interpreter per env")
-    parser.add_argument("--param", type=_param, action="append", default=[], metavar="NAME=VALUE",
-                        help="a construction param (repeatable); VALUE is read as JSON when it parses, "
-                             "else as a string: gymnasium.make(id, NAME=VALUE), or boltzlabs.env.params()")
+    parser.add_argument(
+        "source",
+        metavar="PATH|gym://ID",
+        help="an env directory (holding env.py) or a Gymnasium id such as gym://CartPole-v1",
+    )
+    parser.add_argument(
+        "--spawn",
+        choices=("template", "exec"),
+        default="template",
+        help="fork envs from one warm template (default) or start one interpreter per env",
+    )
+    parser.add_argument(
+        "--param",
+        type=_param,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a construction param (repeatable); VALUE is read as JSON when it parses, "
+        "else as a string: gymnasium.make(id, NAME=VALUE), or boltzlabs.env.params()",
+    )
 
 
 def _subparser(subparsers, name: str, summary: str, description: str) -> argparse.ArgumentParser:
-    return subparsers.add_parser(name, help=summary, description=description, epilog=EXIT_CODES,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    return subparsers.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
 
 
 # -- output ----------------------------------------------------------------------------------
@@ -127,7 +143,11 @@ def _summary(counts: dict) -> str:
 
 
 def _register_check(subparsers) -> None:
-    parser = _subparser(subparsers, "check", "check that one env keeps the pool's contract", """\
+    parser = _subparser(
+        subparsers,
+        "check",
+        "check that one env keeps the pool's contract",
+        """\
 Start one env in a real sandbox and check, printing one line per finding:
   start      it completes its handshake (else its start-up output is shown)
   handshake  it declares observation and action spaces
@@ -141,19 +161,37 @@ Start one env in a real sandbox and check, printing one line per finding:
              raised, and the env then resets and steps normally; the env is
              made to raise by sending an action outside every action space
   replay     a hard reset with the same seed and actions gives a byte-identical
-             episode (obs, rewards, terminated, truncated)""")
+             episode (obs, rewards, terminated, truncated)""",
+    )
     _add_source(parser)
-    parser.add_argument("--actions", type=_actions, metavar="JSON",
-                        help="the actions to step with, a JSON list cycled over the steps (default: sampled "
-                             "from the env's action space, else 0)")
-    parser.add_argument("--steps", type=_positive_int, default=10, metavar="K",
-                        help="steps to take (fewer if the episode ends first; default 10)")
+    parser.add_argument(
+        "--actions",
+        type=_actions,
+        metavar="JSON",
+        help="the actions to step with, a JSON list cycled over the steps (default: sampled "
+        "from the env's action space, else 0)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=10,
+        metavar="K",
+        help="steps to take (fewer if the episode ends first; default 10)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the reset seed (default 0)")
-    parser.add_argument("--timeout", type=_positive_float, default=10.0, metavar="SECONDS",
-                        help="how long the env has to answer each step or reset (default 10)")
-    parser.add_argument("--no-warmup", action="store_true",
-                        help="start the pool with RLPool(..., warmup=False): no warm-up probe, so the memory "
-                             "stage shows what the env's first reset and steps cost without it")
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long the env has to answer each step or reset (default 10)",
+    )
+    parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="start the pool with RLPool(..., warmup=False): no warm-up probe, so the memory "
+        "stage shows what the env's first reset and steps cost without it",
+    )
     parser.set_defaults(run=_run_check)
 
 
@@ -181,9 +219,16 @@ def _run_check(args) -> int:
         if "warmup" not in inspect.signature(RLPool.__init__).parameters:
             raise UsageError("--no-warmup: this boltzlabs has no warm-up probe (RLPool takes no warmup=)")
     print(f"boltzlabs check {args.source} (spawn={args.spawn}, {args.steps} step(s), seed {args.seed})", flush=True)
-    findings = check_env(args.source, actions=args.actions, steps=args.steps, spawn=args.spawn,
-                         params=params, step_timeout=args.timeout, seed=args.seed,
-                         warmup=False if args.no_warmup else None)
+    findings = check_env(
+        args.source,
+        actions=args.actions,
+        steps=args.steps,
+        spawn=args.spawn,
+        params=params,
+        step_timeout=args.timeout,
+        seed=args.seed,
+        warmup=False if args.no_warmup else None,
+    )
     counts = print_findings(findings)
     print(_summary(counts))
     return EXIT_PROBLEM if counts["fail"] else EXIT_OK
@@ -193,24 +238,43 @@ def _run_check(args) -> int:
 
 
 def _register_bench(subparsers) -> None:
-    parser = _subparser(subparsers, "bench", "measure a pool's throughput, latency, start-up and memory", """\
+    parser = _subparser(
+        subparsers,
+        "bench",
+        "measure a pool's throughput, latency, start-up and memory",
+        """\
 For each n: start a pool of n envs (start-up time), step it --steps times
 (resetting finished envs inside the timed loop) and report env-steps/s, the
 mean worker_ms (the step as measured in the worker) against roundtrip_ms (as
 measured here), memory per env and envs_per_gb() from the kernel's cgroup
-accounting. A progress bar goes to stderr on a terminal, a table to stdout.""")
+accounting. A progress bar goes to stderr on a terminal, a table to stdout.""",
+    )
     _add_source(parser)
-    parser.add_argument("-n", type=_positive_int, nargs="+", required=True, metavar="N", dest="ns",
-                        help="pool sizes to measure, one pool each")
-    parser.add_argument("--steps", type=_positive_int, default=1000, metavar="S",
-                        help="timed batched steps per pool (default 1000)")
-    parser.add_argument("--actions", type=_actions, metavar="JSON",
-                        help="actions to cycle through, each sent to every env (default: sampled from the "
-                             "env's action space, else 0)")
+    parser.add_argument(
+        "-n",
+        type=_positive_int,
+        nargs="+",
+        required=True,
+        metavar="N",
+        dest="ns",
+        help="pool sizes to measure, one pool each",
+    )
+    parser.add_argument(
+        "--steps", type=_positive_int, default=1000, metavar="S", help="timed batched steps per pool (default 1000)"
+    )
+    parser.add_argument(
+        "--actions",
+        type=_actions,
+        metavar="JSON",
+        help="actions to cycle through, each sent to every env (default: sampled from the env's action space, else 0)",
+    )
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON only, no table")
-    parser.add_argument("--plot", metavar="FILE.png",
-                        help="draw env-steps/s and memory per env against n (needs matplotlib: "
-                             "pip install -e '.[plot]' in a checkout of boltzlabs)")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw env-steps/s and memory per env against n (needs matplotlib: "
+        "pip install -e '.[plot]' in a checkout of boltzlabs)",
+    )
     parser.set_defaults(run=_run_bench)
 
 
@@ -219,8 +283,10 @@ def _run_bench(args) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            raise UsageError("--plot needs matplotlib, which is not installed: "
-                             "pip install matplotlib (or pip install -e '.[plot]' in a checkout of boltzlabs)") from None
+            raise UsageError(
+                "--plot needs matplotlib, which is not installed: "
+                "pip install matplotlib (or pip install -e '.[plot]' in a checkout of boltzlabs)"
+            ) from None
     params = _resolve(args)
     from tqdm import tqdm
 
@@ -228,13 +294,13 @@ def _run_bench(args) -> int:
     from boltzlabs.errors import BoltzLabsError
 
     results = []
-    with tqdm(total=len(args.ns) * args.steps, unit="step", file=sys.stderr,
-              disable=not sys.stderr.isatty()) as bar:
+    with tqdm(total=len(args.ns) * args.steps, unit="step", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
         for n in args.ns:
             bar.set_description(f"n={n}")
             try:
-                results.append(measure(args.source, n, args.steps, spawn=args.spawn, actions=args.actions,
-                                       params=params, bar=bar))
+                results.append(
+                    measure(args.source, n, args.steps, spawn=args.spawn, actions=args.actions, params=params, bar=bar)
+                )
             except (BoltzLabsError, ValueError) as exc:
                 bar.close()
                 print(f"boltzlabs bench: a pool of {n} envs failed: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -242,8 +308,18 @@ def _run_bench(args) -> int:
     if args.json:
         import boltzlabs
 
-        print(json.dumps({"source": args.source, "spawn": args.spawn, "steps": args.steps,
-                          "boltzlabs": boltzlabs.__version__, "results": results}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "source": args.source,
+                    "spawn": args.spawn,
+                    "steps": args.steps,
+                    "boltzlabs": boltzlabs.__version__,
+                    "results": results,
+                },
+                indent=2,
+            )
+        )
     else:
         print(_bench_table(results))
     if args.plot:
@@ -252,14 +328,23 @@ def _run_bench(args) -> int:
             print(f"plot: {args.plot}")
     failed = [r for r in results if r["failed_steps"]]
     for r in failed:
-        print(f"boltzlabs bench: {r['failed_steps']} lane step(s) failed at n={r['n']}; the first: "
-              f"{r['first_error']}", file=sys.stderr)
+        print(
+            f"boltzlabs bench: {r['failed_steps']} lane step(s) failed at n={r['n']}; the first: {r['first_error']}",
+            file=sys.stderr,
+        )
     return EXIT_PROBLEM if failed else EXIT_OK
 
 
-_COLUMNS = (("n", "n", "{}"), ("start (s)", "start_s", "{:.2f}"), ("env-steps/s", "env_steps_per_s", "{:,.0f}"),
-            ("worker ms", "worker_ms", "{:.2f}"), ("roundtrip ms", "roundtrip_ms", "{:.2f}"),
-            ("MiB/env", "mib_per_env", "{:.2f}"), ("envs/GiB", "envs_per_gb", "{:,.0f}"), ("spawn", "spawn", "{}"))
+_COLUMNS = (
+    ("n", "n", "{}"),
+    ("start (s)", "start_s", "{:.2f}"),
+    ("env-steps/s", "env_steps_per_s", "{:,.0f}"),
+    ("worker ms", "worker_ms", "{:.2f}"),
+    ("roundtrip ms", "roundtrip_ms", "{:.2f}"),
+    ("MiB/env", "mib_per_env", "{:.2f}"),
+    ("envs/GiB", "envs_per_gb", "{:,.0f}"),
+    ("spawn", "spawn", "{}"),
+)
 
 
 def _bench_table(results: list) -> str:
@@ -270,8 +355,9 @@ def _bench_table(results: list) -> str:
     lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
     sources = sorted({r["memory_source"] for r in results})
     lines.append("")
-    lines.append("worker ms / roundtrip ms: mean per step, measured in the worker / here; "
-                 f"memory: {'; '.join(sources)}")
+    lines.append(
+        f"worker ms / roundtrip ms: mean per step, measured in the worker / here; memory: {'; '.join(sources)}"
+    )
     return "\n".join(lines)
 
 
@@ -303,19 +389,33 @@ def _plot(results: list, path: str, title: str) -> None:
 
 
 def _register_doctor(subparsers) -> None:
-    parser = _subparser(subparsers, "doctor", "check that this host can run sandboxed pools", """\
+    parser = _subparser(
+        subparsers,
+        "doctor",
+        "check that this host can run sandboxed pools",
+        """\
 Check this host: bubblewrap (present, version, setuid or not), user namespaces
 (and the sysctls that restrict them), a real sandbox and a one-env pool in
 each spawn mode, the cgroup version, the memory, pids and freezer cgroups
 (each tried in a trial env cgroup), the open-file limit for a pool of -n envs,
 and Python and package versions.
-Each problem comes with the exact command that fixes it.""")
+Each problem comes with the exact command that fixes it.""",
+    )
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON only")
-    parser.add_argument("-n", type=_positive_int, default=1000, metavar="N",
-                        help="the pool size to plan the fd limit for (default 1000)")
-    parser.add_argument("--ray", metavar="ADDRESS", default=None,
-                        help="run the checks on every node of this Ray cluster ('auto' for the running one) "
-                             "instead of here (needs boltzlabs[ray])")
+    parser.add_argument(
+        "-n",
+        type=_positive_int,
+        default=1000,
+        metavar="N",
+        help="the pool size to plan the fd limit for (default 1000)",
+    )
+    parser.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        default=None,
+        help="run the checks on every node of this Ray cluster ('auto' for the running one) "
+        "instead of here (needs boltzlabs[ray])",
+    )
     parser.set_defaults(run=_run_doctor)
 
 
@@ -325,8 +425,7 @@ def _run_doctor(args) -> int:
     if args.ray:
         from boltzlabs.cluster import doctor
 
-        nodes = [(report["node"], [Finding(**f) for f in report["findings"]])
-                 for report in doctor(args.ray, args.n)]
+        nodes = [(report["node"], [Finding(**f) for f in report["findings"]]) for report in doctor(args.ray, args.n)]
     else:
         nodes = [(None, run_checks(args.n))]
     failed = any(f.status == "fail" for _, findings in nodes for f in findings)
@@ -350,12 +449,17 @@ def _run_doctor(args) -> int:
 def _register_worker(subparsers) -> None:
     from boltzlabs.remote.listener import add_worker_arguments, run_worker
 
-    parser = _subparser(subparsers, "worker", "serve pools to remote clients (RLPool(worker='tcp://...'))", """Serve RLPools to clients on other hosts: RLPool(source, n, worker="tcp://HOST:PORT",
+    parser = _subparser(
+        subparsers,
+        "worker",
+        "serve pools to remote clients (RLPool(worker='tcp://...'))",
+        """Serve RLPools to clients on other hosts: RLPool(source, n, worker="tcp://HOST:PORT",
 token=...). Each client proves it knows the token, ships its env directory
 (cached here by content), and gets a worker process and sandboxes of its own.
 Listens on loopback unless told otherwise; use TLS off loopback. Prints
 "listening on tcp://HOST:PORT" (and the token, when it made one), then runs
-until SIGTERM or Ctrl-C, which end every pool.""")
+until SIGTERM or Ctrl-C, which end every pool.""",
+    )
     add_worker_arguments(parser)
     parser.set_defaults(run=run_worker)
 
@@ -370,8 +474,11 @@ def build_parser() -> argparse.ArgumentParser:
     import boltzlabs
 
     parser = argparse.ArgumentParser(
-        prog="boltzlabs", description="Thousands of sandboxed RL environments behind one batched step().",
-        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="boltzlabs",
+        description="Thousands of sandboxed RL environments behind one batched step().",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"boltzlabs {boltzlabs.__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for register in COMMANDS:

@@ -79,8 +79,17 @@ def _short(value, limit: int = 160) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
-def check_env(source, *, actions=None, steps: int = 10, spawn: str = "template", params=None,
-              step_timeout: float = 10.0, seed: int = 0, warmup=None):
+def check_env(
+    source,
+    *,
+    actions=None,
+    steps: int = 10,
+    spawn: str = "template",
+    params=None,
+    step_timeout: float = 10.0,
+    seed: int = 0,
+    warmup=None,
+):
     """Yield the Findings of checking one env (see the module docstring).
 
     `actions`: a list of actions to step with (cycled), else actions sampled
@@ -136,10 +145,13 @@ def _stages(pool, actions, steps: int, seed: int, birth: _Snapshot):
         return
     if not (yield from _play(pool, episode, actions, "steps", obs_space)):
         return
-    yield Finding("steps", OK, f"{episode.steps} step(s) answered, actions {how}"
-                  + (" (the episode ended)" if episode.ended else ""))
+    yield Finding(
+        "steps",
+        OK,
+        f"{episode.steps} step(s) answered, actions {how}" + (" (the episode ended)" if episode.ended else ""),
+    )
     yield from _memory(pool, birth, _Snapshot.of(pool), episode.steps)
-    played = actions[:episode.steps]
+    played = actions[: episode.steps]
     yield from _exception_path(pool, seed, played[:1])
     replay = yield from _reset(pool, seed, hard=True, stage="replay", obs_space=None)
     if replay is None:
@@ -148,8 +160,11 @@ def _stages(pool, actions, steps: int, seed: int, birth: _Snapshot):
         return
     difference = first_difference(episode, replay)
     if difference is None:
-        yield Finding("replay", OK, f"a hard reset with seed {seed} and the same {len(played)} action(s) gives a "
-                      "byte-identical episode")
+        yield Finding(
+            "replay",
+            OK,
+            f"a hard reset with seed {seed} and the same {len(played)} action(s) gives a byte-identical episode",
+        )
     else:
         failure = NotReproducible(difference, lane=0, seed=seed, comparison=AFTER_HARD_RESET)
         yield Finding("replay", FAIL, str(failure))
@@ -160,9 +175,13 @@ def _spaces(contract):
     specs = {"observation_space": contract.observation_space, "action_space": contract.action_space}
     missing = [name for name, spec in specs.items() if spec is None]
     if missing:
-        yield Finding("handshake", WARN, f"the env declares no {' and no '.join(missing)}: the Gymnasium adapter "
-                      "needs both, and actions cannot be sampled (serve(..., observation_space=..., "
-                      "action_space=...))")
+        yield Finding(
+            "handshake",
+            WARN,
+            f"the env declares no {' and no '.join(missing)}: the Gymnasium adapter "
+            "needs both, and actions cannot be sampled (serve(..., observation_space=..., "
+            "action_space=...))",
+        )
     rebuilt = {}
     for name, spec in specs.items():
         if spec is None:
@@ -173,8 +192,12 @@ def _spaces(contract):
 
             rebuilt[name] = from_spec(spec)
         except ImportError:
-            yield Finding("handshake", WARN, f"{name} declared, but Gymnasium is not installed to rebuild it "
-                          "(pip install -e '.[gym]' in a checkout of boltzlabs)")
+            yield Finding(
+                "handshake",
+                WARN,
+                f"{name} declared, but Gymnasium is not installed to rebuild it "
+                "(pip install -e '.[gym]' in a checkout of boltzlabs)",
+            )
             rebuilt[name] = None
         except ValueError as exc:
             yield Finding("handshake", FAIL, f"{name} cannot be rebuilt: {exc}")
@@ -217,8 +240,9 @@ def _play(pool, episode: Episode, actions: list, stage: str, obs_space):
             yield Finding(stage, WARN, f"step {t} returned a reward that is not finite: {reward}")
             flagged = True
         if not flagged and obs_space is not None and not _contains(obs_space, obs[0]):
-            yield Finding(stage, WARN, f"step {t} returned an obs outside the declared observation_space: "
-                          f"{_short(obs[0])}")
+            yield Finding(
+                stage, WARN, f"step {t} returned an obs outside the declared observation_space: {_short(obs[0])}"
+            )
             flagged = True
         if terminated or truncated:
             break
@@ -232,16 +256,26 @@ def _exception_path(pool, seed: int, good: list):
         yield Finding("exception", FAIL, f"the env did not answer an invalid action: {info.get('error')}")
         return
     if not info.get("error"):
-        yield Finding("exception", WARN, f"the env accepted the action {INVALID_ACTION!r}, which no action space "
-                      "contains, without raising, so the exception path was not exercised; an env should "
-                      "reject invalid actions (e.g. assert self.action_space.contains(action))")
+        yield Finding(
+            "exception",
+            WARN,
+            f"the env accepted the action {INVALID_ACTION!r}, which no action space "
+            "contains, without raising, so the exception path was not exercised; an env should "
+            "reject invalid actions (e.g. assert self.action_space.contains(action))",
+        )
         return
     if obs[0] is not None or not dones[0]:
-        yield Finding("exception", FAIL, f"a failed step came back with done={bool(dones[0])}, obs {_short(obs[0])}; "
-                      "expected done=True, obs None")
+        yield Finding(
+            "exception",
+            FAIL,
+            f"a failed step came back with done={bool(dones[0])}, obs {_short(obs[0])}; expected done=True, obs None",
+        )
         return
-    yield Finding("exception", OK, f"a step that raised is reported on its lane (done, obs None, info['error']: "
-                  f"{_last_line(info['error'])})")
+    yield Finding(
+        "exception",
+        OK,
+        f"a step that raised is reported on its lane (done, obs None, info['error']: {_last_line(info['error'])})",
+    )
     obs = pool.reset(seed=seed)[0]
     error = (pool.reset_infos[0] or {}).get("error")
     if not error and good:
@@ -283,8 +317,11 @@ class _Snapshot:
             with open(f"/proc/{pid}/smaps_rollup") as smaps:
                 found = re.search(r"^Private_Dirty:\s+(\d+) kB", smaps.read(), re.M)
             with open(f"/proc/{pid}/maps") as maps:
-                extensions = {line.split(None, 5)[5].strip() for line in maps if line.count(" ") >= 5
-                              and line.rstrip().endswith(".so")}
+                extensions = {
+                    line.split(None, 5)[5].strip()
+                    for line in maps
+                    if line.count(" ") >= 5 and line.rstrip().endswith(".so")
+                }
         except (OSError, IndexError, ValueError) as exc:  # another host, another user, a process gone
             return cls(None, None, set(), f"{type(exc).__name__}: {exc}")
         if found is None:
@@ -331,8 +368,10 @@ def _preloadable(modules, *, packages: bool = False) -> list:
     """
     names = set(modules)
     if not packages:
-        names = {name if any(other.startswith(name + ".") for other in names) else (name.rpartition(".")[0] or name)
-                 for name in names}
+        names = {
+            name if any(other.startswith(name + ".") for other in names) else (name.rpartition(".")[0] or name)
+            for name in names
+        }
     public = {name for name in names if not any(part.startswith("_") for part in name.split("."))} or names
     leaves = sorted(name for name in public if not any(other.startswith(name + ".") for other in public))
     outside = [name for name in leaves if name.split(".")[0] not in sys.stdlib_module_names]
@@ -370,13 +409,14 @@ def _memory(pool, birth: _Snapshot, after: _Snapshot, steps: int):
     if not has_probe:
         probe = "; this boltzlabs has no warm-up probe, so only extension modules are named"
     elif report is None:
-        probe = ("; the warm-up probe did not run (" + ("exec mode" if pool.spawn == "exec" else "warmup=False") + ")")
+        probe = "; the warm-up probe did not run (" + ("exec mode" if pool.spawn == "exec" else "warmup=False") + ")"
     else:
         probe = ""
     if birth.private is None or after.private is None or birth.pid != after.pid:
         reason = birth.error or after.error or "the env's process changed between the two readings"
-        yield Finding("memory", WARN, f"the env's private memory could not be read from /proc on this host: "
-                      f"{reason}{probe}")
+        yield Finding(
+            "memory", WARN, f"the env's private memory could not be read from /proc on this host: {reason}{probe}"
+        )
     else:
         yield from _growth(pool.spawn, birth, after, steps, probe)
     if report is not None:
@@ -396,8 +436,10 @@ def _growth(spawn: str, birth: _Snapshot, after: _Snapshot, steps: int, probe: s
     assert birth.private is not None and after.private is not None, "_memory calls it when both were read"
     grown = after.private - birth.private
     packages = _packages_of(after.extensions - birth.extensions)
-    detail = (f"env process {after.pid}: private memory (Private_Dirty) {_mib(birth.private)} at birth, "
-              f"{_mib(after.private)} after reset and {steps} step(s) ({'+' if grown >= 0 else ''}{_mib(grown)})")
+    detail = (
+        f"env process {after.pid}: private memory (Private_Dirty) {_mib(birth.private)} at birth, "
+        f"{_mib(after.private)} after reset and {steps} step(s) ({'+' if grown >= 0 else ''}{_mib(grown)})"
+    )
     if packages:
         detail += f"; extension modules loaded after the fork: {_named(packages)}"
     if spawn != "template":
@@ -407,13 +449,21 @@ def _growth(spawn: str, birth: _Snapshot, after: _Snapshot, steps: int, probe: s
         return
     suggest = _preloadable(packages, packages=True)
     if grown > PRELOAD_HINT and suggest:
-        yield Finding("memory", WARN, detail + probe + f". In a pool every env writes these {_mib(grown)} itself: "
-                      "what an env imports after the fork is private to it",
-                      _preload_fix(suggest, "imports them once in the template, shared by every env"))
+        yield Finding(
+            "memory",
+            WARN,
+            detail + probe + f". In a pool every env writes these {_mib(grown)} itself: "
+            "what an env imports after the fork is private to it",
+            _preload_fix(suggest, "imports them once in the template, shared by every env"),
+        )
     elif grown > PRELOAD_HINT:
-        yield Finding("memory", OK, detail + probe + ". No extension module was loaded after the fork: the growth "
-                      "is the env's own state, or pure-Python modules its reset or step import (those can be "
-                      "preloaded: RLPool(preload=[...]), or a boltzlabs.toml beside env.py)")
+        yield Finding(
+            "memory",
+            OK,
+            detail + probe + ". No extension module was loaded after the fork: the growth "
+            "is the env's own state, or pure-Python modules its reset or step import (those can be "
+            "preloaded: RLPool(preload=[...]), or a boltzlabs.toml beside env.py)",
+        )
     else:
         yield Finding("memory", OK, detail + probe)
 
@@ -421,20 +471,27 @@ def _growth(spawn: str, birth: _Snapshot, after: _Snapshot, steps: int, probe: s
 def _probe(report: dict):
     """The warm template's probe report (pool.env_contract "warmup"), in words."""
     if report.get("error"):
-        yield Finding("memory", WARN, f"the warm-up probe failed: {_last_line(report['error'])}; the pool started "
-                      "without it, so the template imported only what env.py imports",
-                      "fix the env's reset/step under the probe, or name the modules: preload = [...] in a boltzlabs.toml beside env.py")
+        yield Finding(
+            "memory",
+            WARN,
+            f"the warm-up probe failed: {_last_line(report['error'])}; the pool started "
+            "without it, so the template imported only what env.py imports",
+            "fix the env's reset/step under the probe, or name the modules: preload = [...] in a boltzlabs.toml beside env.py",
+        )
         return
     modules = list(report.get("modules") or [])
     failed = dict(report.get("failed") or {})
     preload = list(report.get("preload") or [])
     private_birth, private_after = report.get("private_birth"), report.get("private_after")
-    grown = (private_after - private_birth) if isinstance(private_birth, int) and isinstance(private_after, int) \
-        else None
+    grown = (
+        (private_after - private_birth) if isinstance(private_birth, int) and isinstance(private_after, int) else None
+    )
     names = _preloadable(modules)
-    detail = (f"the warm-up probe's reset and {report.get('steps', 0)} step(s) took {report.get('seconds', 0.0):.2f} s "
-              f"and imported {len(modules)} module(s)" + (f" ({', '.join(names[:8])}{', ...' if len(names) > 8 else ''})"
-                                                         if names else ""))
+    detail = (
+        f"the warm-up probe's reset and {report.get('steps', 0)} step(s) took {report.get('seconds', 0.0):.2f} s "
+        f"and imported {len(modules)} module(s)"
+        + (f" ({', '.join(names[:8])}{', ...' if len(names) > 8 else ''})" if names else "")
+    )
     if grown is not None:
         detail += f", writing {_mib(grown)} of private memory"
     if preload:
@@ -442,8 +499,12 @@ def _probe(report: dict):
     detail += f"; the template imported {len(report.get('imported') or [])} before forking"
     if failed:
         first = next(iter(failed.items()))
-        yield Finding("memory", WARN, detail + f"; {len(failed)} import(s) failed in the template, e.g. {first[0]}: "
-                      f"{_last_line(first[1])}", "make the module importable in the template, or drop it from preload=")
+        yield Finding(
+            "memory",
+            WARN,
+            detail + f"; {len(failed)} import(s) failed in the template, e.g. {first[0]}: {_last_line(first[1])}",
+            "make the module importable in the template, or drop it from preload=",
+        )
     elif grown is not None and grown > PRELOAD_HINT and names and not set(names) <= set(preload):
         yield Finding("memory", OK, detail, _preload_fix(names, "says so explicitly (and keeps it with warmup=False)"))
     else:

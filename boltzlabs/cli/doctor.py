@@ -43,8 +43,10 @@ __all__ = ["Finding", "run_checks", "OK", "WARN", "FAIL"]
 OK, WARN, FAIL = "ok", "warn", "fail"
 MIN_BWRAP = (0, 5, 0)  # --size
 _PACKAGES = ("msgpack", "numpy", "psutil", "tqdm")
-_OPTIONAL = {"gymnasium": "gym:// sources: pip install 'boltzlabs[gym]'",
-             "matplotlib": "boltzlabs bench --plot: pip install 'boltzlabs[plot]'"}
+_OPTIONAL = {
+    "gymnasium": "gym:// sources: pip install 'boltzlabs[gym]'",
+    "matplotlib": "boltzlabs bench --plot: pip install 'boltzlabs[plot]'",
+}
 _PROBE_ENV = """\
 from boltzlabs.runtime.serve import serve
 
@@ -71,11 +73,17 @@ def run_checks(n: int = 1000) -> list[Finding]:
     """Every host check, in order; `n` is the pool size the fd check plans for."""
     findings = []
     bwrap = shutil.which("bwrap")
-    checks = (("bwrap", lambda: _bwrap(bwrap)), ("user namespaces", _userns), ("seccomp", _seccomp),
-              ("sandbox", lambda: _sandbox(bwrap)),
-              ("cgroup version", _cgroup_version), ("cgroups", _cgroups),
-              ("memory cgroup bookkeeping", lambda: _memory_cgroup_bookkeeping(n)),
-              ("fd limit", lambda: _fd_limit(n)), ("versions", _versions))
+    checks = (
+        ("bwrap", lambda: _bwrap(bwrap)),
+        ("user namespaces", _userns),
+        ("seccomp", _seccomp),
+        ("sandbox", lambda: _sandbox(bwrap)),
+        ("cgroup version", _cgroup_version),
+        ("cgroups", _cgroups),
+        ("memory cgroup bookkeeping", lambda: _memory_cgroup_bookkeeping(n)),
+        ("fd limit", lambda: _fd_limit(n)),
+        ("versions", _versions),
+    )
     for name, check in checks:
         try:
             findings.extend(check())
@@ -89,29 +97,52 @@ def run_checks(n: int = 1000) -> list[Finding]:
 
 def _bwrap(bwrap: str | None) -> list[Finding]:
     if bwrap is None:
-        return [Finding("bwrap", FAIL, "bubblewrap (bwrap) is not on PATH; every env runs inside it",
-                        "sudo apt-get install -y bubblewrap   # Fedora: sudo dnf install bubblewrap")]
+        return [
+            Finding(
+                "bwrap",
+                FAIL,
+                "bubblewrap (bwrap) is not on PATH; every env runs inside it",
+                "sudo apt-get install -y bubblewrap   # Fedora: sudo dnf install bubblewrap",
+            )
+        ]
     out = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=10)
     match = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", out.stdout)
     version = tuple(int(x or 0) for x in match.groups()) if match else None
     text = ".".join(map(str, version)) if version else f"unknown ({out.stdout.strip() or out.stderr.strip()})"
     findings = []
     if version is None or version < MIN_BWRAP:
-        findings.append(Finding("bwrap version", FAIL, f"{bwrap} is version {text}; boltzlabs needs >= 0.5 "
-                                "(--size caps each workspace)", "sudo apt-get install -y --only-upgrade bubblewrap"))
+        findings.append(
+            Finding(
+                "bwrap version",
+                FAIL,
+                f"{bwrap} is version {text}; boltzlabs needs >= 0.5 (--size caps each workspace)",
+                "sudo apt-get install -y --only-upgrade bubblewrap",
+            )
+        )
     else:
         findings.append(Finding("bwrap version", OK, f"{bwrap}: bubblewrap {text}"))
     setuid = bool(os.stat(bwrap).st_mode & stat.S_ISUID)
     if not setuid:
         findings.append(Finding("bwrap mode", OK, "not setuid: sandboxes are built from user namespaces"))
     elif os.geteuid() == 0:
-        findings.append(Finding("bwrap mode", WARN, "setuid root; run by root it behaves as unprivileged bwrap, "
-                                "but any other user gets setuid mode, which refuses --size",
-                                f"sudo chmod u-s {bwrap}   # once user namespaces are allowed (below)"))
+        findings.append(
+            Finding(
+                "bwrap mode",
+                WARN,
+                "setuid root; run by root it behaves as unprivileged bwrap, "
+                "but any other user gets setuid mode, which refuses --size",
+                f"sudo chmod u-s {bwrap}   # once user namespaces are allowed (below)",
+            )
+        )
     else:
-        findings.append(Finding("bwrap mode", FAIL, "setuid root: in setuid mode bwrap refuses --size, which the "
-                                "policy uses to cap each workspace", f"sudo chmod u-s {bwrap}   # and allow "
-                                "unprivileged user namespaces (below)"))
+        findings.append(
+            Finding(
+                "bwrap mode",
+                FAIL,
+                "setuid root: in setuid mode bwrap refuses --size, which the policy uses to cap each workspace",
+                f"sudo chmod u-s {bwrap}   # and allow unprivileged user namespaces (below)",
+            )
+        )
     return findings
 
 
@@ -126,8 +157,7 @@ def _sysctl(name: str) -> str | None:
 
 
 def _persist(name: str, value) -> str:
-    return (f"sudo sysctl -w {name}={value} && "
-            f"echo '{name} = {value}' | sudo tee /etc/sysctl.d/60-boltzlabs.conf")
+    return f"sudo sysctl -w {name}={value} && echo '{name} = {value}' | sudo tee /etc/sysctl.d/60-boltzlabs.conf"
 
 
 def _seccomp() -> list[Finding]:
@@ -139,8 +169,14 @@ def _seccomp() -> list[Finding]:
         filters = seccomp.compile_rules(load_policy().seccomp)
     except SandboxUnavailable as exc:
         return [Finding("seccomp", FAIL, str(exc), "sudo apt-get install -y libseccomp2 && pip install pyseccomp")]
-    return [Finding("seccomp", OK, f"sandbox/seccomp.toml compiles: {len(filters.env) // 8} BPF instructions "
-                                   f"for envs, {len(filters.template) // 8} for the template")]
+    return [
+        Finding(
+            "seccomp",
+            OK,
+            f"sandbox/seccomp.toml compiles: {len(filters.env) // 8} BPF instructions "
+            f"for envs, {len(filters.template) // 8} for the template",
+        )
+    ]
 
 
 def _userns() -> list[Finding]:
@@ -148,19 +184,35 @@ def _userns() -> list[Finding]:
     findings = []
     limit = _sysctl("user.max_user_namespaces")
     if limit is None:
-        findings.append(Finding("user namespaces", FAIL, "this kernel has no user namespaces "
-                                "(/proc/sys/user/max_user_namespaces is missing)",
-                                "use a kernel built with CONFIG_USER_NS=y"))
+        findings.append(
+            Finding(
+                "user namespaces",
+                FAIL,
+                "this kernel has no user namespaces (/proc/sys/user/max_user_namespaces is missing)",
+                "use a kernel built with CONFIG_USER_NS=y",
+            )
+        )
     elif int(limit) == 0:
-        findings.append(Finding("user namespaces", FAIL, "user.max_user_namespaces is 0: no user namespace can "
-                                "be made, and every sandbox needs one", _persist("user.max_user_namespaces", 65536)))
+        findings.append(
+            Finding(
+                "user namespaces",
+                FAIL,
+                "user.max_user_namespaces is 0: no user namespace can be made, and every sandbox needs one",
+                _persist("user.max_user_namespaces", 65536),
+            )
+        )
     else:
         findings.append(Finding("user namespaces", OK, f"user.max_user_namespaces = {limit}"))
     # Neither of these two gates applies to root; both stop an ordinary user.
-    gates = (("kernel.unprivileged_userns_clone", "0", "1",
-              "Debian's switch for unprivileged user namespaces is off"),
-             ("kernel.apparmor_restrict_unprivileged_userns", "1", "0",
-              "AppArmor (Ubuntu 23.10+) forbids unprivileged user namespaces to programs without a profile"))
+    gates = (
+        ("kernel.unprivileged_userns_clone", "0", "1", "Debian's switch for unprivileged user namespaces is off"),
+        (
+            "kernel.apparmor_restrict_unprivileged_userns",
+            "1",
+            "0",
+            "AppArmor (Ubuntu 23.10+) forbids unprivileged user namespaces to programs without a profile",
+        ),
+    )
     for name, bad, good, why in gates:
         value = _sysctl(name)
         if value is None:
@@ -171,9 +223,14 @@ def _userns() -> list[Finding]:
         fix = _persist(name, good)
         if name.startswith("kernel.apparmor"):
             fix += "   # or give bwrap an AppArmor profile that allows userns"
-        findings.append(Finding(name, WARN if root else FAIL,
-                                f"{name} = {value}: {why}" + ("; root is exempt, other users are not" if root else ""),
-                                fix))
+        findings.append(
+            Finding(
+                name,
+                WARN if root else FAIL,
+                f"{name} = {value}: {why}" + ("; root is exempt, other users are not" if root else ""),
+                fix,
+            )
+        )
     return findings
 
 
@@ -211,12 +268,20 @@ def _sandbox(bwrap: str | None) -> list[Finding]:
             with contextlib.ExitStack() as stack:
                 # The policy's command line reads its filters from FILTER_FD and
                 # CHILD_FILTER_FD; here they are wherever program_fd put them.
-                fds = {target: stack.enter_context(seccomp.program_fd(program))
-                       for target, program in spec.programs().items()}
+                fds = {
+                    target: stack.enter_context(seccomp.program_fd(program))
+                    for target, program in spec.programs().items()
+                }
                 argv[argv.index("--seccomp") + 1] = str(fds[abi.FILTER_FD])
                 argv[argv.index(abi.CHILD_FILTER_VARIABLE) + 1] = str(fds[abi.CHILD_FILTER_FD])
-                out = subprocess.run(argv, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
-                                     pass_fds=list(fds.values()))
+                out = subprocess.run(
+                    argv,
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                    stdin=subprocess.DEVNULL,
+                    pass_fds=list(fds.values()),
+                )
             said = (out.stderr.strip() or out.stdout.strip())[-2000:]
             ok = out.returncode == 0 and marker in out.stdout
         except subprocess.TimeoutExpired:
@@ -225,10 +290,16 @@ def _sandbox(bwrap: str | None) -> list[Finding]:
             findings.append(Finding("bwrap sandbox", OK, "bwrap runs Python under boltzlabs' policy"))
         else:
             code = f"exit code {out.returncode}: " if out is not None else ""
-            findings.append(Finding("bwrap sandbox", FAIL, f"bwrap could not run Python under boltzlabs' policy "
-                                    f"({code}{said or 'no output'})",
-                                    "fix the user-namespace and bwrap findings above; then run: "
-                                    + " ".join(argv[:1]) + " --unshare-user --ro-bind / / true"))
+            findings.append(
+                Finding(
+                    "bwrap sandbox",
+                    FAIL,
+                    f"bwrap could not run Python under boltzlabs' policy ({code}{said or 'no output'})",
+                    "fix the user-namespace and bwrap findings above; then run: "
+                    + " ".join(argv[:1])
+                    + " --unshare-user --ro-bind / / true",
+                )
+            )
             return findings
         findings.extend(_pool(_env_dir(root, "serving", _PROBE_ENV)))
     finally:
@@ -255,8 +326,14 @@ def _pool(env_dir: Path) -> list[Finding]:
                     used = pool.spawn
             seconds = time.perf_counter() - started
         except Exception as exc:
-            findings.append(Finding(name, FAIL, f"a pool of one env failed: {type(exc).__name__}: {exc}",
-                                    "fix the findings above; the message says what failed"))
+            findings.append(
+                Finding(
+                    name,
+                    FAIL,
+                    f"a pool of one env failed: {type(exc).__name__}: {exc}",
+                    "fix the findings above; the message says what failed",
+                )
+            )
             continue
         if infos[0].get("error"):
             findings.append(Finding(name, FAIL, f"the env's step failed: {infos[0]['error']}"))
@@ -286,19 +363,33 @@ def _cgroup_version() -> list[Finding]:
     pools = version()
     if v1 and pools != "v2":
         hybrid = f"; cgroup2 is also mounted at {', '.join(v2)} (hybrid)" if v2 else ""
-        controllers = sorted({o for _, options in v1 for o in options if o not in ("rw", "ro")
-                              and not o.startswith("name=")})
+        controllers = sorted(
+            {o for _, options in v1 for o in options if o not in ("rw", "ro") and not o.startswith("name=")}
+        )
         return [Finding("cgroup version", OK, f"cgroup v1 (controllers: {', '.join(controllers)}){hybrid}")]
     if v2:
         findings = [Finding("cgroup version", OK, f"cgroup v2 (unified, at {v2[0]})")]
         start = _v2_start(_own_cgroups(), _mounts())
         if start is not None and systemd_delegated(start) is False:
-            findings.append(Finding("systemd delegation", WARN, f"this process's cgroup {start} is systemd's and "
-                                    "was not delegated (no Delegate=yes): root may make the pool's cgroups there, "
-                                    "but systemd may move its processes or remove those cgroups", delegation_fix()))
+            findings.append(
+                Finding(
+                    "systemd delegation",
+                    WARN,
+                    f"this process's cgroup {start} is systemd's and "
+                    "was not delegated (no Delegate=yes): root may make the pool's cgroups there, "
+                    "but systemd may move its processes or remove those cgroups",
+                    delegation_fix(),
+                )
+            )
         return findings
-    return [Finding("cgroup version", WARN, "no cgroup filesystem is mounted: no memory accounting or limits",
-                    "sudo mount -t cgroup2 none /sys/fs/cgroup")]
+    return [
+        Finding(
+            "cgroup version",
+            WARN,
+            "no cgroup filesystem is mounted: no memory accounting or limits",
+            "sudo mount -t cgroup2 none /sys/fs/cgroup",
+        )
+    ]
 
 
 # The trial env's limits: a few tasks, so that its forks run into pids.max.
@@ -332,27 +423,48 @@ def _cgroups() -> list[Finding]:
         pool = CgroupPool(_TRIAL_MEMORY, _TRIAL_PIDS, freezer=True, pool_pids=_TRIAL_POOL_PIDS)
     except CgroupUnavailable as exc:
         fix = ("run the worker as root, or " + delegation_fix()) if os.geteuid() != 0 else delegation_fix()
-        return [Finding("memory cgroup", WARN, f"no usable memory cgroup ({exc}): envs_per_gb() falls back to PSS "
-                        "and memory_limit is refused", fix),
-                Finding("pids cgroup", WARN, "not tried (no pool cgroup): the per-env pids limit and the pool's "
-                        "(limits.pids, limits.pool_pids) are not enforced, so a fork bomb is not bounded", fix),
-                Finding("freezer cgroup", WARN, "not tried (no pool cgroup): serialize_measurement cannot freeze "
-                        "envs outside their turn", fix)]
+        return [
+            Finding(
+                "memory cgroup",
+                WARN,
+                f"no usable memory cgroup ({exc}): envs_per_gb() falls back to PSS and memory_limit is refused",
+                fix,
+            ),
+            Finding(
+                "pids cgroup",
+                WARN,
+                "not tried (no pool cgroup): the per-env pids limit and the pool's "
+                "(limits.pids, limits.pool_pids) are not enforced, so a fork bomb is not bounded",
+                fix,
+            ),
+            Finding(
+                "freezer cgroup",
+                WARN,
+                "not tried (no pool cgroup): serialize_measurement cannot freeze envs outside their turn",
+                fix,
+            ),
+        ]
     findings, child = [], None
     deadline = time.monotonic() + 10
     try:
         view = PoolView(pool.paths)
-        where = f"cgroup {pool.version}, pool cgroup {pool.path}" + (f"; {pool.backend.note}" if pool.backend.note
-                                                                      else "")
+        where = f"cgroup {pool.version}, pool cgroup {pool.path}" + (
+            f"; {pool.backend.note}" if pool.backend.note else ""
+        )
         # The child joins the trial env's cgroup(s) itself: moving this process
         # there for the fork would move all its threads (a Ray actor has dozens),
         # past the trial's pids limit, and the fork would fail.
         procs = [str(path) for path in pool.procs_files(0)]
-        child = subprocess.Popen([sys.executable, "-S", "-c", _TRIAL_CHILD, *procs], stdin=subprocess.DEVNULL,
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        child = subprocess.Popen(
+            [sys.executable, "-S", "-c", _TRIAL_CHILD, *procs],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
         def settled():  # in the trial cgroup, charged, and (with a pids limit) refused a fork
-            return (child.pid in view.procs(0) and pool.usage(0) > 0
-                    and (not pool.limits_pids or view.pids_refused(0)))
+            return child.pid in view.procs(0) and pool.usage(0) > 0 and (not pool.limits_pids or view.pids_refused(0))
+
         while time.monotonic() < deadline and child.poll() is None and not settled():
             time.sleep(0.02)
         findings.append(_memory_trial(pool, view, where))
@@ -364,52 +476,95 @@ def _cgroups() -> list[Finding]:
             child.wait()
         removed = pool.close(time.monotonic() + 5)
     if not removed:
-        findings.append(Finding("memory cgroup", WARN, f"made trial cgroups under {pool.path} but could not remove "
-                                "them", f"sudo rmdir {pool.path}/* {pool.path}"))
+        findings.append(
+            Finding(
+                "memory cgroup",
+                WARN,
+                f"made trial cgroups under {pool.path} but could not remove them",
+                f"sudo rmdir {pool.path}/* {pool.path}",
+            )
+        )
     return findings
 
 
 def _memory_trial(pool, view, where: str) -> Finding:
     limit, swap, used = view.memory_limit(0), view.swap_limit(0), pool.usage(0)
     if limit != _TRIAL_MEMORY or swap != 0 or used <= 0:
-        return Finding("memory cgroup", WARN, f"a trial env cgroup's memory limit reads {limit} (asked "
-                       f"{_TRIAL_MEMORY}), its swap {swap} (asked 0), its usage {used}: memory_limit or per-env "
-                       f"accounting is not what the pool asks ({where})", "")
-    return Finding("memory cgroup", OK, f"a trial env cgroup took a {_TRIAL_MEMORY >> 20} MiB limit with swap off "
-                   f"and charged its process {used >> 10} KiB: per-env accounting and memory_limit work ({where})")
+        return Finding(
+            "memory cgroup",
+            WARN,
+            f"a trial env cgroup's memory limit reads {limit} (asked "
+            f"{_TRIAL_MEMORY}), its swap {swap} (asked 0), its usage {used}: memory_limit or per-env "
+            f"accounting is not what the pool asks ({where})",
+            "",
+        )
+    return Finding(
+        "memory cgroup",
+        OK,
+        f"a trial env cgroup took a {_TRIAL_MEMORY >> 20} MiB limit with swap off "
+        f"and charged its process {used >> 10} KiB: per-env accounting and memory_limit work ({where})",
+    )
 
 
 def _pids_trial(pool, view) -> Finding:
-    fix = ("cgroup v2: give the worker's cgroup the pids controller (systemd: Delegate=yes gives it; by hand: "
-           "echo +pids > <the cgroup above>/cgroup.subtree_control)")
+    fix = (
+        "cgroup v2: give the worker's cgroup the pids controller (systemd: Delegate=yes gives it; by hand: "
+        "echo +pids > <the cgroup above>/cgroup.subtree_control)"
+    )
     if not pool.limits_pids:
-        return Finding("pids cgroup", WARN, "no writable pids controller: the per-env pids limit and the pool's "
-                       "(limits.pids, limits.pool_pids) are not enforced, so a fork bomb is not bounded", fix)
+        return Finding(
+            "pids cgroup",
+            WARN,
+            "no writable pids controller: the per-env pids limit and the pool's "
+            "(limits.pids, limits.pool_pids) are not enforced, so a fork bomb is not bounded",
+            fix,
+        )
     refused, tasks, cap = view.pids_refused(0), view.pids_current(0), view.pids_limit()
     if not refused or tasks > _TRIAL_PIDS or cap != _TRIAL_POOL_PIDS:
-        return Finding("pids cgroup", WARN, f"a trial env cgroup with pids.max {_TRIAL_PIDS} holds {tasks} tasks "
-                       f"after {refused} refused fork(s), and the pool's cap reads {cap} (asked {_TRIAL_POOL_PIDS}): "
-                       "the pids limits are not enforced as the pool asks", fix)
-    return Finding("pids cgroup", OK, f"a trial env cgroup with pids.max {_TRIAL_PIDS} refused {refused} fork(s) "
-                   f"past it, and the pool's cgroup took its cap (limits.pool_pids): fork bombs are bounded per env "
-                   "and per pool")
+        return Finding(
+            "pids cgroup",
+            WARN,
+            f"a trial env cgroup with pids.max {_TRIAL_PIDS} holds {tasks} tasks "
+            f"after {refused} refused fork(s), and the pool's cap reads {cap} (asked {_TRIAL_POOL_PIDS}): "
+            "the pids limits are not enforced as the pool asks",
+            fix,
+        )
+    return Finding(
+        "pids cgroup",
+        OK,
+        f"a trial env cgroup with pids.max {_TRIAL_PIDS} refused {refused} fork(s) "
+        f"past it, and the pool's cgroup took its cap (limits.pool_pids): fork bombs are bounded per env "
+        "and per pool",
+    )
 
 
 def _freezer_trial(pool, deadline: float) -> Finding:
     if not pool.freezes:
-        return Finding("freezer cgroup", WARN, f"no freezer ({pool.freezer_note}): serialize_measurement cannot "
-                       "freeze envs outside their turn", "cgroup v1: mount the freezer hierarchy and run the worker "
-                       "as root; cgroup v2 (kernel 5.2+) has it in every cgroup")
+        return Finding(
+            "freezer cgroup",
+            WARN,
+            f"no freezer ({pool.freezer_note}): serialize_measurement cannot freeze envs outside their turn",
+            "cgroup v1: mount the freezer hierarchy and run the worker "
+            "as root; cgroup v2 (kernel 5.2+) has it in every cgroup",
+        )
     pool.freeze(0)
     while time.monotonic() < deadline and not pool.frozen(0):
         time.sleep(0.01)
     frozen = pool.frozen(0)
     pool.thaw(0)
     if not frozen:
-        return Finding("freezer cgroup", WARN, "a trial env cgroup did not freeze within 10 s: serialize_measurement "
-                       "cannot rely on freezing envs outside their turn", "")
-    return Finding("freezer cgroup", OK, "froze and thawed a trial env cgroup's processes: serialize_measurement "
-                   "freezes envs outside their turn")
+        return Finding(
+            "freezer cgroup",
+            WARN,
+            "a trial env cgroup did not freeze within 10 s: serialize_measurement "
+            "cannot rely on freezing envs outside their turn",
+            "",
+        )
+    return Finding(
+        "freezer cgroup",
+        OK,
+        "froze and thawed a trial env cgroup's processes: serialize_measurement freezes envs outside their turn",
+    )
 
 
 def _unreclaimable_kib() -> int:
@@ -454,14 +609,22 @@ def _memory_cgroup_bookkeeping(n: int, probes: int = 64) -> list[Finding]:
     finally:
         pool.close(time.monotonic() + 10)
     per_group = sorted(rounds)[1]
-    detail = (f"each memory cgroup made now costs ~{per_group:.0f} KiB of kernel memory that no cgroup is "
-              f"charged for (the kernel's shrinker table); a pool with a memory cgroup per env (a per-env "
-              f"memory limit, or cgroup v2) adds that per env on top of "
-              f"envs_per_gb()'s figure (~{per_group * n / 1024:.0f} MiB at n={n}), and it grows with the "
-              "number of filesystems mounted since boot (each env's sandbox mounts at least two)")
+    detail = (
+        f"each memory cgroup made now costs ~{per_group:.0f} KiB of kernel memory that no cgroup is "
+        f"charged for (the kernel's shrinker table); a pool with a memory cgroup per env (a per-env "
+        f"memory limit, or cgroup v2) adds that per env on top of "
+        f"envs_per_gb()'s figure (~{per_group * n / 1024:.0f} MiB at n={n}), and it grows with the "
+        "number of filesystems mounted since boot (each env's sandbox mounts at least two)"
+    )
     if per_group > _BOOKKEEPING_WARN_KIB:
-        return [Finding("memory cgroup bookkeeping", WARN, detail + ": a past run with many mounts raised it, "
-                        "and only a reboot lowers it", "reboot the host before sizing pools by envs_per_gb()")]
+        return [
+            Finding(
+                "memory cgroup bookkeeping",
+                WARN,
+                detail + ": a past run with many mounts raised it, and only a reboot lowers it",
+                "reboot the host before sizing pools by envs_per_gb()",
+            )
+        ]
     return [Finding("memory cgroup bookkeeping", OK, detail)]
 
 
@@ -476,20 +639,37 @@ def _fd_limit(n: int) -> list[Finding]:
     nr_open = int(_sysctl("fs.nr_open") or 0)
     show = lambda v: "unlimited" if v == resource.RLIM_INFINITY else str(v)  # noqa: E731
     most = lambda limit: "any number of" if limit == resource.RLIM_INFINITY else str(envs_within(limit))  # noqa: E731
-    detail = (f"open files: soft {show(soft)}, hard {show(hard)}; a pool of {n} envs needs ~{want} "
-              f"({FDS_PER_ENV[PIPES]} per env + {FD_SLACK}; {FDS_PER_ENV[SOCKETPAIR]} per env on the "
-              f"socketpair channel a worker falls back to, ~{fds_needed(n, SOCKETPAIR)})")
+    detail = (
+        f"open files: soft {show(soft)}, hard {show(hard)}; a pool of {n} envs needs ~{want} "
+        f"({FDS_PER_ENV[PIPES]} per env + {FD_SLACK}; {FDS_PER_ENV[SOCKETPAIR]} per env on the "
+        f"socketpair channel a worker falls back to, ~{fds_needed(n, SOCKETPAIR)})"
+    )
     if hard == resource.RLIM_INFINITY or hard >= want:
-        return [Finding("fd limit", OK, detail + f"; the worker raises its soft limit itself "
-                        f"(room for {most(hard)} envs)")]
+        return [
+            Finding("fd limit", OK, detail + f"; the worker raises its soft limit itself (room for {most(hard)} envs)")
+        ]
     if os.geteuid() == 0 and nr_open >= want:
-        return [Finding("fd limit", OK, detail + f"; as root the worker raises the hard limit itself "
-                        f"(fs.nr_open = {nr_open}: room for {most(nr_open)} envs)")]
+        return [
+            Finding(
+                "fd limit",
+                OK,
+                detail + f"; as root the worker raises the hard limit itself "
+                f"(fs.nr_open = {nr_open}: room for {most(nr_open)} envs)",
+            )
+        ]
     if hard != resource.RLIM_INFINITY and fds_needed(n, SOCKETPAIR) <= hard < want:
-        return [Finding("fd limit", OK, detail + f"; this hard limit holds them on socketpairs (room for "
-                        f"{most(hard)} envs), which cost the worker more CPU per step than pipes")]
-    fix = (f"ulimit -Hn {want} && ulimit -n {want}   # as root; for a service: LimitNOFILE={want}; "
-           f"persist in /etc/security/limits.conf: '* hard nofile {want}'")
+        return [
+            Finding(
+                "fd limit",
+                OK,
+                detail + f"; this hard limit holds them on socketpairs (room for "
+                f"{most(hard)} envs), which cost the worker more CPU per step than pipes",
+            )
+        ]
+    fix = (
+        f"ulimit -Hn {want} && ulimit -n {want}   # as root; for a service: LimitNOFILE={want}; "
+        f"persist in /etc/security/limits.conf: '* hard nofile {want}'"
+    )
     if nr_open and want > nr_open:  # no process may have more than fs.nr_open
         fix = f"sudo sysctl -w fs.nr_open={want} && " + fix
     return [Finding("fd limit", FAIL, detail + f"; this hard limit allows {most(hard)} envs", fix)]
@@ -509,10 +689,15 @@ def _versions() -> list[Finding]:
     import boltzlabs
 
     python = platform.python_version()
-    findings = [Finding("python", OK if sys.version_info >= (3, 11) else FAIL,
-                        f"Python {python} ({sys.executable})",
-                        "" if sys.version_info >= (3, 11) else "install Python >= 3.11"),
-                Finding("kernel", OK, f"Linux {platform.release()} ({platform.machine()})")]
+    findings = [
+        Finding(
+            "python",
+            OK if sys.version_info >= (3, 11) else FAIL,
+            f"Python {python} ({sys.executable})",
+            "" if sys.version_info >= (3, 11) else "install Python >= 3.11",
+        ),
+        Finding("kernel", OK, f"Linux {platform.release()} ({platform.machine()})"),
+    ]
     versions = [f"boltzlabs {boltzlabs.__version__}"]
     missing = []
     for name in _PACKAGES:
@@ -520,10 +705,19 @@ def _versions() -> list[Finding]:
         versions.append(f"{name} {version}" if version else f"{name} MISSING")
         if version is None:
             missing.append(name)
-    findings.append(Finding("packages", FAIL if missing else OK, ", ".join(versions),
-                            f"pip install {' '.join(missing)}" if missing else ""))
+    findings.append(
+        Finding(
+            "packages",
+            FAIL if missing else OK,
+            ", ".join(versions),
+            f"pip install {' '.join(missing)}" if missing else "",
+        )
+    )
     for name, why in _OPTIONAL.items():
         version = _version(name)
-        findings.append(Finding(name, OK, f"{name} {version}") if version else
-                        Finding(name, WARN, f"{name} is not installed (optional)", why.split(": ", 1)[1]))
+        findings.append(
+            Finding(name, OK, f"{name} {version}")
+            if version
+            else Finding(name, WARN, f"{name} is not installed (optional)", why.split(": ", 1)[1])
+        )
     return findings

@@ -44,9 +44,19 @@ class SandboxSpec:
     current user with no staging (as a description of the policy).
     """
 
-    def __init__(self, policy: Policy, source_dir: str | Path, workspace_size: int | None = None,
-                 params: dict[str, Any] | None = None, account: HostAccount | None = None, limits: dict[str, Any] | None = None,
-                 *, env_fns: str | None = None, import_roots: Any=(), env_vars: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        policy: Policy,
+        source_dir: str | Path,
+        workspace_size: int | None = None,
+        params: dict[str, Any] | None = None,
+        account: HostAccount | None = None,
+        limits: dict[str, Any] | None = None,
+        *,
+        env_fns: str | None = None,
+        import_roots: Any = (),
+        env_vars: dict[str, Any] | None = None,
+    ) -> None:
         self.account = account
         # RLPool(source, n, **params), read in the env by boltzlabs.env.params().
         self.params_json = json.dumps(params or {}, sort_keys=True)
@@ -57,8 +67,16 @@ class SandboxSpec:
                 account.check_readable(str(self.source_dir / "env.py"), "the env's code", 4)
         # The pool's env_fns file, what the trainer imports from elsewhere, its
         # own variables: mounts and environment, compiled with the rest (plan.compile_plan).
-        self.plan = compile_plan(policy, self.source_dir, workspace_size, limits, account, env_fns=env_fns,
-                                 import_roots=import_roots, env_vars=env_vars)
+        self.plan = compile_plan(
+            policy,
+            self.source_dir,
+            workspace_size,
+            limits,
+            account,
+            env_fns=env_fns,
+            import_roots=import_roots,
+            env_vars=env_vars,
+        )
         self._child_text = self.plan.child_text()
         bwrap = find_bwrap()
         self._head = self._build_head(bwrap, template=False)
@@ -137,8 +155,9 @@ class SandboxSpec:
         loads the env's full filter from CHILD_FILTER_FD."""
         return {abi.FILTER_FD: self.plan.filters.template, abi.CHILD_FILTER_FD: self.plan.filters.env}
 
-    def template_argv(self, channel_fds: tuple[Any, ...], open_files: int = 0, trusted: bool = False,
-                      namespaces: int = 1) -> list[str]:
+    def template_argv(
+        self, channel_fds: tuple[Any, ...], open_files: int = 0, trusted: bool = False, namespaces: int = 1
+    ) -> list[str]:
         """The command line of the warm template (spawn="template"). Its plan
         (Plan.template_text) carries each child's set-up and rlimits, the
         template's own rlimits (room for `open_files`: it holds a pipe for
@@ -148,11 +167,21 @@ class SandboxSpec:
         make of each namespace kind together."""
         plan = self.plan
         return self._template_head + [
-            "--setenv", abi.FD_VARIABLE, ",".join(map(str, channel_fds)),
-            "--setenv", confine.VARIABLE, plan.template_text(open_files, trusted, namespaces),
-            "--setenv", abi.CHILD_FILTER_VARIABLE, str(abi.CHILD_FILTER_FD),
-            "--", plan.executable, *plan.interpreter_flags,
-            "-c", template.BOOTSTRAP, f"{plan.env_dir}/env.py",
+            "--setenv",
+            abi.FD_VARIABLE,
+            ",".join(map(str, channel_fds)),
+            "--setenv",
+            confine.VARIABLE,
+            plan.template_text(open_files, trusted, namespaces),
+            "--setenv",
+            abi.CHILD_FILTER_VARIABLE,
+            str(abi.CHILD_FILTER_FD),
+            "--",
+            plan.executable,
+            *plan.interpreter_flags,
+            "-c",
+            template.BOOTSTRAP,
+            f"{plan.env_dir}/env.py",
         ]
 
     def argv(self, channel_fds: tuple[Any, ...], env_index: int) -> list[str]:
@@ -162,9 +191,22 @@ class SandboxSpec:
         rlimits, finishes the sandbox, then runs env.py."""
         plan = self.plan
         return self._head + [
-            "--setenv", confine.VARIABLE, self._child_text,
-            "--setenv", abi.CHILD_FILTER_VARIABLE, str(abi.CHILD_FILTER_FD),
-            "--setenv", abi.FD_VARIABLE, ",".join(map(str, channel_fds)),
-            "--setenv", abi.ENV_INDEX_VARIABLE, str(env_index),
-            "--", plan.executable, *plan.interpreter_flags, "-c", confine.BOOTSTRAP, f"{plan.env_dir}/env.py",
+            "--setenv",
+            confine.VARIABLE,
+            self._child_text,
+            "--setenv",
+            abi.CHILD_FILTER_VARIABLE,
+            str(abi.CHILD_FILTER_FD),
+            "--setenv",
+            abi.FD_VARIABLE,
+            ",".join(map(str, channel_fds)),
+            "--setenv",
+            abi.ENV_INDEX_VARIABLE,
+            str(env_index),
+            "--",
+            plan.executable,
+            *plan.interpreter_flags,
+            "-c",
+            confine.BOOTSTRAP,
+            f"{plan.env_dir}/env.py",
         ]

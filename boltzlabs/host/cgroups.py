@@ -302,7 +302,8 @@ class _V2(_Backend):
             raise CgroupUnavailable(
                 f"cgroup v2: the worker's cgroup {start} has no memory controller (cgroup.controllers: "
                 f"{' '.join(controllers) or 'none'}): the cgroup above it does not pass memory down. "
-                + delegation_fix())
+                + delegation_fix()
+            )
         if not (start / "cgroup.type").exists():
             # The root cgroup (it alone has no cgroup.type) may hold processes and
             # enable controllers at once: pools go straight in it.
@@ -313,21 +314,26 @@ class _V2(_Backend):
         parent = start.parent
         if start.name == LEAF and "memory" in _words(parent / "cgroup.subtree_control"):
             if not _writable(parent):
-                raise CgroupUnavailable(f"cgroup v2: this worker started in the leaf {start}, but the cgroup "
-                                        f"above it, {parent}, is not writable by uid {os.geteuid()}. "
-                                        + delegation_fix())
+                raise CgroupUnavailable(
+                    f"cgroup v2: this worker started in the leaf {start}, but the cgroup "
+                    f"above it, {parent}, is not writable by uid {os.geteuid()}. " + delegation_fix()
+                )
             # A room made by another worker of ours: share it; the last pool out undoes it.
             self.home, self.leaf = parent, start
             self.enabled = [c for c in NEEDED if c in _words(parent / "cgroup.subtree_control")]
             self.note = f"pools in {parent}, beside the leaf {start} another worker made"
             return
         if "memory" in subtree:
-            raise CgroupUnavailable(f"cgroup v2: {start} already passes memory to its children, so no process "
-                                    "may be in it, yet this worker is (a threaded cgroup?). " + delegation_fix())
+            raise CgroupUnavailable(
+                f"cgroup v2: {start} already passes memory to its children, so no process "
+                "may be in it, yet this worker is (a threaded cgroup?). " + delegation_fix()
+            )
         if not _writable(start):
-            raise CgroupUnavailable(f"cgroup v2: the worker's cgroup {start} is not delegated to uid "
-                                    f"{os.geteuid()} (its cgroup.procs, cgroup.subtree_control or the "
-                                    "directory is not writable). " + delegation_fix())
+            raise CgroupUnavailable(
+                f"cgroup v2: the worker's cgroup {start} is not delegated to uid "
+                f"{os.geteuid()} (its cgroup.procs, cgroup.subtree_control or the "
+                "directory is not writable). " + delegation_fix()
+            )
         self._refuse_foreign(start)  # before anything changes
         leaf = start / LEAF
         try:
@@ -343,13 +349,17 @@ class _V2(_Backend):
                 if self._enable(start, [c for c in NEEDED if c in controllers]):
                     break
             else:
-                raise CgroupUnavailable(f"cgroup v2: {start} would not pass memory to its children: new "
-                                        "processes kept appearing in it (EBUSY). " + delegation_fix())
+                raise CgroupUnavailable(
+                    f"cgroup v2: {start} would not pass memory to its children: new "
+                    "processes kept appearing in it (EBUSY). " + delegation_fix()
+                )
         except BaseException:
             self.release()
             raise
-        self.note = (f"pools in {start}; the {len(self.moved)} process(es) of the worker's tree that were in it, "
-                     f"the worker among them, moved to the leaf {leaf} (the no-internal-processes rule)")
+        self.note = (
+            f"pools in {start}; the {len(self.moved)} process(es) of the worker's tree that were in it, "
+            f"the worker among them, moved to the leaf {leaf} (the no-internal-processes rule)"
+        )
 
     def _move_ours(self, start: Path, leaf: Path) -> None:
         """Move every process of start that belongs to this worker's tree into
@@ -370,7 +380,8 @@ class _V2(_Backend):
             raise CgroupUnavailable(
                 f"cgroup v2: the worker's cgroup {start} holds processes that are not of the worker's own "
                 f"process tree ({shown}{more}); the kernel lets {start} pass memory to the pool's cgroups only "
-                "once no process is left in it, and these are not ours to move. " + delegation_fix())
+                "once no process is left in it, and these are not ours to move. " + delegation_fix()
+            )
         return ours
 
     def _enable(self, group: Path, controllers: Any) -> bool:
@@ -385,8 +396,9 @@ class _V2(_Backend):
                 if exc.errno == errno.EBUSY:
                     return False  # a process is (again) in the group
                 if name == "memory":
-                    raise CgroupUnavailable(f"cgroup v2: cannot enable memory in {group}/cgroup.subtree_control: "
-                                            f"{exc}. " + delegation_fix()) from None
+                    raise CgroupUnavailable(
+                        f"cgroup v2: cannot enable memory in {group}/cgroup.subtree_control: {exc}. " + delegation_fix()
+                    ) from None
                 continue  # pids: the pool runs, without its fork caps (limits_pids says so)
             if self.leaf is not None:  # ours to undo (never the root's)
                 self.enabled.append(name)
@@ -492,12 +504,14 @@ def _writable(group: Path) -> bool:
 
 def delegation_fix() -> str:
     """What to run instead, where a cgroup v2 host gives the worker no room."""
-    return ("Run the worker in a cgroup delegated to it, with memory and pids: as root "
-            "`systemd-run --scope -p Delegate=yes -- python train.py`, as a user "
-            "`systemd-run --user --scope -p Delegate=yes -- python train.py`, or without a user session bus "
-            "`sudo systemd-run --uid=$(id -u) --gid=$(id -g) -p Delegate=yes --same-dir --pty --wait --collect "
-            "-- python train.py`; `boltzlabs doctor` run the same way says whether it worked "
-            f"({HOST_DOC})")
+    return (
+        "Run the worker in a cgroup delegated to it, with memory and pids: as root "
+        "`systemd-run --scope -p Delegate=yes -- python train.py`, as a user "
+        "`systemd-run --user --scope -p Delegate=yes -- python train.py`, or without a user session bus "
+        "`sudo systemd-run --uid=$(id -u) --gid=$(id -g) -p Delegate=yes --same-dir --pty --wait --collect "
+        "-- python train.py`; `boltzlabs doctor` run the same way says whether it worked "
+        f"({HOST_DOC})"
+    )
 
 
 def systemd_delegated(group: Path) -> bool | None:
@@ -525,7 +539,7 @@ def _ppid(pid: int) -> int:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return 0
-    return int(stat[stat.rindex(")") + 2:].split()[1])
+    return int(stat[stat.rindex(")") + 2 :].split()[1])
 
 
 def _comm(pid: int) -> str:
@@ -585,8 +599,10 @@ def _find_backend(make_room: bool = True) -> _Backend:
     start = _v2_start(own, mounts)
     if start is not None:
         if not start.is_dir():
-            reasons.append(f"cgroup v2: this process's cgroup {own['']} is not below the cgroup2 mount "
-                           f"({start} does not exist: a cgroup namespace whose root is not mounted here?)")
+            reasons.append(
+                f"cgroup v2: this process's cgroup {own['']} is not below the cgroup2 mount "
+                f"({start} does not exist: a cgroup namespace whose root is not mounted here?)"
+            )
         else:
             return _V2(start, make_room)
     raise CgroupUnavailable("; ".join(reasons) or "no cgroup filesystem is mounted")
@@ -674,7 +690,7 @@ def remove_pool_dir(path: Any, timeout: float = 5.0) -> bool:
     return all([_rmdir(pool, deadline) for pool in pools]) and ok
 
 
-def _rmdir(path: Path, deadline: float = 0.0, reap: Any=None) -> bool:
+def _rmdir(path: Path, deadline: float = 0.0, reap: Any = None) -> bool:
     """Remove a cgroup, killing what is in it until it is empty (or deadline).
     `reap()` reaps the caller's exited children: a zombie keeps a cgroup busy."""
     while True:
@@ -725,8 +741,14 @@ class CgroupPool:
     `close()`, and on cgroup v2 the room made for it too (`_V2`).
     """
 
-    def __init__(self, memory_limit: int | None = None, pids_max: int | None = None, freezer: bool = False,
-                 pool_pids: int | None = None, per_env_memory: bool | None = None) -> None:
+    def __init__(
+        self,
+        memory_limit: int | None = None,
+        pids_max: int | None = None,
+        freezer: bool = False,
+        pool_pids: int | None = None,
+        per_env_memory: bool | None = None,
+    ) -> None:
         self.memory_limit = memory_limit
         self.pids_max = pids_max
         self.pool_pids = pool_pids
@@ -816,7 +838,7 @@ class CgroupPool:
         made on first use."""
         return self._made(key)[0]
 
-    def remove(self, key: Any, deadline: float, reap: Any=None) -> bool:
+    def remove(self, key: Any, deadline: float, reap: Any = None) -> bool:
         """Kill what is in `key`'s cgroups and remove them (a pool part that is
         done: the warm-up probe's); False if one would not go by `deadline`."""
         if key not in self._groups:
@@ -903,9 +925,12 @@ class CgroupPool:
     @property
     def memory_source(self) -> str:
         """Where env_usages() comes from, in words."""
-        where = ("each env's own cgroup" if self.per_env_memory else
-                 "the envs' one memory cgroup, split evenly over the live envs (an env has its own "
-                 "memory cgroup only with a per-env memory limit)")
+        where = (
+            "each env's own cgroup"
+            if self.per_env_memory
+            else "the envs' one memory cgroup, split evenly over the live envs (an env has its own "
+            "memory cgroup only with a per-env memory limit)"
+        )
         return f"cgroup {self.version} working set (usage - inactive file), kernel memory included, of {where}"
 
     def total(self) -> int:
@@ -958,7 +983,7 @@ class CgroupPool:
         no other pool needs it; the worker's guardian calls it too."""
         return self.backend.release()
 
-    def close(self, deadline: float, reap: Any=None) -> bool:
+    def close(self, deadline: float, reap: Any = None) -> bool:
         """Kill what is left, remove every cgroup made; False if one would not go.
         `reap()`, if given, reaps the caller's exited children between tries."""
         ok = True
@@ -1036,11 +1061,11 @@ class PoolView:
     def oom_kills(self, key: Any) -> int:
         return self.backend.oom_kills(self.group(key))
 
-    def pids_limit(self, key: Any=None) -> int | None:
+    def pids_limit(self, key: Any = None) -> int | None:
         """Env `key`'s pids limit; None for the pool's own (limits.pool_pids)."""
         return self.backend.pids_limit(self.pool() if key is None else self.group(key, "pids"))
 
-    def pids_current(self, key: Any=None) -> int:
+    def pids_current(self, key: Any = None) -> int:
         return self.backend.pids_current(self.pool() if key is None else self.group(key, "pids"))
 
     def pids_refused(self, key: Any) -> int:
@@ -1058,7 +1083,10 @@ class PoolView:
         if path is None:
             return None
         for point, fstype, options in _mounts():
-            if fstype == ("cgroup2" if self.version == "v2" else "cgroup") and str(pool).startswith(point + "/") \
-                    and (self.version == "v2" or controller in options):
+            if (
+                fstype == ("cgroup2" if self.version == "v2" else "cgroup")
+                and str(pool).startswith(point + "/")
+                and (self.version == "v2" or controller in options)
+            ):
                 return Path(point) / path.lstrip("/")
         return None

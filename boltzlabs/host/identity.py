@@ -98,7 +98,8 @@ class HostAccount:
         if self.switch and not may(os.stat(path), self.uid, self.gid, bits):
             raise SandboxUnavailable(
                 f"{what} {path} is not readable by {self.name} (uid {self.uid}), the host account the "
-                f"sandboxes run as; make it readable by others (chmod -R o+rX {path}), or {_FIX}")
+                f"sandboxes run as; make it readable by others (chmod -R o+rX {path}), or {_FIX}"
+            )
 
     def source(self, path: str) -> str:
         """Where bwrap, running as the account, finds bind source `path`: the
@@ -113,7 +114,9 @@ class HostAccount:
                 os.mkdir(node)
             else:
                 open(node, "x").close()
-            abi.check(abi.libc.mount(path.encode(), node.encode(), None, abi.MS_BIND | abi.MS_REC, None), f"bind {path}")
+            abi.check(
+                abi.libc.mount(path.encode(), node.encode(), None, abi.MS_BIND | abi.MS_REC, None), f"bind {path}"
+            )
             self._staged[path] = node
         return self._staged[path]
 
@@ -146,8 +149,12 @@ def _private_stage_dir() -> str:
             with contextlib.suppress(OSError):
                 os.rmdir(stale)
     path = tempfile.mkdtemp(prefix=f"boltzlabs-binds-{os.getpid()}-")
-    abi.check(abi.libc.mount(b"tmpfs", path.encode(), b"tmpfs", abi.MS_NOSUID | abi.MS_NODEV | abi.MS_NOEXEC,
-                       b"size=64k,mode=0711"), f"mount a tmpfs on {path}")
+    abi.check(
+        abi.libc.mount(
+            b"tmpfs", path.encode(), b"tmpfs", abi.MS_NOSUID | abi.MS_NODEV | abi.MS_NOEXEC, b"size=64k,mode=0711"
+        ),
+        f"mount a tmpfs on {path}",
+    )
     return path
 
 
@@ -168,20 +175,27 @@ def host_account(policy_identity: dict[str, Any]) -> HostAccount:
         raise SandboxUnavailable(
             f"the pool runs as root, so its sandboxes run as the account {name!r} ([identity] host_user in "
             f"sandbox/policy.toml), and this host has no such user; create it (useradd --system "
-            f"--no-create-home --shell /usr/sbin/nologin {name}) or {_FIX}") from None
+            f"--no-create-home --shell /usr/sbin/nologin {name}) or {_FIX}"
+        ) from None
     gid = entry.pw_gid
     if policy_identity.get("host_group"):
         try:
             gid = grp.getgrnam(policy_identity["host_group"]).gr_gid
         except KeyError:
-            raise SandboxUnavailable(f"[identity] host_group {policy_identity['host_group']!r} in "
-                                     f"sandbox/policy.toml does not exist on this host") from None
+            raise SandboxUnavailable(
+                f"[identity] host_group {policy_identity['host_group']!r} in "
+                f"sandbox/policy.toml does not exist on this host"
+            ) from None
     if entry.pw_uid == 0 or gid == 0:
-        raise SandboxUnavailable(f"[identity] in sandbox/policy.toml names {name!r}, which is root (uid "
-                                 f"{entry.pw_uid}, gid {gid}): sandboxes must never run as host root; {_FIX}")
+        raise SandboxUnavailable(
+            f"[identity] in sandbox/policy.toml names {name!r}, which is root (uid "
+            f"{entry.pw_uid}, gid {gid}): sandboxes must never run as host root; {_FIX}"
+        )
     setpriv = shutil.which("setpriv")
     if setpriv is None:
-        raise SandboxUnavailable(f"the pool runs as root and starts its sandboxes as {name!r} with setpriv, "
-                                 f"which is missing; install util-linux (apt-get install -y util-linux)")
+        raise SandboxUnavailable(
+            f"the pool runs as root and starts its sandboxes as {name!r} with setpriv, "
+            f"which is missing; install util-linux (apt-get install -y util-linux)"
+        )
     prefix = (setpriv, f"--reuid={entry.pw_uid}", f"--regid={gid}", "--clear-groups", "--")
     return HostAccount(name, entry.pw_uid, gid, inside, prefix)

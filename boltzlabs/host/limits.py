@@ -1,12 +1,12 @@
 """Per-env resource limits, the host half: policy data in, checked limits and the rlimits' text out.
 
-    sandbox/policy.toml [env_limits] + RLPool(limits=...) --resolve()--> limits (worker)
-        memory, pids        --> the env's cgroup (boltzlabs/host/cgroups.py)
-        pool_pids           --> the pool's cgroup, all envs together (host_tasks() bounds it)
-        straggler_grace     --> the worker's deadline kill (boltzlabs/worker/lifecycle.py)
-        open_files, file_size, core_size, msgqueue --encode()--> rlimits= of the plan's
-            $BOLTZLABS_CONFINE (boltzlabs/host/plan.py)
-            --> boltzlabs/runtime/rlimits.py applies them inside the sandbox
+sandbox/policy.toml [env_limits] + RLPool(limits=...) --resolve()--> limits (worker)
+    memory, pids        --> the env's cgroup (boltzlabs/host/cgroups.py)
+    pool_pids           --> the pool's cgroup, all envs together (host_tasks() bounds it)
+    straggler_grace     --> the worker's deadline kill (boltzlabs/worker/lifecycle.py)
+    open_files, file_size, core_size, msgqueue --encode()--> rlimits= of the plan's
+        $BOLTZLABS_CONFINE (boltzlabs/host/plan.py)
+        --> boltzlabs/runtime/rlimits.py applies them inside the sandbox
 """
 
 from __future__ import annotations
@@ -49,13 +49,15 @@ def task_count(value: Any, what: str = "env limit pool_pids") -> int:
     if value < _MINIMUM["pool_pids"]:
         raise ValueError(f"{what} must be at least {_MINIMUM['pool_pids']} tasks, not {value!r}")
     if value >= host:
-        raise ValueError(f"{what}={value} is not below this host's task limit of {host} (the smaller of "
-                         "kernel.pid_max and kernel.threads-max): the pool could take every task of the host")
+        raise ValueError(
+            f"{what}={value} is not below this host's task limit of {host} (the smaller of "
+            "kernel.pid_max and kernel.threads-max): the pool could take every task of the host"
+        )
     count: int = value
     return count
 
 
-def resolve(table: dict[str, Any], overrides: dict[str, Any] | None = None, memory_limit: Any=None) -> dict[str, Any]:
+def resolve(table: dict[str, Any], overrides: dict[str, Any] | None = None, memory_limit: Any = None) -> dict[str, Any]:
     """The pool's env limits: the policy's [env_limits] `table` with `overrides`
     (RLPool(limits=...)) and `memory_limit` applied, checked. Raises
     ValueError/TypeError naming the key and what it accepts."""
@@ -80,8 +82,9 @@ def resolve(table: dict[str, Any], overrides: dict[str, Any] | None = None, memo
         elif key == "pool_pids":
             out[key] = task_count(value)
         elif isinstance(value, bool) or not isinstance(value, int) or value < _MINIMUM.get(key, 1):
-            raise ValueError(f"env limit {key} must be a whole number of at least {_MINIMUM.get(key, 1)}, "
-                             f"not {value!r}")
+            raise ValueError(
+                f"env limit {key} must be a whole number of at least {_MINIMUM.get(key, 1)}, not {value!r}"
+            )
         else:
             out[key] = value
     return out
@@ -94,5 +97,7 @@ def encode(limits: dict[str, Any], open_files: int | None = None) -> str:
     if open_files is not None:
         values["open_files"] = max(values.get("open_files", 0), open_files)
     # A file size of 0 means "no limit" in the policy, not "no file at all".
-    return ",".join(f"{RLIMITS[key][0]}={value if value or key in _ZERO_MEANS_ZERO else 'unlimited'}"
-                    for key, value in values.items())
+    return ",".join(
+        f"{RLIMITS[key][0]}={value if value or key in _ZERO_MEANS_ZERO else 'unlimited'}"
+        for key, value in values.items()
+    )

@@ -36,8 +36,12 @@ __all__ = ["Plan", "compile_plan", "NAMESPACES"]
 # What [namespaces] unshare may name, and the bwrap flag of each. A mount
 # namespace is always made (bwrap does; so does each forked env).
 NAMESPACES = {
-    "user": "--unshare-user", "pid": "--unshare-pid", "net": "--unshare-net",
-    "ipc": "--unshare-ipc", "uts": "--unshare-uts", "cgroup": "--unshare-cgroup",
+    "user": "--unshare-user",
+    "pid": "--unshare-pid",
+    "net": "--unshare-net",
+    "ipc": "--unshare-ipc",
+    "uts": "--unshare-uts",
+    "cgroup": "--unshare-cgroup",
 }
 # Both spawn modes rest on these two: a user namespace is where the set-up's
 # capabilities live (and only there), and an env is pid 1 of its own pid
@@ -118,23 +122,32 @@ class Plan:
         whether env.py is trusted (RLPool(trust_env=True): imported in the
         template) and how many namespaces of each kind its children may make
         together (its own user namespace's quotas)."""
-        return confine.encode({
-            **self._child_items(),
-            "template_rlimits": _limits.encode(self.limits, open_files),
-            "hidden_proc": self.hidden_proc,
-            "template_uid": self.template_ids[0], "template_gid": self.template_ids[1],
-            "warmup": self.warmup_timeout,
-            "memory": int(self.limits.get("memory") or 0),
-            "trusted": int(bool(trusted)),
-            "namespaces": int(namespaces),
-        })
+        return confine.encode(
+            {
+                **self._child_items(),
+                "template_rlimits": _limits.encode(self.limits, open_files),
+                "hidden_proc": self.hidden_proc,
+                "template_uid": self.template_ids[0],
+                "template_gid": self.template_ids[1],
+                "warmup": self.warmup_timeout,
+                "memory": int(self.limits.get("memory") or 0),
+                "trusted": int(bool(trusted)),
+                "namespaces": int(namespaces),
+            }
+        )
 
     def _child_items(self) -> dict[str, Any]:
         return {
             "unshare": ",".join(ns for ns in self.namespaces if ns not in _REQUIRED),
-            "uid": self.inside_ids[0], "gid": self.inside_ids[1],
-            "hostname": self.hostname, "workspace": self.workspace, "size": self.workspace_size,
-            "inodes": self.inodes, "ptys": self.ptys, "dev": self.dev, "proc": self.proc,
+            "uid": self.inside_ids[0],
+            "gid": self.inside_ids[1],
+            "hostname": self.hostname,
+            "workspace": self.workspace,
+            "size": self.workspace_size,
+            "inodes": self.inodes,
+            "ptys": self.ptys,
+            "dev": self.dev,
+            "proc": self.proc,
             "rlimits": _limits.encode(self.limits),
             **{f"sysctl.{name}": value for name, value in self.sysctls},
         }
@@ -143,10 +156,10 @@ class Plan:
 def _inside(path: str, relocations: Any, tmp: str, relocate_tmp: str) -> str:
     for host, inside in relocations:
         if _below(path, host):
-            moved: str = inside + path[len(host):]
+            moved: str = inside + path[len(host) :]
             return moved
     if tmp and _below(path, tmp):
-        return relocate_tmp + path[len(tmp):]
+        return relocate_tmp + path[len(tmp) :]
     return path
 
 
@@ -161,9 +174,18 @@ def _with_setfcap(cap_add: tuple[Any, ...], inside_ids: tuple[Any, ...]) -> tupl
     return tuple(cap_add)
 
 
-def compile_plan(policy: Policy, source_dir: Any, workspace_size: int | None = None, limits: dict[str, Any] | None = None,
-                 account: HostAccount | None = None, *, env_fns: str | None = None, import_roots: Any=(),
-                 env_vars: dict[str, Any] | None = None, inherited: dict[str, Any] | None = None) -> Plan:
+def compile_plan(
+    policy: Policy,
+    source_dir: Any,
+    workspace_size: int | None = None,
+    limits: dict[str, Any] | None = None,
+    account: HostAccount | None = None,
+    *,
+    env_fns: str | None = None,
+    import_roots: Any = (),
+    env_vars: dict[str, Any] | None = None,
+    inherited: dict[str, Any] | None = None,
+) -> Plan:
     """Check the policy and compile the plan of one pool's sandboxes.
 
     `source_dir`: the env's directory; `workspace_size`: bytes, None for the
@@ -184,17 +206,23 @@ def compile_plan(policy: Policy, source_dir: Any, workspace_size: int | None = N
     unknown = [ns for ns in namespaces if ns not in NAMESPACES]
     missing = [ns for ns in _REQUIRED if ns not in namespaces]
     if unknown or missing or len(set(namespaces)) != len(namespaces):
-        raise read.fail("[namespaces] unshare", f"a list of distinct names from {sorted(NAMESPACES)} that holds "
-                        f"{' and '.join(map(repr, _REQUIRED))}", list(namespaces))
+        raise read.fail(
+            "[namespaces] unshare",
+            f"a list of distinct names from {sorted(NAMESPACES)} that holds {' and '.join(map(repr, _REQUIRED))}",
+            list(namespaces),
+        )
     inside_ids = (read.integer("identity", "uid", 0, _MAX_ID), read.integer("identity", "gid", 0, _MAX_ID))
     # Not 0: mapping a parent namespace's id 0 needs CAP_SETFCAP there (policy.toml says why).
     template_ids = (read.integer("template", "uid", 1, _MAX_ID), read.integer("template", "gid", 1, _MAX_ID))
-    hostname = read.get("process", "hostname", "a host name, or \"\" for none")
+    hostname = read.get("process", "hostname", 'a host name, or "" for none')
     if not isinstance(hostname, str) or (hostname and not _HOSTNAME.fullmatch(hostname)):
         raise read.fail("[process] hostname", "a host name (letters, digits, '.', '-'; at most 64)", hostname)
     if hostname and "uts" not in namespaces:
-        raise read.fail("[process] hostname", 'empty when [namespaces] unshare has no "uts" (the host\'s '
-                        "name is not the sandbox's to change)", hostname)
+        raise read.fail(
+            "[process] hostname",
+            "empty when [namespaces] unshare has no \"uts\" (the host's name is not the sandbox's to change)",
+            hostname,
+        )
     env_dir, runtime_dir = read.path("process", "env_dir"), read.path("process", "runtime_dir")
     workspace = read.path("workspace", "path")
     default_size = read.size("workspace", "default_size")
@@ -202,7 +230,7 @@ def compile_plan(policy: Policy, source_dir: Any, workspace_size: int | None = N
     if size <= 0:
         raise ValueError(f"workspace_size must be a positive number of bytes, not {workspace_size!r}")
     bytes_per_inode = read.integer("workspace", "bytes_per_inode", 1)
-    tmp_link = read.get("workspace", "tmp_link", "an absolute path, or \"\" for none")
+    tmp_link = read.get("workspace", "tmp_link", 'an absolute path, or "" for none')
     if tmp_link:
         tmp_link = read.path("workspace", "tmp_link")
     ptys = read.integer("quotas", "ptys", 0, 1 << 20)
@@ -220,6 +248,7 @@ def compile_plan(policy: Policy, source_dir: Any, workspace_size: int | None = N
     roots, path_before, path_after = _import_roots(policy.mounts["interpreter"], import_roots, relocations)
     relocations += roots
     relocate_tmp = read.path("workspace", "relocate_tmp")
+
     def inside(p: str) -> str:
         return _inside(p, relocations, tmp_link, relocate_tmp)
 
@@ -241,9 +270,11 @@ def compile_plan(policy: Policy, source_dir: Any, workspace_size: int | None = N
     ops = _mount_ops(policy, values, account, inside)
     specials = {op[0][2:]: op[1] for op in ops if op[0] in ("--dev", "--proc")}
     if "dev" not in specials or "proc" not in specials:
-        raise SandboxUnavailable(f"the mount profiles (mounts/*.toml) need a [[special]] of kind \"dev\" and one of "
-                                 f"kind \"proc\" (the set-up inside mounts /dev/shm, devpts and proc there); "
-                                 f"they have {sorted(specials)}; reinstall boltzlabs")
+        raise SandboxUnavailable(
+            f'the mount profiles (mounts/*.toml) need a [[special]] of kind "dev" and one of '
+            f'kind "proc" (the set-up inside mounts /dev/shm, devpts and proc there); '
+            f"they have {sorted(specials)}; reinstall boltzlabs"
+        )
     for op in ops:
         if _below(op[-1], workspace):
             raise read.fail("[workspace] path", f"no parent of a mounted path (it would hide {op[-1]})", workspace)
@@ -253,10 +284,12 @@ def compile_plan(policy: Policy, source_dir: Any, workspace_size: int | None = N
     written = read.table("environment")
     try:
         environment: tuple[tuple[str, Any], ...] = tuple(
-            (name, _no_empty_entries(name, str(value).format(**values))) for name, value in written.items())
+            (name, _no_empty_entries(name, str(value).format(**values))) for name, value in written.items()
+        )
     except (KeyError, IndexError, ValueError) as exc:
-        raise read.fail("[environment]", "strings whose {placeholders} are " + ", ".join(sorted(values)),
-                        str(exc)) from None
+        raise read.fail(
+            "[environment]", "strings whose {placeholders} are " + ", ".join(sorted(values)), str(exc)
+        ) from None
     if env_fns:
         environment += ((env_fns_variable(), values["env_fns_file"]),)
     environment += _passed(read, dict(environment), env_vars, os.environ if inherited is None else inherited)
@@ -266,8 +299,11 @@ def compile_plan(policy: Policy, source_dir: Any, workspace_size: int | None = N
     libdir = sysconfig.get_config_var("LIBDIR")
     # A shared libpython is found through the binary's RUNPATH, which names
     # the host prefix: relocated, the loader needs to be told.
-    if sysconfig.get_config_var("Py_ENABLE_SHARED") and libdir \
-            and _inside(libdir, relocations, tmp_link, relocate_tmp) != libdir:
+    if (
+        sysconfig.get_config_var("Py_ENABLE_SHARED")
+        and libdir
+        and _inside(libdir, relocations, tmp_link, relocate_tmp) != libdir
+    ):
         environment += (("LD_LIBRARY_PATH", _inside(libdir, relocations, tmp_link, relocate_tmp)),)
     return Plan(
         source=read.source,
@@ -330,9 +366,22 @@ def _no_empty_entries(name: str, value: str) -> str:
 # has dropped the sandbox's capabilities (boltzlabs/runtime/confine.py). And
 # the runtime's own (BOLTZLABS_*).
 _NEVER_PASSED = ("PYTHON", "BOLTZLABS_", "LD_")
-_NEVER_PASSED_NAMES = frozenset((
-    "GCONV_PATH", "GETCONF_DIR", "GLIBC_TUNABLES", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH", "MALLOC_TRACE",
-    "NIS_PATH", "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TZDIR"))
+_NEVER_PASSED_NAMES = frozenset(
+    (
+        "GCONV_PATH",
+        "GETCONF_DIR",
+        "GLIBC_TUNABLES",
+        "HOSTALIASES",
+        "LOCALDOMAIN",
+        "LOCPATH",
+        "MALLOC_TRACE",
+        "NIS_PATH",
+        "NLSPATH",
+        "RESOLV_HOST_CONF",
+        "RES_OPTIONS",
+        "TZDIR",
+    )
+)
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 
 
@@ -343,8 +392,10 @@ def refused_variable(name: str, fixed: Any) -> str | None:
     if name in fixed:
         return "is set by the sandbox policy ([environment] of sandbox/policy.toml), which wins"
     if name.startswith(_NEVER_PASSED) or name in _NEVER_PASSED_NAMES:
-        return ("is read by the interpreter or the dynamic loader before the sandbox's set-up has dropped its "
-                "capabilities: never passed")
+        return (
+            "is read by the interpreter or the dynamic loader before the sandbox's set-up has dropped its "
+            "capabilities: never passed"
+        )
     return None
 
 
@@ -355,8 +406,11 @@ def _passed(read: Reader, fixed: dict[str, Any], env_vars: dict[str, Any] | None
     passed = {}
     for name in read.names("pass_environment", "names"):
         if refused_variable(name, fixed):
-            raise read.fail("[pass_environment] names", f"variables that may be passed ({name!r} "
-                            f"{refused_variable(name, fixed)})", name)
+            raise read.fail(
+                "[pass_environment] names",
+                f"variables that may be passed ({name!r} {refused_variable(name, fixed)})",
+                name,
+            )
         if name in inherited:
             passed[name] = inherited[name]
     if env_vars is not None and not isinstance(env_vars, dict):
@@ -371,7 +425,9 @@ def _passed(read: Reader, fixed: dict[str, Any], env_vars: dict[str, Any] | None
     return tuple(passed.items())
 
 
-def _import_roots(interpreter: dict[str, Any], import_roots: Any, relocations: Any) -> tuple[list[Any], list[Any], list[Any]]:
+def _import_roots(
+    interpreter: dict[str, Any], import_roots: Any, relocations: Any
+) -> tuple[list[Any], list[Any], list[Any]]:
     """(host path, inside) relocations for what the trainer imports from outside
     its site-packages (`import_roots`: [path, kind, name] from
     boltzlabs/pool/imports.py), each bound at import_dir/<k>; and the PYTHONPATH
@@ -388,8 +444,13 @@ def _import_roots(interpreter: dict[str, Any], import_roots: Any, relocations: A
         if not (isinstance(item, (list, tuple)) and len(item) == 3 and all(isinstance(x, str) for x in item)):
             raise ValueError(f"import_roots: expected [path, kind, name] items, not {item!r:.200}")
         path, kind, name = item
-        if kind not in ("path", "pth", "package") or not path.startswith("/") or path == "/" \
-                or os.path.normpath(path) != path or any(c in path for c in ",:\n\0"):
+        if (
+            kind not in ("path", "pth", "package")
+            or not path.startswith("/")
+            or path == "/"
+            or os.path.normpath(path) != path
+            or any(c in path for c in ",:\n\0")
+        ):
             raise ValueError(f"import_roots: {item!r:.200} is not an absolute path of kind path, pth or package")
         if kind == "package" and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise ValueError(f"import_roots: {name!r:.80} is not a module name")
@@ -418,8 +479,12 @@ def _relocations(interpreter: dict[str, Any]) -> tuple[list[Any], list[Any]]:
         relocations.append((sys.base_prefix, interpreter["python_dir"]))
     site_packages: list[str] = []
     for path in site.getsitepackages():
-        if os.path.isdir(path) and not _below(path, sys.base_prefix) and not _below(path, "/usr") \
-                and os.path.realpath(path) not in map(os.path.realpath, site_packages):
+        if (
+            os.path.isdir(path)
+            and not _below(path, sys.base_prefix)
+            and not _below(path, "/usr")
+            and os.path.realpath(path) not in map(os.path.realpath, site_packages)
+        ):
             relocations.append((path, f"{interpreter['site_dir']}/{len(site_packages)}"))
             site_packages.append(path)
     return relocations, site_packages
@@ -432,7 +497,9 @@ def _expand(text: str, values: dict[str, Any]) -> list[str]:
     return [text.format(**values)]
 
 
-def _mount_ops(policy: Policy, values: dict[str, Any], account: HostAccount | None, inside: Any) -> list[tuple[Any, ...]]:
+def _mount_ops(
+    policy: Policy, values: dict[str, Any], account: HostAccount | None, inside: Any
+) -> list[tuple[Any, ...]]:
     """(flag, [source,] dest) operations from the mount profiles, in order."""
     ops: list[tuple[Any, ...]] = []
     seen: set[str] = set()

@@ -26,7 +26,17 @@ from boltzlabs.wire import MAX_DEPTH
 from boltzlabs.host import limits as _limits
 from boltzlabs.units import parse_size
 
-__all__ = ["PACKAGE_DIR", "MOUNT_PROFILES", "Policy", "PoolLimits", "Reader", "load_policy", "find_bwrap", "parse_size", "compile_sandbox_code"]
+__all__ = [
+    "PACKAGE_DIR",
+    "MOUNT_PROFILES",
+    "Policy",
+    "PoolLimits",
+    "Reader",
+    "load_policy",
+    "find_bwrap",
+    "parse_size",
+    "compile_sandbox_code",
+]
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent  # the boltzlabs package (bound into every sandbox)
 MOUNT_PROFILES = ("system", "interpreter", "runtime", "env")
@@ -77,11 +87,16 @@ class Reader:
         self.source: str = policy.path or "sandbox/policy.toml"  # the file, for error messages
 
     def fail(self, key: str, what: str, value: Any) -> PolicyError:
-        hint = ("fix it, or unset BOLTZLABS_POLICY to use the shipped one" if os.environ.get("BOLTZLABS_POLICY")
-                else "fix it, or reinstall boltzlabs")
+        hint = (
+            "fix it, or unset BOLTZLABS_POLICY to use the shipped one"
+            if os.environ.get("BOLTZLABS_POLICY")
+            else "fix it, or reinstall boltzlabs"
+        )
         if value is _MISSING:
-            return PolicyError(f"the sandbox policy {self.source} has no {key}; it must be {what} "
-                                      f"(sandbox/policy.toml has each key with its comment); {hint}")
+            return PolicyError(
+                f"the sandbox policy {self.source} has no {key}; it must be {what} "
+                f"(sandbox/policy.toml has each key with its comment); {hint}"
+            )
         return PolicyError(f"the sandbox policy {self.source}: {key} must be {what}, not {value!r}; {hint}")
 
     def table(self, table: str) -> dict[str, Any]:
@@ -123,8 +138,13 @@ class Reader:
     def path(self, table: str, name: str) -> str:
         what = "an absolute path (normalized, not /, no ',')"
         value = self.get(table, name, what)
-        if not isinstance(value, str) or not value.startswith("/") or os.path.normpath(value) != value \
-                or value == "/" or any(c in value for c in ",\n\0"):
+        if (
+            not isinstance(value, str)
+            or not value.startswith("/")
+            or os.path.normpath(value) != value
+            or value == "/"
+            or any(c in value for c in ",\n\0")
+        ):
             raise self.fail(f"[{table}] {name}", what, value)
         return value
 
@@ -212,7 +232,7 @@ class Policy:
         """[env_limits] as written (boltzlabs.host.limits.resolve checks each value)."""
         return self.reader().table("env_limits")
 
-    def env_limits(self, overrides: dict[str, Any] | None = None, memory_limit: Any=None) -> dict[str, Any]:
+    def env_limits(self, overrides: dict[str, Any] | None = None, memory_limit: Any = None) -> dict[str, Any]:
         """[env_limits] with a pool's overrides, checked (boltzlabs.host.limits.resolve)."""
         return _limits.resolve(self.env_limits_table(), overrides, memory_limit)
 
@@ -264,5 +284,6 @@ def find_bwrap() -> str:
     path = shutil.which("bwrap")
     if path is None:
         raise SandboxUnavailable(
-            "bubblewrap (bwrap) is not installed; on Debian/Ubuntu run: sudo apt-get install -y bubblewrap")
+            "bubblewrap (bwrap) is not installed; on Debian/Ubuntu run: sudo apt-get install -y bubblewrap"
+        )
     return path

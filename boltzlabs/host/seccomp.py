@@ -33,8 +33,7 @@ from typing import Any
 from boltzlabs import abi
 from boltzlabs.errors import SandboxUnavailable, SeccompPolicyError
 
-__all__ = ["Filters", "compile_rules",
-           "compile_filter", "program_fd"]
+__all__ = ["Filters", "compile_rules", "compile_filter", "program_fd"]
 
 
 _BPF_MAXINSNS = 4096
@@ -62,7 +61,8 @@ def _libseccomp() -> Any:
     except (ImportError, RuntimeError, OSError) as exc:  # RuntimeError: pyseccomp found no libseccomp
         raise SandboxUnavailable(
             f"the seccomp filter needs libseccomp, which could not be loaded ({exc}); on Debian/Ubuntu run: "
-            "sudo apt-get install -y libseccomp2, then pip install pyseccomp") from None
+            "sudo apt-get install -y libseccomp2, then pip install pyseccomp"
+        ) from None
     return pyseccomp
 
 
@@ -91,8 +91,9 @@ def _conditions(sc: Any, when: Any, constants: dict[str, Any], where: str) -> li
         raise SeccompPolicyError(f"{where}: `when` needs arg = 0..5 and one comparison")
     arg = when["arg"]
     if "any_bit" in when:  # one alternative per bit: libseccomp ORs rules, ANDs comparisons
-        return [(sc.Arg(arg, sc.MASKED_EQ, bit, bit),)
-                for bit in (_value(b, constants, where) for b in when["any_bit"])]
+        return [
+            (sc.Arg(arg, sc.MASKED_EQ, bit, bit),) for bit in (_value(b, constants, where) for b in when["any_bit"])
+        ]
     if "not_equal" in when:
         return [(sc.Arg(arg, sc.NE, _value(when["not_equal"], constants, where)),)]
     if "equals" in when:
@@ -112,15 +113,18 @@ def compile_filter(rules: dict[str, Any], *, template: bool = False) -> bytes:
     allowed = set(rules.get("template", {}).get("allow", [])) if template else set()
     known = {name for rule in rules.get("deny", []) for name in rule.get("syscalls", [])}
     if allowed - known:
-        raise SeccompPolicyError(f"seccomp.toml [template].allow names {sorted(allowed - known)}, "
-                                 "which no [[deny]] rule lists")
+        raise SeccompPolicyError(
+            f"seccomp.toml [template].allow names {sorted(allowed - known)}, which no [[deny]] rule lists"
+        )
     program = sc.SyscallFilter(sc.ALLOW)
     try:  # a binary tree on the syscall number: ~12 instructions per allowed call, not ~50
         program.set_attr(sc.Attr.CTL_OPTIMIZE, 2)
     except OSError:
         pass  # libseccomp < 2.5.0: a linear program, slower but the same verdicts
-    program.set_attr(sc.Attr.ACT_BADARCH, sc.ERRNO(_errno(rules.get("abi", {}).get("foreign", "ENOSYS"),
-                                                          "seccomp.toml [abi].foreign")))
+    program.set_attr(
+        sc.Attr.ACT_BADARCH,
+        sc.ERRNO(_errno(rules.get("abi", {}).get("foreign", "ENOSYS"), "seccomp.toml [abi].foreign")),
+    )
     for index, rule in enumerate(rules.get("deny", [])):
         where = f"seccomp.toml [[deny]] #{index + 1} ({rule.get('why', 'no why')!r})"
         action = sc.ERRNO(_errno(rule.get("errno"), where))
@@ -160,8 +164,9 @@ def program_fd(program: bytes) -> Any:
     try:
         os.write(fd, program)
         os.lseek(fd, 0, os.SEEK_SET)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
-                    | fcntl.F_SEAL_SEAL)
+        fcntl.fcntl(
+            fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+        )
         high = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
     finally:
         os.close(fd)

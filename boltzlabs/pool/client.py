@@ -32,9 +32,24 @@ import numpy as np
 from boltzlabs import wire
 from boltzlabs.link import worker_environment
 from boltzlabs.pool import imports, shards, slots, sources
-from boltzlabs.errors import (CATEGORIES, HOST, INTERNAL, POLICY, START, USAGE, USAGE_TYPE, EnvError, EnvStartError,
-                              PolicyError, PoolClosedError, SandboxUnavailable, WorkerError, WorkerSideError,
-                              describe_exit, exit_signal)
+from boltzlabs.errors import (
+    CATEGORIES,
+    HOST,
+    INTERNAL,
+    POLICY,
+    START,
+    USAGE,
+    USAGE_TYPE,
+    EnvError,
+    EnvStartError,
+    PolicyError,
+    PoolClosedError,
+    SandboxUnavailable,
+    WorkerError,
+    WorkerSideError,
+    describe_exit,
+    exit_signal,
+)
 from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_n
 from boltzlabs.units import parse_size
 
@@ -89,8 +104,9 @@ class Timing:
     shards: list = field(default_factory=list)
 
     def __str__(self) -> str:
-        text = (f"worker {self.worker_ms:.2f} ms, roundtrip {self.roundtrip_ms:.2f} ms, "
-                f"{len(self.stragglers)} straggler(s)")
+        text = (
+            f"worker {self.worker_ms:.2f} ms, roundtrip {self.roundtrip_ms:.2f} ms, {len(self.stragglers)} straggler(s)"
+        )
         if self.wait_ms or self.queued_ms:
             text += f", waited {self.wait_ms:.2f} ms, results queued {self.queued_ms:.2f} ms"
         return text
@@ -284,25 +300,51 @@ class RLPool(Pool):
             cls = ShardedPool
         return super().__new__(cls)
 
-    def __init__(self, source, n: int, *, step_timeout=None, serialize_measurement: bool = False,
-                 memory_limit=None, workspace_size=None, spawn: str = "template", start_timeout=None,
-                 progress=None, batch_size=None, limits=None, worker=None, token=None, tls_ca=None, cluster=None,
-                 warmup: bool = True, preload=None, trust_env: bool = False, env_vars=None, workers=None,
-                 **params):
+    def __init__(
+        self,
+        source,
+        n: int,
+        *,
+        step_timeout=None,
+        serialize_measurement: bool = False,
+        memory_limit=None,
+        workspace_size=None,
+        spawn: str = "template",
+        start_timeout=None,
+        progress=None,
+        batch_size=None,
+        limits=None,
+        worker=None,
+        token=None,
+        tls_ca=None,
+        cluster=None,
+        warmup: bool = True,
+        preload=None,
+        trust_env: bool = False,
+        env_vars=None,
+        workers=None,
+        **params,
+    ):
         self._closed = True
         self.workers = 1  # the worker processes the lanes are split over (pool/shards.py for more than one)
         self._closed_reason: str | None = None
         if cluster is not None:
-            raise TypeError("RLPool(..., cluster=...) no longer makes a cluster pool: make it with "
-                            "boltzlabs.cluster.ClusterPool(source, n, cluster='ray', ...) (same options)")
+            raise TypeError(
+                "RLPool(..., cluster=...) no longer makes a cluster pool: make it with "
+                "boltzlabs.cluster.ClusterPool(source, n, cluster='ray', ...) (same options)"
+            )
         n = check_n(n)
         self.batch_size = check_batch_size(batch_size, n)
         _warn_pool_option_typos(params)
         resolved = sources.resolve(source, params, n)
-        if env_vars is not None and (not isinstance(env_vars, dict)
-                                     or not all(isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items())):
-            raise TypeError(f"env_vars must be a dict of variable names to strings, like {{'MUJOCO_GL': 'osmesa'}}; "
-                            f"got {env_vars!r:.200}")
+        if env_vars is not None and (
+            not isinstance(env_vars, dict)
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items())
+        ):
+            raise TypeError(
+                f"env_vars must be a dict of variable names to strings, like {{'MUJOCO_GL': 'osmesa'}}; "
+                f"got {env_vars!r:.200}"
+            )
         config = {
             "source_dir": str(resolved.env_dir),
             # As the sandbox will see them (JSON: a tuple is a list), not as the wire
@@ -354,10 +396,15 @@ class RLPool(Pool):
         self.memory_source = ready["memory_source"]
         self.hello = hello = ready["hello"] or {}
         self.env_contract = EnvContract(
-            id=resolved.name, protocol_version=wire.PROTOCOL_VERSION,
-            observation_space=hello.get("observation_space"), action_space=hello.get("action_space"),
-            metadata=hello.get("metadata") or {}, render_mode=hello.get("render_mode"), warmup=ready.get("warmup"),
-            attributes=_offered(hello.get("attributes")))
+            id=resolved.name,
+            protocol_version=wire.PROTOCOL_VERSION,
+            observation_space=hello.get("observation_space"),
+            action_space=hello.get("action_space"),
+            metadata=hello.get("metadata") or {},
+            render_mode=hello.get("render_mode"),
+            warmup=ready.get("warmup"),
+            attributes=_offered(hello.get("attributes")),
+        )
         self.step_timeout = ready["step_timeout"]
         self._cgroup = ready["cgroup"]  # the worker's (and its guardian's) to remove; kept for diagnostics
         self._link.watch_guardian(ready.get("guardian"))
@@ -428,26 +475,37 @@ class RLPool(Pool):
                         more = f" ({others} other env(s) failed too)" if others > 0 else ""
                         gym_id = self._resolved.gym_id
                         if "without calling serve()" in text:
-                            fix = (f"End {config['source_dir']}/env.py with serve(reset=..., step=...) (from "
-                                   "boltzlabs.env), or serve_env(env) for a Gymnasium env object.")
+                            fix = (
+                                f"End {config['source_dir']}/env.py with serve(reset=..., step=...) (from "
+                                "boltzlabs.env), or serve_env(env) for a Gymnasium env object."
+                            )
                         elif detail.get("set_up") is True:
-                            fix = ("The sandbox's own set-up failed before any env code ran (boltzlabs.runtime, "
-                                   "above): not your env's doing. Check the policy (sandbox/policy.toml, or "
-                                   "$BOLTZLABS_POLICY) and the host: `boltzlabs doctor` says what it lacks.")
+                            fix = (
+                                "The sandbox's own set-up failed before any env code ran (boltzlabs.runtime, "
+                                "above): not your env's doing. Check the policy (sandbox/policy.toml, or "
+                                "$BOLTZLABS_POLICY) and the host: `boltzlabs doctor` says what it lacks."
+                            )
                         elif self._resolved.env_fns is not None:
-                            fix = (f"env_fns[{detail['env']}]() failed inside its sandbox (its traceback is "
-                                   "above); the same thunk called here would show it too.")
+                            fix = (
+                                f"env_fns[{detail['env']}]() failed inside its sandbox (its traceback is "
+                                "above); the same thunk called here would show it too."
+                            )
                         elif gym_id:
-                            fix = (f"gymnasium.make({gym_id!r}, **{config['params']['kwargs']!r}) failed inside "
-                                   "the sandbox (its traceback is above).")
+                            fix = (
+                                f"gymnasium.make({gym_id!r}, **{config['params']['kwargs']!r}) failed inside "
+                                "the sandbox (its traceback is above)."
+                            )
                         else:
                             fix = f"Fix the error in {config['source_dir']}/env.py (its traceback is above)."
                         raise EnvStartError(
                             f"{text}{more}.\n--- the tail of env {detail['env']}'s output ---\n{detail['log']}\n"
                             f"--- end ---\n{fix}",
-                            env_index=detail["env"], log=detail["log"])
-                    raise _error(category, text, "the worker could not start the pool") \
-                        from WorkerSideError(category, detail.get("traceback") or text)
+                            env_index=detail["env"],
+                            log=detail["log"],
+                        )
+                    raise _error(category, text, "the worker could not start the pool") from WorkerSideError(
+                        category, detail.get("traceback") or text
+                    )
         finally:
             if bar is not None:
                 bar.close()
@@ -477,7 +535,7 @@ class RLPool(Pool):
                     try:
                         mapped.map(lane, fd)
                     except OSError as exc:
-                        for rest in fds[k + 1:]:
+                        for rest in fds[k + 1 :]:
                             os.close(rest)
                         raise WorkerError(f"could not map env {lane}'s observation slot: {exc}") from None
         except BaseException:
@@ -579,9 +637,12 @@ class RLPool(Pool):
                 return True, message[3]
             if message[0] == wire.ERROR:
                 category, text, detail = _error_parts(message)
-                raise _error(category, text, f"the worker failed {name}()",
-                             "; the pool may be unusable: close it and create a new one") \
-                    from WorkerSideError(category, detail.get("traceback") or text)
+                raise _error(
+                    category,
+                    text,
+                    f"the worker failed {name}()",
+                    "; the pool may be unusable: close it and create a new one",
+                ) from WorkerSideError(category, detail.get("traceback") or text)
         return False, None
 
     def _shutdown(self) -> None:
@@ -641,9 +702,13 @@ class RLPool(Pool):
         obs, rewards, terminated, truncated, infos, stragglers = reply
         # Hot path: the arrays come as raw bytes, one copy each.
         self.timing.stragglers = stragglers
-        result = StepResult(obs, np.frombuffer(rewards, dtype=np.float64).copy(),
-                            np.frombuffer(terminated, dtype=np.bool_).copy(),
-                            np.frombuffer(truncated, dtype=np.bool_).copy(), infos)
+        result = StepResult(
+            obs,
+            np.frombuffer(rewards, dtype=np.float64).copy(),
+            np.frombuffer(terminated, dtype=np.bool_).copy(),
+            np.frombuffer(truncated, dtype=np.bool_).copy(),
+            infos,
+        )
         if self._slots is not None:  # the obs some lanes left in their slots, copied once into one batch
             self._slots.fill(range(self.n), obs, result.rewards, result.terminated, result.truncated, infos)
         return result
@@ -657,9 +722,14 @@ class RLPool(Pool):
     def _received(self, reply) -> RecvResult:
         lanes, obs, rewards, terminated, truncated, infos, stragglers, wait_ms, queued_ms = reply
         self.timing.wait_ms, self.timing.queued_ms, self.timing.stragglers = wait_ms, queued_ms, stragglers
-        result = RecvResult(np.array(lanes, dtype=np.int64), obs, np.frombuffer(rewards, dtype=np.float64).copy(),
-                            np.frombuffer(terminated, dtype=np.bool_).copy(),
-                            np.frombuffer(truncated, dtype=np.bool_).copy(), infos)
+        result = RecvResult(
+            np.array(lanes, dtype=np.int64),
+            obs,
+            np.frombuffer(rewards, dtype=np.float64).copy(),
+            np.frombuffer(terminated, dtype=np.bool_).copy(),
+            np.frombuffer(truncated, dtype=np.bool_).copy(),
+            infos,
+        )
         if self._slots is not None:
             self._slots.fill(lanes, obs, result.rewards, result.terminated, result.truncated, infos)
         return result
@@ -671,8 +741,7 @@ class RLPool(Pool):
         _, obs, infos = reply
         if self._slots is not None:
             count = len(lanes)
-            self._slots.fill(lanes, obs, np.zeros(count), np.zeros(count, np.bool_), np.zeros(count, np.bool_),
-                             infos)
+            self._slots.fill(lanes, obs, np.zeros(count), np.zeros(count, np.bool_), np.zeros(count, np.bool_), infos)
         self.timing.stragglers = [i for i, info in zip(lanes, infos) if info.get("straggler")]
         return obs, infos
 
@@ -696,8 +765,10 @@ class RLPool(Pool):
             try:
                 wire.encode(action)
             except (TypeError, ValueError, OverflowError) as exc:
-                raise TypeError(f"the action for env {i} cannot be sent ({exc}); actions must be msgpack-able "
-                                "values (numbers, str, bytes, lists, dicts, None) or numpy arrays") from exc
+                raise TypeError(
+                    f"the action for env {i} cannot be sent ({exc}); actions must be msgpack-able "
+                    "values (numbers, str, bytes, lists, dicts, None) or numpy arrays"
+                ) from exc
 
     # -- methods and attributes of the envs (serve(methods=, attributes=, target=)) ------
 
@@ -711,20 +782,23 @@ class RLPool(Pool):
             if not (name in attributes or (op == "call" and name in methods)):
                 raise AttributeError(_missing(op, name, methods, attributes, self.env_contract.id))
             if op == "set" and not attributes[name]:
-                raise AttributeError(f"the env's attribute {name!r} is read-only (its serve(attributes=) gave it no "
-                                     "setter)")
+                raise AttributeError(
+                    f"the env's attribute {name!r} is read-only (its serve(attributes=) gave it no setter)"
+                )
         if not lanes:
             return []
         verb = {"call": "call", "get": "get the attribute", "set": "set the attribute"}[op]
         try:
             results, errors = self._attr_request(lanes, op, name, args, kwargs, values)
         except TypeError as exc:
-            raise TypeError(f"{verb} {name!r}: the arguments cannot cross the wire ({exc}); they must be "
-                            "msgpack-able values or numpy arrays, like actions") from None
+            raise TypeError(
+                f"{verb} {name!r}: the arguments cannot cross the wire ({exc}); they must be "
+                "msgpack-able values or numpy arrays, like actions"
+            ) from None
         if errors:
             index, (message, detail) = min((int(k), v) for k, v in errors.items())
             if message.startswith("AttributeError: "):  # the env's own: no such name (Gymnasium raises it too)
-                raise AttributeError(f"env {index}: {message[len('AttributeError: '):]}")
+                raise AttributeError(f"env {index}: {message[len('AttributeError: ') :]}")
             others = f" ({len(errors) - 1} other env(s) failed too)" if len(errors) > 1 else ""
             raise EnvError(f"env {index} could not {verb} {name!r}{others}: {detail or message}", env_index=index)
         return results
@@ -763,10 +837,13 @@ def _offered(described):
     if not isinstance(described, dict):
         return None
     methods, attributes, target = described.get("methods"), described.get("attributes"), described.get("target")
-    if (not isinstance(methods, list) or not all(isinstance(m, str) for m in methods)
-            or not isinstance(attributes, dict) or not all(isinstance(k, str) and isinstance(v, bool)
-                                                           for k, v in attributes.items())
-            or not (target is None or isinstance(target, str))):
+    if (
+        not isinstance(methods, list)
+        or not all(isinstance(m, str) for m in methods)
+        or not isinstance(attributes, dict)
+        or not all(isinstance(k, str) and isinstance(v, bool) for k, v in attributes.items())
+        or not (target is None or isinstance(target, str))
+    ):
         return None
     return {"methods": methods, "attributes": attributes, "target": target}
 
@@ -774,13 +851,31 @@ def _offered(described):
 def _missing(op: str, name: str, methods: list, attributes: dict, source: str) -> str:
     if op != "call" and name in methods:
         return f"{name!r} is a method of the env, not an attribute: use call({name!r}, ...)"
-    return (f"the env {source!r} has no method or attribute {name!r}; it offers methods {sorted(methods)} and "
-            f"attributes {sorted(attributes)} (name them in serve(..., methods=, attributes=) in its env.py)")
+    return (
+        f"the env {source!r} has no method or attribute {name!r}; it offers methods {sorted(methods)} and "
+        f"attributes {sorted(attributes)} (name them in serve(..., methods=, attributes=) in its env.py)"
+    )
 
 
-_POOL_OPTIONS = ("step_timeout", "serialize_measurement", "memory_limit", "workspace_size", "start_timeout",
-                 "progress", "batch_size", "limits", "worker", "token", "tls_ca", "cluster", "envs_per_node",
-                 "warmup", "env_vars", "workers", "workers_per_node")
+_POOL_OPTIONS = (
+    "step_timeout",
+    "serialize_measurement",
+    "memory_limit",
+    "workspace_size",
+    "start_timeout",
+    "progress",
+    "batch_size",
+    "limits",
+    "worker",
+    "token",
+    "tls_ca",
+    "cluster",
+    "envs_per_node",
+    "warmup",
+    "env_vars",
+    "workers",
+    "workers_per_node",
+)
 
 
 def _warn_pool_option_typos(params: dict) -> None:
@@ -792,8 +887,11 @@ def _warn_pool_option_typos(params: dict) -> None:
     for name in params:
         close = difflib.get_close_matches(name, _POOL_OPTIONS, n=1, cutoff=0.8)
         if close:
-            warnings.warn(f"{name!r} is passed to the env as a param; did you mean the pool option {close[0]!r}?",
-                          UserWarning, stacklevel=3)
+            warnings.warn(
+                f"{name!r} is passed to the env as a param; did you mean the pool option {close[0]!r}?",
+                UserWarning,
+                stacklevel=3,
+            )
 
 
 class _LocalLink:
@@ -808,9 +906,13 @@ class _LocalLink:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "boltzlabs.worker", "--fd", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=self.stderr,
-                stderr=self.stderr, start_new_session=True,  # Ctrl-C reaches us, not the worker
-                env=worker_environment())
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=self.stderr,
+                stderr=self.stderr,
+                start_new_session=True,  # Ctrl-C reaches us, not the worker
+                env=worker_environment(),
+            )
         except BaseException:
             ours.close()
             self.stderr.close()
@@ -830,10 +932,17 @@ class _LocalLink:
         tail = self.stderr.read()[-4000:].decode("utf-8", "replace")
         code = self.proc.poll()
         how, signum = describe_exit(code), exit_signal(code)
-        fix = ("if nobody here sent it, the kernel's OOM killer may have (see `dmesg`): give the host more "
-               "memory or the pool fewer envs; " if signum is not None else "")
-        return WorkerError(f"the boltzlabs worker (pid {self.proc.pid}) {how}; the pool is gone: {fix}create a "
-                           f"new RLPool. Its output:\n{tail or '(none)'}", signal=signum)
+        fix = (
+            "if nobody here sent it, the kernel's OOM killer may have (see `dmesg`): give the host more "
+            "memory or the pool fewer envs; "
+            if signum is not None
+            else ""
+        )
+        return WorkerError(
+            f"the boltzlabs worker (pid {self.proc.pid}) {how}; the pool is gone: {fix}create a "
+            f"new RLPool. Its output:\n{tail or '(none)'}",
+            signal=signum,
+        )
 
     def shutdown(self) -> None:
         """End the worker: ask, then insist, then wait for its cgroup guardian.
@@ -888,8 +997,11 @@ def _error_parts(message: list) -> tuple[str, str, dict]:
     """(category, text, detail) of an ERROR frame, checked: what a remote worker sends is input.
     An unknown category is the worker's fault (INTERNAL)."""
     category, text, detail = (list(message[2:5]) + [None, None, None])[:3]
-    return (category if category in CATEGORIES else INTERNAL, text if isinstance(text, str) else repr(text)[:2000],
-            detail if isinstance(detail, dict) else {})
+    return (
+        category if category in CATEGORIES else INTERNAL,
+        text if isinstance(text, str) else repr(text)[:2000],
+        detail if isinstance(detail, dict) else {},
+    )
 
 
 def _error(category: str, text: str, failed: str, then: str = "") -> Exception:

@@ -285,26 +285,33 @@ class Pool(abc.ABC):
         self._check_open()
         if batch_size is None:
             batch_size = self.batch_size
-        if batch_size is not None and (isinstance(batch_size, bool)
-                                       or not isinstance(batch_size, (int, np.integer)) or batch_size < 1):
+        if batch_size is not None and (
+            isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1
+        ):
             raise ValueError(f"recv() batch_size must be a whole number >= 1, not {batch_size!r}")
         if timeout is not None:
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-                raise ValueError(f"recv() timeout must be a number of seconds >= 0 (0: only what has finished), "
-                                 f"not {timeout!r}")
+                raise ValueError(
+                    f"recv() timeout must be a number of seconds >= 0 (0: only what has finished), not {timeout!r}"
+                )
             timeout = float(timeout)
         result = self._recv_lanes(None if batch_size is None else int(batch_size), timeout)
         lanes = result.env_ids.tolist()
         if result.truncated.any():
             failed = np.flatnonzero(result.truncated).tolist()
-            self._note_failures("step", [lanes[k] for k in failed], [result.obs[k] for k in failed],
-                                [result.infos[k] for k in failed])
+            self._note_failures(
+                "step", [lanes[k] for k in failed], [result.obs[k] for k in failed], [result.infos[k] for k in failed]
+            )
         # New arrays and list, not in-place writes: what earlier calls returned stays as it was.
         self._obs = list(self._obs)
         for i, o in zip(lanes, result.obs):
             if o is not None:
                 self._obs[i] = o
-        self.rewards, self.terminated, self.truncated = self.rewards.copy(), self.terminated.copy(), self.truncated.copy()
+        self.rewards, self.terminated, self.truncated = (
+            self.rewards.copy(),
+            self.terminated.copy(),
+            self.truncated.copy(),
+        )
         self.rewards[result.env_ids] = result.rewards
         self.terminated[result.env_ids] = result.terminated
         self.truncated[result.env_ids] = result.truncated
@@ -349,8 +356,10 @@ class Pool(abc.ABC):
         if not isinstance(values, (list, tuple)):
             values = [values] * len(lanes)
         if len(values) != len(lanes):
-            raise ValueError("Values must be a list or tuple with length equal to the number of environments. "
-                             f"Got `{len(values)}` values for {len(lanes)} environments.")
+            raise ValueError(
+                "Values must be a list or tuple with length equal to the number of environments. "
+                f"Got `{len(values)}` values for {len(lanes)} environments."
+            )
         self._attr("set", name, lanes, [], {}, list(values))
 
     def render_all(self) -> list:
@@ -445,8 +454,10 @@ class Pool(abc.ABC):
     def _actions(actions, count: int, what: str) -> list:
         if isinstance(actions, np.ndarray):
             if actions.ndim == 0 or actions.shape[0] != count:
-                raise ValueError(f"{what} needs {count} actions (an array whose first dimension is {count}); "
-                                 f"got an array of shape {actions.shape}")
+                raise ValueError(
+                    f"{what} needs {count} actions (an array whose first dimension is {count}); "
+                    f"got an array of shape {actions.shape}"
+                )
             return actions.tolist() if actions.ndim == 1 else list(actions)
         try:
             got = len(actions)
@@ -462,8 +473,10 @@ class Pool(abc.ABC):
         unreset = sorted(set(lanes) & self._never_reset - set(resets or ()))
         if unreset:
             shown = ", ".join(map(str, unreset[:10])) + (", ..." if len(unreset) > 10 else "")
-            raise ValueError(f"{what} before reset(): env(s) {shown} of {self.source} have never been reset; "
-                             "call reset() first (an env has no observation, and no episode, until then)")
+            raise ValueError(
+                f"{what} before reset(): env(s) {shown} of {self.source} have never been reset; "
+                "call reset() first (an env has no observation, and no episode, until then)"
+            )
 
     # -- failures: warned once per kind, summed up at close -------------------------------
 
@@ -484,16 +497,22 @@ class Pool(abc.ABC):
             import warnings
 
             where = "pool.reset_infos[i]" if phase == "reset" else "infos[i]"
-            warnings.warn(f"{self.source}: env {i}'s {kind} ({text}); failures are lanes: the pool goes on and "
-                          f"{where}['error'] has each one's whole text (pool.log(i) the env's output). Warned once "
-                          "per pool and kind of failure; close() sums them up", RuntimeWarning, stacklevel=stacklevel)
+            warnings.warn(
+                f"{self.source}: env {i}'s {kind} ({text}); failures are lanes: the pool goes on and "
+                f"{where}['error'] has each one's whole text (pool.log(i) the env's output). Warned once "
+                "per pool and kind of failure; close() sums them up",
+                RuntimeWarning,
+                stacklevel=stacklevel,
+            )
 
     def _failure_summary(self) -> None:
         """At close: one warning that sums up every kind of failure seen (once)."""
         if not getattr(self, "_failures", None):
             return
-        parts = [f"{kind}: {count} time(s), first env {lane} ({text})"
-                 for kind, (count, lane, text) in self._failures.items()]
+        parts = [
+            f"{kind}: {count} time(s), first env {lane} ({text})"
+            for kind, (count, lane, text) in self._failures.items()
+        ]
         self._failures = {}
         import warnings
 
@@ -517,10 +536,16 @@ class Pool(abc.ABC):
         ended = stepped & (self.terminated | self.truncated)
         self._episode_open[ended] = False
         self.finished_episodes = [
-            {"env": i, "id": self.episode_ids[i], "seed": self._episode_seeds[i],
-             "length": int(self._episode_lengths[i]), "return": float(self._episode_returns[i]),
-             "terminated": bool(self.terminated[i])}
-            for i in np.flatnonzero(ended).tolist()]
+            {
+                "env": i,
+                "id": self.episode_ids[i],
+                "seed": self._episode_seeds[i],
+                "length": int(self._episode_lengths[i]),
+                "return": float(self._episode_returns[i]),
+                "terminated": bool(self.terminated[i]),
+            }
+            for i in np.flatnonzero(ended).tolist()
+        ]
 
     def _begin_episodes(self, lanes, seeds) -> None:
         self.episode_ids = list(self.episode_ids)

@@ -39,6 +39,7 @@ _SKIP = {"__pycache__", ".git", ".hg", ".svn", ".venv", ".mypy_cache", ".pytest_
 
 # -- the client side -------------------------------------------------------------------
 
+
 def pack_env_dir(env_dir: Path, max_size: int | None = None) -> bytes:
     """The env directory as a deterministic, uncompressed tar (same tree, same bytes).
 
@@ -64,9 +65,11 @@ def pack_env_dir(env_dir: Path, max_size: int | None = None) -> bytes:
                     info.mode = 0o755 if info.isdir() else info.mode
                     tar.addfile(info)
                 if max_size is not None and buffer.tell() > max_size:
-                    raise ValueError(f"the env directory {env_dir} is over the worker's cap of {max_size} bytes "
-                                     "once packed; keep large data out of it (load it at run time from a path the "
-                                     "worker mounts) or start the worker with a larger --max-code-size")
+                    raise ValueError(
+                        f"the env directory {env_dir} is over the worker's cap of {max_size} bytes "
+                        "once packed; keep large data out of it (load it at run time from a path the "
+                        "worker mounts) or start the worker with a larger --max-code-size"
+                    )
     return buffer.getvalue()
 
 
@@ -91,8 +94,10 @@ class RemoteLink:
         pass
 
     def died(self) -> WorkerError:
-        return WorkerError(f"the boltzlabs worker at {self.url} closed the connection (it stopped, or the network "
-                           "failed); the pool is gone: create a new RLPool")
+        return WorkerError(
+            f"the boltzlabs worker at {self.url} closed the connection (it stopped, or the network "
+            "failed); the pool is gone: create a new RLPool"
+        )
 
     def watch_guardian(self, pid) -> None:
         """A remote worker's guardian is on its own host: nothing to watch here."""
@@ -116,13 +121,17 @@ def connect(url: str, token: str | None, source, tls_ca=None, timeout: float = 3
     scheme, host, port = parse_url(url)
     token = token if token is not None else os.environ.get("BOLTZLABS_TOKEN")
     if not token:
-        raise ValueError(f"a remote worker needs its token: RLPool(..., worker={url!r}, token=...) "
-                         "or BOLTZLABS_TOKEN in the environment (the worker printed it, or was given --token)")
+        raise ValueError(
+            f"a remote worker needs its token: RLPool(..., worker={url!r}, token=...) "
+            "or BOLTZLABS_TOKEN in the environment (the worker printed it, or was given --token)"
+        )
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:
-        raise WorkerError(f"cannot reach the boltzlabs worker at {url}: {exc}; is `boltzlabs worker --listen "
-                          f"{host}:{port}` running there?") from exc
+        raise WorkerError(
+            f"cannot reach the boltzlabs worker at {url}: {exc}; is `boltzlabs worker --listen "
+            f"{host}:{port}` running there?"
+        ) from exc
     try:
         tune(sock)
         if scheme == "tls":
@@ -130,15 +139,18 @@ def connect(url: str, token: str | None, source, tls_ca=None, timeout: float = 3
             try:
                 sock = context.wrap_socket(sock, server_hostname=host)
             except ssl.SSLError as exc:
-                raise WorkerError(f"TLS with the worker at {url} failed: {exc}; give the worker's certificate "
-                                  "(or its CA) as tls_ca=") from exc
+                raise WorkerError(
+                    f"TLS with the worker at {url} failed: {exc}; give the worker's certificate (or its CA) as tls_ca="
+                ) from exc
         peer = Peer(sock, 1 << 20, time.monotonic() + timeout)
         message = peer.receive()
         if message[0] == wire.ERROR:
             raise WorkerError(f"the worker at {url} refused the connection: {message[3]}")
         if message[0] != wire.CHALLENGE or len(message) != 3 or message[1] != wire.PROTOCOL_VERSION:
-            raise WorkerError(f"{url} did not answer as a boltzlabs worker of protocol {wire.PROTOCOL_VERSION} "
-                              f"(got {str(message)[:60]}); upgrade the older side")
+            raise WorkerError(
+                f"{url} did not answer as a boltzlabs worker of protocol {wire.PROTOCOL_VERSION} "
+                f"(got {str(message)[:60]}); upgrade the older side"
+            )
         peer.send([wire.AUTH, proof(token, message[2])])
         if source.env_dir == GYM_ENV_DIR:
             peer.send([wire.SOURCE, {"kind": "gym"}])

@@ -102,8 +102,10 @@ def workers_for(args: tuple, kwargs: dict, workers) -> int:
     if workers is None:
         return default_workers(n, gated=bool(kwargs.get("serialize_measurement")))
     if isinstance(workers, bool) or not isinstance(workers, (int, np.integer)):
-        raise TypeError(f"workers must be a whole number of worker processes (or None: chosen from n and the "
-                        f"cores this process may use), not {workers!r:.80}")
+        raise TypeError(
+            f"workers must be a whole number of worker processes (or None: chosen from n and the "
+            f"cores this process may use), not {workers!r:.80}"
+        )
     if not 1 <= workers <= n:
         raise ValueError(f"workers must be in [1, n={n}]: each worker process holds at least one env; got {workers}")
     return int(workers)
@@ -131,8 +133,17 @@ class Sharding(Pool):
     _memory: Callable[..., Any]
     _raise_unserializable: Callable[[list[Any]], None]
 
-    def __init__(self, source, n: int, *, workers=None, batch_size=None, progress=None,
-                 serialize_measurement: bool = False, **options):
+    def __init__(
+        self,
+        source,
+        n: int,
+        *,
+        workers=None,
+        batch_size=None,
+        progress=None,
+        serialize_measurement: bool = False,
+        **options,
+    ):
         self._closed = True
         self._closed_reason: str | None = None
         self._shards: list = []
@@ -149,8 +160,14 @@ class Sharding(Pool):
 
         def open_shard(s):
             start, end = self._bounds[s], self._bounds[s + 1]
-            return self._one_worker(source[start:end] if fns else source, end - start, workers=1, progress=False,
-                          serialize_measurement=serialize_measurement, **options)
+            return self._one_worker(
+                source[start:end] if fns else source,
+                end - start,
+                workers=1,
+                progress=False,
+                serialize_measurement=serialize_measurement,
+                **options,
+            )
 
         # The workers start at once, each spawning its own sandboxes (RLPool's start waits on the
         # worker's socket, which releases the GIL).
@@ -169,8 +186,9 @@ class Sharding(Pool):
             s, failure = errors[0]
             if isinstance(failure, EnvStartError):
                 start = self._bounds[s]
-                raise EnvStartError(_global_text(str(failure), start), env_index=start + (failure.env_index or 0),
-                                    log=failure.log) from failure
+                raise EnvStartError(
+                    _global_text(str(failure), start), env_index=start + (failure.env_index or 0), log=failure.log
+                ) from failure
             raise failure
         first = self._shards[0]
         # As one worker's pool names it (env_fns by their count and first callable).
@@ -277,8 +295,11 @@ class Sharding(Pool):
         """Shard s's worker is gone: close every shard; the error naming it."""
         start, end = self._bounds[s], self._bounds[s + 1]
         self._shutdown()
-        return WorkerError(f"shard {s} of {self.workers} of this pool (envs {start}-{end - 1}) lost its worker; every "
-                           f"shard was closed: create a new RLPool. {exc}", signal=getattr(exc, "signal", None))
+        return WorkerError(
+            f"shard {s} of {self.workers} of this pool (envs {start}-{end - 1}) lost its worker; every "
+            f"shard was closed: create a new RLPool. {exc}",
+            signal=getattr(exc, "signal", None),
+        )
 
     def _in_turns(self, calls: dict, land) -> None:
         """_gather, or under serialize_measurement one shard after the other (the gate spans the pool)."""
@@ -304,14 +325,18 @@ class Sharding(Pool):
     def _refuse_async(self, what: str) -> None:
         if self._flying.any():
             flying, finished = int(self._flying.sum()), len(self._ready)
-            raise ValueError(f"{what} while {flying - finished} env(s) are in flight and {finished} finished but not "
-                             "received: recv them first (send/recv and step() do not mix)")
+            raise ValueError(
+                f"{what} while {flying - finished} env(s) are in flight and {finished} finished but not "
+                "received: recv them first (send/recv and step() do not mix)"
+            )
 
     def _refuse_outstanding(self, lanes, what: str) -> None:
         busy = [lane for lane in lanes if self._flying[lane]]
         if busy:
-            raise ValueError(f"cannot {what} env {busy[0]}: it is in flight or has finished and its result has not "
-                             "been received; recv it first")
+            raise ValueError(
+                f"cannot {what} env {busy[0]}: it is in flight or has finished and its result has not "
+                "been received; recv it first"
+            )
 
     def _step_lanes(self, actions: list, resets) -> StepResult:
         self._refuse_async("step()")
@@ -336,8 +361,10 @@ class Sharding(Pool):
                 stragglers.extend(start + i for i in shards[s].timing.stragglers)
 
         try:
-            self._in_turns({s: ("step", [actions[bounds[s]:bounds[s + 1]], local_resets.get(s)])
-                            for s in range(self.workers)}, land)
+            self._in_turns(
+                {s: ("step", [actions[bounds[s] : bounds[s + 1]], local_resets.get(s)]) for s in range(self.workers)},
+                land,
+            )
         except TypeError:
             self._raise_unserializable(actions)  # names the global lane
             raise
@@ -356,8 +383,10 @@ class Sharding(Pool):
         for s, local in self._shard_of(lanes).items():
             globals_ = [bounds[s] + i for i in local]
             mine[s] = (local, globals_)
-            calls[s] = ("reset", [local, None if seeds is None else [seeds[position[g]] for g in globals_], hard,
-                                  options])
+            calls[s] = (
+                "reset",
+                [local, None if seeds is None else [seeds[position[g]] for g in globals_], hard, options],
+            )
 
         def land(s, reply):
             local, globals_ = mine[s]
@@ -416,9 +445,11 @@ class Sharding(Pool):
         flying = int(self._flying.sum())
         want = flying if batch_size is None else batch_size
         if want > flying:
-            raise ValueError(f"recv(batch_size={want}) would wait forever: only {flying} result(s) can come "
-                             f"({flying - len(self._ready)} env(s) in flight, {len(self._ready)} finished and not "
-                             "received)")
+            raise ValueError(
+                f"recv(batch_size={want}) would wait forever: only {flying} result(s) can come "
+                f"({flying - len(self._ready)} env(s) in flight, {len(self._ready)} finished and not "
+                "received)"
+            )
         bounds, shards = self._bounds, self._shards
         started = time.perf_counter()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -430,8 +461,16 @@ class Sharding(Pool):
             queued[0] += shards[s].timing.queued_ms * len(result.env_ids)
             queued[1] += len(result.env_ids)
             for k, local in enumerate(result.env_ids.tolist()):
-                self._ready.append((bounds[s] + local, result.obs[k], float(result.rewards[k]),
-                                    bool(result.terminated[k]), bool(result.truncated[k]), result.infos[k]))
+                self._ready.append(
+                    (
+                        bounds[s] + local,
+                        result.obs[k],
+                        float(result.rewards[k]),
+                        bool(result.terminated[k]),
+                        bool(result.truncated[k]),
+                        result.infos[k],
+                    )
+                )
 
         while len(self._ready) < want:
             if self._gated:
@@ -456,9 +495,14 @@ class Sharding(Pool):
         self.timing.wait_ms = self.timing.roundtrip_ms
         self.timing.queued_ms = queued[0] / queued[1] if queued[1] else 0.0
         self.timing.stragglers = [r[0] for r in taken if r[1] is None and r[5].get("straggler") is True]
-        return RecvResult(env_ids, obs, np.array([r[2] for r in taken], dtype=np.float64),
-                          np.array([r[3] for r in taken], dtype=np.bool_),
-                          np.array([r[4] for r in taken], dtype=np.bool_), infos)
+        return RecvResult(
+            env_ids,
+            obs,
+            np.array([r[2] for r in taken], dtype=np.float64),
+            np.array([r[3] for r in taken], dtype=np.bool_),
+            np.array([r[4] for r in taken], dtype=np.bool_),
+            infos,
+        )
 
     def _render_request(self, lanes: list) -> tuple:
         return self._lanes_request(lanes, lambda local: ("render", [local]))
@@ -506,8 +550,12 @@ class Sharding(Pool):
         """Each env's memory in lane order, and what every shard's worker shares (its template), summed."""
         reports = self._everywhere("memory")
         notes = [report["note"] for report in reports if report["note"]]
-        return self._memory([value for report in reports for value in report["per_env"]], reports[0]["source"],
-                            "; ".join(dict.fromkeys(notes)), sum(report["shared"] for report in reports))
+        return self._memory(
+            [value for report in reports for value in report["per_env"]],
+            reports[0]["source"],
+            "; ".join(dict.fromkeys(notes)),
+            sum(report["shared"] for report in reports),
+        )
 
     def states(self) -> list:
         shown = [state for states in self._everywhere("lane_states") for state in states]

@@ -40,8 +40,9 @@ class Slots:
     """Each lane's mapped slot and the layout they share (RLPool._slots)."""
 
     def __init__(self, layout: dict, n: int):
-        self.leaves = [(tuple(path), np.dtype(dtype), tuple(shape), offset)
-                       for path, dtype, shape, offset in layout["leaves"]]
+        self.leaves = [
+            (tuple(path), np.dtype(dtype), tuple(shape), offset) for path, dtype, shape, offset in layout["leaves"]
+        ]
         self.size = int(layout["size"])
         self.data_size = self.size - wire.SLOT_HEADER_SIZE
         self.maps: list = [None] * n
@@ -57,8 +58,10 @@ class Slots:
         finally:
             os.close(fd)
         self.maps[lane] = mapping
-        self.views[lane] = [np.frombuffer(mapping, dtype, _count(shape), offset).reshape(shape)
-                            for _, dtype, shape, offset in self.leaves]
+        self.views[lane] = [
+            np.frombuffer(mapping, dtype, _count(shape), offset).reshape(shape)
+            for _, dtype, shape, offset in self.leaves
+        ]
 
     def fill(self, lanes, obs: list, rewards, terminated, truncated, infos: list) -> None:
         """Replace each wire.Slot in obs (aligned with `lanes`) by its lane's slot, copied
@@ -73,14 +76,31 @@ class Slots:
             lane = lanes[k]
             mapping = self.maps[lane]
             if mapping is None:
-                self._fail(k, lane, "sent a slot marker, but the trainer has no slot of it", obs, rewards,
-                           terminated, truncated, infos)
+                self._fail(
+                    k,
+                    lane,
+                    "sent a slot marker, but the trainer has no slot of it",
+                    obs,
+                    rewards,
+                    terminated,
+                    truncated,
+                    infos,
+                )
                 continue
             magic, version, seq, size = unpack(mapping[:header])  # one read of the header
             if magic != wire.SLOT_MAGIC or version != 1 or size != self.data_size or seq != obs[k].seq:
-                self._fail(k, lane, f"its observation in shared memory does not match its reply (the slot's header "
-                           f"says seq {seq}, {size} bytes, magic {magic:#x}; the reply, seq {obs[k].seq} and "
-                           f"{self.data_size} bytes)", obs, rewards, terminated, truncated, infos)
+                self._fail(
+                    k,
+                    lane,
+                    f"its observation in shared memory does not match its reply (the slot's header "
+                    f"says seq {seq}, {size} bytes, magic {magic:#x}; the reply, seq {obs[k].seq} and "
+                    f"{self.data_size} bytes)",
+                    obs,
+                    rewards,
+                    terminated,
+                    truncated,
+                    infos,
+                )
                 continue
             for batch, view in zip(batches, self.views[lane]):
                 batch[k] = view  # the one copy, after the reply came
@@ -150,7 +170,7 @@ def receive(conn: socket.socket, frame: bytes, reader: wire.FrameReader, alive) 
             continue
         for level, kind, payload in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                fds += np.frombuffer(payload[:len(payload) - len(payload) % 4], np.intc).tolist()
+                fds += np.frombuffer(payload[: len(payload) - len(payload) % 4], np.intc).tolist()
         if not data:
             for fd in fds:
                 os.close(fd)

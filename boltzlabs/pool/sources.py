@@ -62,14 +62,18 @@ def resolve(source, params: dict, n: int | None = None) -> Source:
     if isinstance(source, (list, tuple)):
         return _env_fns(source, params, n)
     if callable(source):
-        raise TypeError("a single callable is not a source: give a list of them, one per env "
-                        "(env_fns, as AsyncVectorEnv takes them)")
+        raise TypeError(
+            "a single callable is not a source: give a list of them, one per env "
+            "(env_fns, as AsyncVectorEnv takes them)"
+        )
     if not isinstance(source, (str, os.PathLike)):
-        raise TypeError(f"source must be a path to an env directory, a Gymnasium id or a list of env_fns, "
-                        f"not {type(source).__name__}")
+        raise TypeError(
+            f"source must be a path to an env directory, a Gymnasium id or a list of env_fns, "
+            f"not {type(source).__name__}"
+        )
     text = os.fspath(source)
     if isinstance(text, str) and text.startswith(GYM_PREFIX):
-        return _gym(text[len(GYM_PREFIX):], params)
+        return _gym(text[len(GYM_PREFIX) :], params)
     path = Path(text).expanduser()
     if path.exists() or not isinstance(source, str) or text.startswith((".", "/", "~")):
         return Source(_env_dir(path, text), _json_params(params, text), path.resolve().name)
@@ -79,39 +83,56 @@ def resolve(source, params: dict, n: int | None = None) -> Source:
 
 def _env_fns(fns, params: dict, n: int | None) -> Source:
     if not fns or not all(callable(fn) for fn in fns):
-        raise TypeError("env_fns must be a non-empty list of callables, each returning a Gymnasium env "
-                        "(as AsyncVectorEnv takes them); got "
-                        + (f"{type(next(f for f in fns if not callable(f))).__name__} in it" if fns else "none"))
+        raise TypeError(
+            "env_fns must be a non-empty list of callables, each returning a Gymnasium env "
+            "(as AsyncVectorEnv takes them); got "
+            + (f"{type(next(f for f in fns if not callable(f))).__name__} in it" if fns else "none")
+        )
     if n is not None and n != len(fns):
         raise ValueError(f"env_fns has {len(fns)} callables but n={n}: one env per callable")
     if params:
-        raise TypeError(f"env_fns carry their own arguments; these are not options of the pool: "
-                        f"{', '.join(sorted(params))}")
+        raise TypeError(
+            f"env_fns carry their own arguments; these are not options of the pool: {', '.join(sorted(params))}"
+        )
     try:
         import cloudpickle
     except ImportError:
-        raise ValueError("env_fns are pickled with cloudpickle, which Gymnasium installs: "
-                         "pip install -e '.[gym]' (from a checkout of boltzlabs)") from None
+        raise ValueError(
+            "env_fns are pickled with cloudpickle, which Gymnasium installs: "
+            "pip install -e '.[gym]' (from a checkout of boltzlabs)"
+        ) from None
     from boltzlabs.pool import imports
 
     roots = imports.roots()
-    hidden = [module for name, module in list(sys.modules.items())
-              if "." not in name and name != "__main__" and isinstance(where := getattr(module, "__file__", None), str)
-              and not imports.visible(where, roots)]
+    hidden = [
+        module
+        for name, module in list(sys.modules.items())
+        if "." not in name
+        and name != "__main__"
+        and isinstance(where := getattr(module, "__file__", None), str)
+        and not imports.visible(where, roots)
+    ]
     for module in hidden:  # the sandbox cannot import them: their code travels with the thunks
         cloudpickle.register_pickle_by_value(module)
     try:
         blobs = tuple(cloudpickle.dumps(fn) for fn in fns)
     except Exception as exc:  # any pickling failure: what the callable holds cannot travel
-        raise TypeError(f"env_fns cannot be pickled to enter their sandboxes ({type(exc).__name__}: {exc}); "
-                        "a thunk must hold only what pickles (no open files, locks or sockets): build those "
-                        "inside it") from exc
+        raise TypeError(
+            f"env_fns cannot be pickled to enter their sandboxes ({type(exc).__name__}: {exc}); "
+            "a thunk must hold only what pickles (no open files, locks or sockets): build those "
+            "inside it"
+        ) from exc
     finally:
         for module in hidden:
             cloudpickle.unregister_pickle_by_value(module)
     first = getattr(fns[0], "__qualname__", None) or type(fns[0]).__name__
-    return Source(FN_ENV_DIR, {"import": _registering_modules(roots)}, f"env_fns[{len(fns)}: {first}, ...]",
-                  env_fns=blobs, thunks=tuple(fns))
+    return Source(
+        FN_ENV_DIR,
+        {"import": _registering_modules(roots)},
+        f"env_fns[{len(fns)}: {first}, ...]",
+        env_fns=blobs,
+        thunks=tuple(fns),
+    )
 
 
 def _registering_modules(roots) -> list[str]:
@@ -129,8 +150,11 @@ def _registering_modules(roots) -> list[str]:
         name = entry.split(":")[0] if isinstance(entry, str) else getattr(entry, "__module__", None) or ""
         top = name.split(".")[0]
         module = sys.modules.get(top)
-        if top not in ("", "gymnasium", "__main__") and isinstance(where := getattr(module, "__file__", None), str) \
-                and imports.visible(where, roots):
+        if (
+            top not in ("", "gymnasium", "__main__")
+            and isinstance(where := getattr(module, "__file__", None), str)
+            and imports.visible(where, roots)
+        ):
             found.add(top)
     return sorted(found)
 
@@ -141,8 +165,10 @@ def _env_dir(path: Path, text: str) -> Path:
     if not path.is_dir():
         raise ValueError(f"env source {text!r} is not a directory; give the directory that holds env.py")
     if not (path / "env.py").is_file():
-        raise ValueError(f"env source {text!r} has no env.py; an env directory holds an env.py "
-                         "that ends with boltzlabs.env.serve(reset=..., step=...)")
+        raise ValueError(
+            f"env source {text!r} has no env.py; an env directory holds an env.py "
+            "that ends with boltzlabs.env.serve(reset=..., step=...)"
+        )
     return path.resolve()
 
 
@@ -150,8 +176,9 @@ def _json_params(params: dict, name: str) -> dict:
     try:
         json.dumps(params, allow_nan=True)
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"the params for {name!r} must be JSON values (numbers, str, bool, None, lists, "
-                        f"dicts with str keys): {exc}") from None
+        raise TypeError(
+            f"the params for {name!r} must be JSON values (numbers, str, bool, None, lists, dicts with str keys): {exc}"
+        ) from None
     return dict(params)
 
 
@@ -159,8 +186,10 @@ def _gym(env_id: str, params: dict) -> Source:
     try:
         import gymnasium
     except ImportError:
-        raise ValueError(f"{env_id!r} is not a directory, and Gymnasium ids need Gymnasium: "
-                         "pip install -e '.[gym]' (from a checkout of boltzlabs)") from None
+        raise ValueError(
+            f"{env_id!r} is not a directory, and Gymnasium ids need Gymnasium: "
+            "pip install -e '.[gym]' (from a checkout of boltzlabs)"
+        ) from None
     spec = _spec(gymnasium, env_id)
     _check_params(spec, env_id, params)
     params = _json_params(params, env_id)
@@ -181,19 +210,24 @@ def _registering_module(spec, env_id: str) -> str | None:
     if not top or top == "gymnasium":
         return None
     if top == "__main__":
-        raise ValueError(f"{env_id!r} is registered with an entry point of this script ({entry!r}), which a "
-                         "sandbox cannot import: register it from a module of an installed package, or serve "
-                         "it from an env directory (boltzlabs.env.serve_env)")
+        raise ValueError(
+            f"{env_id!r} is registered with an entry point of this script ({entry!r}), which a "
+            "sandbox cannot import: register it from a module of an installed package, or serve "
+            "it from an env directory (boltzlabs.env.serve_env)"
+        )
     found = importlib.util.find_spec(top)
-    origin = getattr(found, "origin", None) or next(iter(getattr(found, "submodule_search_locations", None) or ()),
-                                                    None)
+    origin = getattr(found, "origin", None) or next(
+        iter(getattr(found, "submodule_search_locations", None) or ()), None
+    )
     from boltzlabs.pool import imports
 
     if origin and not imports.visible(origin, imports.roots()):
-        raise ValueError(f"{env_id!r} is registered by {top!r}, which this process imports from "
-                         f"{os.path.dirname(origin)}, where a sandbox cannot see it (only installed packages, "
-                         "editable installs and $PYTHONPATH are bound): install it (pip install -e .) or put its "
-                         "directory on PYTHONPATH")
+        raise ValueError(
+            f"{env_id!r} is registered by {top!r}, which this process imports from "
+            f"{os.path.dirname(origin)}, where a sandbox cannot see it (only installed packages, "
+            "editable installs and $PYTHONPATH are bound): install it (pip install -e .) or put its "
+            "directory on PYTHONPATH"
+        )
     return top
 
 
@@ -214,13 +248,18 @@ def _spec(gymnasium, env_id: str):
         hint = f"; did you mean {' or '.join(map(repr, close))}?" if close else ""
         plugin = next((module for prefix, module in _PLUGINS.items() if name.startswith(prefix)), None)
         if plugin and ":" not in env_id:
-            hint += (f". {plugin} registers it when imported: import {plugin} in this process before making the "
-                     f"pool, or name it in the source: 'gym://{plugin}:{name}'")
+            hint += (
+                f". {plugin} registers it when imported: import {plugin} in this process before making the "
+                f"pool, or name it in the source: 'gym://{plugin}:{name}'"
+            )
         elif ":" not in env_id:
-            hint += (". If a package registers it, import that package first, or name it in the source: "
-                     f"'gym://<module>:{name}'")
-        raise ValueError(f"{env_id!r} is not a directory and not a registered Gymnasium id "
-                         f"({type(exc).__name__}: {exc}){hint}") from None
+            hint += (
+                ". If a package registers it, import that package first, or name it in the source: "
+                f"'gym://<module>:{name}'"
+            )
+        raise ValueError(
+            f"{env_id!r} is not a directory and not a registered Gymnasium id ({type(exc).__name__}: {exc}){hint}"
+        ) from None
 
 
 def _check_params(spec, env_id: str, params: dict) -> None:
@@ -230,23 +269,26 @@ def _check_params(spec, env_id: str, params: dict) -> None:
     try:
         creator = load_env_creator(entry) if isinstance(entry, str) else entry
     except Exception as exc:  # an optional dependency missing (box2d, mujoco, ...)
-        raise ValueError(f"{env_id!r} cannot be made here: importing its entry point {entry!r} failed "
-                         f"({type(exc).__name__}: {exc})") from None
+        raise ValueError(
+            f"{env_id!r} cannot be made here: importing its entry point {entry!r} failed ({type(exc).__name__}: {exc})"
+        ) from None
     try:
         signature = inspect.signature(creator)
     except (TypeError, ValueError):
         return  # a builtin or C callable: nothing to check against
     accepted = signature.parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-        known = [name for name, p in accepted.items()
-                 if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+        known = [
+            name
+            for name, p in accepted.items()
+            if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        ]
         known += _MAKE_KEYWORDS
         for name in params:
             if name not in known:
                 close = difflib.get_close_matches(name, known, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ValueError(f"{env_id!r} takes no argument {name!r}{hint} "
-                                 f"(it takes {', '.join(known)})")
+                raise ValueError(f"{env_id!r} takes no argument {name!r}{hint} (it takes {', '.join(known)})")
     render_mode = params.get("render_mode")
     modes = (getattr(creator, "metadata", None) or {}).get("render_modes")
     # gymnasium.make serves "human" through HumanRendering from an rgb_array mode, and "<mode>_list"

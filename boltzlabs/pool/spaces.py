@@ -39,8 +39,7 @@ def from_spec(spec: dict | None, where: str = ""):
         if kind == "Discrete":
             return spaces.Discrete(spec["n"], start=spec["start"], dtype=spec.get("dtype", "int64"))
         if kind == "MultiDiscrete":
-            return spaces.MultiDiscrete(np.asarray(spec["nvec"]), dtype=spec["dtype"],
-                                        start=np.asarray(spec["start"]))
+            return spaces.MultiDiscrete(np.asarray(spec["nvec"]), dtype=spec["dtype"], start=np.asarray(spec["start"]))
         if kind == "MultiBinary":
             return spaces.MultiBinary(spec["n"])
         if kind == "Dict":
@@ -57,13 +56,18 @@ def from_spec(spec: dict | None, where: str = ""):
     except UnsupportedSpace:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ValueError(f"the env sent a malformed {kind} space spec{f' at {where}' if where else ''} "
-                         f"{str(spec)[:300]}: {exc}") from None
+        raise ValueError(
+            f"the env sent a malformed {kind} space spec{f' at {where}' if where else ''} {str(spec)[:300]}: {exc}"
+        ) from None
     name = spec.get("class") or kind if isinstance(spec, dict) else None
     shown = spec.get("repr", spec) if isinstance(spec, dict) else spec
-    why = (" (its values, GraphInstance, would arrive as plain tuples)" if kind == "Graph" else "")
-    raise UnsupportedSpace(f"the env's space{where} is {str(shown)[:300]}, a {name}{why}, which the handshake cannot "
-                           f"describe: boltzlabs carries {CARRIED} spaces", where, str(name))
+    why = " (its values, GraphInstance, would arrive as plain tuples)" if kind == "Graph" else ""
+    raise UnsupportedSpace(
+        f"the env's space{where} is {str(shown)[:300]}, a {name}{why}, which the handshake cannot "
+        f"describe: boltzlabs carries {CARRIED} spaces",
+        where,
+        str(name),
+    )
 
 
 def space_or_rebuild(spec, what: str, rebuild=None, override: str = ""):
@@ -72,16 +76,20 @@ def space_or_rebuild(spec, what: str, rebuild=None, override: str = ""):
     built in this process: an env made from the same id or thunk), else
     UnsupportedSpace saying which override to pass (`override`: where)."""
     if spec is None:
-        raise ValueError(f"the env declared no {what}; pass it to serve(..., {what}=...) in its env.py, "
-                         f"or to {override}({what}=...)")
+        raise ValueError(
+            f"the env declared no {what}; pass it to serve(..., {what}=...) in its env.py, or to {override}({what}=...)"
+        )
     try:
         return from_spec(spec)
     except UnsupportedSpace as exc:
         if rebuild is not None:
             return rebuild(what)
-        raise UnsupportedSpace(f"{exc}. Pass the space yourself: {override}(..., {what}=...) (for "
-                               f"gymnasium.make's ids and env_fns the adapter builds one env here to read it)",
-                               exc.where, exc.kind) from None
+        raise UnsupportedSpace(
+            f"{exc}. Pass the space yourself: {override}(..., {what}=...) (for "
+            f"gymnasium.make's ids and env_fns the adapter builds one env here to read it)",
+            exc.where,
+            exc.kind,
+        ) from None
 
 
 def rebuilder(thunk):
@@ -113,7 +121,7 @@ def gym_rebuilder(source, kwargs: dict):
         return None
     options = set(inspect.signature(RLPool.__init__).parameters) | {"cluster", "envs_per_node"}
     params = {k: v for k, v in kwargs.items() if k not in options}
-    env_id = source[len(sources.GYM_PREFIX):] if source.startswith(sources.GYM_PREFIX) else source
+    env_id = source[len(sources.GYM_PREFIX) :] if source.startswith(sources.GYM_PREFIX) else source
 
     def make():
         import gymnasium

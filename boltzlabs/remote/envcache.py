@@ -61,7 +61,6 @@ _UNPACK_SECONDS = 60.0
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-
 @dataclass(frozen=True)
 class Entry:
     """One member to create: its path components, kind, mode and data (offset, size) in the blob."""
@@ -89,13 +88,17 @@ def plan(blob: bytes, max_files: int) -> list[Entry]:
             for info in tar:
                 name = info.name
                 if len(entries) >= max_files:
-                    raise UnpackRefused(f"the archive has more than {max_files} members (this worker's "
-                                        "--max-code-files); ship fewer files, or raise the cap on the worker")
+                    raise UnpackRefused(
+                        f"the archive has more than {max_files} members (this worker's "
+                        "--max-code-files); ship fewer files, or raise the cap on the worker"
+                    )
                 if tar.pax_headers:
                     raise UnpackRefused("the archive has a global PAX header (it renames or rewrites members)")
                 if info.type not in (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.DIRTYPE) or info.sparse:
-                    raise UnpackRefused(f"member {name!r} is a {_KINDS.get(info.type, repr(info.type))}; only "
-                                        "regular files and directories are accepted")
+                    raise UnpackRefused(
+                        f"member {name!r} is a {_KINDS.get(info.type, repr(info.type))}; only "
+                        "regular files and directories are accepted"
+                    )
                 odd = sorted(set(info.pax_headers) - _PAX_KEYS)
                 if odd:
                     raise UnpackRefused(f"member {name!r} carries PAX keys {odd}, which rename or reshape it")
@@ -103,8 +106,10 @@ def plan(blob: bytes, max_files: int) -> list[Entry]:
                 if parts in seen:
                     raise UnpackRefused(f"member {name!r} appears twice")
                 if not seen.get(parts[:-1]):
-                    raise UnpackRefused(f"member {name!r} comes before its directory "
-                                        f"{'/'.join(parts[:-1])!r} (or that is not a directory)")
+                    raise UnpackRefused(
+                        f"member {name!r} comes before its directory "
+                        f"{'/'.join(parts[:-1])!r} (or that is not a directory)"
+                    )
                 seen[parts] = info.isdir()
                 if info.isdir():
                     entries.append(Entry(parts, True, 0o755))
@@ -122,9 +127,15 @@ def plan(blob: bytes, max_files: int) -> list[Entry]:
     return entries
 
 
-_KINDS = {tarfile.SYMTYPE: "symbolic link", tarfile.LNKTYPE: "hard link", tarfile.CHRTYPE: "character device",
-          tarfile.BLKTYPE: "block device", tarfile.FIFOTYPE: "fifo", tarfile.CONTTYPE: "contiguous file",
-          tarfile.GNUTYPE_SPARSE: "sparse file"}
+_KINDS = {
+    tarfile.SYMTYPE: "symbolic link",
+    tarfile.LNKTYPE: "hard link",
+    tarfile.CHRTYPE: "character device",
+    tarfile.BLKTYPE: "block device",
+    tarfile.FIFOTYPE: "fifo",
+    tarfile.CONTTYPE: "contiguous file",
+    tarfile.GNUTYPE_SPARSE: "sparse file",
+}
 
 
 def _parts(name: str, is_dir: bool) -> tuple:
@@ -140,12 +151,14 @@ def _parts(name: str, is_dir: bool) -> tuple:
         if "\0" in part or len(os.fsencode(part)) > MAX_NAME:
             raise UnpackRefused(f"member {name[:80]!r}... has a component over {MAX_NAME} bytes")
     if len(parts) > MAX_DEPTH + 1 or len(os.fsencode(name)) > MAX_PATH:
-        raise UnpackRefused(f"member {name[:80]!r}... is deeper than {MAX_DEPTH} directories or longer than "
-                            f"{MAX_PATH} bytes")
+        raise UnpackRefused(
+            f"member {name[:80]!r}... is deeper than {MAX_DEPTH} directories or longer than {MAX_PATH} bytes"
+        )
     return tuple(parts)
 
 
 # -- writing, in the unprivileged child ------------------------------------------------
+
 
 def _write(root_fd: int, entries: list[Entry], blob: bytes) -> None:
     """Create `entries` below root_fd. Only the open directories of the current
@@ -169,17 +182,25 @@ def _write(root_fd: int, entries: list[Entry], blob: bytes) -> None:
             continue
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=at)
         try:
-            data = view[entry.offset:entry.offset + entry.size]
+            data = view[entry.offset : entry.offset + entry.size]
             while data:
-                data = data[os.write(fd, data):]
+                data = data[os.write(fd, data) :]
         finally:
             os.close(fd)
     for _, fd in stack:
         os.close(fd)
 
 
-def _child(parent: int, root_fd: int, report_fd: int, entries: list[Entry], blob: bytes, uid: int | None,
-           gid: int | None, max_file: int) -> None:
+def _child(
+    parent: int,
+    root_fd: int,
+    report_fd: int,
+    entries: list[Entry],
+    blob: bytes,
+    uid: int | None,
+    gid: int | None,
+    max_file: int,
+) -> None:
     """The forked child: become the account, write, exit. Never returns.
 
     Only os calls on data already in memory: the listener has other threads,
@@ -215,6 +236,7 @@ def _child(parent: int, root_fd: int, report_fd: int, entries: list[Entry], blob
 
 # -- the cache ---------------------------------------------------------------------------
 
+
 def _is_key(name: str) -> bool:
     """Whether `name` is a cache entry's (a SHA-256 in hex)."""
     return len(name) == 64 and all(c in "0123456789abcdef" for c in name)
@@ -227,8 +249,16 @@ class EnvCache:
     None: the listener's own account (it is not root, so nothing to drop).
     """
 
-    def __init__(self, path, *, max_bytes: int, max_files: int, max_code_files: int,
-                 account: tuple[str, int, int] | None, log=None):
+    def __init__(
+        self,
+        path,
+        *,
+        max_bytes: int,
+        max_files: int,
+        max_code_files: int,
+        account: tuple[str, int, int] | None,
+        log=None,
+    ):
         self.path = os.fspath(path)
         os.makedirs(self.path, mode=0o755, exist_ok=True)
         self.max_bytes, self.max_files, self.max_code_files = max_bytes, max_files, max_code_files
@@ -260,15 +290,18 @@ class EnvCache:
             try:
                 st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
                 plain = stat.S_ISDIR(st.st_mode) and all(
-                    event == "leave" or (stat.S_ISDIR(item.st_mode) or (stat.S_ISREG(item.st_mode)
-                                                                       and item.st_nlink == 1))
-                    and not item.st_mode & 0o7022 and len(parts) <= MAX_DEPTH + 1
-                    for event, parts, _, _, item in _walk(self.fd, name))
+                    event == "leave"
+                    or (stat.S_ISDIR(item.st_mode) or (stat.S_ISREG(item.st_mode) and item.st_nlink == 1))
+                    and not item.st_mode & 0o7022
+                    and len(parts) <= MAX_DEPTH + 1
+                    for event, parts, _, _, item in _walk(self.fd, name)
+                )
             except OSError:
                 plain = False
             if not plain:
                 self.log(f"cache: removing {name[:12]}, which holds more than plain files and directories")
                 _remove(self.fd, name, self.log)
+
     def close(self) -> None:
         """Close the cache's directory fds (when no thread uses it any more)."""
         for fd in (self.staging, self.fd):
@@ -292,8 +325,10 @@ class EnvCache:
         as it was."""
         entries = plan(blob, self.max_code_files)
         if len(entries) + 1 > self.max_files:
-            raise UnpackRefused(f"the archive has {len(entries)} members, more than the whole cache may hold "
-                                f"({self.max_files}, --cache-files)")
+            raise UnpackRefused(
+                f"the archive has {len(entries)} members, more than the whole cache may hold "
+                f"({self.max_files}, --cache-files)"
+            )
         name = f"unpack-{secrets.token_hex(8)}"
         os.mkdir(name, 0o700, dir_fd=self.staging)
         try:
@@ -364,9 +399,15 @@ class EnvCache:
                 _own(fd, 0o755)
                 continue
             entry = want.get(parts)
-            if entry is None or st.st_uid != uid or entry.is_dir != stat.S_ISDIR(st.st_mode) or (
-                    not entry.is_dir and not (stat.S_ISREG(st.st_mode) and st.st_nlink == 1
-                                              and st.st_size == entry.size)):
+            if (
+                entry is None
+                or st.st_uid != uid
+                or entry.is_dir != stat.S_ISDIR(st.st_mode)
+                or (
+                    not entry.is_dir
+                    and not (stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size == entry.size)
+                )
+            ):
                 raise UnpackRefused(f"the unpacked tree does not match the archive at {'/'.join(parts)!r}")
             found += 1
             if entry.is_dir:
@@ -375,7 +416,7 @@ class EnvCache:
             try:
                 if not os.path.samestat(os.fstat(child), st):
                     raise UnpackRefused(f"{'/'.join(parts)!r} changed while it was checked")
-                if _read_all(child, entry.size + 1) != view[entry.offset:entry.offset + entry.size]:
+                if _read_all(child, entry.size + 1) != view[entry.offset : entry.offset + entry.size]:
                     raise UnpackRefused(f"{'/'.join(parts)!r} does not hold the archive's bytes")
                 _own(child, entry.mode)
             finally:

@@ -49,18 +49,23 @@ from pathlib import Path
 from boltzlabs import wire
 from boltzlabs.errors import HandshakeRefused as _Refused
 from boltzlabs.errors import REFUSED, ProtocolError, UnpackRefused
-from boltzlabs.link import (DEFAULT_PORT, GYM_ENV_DIR, HANDSHAKE_TIMEOUT, PRE_AUTH_FRAME, Peer, proof, tune,
-                            worker_environment)
+from boltzlabs.link import (
+    DEFAULT_PORT,
+    GYM_ENV_DIR,
+    HANDSHAKE_TIMEOUT,
+    PRE_AUTH_FRAME,
+    Peer,
+    proof,
+    tune,
+    worker_environment,
+)
 from boltzlabs.worker.ceilings import CEILINGS, NO_LIMIT, apply_ceilings, ceiling_value, default_ceilings
 from boltzlabs.remote.envcache import EnvCache
 
-__all__ = ["Listener", "main", "CEILINGS", "apply_ceilings",
-           "default_ceilings", "add_worker_arguments", "run_worker"]
-
+__all__ = ["Listener", "main", "CEILINGS", "apply_ceilings", "default_ceilings", "add_worker_arguments", "run_worker"]
 
 
 # -- the worker side -------------------------------------------------------------------
-
 
 
 class _Slot:
@@ -96,12 +101,27 @@ class Listener:
     """`boltzlabs worker --listen`: authenticates clients, caches their env
     code, and gives each pool a worker process of its own."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, token: str,
-                 cache_dir: Path, max_clients: int = 16, max_envs: int = 4096, max_code_size: int = 64 << 20,
-                 cache_size: int = 1 << 30, cache_files: int = 100_000, max_code_files: int = 10_000,
-                 tls: ssl.SSLContext | None = None, handshake_timeout: float = HANDSHAKE_TIMEOUT,
-                 max_handshakes: int = 64, max_handshakes_per_address: int = 8, ceilings: dict | None = None,
-                 allow_trust_env: bool = False, log=sys.stderr):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        *,
+        token: str,
+        cache_dir: Path,
+        max_clients: int = 16,
+        max_envs: int = 4096,
+        max_code_size: int = 64 << 20,
+        cache_size: int = 1 << 30,
+        cache_files: int = 100_000,
+        max_code_files: int = 10_000,
+        tls: ssl.SSLContext | None = None,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        max_handshakes: int = 64,
+        max_handshakes_per_address: int = 8,
+        ceilings: dict | None = None,
+        allow_trust_env: bool = False,
+        log=sys.stderr,
+    ):
         if not token:
             raise ValueError("a worker needs a token")
         self.token = token
@@ -115,9 +135,14 @@ class Listener:
         # (env.py imported in the template) is refused unless the operator allowed it.
         self.allow_trust_env = bool(allow_trust_env)
         self.log = log
-        self.cache = EnvCache(self.cache_dir, max_bytes=cache_size, max_files=cache_files,
-                              max_code_files=min(max_code_files, cache_files), account=_unpack_account(),
-                              log=self._say)
+        self.cache = EnvCache(
+            self.cache_dir,
+            max_bytes=cache_size,
+            max_files=cache_files,
+            max_code_files=min(max_code_files, cache_files),
+            account=_unpack_account(),
+            log=self._say,
+        )
         self.sock = socket.create_server((host, port), backlog=128)
         self.address = self.sock.getsockname()[:2]
         self._lock = threading.Lock()
@@ -193,8 +218,9 @@ class Listener:
                 self._pre_auth.remove(slot)
             slot.close()
             if self._uploads >= 2 * self.max_clients:
-                raise _Refused(f"{self._uploads} authenticated clients are still shipping their code; try again "
-                               "in a moment")
+                raise _Refused(
+                    f"{self._uploads} authenticated clients are still shipping their code; try again in a moment"
+                )
             self._uploads += 1
             slot.uploading = True
 
@@ -236,8 +262,10 @@ class Listener:
         except (OSError, TimeoutError, ProtocolError, ssl.SSLError, ConnectionError) as exc:
             why = f"no complete handshake within {self.handshake_timeout:g} s" if isinstance(exc, TimeoutError) else exc
             if slot.dropped:
-                why = (f"the oldest unauthenticated connection {'from ' + slot.source if slot.source else ''}, "
-                       "dropped to make room for a newer one (--max-handshakes, --max-handshakes-per-address)")
+                why = (
+                    f"the oldest unauthenticated connection {'from ' + slot.source if slot.source else ''}, "
+                    "dropped to make room for a newer one (--max-handshakes, --max-handshakes-per-address)"
+                )
             self._say(f"dropped {where}: {why}")
             conn.close()
             return
@@ -259,10 +287,15 @@ class Listener:
         nonce = secrets.token_bytes(32)
         peer.send([wire.CHALLENGE, wire.PROTOCOL_VERSION, nonce])
         message = peer.receive()
-        if (message[0] != wire.AUTH or len(message) != 2 or not isinstance(message[1], bytes)
-                or not hmac.compare_digest(message[1], proof(self.token, nonce))):
-            raise _Refused("wrong or missing token; give the worker's token as RLPool(..., token=...) "
-                           "or BOLTZLABS_TOKEN")
+        if (
+            message[0] != wire.AUTH
+            or len(message) != 2
+            or not isinstance(message[1], bytes)
+            or not hmac.compare_digest(message[1], proof(self.token, nonce))
+        ):
+            raise _Refused(
+                "wrong or missing token; give the worker's token as RLPool(..., token=...) or BOLTZLABS_TOKEN"
+            )
         self._authenticated(slot)
         peer.limit(self.max_code_size + PRE_AUTH_FRAME)
         message = peer.receive()
@@ -270,18 +303,27 @@ class Listener:
             raise _Refused("expected the pool's source after authentication")
         with self._lock:
             if len(self._pools) >= self.max_clients:
-                raise _Refused(f"this worker already serves {len(self._pools)} pools (its --max-clients); "
-                               "try again later or start another worker")
+                raise _Refused(
+                    f"this worker already serves {len(self._pools)} pools (its --max-clients); "
+                    "try again later or start another worker"
+                )
         offer = message[1]
         if offer.get("kind") == "gym":
             return str(GYM_ENV_DIR), None
         key, size = offer.get("sha256"), offer.get("size")
-        if not (isinstance(key, str) and len(key) == 64 and all(c in "0123456789abcdef" for c in key)
-                and isinstance(size, int) and 0 < size):
+        if not (
+            isinstance(key, str)
+            and len(key) == 64
+            and all(c in "0123456789abcdef" for c in key)
+            and isinstance(size, int)
+            and 0 < size
+        ):
             raise _Refused("the source offer is malformed")
         if size > self.max_code_size:
-            raise _Refused(f"the env directory is {size} bytes packed, over this worker's cap of "
-                           f"{self.max_code_size} (--max-code-size)")
+            raise _Refused(
+                f"the env directory is {size} bytes packed, over this worker's cap of "
+                f"{self.max_code_size} (--max-code-size)"
+            )
         with self._lock:
             self._in_use[key] = self._in_use.get(key, 0) + 1
         try:
@@ -326,13 +368,32 @@ class Listener:
             ours, theirs = socket.socketpair()
         else:
             ours, theirs = None, conn
-        argv = [sys.executable, "-m", "boltzlabs.worker", "--fd", str(theirs.fileno()), "--remote",
-                "--source-dir", source_dir, "--max-envs", str(self.max_envs), "--max-frame",
-                str(max(self.max_code_size, 64 << 20)), "--parent", str(os.getpid()),
-                "--ceilings", json.dumps(self.ceilings)] + (["--allow-trust-env"] if self.allow_trust_env else [])
+        argv = [
+            sys.executable,
+            "-m",
+            "boltzlabs.worker",
+            "--fd",
+            str(theirs.fileno()),
+            "--remote",
+            "--source-dir",
+            source_dir,
+            "--max-envs",
+            str(self.max_envs),
+            "--max-frame",
+            str(max(self.max_code_size, 64 << 20)),
+            "--parent",
+            str(os.getpid()),
+            "--ceilings",
+            json.dumps(self.ceilings),
+        ] + (["--allow-trust-env"] if self.allow_trust_env else [])
         try:
-            proc = subprocess.Popen(argv, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env=worker_environment())
+            proc = subprocess.Popen(
+                argv,
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                env=worker_environment(),
+            )
         except OSError as exc:
             self._say(f"could not start a worker for {where}: {exc}")
             conn.close()
@@ -411,53 +472,101 @@ def _unpack_account() -> tuple[str, int, int] | None:
 
 # -- boltzlabs worker ------------------------------------------------------------------
 
+
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `boltzlabs worker`."""
-    parser.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_PORT}", metavar="HOST:PORT",
-                        help="address to listen on (default %(default)s; loopback unless told otherwise; "
-                             "port 0 picks a free one)")
-    parser.add_argument("--token", default=None,
-                        help="the clients' token (default: $BOLTZLABS_TOKEN, else --token-file, else a new one "
-                             "is made and printed)")
+    parser.add_argument(
+        "--listen",
+        default=f"127.0.0.1:{DEFAULT_PORT}",
+        metavar="HOST:PORT",
+        help="address to listen on (default %(default)s; loopback unless told otherwise; port 0 picks a free one)",
+    )
+    parser.add_argument(
+        "--token",
+        default=None,
+        help="the clients' token (default: $BOLTZLABS_TOKEN, else --token-file, else a new one is made and printed)",
+    )
     parser.add_argument("--token-file", default=None, help="read the token from this file")
     parser.add_argument("--tls-cert", default=None, help="serve TLS with this certificate (PEM)")
     parser.add_argument("--tls-key", default=None, help="the certificate's private key (PEM)")
-    parser.add_argument("--cache-dir", default=None,
-                        help="where shipped env code is cached (default ~/.cache/boltzlabs/envs)")
-    parser.add_argument("--cache-size", default="1G", help="cache size before the least recently used code "
-                                                            "is removed (default %(default)s)")
-    parser.add_argument("--cache-files", type=int, default=100_000,
-                        help="files and directories in the cache before the least recently used code is removed "
-                             "(default %(default)s): archives of many empty files cost inodes, not bytes")
-    parser.add_argument("--max-code-size", default="64M", help="largest env directory a client may ship "
-                                                               "(default %(default)s)")
-    parser.add_argument("--max-code-files", type=int, default=10_000,
-                        help="most files and directories one shipped env directory may hold (default %(default)s)")
+    parser.add_argument(
+        "--cache-dir", default=None, help="where shipped env code is cached (default ~/.cache/boltzlabs/envs)"
+    )
+    parser.add_argument(
+        "--cache-size",
+        default="1G",
+        help="cache size before the least recently used code is removed (default %(default)s)",
+    )
+    parser.add_argument(
+        "--cache-files",
+        type=int,
+        default=100_000,
+        help="files and directories in the cache before the least recently used code is removed "
+        "(default %(default)s): archives of many empty files cost inodes, not bytes",
+    )
+    parser.add_argument(
+        "--max-code-size", default="64M", help="largest env directory a client may ship (default %(default)s)"
+    )
+    parser.add_argument(
+        "--max-code-files",
+        type=int,
+        default=10_000,
+        help="most files and directories one shipped env directory may hold (default %(default)s)",
+    )
     parser.add_argument("--max-clients", type=int, default=16, help="pools served at once (default %(default)s)")
-    parser.add_argument("--max-envs", type=int, default=4096, help="largest pool a client may open "
-                                                                   "(default %(default)s)")
+    parser.add_argument(
+        "--max-envs", type=int, default=4096, help="largest pool a client may open (default %(default)s)"
+    )
     for key, (flag, default, kind) in CEILINGS.items():
-        what = {"size": "bytes or e.g. 512M", "count": "a count", "seconds": "seconds",
-                "tasks": "a count or a share of this host's task limit like 25%%"}[kind]
-        whose = "for the whole pool (every env, the template and its probe together)" if key == "pool_pids" \
-            else "per env"
-        parser.add_argument(flag, default=str(default), metavar=kind.upper(),
-                            help=f"the most a client may ask for {key} {whose}, {what}, or none "
-                                 f"(default %(default)s)"
-                                 + ("; a pool that sets none gets this" if key in NO_LIMIT else ""))
-    parser.add_argument("--parent", type=int, default=0, metavar="PID",
-                        help="stop (and end every pool) when process PID dies, e.g. the Ray actor that started it")
-    parser.add_argument("--max-handshakes", type=int, default=64,
-                        help="connections not yet authenticated, in all; when full the oldest is dropped to make "
-                             "room (default %(default)s)")
-    parser.add_argument("--max-handshakes-per-address", type=int, default=8,
-                        help="connections not yet authenticated from one address (an IPv6 /64); when full its "
-                             "oldest is dropped (default %(default)s)")
-    parser.add_argument("--allow-trust-env", action="store_true",
-                        help="let a client ask for trust_env=True: its env.py is then imported in the template "
-                             "that forks its envs, outside any env's sandbox (default: refused)")
-    parser.add_argument("--handshake-timeout", type=float, default=HANDSHAKE_TIMEOUT,
-                        help="seconds a client has to authenticate and ship its code (default %(default)s)")
+        what = {
+            "size": "bytes or e.g. 512M",
+            "count": "a count",
+            "seconds": "seconds",
+            "tasks": "a count or a share of this host's task limit like 25%%",
+        }[kind]
+        whose = (
+            "for the whole pool (every env, the template and its probe together)" if key == "pool_pids" else "per env"
+        )
+        parser.add_argument(
+            flag,
+            default=str(default),
+            metavar=kind.upper(),
+            help=f"the most a client may ask for {key} {whose}, {what}, or none "
+            f"(default %(default)s)" + ("; a pool that sets none gets this" if key in NO_LIMIT else ""),
+        )
+    parser.add_argument(
+        "--parent",
+        type=int,
+        default=0,
+        metavar="PID",
+        help="stop (and end every pool) when process PID dies, e.g. the Ray actor that started it",
+    )
+    parser.add_argument(
+        "--max-handshakes",
+        type=int,
+        default=64,
+        help="connections not yet authenticated, in all; when full the oldest is dropped to make "
+        "room (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-handshakes-per-address",
+        type=int,
+        default=8,
+        help="connections not yet authenticated from one address (an IPv6 /64); when full its "
+        "oldest is dropped (default %(default)s)",
+    )
+    parser.add_argument(
+        "--allow-trust-env",
+        action="store_true",
+        help="let a client ask for trust_env=True: its env.py is then imported in the template "
+        "that forks its envs, outside any env's sandbox (default: refused)",
+    )
+    parser.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=HANDSHAKE_TIMEOUT,
+        help="seconds a client has to authenticate and ship its code (default %(default)s)",
+    )
 
 
 def run_worker(args: argparse.Namespace) -> int:
@@ -484,25 +593,39 @@ def run_worker(args: argparse.Namespace) -> int:
         tls.load_cert_chain(args.tls_cert, args.tls_key)
     cache = Path(args.cache_dir) if args.cache_dir else Path.home() / ".cache" / "boltzlabs" / "envs"
     try:
-        ceilings = {key: ceiling_value(key, getattr(args, flag[2:].replace("-", "_")))
-                    for key, (flag, _, _) in CEILINGS.items()}
+        ceilings = {
+            key: ceiling_value(key, getattr(args, flag[2:].replace("-", "_"))) for key, (flag, _, _) in CEILINGS.items()
+        }
     except (ValueError, TypeError) as exc:
         print(f"boltzlabs worker: {exc}", file=sys.stderr)
         return 2
     try:
-        listener = Listener(host.strip("[]"), int(port), token=token, cache_dir=cache,
-                            max_clients=args.max_clients, max_envs=args.max_envs,
-                            max_code_size=parse_size(args.max_code_size), cache_size=parse_size(args.cache_size),
-                            cache_files=args.cache_files, max_code_files=args.max_code_files,
-                            tls=tls, handshake_timeout=args.handshake_timeout, max_handshakes=args.max_handshakes,
-                            max_handshakes_per_address=args.max_handshakes_per_address, ceilings=ceilings,
-                            allow_trust_env=args.allow_trust_env)
+        listener = Listener(
+            host.strip("[]"),
+            int(port),
+            token=token,
+            cache_dir=cache,
+            max_clients=args.max_clients,
+            max_envs=args.max_envs,
+            max_code_size=parse_size(args.max_code_size),
+            cache_size=parse_size(args.cache_size),
+            cache_files=args.cache_files,
+            max_code_files=args.max_code_files,
+            tls=tls,
+            handshake_timeout=args.handshake_timeout,
+            max_handshakes=args.max_handshakes,
+            max_handshakes_per_address=args.max_handshakes_per_address,
+            ceilings=ceilings,
+            allow_trust_env=args.allow_trust_env,
+        )
     except OSError as exc:
         print(f"boltzlabs worker: cannot listen on {args.listen}: {exc}", file=sys.stderr)
         return 1
     if host not in ("127.0.0.1", "localhost", "::1", "[::1]"):
-        listener._say(f"listening on {host}, not loopback: anyone who can reach it and knows the token can run "
-                      f"code here{'' if tls else '; and without TLS the session is not encrypted'}")
+        listener._say(
+            f"listening on {host}, not loopback: anyone who can reach it and knows the token can run "
+            f"code here{'' if tls else '; and without TLS the session is not encrypted'}"
+        )
     print(f"listening on {listener.url}", flush=True)
     if made:
         print(f"token: {token}", flush=True)

@@ -67,9 +67,27 @@ prepared: dict[str, Any] | None = None
 
 # The text's bounds: it comes from the worker, and is still parsed as input.
 _MAX_TEXT, _MAX_ITEMS = 16384, 128
-_KEYS = {"unshare", "uid", "gid", "hostname", "workspace", "size", "inodes", "ptys", "dev", "proc", "rlimits",
-         "template_rlimits", "hidden_proc", "template_uid", "template_gid", "warmup", "memory", "trusted",
-         "namespaces"}
+_KEYS = {
+    "unshare",
+    "uid",
+    "gid",
+    "hostname",
+    "workspace",
+    "size",
+    "inodes",
+    "ptys",
+    "dev",
+    "proc",
+    "rlimits",
+    "template_rlimits",
+    "hidden_proc",
+    "template_uid",
+    "template_gid",
+    "warmup",
+    "memory",
+    "trusted",
+    "namespaces",
+}
 _NAMESPACES = {"net", "ipc", "uts", "cgroup"}  # what a child unshares besides its user and pid namespaces
 
 
@@ -93,24 +111,35 @@ def parse(text: str) -> dict[str, Any]:
     values = {}
     for line in lines:
         key, sep, value = line.partition("=")
-        known = key in _KEYS or (key.startswith("sysctl.") and key[7:].replace("_", "").isalpha()
-                                 and key[7:].islower())
+        known = key in _KEYS or (key.startswith("sysctl.") and key[7:].replace("_", "").isalpha() and key[7:].islower())
         if not sep or not known or key in values:
             raise ValueError(f"${VARIABLE}: unknown, repeated or malformed item {line[:80]!r}")
         values[key] = value
-    missing = {"unshare", "uid", "gid", "hostname", "workspace", "size", "inodes", "ptys", "dev", "proc",
-               "rlimits"} - set(values)
+    missing = {
+        "unshare",
+        "uid",
+        "gid",
+        "hostname",
+        "workspace",
+        "size",
+        "inodes",
+        "ptys",
+        "dev",
+        "proc",
+        "rlimits",
+    } - set(values)
     if missing:
         raise ValueError(f"${VARIABLE} lacks {sorted(missing)}")
     return values
 
 
-
 def id_maps(inside: tuple[Any, ...], outside: tuple[Any, ...]) -> list[tuple[str, bytes]]:
     """The (file, text) writes that map uid/gid `inside` to `outside` in a new user namespace."""
-    return [("/proc/self/setgroups", b"deny"),
-            ("/proc/self/uid_map", f"{inside[0]} {outside[0]} 1".encode()),
-            ("/proc/self/gid_map", f"{inside[1]} {outside[1]} 1".encode())]
+    return [
+        ("/proc/self/setgroups", b"deny"),
+        ("/proc/self/uid_map", f"{inside[0]} {outside[0]} 1".encode()),
+        ("/proc/self/gid_map", f"{inside[1]} {outside[1]} 1".encode()),
+    ]
 
 
 def enter_user_namespace(inside: tuple[Any, ...], outside: tuple[Any, ...], also: int = 0) -> None:
@@ -129,8 +158,7 @@ class _CapHeader(ctypes.Structure):
 
 
 class _CapData(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                ("inheritable", ctypes.c_uint32)]
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
 
 class Capabilities:
@@ -163,9 +191,13 @@ class FilterLoader:
         self.prctl = abi.libc.prctl  # restype c_int, ctypes' default
         self.buffer = ctypes.create_string_buffer(program, len(program))
         self.fprog = _SockFprog(len(program) // abi.BPF_INSTRUCTION, ctypes.addressof(self.buffer))
-        self.calls = [(ctypes.c_int(option), *(ctypes.c_ulong(a) for a in args)) for option, args in (
-            (abi.PR_SET_NO_NEW_PRIVS, (1, 0, 0, 0)),
-            (abi.PR_SET_SECCOMP, (abi.SECCOMP_MODE_FILTER, ctypes.addressof(self.fprog), 0, 0)))]
+        self.calls = [
+            (ctypes.c_int(option), *(ctypes.c_ulong(a) for a in args))
+            for option, args in (
+                (abi.PR_SET_NO_NEW_PRIVS, (1, 0, 0, 0)),
+                (abi.PR_SET_SECCOMP, (abi.SECCOMP_MODE_FILTER, ctypes.addressof(self.fprog), 0, 0)),
+            )
+        ]
         # One harmless call through the same path (PR_GET_NO_NEW_PRIVS), so
         # lazy symbol binding and ctypes' call machinery are settled before
         # the forks, not in every child.
@@ -243,8 +275,16 @@ class Plan:
         cover, pts = [], []
         if ptys:
             # (not nodev: its ptmx and ptys are the devices it is for)
-            pts = [("devpts", f"{dev}/pts", "devpts", abi.MS_NOSUID | abi.MS_NOEXEC,
-                    f"newinstance,ptmxmode=0666,mode=620,max={ptys}", f"mount {dev}/pts")]
+            pts = [
+                (
+                    "devpts",
+                    f"{dev}/pts",
+                    "devpts",
+                    abi.MS_NOSUID | abi.MS_NOEXEC,
+                    f"newinstance,ptmxmode=0666,mode=620,max={ptys}",
+                    f"mount {dev}/pts",
+                )
+            ]
         else:
             # No ptys: an empty read-only directory of the workspace tmpfs over
             # <dev>/pts, hiding the devpts below (bwrap's, or the template's,
@@ -252,23 +292,43 @@ class Plan:
             # /dev/ptmx (-> pts/ptmx) then names nothing: ENOENT. Bound while
             # the tmpfs's root is still reachable (before <dev>/shm covers it).
             self.shm_dirs.append((f"{shm}/p".encode(), 0o555))
-            cover = [(f"{shm}/p", f"{dev}/pts", None, abi.MS_BIND, None, f"cover {dev}/pts"),
-                     (None, f"{dev}/pts", None, abi.MS_BIND | abi.MS_REMOUNT | abi.MS_RDONLY | flags | abi.MS_NOEXEC, None,
-                      f"make {dev}/pts read-only")]
+            cover = [
+                (f"{shm}/p", f"{dev}/pts", None, abi.MS_BIND, None, f"cover {dev}/pts"),
+                (
+                    None,
+                    f"{dev}/pts",
+                    None,
+                    abi.MS_BIND | abi.MS_REMOUNT | abi.MS_RDONLY | flags | abi.MS_NOEXEC,
+                    None,
+                    f"make {dev}/pts read-only",
+                ),
+            ]
         mounts = [
-            ("tmpfs", shm, "tmpfs", flags, f"size={size},nr_inodes={inodes},mode=0700",
-             "mount the workspace tmpfs"),
+            ("tmpfs", shm, "tmpfs", flags, f"size={size},nr_inodes={inodes},mode=0700", "mount the workspace tmpfs"),
             (f"{shm}/w", workspace, None, abi.MS_BIND, None, "bind the workspace"),
             *cover,
             (f"{shm}/s", shm, None, abi.MS_BIND, None, f"bind {shm}"),
             *pts,
         ]
-        self.mounts = [((a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode()), what)
-                       for a, b, c, f, d, what in mounts]
-        self.sysctls = [(f"{SYSCTL_DIR}/{key[7:]}".encode(), str(number_of(values, key)).encode())
-                        for key in values if key.startswith("sysctl.")]
-        self.proc_read_only = ((None, self.proc.encode(), None, ctypes.c_ulong(
-            abi.MS_BIND | abi.MS_REMOUNT | abi.MS_RDONLY | flags | abi.MS_NOEXEC), None), f"make {self.proc} read-only")
+        self.mounts = [
+            ((a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode()), what)
+            for a, b, c, f, d, what in mounts
+        ]
+        self.sysctls = [
+            (f"{SYSCTL_DIR}/{key[7:]}".encode(), str(number_of(values, key)).encode())
+            for key in values
+            if key.startswith("sysctl.")
+        ]
+        self.proc_read_only = (
+            (
+                None,
+                self.proc.encode(),
+                None,
+                ctypes.c_ulong(abi.MS_BIND | abi.MS_REMOUNT | abi.MS_RDONLY | flags | abi.MS_NOEXEC),
+                None,
+            ),
+            f"make {self.proc} read-only",
+        )
         self.capabilities = Capabilities()
 
     def mount_workspace_and_devpts(self) -> None:
@@ -319,7 +379,7 @@ class Plan:
         env_filter.load()
 
 
-def main(argv: Any=None) -> None:
+def main(argv: Any = None) -> None:
     """Exec mode's entry point: rlimits, the sandbox's last steps, then env.py.
     A failure of the set-up (no env code has run) prints its traceback and exits
     abi.SET_UP_EXIT: the worker tells the sandbox's fault from the env's by that code."""

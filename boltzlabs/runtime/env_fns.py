@@ -83,7 +83,7 @@ def read(path: str, lane: int) -> bytes:
     return blob
 
 
-def build(modules: Any=()) -> Any:
+def build(modules: Any = ()) -> Any:
     """This lane's env: env_fns[i]() for i = $BOLTZLABS_ENV_INDEX, unpickled here,
     once `modules` are imported (the plugins that registered the trainer's
     Gymnasium ids: the thunk's gymnasium.make needs their ids registered here too).
@@ -106,9 +106,12 @@ def build(modules: Any=()) -> Any:
             "trainer's interpreter has installed (its site-packages, editable installs and $PYTHONPATH, bound "
             "read-only); a module the trainer imports from elsewhere (its script's directory) travels with the "
             "thunk only when the thunk's own code is in it. Install the package (pip install -e .) or put its "
-            "directory on PYTHONPATH") from exc
+            "directory on PYTHONPATH"
+        ) from exc
     env = thunk()
     if not all(hasattr(env, name) for name in ("reset", "step", "observation_space", "action_space")):
-        raise TypeError(f"env_fns[{lane}]() returned {type(env).__name__}, not a Gymnasium env (an object with "
-                        "reset, step, observation_space and action_space)")
+        raise TypeError(
+            f"env_fns[{lane}]() returned {type(env).__name__}, not a Gymnasium env (an object with "
+            "reset, step, observation_space and action_space)"
+        )
     return env

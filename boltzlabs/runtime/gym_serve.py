@@ -51,7 +51,9 @@ def _is_wrapper(obj: Any) -> bool:
     return any(cls.__module__ == "gymnasium.core" and cls.__qualname__ == "Wrapper" for cls in type(obj).__mro__)
 
 
-def serve_env(env: Any, *, preload: Any=(), warmup_actions: Any=None, methods: Any=None, attributes: Any=None) -> None:
+def serve_env(
+    env: Any, *, preload: Any = (), warmup_actions: Any = None, methods: Any = None, attributes: Any = None
+) -> None:
     """Serve the Gymnasium env object `env` to the pool that started this sandbox. Never returns.
 
         env = gymnasium.make("CartPole-v1")
@@ -84,9 +86,22 @@ def serve_env(env: Any, *, preload: Any=(), warmup_actions: Any=None, methods: A
 
         return [to_spec(env.observation_space), to_spec(env.action_space)]
 
-    serve(reset=env.reset, step=env.step, observation_space=env.observation_space, action_space=env.action_space,
-          metadata=_metadata(getattr(env, "metadata", None)), render=env.render,
-          render_mode=getattr(env, "render_mode", None), target=env, preload=preload,
-          warmup_actions=warmup_actions, methods={WRAPPER_CLASSES: wrapper_classes, NP_RANDOM_SEED: np_random_seed, SPACES: spaces,
-                   **dict(methods or {})},
-          attributes=attributes)
+    serve(
+        reset=env.reset,
+        step=env.step,
+        observation_space=env.observation_space,
+        action_space=env.action_space,
+        metadata=_metadata(getattr(env, "metadata", None)),
+        render=env.render,
+        render_mode=getattr(env, "render_mode", None),
+        target=env,
+        preload=preload,
+        warmup_actions=warmup_actions,
+        methods={
+            WRAPPER_CLASSES: wrapper_classes,
+            NP_RANDOM_SEED: np_random_seed,
+            SPACES: spaces,
+            **dict(methods or {}),
+        },
+        attributes=attributes,
+    )

@@ -88,13 +88,23 @@ class ProbeRun:
             places = [getattr(spec, "origin", None), *list(getattr(spec, "submodule_search_locations", None) or ())]
             if not any(type(place) is str and (place + "/").startswith(roots) for place in places):
                 names.append(name)
-        wanted = [name[:MAX_NAME_LEN + 1] for name in (preload or ()) if type(name) is str][:MAX_NAMES]
-        frame = wire.encode([wire.PROBED, sorted(name[:MAX_NAME_LEN + 1] for name in names)[:MAX_NAMES],
-                             len(names), self.birth, _private_dirty(), steps, error and error[:2000], wanted,
-                             self.code if self.code is not None and len(self.code) <= MAX_CODE else None])
+        wanted = [name[: MAX_NAME_LEN + 1] for name in (preload or ()) if type(name) is str][:MAX_NAMES]
+        frame = wire.encode(
+            [
+                wire.PROBED,
+                sorted(name[: MAX_NAME_LEN + 1] for name in names)[:MAX_NAMES],
+                len(names),
+                self.birth,
+                _private_dirty(),
+                steps,
+                error and error[:2000],
+                wanted,
+                self.code if self.code is not None and len(self.code) <= MAX_CODE else None,
+            ]
+        )
         view = memoryview(frame)
         while view:
-            view = view[os.write(self.wfd, view):]
+            view = view[os.write(self.wfd, view) :]
         # Alive until the worker has checked this process from outside and
         # closes the channel (or kills it).
         try:
@@ -128,5 +138,3 @@ def finish(probe: Any) -> None:
         except BaseException as exc:
             error = f"{type(exc).__name__}: {exc}"
     run.report(int(steps["steps"]), error and f"the probe's reset/step raised {error}", probe.preload)
-
-

@@ -62,7 +62,7 @@ def apply(text: str | None) -> None:
     apply_parsed(parse(text))
 
 
-def run(path: str, code: Any=None) -> None:
+def run(path: str, code: Any = None) -> None:
     """Run the env file `path` as __main__ (as `python /env/env.py` would;
     runpy would cost every env ~5 ms of imports). Never returns normally: serve()
     does not return, and an env.py that returns, or exits with status 0, without
@@ -88,9 +88,11 @@ def run(path: str, code: Any=None) -> None:
         how = "returned"
     if _served():
         raise RuntimeError(f"{path}: serve() returned")  # it never does
-    sys.stderr.write(f"boltzlabs: {path} {how} without calling serve(): an env.py must end with "
-                     "boltzlabs.env.serve(reset=..., step=...) (or serve_env(env) for a Gymnasium env), which "
-                     "answers the pool's requests\n")
+    sys.stderr.write(
+        f"boltzlabs: {path} {how} without calling serve(): an env.py must end with "
+        "boltzlabs.env.serve(reset=..., step=...) (or serve_env(env) for a Gymnasium env), which "
+        "answers the pool's requests\n"
+    )
     sys.stderr.flush()
     os._exit(abi.NO_SERVE_EXIT)
 

@@ -56,11 +56,16 @@ def _channel_fds(value: str | None) -> tuple[int, ...]:
     (a missing one too: not started by a worker)."""
     value = value or ""
     parts = value.split(",") if len(value) <= 16 else []
-    if (len(parts) in (1, 2) and all(p.isascii() and p.isdigit() and 3 <= int(p) < 1024 for p in parts)
-            and len(set(map(int, parts))) == len(parts)):
+    if (
+        len(parts) in (1, 2)
+        and all(p.isascii() and p.isdigit() and 3 <= int(p) < 1024 for p in parts)
+        and len(set(map(int, parts))) == len(parts)
+    ):
         return tuple(map(int, parts))
-    raise RuntimeError(f"{abi.FD_VARIABLE}={value[:40]!r}: expected the channel's fd ('3') or its read and write "
-                       "pipes' fds ('4,3'), as the boltzlabs worker sets it; start this env with RLPool")
+    raise RuntimeError(
+        f"{abi.FD_VARIABLE}={value[:40]!r}: expected the channel's fd ('3') or its read and write "
+        "pipes' fds ('4,3'), as the boltzlabs worker sets it; start this env with RLPool"
+    )
 
 
 class _Channel:
@@ -85,7 +90,7 @@ class _Channel:
         if sent != len(data):
             view = memoryview(data)[sent:]
             while view:
-                view = view[os.write(self.wfd, view):]
+                view = view[os.write(self.wfd, view) :]
 
     def receive(self) -> Any:
         inbox = self.inbox
@@ -112,7 +117,9 @@ class _Slot:
 
     def __init__(self, mapping: Any, layout: wire.SlotLayout) -> None:
         self.mapping, self.layout = mapping, layout
-        self.views: list[tuple[Any, ...]] | None = None  # per leaf: (path, dtype, shape, the slot's array), made with the first array obs
+        self.views: list[tuple[Any, ...]] | None = (
+            None  # per leaf: (path, dtype, shape, the slot's array), made with the first array obs
+        )
         wire.SLOT_HEADER.pack_into(mapping, 0, wire.SLOT_MAGIC, 1, 0, layout.size - wire.SLOT_HEADER_SIZE)
 
     @classmethod
@@ -146,9 +153,15 @@ class _Slot:
             np = sys.modules.get("numpy")
             if np is None:
                 return obs  # an env without NumPy sends no array
-            views = self.views = [(path, np.dtype(dtype), shape,
-                                   np.frombuffer(self.mapping, np.dtype(dtype), _count(shape), offset).reshape(shape))
-                                  for path, dtype, shape, offset in self.layout.leaves]
+            views = self.views = [
+                (
+                    path,
+                    np.dtype(dtype),
+                    shape,
+                    np.frombuffer(self.mapping, np.dtype(dtype), _count(shape), offset).reshape(shape),
+                )
+                for path, dtype, shape, offset in self.layout.leaves
+            ]
         leaves = []
         for path, dtype, shape, view in views:
             value = _leaf(obs, path, self.layout.spec)
@@ -242,7 +255,8 @@ def _step_reply(seq: Any, result: Any) -> Any:
         raise TypeError(
             f"step() returned {type(result).__name__}"
             f"{f' of length {len(result)}' if isinstance(result, tuple) else ''}; expected "
-            "(obs, reward, done, info) or (obs, reward, terminated, truncated, info)")
+            "(obs, reward, done, info) or (obs, reward, terminated, truncated, info)"
+        )
     if len(result) == 4:
         obs, reward, terminated, info = result
         truncated = False
@@ -274,8 +288,8 @@ def reset_caller(reset: Any) -> Any:
         by_keyword, takes_options = False, False
     else:
         count = code.co_argcount
-        positional = code.co_varnames[max(skip, code.co_posonlyargcount):count]
-        names = (*positional, *code.co_varnames[count:count + code.co_kwonlyargcount])
+        positional = code.co_varnames[max(skip, code.co_posonlyargcount) : count]
+        names = (*positional, *code.co_varnames[count : count + code.co_kwonlyargcount])
         any_keyword = bool(code.co_flags & 0x08)  # CO_VARKEYWORDS
         only_keywords = not code.co_varnames[skip:count] and not code.co_flags & 0x04  # no positional, no *args
         by_keyword = "seed" in names or (any_keyword and only_keywords)
@@ -315,10 +329,16 @@ class _Attributes:
         for name, access in dict(attributes or {}).items():
             if callable(access):
                 access = (access, None)
-            if (not isinstance(access, tuple) or len(access) != 2 or not callable(access[0])
-                    or not (access[1] is None or callable(access[1]))):
-                raise TypeError(f"serve(attributes={{{name!r}: ...}}) takes a getter, or a (getter, setter) pair "
-                                f"of callables (setter None: read-only); got {access!r}")
+            if (
+                not isinstance(access, tuple)
+                or len(access) != 2
+                or not callable(access[0])
+                or not (access[1] is None or callable(access[1]))
+            ):
+                raise TypeError(
+                    f"serve(attributes={{{name!r}: ...}}) takes a getter, or a (getter, setter) pair "
+                    f"of callables (setter None: read-only); got {access!r}"
+                )
             self.attributes[name] = access
         for name, method in self.methods.items():
             if not callable(method):
@@ -330,8 +350,11 @@ class _Attributes:
 
     def describe(self) -> dict[str, Any]:
         """For the HELLO: what the client may ask for before it sends anything."""
-        return {"methods": sorted(self.methods), "attributes": {k: v[1] is not None for k, v in self.attributes.items()},
-                "target": None if self.target is None else type(self.target).__name__}
+        return {
+            "methods": sorted(self.methods),
+            "attributes": {k: v[1] is not None for k, v in self.attributes.items()},
+            "target": None if self.target is None else type(self.target).__name__,
+        }
 
     def run(self, op: str, name: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
         if op == "call" and name in self.methods:
@@ -340,8 +363,9 @@ class _Attributes:
             getter, setter = self.attributes[name]
             if op == "set":
                 if setter is None:
-                    raise AttributeError(f"the env's attribute {name!r} is read-only (serve(attributes=) gave it "
-                                         "no setter)")
+                    raise AttributeError(
+                        f"the env's attribute {name!r} is read-only (serve(attributes=) gave it no setter)"
+                    )
                 setter(*args)
                 return None
             value = getter()
@@ -351,9 +375,11 @@ class _Attributes:
             return self._on_target(op, name, args, kwargs)
         if name in self.methods:
             raise AttributeError(f"{name!r} is a method of this env, not an attribute: use call({name!r}, ...)")
-        raise AttributeError(f"the env has no method or attribute {name!r}; it offers methods "
-                             f"{sorted(self.methods)} and attributes {sorted(self.attributes)} "
-                             "(serve(..., methods=, attributes=) in its env.py)")
+        raise AttributeError(
+            f"the env has no method or attribute {name!r}; it offers methods "
+            f"{sorted(self.methods)} and attributes {sorted(self.attributes)} "
+            "(serve(..., methods=, attributes=) in its env.py)"
+        )
 
     def _on_target(self, op: Any, name: Any, args: Any, kwargs: Any) -> Any:
         # Gymnasium's semantics: get_wrapper_attr looks through the wrappers,
@@ -400,18 +426,35 @@ def _reply(channel: _Channel, seq: Any, phase: str, build: Any, call: Any, *args
             if "recursion limit" not in str(exc):
                 raise
             # msgpack's encoder stops at 1024 levels; say what that means here.
-            raise ValueError(f"{phase}() returned a value nested deeper than msgpack can encode (1024 levels); "
-                             f"the worker accepts at most {wire.MAX_DEPTH} (limits.max_depth): flatten it") from None
+            raise ValueError(
+                f"{phase}() returned a value nested deeper than msgpack can encode (1024 levels); "
+                f"the worker accepts at most {wire.MAX_DEPTH} (limits.max_depth): flatten it"
+            ) from None
         except TypeError as exc:
-            raise TypeError(f"{phase}() returned a value that cannot cross the wire ({exc}); send msgpack-able "
-                            "values (dict, list, tuple, str, numbers, bool, None, bytes) or numpy arrays") from None
+            raise TypeError(
+                f"{phase}() returned a value that cannot cross the wire ({exc}); send msgpack-able "
+                "values (dict, list, tuple, str, numbers, bool, None, bytes) or numpy arrays"
+            ) from None
     except Exception as exc:  # the env's bug: report it, keep serving
         data = wire.encode(_failure(seq, phase, exc))
     channel.write(data)
 
 
-def serve(reset: Any, step: Any, *, observation_space: Any=None, action_space: Any=None, metadata: Any=None, render: Any=None,
-          render_mode: Any=None, preload: Any=(), warmup_actions: Any=None, methods: Any=None, attributes: Any=None, target: Any=None) -> None:
+def serve(
+    reset: Any,
+    step: Any,
+    *,
+    observation_space: Any = None,
+    action_space: Any = None,
+    metadata: Any = None,
+    render: Any = None,
+    render_mode: Any = None,
+    preload: Any = (),
+    warmup_actions: Any = None,
+    methods: Any = None,
+    attributes: Any = None,
+    target: Any = None,
+) -> None:
     """Serve this env to the boltzlabs worker that started it. Never returns.
 
     Call it once, at the end of your `env.py`:
@@ -472,11 +515,16 @@ def serve(reset: Any, step: Any, *, observation_space: Any=None, action_space: A
     if fd is None and channel is None:
         raise RuntimeError(
             "serve() talks to a boltzlabs worker and only runs inside a pool; "
-            "start this env with boltzlabs.RLPool('path/to/env_dir', n)")
+            "start this env with boltzlabs.RLPool('path/to/env_dir', n)"
+        )
     global _ATTRIBUTES
     _ATTRIBUTES = _Attributes(methods, attributes, target)
-    info = {"python": sys.version.split()[0], "metadata": metadata or {}, "render_mode": render_mode,
-            "attributes": _ATTRIBUTES.describe()}
+    info = {
+        "python": sys.version.split()[0],
+        "metadata": metadata or {},
+        "render_mode": render_mode,
+        "attributes": _ATTRIBUTES.describe(),
+    }
     if observation_space is not None or action_space is not None:
         from boltzlabs.runtime.spec import to_spec
 
@@ -577,7 +625,9 @@ class _Probe:
     runs it: actions decoded from a frame, replies built and encoded.
     `preload`: serve(preload=...), names the probe's report carries."""
 
-    def __init__(self, reset: Any, step: Any, action_space: Any, actions: Any, preload: Any=(), steps: int = 8) -> None:
+    def __init__(
+        self, reset: Any, step: Any, action_space: Any, actions: Any, preload: Any = (), steps: int = 8
+    ) -> None:
         self.reset, self.step, self.space, self.actions, self.steps = reset, step, action_space, actions, steps
         self.preload = list(preload or ())
 
@@ -588,8 +638,9 @@ class _Probe:
             self.space.seed(0)
             actions = [self.space.sample() for _ in range(self.steps)]
         reader = wire.FrameReader(wire.Limits(1 << 30))
-        self.actions = [reader.feed(wire.encode([wire.STEP, 0, action, False]))[0][2]
-                        for action in list(actions or ())[:64]]
+        self.actions = [
+            reader.feed(wire.encode([wire.STEP, 0, action, False]))[0][2] for action in list(actions or ())[:64]
+        ]
 
     def run(self, report: dict[str, Any]) -> None:
         """reset(0), then a step per action; a reset after each done. Raises what they raise."""

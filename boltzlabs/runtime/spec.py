@@ -51,17 +51,29 @@ def to_spec(space: Any) -> dict[str, Any] | None:
 
 
 _ENCODERS: dict[str, Callable[[Any], dict[str, Any]]] = {
-    "Box": lambda s: {"type": "Box", "low": _bound(s.low), "high": _bound(s.high),
-                      "shape": list(s.shape), "dtype": str(s.dtype)},
-    "Discrete": lambda s: {"type": "Discrete", "n": int(s.n), "start": int(s.start),
-                           "dtype": str(s.dtype)},
-    "MultiDiscrete": lambda s: {"type": "MultiDiscrete", "nvec": s.nvec.tolist(),
-                                "start": s.start.tolist(), "dtype": str(s.dtype)},
+    "Box": lambda s: {
+        "type": "Box",
+        "low": _bound(s.low),
+        "high": _bound(s.high),
+        "shape": list(s.shape),
+        "dtype": str(s.dtype),
+    },
+    "Discrete": lambda s: {"type": "Discrete", "n": int(s.n), "start": int(s.start), "dtype": str(s.dtype)},
+    "MultiDiscrete": lambda s: {
+        "type": "MultiDiscrete",
+        "nvec": s.nvec.tolist(),
+        "start": s.start.tolist(),
+        "dtype": str(s.dtype),
+    },
     "MultiBinary": lambda s: {"type": "MultiBinary", "n": s.n if isinstance(s.n, int) else list(s.n)},
     "Dict": lambda s: {"type": "Dict", "spaces": [[key, to_spec(sub)] for key, sub in s.spaces.items()]},
     "Tuple": lambda s: {"type": "Tuple", "spaces": [to_spec(sub) for sub in s.spaces]},
-    "Text": lambda s: {"type": "Text", "min_length": int(s.min_length), "max_length": int(s.max_length),
-                       "charset": "".join(s.character_list)},
+    "Text": lambda s: {
+        "type": "Text",
+        "min_length": int(s.min_length),
+        "max_length": int(s.max_length),
+        "charset": "".join(s.character_list),
+    },
     "Sequence": lambda s: {"type": "Sequence", "space": to_spec(s.feature_space), "stack": bool(s.stack)},
     "OneOf": lambda s: {"type": "OneOf", "spaces": [to_spec(sub) for sub in s.spaces]},
 }

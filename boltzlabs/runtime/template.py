@@ -150,13 +150,25 @@ _syscall = ctypes.PyDLL(None, use_errno=True).syscall
 _before_fork = ctypes.pythonapi.PyOS_BeforeFork
 _after_fork_child = ctypes.pythonapi.PyOS_AfterFork_Child
 _after_fork_parent = ctypes.pythonapi.PyOS_AfterFork_Parent
-_NAMESPACE_FLAGS = (("net", abi.CLONE_NEWNET), ("ipc", abi.CLONE_NEWIPC), ("uts", abi.CLONE_NEWUTS),
-                    ("cgroup", abi.CLONE_NEWCGROUP))
+_NAMESPACE_FLAGS = (
+    ("net", abi.CLONE_NEWNET),
+    ("ipc", abi.CLONE_NEWIPC),
+    ("uts", abi.CLONE_NEWUTS),
+    ("cgroup", abi.CLONE_NEWCGROUP),
+)
 
 
-def _mount(source: Any, target: Any, fstype: Any, flags: Any, data: Any=None) -> None:
-    abi.check(abi.libc.mount(source and source.encode(), target.encode(), fstype and fstype.encode(),
-                       ctypes.c_ulong(flags), data and data.encode()), f"mount {target}")
+def _mount(source: Any, target: Any, fstype: Any, flags: Any, data: Any = None) -> None:
+    abi.check(
+        abi.libc.mount(
+            source and source.encode(),
+            target.encode(),
+            fstype and fstype.encode(),
+            ctypes.c_ulong(flags),
+            data and data.encode(),
+        ),
+        f"mount {target}",
+    )
 
 
 def drop_capabilities() -> None:
@@ -166,14 +178,16 @@ def drop_capabilities() -> None:
 
 # Built once: what the template does between two forks is copied into the
 # older child (every page it writes), so the fork path allocates nothing.
-_CLONE_ARGUMENTS = tuple(ctypes.c_long(value) for value in (
-    abi.SYS_CLONE or -1, abi.CLONE_NEWUSER | abi.CLONE_NEWPID | signal.SIGCHLD, 0, 0, 0, 0))
+_CLONE_ARGUMENTS = tuple(
+    ctypes.c_long(value)
+    for value in (abi.SYS_CLONE or -1, abi.CLONE_NEWUSER | abi.CLONE_NEWPID | signal.SIGCHLD, 0, 0, 0, 0)
+)
 
 
 def _clone_sandbox() -> int:
     """fork() into a new user and pid namespace: 0 in the child, its pid here."""
     if abi.SYS_CLONE is None:
-        raise OSError(errno.ENOSYS, f"no clone() number known for {os.uname().machine}: use spawn=\"exec\"")
+        raise OSError(errno.ENOSYS, f'no clone() number known for {os.uname().machine}: use spawn="exec"')
     _before_fork()
     pid: int = _syscall(*_CLONE_ARGUMENTS)
     err = ctypes.get_errno()
@@ -244,7 +258,9 @@ class _ChildPlan:
         # A mount namespace always (the set-up mounts); the others the plan
         # names (the user and pid namespaces are made by the clone itself).
         unshare = confined.unshare
-        self.namespaces = ctypes.c_int(abi.CLONE_NEWNS | sum(flag for name, flag in _NAMESPACE_FLAGS if name in unshare))
+        self.namespaces = ctypes.c_int(
+            abi.CLONE_NEWNS | sum(flag for name, flag in _NAMESPACE_FLAGS if name in unshare)
+        )
         self.net = "net" in unshare  # bring up loopback: only in a namespace of its own
         self.rlimits = limits.parse(confined.rlimits)
         self.open_max = min(os.sysconf("SC_OPEN_MAX"), 1 << 16)
@@ -259,11 +275,19 @@ class _ChildPlan:
         mounts = [
             ("proc", proc, "proc", flags | abi.MS_NOEXEC, None, f"mount {proc}"),
             (f"{proc}/sys", f"{proc}/sys", None, abi.MS_BIND, None, f"bind {proc}/sys"),
-            (None, f"{proc}/sys", None, abi.MS_BIND | abi.MS_REMOUNT | abi.MS_RDONLY | flags | abi.MS_NOEXEC, None,
-             f"make {proc}/sys read-only")]
+            (
+                None,
+                f"{proc}/sys",
+                None,
+                abi.MS_BIND | abi.MS_REMOUNT | abi.MS_RDONLY | flags | abi.MS_NOEXEC,
+                None,
+                f"make {proc}/sys read-only",
+            ),
+        ]
         self.mounts = confined.mounts + [
             ((a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode()), what)
-            for a, b, c, f, d, what in mounts]
+            for a, b, c, f, d, what in mounts
+        ]
         self.after_quotas = len(confined.mounts) + 1
         # The per-user-namespace quotas ([quotas] in sandbox/policy.toml),
         # max_user_namespaces=0 among them: written in the child's own user
@@ -338,9 +362,13 @@ class _ChildPlan:
             unix = _socket.socket(_socket.AF_UNIX, _socket.SOCK_DGRAM)
             try:
                 flags = int.from_bytes(fcntl.ioctl(unix.fileno(), abi.SIOCGIFFLAGS, self.lo_request)[16:18], "little")
-                fcntl.ioctl(unix.fileno(), abi.SIOCSIFFLAGS,
-                            self.lo_request[:16] + (flags | abi.IFF_UP | abi.IFF_RUNNING).to_bytes(2, "little")
-                            + self.lo_request[18:])
+                fcntl.ioctl(
+                    unix.fileno(),
+                    abi.SIOCSIFFLAGS,
+                    self.lo_request[:16]
+                    + (flags | abi.IFF_UP | abi.IFF_RUNNING).to_bytes(2, "little")
+                    + self.lo_request[18:],
+                )
             finally:
                 unix.close()
         os.chdir(self.workspace)
@@ -369,12 +397,16 @@ def _unsafe_to_fork(channel_fd: int, origin: str) -> str:
         return f"{origin} left sockets open (fds {sockets}); forked children would share them"
     others = _other_processes()
     if others:
-        return (f"{origin} left processes running (pids {others[:8]} in the template's sandbox); forked "
-                "children would not have them, and nothing would freeze them under serialize_measurement")
+        return (
+            f"{origin} left processes running (pids {others[:8]} in the template's sandbox); forked "
+            "children would not have them, and nothing would freeze them under serialize_measurement"
+        )
     shared = _shared_writable_mappings()
     if shared:
-        return (f"{origin} made a shared writable memory mapping ({'; '.join(shared[:4])}); forked "
-                "children would all read and write the same memory, kept across hard resets")
+        return (
+            f"{origin} made a shared writable memory mapping ({'; '.join(shared[:4])}); forked "
+            "children would all read and write the same memory, kept across hard resets"
+        )
     return ""
 
 
@@ -447,8 +479,12 @@ def warm(names: Any, timeout: float, env_dir: str, workspace: str) -> dict[str, 
     deadline = started + timeout  # a library's import can hang as well
     for name in sorted({name for name in names if valid_name(name)})[:MAX_NAMES]:
         if name.split(".", 1)[0] in own:
-            _note_failure(report, name, f"not imported here: the env's directory has its own "
-                                        f"{name.split('.', 1)[0]!r}, which each env imports itself")
+            _note_failure(
+                report,
+                name,
+                f"not imported here: the env's directory has its own "
+                f"{name.split('.', 1)[0]!r}, which each env imports itself",
+            )
             continue
         if name in sys.modules:
             report["imported"].append(name)
@@ -464,8 +500,11 @@ def warm(names: Any, timeout: float, env_dir: str, workspace: str) -> dict[str, 
             report["imported"].append(name)
     for name in names:
         if not valid_name(name):
-            _note_failure(report, name[:MAX_NAME_LEN] if type(name) is str else repr(name)[:MAX_NAME_LEN],
-                          "not a module name (dotted identifiers only)")
+            _note_failure(
+                report,
+                name[:MAX_NAME_LEN] if type(name) is str else repr(name)[:MAX_NAME_LEN],
+                "not a module name (dotted identifiers only)",
+            )
     if not had_numpy_random and "numpy.random" in sys.modules:
         _reseed_numpy_in_children()
     report["import_seconds"] = round(time.monotonic() - started, 4)
@@ -479,8 +518,11 @@ def foreign_modules(env_dir: str, workspace: str) -> list[str]:
     found = []
     for name, module in list(sys.modules.items()):
         spec = getattr(module, "__spec__", None)
-        places = [getattr(module, "__file__", None), getattr(spec, "origin", None),
-                  *list(getattr(spec, "submodule_search_locations", None) or ())]
+        places = [
+            getattr(module, "__file__", None),
+            getattr(spec, "origin", None),
+            *list(getattr(spec, "submodule_search_locations", None) or ()),
+        ]
         if any(type(place) is str and (place + "/").startswith(roots) for place in places):
             found.append(str(name))
     return sorted(found)
@@ -508,8 +550,12 @@ def _reseed_numpy_in_children() -> None:
 
 def valid_name(name: Any) -> bool:
     """A module name worth an import attempt: dotted ASCII identifiers, bounded."""
-    return (type(name) is str and 0 < len(name) <= MAX_NAME_LEN and name.isascii()
-            and all(part.isidentifier() for part in name.split(".")))
+    return (
+        type(name) is str
+        and 0 < len(name) <= MAX_NAME_LEN
+        and name.isascii()
+        and all(part.isidentifier() for part in name.split("."))
+    )
 
 
 def _warmup(values: dict[str, Any]) -> tuple[float, int]:
@@ -525,6 +571,7 @@ def _warmup(values: dict[str, Any]) -> tuple[float, int]:
 
 
 # -- the children's main functions ------------------------------------------------------
+
 
 def _sandboxed(channel: tuple[Any, ...]) -> None:
     """A child's first steps once it is a sandbox, before any env code: its
@@ -630,6 +677,7 @@ def serve_trusted(run: Any, channel_fd: int, work: Any) -> None:
 
 # -- the fork server -----------------------------------------------------------------
 
+
 def fork_server(child_main: Any, channel_fd: int, probe_main: Any, origin: str, trusted: bool = False) -> None:
     """The template's loop: fork a child per request. Never returns.
 
@@ -649,8 +697,9 @@ def fork_server(child_main: Any, channel_fd: int, probe_main: Any, origin: str, 
     """
     control = socket.socket(fileno=channel_fd)
     reason = _unsafe_to_fork(channel_fd, origin)
-    control.sendall(wire.encode([wire.HELLO, wire.PROTOCOL_VERSION,
-                                 {"pid": os.getpid(), "forkable": not reason, "reason": reason}]))
+    control.sendall(
+        wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, {"pid": os.getpid(), "forkable": not reason, "reason": reason}])
+    )
     if reason:
         os._exit(0)
     if confine.prepared is None:
@@ -711,8 +760,13 @@ def fork_server(child_main: Any, channel_fd: int, probe_main: Any, origin: str, 
                     slot = fds.pop() if has_slot is True else -1
                     main, child_plan = (probe_main, probe_plan) if probe is True else (child_main, plan)
                     try:
-                        pid = _fork_child(main, 0 if probe is True else lane, fds, child_plan,  # type: ignore[arg-type]
-                                          slot)  # (a FORK before WARM ended above)
+                        pid = _fork_child(
+                            main,
+                            0 if probe is True else lane,
+                            fds,
+                            child_plan,  # type: ignore[arg-type]
+                            slot,
+                        )  # (a FORK before WARM ended above)
                     except OSError as exc:  # pids.max, memory, a namespace limit: the lane's failure
                         os.write(2, f"boltzlabs: could not make env {lane}'s sandbox: {exc}\n".encode())
                         forked.append((wire.encode([wire.FORKED, lane, generation]), -1))
@@ -735,8 +789,10 @@ def fork_server(child_main: Any, channel_fd: int, probe_main: Any, origin: str, 
                     reason = _unsafe_to_fork(channel_fd, f"{origin} or the warm-up's imports")
                     foreign = [] if trusted else foreign_modules(env_dir, workspace)
                     if foreign and not reason:
-                        reason = (f"the warm-up's imports loaded code from the env's directory or the "
-                                  f"workspace ({', '.join(foreign[:4])}); the template holds library modules only")
+                        reason = (
+                            f"the warm-up's imports loaded code from the env's directory or the "
+                            f"workspace ({', '.join(foreign[:4])}); the template holds library modules only"
+                        )
                     report.update(forkable=not reason, reason=reason)
                     outbox += _fit_warmed(report)
                     if reason:
@@ -794,7 +850,7 @@ def _fit_warmed(report: dict[str, Any]) -> bytes:
     while len(frame) > _MAX_HELLO:
         report["truncated"] = True
         if len(report["imported"]) > 1:
-            report["imported"] = report["imported"][:len(report["imported"]) // 2]
+            report["imported"] = report["imported"][: len(report["imported"]) // 2]
         elif report["failed"]:
             report["failed"] = {}
         else:
@@ -820,8 +876,10 @@ def _flush(control: socket.socket, forked: list[Any], outbox: bytearray) -> None
     while forked:
         frame, pidfd = forked[0]
         try:
-            control.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [pidfd]).tobytes())]
-                           if pidfd >= 0 else [])
+            control.sendmsg(
+                [frame],
+                [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [pidfd]).tobytes())] if pidfd >= 0 else [],
+            )
         except (BlockingIOError, InterruptedError):
             return
         del forked[0]
@@ -830,7 +888,7 @@ def _flush(control: socket.socket, forked: list[Any], outbox: bytearray) -> None
     while outbox:
         try:
             with memoryview(outbox) as view:
-                sent = control.send(view[:1 << 15])
+                sent = control.send(view[: 1 << 15])
         except (BlockingIOError, InterruptedError):
             return
         del outbox[:sent]
@@ -853,7 +911,7 @@ def _receive(control: socket.socket) -> Any:
     data = bytes(_RECEIVE_BUFFER[:size])
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
     return data, list(fds)
 
 
@@ -957,7 +1015,7 @@ def _write_own_quotas(proc_root: int, values: dict[str, Any]) -> None:
             os.close(fd)
 
 
-def main(argv: Any=None) -> None:
+def main(argv: Any = None) -> None:
     """Template entry point: set up, drop privileges, then serve forks of the
     env (untrusted: the zygote, which never runs env code; trusted: env.py,
     imported here first)."""
@@ -966,8 +1024,16 @@ def main(argv: Any=None) -> None:
     # child's environment is an exec-mode env's environment exactly. Every
     # setting below comes from it; a missing one is an error, never a default.
     values = confine.parse(os.environ.pop(confine.VARIABLE, ""))
-    missing = {"template_rlimits", "hidden_proc", "template_uid", "template_gid", "warmup", "memory", "trusted",
-               "namespaces"} - set(values)
+    missing = {
+        "template_rlimits",
+        "hidden_proc",
+        "template_uid",
+        "template_gid",
+        "warmup",
+        "memory",
+        "trusted",
+        "namespaces",
+    } - set(values)
     if missing:
         raise RuntimeError(f"the template's plan lacks {sorted(missing)}; refusing to start")
     _, memory = _warmup(values)  # checked now, before anything else
@@ -1021,5 +1087,9 @@ def main(argv: Any=None) -> None:
         limits.run(env_file)  # its serve() never returns; one that is never called exits NO_SERVE_EXIT
     # The zygote: library modules only.
 
-    fork_server(_lane_main(_run_env_file(env_file)), int(os.environ.pop(abi.FD_VARIABLE)),
-                _probe_main(_compile_and_run_env_file(env_file), memory, workspace), "the template's own set-up")
+    fork_server(
+        _lane_main(_run_env_file(env_file)),
+        int(os.environ.pop(abi.FD_VARIABLE)),
+        _probe_main(_compile_and_run_env_file(env_file), memory, workspace),
+        "the template's own set-up",
+    )

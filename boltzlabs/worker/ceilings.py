@@ -91,8 +91,10 @@ def _ceiling_shown(key: str, ceiling) -> str:
 
 def _over(name: str, key: str, asked, ceiling) -> ValueError:
     flag = CEILINGS[key][0]
-    return ValueError(f"{name}={_shown(key, asked)} is over this worker's ceiling of {_ceiling_shown(key, ceiling)} "
-                      f"({flag}); ask for less, or start the worker (boltzlabs worker) with a larger {flag}")
+    return ValueError(
+        f"{name}={_shown(key, asked)} is over this worker's ceiling of {_ceiling_shown(key, ceiling)} "
+        f"({flag}); ask for less, or start the worker (boltzlabs worker) with a larger {flag}"
+    )
 
 
 def apply_ceilings(config: dict, ceilings: dict, policy: Policy) -> dict:

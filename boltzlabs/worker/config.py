@@ -57,15 +57,19 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
         # directory (a client never names a path on this host) and caps what it may ask for.
         request = dict(request, source_dir=remote["source_dir"])
         if not isinstance(request.get("n"), int) or not 1 <= request["n"] <= remote["max_envs"]:
-            raise ValueError(f"this worker serves pools of 1 to {remote['max_envs']} envs (its --max-envs); "
-                             f"asked for {request.get('n')!r}")
+            raise ValueError(
+                f"this worker serves pools of 1 to {remote['max_envs']} envs (its --max-envs); "
+                f"asked for {request.get('n')!r}"
+            )
         from boltzlabs.worker.ceilings import apply_ceilings
 
         request = apply_ceilings(request, remote["ceilings"], policy)
         if request.get("trust_env") and not remote.get("allow_trust_env"):
-            raise ValueError("this worker does not import a remote client's env code in its template: "
-                             "trust_env=True is refused (its operator allows it with `boltzlabs worker "
-                             "--allow-trust-env`); leave trust_env out")
+            raise ValueError(
+                "this worker does not import a remote client's env code in its template: "
+                "trust_env=True is refused (its operator allows it with `boltzlabs worker "
+                "--allow-trust-env`); leave trust_env out"
+            )
     limits = policy.pool_limits()  # [limits], every key typed and checked (host/policy.py)
     lengths = (limits.max_str_len, limits.max_bin_len, limits.max_array_len, limits.max_map_len)
     depth = limits.max_depth
@@ -87,10 +91,16 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
         limits=env_limits,
         memory_limit=env_limits.get("memory") or None,
         straggler_grace=env_limits.get("straggler_grace", float("inf")),
-        env_limits=wire.Limits(limits.max_frame, *lengths, arrays="check", max_depth=depth,
-                               max_objects=limits.max_objects_per_frame),
-        hello_limits=wire.Limits(min(limits.max_hello, limits.max_frame), *lengths,
-                                 arrays="check", max_depth=depth, max_objects=limits.max_hello_objects),
+        env_limits=wire.Limits(
+            limits.max_frame, *lengths, arrays="check", max_depth=depth, max_objects=limits.max_objects_per_frame
+        ),
+        hello_limits=wire.Limits(
+            min(limits.max_hello, limits.max_frame),
+            *lengths,
+            arrays="check",
+            max_depth=depth,
+            max_objects=limits.max_hello_objects,
+        ),
         max_pool_bytes=limits.max_pool_bytes,
         log_tail=limits.log_tail,
         env_fns=_env_fns(request.get("env_fns"), int(request["n"])),
@@ -142,13 +152,13 @@ def preload_names(asked, source_dir: str) -> tuple[str, ...]:
         section = table.get("boltzlabs", {})
         listed = section.get("preload", []) if isinstance(section, dict) else None
         if not isinstance(listed, list) or not all(isinstance(name, str) for name in listed):
-            raise ValueError(f"{path}: [boltzlabs] preload must be a list of module names, like "
-                             "preload = [\"scipy.special\"]")
+            raise ValueError(
+                f'{path}: [boltzlabs] preload must be a list of module names, like preload = ["scipy.special"]'
+            )
         names += listed
     bad = [name for name in names if not valid_name(name)]
     if bad:
-        raise ValueError(f"preload: {bad[0][:100]!r} is not a module name (dotted identifiers, at most 200 "
-                         "characters)")
+        raise ValueError(f"preload: {bad[0][:100]!r} is not a module name (dotted identifiers, at most 200 characters)")
     names = list(dict.fromkeys(names))
     if len(names) > _MAX_PRELOAD:
         raise ValueError(f"preload names {len(names)} modules; at most {_MAX_PRELOAD}")
@@ -194,13 +204,15 @@ def raise_fd_limit(n: int) -> str:
     forced = os.environ.get(CHANNEL_ENV, "").strip()
     if forced not in ("", PIPES, SOCKETPAIR):
         raise ValueError(f"{CHANNEL_ENV}={forced[:40]!r}: use {PIPES!r} (the default) or {SOCKETPAIR!r}")
-    for channel in ((SOCKETPAIR,) if forced == SOCKETPAIR else (PIPES, SOCKETPAIR)):
+    for channel in (SOCKETPAIR,) if forced == SOCKETPAIR else (PIPES, SOCKETPAIR):
         if _fd_room(fds_needed(n, channel)):
             return channel
     want = fds_needed(n, SOCKETPAIR)
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    raise ValueError(f"a pool of {n} envs needs about {want} file descriptors and the limit is {soft}; "
-                     f"raise it (ulimit -n {fds_needed(n)}, or LimitNOFILE= for a service) or use fewer envs")
+    raise ValueError(
+        f"a pool of {n} envs needs about {want} file descriptors and the limit is {soft}; "
+        f"raise it (ulimit -n {fds_needed(n)}, or LimitNOFILE= for a service) or use fewer envs"
+    )
 
 
 def _fd_room(want: int) -> bool:

@@ -64,7 +64,12 @@ class State(enum.Enum):
 
 STARTING, IDLE, BUSY, STRAGGLER = State.STARTING, State.IDLE, State.BUSY, State.STRAGGLER
 IN_FLIGHT, FINISHED, FINISHED_BUSY, FINISHED_DEAD, DEAD = (
-    State.IN_FLIGHT, State.FINISHED, State.FINISHED_BUSY, State.FINISHED_DEAD, State.DEAD)
+    State.IN_FLIGHT,
+    State.FINISHED,
+    State.FINISHED_BUSY,
+    State.FINISHED_DEAD,
+    State.DEAD,
+)
 
 # The declared machine: from each state, the states a lane may move to.
 TRANSITIONS: dict[State, tuple[State, ...]] = {
@@ -84,13 +89,23 @@ TRANSITIONS: dict[State, tuple[State, ...]] = {
 EVENTS: dict[str, dict[State, State]] = {
     "spawn": {DEAD: STARTING},
     "hello": {STARTING: IDLE},
-    "request": {IDLE: BUSY, FINISHED: FINISHED_BUSY},  # step, reset; render and attr (also of a lane whose result is held)
+    "request": {
+        IDLE: BUSY,
+        FINISHED: FINISHED_BUSY,
+    },  # step, reset; render and attr (also of a lane whose result is held)
     "send": {IDLE: IN_FLIGHT},
     "refuse": {DEAD: FINISHED_DEAD, STRAGGLER: FINISHED_BUSY},  # send to a lane that cannot take it
     "reply": {BUSY: IDLE, STRAGGLER: IDLE, IN_FLIGHT: FINISHED, FINISHED_BUSY: FINISHED},
     "deadline": {BUSY: STRAGGLER, IN_FLIGHT: FINISHED_BUSY},
-    "die": {STARTING: DEAD, IDLE: DEAD, BUSY: DEAD, STRAGGLER: DEAD,
-            IN_FLIGHT: FINISHED_DEAD, FINISHED: FINISHED_DEAD, FINISHED_BUSY: FINISHED_DEAD},
+    "die": {
+        STARTING: DEAD,
+        IDLE: DEAD,
+        BUSY: DEAD,
+        STRAGGLER: DEAD,
+        IN_FLIGHT: FINISHED_DEAD,
+        FINISHED: FINISHED_DEAD,
+        FINISHED_BUSY: FINISHED_DEAD,
+    },
     "recv": {FINISHED: IDLE, FINISHED_BUSY: STRAGGLER, FINISHED_DEAD: DEAD},
 }
 
@@ -106,9 +121,28 @@ SHOWN = tuple(dict.fromkeys(state.shown for state in State))
 class Lane:
     """One env's sandbox as the worker sees it: process, channel, log and state."""
 
-    __slots__ = ("index", "state", "pid", "chan", "wchan", "logfd", "reader", "log", "seq",
-                 "out", "cause", "held", "started", "events_base", "generation", "expect",
-                 "result", "deadline", "done_at", "exit_code")
+    __slots__ = (
+        "index",
+        "state",
+        "pid",
+        "chan",
+        "wchan",
+        "logfd",
+        "reader",
+        "log",
+        "seq",
+        "out",
+        "cause",
+        "held",
+        "started",
+        "events_base",
+        "generation",
+        "expect",
+        "result",
+        "deadline",
+        "done_at",
+        "exit_code",
+    )
 
     def __init__(self, index: int, limits: wire.Limits):
         self.index = index
@@ -134,8 +168,10 @@ class Lane:
     def to(self, state: State) -> None:
         """Move to `state`, if the table declares the move; else LaneStateError."""
         if state not in self.state.next:
-            raise LaneStateError(f"lane {self.index}: no transition from {self.state.name} to {state.name} "
-                                 "(a bug in the worker; the pool ends)")
+            raise LaneStateError(
+                f"lane {self.index}: no transition from {self.state.name} to {state.name} "
+                "(a bug in the worker; the pool ends)"
+            )
         self.state = state
 
     def on(self, event: str) -> State:
@@ -143,7 +179,9 @@ class Lane:
         before = self.state
         after = before.after.get(event)
         if after is None:
-            raise LaneStateError(f"lane {self.index}: event {event!r} cannot happen in state {before.name} "
-                                 "(a bug in the worker; the pool ends)")
+            raise LaneStateError(
+                f"lane {self.index}: event {event!r} cannot happen in state {before.name} "
+                "(a bug in the worker; the pool ends)"
+            )
         self.to(after)
         return before

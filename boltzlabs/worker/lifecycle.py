@@ -84,8 +84,16 @@ class Op:
 class Lifecycle:
     """The pool's lanes: spawning, reading, killing and reaping them, and the freezer."""
 
-    def __init__(self, reactor: Reactor, budget: Budget, config: PoolConfig, spec: SandboxSpec,
-                 channel: str, cgroups: CgroupPool | None, slots: Slots | None):
+    def __init__(
+        self,
+        reactor: Reactor,
+        budget: Budget,
+        config: PoolConfig,
+        spec: SandboxSpec,
+        channel: str,
+        cgroups: CgroupPool | None,
+        slots: Slots | None,
+    ):
         self.reactor: Reactor = reactor  # the epoll set every lane's fds are in
         self.budget: Budget = budget  # what the pool holds of replies not yet returned
         self.config: PoolConfig = config  # the pool's frozen configuration (config.py)
@@ -95,13 +103,22 @@ class Lifecycle:
         # What the kernel must say of every lane's process (and the probe's) before its first request.
         account = spec.account
         assert account is not None, "the worker's sandboxes always run as its host account (server.py)"
-        self.confinement: Confinement = Confinement(spec.plan.namespaces, len(spec.programs()),
-                                                    account.uid, account.gid)
+        self.confinement: Confinement = Confinement(
+            spec.plan.namespaces, len(spec.programs()), account.uid, account.gid
+        )
         # What the spawners may use of the pool (spawn.SpawnContext), the same for every spawner made.
         self.spawn_context: SpawnContext = SpawnContext(
-            spec=spec, config=config, channel=channel, cgroups=cgroups, confinement=self.confinement,
-            slots=slots, watch=reactor.watch, unwatch=reactor.unwatch, on_exit=self.on_exit,
-            thawed=self.template_thawed)
+            spec=spec,
+            config=config,
+            channel=channel,
+            cgroups=cgroups,
+            confinement=self.confinement,
+            slots=slots,
+            watch=reactor.watch,
+            unwatch=reactor.unwatch,
+            on_exit=self.on_exit,
+            thawed=self.template_thawed,
+        )
         self.spawner: Spawner = ExecSpawner(self.spawn_context)  # TemplateSpawner from use_template()
         self.hello: dict | None = None  # lane 0's handshake info, for the client's READY
         self.op: Op | None = None  # the sync request whose replies are gathered (requests.py: begin/end)
@@ -122,8 +139,7 @@ class Lifecycle:
         # each turn's start with the envs, thawed when the turn ends.
         self.template_frozen: bool = False
         # How a frame from a lane is handled: with the freezer, the lane is frozen first.
-        self.on_message: Callable[[Lane, list], None] = (self._on_message_freezing if self.freezing
-                                                         else self._on_message)
+        self.on_message: Callable[[Lane, list], None] = self._on_message_freezing if self.freezing else self._on_message
 
     def use_template(self) -> None:
         """Spawn by forks of a warm template (spawn="template"); TemplateUnavailable if it cannot start."""
@@ -182,8 +198,11 @@ class Lifecycle:
             _, index, seq = overdue.popleft()
             lane = self.lanes[index]
             if lane.state.due and lane.seq == seq:
-                self.kill(lane, f"killed: still running {self.config.straggler_grace:g} s after missing its "
-                                f"deadline of {self.config.step_timeout:g} s (limits.straggler_grace)")
+                self.kill(
+                    lane,
+                    f"killed: still running {self.config.straggler_grace:g} s after missing its "
+                    f"deadline of {self.config.step_timeout:g} s (limits.straggler_grace)",
+                )
 
     # -- start-up -------------------------------------------------------------------
 
@@ -332,9 +351,12 @@ class Lifecycle:
             lane.reader.limits.made = 0
             if lane.state is STARTING:
                 hello = self.config.hello_limits
-                self.kill(lane, f"sent an invalid frame as its handshake (HELLO) and was killed: {exc} (its caps are "
-                                f"limits.max_hello={hello.max_frame} bytes and "
-                                f"limits.max_hello_objects={hello.max_objects})")
+                self.kill(
+                    lane,
+                    f"sent an invalid frame as its handshake (HELLO) and was killed: {exc} (its caps are "
+                    f"limits.max_hello={hello.max_frame} bytes and "
+                    f"limits.max_hello_objects={hello.max_objects})",
+                )
             else:
                 self.kill(lane, f"sent an invalid frame ({exc}) and was killed")
             return
@@ -350,8 +372,11 @@ class Lifecycle:
             if code == wire.HELLO and len(message) == 3 and message[1] == wire.PROTOCOL_VERSION:
                 problem = self._confinement_problem(lane)
                 if problem:
-                    self.kill(lane, f"failed the confinement check (what the kernel says of its process, read "
-                                    f"by the worker) and was killed: {problem}")
+                    self.kill(
+                        lane,
+                        f"failed the confinement check (what the kernel says of its process, read "
+                        f"by the worker) and was killed: {problem}",
+                    )
                     return
                 lane.on("hello")
                 lane.reader.limits = self.config.env_limits
@@ -369,8 +394,11 @@ class Lifecycle:
             self.kill(lane, f"sent {describe(message)} when no reply was due (a protocol violation) and was killed")
             return
         if len(message) < 2 or message[1] != lane.seq:
-            self.kill(lane, f"sent {describe(message)} with the wrong sequence number while the reply to request "
-                            f"{lane.seq} was due (a protocol violation) and was killed")
+            self.kill(
+                lane,
+                f"sent {describe(message)} with the wrong sequence number while the reply to request "
+                f"{lane.seq} was due (a protocol violation) and was killed",
+            )
             return
         result = check_reply(message)
         if result is None or result[0] not in (lane.expect, wire.FAILED):
@@ -380,12 +408,17 @@ class Lifecycle:
         if type(obs) is msgpack.ExtType and obs.code == wire.SLOT_EXT:
             # (wire.decode lets a marker through only as the obs of a step or reset, and only with slots on.)
             if self.slots is None or not self.slots.sealed[lane.index]:
-                self.kill(lane, "sent its obs as a slot marker but has no observation slot (a protocol violation) "
-                                "and was killed")
+                self.kill(
+                    lane,
+                    "sent its obs as a slot marker but has no observation slot (a protocol violation) and was killed",
+                )
                 return
             if obs.data != lane.seq.to_bytes(8, "little"):
-                self.kill(lane, f"sent an observation in its slot for request {int.from_bytes(obs.data, 'little')} "
-                                f"while the reply to request {lane.seq} was due (a protocol violation) and was killed")
+                self.kill(
+                    lane,
+                    f"sent an observation in its slot for request {int.from_bytes(obs.data, 'little')} "
+                    f"while the reply to request {lane.seq} was due (a protocol violation) and was killed",
+                )
                 return
         if lane.on("reply") is IN_FLIGHT:  # an async action's result, held for recv
             self.deliver(lane, result, lane.cause)
@@ -408,7 +441,7 @@ class Lifecycle:
         log += data
         tail = self.config.log_tail
         if len(log) > tail:
-            del log[:len(log) - tail]
+            del log[: len(log) - tail]
 
     def drain_log(self, lane: Lane) -> None:
         """Read what env's log pipe holds now (a bounded amount)."""
@@ -439,8 +472,10 @@ class Lifecycle:
         if self.cgroups is not None:
             oom, refused = (now - base for now, base in zip(self.cgroups.events(lane.index), lane.events_base))
             if oom > 0:
-                notes.append(f"OOM: killed by the kernel's OOM killer over its memory limit "
-                             f"(memory_limit={self.config.memory_limit} bytes)")
+                notes.append(
+                    f"OOM: killed by the kernel's OOM killer over its memory limit "
+                    f"(memory_limit={self.config.memory_limit} bytes)"
+                )
             if refused > 0:
                 # The kernel counts a refusal in the forking env's cgroup whichever
                 # limit refused it, its own or the pool's (limits.pool_pids).
@@ -592,8 +627,9 @@ class Lifecycle:
             if time.monotonic() >= deadline:
                 for index in list(self.freeze_pending):
                     self.freeze_pending.discard(index)
-                    self.kill(self.lanes[index], "could not be frozen outside its turn (serialize_measurement) "
-                                                 "and was killed")
+                    self.kill(
+                        self.lanes[index], "could not be frozen outside its turn (serialize_measurement) and was killed"
+                    )
                 return
             if time.monotonic() >= spin_until:
                 time.sleep(pause)
@@ -610,13 +646,17 @@ def warmup_note(report: dict | None) -> str:
         return ""
     notes = []
     if report["error"]:
-        notes.append(f"the warm template's probe failed, so each env imports on its own what its reset and step "
-                     f"import (more memory per env); the pool runs. {report['error']}. Fix the env's reset/step, "
-                     "or name the library modules they import in RLPool(preload=[...]) (or a boltzlabs.toml beside env.py), or RLPool(warmup=False) to skip it")
+        notes.append(
+            f"the warm template's probe failed, so each env imports on its own what its reset and step "
+            f"import (more memory per env); the pool runs. {report['error']}. Fix the env's reset/step, "
+            "or name the library modules they import in RLPool(preload=[...]) (or a boltzlabs.toml beside env.py), or RLPool(warmup=False) to skip it"
+        )
     failed = sorted(set(report["failed"]) & set(report["preload"]))
     if failed:
-        notes.append("preload named modules the template could not import: "
-                     + "; ".join(f"{name}: {report['failed'][name]}" for name in failed[:8]))
+        notes.append(
+            "preload named modules the template could not import: "
+            + "; ".join(f"{name}: {report['failed'][name]}" for name in failed[:8])
+        )
     return "\n".join(notes)
 
 

@@ -32,10 +32,12 @@ def load():
     try:
         from boltzlabs.worker import _fastpath
     except ImportError as exc:
-        return None, (f"boltzlabs: the native step path (boltzlabs.worker._fastpath) is not built on the worker's host "
-                      f"({exc}); the worker runs the pure-Python path, which costs more CPU per env-step. Install "
-                      "gcc and the Python headers (bash ci/setup.sh does) and reinstall boltzlabs to build it; set "
-                      f"{PURE_ENV}=1 to choose the pure path and silence this.")
+        return None, (
+            f"boltzlabs: the native step path (boltzlabs.worker._fastpath) is not built on the worker's host "
+            f"({exc}); the worker runs the pure-Python path, which costs more CPU per env-step. Install "
+            "gcc and the Python headers (bash ci/setup.sh does) and reinstall boltzlabs to build it; set "
+            f"{PURE_ENV}=1 to choose the pure path and silence this."
+        )
     return _fastpath, ""
 
 
@@ -46,6 +48,14 @@ def caps(limits) -> tuple:
     slots 1 when a reply's obs may be a SLOT_EXT marker (the pool has
     observation slots: wire.Limits.slot_marks counts them), else 0."""
     kwargs = limits.kwargs
-    return (limits.max_frame, kwargs["max_str_len"], kwargs["max_bin_len"], kwargs["max_array_len"],
-            kwargs["max_map_len"], kwargs["max_ext_len"], limits.max_depth, limits.max_objects,
-            1 if limits.slot_marks[0] >= 0 else 0)
+    return (
+        limits.max_frame,
+        kwargs["max_str_len"],
+        kwargs["max_bin_len"],
+        kwargs["max_array_len"],
+        kwargs["max_map_len"],
+        kwargs["max_ext_len"],
+        limits.max_depth,
+        limits.max_objects,
+        1 if limits.slot_marks[0] >= 0 else 0,
+    )

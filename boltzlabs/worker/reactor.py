@@ -53,9 +53,11 @@ class Budget:
 
     def over(self, lane: Lane) -> str:
         """Why env is killed for going over."""
-        return (f"killed: the pool would hold more than limits.max_pool_bytes={self.limit} bytes of "
-                f"replies not yet returned (this env's: {lane.held}, decoded objects counted at {OBJECT_COST} "
-                "bytes each); send less per step, or raise the limit in sandbox/policy.toml")
+        return (
+            f"killed: the pool would hold more than limits.max_pool_bytes={self.limit} bytes of "
+            f"replies not yet returned (this env's: {lane.held}, decoded objects counted at {OBJECT_COST} "
+            "bytes each); send less per step, or raise the limit in sandbox/policy.toml"
+        )
 
     def unhold(self, lane: Lane) -> None:
         """The pool no longer holds what env sent (but a partial frame it buffers)."""
@@ -103,7 +105,8 @@ class Reactor:
         guard = dict(max_depth=wire.MAX_DEPTH, max_objects=max(1 << 20, max_frame // 32)) if remote else {}
         # The client's frames: decoded as they come, whatever call is running.
         self.client_reader: wire.FrameReader = wire.FrameReader(
-            wire.Limits(max_frame, max_array_len=1 << 24, max_map_len=1 << 20, arrays="pass", **guard))
+            wire.Limits(max_frame, max_array_len=1 << 24, max_map_len=1 << 20, arrays="pass", **guard)
+        )
         self.client_inbox: list = []  # the client's messages not yet served (server.Worker._next_request)
         self.epoll: select.epoll = select.epoll()  # every fd the worker waits on
         # fd -> (kind, callback, argument): what poll() does when fd is ready.
@@ -255,8 +258,13 @@ def check_reply(message: list):
     """The reply if it has a valid shape, else None. Hostile envs send anything."""
     code = message[0]
     if code == wire.STEPPED:
-        if (len(message) == 7 and type(message[3]) in (float, int) and type(message[4]) is bool
-                and type(message[5]) is bool and type(message[6]) is dict):
+        if (
+            len(message) == 7
+            and type(message[3]) in (float, int)
+            and type(message[4]) is bool
+            and type(message[5]) is bool
+            and type(message[6]) is dict
+        ):
             return message
     elif code == wire.RESET_DONE:
         if len(message) == 4 and type(message[3]) is dict:

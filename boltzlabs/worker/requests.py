@@ -40,8 +40,16 @@ from boltzlabs.worker.stepping import Stepping
 class Requests:
     """step, reset, render, attr and the reads."""
 
-    def __init__(self, reactor: Reactor, lifecycle: Lifecycle, stepping: Stepping, budget: Budget,
-                 config: PoolConfig, fastpath: Any, packer: msgpack.Packer):
+    def __init__(
+        self,
+        reactor: Reactor,
+        lifecycle: Lifecycle,
+        stepping: Stepping,
+        budget: Budget,
+        config: PoolConfig,
+        fastpath: Any,
+        packer: msgpack.Packer,
+    ):
         self.reactor: Reactor = reactor  # where frames to the lanes are written
         self.lifecycle: Lifecycle = lifecycle  # the lanes: poll, kill, respawn, the freezer, the current Op
         self.stepping: Stepping = stepping  # its refusals: a sync request waits for no async result
@@ -79,7 +87,9 @@ class Requests:
         lanes = lifecycle.lanes
         n = len(lanes)
         if not isinstance(actions, list) or len(actions) != n:
-            raise ValueError(f"step() needs {n} actions, one per env; got {len(actions) if isinstance(actions, list) else type(actions).__name__}")
+            raise ValueError(
+                f"step() needs {n} actions, one per env; got {len(actions) if isinstance(actions, list) else type(actions).__name__}"
+            )
         resets = set(lifecycle.check_lanes(resets or []))
         self.stepping.refuse_async("step() cannot run")
         if resets:
@@ -132,8 +142,11 @@ class Requests:
                 if index in op.waiting:
                     # The gate promises one env's code at a time, so a holder
                     # that overruns is killed before the next one goes.
-                    lifecycle.kill(lane, f"missed the step deadline of {step_timeout:g} s while holding the "
-                                         "serialize_measurement gate, and was killed")
+                    lifecycle.kill(
+                        lane,
+                        f"missed the step deadline of {step_timeout:g} s while holding the "
+                        "serialize_measurement gate, and was killed",
+                    )
                     stragglers.append(index)
         if op.waiting:  # ungated steps, and resets (which the gate does not serialize)
             self._wait(op, time.monotonic() + step_timeout)
@@ -149,14 +162,20 @@ class Requests:
         infos: list = [None] * n
 
         def put(i: int, lane_obs, reward, lane_terminated, lane_truncated, info) -> None:
-            obs[i], rewards[i], terminated[i], truncated[i], infos[i] = (lane_obs, reward, lane_terminated,
-                                                                         lane_truncated, info)
+            obs[i], rewards[i], terminated[i], truncated[i], infos[i] = (
+                lane_obs,
+                reward,
+                lane_terminated,
+                lane_truncated,
+                info,
+            )
 
         self._gather(op, range(n), stragglers, immediate, put)
         return [obs, rewards.tobytes(), bytes(terminated), bytes(truncated), infos, stragglers]
 
-    def _gather(self, op: Op, indices, stragglers: list[int], immediate: dict[int, str],
-                put: Callable[..., None]) -> None:
+    def _gather(
+        self, op: Op, indices, stragglers: list[int], immediate: dict[int, str], put: Callable[..., None]
+    ) -> None:
         """Hot path (both paths), gather: `put(i, obs, reward, terminated, truncated, info)` for
         each lane i of `indices`, its reply or its failure; what the replies held leaves the
         pool's byte count with this call's REPLY."""
@@ -188,8 +207,11 @@ class Requests:
         elif straggler:
             info = {"straggler": True, "error": lane.cause}
         elif immediate == "straggler":
-            info = {"straggler": True, "error": "still busy with an earlier step it has not answered; "
-                                                "reset it (it will be killed and respawned)"}
+            info = {
+                "straggler": True,
+                "error": "still busy with an earlier step it has not answered; "
+                "reset it (it will be killed and respawned)",
+            }
         elif immediate == "dead":
             info = {"error": f"env is dead ({lane.cause}); reset it to respawn"}
         else:
@@ -232,8 +254,17 @@ class Requests:
         fastpath = self.fastpath
         budget = self.budget
         deadline = time.monotonic() + self.config.step_timeout
-        batch = fastpath.step(self.reactor.epoll.fileno(), chans, wchans, packed, seq, bytes(flags), deadline,
-                              native.caps(self.config.env_limits), budget.room())
+        batch = fastpath.step(
+            self.reactor.epoll.fileno(),
+            chans,
+            wchans,
+            packed,
+            seq,
+            bytes(flags),
+            deadline,
+            native.caps(self.config.env_limits),
+            budget.room(),
+        )
         if batch is None:
             return None  # C would not split the actions; nothing was written
         budget.add(batch.held)  # the replies C holds count against the pool's budget until the REPLY
@@ -313,7 +344,9 @@ class Requests:
             if result:
                 infos.append({"error": result[4] or result[3]})
             elif lane.index in op.waiting:
-                infos.append({"straggler": True, "error": f"missed the reset deadline of {self.config.step_timeout:g} s"})
+                infos.append(
+                    {"straggler": True, "error": f"missed the reset deadline of {self.config.step_timeout:g} s"}
+                )
             else:
                 infos.append({"error": f"could not be reset: {lane.cause}", "log": tail(lane.log)})
         return [indices, obs, infos]
@@ -328,9 +361,13 @@ class Requests:
         """call / get_attr / set_attr on the lanes in `indices`: one ATTR
         request each, as render(). `values` (set): one per lane, for args."""
         indices = self.lifecycle.check_lanes(indices)
-        if op not in ("call", "get", "set") or not isinstance(name, str) or not isinstance(args, list) \
-                or not isinstance(kwargs, dict) or (values is not None and (not isinstance(values, list)
-                                                                           or len(values) != len(indices))):
+        if (
+            op not in ("call", "get", "set")
+            or not isinstance(name, str)
+            or not isinstance(args, list)
+            or not isinstance(kwargs, dict)
+            or (values is not None and (not isinstance(values, list) or len(values) != len(indices)))
+        ):
             raise ValueError("attr() takes an op (call, get, set), a name, args, kwargs and one value per lane")
         same: dict[int, bytes] = {}  # [0]: the one frame, once encoded
 
@@ -412,8 +449,10 @@ class Requests:
         spawner = self.lifecycle.spawner
         if isinstance(spawner, TemplateSpawner) and spawner.log:
             shared = bytes(spawner.log).decode("utf-8", "replace")
-            text = (f"--- the template's output (the warm-up probe; env.py's import if trusted) ---\n{shared}"
-                    f"--- env {index} ---\n{text}")
+            text = (
+                f"--- the template's output (the warm-up probe; env.py's import if trusted) ---\n{shared}"
+                f"--- env {index} ---\n{text}"
+            )
         return text
 
     def states(self) -> list:

@@ -47,8 +47,7 @@ import msgpack
 
 from boltzlabs import wire
 from boltzlabs.abi import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, SET_UP_EXIT
-from boltzlabs.errors import (INTERNAL, PROTOCOL, USAGE, CgroupUnavailable, ClientGone, StartFailure,
-                              TemplateUnavailable)
+from boltzlabs.errors import INTERNAL, PROTOCOL, USAGE, CgroupUnavailable, ClientGone, StartFailure, TemplateUnavailable
 from boltzlabs.worker import native
 from boltzlabs.host.builder import SandboxSpec
 from boltzlabs.host.cgroups import CgroupPool
@@ -67,10 +66,12 @@ from boltzlabs.worker.stepping import Stepping
 # What a pool started by an ordinary user lacks without a cgroup of its own, and how to get one
 # (docs/nonroot.md): a user systemd scope with delegation, or, where there is no user session
 # bus (su, sudo -u, a container, ssh without a login session), one from the system manager.
-DELEGATE_FIX = ("to have them, run the trainer as root or in a cgroup delegated to you: "
-                "systemd-run --user --scope -p Delegate=yes python train.py, or where there is no user session "
-                "bus (su, a container): sudo systemd-run --scope -p Delegate=yes --uid=$(id -u) --gid=$(id -g) "
-                "-E PATH=\"$PATH\" python train.py; `boltzlabs doctor` checks the host")
+DELEGATE_FIX = (
+    "to have them, run the trainer as root or in a cgroup delegated to you: "
+    "systemd-run --user --scope -p Delegate=yes python train.py, or where there is no user session "
+    "bus (su, a container): sudo systemd-run --scope -p Delegate=yes --uid=$(id -u) --gid=$(id -g) "
+    '-E PATH="$PATH" python train.py; `boltzlabs doctor` checks the host'
+)
 
 
 def _sweep_env_fns() -> None:
@@ -135,9 +136,17 @@ class Worker:
         compile_sandbox_code()  # what every sandbox imports, as .pyc: the sandbox cannot write them
         self.account = host_account(policy.identity())
         # The policy compiled once (boltzlabs.host.plan); both spawners use this spec's plan.
-        spec = SandboxSpec(policy, config.source_dir, config.workspace_size, config.params,
-                           self.account, config.limits, env_fns=self._write_env_fns(config.env_fns),
-                           import_roots=config.import_roots, env_vars=config.env_vars)
+        spec = SandboxSpec(
+            policy,
+            config.source_dir,
+            config.workspace_size,
+            config.params,
+            self.account,
+            config.limits,
+            env_fns=self._write_env_fns(config.env_fns),
+            import_roots=config.import_roots,
+            env_vars=config.env_vars,
+        )
         n = config.n
         limits = config.limits
         # Two pipes per env, or a socketpair when the fd limit cannot hold them (config.py).
@@ -145,51 +154,67 @@ class Worker:
         self.slots = Slots.wanted(request, self.remote, n, self.channel, config.env_limits.max_frame)
         guardian = None
         try:
-            self.cgroups = CgroupPool(config.memory_limit, limits.get("pids"), freezer=config.gated,
-                                      pool_pids=limits.get("pool_pids"))
+            self.cgroups = CgroupPool(
+                config.memory_limit, limits.get("pids"), freezer=config.gated, pool_pids=limits.get("pool_pids")
+            )
             if (limits.get("pids") or limits.get("pool_pids")) and not self.cgroups.limits_pids:
-                self.limits_note = (f"no writable pids cgroup here: the per-env pids limit "
-                                    f"({limits.get('pids')} tasks) and the pool's "
-                                    f"({limits.get('pool_pids')} tasks) are not enforced; {DELEGATE_FIX}")
+                self.limits_note = (
+                    f"no writable pids cgroup here: the per-env pids limit "
+                    f"({limits.get('pids')} tasks) and the pool's "
+                    f"({limits.get('pool_pids')} tasks) are not enforced; {DELEGATE_FIX}"
+                )
             self.memory_source = self.cgroups.memory_source
         except CgroupUnavailable as exc:
             self.cgroups = None
             self.memory_source = "psutil PSS of each sandbox's processes (no writable memory cgroup)"
             self.memory_note = f"no cgroup memory accounting: {exc}; envs_per_gb() uses PSS instead; {DELEGATE_FIX}"
             if limits.get("pids") or limits.get("pool_pids"):
-                self.limits_note = (f"no cgroups here: the per-env pids limit ({limits.get('pids')} tasks) "
-                                    f"and the pool's ({limits.get('pool_pids')} tasks) are not enforced; "
-                                    f"{DELEGATE_FIX}")
+                self.limits_note = (
+                    f"no cgroups here: the per-env pids limit ({limits.get('pids')} tasks) "
+                    f"and the pool's ({limits.get('pool_pids')} tasks) are not enforced; "
+                    f"{DELEGATE_FIX}"
+                )
             if config.memory_limit:
-                raise ValueError(f"memory_limit needs a writable memory cgroup, and this host has none ({exc}); "
-                                 f"{DELEGATE_FIX}")
+                raise ValueError(
+                    f"memory_limit needs a writable memory cgroup, and this host has none ({exc}); {DELEGATE_FIX}"
+                )
         if self.cgroups is not None:
             # However this worker dies, its cgroups go with it (and the room made for them).
             guardian = guard_cgroups(self.cgroups.paths, self.cgroups.release)
         if config.gated and not (self.cgroups is not None and self.cgroups.freezes):
             why = self.cgroups.freezer_note if self.cgroups is not None else "no writable cgroups here"
-            self.gate_note = (f"serialize_measurement cannot freeze envs outside their turn ({why}): "
-                              "step calls still run one at a time, but threads or child processes an env "
-                              "leaves running after its reply keep running during other envs' turns")
+            self.gate_note = (
+                f"serialize_measurement cannot freeze envs outside their turn ({why}): "
+                "step calls still run one at a time, but threads or child processes an env "
+                "leaves running after its reply keep running during other envs' turns"
+            )
         budget = self.budget = Budget(config.max_pool_bytes)
-        lifecycle = self.lifecycle = Lifecycle(self.reactor, budget, config, spec, self.channel, self.cgroups,
-                                               self.slots)
+        lifecycle = self.lifecycle = Lifecycle(
+            self.reactor, budget, config, spec, self.channel, self.cgroups, self.slots
+        )
         self.stepping = Stepping(self.reactor, lifecycle, budget, config, self.packer)
         self.requests = Requests(self.reactor, lifecycle, self.stepping, budget, config, self.fastpath, self.packer)
         if config.spawn == "template":
             try:
                 lifecycle.use_template()
             except TemplateUnavailable as exc:
-                self.warning = (f"spawn='template' is not possible for this env, so every env runs its own "
-                                f"interpreter (spawn='exec'), which costs more memory and start-up time: {exc}")
+                self.warning = (
+                    f"spawn='template' is not possible for this env, so every env runs its own "
+                    f"interpreter (spawn='exec'), which costs more memory and start-up time: {exc}"
+                )
         spawner = lifecycle.spawner
         warmup = spawner.warmup if isinstance(spawner, TemplateSpawner) else None
         lifecycle.start(lifecycle.lanes, progress=True)
         failed = [e for e in lifecycle.lanes if e.state is not IDLE]
         if failed:
             first = min(failed, key=lambda e: e.cause == ABANDONED)
-            raise StartFailure(first.index, f"env {first.index} failed to start: {first.cause}",
-                               tail(first.log), len(failed), set_up=first.exit_code == SET_UP_EXIT)
+            raise StartFailure(
+                first.index,
+                f"env {first.index} failed to start: {first.cause}",
+                tail(first.log),
+                len(failed),
+                set_up=first.exit_code == SET_UP_EXIT,
+            )
         return {
             "n": n,
             "memory_source": self.memory_source,
@@ -205,8 +230,9 @@ class Worker:
             # The observation slots' layout (wire.SlotLayout.describe), None without them: the client
             # then asks for the memfds ("slots").
             "slots": self.slots.layout.describe() if self.slots is not None and self.slots.layout is not None else None,
-            "warning": "\n".join(note for note in (self.warning, self.limits_note, self.gate_note,
-                                                   warmup_note(warmup)) if note),
+            "warning": "\n".join(
+                note for note in (self.warning, self.limits_note, self.gate_note, warmup_note(warmup)) if note
+            ),
             "warmup": warmup,
         }
 
@@ -291,10 +317,19 @@ class Worker:
         requests, stepping = self.requests, self.stepping
         assert requests is not None and stepping is not None
         calls: dict[str, Callable[..., Any]] = {
-                 "step": requests.step, "reset": requests.reset, "render": requests.render, "attr": requests.attr,
-                 "memory": self.memory, "log": requests.log,
-                 "states": requests.states, "pids": requests.pids, "send": stepping.send, "recv": stepping.recv,
-                 "lane_states": stepping.lane_states, "shutdown": self.shutdown}
+            "step": requests.step,
+            "reset": requests.reset,
+            "render": requests.render,
+            "attr": requests.attr,
+            "memory": self.memory,
+            "log": requests.log,
+            "states": requests.states,
+            "pids": requests.pids,
+            "send": stepping.send,
+            "recv": stepping.recv,
+            "lane_states": stepping.lane_states,
+            "shutdown": self.shutdown,
+        }
         while True:
             message = self._next_request()
             if message[0] != wire.CALL or len(message) != 4:
@@ -319,8 +354,12 @@ class Worker:
     def _send_slots(self, seq, args) -> None:
         """The client's "slots"(start, count) call, local pools only: REPLY [lanes], the list of lanes
         whose sealed memfd comes attached to this frame, in that order (at most 250 a call)."""
-        if self.slots is None or not self.slots.active or len(args) != 2 \
-                or not all(type(a) is int and a >= 0 for a in args):
+        if (
+            self.slots is None
+            or not self.slots.active
+            or len(args) != 2
+            or not all(type(a) is int and a >= 0 for a in args)
+        ):
             self._send([wire.ERROR, seq, USAGE, "this pool has no observation slots to send", {}])
             return
         start, count = args
@@ -355,8 +394,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-frame", type=int, default=64 << 20, help="remote: the largest frame from the client")
     parser.add_argument("--parent", type=int, default=0, help="remote: die with this process (the listener)")
     parser.add_argument("--ceilings", default=None, help="remote: JSON of the listener's ceilings (remote.CEILINGS)")
-    parser.add_argument("--allow-trust-env", action="store_true",
-                        help="remote: the listener lets a client ask for trust_env=True")
+    parser.add_argument(
+        "--allow-trust-env", action="store_true", help="remote: the listener lets a client ask for trust_env=True"
+    )
     args = parser.parse_args(argv)
     # The client passed this fd inheritable; left so, every sandbox spawned
     # below would hold a socket to the client and could forge its replies.
@@ -366,9 +406,13 @@ def main(argv=None) -> int:
     if args.remote:
         from boltzlabs.worker.ceilings import default_ceilings
 
-        remote = {"source_dir": args.source_dir, "max_envs": args.max_envs, "max_frame": args.max_frame,
-                  "ceilings": json.loads(args.ceilings) if args.ceilings else default_ceilings(),
-                  "allow_trust_env": args.allow_trust_env}
+        remote = {
+            "source_dir": args.source_dir,
+            "max_envs": args.max_envs,
+            "max_frame": args.max_frame,
+            "ceilings": json.loads(args.ceilings) if args.ceilings else default_ceilings(),
+            "allow_trust_env": args.allow_trust_env,
+        }
         die_with(args.parent)
     # Orphans of killed sandboxes (an exec sandbox's inner bwrap) come to us,
     # not to a host init that may reap them late: reap_orphans() takes them.

@@ -66,8 +66,14 @@ class Slots:
             fd = self.fds[index] = os.memfd_create(f"boltzlabs-obs-{index}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         return fd
 
-    def on_hello(self, hello: dict | None, env_limits: wire.Limits, lanes: list[Lane],
-                 kill: Callable[[Lane, str], None], lane: Lane) -> None:
+    def on_hello(
+        self,
+        hello: dict | None,
+        env_limits: wire.Limits,
+        lanes: list[Lane],
+        kill: Callable[[Lane, str], None],
+        lane: Lane,
+    ) -> None:
         """Lane `env` said HELLO: decide the layout on lane 0's (`hello`, None until it came), then
         size and seal every lane of `lanes` that has said HELLO (this one included) and is not sealed;
         one that tampered with its memfd is killed (`kill`). A reply may carry a slot marker from then
@@ -112,8 +118,11 @@ class Slots:
             # memfd is spent: the lane goes on without a slot (its obs by the wire).
             os.close(fd)
             self.fds[index] = -2
-            kill(lane, "tampered with its observation slot (resized or sealed the memfd on fd "
-                       f"{abi.SLOT_FD}) before the worker sized it, and was killed")
+            kill(
+                lane,
+                "tampered with its observation slot (resized or sealed the memfd on fd "
+                f"{abi.SLOT_FD}) before the worker sized it, and was killed",
+            )
             return
         self.sealed[index] = True
 

@@ -200,12 +200,19 @@ def _posix_spawn(argv, channel: tuple, log_w: int, programs: dict, slot: int = -
         sources, log_w = [above(fd) for fd in channel], above(log_w)
         slots = [(os.POSIX_SPAWN_DUP2, above(slot), abi.SLOT_FD)] if slot >= 0 else []
         targets = channel_fds(PIPES if len(sources) == 2 else SOCKETPAIR)
-        actions = [(os.POSIX_SPAWN_DUP2, fd, target) for fd, target in zip(sources, targets)] + [
-            (os.POSIX_SPAWN_DUP2, log_w, 1),
-            (os.POSIX_SPAWN_DUP2, log_w, 2),
-            (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
-        ] + [(os.POSIX_SPAWN_DUP2, stack.enter_context(seccomp.program_fd(program)), target)
-             for target, program in programs.items()] + slots
+        actions = (
+            [(os.POSIX_SPAWN_DUP2, fd, target) for fd, target in zip(sources, targets)]
+            + [
+                (os.POSIX_SPAWN_DUP2, log_w, 1),
+                (os.POSIX_SPAWN_DUP2, log_w, 2),
+                (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
+            ]
+            + [
+                (os.POSIX_SPAWN_DUP2, stack.enter_context(seccomp.program_fd(program)), target)
+                for target, program in programs.items()
+            ]
+            + slots
+        )
         pid = os.posix_spawn(argv[0], argv, {}, file_actions=actions)
         SPAWNED.add(pid)
         return pid
@@ -227,8 +234,9 @@ class ExecSpawner:
 
         def start(channel: tuple, log_w: int) -> None:
             with _charged_to(context, lane.index):
-                lane.pid = _posix_spawn(argv, channel, log_w, {**context.spec.programs(), **handed},
-                                       slot_fd(context, lane))
+                lane.pid = _posix_spawn(
+                    argv, channel, log_w, {**context.spec.programs(), **handed}, slot_fd(context, lane)
+                )
 
         lane.chan, lane.wchan, lane.logfd = _open_channel(start, context.channel)
         pidfd = os.pidfd_open(lane.pid)
@@ -344,8 +352,11 @@ class TemplateSpawner:
         # the old ones (network namespaces are torn down by a work queue).
         namespaces = 4 * n + 64
         # Room for the fds of a child being made (a channel's, a log pipe), beyond the env's file limit.
-        argv, handed = context.spec.hand_over(context.spec.template_argv(
-            channel_fds(SOCKETPAIR), open_files=n + 64, trusted=context.config.trust_env, namespaces=namespaces))
+        argv, handed = context.spec.hand_over(
+            context.spec.template_argv(
+                channel_fds(SOCKETPAIR), open_files=n + 64, trusted=context.config.trust_env, namespaces=namespaces
+            )
+        )
 
         def start(channel: tuple, log_w: int) -> None:
             with _charged_to(context, TEMPLATE_LANE):
@@ -395,20 +406,29 @@ class TemplateSpawner:
                     messages = reader.feed(data) if data else []
                 except ProtocolError:
                     messages = []
-                if len(messages) == 1 and messages[0][0] == wire.HELLO and len(messages[0]) == 3 \
-                        and isinstance(messages[0][2], dict):
+                if (
+                    len(messages) == 1
+                    and messages[0][0] == wire.HELLO
+                    and len(messages[0]) == 3
+                    and isinstance(messages[0][2], dict)
+                ):
                     return messages[0][2]
                 _readable([self.pidfd], deadline - time.monotonic())
                 ready = {self.pidfd}  # EOF or anything but a HELLO: it is done for
             if self.pidfd in ready or remaining <= 0:
                 self.log += _drain(self.logfd)
-                what = "exited" if self.pidfd in ready else f"did not start within {self.context.config.start_timeout:g} s"
+                what = (
+                    "exited" if self.pidfd in ready else f"did not start within {self.context.config.start_timeout:g} s"
+                )
                 cgroups = self.context.cgroups
                 if cgroups is not None and cgroups.events(TEMPLATE_LANE)[0]:
-                    what += (f", killed by the kernel's OOM killer over the env's memory limit "
-                             f"(memory_limit={self.context.config.memory_limit} bytes), which holds the template too")
-                raise TemplateUnavailable(f"the template {what}; its output:\n"
-                                          + bytes(self.log[-4000:]).decode("utf-8", "replace"))
+                    what += (
+                        f", killed by the kernel's OOM killer over the env's memory limit "
+                        f"(memory_limit={self.context.config.memory_limit} bytes), which holds the template too"
+                    )
+                raise TemplateUnavailable(
+                    f"the template {what}; its output:\n" + bytes(self.log[-4000:]).decode("utf-8", "replace")
+                )
 
     # -- the warm-up ----------------------------------------------------------------------
 
@@ -427,8 +447,10 @@ class TemplateSpawner:
             report = _warmup_report({"preload": preload, "error": None})
         names, cut = _fit_names(_unique(names))
         if self.control is None or self.failure:
-            raise TemplateUnavailable(f"the template failed during its warm-up ({self.failure or 'it exited'}): "
-                                      f"{bytes(self.log[-2000:]).decode('utf-8', 'replace')}")
+            raise TemplateUnavailable(
+                f"the template failed during its warm-up ({self.failure or 'it exited'}): "
+                f"{bytes(self.log[-2000:]).decode('utf-8', 'replace')}"
+            )
         self.warmed = False
         code = self.env_code
         if code is None:
@@ -445,11 +467,15 @@ class TemplateSpawner:
             if self.logfd in ready:
                 self._take_log()
             if remaining <= 0:
-                raise TemplateUnavailable(f"the template did not finish its warm-up imports in time: "
-                                          f"{bytes(self.log[-2000:]).decode('utf-8', 'replace')}")
+                raise TemplateUnavailable(
+                    f"the template did not finish its warm-up imports in time: "
+                    f"{bytes(self.log[-2000:]).decode('utf-8', 'replace')}"
+                )
             if self.control.fileno() in ready and not self._read_control():
-                raise TemplateUnavailable(f"the template failed during its warm-up imports ({self.failure or 'it exited'}): "
-                                          f"{bytes(self.log[-2000:]).decode('utf-8', 'replace')}")
+                raise TemplateUnavailable(
+                    f"the template failed during its warm-up imports ({self.failure or 'it exited'}): "
+                    f"{bytes(self.log[-2000:]).decode('utf-8', 'replace')}"
+                )
         warmed = self.warmed
         if not warmed.get("forkable"):
             raise TemplateUnavailable(str(warmed.get("reason") or "the template refused to fork")[:2000])
@@ -461,7 +487,8 @@ class TemplateSpawner:
                 imported=[name for name in imported if type(name) is str],
                 failed={k: v for k, v in failed.items() if type(k) is str and type(v) is str},
                 import_seconds=float(seconds) if type(seconds) in (int, float) else 0.0,
-                refused=report["refused"] + cut + (warmed["refused"] if type(warmed.get("refused")) is int else 0))
+                refused=report["refused"] + cut + (warmed["refused"] if type(warmed.get("refused")) is int else 0),
+            )
             if cut or warmed.get("truncated") is True:
                 report["truncated"] = True
         return report
@@ -513,9 +540,15 @@ class TemplateSpawner:
     def _read_probe(self, chan: int, logfd: int, pidfd: int, log: bytearray, deadline: float, timeout: float):
         """(the probe's one frame or None, an error or None), read until it
         comes, the probe ends, or the deadline. Its log is kept (its tail)."""
-        limits = wire.Limits(_MAX_PROBE_REPORT + probe.MAX_CODE, max_str_len=4096, max_bin_len=probe.MAX_CODE,
-                             max_array_len=template.MAX_NAMES, max_map_len=0, max_depth=3,
-                             max_objects=2 * template.MAX_NAMES + 16)
+        limits = wire.Limits(
+            _MAX_PROBE_REPORT + probe.MAX_CODE,
+            max_str_len=4096,
+            max_bin_len=probe.MAX_CODE,
+            max_array_len=template.MAX_NAMES,
+            max_map_len=0,
+            max_depth=3,
+            max_objects=2 * template.MAX_NAMES + 16,
+        )
         reader = wire.FrameReader(limits)
         os.set_blocking(chan, False)
         os.set_blocking(logfd, False)
@@ -793,7 +826,7 @@ class TemplateSpawner:
                 # The template reads at most 64 KiB per packet.
                 for start in range(0, len(kills), 1 << 15):
                     if self.control is not None:
-                        self.control.sendall(kills[start:start + (1 << 15)])
+                        self.control.sendall(kills[start : start + (1 << 15)])
             except OSError:
                 self._lost()
 
@@ -836,7 +869,7 @@ def _fit_names(names: list) -> tuple[list, int]:
     """The names that fit one WARM packet (in order: the pool's preload list
     first), and how many were left out."""
     kept, size = [], 16
-    for name in names[:template.MAX_NAMES]:
+    for name in names[: template.MAX_NAMES]:
         size += len(name) + 3
         if size > _MAX_WARM:
             break
@@ -849,17 +882,28 @@ def _take_probe_report(message, status, error, oom: int, memory_limit, report: d
     names, how many, private bytes at birth, after, steps, error, serve(preload=)
     names, env.py's marshalled code or None]. Returns that code (bytes this
     process never reads: the template's children unmarshal them), or None."""
-    valid = (type(message) is list and len(message) == 9 and message[0] == wire.PROBED and type(message[1]) is list
-             and all(type(x) is int and x >= 0 for x in message[2:6])
-             and (message[6] is None or type(message[6]) is str) and type(message[7]) is list
-             and (message[8] is None or (type(message[8]) is bytes and len(message[8]) <= probe.MAX_CODE)))
+    valid = (
+        type(message) is list
+        and len(message) == 9
+        and message[0] == wire.PROBED
+        and type(message[1]) is list
+        and all(type(x) is int and x >= 0 for x in message[2:6])
+        and (message[6] is None or type(message[6]) is str)
+        and type(message[7]) is list
+        and (message[8] is None or (type(message[8]) is bytes and len(message[8]) <= probe.MAX_CODE))
+    )
     code = None
     if valid:
         _, names, total, birth, after, steps, raised, wanted, code = message
         good = sorted({name for name in names if template.valid_name(name)})
-        report.update(modules=good, private_birth=birth, private_after=after, steps=steps,
-                      preload=[name[:template.MAX_NAME_LEN] for name in wanted if type(name) is str][:template.MAX_NAMES],
-                      refused=report["refused"] + max(0, total - len(good)))
+        report.update(
+            modules=good,
+            private_birth=birth,
+            private_after=after,
+            steps=steps,
+            preload=[name[: template.MAX_NAME_LEN] for name in wanted if type(name) is str][: template.MAX_NAMES],
+            refused=report["refused"] + max(0, total - len(good)),
+        )
         if raised is not None and error is None:
             error = raised[:1000]
     if error is None and status is not None and status != 0 and not valid:
@@ -867,14 +911,22 @@ def _take_probe_report(message, status, error, oom: int, memory_limit, report: d
     elif error is None and not valid:
         error = "the probe sent no valid report (its output was refused)"
     if oom and (error is not None or not valid):
-        error = (f"{error}; " if error else "") + (f"OOM: the kernel's OOM killer ended it over the env's memory "
-                                                   f"limit (memory_limit={memory_limit} bytes)")
+        error = (f"{error}; " if error else "") + (
+            f"OOM: the kernel's OOM killer ended it over the env's memory limit (memory_limit={memory_limit} bytes)"
+        )
     report["error"] = error
     return code
 
 
-_CONTROL_NAMES = {wire.HELLO: "HELLO", wire.FORK: "FORK", wire.KILL: "KILL", wire.WARM: "WARM",
-                  wire.FORKED: "FORKED", wire.EXITED: "EXITED", wire.WARMED: "WARMED"}
+_CONTROL_NAMES = {
+    wire.HELLO: "HELLO",
+    wire.FORK: "FORK",
+    wire.KILL: "KILL",
+    wire.WARM: "WARM",
+    wire.FORKED: "FORKED",
+    wire.EXITED: "EXITED",
+    wire.WARMED: "WARMED",
+}
 
 
 def describe_control(message) -> str:
@@ -886,15 +938,37 @@ def describe_control(message) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-_WARMUP_TYPES = {"modules": list, "preload": list, "imported": list, "failed": dict, "private_birth": int,
-                 "private_after": int, "steps": int, "seconds": float, "import_seconds": float,
-                 "error": (str, type(None)), "refused": int, "truncated": bool}
+_WARMUP_TYPES = {
+    "modules": list,
+    "preload": list,
+    "imported": list,
+    "failed": dict,
+    "private_birth": int,
+    "private_after": int,
+    "steps": int,
+    "seconds": float,
+    "import_seconds": float,
+    "error": (str, type(None)),
+    "refused": int,
+    "truncated": bool,
+}
 
 
 def _warmup_report(fields: dict) -> dict:
     """A warm-up report (env_contract["warmup"]) with every key, from `fields`."""
-    out = {"modules": [], "preload": [], "imported": [], "failed": {}, "private_birth": 0, "private_after": 0,
-           "steps": 0, "seconds": 0.0, "import_seconds": 0.0, "error": None, "refused": 0}
+    out = {
+        "modules": [],
+        "preload": [],
+        "imported": [],
+        "failed": {},
+        "private_birth": 0,
+        "private_after": 0,
+        "steps": 0,
+        "seconds": 0.0,
+        "import_seconds": 0.0,
+        "error": None,
+        "refused": 0,
+    }
     out.update(fields)
     return out
 
@@ -917,7 +991,7 @@ def _received_fds(ancillary) -> list[int]:
     fds = array.array("i")
     for level, kind, payload in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            fds.frombytes(payload[:len(payload) - len(payload) % fds.itemsize])
+            fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
     return list(fds)
 
 

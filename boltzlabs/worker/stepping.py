@@ -40,8 +40,9 @@ from boltzlabs.worker.reactor import Budget, Reactor
 class Stepping:
     """send/recv and the gate."""
 
-    def __init__(self, reactor: Reactor, lifecycle: Lifecycle, budget: Budget, config: PoolConfig,
-                 packer: msgpack.Packer):
+    def __init__(
+        self, reactor: Reactor, lifecycle: Lifecycle, budget: Budget, config: PoolConfig, packer: msgpack.Packer
+    ):
         self.reactor: Reactor = reactor  # where frames to the lanes are written
         self.lifecycle: Lifecycle = lifecycle  # the lanes: poll, kill, respawn, the freezer
         self.budget: Budget = budget  # a result received leaves the pool's byte count
@@ -69,8 +70,10 @@ class Stepping:
         lanes = lifecycle.lanes
         indices = lifecycle.check_lanes(indices)
         if not isinstance(actions, list) or len(actions) != len(indices):
-            raise ValueError(f"send() needs one action per env id ({len(indices)}); "
-                             f"got {len(actions) if isinstance(actions, list) else type(actions).__name__}")
+            raise ValueError(
+                f"send() needs one action per env id ({len(indices)}); "
+                f"got {len(actions) if isinstance(actions, list) else type(actions).__name__}"
+            )
         resets = set(lifecycle.check_lanes(resets or []))
         if not resets <= set(indices):
             raise ValueError("send() can only autoreset lanes it sends to")
@@ -129,8 +132,10 @@ class Stepping:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 0:
             raise ValueError(f"recv() batch_size must be a whole number, not {batch_size!r}")
         if batch_size > can_come:
-            raise ValueError(f"recv(batch_size={batch_size}) would wait forever: only {can_come} result(s) can come "
-                             f"({len(self.flying)} env(s) in flight, {len(self.finished)} finished and not received)")
+            raise ValueError(
+                f"recv(batch_size={batch_size}) would wait forever: only {can_come} result(s) can come "
+                f"({len(self.flying)} env(s) in flight, {len(self.finished)} finished and not received)"
+            )
         if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0):
             raise ValueError(f"recv() timeout must be a number of seconds >= 0 or None, not {timeout!r}")
         started = time.monotonic()
@@ -171,8 +176,17 @@ class Stepping:
             lane.result = None
         self.budget.free(released)
         queued_ms = queued * 1000.0 / k if k else 0.0
-        return [indices, obs, rewards.tobytes(), bytes(terminated), bytes(truncated), infos, stragglers,
-                wait_ms, queued_ms]
+        return [
+            indices,
+            obs,
+            rewards.tobytes(),
+            bytes(terminated),
+            bytes(truncated),
+            infos,
+            stragglers,
+            wait_ms,
+            queued_ms,
+        ]
 
     def lane_states(self) -> list:
         """Each lane's one state, by its client name (lanes.State.shown): idle,
@@ -185,17 +199,22 @@ class Stepping:
         """ValueError if lane `index` has an async action or result outstanding (for a sync request)."""
         lane = self.lifecycle.lanes[index]
         if lane.state is IN_FLIGHT:
-            raise ValueError(f"cannot {what} env {index}: it is in flight (an action was sent and its result has "
-                             "not been received); recv it first")
+            raise ValueError(
+                f"cannot {what} env {index}: it is in flight (an action was sent and its result has "
+                "not been received); recv it first"
+            )
         if lane.state.result_held:
-            raise ValueError(f"cannot {what} env {index}: it has finished and its result has not been received; "
-                             "recv it first")
+            raise ValueError(
+                f"cannot {what} env {index}: it has finished and its result has not been received; recv it first"
+            )
 
     def refuse_async(self, what: str) -> None:
         """ValueError while any async action or result is outstanding (step() does not mix with them)."""
         if self.flying or self.finished:
-            raise ValueError(f"{what} while {len(self.flying)} env(s) are in flight and {len(self.finished)} "
-                             "finished but not received: recv them first (send/recv and step() do not mix)")
+            raise ValueError(
+                f"{what} while {len(self.flying)} env(s) are in flight and {len(self.finished)} "
+                "finished but not received: recv them first (send/recv and step() do not mix)"
+            )
 
     def take(self, lane: Lane, reply: list | None, cause: str) -> None:
         """env's async action has its reply (None: it died of `cause`): its result, held for recv."""
@@ -234,13 +253,24 @@ class Stepping:
             lane = lifecycle.lanes[index]
             if index == self.gate_holder:
                 # The gate promises one env's code at a time: kill the holder before the next one goes.
-                lifecycle.kill(lane, f"missed the step deadline of {step_timeout:g} s while holding the "
-                                     "serialize_measurement gate, and was killed")
+                lifecycle.kill(
+                    lane,
+                    f"missed the step deadline of {step_timeout:g} s while holding the "
+                    "serialize_measurement gate, and was killed",
+                )
                 lane.result = (None, 0.0, False, True, {"straggler": True, "error": lane.cause})
                 continue
             lane.on("deadline")
-            self._finish(lane, (None, 0.0, False, True,
-                               {"straggler": True, "error": f"missed the step deadline of {step_timeout:g} s"}))
+            self._finish(
+                lane,
+                (
+                    None,
+                    0.0,
+                    False,
+                    True,
+                    {"straggler": True, "error": f"missed the step deadline of {step_timeout:g} s"},
+                ),
+            )
             lifecycle.straggling(lane)
 
     def _advance_gate(self) -> None:
@@ -283,5 +313,7 @@ def outcome(result, cause: str) -> tuple:
 def _unavailable(lane: Lane) -> dict:
     if lane.state.dead:
         return {"error": f"env is dead ({lane.cause}); reset it to respawn"}
-    return {"straggler": True, "error": "still busy with an earlier step it has not answered; "
-                                        "reset it (it will be killed and respawned)"}
+    return {
+        "straggler": True,
+        "error": "still busy with an earlier step it has not answered; reset it (it will be killed and respawned)",
+    }

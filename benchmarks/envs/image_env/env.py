@@ -20,7 +20,7 @@ state = {"t": 0, "y": 0, "x": 0, "frame": None}
 
 def _draw(value: int) -> None:
     y, x = state["y"], state["x"]
-    state["frame"][y:y + SPRITE, x:x + SPRITE] = value
+    state["frame"][y : y + SPRITE, x : x + SPRITE] = value
 
 
 def reset(seed):
@@ -41,5 +41,9 @@ def step(action):
 
 
 # The declared space lets a local pool pass each frame through the env's slot (docs/wire.md).
-serve(reset=reset, step=step, observation_space=spaces.Box(0, 255, (HEIGHT, WIDTH, 3), np.uint8),
-      action_space=spaces.Discrete(2))
+serve(
+    reset=reset,
+    step=step,
+    observation_space=spaces.Box(0, 255, (HEIGHT, WIDTH, 3), np.uint8),
+    action_space=spaces.Discrete(2),
+)

@@ -16,5 +16,10 @@ if __name__ == "__main__":  # in a sandbox: env.py is run as __main__
     from boltzlabs.env import serve
 
     env = make()
-    serve(reset=lambda seed, options=None: env.reset(seed=seed, options=options), step=env.step,
-          observation_space=env.observation_space, action_space=env.action_space, target=env)
+    serve(
+        reset=lambda seed, options=None: env.reset(seed=seed, options=options),
+        step=env.step,
+        observation_space=env.observation_space,
+        action_space=env.action_space,
+        target=env,
+    )

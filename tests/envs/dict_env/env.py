@@ -16,12 +16,14 @@ class DictEnv(gym.Env):
     def __init__(self, render_mode=None, horizon=12):
         self.render_mode = render_mode
         self.horizon = horizon
-        self.observation_space = spaces.Dict({
-            "pos": spaces.Box(-10.0, 10.0, (2,), np.float32),
-            "t": spaces.Discrete(1000),
-            "flags": spaces.MultiBinary(3),
-            "grid": spaces.Box(0, 255, (3, 4), np.uint8),
-        })
+        self.observation_space = spaces.Dict(
+            {
+                "pos": spaces.Box(-10.0, 10.0, (2,), np.float32),
+                "t": spaces.Discrete(1000),
+                "flags": spaces.MultiBinary(3),
+                "grid": spaces.Box(0, 255, (3, 4), np.uint8),
+            }
+        )
         self.action_space = spaces.MultiDiscrete([3, 2])
         self.pos = np.zeros(2, np.float32)
         self.t = 0
@@ -61,6 +63,12 @@ if __name__ == "__main__":
     from boltzlabs.env import params, serve
 
     env = DictEnv(**params())
-    serve(reset=lambda seed, options=None: env.reset(seed=seed, options=options), step=env.step,
-          observation_space=env.observation_space, action_space=env.action_space,
-          metadata=env.metadata, render=env.render, render_mode=env.render_mode)
+    serve(
+        reset=lambda seed, options=None: env.reset(seed=seed, options=options),
+        step=env.step,
+        observation_space=env.observation_space,
+        action_space=env.action_space,
+        metadata=env.metadata,
+        render=env.render,
+        render_mode=env.render_mode,
+    )

@@ -95,8 +95,7 @@ def abort_child():
     if pid == 0:
         os.abort()
     _, status = os.waitpid(pid, 0)
-    return {"signal": os.WTERMSIG(status), "core_dumped": os.WCOREDUMP(status),
-            "files": sorted(os.listdir("."))}
+    return {"signal": os.WTERMSIG(status), "core_dumped": os.WCOREDUMP(status), "files": sorted(os.listdir("."))}
 
 
 def emit(chunks, gap):

@@ -121,8 +121,14 @@ def ops(action):
     if op == "ws_read":
         return probe(lambda: read(action.get("name", "note.txt")))
     if op == "identity":
-        return {"uid": os.getuid(), "hostname": socket.gethostname(), "cwd": os.getcwd(),
-                "home": os.environ.get("HOME"), "tmpdir": os.environ.get("TMPDIR"), "pid": os.getpid()}
+        return {
+            "uid": os.getuid(),
+            "hostname": socket.gethostname(),
+            "cwd": os.getcwd(),
+            "home": os.environ.get("HOME"),
+            "tmpdir": os.environ.get("TMPDIR"),
+            "pid": os.getpid(),
+        }
     if op == "bad_return":
         return "not-a-tuple"
     raise KeyError(op)
@@ -136,7 +142,13 @@ def step(action):
             return out
         return {"t": state["t"], "out": out}, 0.0, False, {}
     noise = state["rng"].random()
-    return {"t": state["t"], "noise": noise, "episodes": state["episodes"]}, float(action), state["t"] >= 100, False, {"t": state["t"]}
+    return (
+        {"t": state["t"], "noise": noise, "episodes": state["episodes"]},
+        float(action),
+        state["t"] >= 100,
+        False,
+        {"t": state["t"]},
+    )
 
 
 serve(reset=reset, step=step)

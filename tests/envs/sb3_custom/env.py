@@ -14,12 +14,14 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-SPACES = OrderedDict([
-    ("discrete", spaces.Discrete(2)),
-    ("multidiscrete", spaces.MultiDiscrete([2, 3])),
-    ("multibinary", spaces.MultiBinary(3)),
-    ("continuous", spaces.Box(low=np.zeros(2, dtype=np.float32), high=np.ones(2, dtype=np.float32))),
-])
+SPACES = OrderedDict(
+    [
+        ("discrete", spaces.Discrete(2)),
+        ("multidiscrete", spaces.MultiDiscrete([2, 3])),
+        ("multibinary", spaces.MultiBinary(3)),
+        ("continuous", spaces.Box(low=np.zeros(2, dtype=np.float32), high=np.ones(2, dtype=np.float32))),
+    ]
+)
 
 
 class _UnorderedDictSpace(spaces.Dict):
@@ -40,8 +42,9 @@ def make_space(name: str):
         "unordered_dict": lambda: _UnorderedDictSpace(SPACES),
         "tuple": lambda: spaces.Tuple(tuple(SPACES.values())),
         "image": lambda: spaces.Box(low=np.zeros(image_shape), high=np.ones(image_shape) * 255, dtype=np.uint8),
-        "image_transposed": lambda: spaces.Box(low=np.zeros(image_shape[::-1]),
-                                               high=np.ones(image_shape[::-1]) * 255, dtype=np.uint8),
+        "image_transposed": lambda: spaces.Box(
+            low=np.zeros(image_shape[::-1]), high=np.ones(image_shape[::-1]) * 255, dtype=np.uint8
+        ),
     }[name]()
 
 
@@ -134,6 +137,13 @@ if __name__ == "__main__":
 
     env = make_env(**params())
     # target=: pool.call / get_attr / set_attr reach this env as SB3's DummyVecEnv reaches its own.
-    serve(reset=lambda seed, options=None: env.reset(seed=seed, options=options), step=env.step,
-          observation_space=env.observation_space, action_space=env.action_space,
-          metadata=env.metadata, render=env.render, render_mode=getattr(env, "render_mode", None), target=env)
+    serve(
+        reset=lambda seed, options=None: env.reset(seed=seed, options=options),
+        step=env.step,
+        observation_space=env.observation_space,
+        action_space=env.action_space,
+        metadata=env.metadata,
+        render=env.render,
+        render_mode=getattr(env, "render_mode", None),
+        target=env,
+    )

@@ -84,8 +84,11 @@ def step(action):
         return _Marker(0, header=action["seq"]), 0.0, False, False, {}
     if op == "resize":
         out = []
-        for call in (lambda fd: os.ftruncate(fd, 1), lambda fd: os.ftruncate(fd, 1 << 30),
-                     lambda fd: os.posix_fallocate(fd, 0, 1 << 30)):
+        for call in (
+            lambda fd: os.ftruncate(fd, 1),
+            lambda fd: os.ftruncate(fd, 1 << 30),
+            lambda fd: os.posix_fallocate(fd, 0, 1 << 30),
+        ):
             try:
                 call(kept["fd"])
                 out.append("ok")
