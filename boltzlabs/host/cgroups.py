@@ -341,7 +341,7 @@ class _V2(_Backend):
         except FileExistsError:  # an empty one left by a worker that was killed
             pass
         except OSError as exc:
-            raise CgroupUnavailable(f"cgroup v2: cannot create the leaf {leaf}: {exc}. " + delegation_fix()) from None
+            raise CgroupUnavailable(f"cgroup v2: cannot create the leaf {leaf}: {exc}. " + delegation_fix()) from exc
         self.leaf, self.procs_home = leaf, leaf
         try:
             for _ in range(50):  # until the tree's forks since the last read are moved too
@@ -398,7 +398,7 @@ class _V2(_Backend):
                 if name == "memory":
                     raise CgroupUnavailable(
                         f"cgroup v2: cannot enable memory in {group}/cgroup.subtree_control: {exc}. " + delegation_fix()
-                    ) from None
+                    ) from exc
                 continue  # pids: the pool runs, without its fork caps (limits_pids says so)
             if self.leaf is not None:  # ours to undo (never the root's)
                 self.enabled.append(name)
@@ -781,7 +781,7 @@ class CgroupPool:
                 # pool of another worker closing; once more makes a room of its own.
                 if attempt == 0 and not v1:
                     continue
-                raise CgroupUnavailable(f"cannot create the pool cgroup {self.path}: {exc}") from None
+                raise CgroupUnavailable(f"cannot create the pool cgroup {self.path}: {exc}") from exc
         self.freezer_path = None
         self.freezes, self.freezer_note = False, ""
         if freezer and v1:

@@ -142,7 +142,7 @@ def compile_filter(rules: dict[str, Any], *, template: bool = False) -> bytes:
                 try:
                     program.add_rule(action, name, *comparisons)
                 except OSError as exc:
-                    raise SeccompPolicyError(f"{where}: libseccomp refused the rule for {name!r}: {exc}") from None
+                    raise SeccompPolicyError(f"{where}: libseccomp refused the rule for {name!r}: {exc}") from exc
     read_fd, write_fd = os.pipe()
     try:
         with os.fdopen(write_fd, "wb") as out:

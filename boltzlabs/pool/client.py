@@ -537,7 +537,7 @@ class RLPool(Pool):
                     except OSError as exc:
                         for rest in fds[k + 1 :]:
                             os.close(rest)
-                        raise WorkerError(f"could not map env {lane}'s observation slot: {exc}") from None
+                        raise WorkerError(f"could not map env {lane}'s observation slot: {exc}") from exc
         except BaseException:
             mapped.close()
             raise

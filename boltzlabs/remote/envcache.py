@@ -121,7 +121,7 @@ def plan(blob: bytes, max_files: int) -> list[Entry]:
     except UnpackRefused:
         raise
     except Exception as exc:  # whatever tarfile makes of hostile bytes
-        raise UnpackRefused(f"the archive cannot be read as a tar: {type(exc).__name__}: {exc}") from None
+        raise UnpackRefused(f"the archive cannot be read as a tar: {type(exc).__name__}: {exc}") from exc
     if seen.get(("env.py",)) is not False:
         raise UnpackRefused("the env directory has no env.py file")
     return entries

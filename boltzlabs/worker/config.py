@@ -132,7 +132,7 @@ def preload_names(asked, source_dir: str) -> tuple[str, ...]:
     except FileNotFoundError:
         fd = None
     except OSError as exc:
-        raise ValueError(f"{path}: cannot be read ({exc.strerror}); it must be a plain file") from None
+        raise ValueError(f"{path}: cannot be read ({exc.strerror}); it must be a plain file") from exc
     if fd is not None:
         import stat
         import tomllib
@@ -148,7 +148,7 @@ def preload_names(asked, source_dir: str) -> tuple[str, ...]:
         try:
             table = tomllib.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-            raise ValueError(f"{path} is not valid TOML: {exc}") from None
+            raise ValueError(f"{path} is not valid TOML: {exc}") from exc
         section = table.get("boltzlabs", {})
         listed = section.get("preload", []) if isinstance(section, dict) else None
         if not isinstance(listed, list) or not all(isinstance(name, str) for name in listed):

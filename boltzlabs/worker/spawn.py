@@ -380,7 +380,7 @@ class TemplateSpawner:
             try:
                 self.template_pidfd, self.pid = sandbox_process(self.bwrap_pid)
             except OSError as exc:
-                raise TemplateUnavailable(f"the template: {exc}") from None
+                raise TemplateUnavailable(f"the template: {exc}") from exc
             context.confinement.outside(self.pid, "the template")
             self.warmup = self._warmup()
         except BaseException:
@@ -774,7 +774,7 @@ class TemplateSpawner:
             ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())] if fds else []
             control.sendmsg([frame], ancillary)
         except OSError as exc:
-            raise TemplateUnavailable(f"the template stopped reading its control channel ({exc})") from None
+            raise TemplateUnavailable(f"the template stopped reading its control channel ({exc})") from exc
 
     def give_up(self, why: str) -> None:
         """Kill the template for `why` (it could not be frozen): its lanes die with it, saying so."""
