@@ -67,27 +67,10 @@ prepared: dict[str, Any] | None = None
 
 # The text's bounds: it comes from the worker, and is still parsed as input.
 _MAX_TEXT, _MAX_ITEMS = 16384, 128
-_KEYS = {
-    "unshare",
-    "uid",
-    "gid",
-    "hostname",
-    "workspace",
-    "size",
-    "inodes",
-    "ptys",
-    "dev",
-    "proc",
-    "rlimits",
-    "template_rlimits",
-    "hidden_proc",
-    "template_uid",
-    "template_gid",
-    "warmup",
-    "memory",
-    "trusted",
-    "namespaces",
-}
+# Every spawn's plan has these; the template's also has TEMPLATE_KEYS (template.py checks them).
+_SPAWN_KEYS = {"unshare", "uid", "gid", "hostname", "workspace", "size", "inodes", "ptys", "dev", "proc", "rlimits"}
+TEMPLATE_KEYS = set("template_rlimits hidden_proc template_uid template_gid warmup memory trusted namespaces".split())
+_KEYS = _SPAWN_KEYS | TEMPLATE_KEYS
 _NAMESPACES = {"net", "ipc", "uts", "cgroup"}  # what a child unshares besides its user and pid namespaces
 
 
@@ -115,19 +98,7 @@ def parse(text: str) -> dict[str, Any]:
         if not sep or not known or key in values:
             raise ValueError(f"${VARIABLE}: unknown, repeated or malformed item {line[:80]!r}")
         values[key] = value
-    missing = {
-        "unshare",
-        "uid",
-        "gid",
-        "hostname",
-        "workspace",
-        "size",
-        "inodes",
-        "ptys",
-        "dev",
-        "proc",
-        "rlimits",
-    } - set(values)
+    missing = _SPAWN_KEYS - set(values)
     if missing:
         raise ValueError(f"${VARIABLE} lacks {sorted(missing)}")
     return values

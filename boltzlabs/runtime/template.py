@@ -1024,16 +1024,7 @@ def main(argv: Any = None) -> None:
     # child's environment is an exec-mode env's environment exactly. Every
     # setting below comes from it; a missing one is an error, never a default.
     values = confine.parse(os.environ.pop(confine.VARIABLE, ""))
-    missing = {
-        "template_rlimits",
-        "hidden_proc",
-        "template_uid",
-        "template_gid",
-        "warmup",
-        "memory",
-        "trusted",
-        "namespaces",
-    } - set(values)
+    missing = confine.TEMPLATE_KEYS - set(values)
     if missing:
         raise RuntimeError(f"the template's plan lacks {sorted(missing)}; refusing to start")
     _, memory = _warmup(values)  # checked now, before anything else
