@@ -211,6 +211,14 @@ def number_of(values: dict[str, Any], key: str, low: int = 0) -> int:
     return int(value)
 
 
+def mount_calls(mounts: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    """(source, target, fstype, flags, data, what) rows as mount(2)'s ctypes arguments and the step's words."""
+    return [
+        ((a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode()), what)
+        for a, b, c, f, d, what in mounts
+    ]
+
+
 class Plan:
     """The set-up's system calls, their arguments built once from VARIABLE's parsed values.
 
@@ -281,10 +289,7 @@ class Plan:
             (f"{shm}/s", shm, None, abi.MS_BIND, None, f"bind {shm}"),
             *pts,
         ]
-        self.mounts = [
-            ((a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode()), what)
-            for a, b, c, f, d, what in mounts
-        ]
+        self.mounts = mount_calls(mounts)
         self.sysctls = [
             (f"{SYSCTL_DIR}/{key[7:]}".encode(), str(number_of(values, key)).encode())
             for key in values

@@ -284,10 +284,7 @@ class _ChildPlan:
                 f"make {proc}/sys read-only",
             ),
         ]
-        self.mounts = confined.mounts + [
-            ((a and a.encode(), b.encode(), c and c.encode(), ctypes.c_ulong(f), d and d.encode()), what)
-            for a, b, c, f, d, what in mounts
-        ]
+        self.mounts = confined.mounts + confine.mount_calls(mounts)
         self.after_quotas = len(confined.mounts) + 1
         # The per-user-namespace quotas ([quotas] in sandbox/policy.toml),
         # max_user_namespaces=0 among them: written in the child's own user
