@@ -16,7 +16,7 @@ from boltzlabs.host import cgroups
 from conftest import COUNTER, PROBE, TESTS, scaled
 
 ENVS = TESTS / "envs"
-HANG = 120  # seconds: only to catch a hang
+HANG = scaled(120)  # seconds: only to catch a hang (10x in the emulated v2 guest)
 
 
 def boltzlabs(*args, env=None, command=None):
