@@ -20,7 +20,7 @@ from boltzlabs import RLPool
 from boltzlabs.errors import PoolClosedError, WorkerError, WorkerSideError
 from boltzlabs.pool.protocol import Pool, StepResult
 
-from conftest import COUNTER, PROBE, has_ended, two_node_ray_cluster
+from conftest import COUNTER, PROBE, has_ended, scaled, two_node_ray_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "boltzlabs"
@@ -404,7 +404,7 @@ def test_a_killed_workers_cgroups_are_removed_by_its_guardian_without_the_client
         )
         assert uss < 16 << 20, f"the guardian holds {uss} private bytes"
         os.kill(pool._proc.pid, signal.SIGKILL)  # the client does nothing: no call, no close
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while time.monotonic() < deadline and any(os.path.exists(p) for p in pool._cgroup):
             time.sleep(0.05)
         assert not any(os.path.exists(p) for p in pool._cgroup), pool._cgroup
