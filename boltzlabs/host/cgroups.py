@@ -675,7 +675,8 @@ def sweep_stale(homes: list[Path]) -> None:
 
 
 def remove_pool_dir(path: Any, timeout: float = 5.0) -> bool:
-    """Kill whatever is left in a pool cgroup and remove it with its children.
+    """Kill whatever is left in a pool cgroup and remove it with its children,
+    giving up only once `timeout` seconds pass with nothing gone.
     `path` may be a list of them (one per hierarchy): every hierarchy's tasks
     are killed and thawed before any directory is waited for, since a frozen
     task dies only once its freezer group is thawed."""
@@ -686,13 +687,25 @@ def remove_pool_dir(path: Any, timeout: float = 5.0) -> bool:
         _kill_procs(group)
     for group in groups:
         _thaw_v1(group)
-    ok = all([_rmdir(group, deadline) for group in groups])
-    return all([_rmdir(pool, deadline) for pool in pools]) and ok
+    ok = True
+    for group in groups + pools:  # the deadline moves on while groups go (CgroupPool.close)
+        if _rmdir(group, deadline, stall=timeout):
+            deadline = max(deadline, time.monotonic() + timeout)
+        else:
+            ok = False
+    return ok
 
 
-def _rmdir(path: Path, deadline: float = 0.0, reap: Any = None) -> bool:
+def _rmdir(path: Path, deadline: float = 0.0, reap: Any = None, stall: float = 0.0) -> bool:
     """Remove a cgroup, killing what is in it until it is empty (or deadline).
-    `reap()` reaps the caller's exited children: a zombie keeps a cgroup busy."""
+    `reap()` reaps the caller's exited children: a zombie keeps a cgroup busy.
+
+    With `stall`, the deadline moves on while tasks keep leaving: it gives up
+    only once `stall` seconds pass with none gone. Thousands of killed
+    sandboxes tearing down their namespaces on a loaded machine take longer
+    than any fixed deadline (3,333 envs' shared memory cgroup took over 5 s
+    here), and a cgroup given up on is left behind."""
+    left = None  # tasks in it at the last try
     while True:
         try:
             path.rmdir()
@@ -700,7 +713,14 @@ def _rmdir(path: Path, deadline: float = 0.0, reap: Any = None) -> bool:
         except FileNotFoundError:
             return True
         except OSError as exc:
-            if exc.errno != errno.EBUSY or time.monotonic() >= deadline:
+            if exc.errno != errno.EBUSY:
+                return False
+            now = time.monotonic()
+            count = len(_procs(path))
+            if stall and left is not None and count < left:
+                deadline = max(deadline, now + stall)
+            left = count
+            if now >= deadline:
                 return False
             _kill_procs(path)  # forked since the last round: kill again
             _thaw_v1(path)
@@ -722,6 +742,9 @@ def _thaw_v1(group: Path) -> None:
 LIMITED_PARTS = ("template", "probe")
 # The memory cgroup every env of a pool without per-env memory limits shares (v1).
 SHARED = "envs"
+# A closing pool waits for its cgroups while their tasks keep leaving, and
+# gives up on one only after this many seconds with none gone (_rmdir).
+CLOSE_STALL = 5.0
 
 
 class CgroupPool:
@@ -991,16 +1014,17 @@ class CgroupPool:
             self.backend.kill(groups[-1])
             if self.freezes:
                 self.thaw(key)
-        removed: set[Path] = set()
-        for key in self._groups:
-            for group in self._joined(key):
-                if group not in removed:  # the envs' shared memory cgroup once
-                    ok &= _rmdir(group, deadline, reap)
-                    removed.add(group)
+        # Each env's groups, the envs' shared memory cgroup once, then the pool's own. The
+        # deadline moves on with every group removed: a pool gives up only once none went
+        # for CLOSE_STALL seconds (10,000 sandboxes take far longer than 5 s to die).
+        made = [group for key in self._groups for group in self._joined(key)]
+        made += [path for path in (self.path, self.pids_path, self.freezer_path) if path is not None]
+        for group in dict.fromkeys(made):
+            if _rmdir(group, deadline, reap, stall=CLOSE_STALL):
+                deadline = max(deadline, time.monotonic() + CLOSE_STALL)
+            else:
+                ok = False
         self._groups.clear()
-        for path in (self.path, self.pids_path, self.freezer_path):
-            if path is not None:
-                ok &= _rmdir(path, deadline, reap)
         self.release()  # False only when another pool still uses the room: not a failure of ours
         return ok
 

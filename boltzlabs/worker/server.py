@@ -266,7 +266,13 @@ class Worker:
         """Kill every sandbox, stop the spawner, remove the cgroups and the account."""
         deadline = self.lifecycle.close() if self.lifecycle is not None else time.monotonic() + 5.0
         if self.cgroups is not None:
-            self.cgroups.close(deadline, reap_orphans)
+            if not self.cgroups.close(deadline, reap_orphans):
+                print(
+                    f"boltzlabs worker: some of the pool's cgroups under {self.cgroups.path} still held tasks "
+                    "after 5 s with none leaving; its guardian removes them once this worker has exited",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self.cgroups = None
             guard_closed()
         if self.account is not None:
