@@ -3,6 +3,7 @@
     python benchmarks/bench_shards.py                                 # counter and HalfCheetah-v5, n = 64 512 1000
     python benchmarks/bench_shards.py --env counter --n 512 1000 --workers 1 2 4
     python benchmarks/bench_shards.py --env halfcheetah --n 64 --no-async
+    python benchmarks/bench_shards.py --env counter --pin   # the client alone on a CPU, the workers on the rest
 
 For each env and n, every contender is open at once (a pool per k, and
 gymnasium's AsyncVectorEnv where --async-max allows) and they take turns in
@@ -40,12 +41,14 @@ except ImportError:
 
 import gymnasium as gym
 import numpy as np
+import psutil
 from gymnasium.vector import AsyncVectorEnv, AutoresetMode
 
 from bench_pool import CounterEnv, _runtime_ns
 from boltzlabs import RLPool
 
 COUNTER = ROOT / "examples" / "counter"
+CPUS = sorted(os.sched_getaffinity(0))  # before --pin narrows this process's
 RESULTS = ROOT / "benchmarks" / "results" / "shards-{env}.json"
 
 
@@ -74,6 +77,16 @@ class Ours:
 
     def reset(self) -> None:
         self.pool.reset(seed=0)
+
+    def pin(self, cpus: set) -> None:
+        """Every worker and each process below it (templates, sandboxes) on `cpus` only."""
+        for pid in self.workers:
+            worker = psutil.Process(pid)
+            for proc in [worker, *worker.children(recursive=True)]:
+                try:
+                    os.sched_setaffinity(proc.pid, cpus)
+                except OSError as exc:  # gone, or a cpuset that holds none of `cpus`
+                    log(f"could not pin {proc.pid} ({proc.name()}): {exc}")
 
     def chunk(self, steps: int) -> tuple:
         pool, actions = self.pool, self.actions
@@ -118,12 +131,16 @@ class Async:
         self.envs.close()
 
 
-def bench(env: str, n: int, ks: list, rounds: int, steps: int, with_async: bool) -> list:
+def bench(env: str, n: int, ks: list, rounds: int, steps: int, with_async: bool, pin: bool = False) -> list:
     contenders = []
     try:
         for k in ks:
             log(f"{env} n={n}: starting workers={k}")
             contenders.append(Ours(env, n, k))
+            if pin:  # the client alone on its CPU: its CPU figure without a worker on its core
+                client, *rest = CPUS
+                contenders[-1].pin(set(rest))
+                os.sched_setaffinity(0, {client})
         if with_async:
             log(f"{env} n={n}: starting AsyncVectorEnv")
             contenders.append(Async(env, n))
@@ -171,6 +188,12 @@ def main() -> None:
         "--async-max", type=int, default=1000, help="largest n AsyncVectorEnv runs at (HalfCheetah: a quarter of it)"
     )
     parser.add_argument("--no-async", action="store_true")
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="this process (the client) alone on its first CPU, every worker and sandbox on the others: "
+        "the client's CPU per env-step without core sharing (throughput then is not comparable)",
+    )
     args = parser.parse_args()
     rows = []
     for env in args.env:
@@ -178,22 +201,24 @@ def main() -> None:
         for n in args.n:
             steps = max(5, args.env_steps // scale // n)
             limit = args.async_max if env == "counter" else args.async_max // 4
-            rows += bench(env, n, args.workers, args.rounds, steps, not args.no_async and n <= limit)
+            with_async = not args.no_async and not args.pin and n <= limit
+            rows += bench(env, n, args.workers, args.rounds, steps, with_async, args.pin)
             log(json.dumps([row for row in rows if row["env"] == env and row["n"] == n]))
-    results = Path(str(RESULTS).format(env="-".join(args.env)))
+    results = Path(str(RESULTS).format(env="-".join(args.env) + ("-pinned" if args.pin else "")))
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(
         json.dumps(
             {
                 "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "cores": len(os.sched_getaffinity(0)),
+                "cores": len(CPUS),
+                "pinned": args.pin,
                 "load": os.getloadavg(),
                 "rows": rows,
             },
             indent=1,
         )
     )
-    print(f"cores {len(os.sched_getaffinity(0))}, load {os.getloadavg()[0]:.1f}, medians of {args.rounds} rounds\n")
+    print(f"cores {len(CPUS)}, load {os.getloadavg()[0]:.1f}, medians of {args.rounds} rounds\n")
     print(
         "| env | n | who | env-steps/s | vs workers=1 | client us/env-step | workers us/env-step (busiest) | ready s |"
     )
