@@ -156,6 +156,22 @@ def test_fork_bomb_hits_its_pids_limit_and_disturbs_nobody(spawn):
     assert not any(Path(g).exists() for g in groups)
 
 
+@pytest.mark.parametrize("spawn, n", [("template", 7), ("exec", 3)])
+def test_a_pool_whose_envs_at_rest_pass_its_pids_cap_is_refused_before_any_starts(spawn, n):
+    """n envs need n tasks at rest in template mode (3 each in exec mode) and the template
+    and probe 2: past the cap of 8, a pool that would fail env by env is refused at once,
+    saying what it needs at the least and the two ways out."""
+    before = descendants()
+    with pytest.raises(ValueError) as caught:
+        RLPool(COUNTER, n, spawn=spawn, limits={"pool_pids": 8})
+    text = str(caught.value)
+    assert f"a pool of {n} envs in {spawn} mode holds at least {n * (1 if spawn == 'template' else 3) + 2} tasks" in text
+    assert "limits.pool_pids" in text and "workers=k" in text
+    assert descendants() == before
+    with RLPool(COUNTER, 3 if spawn == "template" else 1, spawn=spawn, limits={"pool_pids": 8}) as pool:
+        pool.reset(seed=0)  # under the cap: it starts
+
+
 def test_envs_that_together_pass_the_pool_cap_stop_there_and_other_pools_do_not_notice(spawn):
     """Each env may have 64 tasks, but the pool (every env, the template and its
     probe) 96: three envs forking until refused fill the pool's cap, not

@@ -149,6 +149,16 @@ class Worker:
         )
         n = config.n
         limits = config.limits
+        # What the pool's pids cap must hold before any env forks: a task per env in template
+        # mode (bwrap's, the sandbox's init and the env in exec mode), and the template and probe.
+        at_rest = n * (1 if config.spawn == "template" else 3) + 2
+        if limits.get("pool_pids") and at_rest > limits["pool_pids"]:
+            raise ValueError(
+                f"a pool of {n} envs in {config.spawn} mode holds at least {at_rest} tasks before any env forks, more "
+                f"than its pids cap of {limits['pool_pids']} tasks for all its envs together "
+                f"(limits.pool_pids): raise it (limits={{'pool_pids': {2 * at_rest}}}) or split the pool over "
+                "more worker processes (RLPool(..., workers=k)), each with a cap of its own"
+            )
         # Two pipes per env, or a socketpair when the fd limit cannot hold them (config.py).
         self.channel = raise_fd_limit(n)
         self.slots = Slots.wanted(request, self.remote, n, self.channel, config.env_limits.max_frame)
