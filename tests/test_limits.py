@@ -165,7 +165,9 @@ def test_a_pool_whose_envs_at_rest_pass_its_pids_cap_is_refused_before_any_start
     with pytest.raises(ValueError) as caught:
         RLPool(COUNTER, n, spawn=spawn, limits={"pool_pids": 8})
     text = str(caught.value)
-    assert f"a pool of {n} envs in {spawn} mode holds at least {n * (1 if spawn == 'template' else 3) + 2} tasks" in text
+    assert (
+        f"a pool of {n} envs in {spawn} mode holds at least {n * (1 if spawn == 'template' else 3) + 2} tasks" in text
+    )
     assert "limits.pool_pids" in text and "workers=k" in text
     assert descendants() == before
     with RLPool(COUNTER, 3 if spawn == "template" else 1, spawn=spawn, limits={"pool_pids": 8}) as pool:
