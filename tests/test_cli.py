@@ -173,8 +173,16 @@ def test_bench_of_an_env_that_cannot_start_exits_1():
 # -- doctor ------------------------------------------------------------------------------------
 
 
+def test_doctor_timeout_bounds_each_trial_and_says_which_flag_gives_more():
+    code, out, err = boltzlabs("doctor", "--timeout", "0.001")
+    assert code == 1, out + err
+    line = next(line for line in out.splitlines() if "bwrap sandbox" in line)
+    assert line.startswith("FAIL") and "no answer within 0.001 s (doctor --timeout)" in line, out
+    assert_no_traceback_of_ours(err)
+
+
 def test_doctor_passes_here_and_names_the_cgroup_version():
-    code, out, err = boltzlabs("doctor")
+    code, out, err = boltzlabs("doctor", "--timeout", scaled(60))
     assert code == 0, out + err
     assert "FAIL" not in out
     assert f"cgroup {cgroups.version()}" in out

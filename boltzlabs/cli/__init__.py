@@ -410,6 +410,14 @@ Each problem comes with the exact command that fixes it.""",
         help="the pool size to plan the fd limit for (default 1000)",
     )
     parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=60.0,
+        metavar="S",
+        help="seconds each trial sandbox and pool may take to start and answer (default 60; "
+        "more on a slow or emulated host)",
+    )
+    parser.add_argument(
         "--ray",
         metavar="ADDRESS",
         default=None,
@@ -427,7 +435,7 @@ def _run_doctor(args) -> int:
 
         nodes = [(report["node"], [Finding(**f) for f in report["findings"]]) for report in doctor(args.ray, args.n)]
     else:
-        nodes = [(None, run_checks(args.n))]
+        nodes = [(None, run_checks(args.n, args.timeout))]
     failed = any(f.status == "fail" for _, findings in nodes for f in findings)
     if args.json:
         if args.ray:

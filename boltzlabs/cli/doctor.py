@@ -69,15 +69,16 @@ class Finding:
         return asdict(self)
 
 
-def run_checks(n: int = 1000) -> list[Finding]:
-    """Every host check, in order; `n` is the pool size the fd check plans for."""
+def run_checks(n: int = 1000, timeout: float = 60.0) -> list[Finding]:
+    """Every host check, in order; `n` is the pool size the fd check plans for,
+    `timeout` the seconds each trial sandbox or pool may take to start and answer."""
     findings = []
     bwrap = shutil.which("bwrap")
     checks = (
         ("bwrap", lambda: _bwrap(bwrap)),
         ("user namespaces", _userns),
         ("seccomp", _seccomp),
-        ("sandbox", lambda: _sandbox(bwrap)),
+        ("sandbox", lambda: _sandbox(bwrap, timeout)),
         ("cgroup version", _cgroup_version),
         ("cgroups", _cgroups),
         ("memory cgroup bookkeeping", lambda: _memory_cgroup_bookkeeping(n)),
@@ -247,7 +248,7 @@ def _env_dir(root: Path, name: str, source: str) -> Path:
     return directory
 
 
-def _sandbox(bwrap: str | None) -> list[Finding]:
+def _sandbox(bwrap: str | None, timeout: float = 60.0) -> list[Finding]:
     if bwrap is None:
         return [Finding("sandbox", FAIL, "not tried: bwrap is missing (above)")]
     from boltzlabs import abi
@@ -278,14 +279,14 @@ def _sandbox(bwrap: str | None) -> list[Finding]:
                     argv,
                     capture_output=True,
                     text=True,
-                    timeout=60,
+                    timeout=timeout,
                     stdin=subprocess.DEVNULL,
                     pass_fds=list(fds.values()),
                 )
             said = (out.stderr.strip() or out.stdout.strip())[-2000:]
             ok = out.returncode == 0 and marker in out.stdout
         except subprocess.TimeoutExpired:
-            ok, said, out = False, "no answer within 60 s", None
+            ok, said, out = False, f"no answer within {timeout:g} s (doctor --timeout)", None
         if ok:
             findings.append(Finding("bwrap sandbox", OK, "bwrap runs Python under boltzlabs' policy"))
         else:
@@ -301,13 +302,13 @@ def _sandbox(bwrap: str | None) -> list[Finding]:
                 )
             )
             return findings
-        findings.extend(_pool(_env_dir(root, "serving", _PROBE_ENV)))
+        findings.extend(_pool(_env_dir(root, "serving", _PROBE_ENV), timeout))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return findings
 
 
-def _pool(env_dir: Path) -> list[Finding]:
+def _pool(env_dir: Path, timeout: float = 60.0) -> list[Finding]:
     """A one-env pool per spawn mode: reset and one step, the whole stack."""
     import warnings
 
@@ -320,7 +321,7 @@ def _pool(env_dir: Path) -> list[Finding]:
         try:
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                with RLPool(env_dir, 1, spawn=spawn, step_timeout=30, start_timeout=60) as pool:
+                with RLPool(env_dir, 1, spawn=spawn, step_timeout=timeout / 2, start_timeout=timeout) as pool:
                     pool.reset(seed=0)
                     _, _, _, infos = pool.step([0])
                     used = pool.spawn
