@@ -29,7 +29,8 @@ APART = 0.4  # seconds between two tasks' deaths
 @pytest.fixture
 def dying_one_by_one():
     """A pool whose envs 0..TASKS-1 each hold one killed, frozen task in the envs' shared
-    memory cgroup; yields (pool, shared group, start), where start() thaws them APART s apart."""
+    memory cgroup; yields (pool, shared group, start, reap): start() thaws them APART s apart,
+    reap() reaps the children that died (a zombie keeps the group busy)."""
     pool = cgroups.CgroupPool(freezer=True)
     children = [subprocess.Popen(["sleep", "600"]) for _ in range(TASKS)]
     try:

@@ -222,9 +222,10 @@ class _Backend:
         _kill_procs(group)
 
 
-def _kill_procs(group: Path) -> None:
-    """SIGKILL each process listed in `group` (one round; any version, no backend needed)."""
-    for pid in _procs(group):
+def _kill_procs(group: Path, pids: list[int] | None = None) -> None:
+    """SIGKILL each process listed in `group` (one round; any version, no backend needed),
+    or each of `pids`, the list the caller just read from it."""
+    for pid in _procs(group) if pids is None else pids:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -687,10 +688,17 @@ def remove_pool_dir(path: Any, timeout: float = 5.0) -> bool:
         _kill_procs(group)
     for group in groups:
         _thaw_v1(group)
+    return _rmdir_all(groups + pools, deadline, None, timeout)
+
+
+def _rmdir_all(groups: list[Path], deadline: float, reap: Any, stall: float) -> bool:
+    """_rmdir each of `groups` in turn, the deadline moving on with every one
+    removed: it gives up on the rest only once `stall` seconds pass with none
+    gone. False if one would not go."""
     ok = True
-    for group in groups + pools:  # the deadline moves on while groups go (CgroupPool.close)
-        if _rmdir(group, deadline, stall=timeout):
-            deadline = max(deadline, time.monotonic() + timeout)
+    for group in groups:
+        if _rmdir(group, deadline, reap, stall):
+            deadline = max(deadline, time.monotonic() + stall)
         else:
             ok = False
     return ok
@@ -716,13 +724,13 @@ def _rmdir(path: Path, deadline: float = 0.0, reap: Any = None, stall: float = 0
             if exc.errno != errno.EBUSY:
                 return False
             now = time.monotonic()
-            count = len(_procs(path))
-            if stall and left is not None and count < left:
+            procs = _procs(path)
+            if stall and left is not None and len(procs) < left:
                 deadline = max(deadline, now + stall)
-            left = count
+            left = len(procs)
             if now >= deadline:
                 return False
-            _kill_procs(path)  # forked since the last round: kill again
+            _kill_procs(path, procs)  # forked since the last round: kill again
             _thaw_v1(path)
             if reap is not None:
                 reap()
@@ -1009,21 +1017,16 @@ class CgroupPool:
     def close(self, deadline: float, reap: Any = None) -> bool:
         """Kill what is left, remove every cgroup made; False if one would not go.
         `reap()`, if given, reaps the caller's exited children between tries."""
-        ok = True
         for key, groups in self._groups.items():
             self.backend.kill(groups[-1])
             if self.freezes:
                 self.thaw(key)
-        # Each env's groups, the envs' shared memory cgroup once, then the pool's own. The
-        # deadline moves on with every group removed: a pool gives up only once none went
-        # for CLOSE_STALL seconds (10,000 sandboxes take far longer than 5 s to die).
+        # Each env's groups, the envs' shared memory cgroup once, then the pool's own; a pool
+        # gives up only once none went for CLOSE_STALL seconds (10,000 sandboxes take far
+        # longer than 5 s to die).
         made = [group for key in self._groups for group in self._joined(key)]
         made += [path for path in (self.path, self.pids_path, self.freezer_path) if path is not None]
-        for group in dict.fromkeys(made):
-            if _rmdir(group, deadline, reap, stall=CLOSE_STALL):
-                deadline = max(deadline, time.monotonic() + CLOSE_STALL)
-            else:
-                ok = False
+        ok = _rmdir_all(list(dict.fromkeys(made)), deadline, reap, CLOSE_STALL)
         self._groups.clear()
         self.release()  # False only when another pool still uses the room: not a failure of ours
         return ok

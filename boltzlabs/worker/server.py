@@ -50,7 +50,7 @@ from boltzlabs.abi import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, SET_UP_EXIT
 from boltzlabs.errors import INTERNAL, PROTOCOL, USAGE, CgroupUnavailable, ClientGone, StartFailure, TemplateUnavailable
 from boltzlabs.worker import native
 from boltzlabs.host.builder import SandboxSpec
-from boltzlabs.host.cgroups import CgroupPool
+from boltzlabs.host.cgroups import CLOSE_STALL, CgroupPool
 from boltzlabs.host.identity import HostAccount, host_account
 from boltzlabs.host.policy import compile_sandbox_code, find_bwrap, load_policy
 from boltzlabs.worker.config import PIPES, PoolConfig, parse_open, raise_fd_limit
@@ -279,7 +279,7 @@ class Worker:
             if not self.cgroups.close(deadline, reap_orphans):
                 print(
                     f"boltzlabs worker: some of the pool's cgroups under {self.cgroups.path} still held tasks "
-                    "after 5 s with none leaving; its guardian removes them once this worker has exited",
+                    f"after {CLOSE_STALL:g} s with none leaving; its guardian removes them once this worker has exited",
                     file=sys.stderr,
                     flush=True,
                 )
