@@ -83,6 +83,7 @@ from pathlib import Path
 from typing import Any
 
 from boltzlabs.errors import CgroupUnavailable
+from boltzlabs.runtime.rlimits import read_file
 
 LEAF = "boltzlabs-procs"  # v2: where the worker and its process tree go to make room
 # v2 controllers a pool needs: memory (accounting, memory_limit), pids (the
@@ -112,7 +113,7 @@ def _mounts() -> list[tuple[str, str, list[str]]]:
     return out
 
 
-def _write(path: Path, data: bytes) -> None:
+def _write(path: Any, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
         os.write(fd, data)
@@ -120,19 +121,30 @@ def _write(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
+def _read(path: Any) -> str:
+    return read_file(path).decode()
+
+
+def _mkdir(path: Any) -> None:
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        pass
+
+
 def _read_int(path: Path) -> int:
-    return int(path.read_text().split()[0])
+    return int(_read(path).split()[0])
 
 
 def _read_limit(path: Path) -> int | None:
     """A limit file's value; None for "max" (no limit)."""
-    text = path.read_text().split()[0]
+    text = _read(path).split()[0]
     return None if text == "max" else int(text)
 
 
 def _read_stat(path: Path) -> dict[str, int]:
     stats: dict[str, int] = {}
-    for line in path.read_text().splitlines():
+    for line in _read(path).splitlines():
         key, _, value = line.partition(" ")
         if value.strip().isdigit():
             stats[key] = int(value)
@@ -141,14 +153,14 @@ def _read_stat(path: Path) -> dict[str, int]:
 
 def _words(path: Path) -> list[str]:
     try:
-        return path.read_text().split()
+        return _read(path).split()
     except OSError:
         return []
 
 
 def _procs(group: Path) -> list[int]:
     try:
-        return [int(p) for p in (group / "cgroup.procs").read_text().split()]
+        return [int(p) for p in _read(os.path.join(group, "cgroup.procs")).split()]
     except FileNotFoundError:
         return []
 
@@ -203,7 +215,7 @@ class _Backend:
         raise NotImplementedError
 
     def set_pids(self, group: Path, limit: int) -> None:
-        (group / "pids.max").write_text(str(limit))
+        _write(os.path.join(group, "pids.max"), b"%d" % limit)
 
     def pids_limit(self, group: Path) -> int | None:
         return _read_limit(group / "pids.max")
@@ -831,10 +843,10 @@ class CgroupPool:
         # Where the worker goes back to after a spawn: its own cgroup in each hierarchy.
         procs_home = self.backend.procs_home
         assert procs_home is not None, "the worker's own cgroup: its home or the leaf it made"
-        self._homes = [procs_home / "cgroup.procs"]
+        self._homes = [os.path.join(procs_home, "cgroup.procs")]
         for home in (self.pids_home, self.freezer_path and self.freezer_home):
             if home is not None:
-                self._homes.append(home / "cgroup.procs")
+                self._homes.append(os.path.join(home, "cgroup.procs"))
         # Whether each env has a memory cgroup of its own (the module's docstring
         # says what a memory cgroup costs the kernel): always on v2 (one tree),
         # and where there is no pids hierarchy (its group is what a kill
@@ -846,6 +858,7 @@ class CgroupPool:
         # key's own (the one whose tasks are its alone, which a kill empties)
         self._groups: dict[Any, Any] = {}
         self._frozen_group: dict[Any, Any] = {}  # key -> the group whose freezer holds it
+        self._procs: dict[Any, list[str]] = {}  # key -> the cgroup.procs file of each group it joins
 
     @property
     def version(self) -> str:
@@ -881,6 +894,7 @@ class CgroupPool:
         if ok:
             del self._groups[key]
             self._frozen_group.pop(key, None)
+            self._procs.pop(key, None)
         return ok
 
     def _made(self, key: Any) -> list[Path]:
@@ -890,7 +904,7 @@ class CgroupPool:
             memory = self.path / (name if self.per_env_memory or not isinstance(key, int) else SHARED)
             groups = [memory] + ([self.pids_path / name] if self.pids_path is not None else [])
             for group in groups:
-                group.mkdir(exist_ok=True)
+                _mkdir(group)
             if self.memory_limit and (isinstance(key, int) or key in LIMITED_PARTS):
                 self.backend.set_limit(groups[0], self.memory_limit)
             if self.pids_max and self.limits_pids:
@@ -898,22 +912,27 @@ class CgroupPool:
             self._frozen_group[key] = groups[0]
             if self.freezer_path is not None:  # last, so groups[-1] stays the pids group for the others
                 self._frozen_group[key] = self.freezer_path / name
-                self._frozen_group[key].mkdir(exist_ok=True)
+                _mkdir(self._frozen_group[key])
             self._groups[key] = groups
+            joined = groups + ([self._frozen_group[key]] if self.freezer_path is not None else [])
+            self._procs[key] = [os.path.join(group, "cgroup.procs") for group in joined]
         return groups
 
     @contextmanager
     def moving(self, pid: int, key: Any, home: Any) -> Any:
         """Run the body with process `pid` (0: this one) in `key`'s cgroup, then
         put it back in `home`'s (None: the worker's own cgroup)."""
-        for group in self._joined(key):
-            (group / "cgroup.procs").write_text(str(pid))
+        self._made(key)
+        data = b"%d" % pid
+        for procs in self._procs[key]:
+            _write(procs, data)
         try:
             yield
         finally:
-            homes = self._homes if home is None else [g / "cgroup.procs" for g in self._joined(home)]
-            for procs in homes:
-                procs.write_text(str(pid))
+            if home is not None:
+                self._made(home)
+            for procs in self._homes if home is None else self._procs[home]:
+                _write(procs, data)
 
     def procs_files(self, key: Any) -> list[Path]:
         """The cgroup.procs file of each of `key`'s cgroups (one per hierarchy):

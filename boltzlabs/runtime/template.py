@@ -637,7 +637,7 @@ def _compile_and_run_env_file(env_file: str) -> Any:
     """The probe's env.py: compiled here once, its code marshalled for every env."""
 
     def body() -> None:
-        code = compile(limits._read(env_file), env_file, "exec")
+        code = compile(limits.read_file(env_file), env_file, "exec")
         probe.current.code = marshal.dumps(code)  # type: ignore[union-attr]  # set by the probe's fork
         limits.run(env_file, code)
 

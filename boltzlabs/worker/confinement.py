@@ -38,6 +38,8 @@ from __future__ import annotations
 import os
 import select
 
+from boltzlabs.runtime.rlimits import read_file
+
 __all__ = ["Confinement", "NAMESPACE_KINDS"]
 
 NAMESPACE_KINDS = ("user", "mnt", "pid", "net", "ipc", "uts", "cgroup")
@@ -86,8 +88,8 @@ class Confinement:
         if pid <= 0 or pidfd < 0:
             return "its process could not be found (it may have exited at once)"
         try:
-            with open(f"/proc/{pid}/status") as f:
-                status = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+            text = read_file(f"/proc/{pid}/status").decode(errors="replace")
+            status = dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
             namespaces = {kind: os.readlink(f"/proc/{pid}/ns/{kind}") for kind in self.kinds}
         except OSError:
             return ""  # it has exited: the death is reported on its lane

@@ -41,6 +41,7 @@ from collections.abc import Callable
 from boltzlabs import abi, wire
 from boltzlabs.abi import CHANNEL_FD
 from boltzlabs.runtime import probe, template
+from boltzlabs.runtime.rlimits import read_file
 from boltzlabs.host import seccomp
 from boltzlabs.host.builder import SandboxSpec
 from boltzlabs.host.cgroups import CgroupPool
@@ -1018,11 +1019,10 @@ def _pidfd_nspids(pidfd: int) -> list[int]:
     """The pids of a pidfd's process, in our pid namespace then each nested one
     (its fdinfo's NSpid line); [] if it has been reaped or fd is no pidfd."""
     try:
-        with open(f"/proc/self/fdinfo/{pidfd}") as f:
-            for line in f:
-                if line.startswith("NSpid:"):
-                    pids = [int(x) for x in line.split()[1:]]
-                    return pids if pids and pids[0] > 0 else []
+        for line in read_file(f"/proc/self/fdinfo/{pidfd}").split(b"\n"):
+            if line.startswith(b"NSpid:"):
+                pids = [int(x) for x in line.split()[1:]]
+                return pids if pids and pids[0] > 0 else []
     except (OSError, ValueError):
         pass
     return []
