@@ -1,5 +1,10 @@
 """A 1000-env pool of the example env: starts, steps, partially resets, closes clean."""
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -35,3 +40,15 @@ def test_a_thousand_envs(spawn):
         assert not set(pids) & set(pool.pids())
         assert pool.step(actions)[0] == [{"t": 1}] * n
     assert open_fds() == fds
+
+
+def test_bench_faults_prints_each_page_table_figure():
+    """benchmarks/bench_faults.py (docs/scale.md reads start-up from it): each figure, a positive time per page."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_faults.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--mib", "8", "--rounds", "1"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    figures = dict(re.findall(r"^  (first touch|COW|fork|exit) +([0-9.]+) us/page$", done.stdout, re.M))
+    assert sorted(figures) == ["COW", "exit", "first touch", "fork"], done.stdout
+    assert all(float(value) > 0 for value in figures.values()), done.stdout
