@@ -262,12 +262,12 @@ class _V1(_Backend):
         return max(0, _read_int(group / "memory.usage_in_bytes") - stat.get("total_inactive_file", 0))
 
     def set_limit(self, group: Path, limit: int) -> None:
-        (group / "memory.limit_in_bytes").write_text(str(limit))
-        memsw = group / "memory.memsw.limit_in_bytes"
-        if memsw.exists():  # swap off: memory+swap capped at the same figure
-            memsw.write_text(str(limit))
+        _write(os.path.join(group, "memory.limit_in_bytes"), b"%d" % limit)
+        memsw = os.path.join(group, "memory.memsw.limit_in_bytes")
+        if os.path.exists(memsw):  # swap off: memory+swap capped at the same figure
+            _write(memsw, b"%d" % limit)
         try:
-            (group / "memory.swappiness").write_text("0")
+            _write(os.path.join(group, "memory.swappiness"), b"0")
         except OSError:
             pass
 
@@ -478,8 +478,8 @@ class _V2(_Backend):
         return max(0, _read_int(group / "memory.current") - stat.get("inactive_file", 0))
 
     def set_limit(self, group: Path, limit: int) -> None:
-        (group / "memory.max").write_text(str(limit))
-        (group / "memory.swap.max").write_text("0")
+        _write(os.path.join(group, "memory.max"), b"%d" % limit)
+        _write(os.path.join(group, "memory.swap.max"), b"0")
 
     def memory_limit(self, group: Path) -> int | None:
         return _read_limit(group / "memory.max")
