@@ -204,10 +204,11 @@ class StartFailure(Exception):
     """An env of the pool failed its start-up (in the worker): which one, its
     log, how many failed; the client raises EnvStartError from it."""
 
-    def __init__(self, index: int, message: str, log: str, count: int, set_up: bool = False):
+    def __init__(self, index: int, message: str, log: str, count: int, set_up: bool = False, limit: str = ""):
         super().__init__(message)
         self.index, self.log, self.count = index, log, count
         self.set_up = set_up  # the sandbox's own set-up failed (it exited abi.SET_UP_EXIT), not the env's code
+        self.limit = limit  # the limit the env died at, as `limits` names it ("pids", "memory", ...), or ''
 
 
 class HandshakeRefused(Exception):

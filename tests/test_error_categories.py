@@ -19,6 +19,7 @@ import pytest
 from boltzlabs import RLPool, abi, wire
 from boltzlabs.errors import (
     CATEGORIES,
+    EnvStartError,
     HOST,
     INTERNAL,
     POLICY,
@@ -34,7 +35,8 @@ from boltzlabs.errors import (
     category_of,
     describe_exit,
 )
-from boltzlabs.pool.client import _error, _error_parts
+from boltzlabs.pool.client import _error, _error_parts, _start_error
+from boltzlabs.pool.sources import Source
 
 from conftest import COUNTER
 
@@ -59,20 +61,42 @@ def test_the_categories_are_decided_by_the_fault_not_the_name():
     assert len(set(CATEGORIES)) == len(CATEGORIES)
 
 
-def test_an_internal_fault_carries_its_traceback_and_a_start_failure_its_set_up_flag():
+def test_an_internal_fault_carries_its_traceback_and_a_start_failure_its_set_up_flag_and_limit():
     try:
         {}["log_tail"]
     except KeyError as exc:
         frame = wire.error_frame(7, exc)
     assert frame[:3] == [wire.ERROR, 7, INTERNAL] and "Traceback" in frame[4]["traceback"]
-    frame = wire.error_frame(0, StartFailure(2, "env 2 failed to start", "log", 3, set_up=True))
+    frame = wire.error_frame(0, StartFailure(2, "env 2 failed to start", "log", 3, set_up=True, limit="pids"))
     assert frame == [
         wire.ERROR,
         0,
         START,
         "env 2 failed to start",
-        {"env": 2, "log": "log", "failed": 3, "set_up": True},
+        {"env": 2, "log": "log", "failed": 3, "set_up": True, "limit": "pids"},
     ]
+
+
+@pytest.mark.parametrize(
+    "detail",
+    [
+        {},
+        {"env": "0; rm -rf", "failed": [1], "log": 5, "limit": ["pids"], "set_up": "yes"},
+        {"env": 10**30, "failed": "3", "log": "x" * (1 << 20), "limit": {"pids": 1}},
+        {"env": -1, "failed": None, "log": None, "limit": None},
+    ],
+)
+def test_a_start_failure_whose_detail_is_malformed_is_still_a_clear_start_error(detail):
+    """A remote worker's START detail is input: a missing or mistyped field is no KeyError or
+    TypeError in the client, and a huge log is cut."""
+    resolved = Source(env_dir=Path("/nonexistent"), params={}, name="env")
+    config = {"source_dir": "/nonexistent", "params": {"kwargs": {}}}
+    error = _start_error("env 0 failed to start: died", detail, config, resolved, 4)
+    assert isinstance(error, EnvStartError) and error.env_index is None
+    assert str(error).startswith("env 0 failed to start: died.") and "Fix the error in /nonexistent/env.py" in str(
+        error
+    )
+    assert len(error.log) <= 1 << 16
 
 
 @pytest.mark.parametrize(

@@ -264,6 +264,42 @@ def test_an_env_that_dies_at_its_pids_limit_says_so(pool_factory):
     assert pool.step([1, 1])[0][0] == {"lane": 0, "echo": 1}
 
 
+FORKS_AT_START = """
+import os, sys, time
+while True:  # at import: children that hold their task until the lane is killed
+    try:
+        if os.fork() == 0:
+            time.sleep(600)
+            os._exit(0)
+    except OSError:
+        sys.exit(11)
+"""
+ALLOCATES_AT_START = """
+held = bytearray(256 << 20)
+held[:: 4096] = b"x" * len(held[:: 4096])
+"""
+
+
+@pytest.mark.parametrize(
+    "source, n, kwargs, fix",
+    [
+        (FORKS_AT_START, 2, {"limits": {"pids": 16}}, "limits={'pids': N}) gives each env more tasks"),
+        (FORKS_AT_START, 4, {"limits": {"pids": 64, "pool_pids": 40}}, "limits={'pool_pids': N})"),
+        (ALLOCATES_AT_START, 2, {"memory_limit": "64M"}, "memory_limit=...) gives each env more"),
+    ],
+    ids=["pids", "pool_pids", "memory"],
+)
+def test_an_env_that_dies_at_a_limit_while_starting_is_told_which_limit_to_raise(
+    env_dir, spawn, source, n, kwargs, fix
+):
+    """Not "fix the error in env.py": its code may be right, for a bigger limit."""
+    with pytest.raises(EnvStartError) as caught:
+        RLPool(env_dir(source), n, spawn=spawn, start_timeout=scaled(60), **kwargs)
+    message = str(caught.value)
+    assert fix in message, message
+    assert "Fix the error in" not in message, message
+
+
 # -- memory, disk, files -------------------------------------------------------------
 
 

@@ -471,38 +471,7 @@ class RLPool(Pool):
                 elif code == wire.ERROR:
                     category, text, detail = _error_parts(message)
                     if category == START:
-                        others = detail["failed"] - 1
-                        more = f" ({others} other env(s) failed too)" if others > 0 else ""
-                        gym_id = self._resolved.gym_id
-                        if "without calling serve()" in text:
-                            fix = (
-                                f"End {config['source_dir']}/env.py with serve(reset=..., step=...) (from "
-                                "boltzlabs.env), or serve_env(env) for a Gymnasium env object."
-                            )
-                        elif detail.get("set_up") is True:
-                            fix = (
-                                "The sandbox's own set-up failed before any env code ran (boltzlabs.runtime, "
-                                "above): not your env's doing. Check the policy (sandbox/policy.toml, or "
-                                "$BOLTZLABS_POLICY) and the host: `boltzlabs doctor` says what it lacks."
-                            )
-                        elif self._resolved.env_fns is not None:
-                            fix = (
-                                f"env_fns[{detail['env']}]() failed inside its sandbox (its traceback is "
-                                "above); the same thunk called here would show it too."
-                            )
-                        elif gym_id:
-                            fix = (
-                                f"gymnasium.make({gym_id!r}, **{config['params']['kwargs']!r}) failed inside "
-                                "the sandbox (its traceback is above)."
-                            )
-                        else:
-                            fix = f"Fix the error in {config['source_dir']}/env.py (its traceback is above)."
-                        raise EnvStartError(
-                            f"{text}{more}.\n--- the tail of env {detail['env']}'s output ---\n{detail['log']}\n"
-                            f"--- end ---\n{fix}",
-                            env_index=detail["env"],
-                            log=detail["log"],
-                        )
+                        raise _start_error(text, detail, config, self._resolved, self.n)
                     raise _error(category, text, "the worker could not start the pool") from WorkerSideError(
                         category, detail.get("traceback") or text
                     )
@@ -991,6 +960,73 @@ class _LocalLink:
 
 # The exception each ERROR category (errors.CATEGORIES) raises here; any other: WorkerError.
 _RAISES = {USAGE: ValueError, USAGE_TYPE: TypeError, POLICY: PolicyError, HOST: SandboxUnavailable}
+
+
+# What to do about an env that died at a limit while starting (the worker names the limit, and
+# the cause above says by how much): not "fix env.py", whose code may be right for a bigger limit.
+_PIDS_FIX = "RLPool(..., limits={'pids': N}) gives each env more tasks"
+_POOL_PIDS_FIX = (
+    "RLPool(..., limits={'pool_pids': N}) (a count, or a share of the host's tasks like '40%') "
+    "gives the envs together more, and workers=k splits the pool over k caps"
+)
+_LIMIT_FIXES = {
+    "pids": f"The env died at its task limit (above): {_PIDS_FIX}, or find what it forks.",
+    "pool_pids": f"The pool's envs together reached its task cap (above): {_POOL_PIDS_FIX}; or find what they fork.",
+    "pids or pool_pids": (
+        f"The env died at a task limit, its own or the pool's (above): {_PIDS_FIX}; {_POOL_PIDS_FIX}."
+    ),
+    "memory": (
+        "The env was OOM-killed over its memory limit (above): RLPool(..., memory_limit=...) gives "
+        "each env more, or find what it allocates at start-up."
+    ),
+    "file_size": "The env wrote a file past its size limit (above): RLPool(..., limits={'file_size': ...}).",
+}
+
+
+def _start_error(text: str, detail: dict, config: dict, resolved: sources.Source, n: int) -> EnvStartError:
+    """The EnvStartError for a START frame: which env, the tail of its output and what to do.
+    `detail` is the worker's (a remote one's is input): each field is checked before use."""
+    env = detail.get("env")
+    env = env if type(env) is int and 0 <= env < n else None
+    failed = detail.get("failed")
+    others = failed - 1 if type(failed) is int else 0
+    more = f" ({others} other env(s) failed too)" if others > 0 else ""
+    log = detail.get("log")
+    log = log[-_START_LOG_CHARS:] if isinstance(log, str) else ""
+    limit = detail.get("limit")
+    if "without calling serve()" in text:
+        fix = (
+            f"End {config['source_dir']}/env.py with serve(reset=..., step=...) (from "
+            "boltzlabs.env), or serve_env(env) for a Gymnasium env object."
+        )
+    elif isinstance(limit, str) and limit in _LIMIT_FIXES:
+        fix = _LIMIT_FIXES[limit]
+    elif detail.get("set_up") is True:
+        fix = (
+            "The sandbox's own set-up failed before any env code ran (boltzlabs.runtime, "
+            "above): not your env's doing. Check the policy (sandbox/policy.toml, or "
+            "$BOLTZLABS_POLICY) and the host: `boltzlabs doctor` says what it lacks."
+        )
+    elif resolved.env_fns is not None:
+        fix = (
+            f"env_fns[{env}]() failed inside its sandbox (its traceback is "
+            "above); the same thunk called here would show it too."
+        )
+    elif resolved.gym_id:
+        fix = (
+            f"gymnasium.make({resolved.gym_id!r}, **{config['params']['kwargs']!r}) failed inside "
+            "the sandbox (its traceback is above)."
+        )
+    else:
+        fix = f"Fix the error in {config['source_dir']}/env.py (its traceback is above)."
+    return EnvStartError(
+        f"{text}{more}.\n--- the tail of env {env}'s output ---\n{log}\n--- end ---\n{fix}",
+        env_index=env,
+        log=log,
+    )
+
+
+_START_LOG_CHARS = 1 << 16  # of a start failure's log tail (the worker keeps log_tail bytes of it)
 
 
 def _error_parts(message: list) -> tuple[str, str, dict]:

@@ -142,6 +142,7 @@ class Lane:
         "deadline",
         "done_at",
         "exit_code",
+        "limit_hit",
     )
 
     def __init__(self, index: int, limits: wire.Limits):
@@ -164,6 +165,7 @@ class Lane:
         self.deadline = 0.0  # IN_FLIGHT: when it becomes a straggler (inf while queued at the gate)
         self.done_at = 0.0  # held for recv: when the result was ready (for queued_ms)
         self.exit_code: int | None = None  # its last process's, once dead (os.waitstatus_to_exitcode)
+        self.limit_hit = ""  # the limit its last process died at, by its name in `limits` ('' if none)
 
     def to(self, state: State) -> None:
         """Move to `state`, if the table declares the move; else LaneStateError."""

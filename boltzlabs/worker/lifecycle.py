@@ -461,17 +461,20 @@ class Lifecycle:
             return
         self.drain_log(lane)
         lane.exit_code = os.waitstatus_to_exitcode(status) if isinstance(status, int) else None
+        lane.limit_hit = ""
         if not cause:
             cause = describe_status(status) + self._limits_hit(lane, status)
         self._release(lane, f"died: {cause}")
 
     def _limits_hit(self, lane: Lane, status) -> str:
-        """What limit an env that died had hit, by name ('' if none is known)."""
-        notes = []
+        """What limit an env that died had hit, by name ('' if none is known);
+        lane.limit_hit says which, as `limits` names it (the first, if several)."""
+        notes, hit = [], []
         limits = self.config.limits
         if self.cgroups is not None:
             oom, refused = (now - base for now, base in zip(self.cgroups.events(lane.index), lane.events_base))
             if oom > 0:
+                hit.append("memory")
                 notes.append(
                     f"OOM: killed by the kernel's OOM killer over its memory limit "
                     f"(memory_limit={self.config.memory_limit} bytes)"
@@ -482,17 +485,20 @@ class Lifecycle:
                 own, cap = f"its limit of {limits['pids']} tasks", limits.get("pool_pids")
                 pools = f"the pool's limit of {cap} tasks for all its envs together (limits.pool_pids)"
                 if self.cgroups.pool_full():
-                    where = pools
+                    where, which = pools, "pool_pids"
                 elif cap and cap < len(self.lanes) * limits["pids"]:
-                    where = f"{own} or {pools}"
+                    where, which = f"{own} or {pools}", "pids or pool_pids"
                 else:
-                    where = own
+                    where, which = own, "pids"
+                hit.append(which)
                 notes.append(f"pids limit: {refused} fork(s) refused at {where}")
         signum = exit_signal(os.waitstatus_to_exitcode(status)) if isinstance(status, int) else None
         if signum == signal.SIGXFSZ:
+            hit.append("file_size")
             notes.append(f"file size limit: it wrote past limits.file_size={limits.get('file_size')} bytes")
         elif signum == signal.SIGXCPU:
             notes.append("CPU time limit (RLIMIT_CPU)")
+        lane.limit_hit = hit[0] if hit else ""
         return "".join(f"; {note}" for note in notes)
 
     def _release(self, lane: Lane, cause: str) -> None:

@@ -224,6 +224,7 @@ class Worker:
                 tail(first.log),
                 len(failed),
                 set_up=first.exit_code == SET_UP_EXIT,
+                limit=first.limit_hit,
             )
         return {
             "n": n,
