@@ -43,7 +43,8 @@ COMMON_TESTS=(
 ROOT_TESTS=("${COMMON_TESTS[@]}" tests/test_cgroups.py
   --deselect "tests/test_cgroups.py::test_a_worker_in_a_cgroup_that_holds_processes_makes_room_and_undoes_it[exec]")
 # The non-root run also, where v2 used to fail: the pool's pids cap, cleanup after SIGKILL
-# of client and worker, doctor's trials, the PSS fallback, a remote pool's caps.
+# of client and worker, doctor's trials, the PSS fallback, a remote pool's caps, the pool's
+# cap named when envs reach it while starting.
 SERVICE_TESTS=(
   "${COMMON_TESTS[@]}"
   "tests/test_limits.py::test_envs_that_together_pass_the_pool_cap_stop_there_and_other_pools_do_not_notice[template]"
@@ -55,6 +56,7 @@ SERVICE_TESTS=(
   "tests/test_cli.py::test_doctor_passes_here_and_names_the_cgroup_version"
   "tests/test_memory_and_gate.py::test_without_a_writable_cgroup_memory_falls_back_to_pss[template]"
   "tests/test_remote.py::test_a_remote_pool_gets_the_ceilings_when_it_asks_for_nothing[template]"
+  "tests/test_limits.py::test_an_env_that_dies_at_a_limit_while_starting_is_told_which_limit_to_raise[template-pool_pids]"
 )
 
 status=0
