@@ -124,7 +124,8 @@ PROBED = 46
 def error_frame(seq: int, exc: BaseException) -> list[Any]:
     """The worker's ERROR frame for an exception it caught: [ERROR, seq, category, text, detail], the
     category decided by errors.category_of. A start failure's detail names the env, its log, how many
-    failed, whether the sandbox's own set-up failed and the limit the env died at; an internal fault's carries its traceback."""
+    failed, whether the sandbox's own set-up failed and the limit the env died at; an internal
+    fault's carries its traceback."""
     category = errors.category_of(exc)
     detail: dict[str, Any] = {}
     if isinstance(exc, errors.StartFailure):

@@ -914,8 +914,7 @@ class CgroupPool:
                 self._frozen_group[key] = self.freezer_path / name
                 _mkdir(self._frozen_group[key])
             self._groups[key] = groups
-            joined = groups + ([self._frozen_group[key]] if self.freezer_path is not None else [])
-            self._procs[key] = [os.path.join(group, "cgroup.procs") for group in joined]
+            self._procs[key] = [os.path.join(group, "cgroup.procs") for group in self._joined(key)]
         return groups
 
     @contextmanager

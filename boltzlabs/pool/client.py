@@ -983,6 +983,9 @@ _LIMIT_FIXES = {
 }
 
 
+_START_LOG_CHARS = 1 << 16  # of a start failure's log tail (the worker keeps log_tail bytes of it)
+
+
 def _start_error(text: str, detail: dict, config: dict, resolved: sources.Source, n: int) -> EnvStartError:
     """The EnvStartError for a START frame: which env, the tail of its output and what to do.
     `detail` is the worker's (a remote one's is input): each field is checked before use."""
@@ -1024,9 +1027,6 @@ def _start_error(text: str, detail: dict, config: dict, resolved: sources.Source
         env_index=env,
         log=log,
     )
-
-
-_START_LOG_CHARS = 1 << 16  # of a start failure's log tail (the worker keeps log_tail bytes of it)
 
 
 def _error_parts(message: list) -> tuple[str, str, dict]:
