@@ -14,7 +14,12 @@ them alike; the figures are medians over the rounds:
     trainer: what sharding must not make the bottleneck);
   * for the pools, the workers' CPU per env-step (all shards summed, and the
     busiest shard's), from each worker's own scheduler counter: the serial
-    cost a shard takes off the others, what decides k on a many-core node.
+    cost a shard takes off the others, what decides k on a many-core node;
+  * for the pools, where a step's other costs land: how often the workers
+    block per step (voluntary context switches, summed), the machine's
+    context switches per step (/proc/stat ctxt: every process's, so a quiet
+    machine is needed), and the CPU of every process under the workers
+    (templates and sandboxes) per env-step.
 Actions: all 1 for the counter (reset(where=dones) when an episode ends),
 a fixed random array for HalfCheetah-v5 (truncated at 1000 steps by its
 TimeLimit; the chunks are shorter, so no reset happens inside them).
@@ -90,7 +95,11 @@ class Ours:
 
     def chunk(self, steps: int) -> tuple:
         pool, actions = self.pool, self.actions
+        below = self._below()
         worker_before = [_runtime_ns(pid) or 0 for pid in self.workers]
+        blocks_before = _blocks(self.workers)
+        below_before = _cpu_ns(below)
+        switches_before = _switches()
         cpu, wall = time.process_time(), time.perf_counter()
         for _ in range(steps):
             _, _, dones, _ = pool.step(actions)
@@ -98,7 +107,22 @@ class Ours:
                 pool.reset(where=dones)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         worker = [(_runtime_ns(pid) or 0) - b for pid, b in zip(self.workers, worker_before)]
-        return wall, cpu, worker
+        extra = {
+            "blocks": (_blocks(self.workers) - blocks_before) / steps,
+            "envs_ns": _cpu_ns(below) - below_before,
+            "switches": (_switches() - switches_before) / steps,
+        }
+        return wall, cpu, worker, extra
+
+    def _below(self) -> list:
+        """The pids of every process under the workers (templates and sandboxes)."""
+        pids = []
+        for pid in self.workers:
+            try:
+                pids += [p.pid for p in psutil.Process(pid).children(recursive=True)]
+            except psutil.Error:
+                pass
+        return pids
 
     def close(self) -> None:
         self.pool.close()
@@ -125,10 +149,35 @@ class Async:
         cpu, wall = time.process_time(), time.perf_counter()
         for _ in range(steps):
             envs.step(actions)
-        return time.perf_counter() - wall, time.process_time() - cpu, None
+        return time.perf_counter() - wall, time.process_time() - cpu, None, None
 
     def close(self) -> None:
         self.envs.close()
+
+
+def _blocks(pids: list) -> int:
+    """How many times the processes `pids` have blocked (voluntary context switches), summed."""
+    total = 0
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).num_ctx_switches().voluntary
+        except psutil.Error:
+            pass
+    return total
+
+
+def _switches() -> int:
+    """The machine's context switches so far (/proc/stat ctxt)."""
+    with open("/proc/stat") as f:
+        for line in f:
+            if line.startswith("ctxt "):
+                return int(line.split()[1])
+    return 0
+
+
+def _cpu_ns(pids: list) -> int:
+    """The CPU time of the processes `pids`, summed (those gone since count 0)."""
+    return sum(_runtime_ns(pid) or 0 for pid in pids)
 
 
 def bench(env: str, n: int, ks: list, rounds: int, steps: int, with_async: bool, pin: bool = False) -> list:
@@ -163,12 +212,15 @@ def bench(env: str, n: int, ks: list, rounds: int, steps: int, with_async: bool,
                 "steps": steps,
                 "rounds": rounds,
                 "ready_s": c.ready_s,
-                "env_steps_per_s": statistics.median(env_steps / wall for wall, _, _ in got),
-                "client_us": statistics.median(cpu * 1e6 / env_steps for _, cpu, _ in got),
+                "env_steps_per_s": statistics.median(env_steps / wall for wall, *_ in got),
+                "client_us": statistics.median(cpu * 1e6 / env_steps for _, cpu, *_ in got),
             }
             if got[0][2] is not None:
-                row["worker_us"] = statistics.median(sum(w) / 1e3 / env_steps for _, _, w in got)
-                row["busiest_worker_us"] = statistics.median(max(w) / 1e3 / env_steps for _, _, w in got)
+                row["worker_us"] = statistics.median(sum(w) / 1e3 / env_steps for _, _, w, _ in got)
+                row["busiest_worker_us"] = statistics.median(max(w) / 1e3 / env_steps for _, _, w, _ in got)
+                row["worker_blocks_per_step"] = statistics.median(x["blocks"] for *_, x in got)
+                row["envs_us"] = statistics.median(x["envs_ns"] / 1e3 / env_steps for *_, x in got)
+                row["switches_per_step"] = statistics.median(x["switches"] for *_, x in got)
                 row["fast_path"] = c.pool.fast_path
             rows.append(row)
         return rows
@@ -189,6 +241,9 @@ def main() -> None:
     )
     parser.add_argument("--no-async", action="store_true")
     parser.add_argument(
+        "--results", type=Path, help="where the JSON goes (default benchmarks/results/shards-<envs>.json)"
+    )
+    parser.add_argument(
         "--pin",
         action="store_true",
         help="this process (the client) alone on its first CPU, every worker and sandbox on the others: "
@@ -204,7 +259,7 @@ def main() -> None:
             with_async = not args.no_async and not args.pin and n <= limit
             rows += bench(env, n, args.workers, args.rounds, steps, with_async, args.pin)
             log(json.dumps([row for row in rows if row["env"] == env and row["n"] == n]))
-    results = Path(str(RESULTS).format(env="-".join(args.env) + ("-pinned" if args.pin else "")))
+    results = args.results or Path(str(RESULTS).format(env="-".join(args.env) + ("-pinned" if args.pin else "")))
     results.parent.mkdir(parents=True, exist_ok=True)
     results.write_text(
         json.dumps(
@@ -220,16 +275,21 @@ def main() -> None:
     )
     print(f"cores {len(CPUS)}, load {os.getloadavg()[0]:.1f}, medians of {args.rounds} rounds\n")
     print(
-        "| env | n | who | env-steps/s | vs workers=1 | client us/env-step | workers us/env-step (busiest) | ready s |"
+        "| env | n | who | env-steps/s | vs workers=1 | client us/env-step | workers us/env-step (busiest) "
+        "| worker blocks/step | machine switches/step | envs us/env-step | ready s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         base = next(r for r in rows if r["env"] == row["env"] and r["n"] == row["n"] and r["who"] == "workers=1")
-        worker = f"{row['worker_us']:.2f} ({row['busiest_worker_us']:.2f})" if "worker_us" in row else "-"
+        ours = "worker_us" in row
+        worker = f"{row['worker_us']:.2f} ({row['busiest_worker_us']:.2f})" if ours else "-"
+        blocks = f"{row['worker_blocks_per_step']:.0f}" if ours else "-"
+        envs = f"{row['envs_us']:.1f}" if ours else "-"
+        switches = f"{row['switches_per_step']:,.0f}" if ours else "-"
         print(
             f"| {row['env']} | {row['n']} | {row['who']} | {row['env_steps_per_s']:,.0f} | "
             f"{row['env_steps_per_s'] / base['env_steps_per_s']:.2f}x | {row['client_us']:.2f} | {worker} | "
-            f"{row['ready_s']:.1f} |"
+            f"{blocks} | {switches} | {envs} | {row['ready_s']:.1f} |"
         )
 
 
