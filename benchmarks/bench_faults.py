@@ -2,6 +2,7 @@
 
     python benchmarks/bench_faults.py            # 256 MiB, 3 rounds
     python benchmarks/bench_faults.py --mib 64
+    python benchmarks/bench_faults.py --mib 4096 --idle 20   # memory the VM gave back to its host
 
 A forked env pays for page tables three ways: the fork copies the
 template's page tables, the child copies each template page it writes
@@ -19,6 +20,15 @@ that shadows the guest's page tables (this project's machine runs under
 PVM) each costs several, and a pool's start-up is mostly that: compare
 this machine's figures with the training node's before reading a start-up
 time from one on the other.
+
+--idle S sleeps S seconds before each round. A guest with free page
+reporting (virtio-balloon; this machine reports free 8 MiB blocks to its
+host after a second) hands memory it freed back to the host, and the next
+touch of such a page makes the host back it again: with --idle the rounds
+touch memory the host has to back, without it mostly memory the previous
+round freed a moment ago. The KiB the guest's kernel reported meanwhile
+(/sys/module/page_reporting/parameters/reported_kib) are printed where
+that file exists.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import statistics
 import time
 
 PAGE = mmap.PAGESIZE
+REPORTED = "/sys/module/page_reporting/parameters/reported_kib"
 
 
 def _touch(region: mmap.mmap, value: int) -> None:
@@ -68,11 +79,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=256, help="the region's size")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--idle", type=float, default=0.0, help="seconds to sleep before each round")
     args = parser.parse_args()
-    rounds = [round_once(args.mib << 20) for _ in range(args.rounds)]
-    print(f"{args.mib} MiB region, {PAGE} B pages, medians of {args.rounds} rounds:")
+    reported_before = _reported_kib()
+    rounds = []
+    for _ in range(args.rounds):
+        time.sleep(args.idle)
+        rounds.append(round_once(args.mib << 20))
+    idle = f", each after {args.idle:g} s idle" if args.idle else ""
+    print(f"{args.mib} MiB region, {PAGE} B pages, medians of {args.rounds} rounds{idle}:")
     for name in rounds[0]:
         print(f"  {name:<12} {statistics.median(r[name] for r in rounds) * 1e6:7.3f} us/page")
+    reported_after = _reported_kib()
+    if reported_before is not None and reported_after is not None:
+        print(f"free memory the kernel reported to the host meanwhile: {(reported_after - reported_before) >> 10} MiB")
+
+
+def _reported_kib() -> int | None:
+    """The KiB of free memory this guest's kernel has reported to its host (free page reporting), or None."""
+    try:
+        with open(REPORTED) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 if __name__ == "__main__":
