@@ -52,3 +52,61 @@ def test_bench_faults_prints_each_page_table_figure():
     figures = dict(re.findall(r"^  (first touch|COW|fork|exit) +([0-9.]+) us/page$", done.stdout, re.M))
     assert sorted(figures) == ["COW", "exit", "first touch", "fork"], done.stdout
     assert all(float(value) > 0 for value in figures.values()), done.stdout
+
+
+def test_bench_faults_idles_before_each_round_when_asked():
+    """--idle S sleeps before each round (memory the VM hands back to its host) and says so."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_faults.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--mib", "8", "--rounds", "2", "--idle", "0.2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "medians of 2 rounds, each after 0.2 s idle:" in done.stdout, done.stdout
+    figures = dict(re.findall(r"^  (first touch|COW|fork|exit) +([0-9.]+) us/page$", done.stdout, re.M))
+    assert sorted(figures) == ["COW", "exit", "first touch", "fork"], done.stdout
+
+
+@pytest.mark.timeout(300)
+def test_bench_shards_prints_where_each_pool_spends_a_step(tmp_path):
+    """benchmarks/bench_shards.py (docs/sharding.md reads the second worker's cost from it): for each
+    pool, the workers' CPU, their blocks and the machine's context switches per step, and the envs' CPU."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_shards.py"
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--env",
+            "counter",
+            "--n",
+            "8",
+            "--workers",
+            "1",
+            "2",
+            "--rounds",
+            "1",
+            "--env-steps",
+            "400",
+            "--no-async",
+            "--results",
+            str(tmp_path / "shards.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = re.findall(
+        r"^\| counter \| 8 \| workers=(\d) \| ([0-9,]+) \| [0-9.]+x \| ([0-9.]+) \| ([0-9.]+) \(([0-9.]+)\) "
+        r"\| (\d+) \| ([0-9,]+) \| ([0-9.]+) \| [0-9.]+ \|$",
+        done.stdout,
+        re.M,
+    )
+    assert [row[0] for row in rows] == ["1", "2"], done.stdout
+    for _, steps_per_s, client, workers, busiest, _blocks, switches, envs in rows:
+        assert float(steps_per_s.replace(",", "")) > 0 and float(client) > 0
+        assert float(workers) >= float(busiest) > 0
+        assert int(switches.replace(",", "")) > 0 and float(envs) > 0  # every step wakes every env
+    assert (tmp_path / "shards.json").exists()
