@@ -4,6 +4,7 @@
     python benchmarks/bench_shards.py --env counter --n 512 1000 --workers 1 2 4
     python benchmarks/bench_shards.py --env halfcheetah --n 64 --no-async
     python benchmarks/bench_shards.py --env counter --pin   # the client alone on a CPU, the workers on the rest
+    python benchmarks/bench_shards.py --env counter --n 64 --workers 1 2 --pin-shards   # also each shard on its CPUs
 
 For each env and n, every contender is open at once (a pool per k, and
 gymnasium's AsyncVectorEnv where --async-max allows) and they take turns in
@@ -83,15 +84,28 @@ class Ours:
     def reset(self) -> None:
         self.pool.reset(seed=0)
 
+    def pin_shards(self) -> None:
+        """Shard i's worker and everything below it on the i-th of k equal slices of this process's CPUs
+        (forked later, an env inherits its template's)."""
+        self.label += ", shards pinned"
+        k = len(self.workers)
+        for i, pid in enumerate(self.workers):
+            share = CPUS[i * len(CPUS) // k : (i + 1) * len(CPUS) // k] or [CPUS[i % len(CPUS)]]
+            self._pin_tree(pid, set(share))
+
     def pin(self, cpus: set) -> None:
         """Every worker and each process below it (templates, sandboxes) on `cpus` only."""
         for pid in self.workers:
-            worker = psutil.Process(pid)
-            for proc in [worker, *worker.children(recursive=True)]:
-                try:
-                    os.sched_setaffinity(proc.pid, cpus)
-                except OSError as exc:  # gone, or a cpuset that holds none of `cpus`
-                    log(f"could not pin {proc.pid} ({proc.name()}): {exc}")
+            self._pin_tree(pid, cpus)
+
+    @staticmethod
+    def _pin_tree(pid: int, cpus: set) -> None:
+        worker = psutil.Process(pid)
+        for proc in [worker, *worker.children(recursive=True)]:
+            try:
+                os.sched_setaffinity(proc.pid, cpus)
+            except OSError as exc:  # gone, or a cpuset that holds none of `cpus`
+                log(f"could not pin {proc.pid} ({proc.name()}): {exc}")
 
     def chunk(self, steps: int) -> tuple:
         pool, actions = self.pool, self.actions
@@ -180,12 +194,18 @@ def _cpu_ns(pids: list) -> int:
     return sum(_runtime_ns(pid) or 0 for pid in pids)
 
 
-def bench(env: str, n: int, ks: list, rounds: int, steps: int, with_async: bool, pin: bool = False) -> list:
+def bench(
+    env: str, n: int, ks: list, rounds: int, steps: int, with_async: bool, pin: bool = False, pin_shards: bool = False
+) -> list:
     contenders = []
     try:
         for k in ks:
             log(f"{env} n={n}: starting workers={k}")
             contenders.append(Ours(env, n, k))
+            if pin_shards and k > 1:
+                log(f"{env} n={n}: starting workers={k}, shards pinned")
+                contenders.append(Ours(env, n, k))
+                contenders[-1].pin_shards()
             if pin:  # the client alone on its CPU: its CPU figure without a worker on its core
                 client, *rest = CPUS
                 contenders[-1].pin(set(rest))
@@ -241,6 +261,11 @@ def main() -> None:
     )
     parser.add_argument("--no-async", action="store_true")
     parser.add_argument(
+        "--pin-shards",
+        action="store_true",
+        help="also run each k > 1 with shard i's worker and sandboxes pinned to the i-th slice of the CPUs",
+    )
+    parser.add_argument(
         "--results", type=Path, help="where the JSON goes (default benchmarks/results/shards-<envs>.json)"
     )
     parser.add_argument(
@@ -257,7 +282,9 @@ def main() -> None:
             steps = max(5, args.env_steps // scale // n)
             limit = args.async_max if env == "counter" else args.async_max // 4
             with_async = not args.no_async and not args.pin and n <= limit
-            rows += bench(env, n, args.workers, args.rounds, steps, with_async, args.pin)
+            rows += bench(
+                env, n, args.workers, args.rounds, steps, with_async, args.pin, args.pin_shards and not args.pin
+            )
             log(json.dumps([row for row in rows if row["env"] == env and row["n"] == n]))
     results = args.results or Path(str(RESULTS).format(env="-".join(args.env) + ("-pinned" if args.pin else "")))
     results.parent.mkdir(parents=True, exist_ok=True)
