@@ -500,3 +500,59 @@ def test_a_reply_of_the_wrong_kind_kills_only_that_env(env_dir):
         obs, _, dones, infos = pool.step(["ok", "ok"])
         assert dones.tolist() == [True, False] and "sent a malformed reply" in infos[0]["error"]
         assert obs[1] == 2 and pool.states()[0] == "dead"
+
+
+def _cartpole():
+    return gym.make("CartPole-v1")
+
+
+def test_env_fns_pickled_from_many_threads_at_once_all_resolve():
+    """The shards of a pool pickle their env_fns in threads at once, and cloudpickle's by-value
+    registry is one per process: one thread's unregistering this (hidden) test module under
+    another's feet raised ValueError ("not registered for pickle by value") in a sharded pool."""
+    import sys
+    import threading
+
+    import cloudpickle
+
+    assert __name__ not in cloudpickle.list_registry_pickle_by_value()
+    errors: list = []
+    start = threading.Barrier(8)
+
+    def resolve_many() -> None:
+        start.wait()
+        try:
+            for _ in range(25):
+                source = sources.resolve([_cartpole] * 2, {})
+                assert len(source.env_fns) == 2
+        except Exception as exc:  # noqa: BLE001 - any failure is the finding
+            errors.append(exc)
+
+    threads = [threading.Thread(target=resolve_many) for _ in range(8)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the threads switch often, inside each other's pickling
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert errors == []
+    assert __name__ not in cloudpickle.list_registry_pickle_by_value()  # nothing left registered
+    assert sys.modules[__name__] is not None
+
+
+def test_env_fns_leave_a_module_the_caller_registered_by_value_registered():
+    """Pickling env_fns unregisters only what it registered: a caller's own registration stands."""
+    import sys
+
+    import cloudpickle
+
+    module = sys.modules[__name__]
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        sources.resolve([_cartpole], {})
+        assert __name__ in cloudpickle.list_registry_pickle_by_value()
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)

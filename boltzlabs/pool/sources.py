@@ -28,6 +28,7 @@ import inspect
 import json
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +40,7 @@ GYM_PREFIX = "gym://"
 FN_ENV_DIR = GYM_ENV_DIR.parent / "fn_env"
 # Namespaces and id prefixes of plugins whose ids a bare gymnasium does not know, and
 # the module that registers them: named in the error for an id this process lacks.
+_PICKLING = threading.Lock()  # cloudpickle's by-value registry (_env_fns)
 _PLUGINS = {"ALE/": "ale_py", "MiniGrid-": "minigrid", "BabyAI-": "minigrid"}
 # Keywords gymnasium.make() takes for itself, beside the env's constructor's.
 _MAKE_KEYWORDS = ("max_episode_steps", "disable_env_checker")
@@ -112,19 +114,25 @@ def _env_fns(fns, params: dict, n: int | None) -> Source:
         and isinstance(where := getattr(module, "__file__", None), str)
         and not imports.visible(where, roots)
     ]
-    for module in hidden:  # the sandbox cannot import them: their code travels with the thunks
-        cloudpickle.register_pickle_by_value(module)
-    try:
-        blobs = tuple(cloudpickle.dumps(fn) for fn in fns)
-    except Exception as exc:  # any pickling failure: what the callable holds cannot travel
-        raise TypeError(
-            f"env_fns cannot be pickled to enter their sandboxes ({type(exc).__name__}: {exc}); "
-            "a thunk must hold only what pickles (no open files, locks or sockets): build those "
-            "inside it"
-        ) from exc
-    finally:
-        for module in hidden:
-            cloudpickle.unregister_pickle_by_value(module)
+    # cloudpickle's by-value registry is one per process: the shards of one
+    # pool pickle their env_fns in threads at once, and a caller may have
+    # registered modules of its own. So one pickling at a time, and only what
+    # this call registered is unregistered after it.
+    with _PICKLING:
+        ours = [m for m in hidden if m.__name__ not in cloudpickle.list_registry_pickle_by_value()]
+        for module in ours:  # the sandbox cannot import them: their code travels with the thunks
+            cloudpickle.register_pickle_by_value(module)
+        try:
+            blobs = tuple(cloudpickle.dumps(fn) for fn in fns)
+        except Exception as exc:  # any pickling failure: what the callable holds cannot travel
+            raise TypeError(
+                f"env_fns cannot be pickled to enter their sandboxes ({type(exc).__name__}: {exc}); "
+                "a thunk must hold only what pickles (no open files, locks or sockets): build those "
+                "inside it"
+            ) from exc
+        finally:
+            for module in ours:
+                cloudpickle.unregister_pickle_by_value(module)
     first = getattr(fns[0], "__qualname__", None) or type(fns[0]).__name__
     return Source(
         FN_ENV_DIR,
