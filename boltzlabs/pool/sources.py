@@ -38,9 +38,9 @@ __all__ = ["Source", "resolve"]
 
 GYM_PREFIX = "gym://"
 FN_ENV_DIR = GYM_ENV_DIR.parent / "fn_env"
+_PICKLING = threading.Lock()  # held around cloudpickle's by-value registry (_env_fns)
 # Namespaces and id prefixes of plugins whose ids a bare gymnasium does not know, and
 # the module that registers them: named in the error for an id this process lacks.
-_PICKLING = threading.Lock()  # cloudpickle's by-value registry (_env_fns)
 _PLUGINS = {"ALE/": "ale_py", "MiniGrid-": "minigrid", "BabyAI-": "minigrid"}
 # Keywords gymnasium.make() takes for itself, beside the env's constructor's.
 _MAKE_KEYWORDS = ("max_episode_steps", "disable_env_checker")
