@@ -4,10 +4,12 @@
     python benchmarks/bench_shards.py --env counter --n 512 1000 --workers 1 2 4
     python benchmarks/bench_shards.py --env halfcheetah --n 64 --no-async
     python benchmarks/bench_shards.py --env counter --pin   # the client alone on a CPU, the workers on the rest
-    python benchmarks/bench_shards.py --env counter --n 64 --workers 1 2 --pin-shards   # also each shard on its CPUs
+    python benchmarks/bench_shards.py --env counter --n 64 --workers 1 2 --unpinned   # also k > 1 with cpus=False
 
-For each env and n, every contender is open at once (a pool per k, and
-gymnasium's AsyncVectorEnv where --async-max allows) and they take turns in
+For each env and n, every contender is open at once (a pool per k, as
+RLPool makes it: for k > 1 each shard on its own slice of the CPUs; with
+--unpinned also each k > 1 with cpus=False; and gymnasium's AsyncVectorEnv
+where --async-max allows) and they take turns in
 --rounds chunks of S steps, so load from elsewhere on a shared machine slows
 them alike; the figures are medians over the rounds:
   * env-steps/s of the chunk (n * S / wall time);
@@ -67,12 +69,12 @@ def _cheetah():
 
 
 class Ours:
-    def __init__(self, env: str, n: int, k: int):
-        self.label, self.n, self.env = f"workers={k}", n, env
+    def __init__(self, env: str, n: int, k: int, cpus=None):
+        self.label, self.n, self.env = f"workers={k}" + (", unpinned" if cpus is False else ""), n, env
         started = time.perf_counter()
         source = COUNTER if env == "counter" else "HalfCheetah-v5"
         # A generous start_timeout: on a loaded machine 64 MuJoCo envs can take over a minute to start.
-        self.pool = RLPool(source, n, workers=k, progress=False, start_timeout=600)
+        self.pool = RLPool(source, n, workers=k, cpus=cpus, progress=False, start_timeout=600)
         self.ready_s = time.perf_counter() - started
         self.workers = [shard._proc.pid for shard in self.pool._shards] if k > 1 else [self.pool._proc.pid]
         self.actions = (
@@ -83,15 +85,6 @@ class Ours:
 
     def reset(self) -> None:
         self.pool.reset(seed=0)
-
-    def pin_shards(self) -> None:
-        """Shard i's worker and everything below it on the i-th of k equal slices of this process's CPUs
-        (forked later, an env inherits its template's)."""
-        self.label += ", shards pinned"
-        k = len(self.workers)
-        for i, pid in enumerate(self.workers):
-            share = CPUS[i * len(CPUS) // k : (i + 1) * len(CPUS) // k] or [CPUS[i % len(CPUS)]]
-            self._pin_tree(pid, set(share))
 
     def pin(self, cpus: set) -> None:
         """Every worker and each process below it (templates, sandboxes) on `cpus` only."""
@@ -195,17 +188,16 @@ def _cpu_ns(pids: list) -> int:
 
 
 def bench(
-    env: str, n: int, ks: list, rounds: int, steps: int, with_async: bool, pin: bool = False, pin_shards: bool = False
+    env: str, n: int, ks: list, rounds: int, steps: int, with_async: bool, pin: bool = False, unpinned: bool = False
 ) -> list:
     contenders = []
     try:
         for k in ks:
             log(f"{env} n={n}: starting workers={k}")
             contenders.append(Ours(env, n, k))
-            if pin_shards and k > 1:
-                log(f"{env} n={n}: starting workers={k}, shards pinned")
-                contenders.append(Ours(env, n, k))
-                contenders[-1].pin_shards()
+            if unpinned and k > 1:
+                log(f"{env} n={n}: starting workers={k}, unpinned")
+                contenders.append(Ours(env, n, k, cpus=False))
             if pin:  # the client alone on its CPU: its CPU figure without a worker on its core
                 client, *rest = CPUS
                 contenders[-1].pin(set(rest))
@@ -261,9 +253,9 @@ def main() -> None:
     )
     parser.add_argument("--no-async", action="store_true")
     parser.add_argument(
-        "--pin-shards",
+        "--unpinned",
         action="store_true",
-        help="also run each k > 1 with shard i's worker and sandboxes pinned to the i-th slice of the CPUs",
+        help="also run each k > 1 with cpus=False: every shard's processes free to run on any CPU",
     )
     parser.add_argument(
         "--results", type=Path, help="where the JSON goes (default benchmarks/results/shards-<envs>.json)"
@@ -283,7 +275,7 @@ def main() -> None:
             limit = args.async_max if env == "counter" else args.async_max // 4
             with_async = not args.no_async and not args.pin and n <= limit
             rows += bench(
-                env, n, args.workers, args.rounds, steps, with_async, args.pin, args.pin_shards and not args.pin
+                env, n, args.workers, args.rounds, steps, with_async, args.pin, args.unpinned and not args.pin
             )
             log(json.dumps([row for row in rows if row["env"] == env and row["n"] == n]))
     results = args.results or Path(str(RESULTS).format(env="-".join(args.env) + ("-pinned" if args.pin else "")))

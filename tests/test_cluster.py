@@ -115,6 +115,16 @@ def test_a_node_may_run_several_workers(cluster):
         assert rewards.tolist() == [1.0, 2.0, 0.0, 4.0, 5.0, 6.0] and dones.tolist()[2]
         assert "step failed on purpose" in infos[2]["error"]
         assert len(pool.memory().per_env) == 6 and len(set(pool.pids())) == 6
+        # Each node's two shards on its two slices of the node's CPUs (RLPool(cpus=None)): lane 0 of
+        # each node's three on the first, lanes 1-2 on the second; each env's own view.
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) >= 2:
+            from boltzlabs.worker.affinity import slice_of
+
+            obs, *_ = pool.step([{"op": "cpus"}] * 6)
+            views = [tuple(o["out"]) for o in obs]
+            first, second = tuple(slice_of(cpus, 0, 2)), tuple(slice_of(cpus, 1, 2))
+            assert (views.count(first), views.count(second)) == (2, 4), views
 
 
 def test_hard_reset_and_async_stepping_across_nodes(cluster):

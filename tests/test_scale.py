@@ -72,7 +72,7 @@ def test_bench_faults_idles_before_each_round_when_asked():
 @pytest.mark.timeout(300)
 def test_bench_shards_prints_where_each_pool_spends_a_step(tmp_path):
     """benchmarks/bench_shards.py (docs/sharding.md reads the second worker's cost from it): for each
-    pool, shards pinned to their CPUs too, the workers' CPU, their blocks and the machine's context
+    pool, k > 1 unpinned (cpus=False) too, the workers' CPU, their blocks and the machine's context
     switches per step, and the envs' CPU."""
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_shards.py"
     done = subprocess.run(
@@ -91,7 +91,7 @@ def test_bench_shards_prints_where_each_pool_spends_a_step(tmp_path):
             "--env-steps",
             "400",
             "--no-async",
-            "--pin-shards",
+            "--unpinned",
             "--results",
             str(tmp_path / "shards.json"),
         ],
@@ -101,12 +101,12 @@ def test_bench_shards_prints_where_each_pool_spends_a_step(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     rows = re.findall(
-        r"^\| counter \| 8 \| workers=(\d(?:, shards pinned)?) \| ([0-9,]+) \| [0-9.]+x \| ([0-9.]+) \| ([0-9.]+) \(([0-9.]+)\) "
+        r"^\| counter \| 8 \| workers=(\d(?:, unpinned)?) \| ([0-9,]+) \| [0-9.]+x \| ([0-9.]+) \| ([0-9.]+) \(([0-9.]+)\) "
         r"\| (\d+) \| ([0-9,]+) \| ([0-9.]+) \| [0-9.]+ \|$",
         done.stdout,
         re.M,
     )
-    assert [row[0] for row in rows] == ["1", "2", "2, shards pinned"], done.stdout
+    assert [row[0] for row in rows] == ["1", "2", "2, unpinned"], done.stdout
     for _, steps_per_s, client, workers, busiest, _blocks, switches, envs in rows:
         assert float(steps_per_s.replace(",", "")) > 0 and float(client) > 0
         assert float(workers) >= float(busiest) > 0

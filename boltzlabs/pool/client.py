@@ -50,7 +50,7 @@ from boltzlabs.errors import (
     describe_exit,
     exit_signal,
 )
-from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_n
+from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_cpus, check_n
 from boltzlabs.units import parse_size
 
 if TYPE_CHECKING:
@@ -267,6 +267,16 @@ class RLPool(Pool):
         (os.sched_getaffinity): 1 unless the pool is big enough to gain.
         Every call keeps its meaning: lane order, failures on their lanes,
         resets, send/recv, timing (timing.shards), memory().
+      cpus: where the pool's worker processes and envs run. None (default):
+        a pool over k > 1 workers runs shard i, its worker, template and
+        every env (respawns too), on the i-th of k near-equal slices of the
+        CPUs its worker may use, so the shards' envs do not share cores (on
+        shared cores they cost more CPU per env-step: docs/sharding.md); a
+        one-worker pool is not pinned. CPU ids, like range(8, 64): the same
+        over these CPUs only (of the machine that runs the workers), e.g. to
+        leave CPUs 0-7 to the trainer; a one-worker pool runs on all of them.
+        False: never pinned. `pool.affinity` lists each worker's CPUs (None:
+        not pinned). Placement, not a limit: an env may widen its own.
       cluster: refused (TypeError): a pool over a Ray cluster is
         boltzlabs.cluster.ClusterPool(source, n, cluster="ray", ...), the
         same protocol (boltzlabs.pool.protocol.Pool).
@@ -323,6 +333,8 @@ class RLPool(Pool):
         trust_env: bool = False,
         env_vars=None,
         workers=None,
+        cpus=None,
+        _shard: tuple[int, int] = (0, 1),
         **params,
     ):
         self._closed = True
@@ -335,6 +347,7 @@ class RLPool(Pool):
             )
         n = check_n(n)
         self.batch_size = check_batch_size(batch_size, n)
+        cpus = check_cpus(cpus)
         _warn_pool_option_typos(params)
         resolved = sources.resolve(source, params, n)
         if env_vars is not None and (
@@ -368,6 +381,13 @@ class RLPool(Pool):
             # A local worker can hand us each env's observation slot (pool/slots.py): asked for unless
             # BOLTZLABS_NO_SHM=1; it gives them when the env's space has a fixed shape.
             "shared_memory": worker is None and slots.wanted(),
+            # Where the worker and its envs run (worker/affinity.py): shard s of k on the s-th slice of
+            # `cpus` (None: of the CPUs the worker may use); a one-worker pool only when cpus is given.
+            "affinity": (
+                None
+                if cpus is False or (cpus is None and _shard[1] == 1)
+                else {"cpus": cpus, "shard": _shard[0], "of": _shard[1]}
+            ),
         }
         # The limits (against the policy of the worker that runs the pool, local
         # or remote) and bwrap are checked by the worker, before any sandbox
@@ -406,6 +426,8 @@ class RLPool(Pool):
             attributes=_offered(hello.get("attributes")),
         )
         self.step_timeout = ready["step_timeout"]
+        # Per worker process, the CPUs it and its envs are pinned to (None: not pinned).
+        self.affinity: list[list[int] | None] = [ready.get("affinity")]
         self._cgroup = ready["cgroup"]  # the worker's (and its guardian's) to remove; kept for diagnostics
         self._link.watch_guardian(ready.get("guardian"))
         self.spawn: str = ready["spawn"]

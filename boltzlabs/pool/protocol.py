@@ -69,6 +69,32 @@ def check_batch_size(batch_size, n: int, what: str = "batch_size"):
     return int(batch_size)
 
 
+# The most CPU ids RLPool(cpus=) may name, and the highest id + 1 (the kernel's NR_CPUS tops out at 8192;
+# the worker checks again, boltzlabs/worker/affinity.py).
+_MAX_CPUS = 1 << 13
+
+
+def check_cpus(cpus):
+    """RLPool(cpus=) as None, False, or a sorted list of distinct CPU ids; TypeError/ValueError otherwise."""
+    if cpus is None or cpus is False:
+        return cpus
+    if cpus is True or isinstance(cpus, (str, bytes, dict)) or not hasattr(cpus, "__iter__"):
+        raise TypeError(
+            f"cpus must be None (each shard of a pool over several workers on its own slice of the "
+            f"CPUs), False (never pinned), or CPU ids like range(8, 64); not {cpus!r:.80}"
+        )
+    ids = []
+    for c in cpus:
+        if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or not 0 <= c < _MAX_CPUS:
+            raise ValueError(f"cpus must hold CPU ids (whole numbers in [0, {_MAX_CPUS})); got {c!r:.40}")
+        ids.append(int(c))
+        if len(ids) > _MAX_CPUS:
+            raise ValueError(f"cpus names more than {_MAX_CPUS} CPUs")
+    if not ids:
+        raise ValueError("cpus is empty: name at least one CPU, or give None or False")
+    return sorted(set(ids))
+
+
 class Pool(abc.ABC):
     """n envs behind one batched step: the contract every pool kind keeps.
 

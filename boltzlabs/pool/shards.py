@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from boltzlabs.errors import EnvStartError, PoolClosedError, WorkerError
-from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_n
+from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_cpus, check_n
 
 __all__ = ["Sharding", "default_workers", "workers_for"]
 
@@ -142,6 +142,7 @@ class Sharding(Pool):
         batch_size=None,
         progress=None,
         serialize_measurement: bool = False,
+        cpus=None,
         **options,
     ):
         self._closed = True
@@ -150,6 +151,7 @@ class Sharding(Pool):
         n = check_n(n)
         k = workers_for((source, n), {"serialize_measurement": serialize_measurement}, workers)
         self.batch_size = check_batch_size(batch_size, n)
+        cpus = check_cpus(cpus)  # refused here, before any worker starts
         self.workers = k
         self._bounds = [n * s // k for s in range(k + 1)]
         self._gated = bool(serialize_measurement)
@@ -166,6 +168,8 @@ class Sharding(Pool):
                 workers=1,
                 progress=False,
                 serialize_measurement=serialize_measurement,
+                cpus=cpus,
+                _shard=(s, k),
                 **options,
             )
 
@@ -201,6 +205,7 @@ class Sharding(Pool):
         self.channel = first.channel if len({s.channel for s in self._shards}) == 1 else "mixed"
         self.shared_memory = all(shard.shared_memory for shard in self._shards)
         self.worker = first.worker
+        self.affinity = [shard.affinity[0] for shard in self._shards]
         # One epoll over the k sockets, used raw: the selectors module's wrapper cost ~10 us a wait.
         self._epoll = select.epoll()
         self._epoll_closer = weakref.finalize(self, self._epoll.close)  # with the pool, or when dropped

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from boltzlabs import wire
 from boltzlabs.host.policy import Policy
+from boltzlabs.worker import affinity
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class PoolConfig:
     env_fns: tuple | None = None  # an env_fns pool: one pickled thunk (bytes) per lane (runtime/env_fns.py)
     import_roots: tuple = ()  # what the trainer imports from outside site-packages (pool/imports.py); local only
     env_vars: dict | None = None  # RLPool(env_vars=): variables for every env (host/plan.py checks them)
+    affinity: affinity.Affinity | None = None  # RLPool(cpus=), a shard's slice (affinity.py); None: not pinned
 
 
 def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
@@ -107,6 +109,7 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
         # Paths of the client's machine: a remote worker binds none of its own host's for a client.
         import_roots=() if remote else tuple(request.get("import_roots") or ()),
         env_vars=request.get("env_vars"),
+        affinity=affinity.parse(request.get("affinity")),
     )
 
 

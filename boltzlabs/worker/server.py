@@ -48,7 +48,7 @@ import msgpack
 from boltzlabs import wire
 from boltzlabs.abi import PR_SET_CHILD_SUBREAPER, PR_SET_PDEATHSIG, SET_UP_EXIT
 from boltzlabs.errors import INTERNAL, PROTOCOL, USAGE, CgroupUnavailable, ClientGone, StartFailure, TemplateUnavailable
-from boltzlabs.worker import native
+from boltzlabs.worker import affinity, native
 from boltzlabs.host.builder import SandboxSpec
 from boltzlabs.host.cgroups import CLOSE_STALL, CgroupPool
 from boltzlabs.host.identity import HostAccount, host_account
@@ -132,6 +132,8 @@ class Worker:
         """Start the pool OPEN asks for; the READY info, or an exception saying why not."""
         policy = load_policy()
         config = self.config = parse_open(request, self.remote, policy)
+        # Before any process of the pool exists (guardian, template, sandboxes): each inherits it.
+        pinned = affinity.pin(config.affinity)
         find_bwrap()  # before the account's checks: a host without bwrap is told that first
         compile_sandbox_code()  # what every sandbox imports, as .pyc: the sandbox cannot write them
         self.account = host_account(policy.identity())
@@ -245,6 +247,7 @@ class Worker:
                 note for note in (self.warning, self.limits_note, self.gate_note, warmup_note(warmup)) if note
             ),
             "warmup": warmup,
+            "affinity": pinned,  # the CPUs this worker and its envs run on; None: not pinned
         }
 
     def _write_env_fns(self, blobs) -> str | None:

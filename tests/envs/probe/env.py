@@ -129,6 +129,11 @@ def ops(action):
             "tmpdir": os.environ.get("TMPDIR"),
             "pid": os.getpid(),
         }
+    if op == "cpus":
+        return sorted(os.sched_getaffinity(0))
+    if op == "widen":  # every CPU this process's cpuset allows, whatever it was pinned to
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        return sorted(os.sched_getaffinity(0))
     if op == "bad_return":
         return "not-a-tuple"
     raise KeyError(op)

@@ -1,0 +1,110 @@
+"""Where a pool's processes run: RLPool(cpus=) and each shard's slice of the CPUs.
+
+    client: RLPool(cpus=..., workers=k) --OPEN {"affinity": {"cpus": [...] | None, "shard": s, "of": k}}-->
+    worker: parse() --> slice s of k of (the CPUs it may use, or those asked of them) -->
+        pin(): sched_setaffinity of every thread of the worker, before its guardian, template
+        or any sandbox exists, so each of them and every env forked or respawned later inherits it
+
+A sharded pool's envs on shared cores cost more CPU per env-step than under
+one worker (docs/sharding.md measures it): shard i on the i-th slice keeps
+each shard's envs, template and worker on cores of their own. The slice is
+cut from the worker's own os.sched_getaffinity, so a remote or Ray worker
+pins within its node's CPUs, and a cpuset the worker runs in is respected.
+
+Placement, not a limit: an env may widen its own affinity again within the
+CPUs its cgroup's cpuset allows (sched_setaffinity is not filtered, as
+OpenMP runtimes call it), which costs only that env's own pace.
+
+The OPEN request is untrusted when the client is remote: everything here is
+bounded and checked before anything is applied.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+__all__ = ["Affinity", "parse", "pin", "slice_of", "MAX_CPUS"]
+
+# CPU ids and the length of a list of them (the kernel's CONFIG_NR_CPUS tops out at 8192);
+# and the most shards a pool is split into (a shard holds at least one env).
+MAX_CPUS = 1 << 13
+_MAX_SHARDS = 1 << 20
+
+
+@dataclass(frozen=True)
+class Affinity:
+    """What OPEN asks: shard `shard` of `of`, within `cpus` (None: the CPUs the worker may use)."""
+
+    cpus: tuple[int, ...] | None
+    shard: int
+    of: int
+
+
+def _whole(value, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value < high:
+        raise ValueError(f"affinity: {name} must be a whole number in [{low}, {high}), not {value!r:.40}")
+    return value
+
+
+def parse(asked) -> Affinity | None:
+    """OPEN's "affinity" (None: the pool is not pinned), or ValueError saying what is wrong."""
+    if asked is None:
+        return None
+    if not isinstance(asked, dict) or set(asked) != {"cpus", "shard", "of"}:
+        raise ValueError("affinity must be a map of exactly cpus, shard and of")
+    of = _whole(asked["of"], "of", 1, _MAX_SHARDS + 1)
+    shard = _whole(asked["shard"], "shard", 0, of)
+    cpus = asked["cpus"]
+    if cpus is not None:
+        if not isinstance(cpus, list) or not 1 <= len(cpus) <= MAX_CPUS:
+            raise ValueError(f"affinity: cpus must be a list of 1 to {MAX_CPUS} CPU ids, or None")
+        cpus = tuple(sorted({_whole(c, "a CPU id", 0, MAX_CPUS) for c in cpus}))
+    return Affinity(cpus, shard, of)
+
+
+def slice_of(cpus: list[int], shard: int, of: int) -> list[int]:
+    """The shard-th of `of` contiguous, near-equal slices of `cpus` (sorted); with more shards
+    than CPUs, each shard gets one CPU, the shards taking them in turn."""
+    if of > len(cpus):
+        return [cpus[shard % len(cpus)]]
+    return cpus[shard * len(cpus) // of : (shard + 1) * len(cpus) // of]
+
+
+def pin(affinity: Affinity | None) -> list[int] | None:
+    """Pin this process, every thread of it, to its slice; the CPUs it now runs on, or None
+    when not asked. ValueError names asked CPUs this process may not use."""
+    if affinity is None:
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    if affinity.cpus is None:
+        base = allowed
+    else:
+        outside = sorted(set(affinity.cpus) - set(allowed))
+        if outside:
+            raise ValueError(
+                f"cpus={list(affinity.cpus)[:16]}: CPU {outside[0]} is not one this worker may use "
+                f"(it may use {_ranges(allowed)}); give CPUs of the machine that runs the pool's workers"
+            )
+        base = list(affinity.cpus)
+    cpus = slice_of(base, affinity.shard, affinity.of)
+    # sched_setaffinity(0) sets the calling thread's only: each of the worker's threads is pinned
+    # (a thread started later inherits its creator's), so whichever thread forks, its child is.
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cpus)
+        except ProcessLookupError:  # a thread that has just ended
+            pass
+    return sorted(os.sched_getaffinity(0))
+
+
+def _ranges(cpus: list[int]) -> str:
+    """0-3,8,10-11: as /sys/devices/system/cpu/online writes a CPU list."""
+    out, start = [], None
+    for i, c in enumerate(cpus):
+        if start is None:
+            start = c
+        if i + 1 == len(cpus) or cpus[i + 1] != c + 1:
+            out.append(str(start) if start == c else f"{start}-{c}")
+            start = None
+    return ",".join(out)

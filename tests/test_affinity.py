@@ -1,0 +1,214 @@
+"""Where a pool's processes run (RLPool(cpus=), boltzlabs/worker/affinity.py):
+real workers, templates and sandboxes, read from the kernel (sched_getaffinity
+of each process, and each env's own view from inside its sandbox)."""
+
+import os
+
+import psutil
+import pytest
+
+from boltzlabs import RLPool
+from boltzlabs.worker import affinity
+from conftest import COUNTER, PROBE
+
+CPUS = sorted(os.sched_getaffinity(0))
+needs_two = pytest.mark.skipif(len(CPUS) < 2, reason="slices need at least two CPUs this process may use")
+
+
+def _tree(pid: int) -> dict:
+    """pid -> CPUs, for a worker and every process below it (templates, bwrap, sandboxes, envs)."""
+    worker = psutil.Process(pid)
+    out = {}
+    for proc in [worker, *worker.children(recursive=True)]:
+        try:
+            out[proc.pid] = sorted(os.sched_getaffinity(proc.pid))
+        except ProcessLookupError:
+            pass
+    return out
+
+
+def _workers(pool) -> list:
+    shards = getattr(pool, "_shards", None) or [pool]
+    return [shard._proc.pid for shard in shards]
+
+
+def _env_views(pool) -> list:
+    """Each lane's CPUs as its env sees them, from inside its sandbox."""
+    obs, *_ = pool.step([{"op": "cpus"}] * pool.n)
+    return [o["out"] for o in obs]
+
+
+def _descendants() -> set:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+# -- the slices and the request, as data ---------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cpus, of, want",
+    [
+        ([0, 1], 2, [[0], [1]]),
+        ([0, 1], 1, [[0, 1]]),
+        (list(range(8)), 3, [[0, 1], [2, 3, 4], [5, 6, 7]]),
+        ([4, 5, 9, 11], 2, [[4, 5], [9, 11]]),
+        ([0, 1, 2], 5, [[0], [1], [2], [0], [1]]),  # more shards than CPUs: one each, in turn
+    ],
+)
+def test_each_shard_gets_its_slice(cpus, of, want):
+    assert [affinity.slice_of(cpus, s, of) for s in range(of)] == want
+
+
+def test_slices_cover_the_cpus_once_whenever_there_are_enough():
+    for count in range(1, 70):
+        cpus = list(range(0, 2 * count, 2))
+        for of in range(1, count + 1):
+            slices = [affinity.slice_of(cpus, s, of) for s in range(of)]
+            assert all(slices) and sum(slices, []) == cpus
+            assert max(map(len, slices)) - min(map(len, slices)) <= 1
+
+
+@pytest.mark.parametrize(
+    "asked",
+    [
+        [0, 1],
+        {"cpus": None, "shard": 0},
+        {"cpus": None, "shard": 0, "of": 2, "more": 1},
+        {"cpus": None, "shard": 2, "of": 2},
+        {"cpus": None, "shard": -1, "of": 2},
+        {"cpus": None, "shard": 0, "of": 0},
+        {"cpus": None, "shard": True, "of": 2},
+        {"cpus": None, "shard": 0.0, "of": 2},
+        {"cpus": None, "shard": 0, "of": 1 << 40},
+        {"cpus": [], "shard": 0, "of": 1},
+        {"cpus": [-1], "shard": 0, "of": 1},
+        {"cpus": [1 << 13], "shard": 0, "of": 1},
+        {"cpus": [[0]], "shard": 0, "of": 1},
+        {"cpus": ["0"], "shard": 0, "of": 1},
+        {"cpus": "0-3", "shard": 0, "of": 1},
+        {"cpus": [0] * ((1 << 13) + 1), "shard": 0, "of": 1},
+    ],
+)
+def test_a_hostile_affinity_request_is_refused(asked):
+    with pytest.raises(ValueError, match="affinity"):
+        affinity.parse(asked)
+
+
+def test_a_request_is_parsed_to_sorted_distinct_cpus():
+    assert affinity.parse(None) is None
+    assert affinity.parse({"cpus": [3, 1, 3], "shard": 1, "of": 2}) == affinity.Affinity((1, 3), 1, 2)
+
+
+@pytest.mark.parametrize(
+    "cpus, error",
+    [
+        (True, TypeError),
+        ("0-3", TypeError),
+        (3, TypeError),
+        ([], ValueError),
+        ([-1], ValueError),
+        ([1.0], ValueError),
+        ([True], ValueError),
+        ([1 << 13], ValueError),
+    ],
+)
+def test_bad_cpus_are_refused_before_anything_starts(cpus, error):
+    before = _descendants()
+    for workers in (1, 2):
+        with pytest.raises(error, match="cpus"):
+            RLPool(COUNTER, 2, workers=workers, cpus=cpus)
+    assert _descendants() <= before
+
+
+# -- real pools ----------------------------------------------------------------------------
+
+
+@needs_two
+@pytest.mark.parametrize("spawn", ["template", "exec"])
+def test_each_shard_and_everything_below_it_runs_on_its_slice_respawns_included(spawn):
+    slices = [affinity.slice_of(CPUS, s, 2) for s in range(2)]
+    lane_slice = [slices[0]] * 2 + [slices[1]] * 3  # 5 lanes over 2 shards: [0, 2) and [2, 5)
+    with RLPool(PROBE, 5, workers=2, step_timeout=10, spawn=spawn) as pool:
+        assert pool.spawn == spawn
+        assert pool.affinity == slices
+        pool.reset(seed=0)
+        for worker, cpus in zip(_workers(pool), slices):
+            tree = _tree(worker)
+            assert len(tree) > 3 and set(map(tuple, tree.values())) == {tuple(cpus)}, tree
+        assert _env_views(pool) == lane_slice
+        before = set(pool.pids())
+        pool.reset(seed=1, hard=True)  # every env a new process (forked by its shard's template)
+        after = set(pool.pids())
+        assert not before & after
+        _, _, dones, infos = pool.step([1.0, 1.0, 1.0, {"op": "exit"}, 1.0])
+        assert dones[3] and "exit" in infos[3]["error"]
+        pool.reset(where=[3])  # a respawn after a crash
+        assert _env_views(pool) == lane_slice
+        for worker, cpus in zip(_workers(pool), slices):
+            assert set(map(tuple, _tree(worker).values())) == {tuple(cpus)}
+    assert sorted(os.sched_getaffinity(0)) == CPUS  # the trainer's own is left as it was
+
+
+@needs_two
+def test_a_pool_is_pinned_only_where_asked():
+    with RLPool(PROBE, 2) as pool:  # one worker: not pinned
+        pool.reset(seed=0)
+        assert pool.affinity == [None] and _env_views(pool) == [CPUS] * 2
+    with RLPool(PROBE, 4, workers=2, cpus=False) as pool:
+        pool.reset(seed=0)
+        assert pool.affinity == [None, None] and _env_views(pool) == [CPUS] * 4
+        for worker in _workers(pool):
+            assert set(map(tuple, _tree(worker).values())) == {tuple(CPUS)}
+    last = CPUS[-1:]
+    with RLPool(PROBE, 2, cpus=last) as pool:  # the trainer keeps the other CPUs to itself
+        pool.reset(seed=0)
+        assert pool.affinity == [last] and _env_views(pool) == [last] * 2
+        assert set(map(tuple, _tree(_workers(pool)[0]).values())) == {tuple(last)}
+    with RLPool(PROBE, 3, workers=3, cpus=CPUS[:2]) as pool:  # more shards than CPUs: in turn
+        pool.reset(seed=0)
+        assert pool.affinity == [[CPUS[0]], [CPUS[1]], [CPUS[0]]]
+        assert _env_views(pool) == [[CPUS[0]], [CPUS[1]], [CPUS[0]]]
+
+
+def test_a_cpu_the_worker_may_not_use_is_refused_naming_it_and_nothing_is_left():
+    before = _descendants()
+    missing = max(CPUS) + 1
+    with pytest.raises(ValueError, match=f"CPU {missing} is not one this worker may use"):
+        RLPool(COUNTER, 2, cpus=[missing])
+    assert _descendants() <= before
+
+
+@needs_two
+def test_an_env_that_widens_its_own_affinity_moves_nothing_else():
+    slices = [affinity.slice_of(CPUS, s, 2) for s in range(2)]
+    with RLPool(PROBE, 4, workers=2, step_timeout=10) as pool:
+        pool.reset(seed=0)
+        obs, *_ = pool.step([{"op": "widen"}, 1.0, 1.0, 1.0])
+        assert obs[0]["out"] == CPUS  # placement, not a limit: it may, within its cpuset
+        assert _env_views(pool) == [CPUS, slices[0], slices[1], slices[1]]
+        moved = {pid for pid, cpus in _tree(_workers(pool)[0]).items() if cpus != slices[0]}
+        assert moved == {pool.pids()[0]}  # the env's own process; its template and neighbours stay
+        assert set(map(tuple, _tree(_workers(pool)[1]).values())) == {tuple(slices[1])}
+        pool.reset(where=[0], hard=True)  # its respawn is back on its shard's slice
+        assert _env_views(pool)[0] == slices[0]
+
+
+@needs_two
+def test_a_remote_pool_pins_each_shard_within_the_remote_workers_cpus(tmp_path):
+    from test_remote import Worker
+
+    slices = [affinity.slice_of(CPUS, s, 2) for s in range(2)]
+    listener = Worker(tmp_path)
+    try:
+        with listener.pool(PROBE, 4, workers=2) as pool:
+            assert pool.affinity == slices
+            pool.reset(seed=0)
+            assert _env_views(pool) == [slices[0]] * 2 + [slices[1]] * 2
+        # A client that lies about its shard: the worker refuses it, and says why.
+        with pytest.raises(ValueError, match="affinity: shard"):
+            listener.pool(COUNTER, 2, _shard=(3, 2))
+        with pytest.raises(ValueError, match="is not one this worker may use"):
+            listener.pool(COUNTER, 2, cpus=[max(CPUS) + 1])
+        listener.wait_for(lambda: not listener.descendants(), "the refused pools' workers to leave")
+    finally:
+        listener.stop()
