@@ -205,7 +205,8 @@ class ClusterPool(Pool):
     envs_per_node caps how many lanes a node takes (default: by its memory;
     lanes are split by CPUs). workers_per_node (default 1) splits each
     node's lanes over that many worker processes there (RLPool(workers=),
-    docs/sharding.md), for nodes with many cores. Everything else RLPool
+    docs/sharding.md), for nodes with many cores, each on its slice of
+    that node's CPUs (cpus= names CPUs of each node). Everything else RLPool
     takes (step_timeout, spawn, memory_limit, ...) applies on every node.
     """
 

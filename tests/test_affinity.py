@@ -50,22 +50,26 @@ def _descendants() -> set:
     [
         ([0, 1], 2, [[0], [1]]),
         ([0, 1], 1, [[0, 1]]),
-        (list(range(8)), 3, [[0, 1], [2, 3, 4], [5, 6, 7]]),
+        (list(range(8)), 4, [[0, 1], [2, 3], [4, 5], [6, 7]]),
         ([4, 5, 9, 11], 2, [[4, 5], [9, 11]]),
-        ([0, 1, 2], 5, [[0], [1], [2], [0], [1]]),  # more shards than CPUs: one each, in turn
+        # Uneven (the lanes split evenly, the CPUs would not): every shard on all of them.
+        (list(range(8)), 3, [list(range(8))] * 3),
+        ([0, 1], 3, [[0, 1]] * 3),
     ],
 )
 def test_each_shard_gets_its_slice(cpus, of, want):
     assert [affinity.slice_of(cpus, s, of) for s in range(of)] == want
 
 
-def test_slices_cover_the_cpus_once_whenever_there_are_enough():
+def test_slices_are_equal_and_cover_the_cpus_once_or_each_is_all_of_them():
     for count in range(1, 70):
         cpus = list(range(0, 2 * count, 2))
-        for of in range(1, count + 1):
+        for of in range(1, count + 3):
             slices = [affinity.slice_of(cpus, s, of) for s in range(of)]
-            assert all(slices) and sum(slices, []) == cpus
-            assert max(map(len, slices)) - min(map(len, slices)) <= 1
+            if count % of:
+                assert slices == [cpus] * of
+            else:
+                assert sum(slices, []) == cpus and {len(s) for s in slices} == {count // of}
 
 
 @pytest.mark.parametrize(
@@ -164,10 +168,11 @@ def test_a_pool_is_pinned_only_where_asked():
         pool.reset(seed=0)
         assert pool.affinity == [last] and _env_views(pool) == [last] * 2
         assert set(map(tuple, _tree(_workers(pool)[0]).values())) == {tuple(last)}
-    with RLPool(PROBE, 3, workers=3, cpus=CPUS[:2]) as pool:  # more shards than CPUs: in turn
+    two = CPUS[:2]
+    with RLPool(PROBE, 3, workers=3, cpus=two) as pool:  # 3 shards, 2 CPUs: each shard on both
         pool.reset(seed=0)
-        assert pool.affinity == [[CPUS[0]], [CPUS[1]], [CPUS[0]]]
-        assert _env_views(pool) == [[CPUS[0]], [CPUS[1]], [CPUS[0]]]
+        assert pool.affinity == [None if two == CPUS else two] * 3
+        assert _env_views(pool) == [two] * 3
 
 
 def test_a_cpu_the_worker_may_not_use_is_refused_naming_it_and_nothing_is_left():

@@ -64,16 +64,19 @@ def parse(asked) -> Affinity | None:
 
 
 def slice_of(cpus: list[int], shard: int, of: int) -> list[int]:
-    """The shard-th of `of` contiguous, near-equal slices of `cpus` (sorted); with more shards
-    than CPUs, each shard gets one CPU, the shards taking them in turn."""
-    if of > len(cpus):
-        return [cpus[shard % len(cpus)]]
-    return cpus[shard * len(cpus) // of : (shard + 1) * len(cpus) // of]
+    """The shard-th of `of` contiguous equal slices of `cpus` (sorted), or all of `cpus` when
+    they do not divide evenly: the lanes split evenly, so a shard with fewer CPUs than
+    another would hold every step back (3 shards on 2 CPUs: one CPU's envs twice the other's)."""
+    if len(cpus) % of:
+        return list(cpus)
+    size = len(cpus) // of
+    return cpus[shard * size : (shard + 1) * size]
 
 
 def pin(affinity: Affinity | None) -> list[int] | None:
     """Pin this process, every thread of it, to its slice; the CPUs it now runs on, or None
-    when not asked. ValueError names asked CPUs this process may not use."""
+    when nothing is narrowed (not asked, or the slice is every CPU it may use). ValueError
+    names asked CPUs this process may not use."""
     if affinity is None:
         return None
     allowed = sorted(os.sched_getaffinity(0))
@@ -88,6 +91,8 @@ def pin(affinity: Affinity | None) -> list[int] | None:
             )
         base = list(affinity.cpus)
     cpus = slice_of(base, affinity.shard, affinity.of)
+    if cpus == allowed:
+        return None
     # sched_setaffinity(0) sets the calling thread's only: each of the worker's threads is pinned
     # (a thread started later inherits its creator's), so whichever thread forks, its child is.
     for task in os.listdir("/proc/self/task"):
