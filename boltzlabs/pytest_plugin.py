@@ -13,7 +13,10 @@ where boltzlabs is installed: at collection it imports only pytest. RLPool
 
 What a pool owns is recorded from the host, never from what an env says: the
 worker process and every process below it (bwraps, the template, the envs),
-with their start times so that a reused pid is not mistaken for a leftover,
+with their start times so that a reused pid is not mistaken for a leftover
+(in clock ticks since boot, from /proc/<pid>/stat: psutil's create_time()
+adds the boot time of /proc/stat, which moves by a second when the wall clock
+is stepped or slewed, and would make a live process look like another one),
 taken when the pool is made and again just before it is closed (to include
 envs respawned by hard resets); and the pool's cgroup directories (one per
 hierarchy). Pools on a remote worker or a Ray cluster own nothing on this host:
@@ -106,7 +109,7 @@ class _Tracked:
 
     def __init__(self, pool):
         self.pool = pool
-        self.processes: dict[int, float] = {}  # pid -> start time
+        self.processes: dict[int, int] = {}  # pid -> start time (started())
         self.cgroups = [str(path) for path in (getattr(pool, "_cgroup", None) or [])]
         self._record()
 
@@ -155,8 +158,20 @@ class _Tracked:
         return left
 
 
+def started(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks since boot (field 22 of
+    /proc/<pid>/stat: the kernel's, unmoved by any clock change); None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            text = stat.read()
+    except OSError:
+        return None
+    # The name (field 2) is in parentheses and may hold spaces or ')': split after the last one.
+    return int(text[text.rindex(b")") + 2 :].split()[19])
+
+
 def descendants(pid: int) -> dict:
-    """{pid: start time} of a process and every process below it, now."""
+    """{pid: start time (started())} of a process and every process below it, now."""
     import psutil
 
     try:
@@ -166,15 +181,14 @@ def descendants(pid: int) -> dict:
         return {}
     found = {}
     for process in family:
-        try:
-            found[process.pid] = process.create_time()
-        except psutil.Error:
-            continue
+        start = started(process.pid)
+        if start is not None:
+            found[process.pid] = start
     return found
 
 
 def remaining(processes: dict, cgroups: list, wait: float) -> list:
-    """Which of `processes` ({pid: start time}) still run and which `cgroups`
+    """Which of `processes` ({pid: start time, as started() gives}) still run and which `cgroups`
     directories still exist, waiting up to `wait` seconds for them to go."""
     deadline = time.monotonic() + wait
     while True:
@@ -185,14 +199,14 @@ def remaining(processes: dict, cgroups: list, wait: float) -> list:
         time.sleep(0.05)
 
 
-def _running(pid: int, start: float) -> str:
+def _running(pid: int, start: int) -> str:
     """The process's name and state when that very process still runs (a zombie has ended); else ''."""
     import psutil
 
     try:
         process = psutil.Process(pid)
-        if process.create_time() != start:
-            return ""  # the pid was reused
+        if started(pid) != start:
+            return ""  # the pid was reused (or it is gone)
         status = process.status()
         if status == psutil.STATUS_ZOMBIE:
             return ""
@@ -210,7 +224,7 @@ def _clean_up(processes: dict, cgroups: list) -> None:
     for pid, start in processes.items():
         try:
             process = psutil.Process(pid)
-            if process.create_time() == start:
+            if started(pid) == start:
                 process.kill()
         except psutil.Error:
             continue

@@ -9,6 +9,7 @@ pytest11 entry point loads it.
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -435,6 +436,61 @@ def test_the_leftover_check_sees_a_live_process_until_it_ends():
     assert remaining(owned_now, [], wait=5.0) == []  # a zombie has ended (not yet reaped)
     sleeper.wait()
     assert remaining(owned_now, [], wait=0.0) == []
+
+
+def test_the_leftover_check_holds_when_the_boot_time_moves(tmp_path):
+    # /proc/stat's btime is the wall clock less the uptime, in whole seconds: it moves by one when
+    # the clock is slewed or stepped (CI saw it). Start times built on it (psutil's create_time())
+    # made a live pool's processes look like other ones, so the check missed them. Here the check
+    # runs where /proc/stat says the machine booted a second later than it did.
+    from boltzlabs.pytest_plugin import descendants
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1)")
+    moved = re.sub(r"^btime (\d+)$", lambda m: f"btime {int(m[1]) + 1}", open("/proc/stat").read(), flags=re.M)
+    (tmp_path / "stat").write_text(moved)
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        owned = descendants(sleeper.pid)
+        check = (
+            "import json, sys; from boltzlabs.pytest_plugin import remaining; "
+            "print(json.dumps(remaining({int(k): v for k, v in json.loads(sys.argv[1]).items()}, [], 0.0)))"
+        )
+        script = 'mount --bind "$0" /proc/stat && grep -q "^btime $1" /proc/stat && shift && exec "$@"'
+        btime = re.search(r"^btime (\d+)$", moved, flags=re.M)[1]
+        run = subprocess.run(
+            ["unshare", "-m", "sh", "-c", script, str(tmp_path / "stat"), btime, sys.executable, "-c", check]
+            + [json.dumps(owned)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert run.returncode == 0, run.stderr
+        left = json.loads(run.stdout)
+        assert len(left) == 1 and left[0].startswith(f"process {sleeper.pid} (sleep, "), left
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_process_name_cannot_mislead_the_start_time():
+    # The name (comm) is the env's to set; /proc/<pid>/stat shows it in parentheses, so one
+    # with ") R 1 2" in it must not shift the fields read after it.
+    from boltzlabs.pytest_plugin import started
+
+    code = "import ctypes, time; ctypes.CDLL(None).prctl(15, b') R 1 2 3 4 5', 0, 0, 0); print(flush=True); time.sleep(60)"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()
+        assert psutil.Process(child.pid).name() == ") R 1 2 3 4 5"
+        with open("/proc/uptime") as uptime:
+            now = float(uptime.read().split()[0]) * os.sysconf("SC_CLK_TCK")
+        # After us (its parent), before now: a field read off by one or more would be a count or a size.
+        assert started(os.getpid()) <= started(child.pid) <= now + 1
+    finally:
+        child.kill()
+        child.wait()
+    assert started(child.pid) is None
 
 
 def test_the_leftover_check_sees_a_live_pool(pool_factory):
