@@ -270,9 +270,10 @@ class RLPool(Pool):
       cpus: where the pool's worker processes and envs run. None (default):
         a pool over k > 1 workers runs shard i, its worker, template and
         every env (respawns too), on the i-th of k equal slices of the
-        CPUs its worker may use (all of them when they do not divide by k), so the shards' envs do not share cores (on
-        shared cores they cost more CPU per env-step: docs/sharding.md); a
-        one-worker pool is not pinned. CPU ids, like range(8, 64): the same
+        CPUs its worker may use (on all of them when they do not divide
+        by k), so the shards' envs do not share cores (on shared cores
+        they cost more CPU per env-step: docs/sharding.md); a one-worker
+        pool is not pinned. CPU ids, like range(8, 64): the same
         over these CPUs only (of the machine that runs the workers), e.g. to
         leave CPUs 0-7 to the trainer; a one-worker pool runs on all of them.
         False: never pinned. `pool.affinity` lists each worker's CPUs (None:
