@@ -478,7 +478,9 @@ def test_a_process_name_cannot_mislead_the_start_time():
     # with ") R 1 2" in it must not shift the fields read after it.
     from boltzlabs.pytest_plugin import started
 
-    code = "import ctypes, time; ctypes.CDLL(None).prctl(15, b') R 1 2 3 4 5', 0, 0, 0); print(flush=True); time.sleep(60)"
+    code = (
+        "import ctypes, time; ctypes.CDLL(None).prctl(15, b') R 1 2 3 4 5', 0, 0, 0); print(flush=True); time.sleep(60)"
+    )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
     try:
         child.stdout.readline()
