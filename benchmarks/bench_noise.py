@@ -42,6 +42,7 @@ except ImportError:
 import numpy as np
 
 from boltzlabs import RLPool
+from boltzlabs.runtime.rlimits import stat_fields
 
 COUNTER = ROOT / "examples" / "counter"
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -69,13 +70,9 @@ def cpu_ms(pids: list[int]) -> float:
     """The CPU (user + system) the processes have used, in ms (those gone count 0)."""
     total = 0
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as stat:
-                text = stat.read()
-        except OSError:
-            continue
-        fields = text[text.rindex(b")") + 2 :].split()
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
+        fields = stat_fields(pid)
+        if fields is not None:
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15)
     return total * 1000.0 / TICKS
 
 

@@ -161,13 +161,10 @@ class _Tracked:
 def started(pid: int) -> int | None:
     """When process `pid` started, in clock ticks since boot (field 22 of
     /proc/<pid>/stat: the kernel's, unmoved by any clock change); None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            text = stat.read()
-    except OSError:
-        return None
-    # The name (field 2) is in parentheses and may hold spaces or ')': split after the last one.
-    return int(text[text.rindex(b")") + 2 :].split()[19])
+    from boltzlabs.runtime.rlimits import stat_fields
+
+    fields = stat_fields(pid)
+    return None if fields is None else int(fields[19])
 
 
 def descendants(pid: int) -> dict:

@@ -440,7 +440,7 @@ def test_the_leftover_check_sees_a_live_process_until_it_ends():
 
 def test_the_leftover_check_holds_when_the_boot_time_moves(tmp_path):
     # /proc/stat's btime is the wall clock less the uptime, in whole seconds: it moves by one when
-    # the clock is slewed or stepped (CI saw it). Start times built on it (psutil's create_time())
+    # the clock is slewed or stepped (the likely cause of a CI failure). Start times built on it (psutil's create_time())
     # made a live pool's processes look like other ones, so the check missed them. Here the check
     # runs where /proc/stat says the machine booted a second later than it did.
     from boltzlabs.pytest_plugin import descendants

@@ -83,7 +83,7 @@ from pathlib import Path
 from typing import Any
 
 from boltzlabs.errors import CgroupUnavailable
-from boltzlabs.runtime.rlimits import read_file
+from boltzlabs.runtime.rlimits import read_file, stat_fields
 
 LEAF = "boltzlabs-procs"  # v2: where the worker and its process tree go to make room
 # v2 controllers a pool needs: memory (accounting, memory_limit), pids (the
@@ -548,11 +548,8 @@ def systemd_delegated(group: Path) -> bool | None:
 
 
 def _ppid(pid: int) -> int:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0
-    return int(stat[stat.rindex(")") + 2 :].split()[1])
+    fields = stat_fields(pid)
+    return 0 if fields is None else int(fields[1])
 
 
 def _comm(pid: int) -> str:

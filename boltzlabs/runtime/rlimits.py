@@ -118,3 +118,15 @@ def read_file(path: str) -> bytes:
             chunks.append(chunk)
     finally:
         os.close(fd)
+
+
+def stat_fields(pid: int | str) -> list[bytes] | None:
+    """The fields of /proc/<pid>/stat after the name: [0] the state (field 3),
+    [1] the parent (field 4), [19] the start in clock ticks since boot (field 22);
+    None once the process is gone. The name is the process's own to choose and
+    may hold spaces or ')', so the split is after the last ')'."""
+    try:
+        text = read_file(f"/proc/{pid}/stat")
+    except OSError:
+        return None
+    return text[text.rindex(b")") + 2 :].split()

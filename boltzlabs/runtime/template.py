@@ -415,12 +415,8 @@ def _other_processes() -> list[int]:
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) in (1, os.getpid()):
             continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                state = f.read().rsplit(b")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        if state not in (b"Z", b"X"):
+        fields = limits.stat_fields(name)
+        if fields is not None and fields[0] not in (b"Z", b"X"):  # None: gone meanwhile
             found.append(int(name))
     return sorted(found)
 
