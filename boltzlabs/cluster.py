@@ -42,6 +42,7 @@ import numpy as np
 
 from boltzlabs.errors import EnvError, PoolClosedError, WorkerError
 from boltzlabs.pool.client import MemoryReport, RLPool, Timing
+from boltzlabs.pool.progress import StartProgress, wanted
 from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_n
 
 __all__ = ["ClusterPool", "NodeWorker", "doctor", "placement"]
@@ -206,8 +207,10 @@ class ClusterPool(Pool):
     lanes are split by CPUs). workers_per_node (default 1) splits each
     node's lanes over that many worker processes there (RLPool(workers=),
     docs/sharding.md), for nodes with many cores, each on its slice of
-    that node's CPUs (cpus= names CPUs of each node). Everything else RLPool
-    takes (step_timeout, spawn, memory_limit, ...) applies on every node.
+    that node's CPUs (cpus= names CPUs of each node). progress= draws one
+    bar over every node's envs as they start (on a terminal by default, as
+    RLPool's). Everything else RLPool takes (step_timeout, spawn,
+    memory_limit, ...) applies on every node.
     """
 
     def __init__(
@@ -227,7 +230,7 @@ class ClusterPool(Pool):
         self._workers_per_node = workers_per_node
         self._init_lanes(n)
         self.source = str(source)
-        kwargs.pop("progress", None)  # each node's pool starts quietly
+        self._progress = kwargs.pop("progress", None)  # one bar over every node's workers
         self._kwargs = kwargs
         self._envs_per_node = envs_per_node
         self._token = secrets.token_urlsafe(24)
@@ -291,17 +294,23 @@ class ClusterPool(Pool):
                 token=self._token,
                 progress=False,
                 workers=min(self._workers_per_node, len(part)),
+                _progress=bar,
                 **self._kwargs,
             )
             return _Shard(node, pool, part)
 
+        bar = StartProgress(len(lanes)) if wanted(self._progress, len(lanes)) else None
         futures = [self._executor.submit(open_pool, node, part) for node, part in parts]
         errors = []
-        for future in futures:
-            try:
-                self._shards.append(future.result())
-            except Exception as exc:  # every node's failure is reported below
-                errors.append(exc)
+        try:
+            for future in futures:
+                try:
+                    self._shards.append(future.result())
+                except Exception as exc:  # every node's failure is reported below
+                    errors.append(exc)
+        finally:
+            if bar is not None:
+                bar.close()
         if errors:
             raise errors[0]
         self._index()

@@ -75,6 +75,42 @@ def pytest_runtest_setup(item):
         pytest.skip(f"needs a sandbox: {why}")
 
 
+def on_terminal(argv: list, until: str, timeout: float, stdout=subprocess.DEVNULL) -> str:
+    """What `argv` writes to its stderr when that is a terminal of 24 x 80 (where tqdm draws a bar),
+    read until `until` appears, the program closes the terminal, or `timeout` runs out; its stdout
+    goes to `stdout` (a file)."""
+    import pty
+    import select
+    import struct
+    import termios
+    import time
+
+    master, slave = pty.openpty()
+    # A bare pty has 0 columns, where tqdm draws nothing.
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    proc = subprocess.Popen(argv, stderr=slave, stdout=stdout, stdin=subprocess.DEVNULL)
+    os.close(slave)
+    out = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while until.encode() not in out:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([master], [], [], left)[0]:
+                break
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # the program closed the terminal: it has ended
+                break
+            if not chunk:
+                break
+            out += chunk
+        proc.wait(timeout=timeout)
+    finally:
+        proc.kill()
+        os.close(master)
+    return out.decode("utf-8", "replace")
+
+
 def scaled(seconds: float) -> float:
     """`seconds` of this machine's time where the tests run now."""
     return seconds * TIME_SCALE

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from boltzlabs.host import cgroups
-from conftest import COUNTER, PROBE, TESTS, scaled
+from conftest import COUNTER, PROBE, TESTS, on_terminal, scaled
 
 ENVS = TESTS / "envs"
 HANG = scaled(120)  # seconds: only to catch a hang (10x in the emulated v2 guest)
@@ -305,33 +305,11 @@ def test_bench_exits_1_when_lanes_fail():
     assert "lane step(s) failed at n=2" in err and "step failed on purpose" in err
 
 
-def test_bench_shows_a_progress_bar_on_a_terminal():
-    import fcntl
-    import pty
-    import struct
-    import termios
-
-    master, slave = pty.openpty()
-    # A terminal of 24 x 80 (a bare pty has 0 columns, where tqdm draws nothing).
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "boltzlabs", "bench", str(COUNTER), "-n", "2", "--steps", "30"],
-        stderr=slave,
-        stdout=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-    )
-    os.close(slave)
-    out = b""
-    while True:
-        try:
-            chunk = os.read(master, 4096)
-        except OSError:  # the command closed the terminal: it has ended
-            break
-        if not chunk:
-            break
-        out += chunk
-    table = proc.communicate(timeout=HANG)[0].decode()
-    os.close(master)
-    text = out.decode("utf-8", "replace")
+def test_bench_shows_a_progress_bar_on_a_terminal(tmp_path):
+    argv = [sys.executable, "-m", "boltzlabs", "bench", str(COUNTER), "-n", "2", "--steps", "30"]
+    with open(tmp_path / "table", "w+") as table:
+        text = on_terminal(argv, until="\0", timeout=HANG, stdout=table)  # read until it ends
+        table.seek(0)
+        out = table.read()
     assert "n=2" in text and "30/30" in text, repr(text[:300])
-    assert "| 2 |" in table and "n=2" not in table  # the bar on stderr, the table on stdout
+    assert "| 2 |" in out and "n=2" not in out  # the bar on stderr, the table on stdout

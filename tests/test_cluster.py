@@ -2,6 +2,7 @@
 real raylets, real actors, real boltzlabs workers and sandboxes on each node."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -267,8 +268,11 @@ def test_doctor_command_runs_on_the_cluster(cluster):
     assert report["ok"] and len(report["nodes"]) >= 2
 
 
-def test_per_lane_calls_and_shutdown(cluster):
+def test_per_lane_calls_and_shutdown(cluster, capfd):
     pool = ClusterPool(PROBE, 4, cluster=cluster.address, envs_per_node=2, progress=True)
+    # One bar of the pool's 4 envs over both nodes' workers, not one of 2 per node.
+    totals = set(re.findall(r"starting envs.*?\d+/(\d+)", capfd.readouterr().err))
+    assert totals == {"4"}, totals
     pool.reset(seed=0)
     assert pool.states() == ["idle"] * 4
     assert "reset called" in pool.log(3)

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from boltzlabs import EnvStartError, PoolClosedError, RLPool
-from conftest import COUNTER, PROBE, open_fds
+from conftest import COUNTER, PROBE, on_terminal, open_fds
 
 
 def test_the_product_page_loop(spawn):
@@ -280,33 +280,8 @@ print("done", file=sys.stderr)
 
 
 def test_start_up_shows_progress_on_a_terminal():
-    import pty
-
-    import fcntl
-    import struct
-    import termios
-
-    master, slave = pty.openpty()
-    # A terminal of 24 x 80 (a bare pty has 0 columns, where tqdm draws nothing).
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
     code = PROGRESS.format(root=str(Path(__file__).parent.parent), counter=str(COUNTER))
-    proc = subprocess.Popen([sys.executable, "-c", code], stderr=slave, stdout=subprocess.DEVNULL)
-    os.close(slave)
-    out = b""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            chunk = os.read(master, 4096)
-        except OSError:  # the child closed the terminal
-            break
-        if not chunk:
-            break
-        out += chunk
-        if b"done" in out:
-            break
-    proc.wait(timeout=30)
-    os.close(master)
-    text = out.decode("utf-8", "replace")
+    text = on_terminal([sys.executable, "-c", code], until="done", timeout=60)
     assert "starting envs" in text and "/64" in text, repr(text[:300])
 
 

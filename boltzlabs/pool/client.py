@@ -31,7 +31,7 @@ import numpy as np
 
 from boltzlabs import wire
 from boltzlabs.link import worker_environment
-from boltzlabs.pool import imports, shards, slots, sources
+from boltzlabs.pool import imports, progress as start_progress, shards, slots, sources
 from boltzlabs.errors import (
     CATEGORIES,
     HOST,
@@ -44,6 +44,7 @@ from boltzlabs.errors import (
     EnvStartError,
     PolicyError,
     PoolClosedError,
+    ProtocolError,
     SandboxUnavailable,
     WorkerError,
     WorkerSideError,
@@ -58,7 +59,6 @@ if TYPE_CHECKING:
 
 __all__ = ["RLPool", "ShardedPool", "Timing", "MemoryReport", "EnvContract"]
 
-_PROGRESS_MIN_ENVS = 64
 # Reads from the worker. Not 1 MiB: a buffer that large is an mmap, mremap and
 # munmap per read (~90 us here), most of the hop at small n.
 _RECV_SIZE = 1 << 16
@@ -247,7 +247,8 @@ class RLPool(Pool):
       batch_size: the default batch_size of recv() (asynchronous stepping:
         send() actions, recv() the first batch_size envs to finish).
       progress: show a progress bar while starting (default: on a terminal,
-        for 64 envs or more).
+        for 64 envs or more): one bar of n envs, however many worker
+        processes start them.
       worker: None runs the pool here, in a worker process of this machine.
         "tcp://host:port" (or "tls://host:port") runs it on a remote
         `boltzlabs worker --listen`: the env directory is shipped there
@@ -336,6 +337,7 @@ class RLPool(Pool):
         workers=None,
         cpus=None,
         _shard: tuple[int, int] = (0, 1),
+        _progress: start_progress.StartProgress | None = None,
         **params,
     ):
         self._closed = True
@@ -407,13 +409,18 @@ class RLPool(Pool):
         self._reader = wire.FrameReader(wire.Limits(1 << 30), allocate=_frame_buffer)
         self._inbox: list = []
         self._start_worker(worker, token, tls_ca, resolved)
-        if progress is None:
-            progress = n >= _PROGRESS_MIN_ENVS and sys.stderr.isatty()
+        # A shard of a larger pool reports to that pool's bar (_progress); a pool of its own draws its own.
+        bar = None
+        if _progress is None and start_progress.wanted(progress, n):
+            bar = _progress = start_progress.StartProgress(n)
         try:
-            ready = self._open(config, progress)
+            ready = self._open(config, _progress.counter() if _progress is not None else None)
         except BaseException:
             self._shutdown()
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         self.memory_source = ready["memory_source"]
         self.hello = hello = ready["hello"] or {}
         self.env_contract = EnvContract(
@@ -475,32 +482,31 @@ class RLPool(Pool):
         self._closed = False
         self._finalizer = weakref.finalize(self, self._link.shutdown)
 
-    def _open(self, config: dict, progress: bool) -> dict:
+    def _open(self, config: dict, report) -> dict:
+        """OPEN, then the worker's messages until READY: each PROGRESS checked and passed to report
+        (one worker's ready count, or None: no bar), an ERROR raised as the start's failure."""
         self._conn.sendall(wire.encode([wire.OPEN, config]))
-        bar = None
-        try:
-            while True:
-                message = self._receive()
-                code = message[0]
-                if code == wire.PROGRESS:
-                    if progress:
-                        if bar is None:
-                            from tqdm import tqdm
-
-                            bar = tqdm(total=message[2], desc="starting envs", unit="env", leave=False)
-                        bar.update(message[1] - bar.n)
-                elif code == wire.READY:
-                    return message[1]
-                elif code == wire.ERROR:
-                    category, text, detail = _error_parts(message)
-                    if category == START:
-                        raise _start_error(text, detail, config, self._resolved, self.n)
-                    raise _error(category, text, "the worker could not start the pool") from WorkerSideError(
-                        category, detail.get("traceback") or text
-                    )
-        finally:
-            if bar is not None:
-                bar.close()
+        while True:
+            message = self._receive()
+            code = message[0]  # the reader passes only arrays led by an integer code
+            if code == wire.PROGRESS:
+                ready = start_progress.check(message, self.n)
+                if report is not None:
+                    report(ready)
+            elif code == wire.READY and len(message) == 2 and isinstance(message[1], dict):
+                return message[1]
+            elif code == wire.ERROR:
+                category, text, detail = _error_parts(message)
+                if category == START:
+                    raise _start_error(text, detail, config, self._resolved, self.n)
+                raise _error(category, text, "the worker could not start the pool") from WorkerSideError(
+                    category, detail.get("traceback") or text
+                )
+            else:
+                raise WorkerError(
+                    f"the worker sent {message!r:.120} while starting the pool (expected PROGRESS, READY or "
+                    "ERROR): it does not speak this client's protocol; run the same boltzlabs version on both sides"
+                )
 
     def _map_slots(self, layout: dict):
         """Every lane's memfd from the worker ("slots" calls, PER_CALL at a time), mapped read-only."""
@@ -563,7 +569,15 @@ class RLPool(Pool):
         if not data and not got:
             self._link.wait_dead()
             raise self._worker_died()
-        self._inbox.extend(self._reader.feed(data) if room is None else self._reader.filled(got))
+        try:
+            messages = self._reader.feed(data) if room is None else self._reader.filled(got)
+        except ProtocolError as exc:
+            self._shutdown()  # the stream is out of step: nothing after this frame can be read
+            raise WorkerError(
+                f"the boltzlabs worker ({self.worker}) sent a frame this client cannot read ({exc}); the pool "
+                "is closed. A worker of another boltzlabs version does this: run the same boltzlabs version on both sides"
+            ) from exc
+        self._inbox.extend(messages)
 
     def _worker_died(self) -> WorkerError:
         self._closed = True
