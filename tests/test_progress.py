@@ -5,9 +5,6 @@ Real pools, a real remote-worker handshake; the hostile worker is a socket speak
 
 from __future__ import annotations
 
-import os
-import secrets
-import socket
 import sys
 import threading
 import time
@@ -16,9 +13,9 @@ import pytest
 
 from boltzlabs import RLPool, wire
 from boltzlabs.errors import WorkerError
-from boltzlabs.link import Peer
 from boltzlabs.pool.progress import StartProgress, check
 from conftest import COUNTER, on_terminal, scaled
+from lying_worker import LyingWorker
 
 HANG = scaled(60)  # seconds: only to catch a hang
 
@@ -109,43 +106,6 @@ def test_no_bar_when_asked_for_none(capfd):
 # -- a remote worker's start-up messages are input ----------------------------------------------------
 
 
-class _LyingWorker:
-    """A listener that does the remote handshake as a boltzlabs worker would, then answers OPEN
-    with the frames it is given and waits for the client's CLOSE (or its end of the connection)."""
-
-    def __init__(self, frames: list, raw: bytes = b""):
-        self.token = secrets.token_urlsafe(8)
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.url = f"tcp://127.0.0.1:{self.server.getsockname()[1]}"
-        self.frames, self.raw = frames, raw
-        self.opened = False
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        conn, _ = self.server.accept()
-        with conn:
-            peer = Peer(conn, 1 << 24, time.monotonic() + HANG)
-            peer.send([wire.CHALLENGE, wire.PROTOCOL_VERSION, os.urandom(16)])
-            peer.receive()  # AUTH
-            peer.receive()  # SOURCE
-            peer.send([wire.NEED, False])
-            peer.send([wire.ACCEPTED, {"pid": 1}])
-            self.opened = peer.receive()[0] == wire.OPEN
-            for frame in self.frames:
-                peer.send(frame)
-            conn.sendall(self.raw)
-            try:
-                while peer.receive()[0] != wire.CLOSE:
-                    pass
-            except (OSError, ConnectionError):
-                pass
-
-    def close(self) -> None:
-        self.thread.join(HANG)
-        self.server.close()
-
-
 NESTED = b"\x91" * 5000 + b"\xc0"  # a msgpack list 5000 deep
 
 
@@ -177,7 +137,7 @@ NESTED = b"\x91" * 5000 + b"\xc0"  # a msgpack list 5000 deep
     ],
 )
 def test_a_worker_that_breaks_the_start_up_protocol_is_named_and_the_client_goes_on(frames, raw, said):
-    worker = _LyingWorker(frames, raw)
+    worker = LyingWorker(frames, raw)
     started = time.monotonic()
     try:
         with pytest.raises(WorkerError) as err:

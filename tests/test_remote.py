@@ -29,7 +29,8 @@ from boltzlabs.pool.remote_link import pack_env_dir
 from boltzlabs.host.cgroups import PoolView
 from boltzlabs.host.limits import host_tasks
 
-from conftest import COUNTER, PROBE, scaled
+from conftest import COUNTER, PROBE, open_fds, scaled
+from lying_worker import LyingWorker
 
 TOKEN = "test-token-5f2c"
 WORKER_COMMAND = [sys.executable, "-m", "boltzlabs", "worker"]
@@ -495,6 +496,55 @@ def test_killing_the_listener_ends_every_pool(tmp_path):
         pool.close()
     finally:
         w.stop()
+
+
+# -- a worker that is not one: its handshake is input ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "greeting, said",
+    [
+        ([[wire.ERROR]], "refused the connection: (no reason given"),
+        ([[wire.ERROR, 0, "refused", 7]], "refused the connection: (no reason given"),
+        ([[wire.ERROR, 0, "refused", "x" * 100_000]], "refused the connection: xxx"),
+        ([[wire.CHALLENGE, wire.PROTOCOL_VERSION, 12345]], "did not answer as a boltzlabs worker"),
+        ([[wire.CHALLENGE, wire.PROTOCOL_VERSION, "a nonce"]], "did not answer as a boltzlabs worker"),
+        ([[wire.CHALLENGE, wire.PROTOCOL_VERSION, b""]], "did not answer as a boltzlabs worker"),
+        ([[wire.CHALLENGE, wire.PROTOCOL_VERSION, b"n" * 1_000_000]], "did not answer as a boltzlabs worker"),
+        ([[wire.CHALLENGE, wire.PROTOCOL_VERSION]], "did not answer as a boltzlabs worker"),
+        ([[wire.CHALLENGE, wire.PROTOCOL_VERSION + 1, b"n" * 32]], "did not answer as a boltzlabs worker"),
+        ([[wire.CHALLENGE, wire.PROTOCOL_VERSION, b"n" * 32], [wire.ERROR, 0]], "refused: (no reason given"),
+        ([[wire.CHALLENGE, wire.PROTOCOL_VERSION, b"n" * 32], [wire.NEED, "yes"]], "sent an unexpected message"),
+        ([[wire.CHALLENGE, wire.PROTOCOL_VERSION, b"n" * 32], [wire.ACCEPTED, [1]]], "sent an unexpected message"),
+    ],
+    ids=[
+        "error-short",
+        "error-reason-not-text",
+        "error-reason-huge",
+        "nonce-int",
+        "nonce-text",
+        "nonce-empty",
+        "nonce-1MB",
+        "challenge-short",
+        "other-protocol",
+        "refused-short",
+        "need-not-a-bool",
+        "accepted-not-a-map",
+    ],
+)
+def test_a_listener_that_breaks_the_handshake_is_a_worker_error(greeting, said):
+    """What a listener sends before the pool exists is input too: each break is a WorkerError saying
+    what came, never an IndexError or TypeError from inside the client, and the socket is closed."""
+    liar = LyingWorker([], greeting=greeting)
+    before = open_fds()
+    try:
+        with pytest.raises(WorkerError) as err:
+            RLPool(COUNTER, 2, worker=liar.url, token=liar.token)
+    finally:
+        liar.close()
+    assert said in str(err.value), str(err.value)
+    assert len(str(err.value)) < 2500
+    assert open_fds() <= before
 
 
 # -- hostile clients -------------------------------------------------------------------

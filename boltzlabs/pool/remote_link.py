@@ -116,6 +116,17 @@ class RemoteLink:
             self.conn.close()
 
 
+# The CHALLENGE's nonce, as bytes: the listener sends 32; anything far from that is not a boltzlabs worker.
+_NONCE_SIZES = (16, 1024)
+
+
+def _why(message: list) -> str:
+    """The reason an ERROR frame from the listener gives ([ERROR, 0, category, why, detail]), cut; its
+    frame is input, so a missing or mistyped reason is shown as what came."""
+    why = message[3] if len(message) > 3 else None
+    return why[:2000] if isinstance(why, str) else f"(no reason given: {message!r:.200})"
+
+
 def connect(url: str, token: str | None, source, tls_ca=None, timeout: float = 30.0) -> RemoteLink:
     """Connect, authenticate and ship `source` (a sources.Source) to the worker at `url`."""
     scheme, host, port = parse_url(url)
@@ -145,8 +156,14 @@ def connect(url: str, token: str | None, source, tls_ca=None, timeout: float = 3
         peer = Peer(sock, 1 << 20, time.monotonic() + timeout)
         message = peer.receive()
         if message[0] == wire.ERROR:
-            raise WorkerError(f"the worker at {url} refused the connection: {message[3]}")
-        if message[0] != wire.CHALLENGE or len(message) != 3 or message[1] != wire.PROTOCOL_VERSION:
+            raise WorkerError(f"the worker at {url} refused the connection: {_why(message)}")
+        if (
+            message[0] != wire.CHALLENGE
+            or len(message) != 3
+            or message[1] != wire.PROTOCOL_VERSION
+            or type(message[2]) is not bytes
+            or not _NONCE_SIZES[0] <= len(message[2]) <= _NONCE_SIZES[1]
+        ):
             raise WorkerError(
                 f"{url} did not answer as a boltzlabs worker of protocol {wire.PROTOCOL_VERSION} "
                 f"(got {str(message)[:60]}); upgrade the older side"
@@ -170,7 +187,7 @@ def connect(url: str, token: str | None, source, tls_ca=None, timeout: float = 3
                 sock.settimeout(None)
                 return RemoteLink(url, sock, message[1])
             elif message[0] == wire.ERROR:
-                raise WorkerError(f"the worker at {url} refused: {message[3]}")
+                raise WorkerError(f"the worker at {url} refused: {_why(message)}")
             else:
                 raise WorkerError(f"the worker at {url} sent an unexpected message {str(message)[:60]}")
     except (OSError, ProtocolError, ValueError, WorkerError) as exc:
