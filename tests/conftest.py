@@ -193,6 +193,19 @@ def env_class(directory: Path, name: str):
     return getattr(module, name)
 
 
+def wait_until(predicate, timeout: float = 15.0) -> bool:
+    """Poll `predicate` until it is true, at most `timeout` seconds of this machine's time (scaled):
+    its last answer. The timeout only catches a hang."""
+    import time
+
+    deadline = time.monotonic() + scaled(timeout)
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return bool(predicate())
+
+
 def open_fds() -> set:
     return set(os.listdir("/proc/self/fd"))
 

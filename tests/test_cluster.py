@@ -22,7 +22,7 @@ from boltzlabs import wire
 from boltzlabs.cluster import ClusterPool, doctor, placement
 from boltzlabs.errors import WorkerError
 
-from conftest import COUNTER, PROBE, has_ended, two_node_ray_cluster
+from conftest import COUNTER, PROBE, has_ended, two_node_ray_cluster, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 NODE = {"num_cpus": 1, "node_ip_address": "127.0.0.1", "object_store_memory": 100 << 20}
@@ -50,15 +50,6 @@ def listeners() -> list:
     return out
 
 
-def wait_until(predicate, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(what)
-
-
 def remove_node(cluster, node) -> None:
     """Remove a node and wait until every process it ran has ended: the raylet's
     actors, their listeners, workers and sandboxes. On a loaded machine they
@@ -70,7 +61,7 @@ def remove_node(cluster, node) -> None:
             family += [root] + root.children(recursive=True)
     assert family, "the node has no raylet"
     cluster.remove_node(node)
-    wait_until(lambda: all(has_ended(p) for p in family), "a removed node's processes outlived it", 60)
+    assert wait_until(lambda: all(has_ended(p) for p in family), 60), "a removed node's processes outlived it"
 
 
 def test_placement_splits_by_cpus_within_each_nodes_room():
@@ -204,8 +195,8 @@ def test_close_removes_every_actor_and_sandbox(cluster):
     ours = [p for p in listeners() if p.pid not in before]
     assert len(ours) == 2
     pool.close()
-    wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), "sandboxes outlived close()")
-    wait_until(lambda: not any(p.is_running() for p in ours), "a node's worker outlived close()")
+    assert wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), 30), "sandboxes outlived close()"
+    assert wait_until(lambda: not any(p.is_running() for p in ours), 30), "a node's worker outlived close()"
 
 
 DRIVER = textwrap.dedent("""
@@ -237,8 +228,8 @@ def test_a_dead_client_leaves_nothing_on_the_cluster(cluster):
         time.sleep(0.5)
         os.killpg(driver.pid, signal.SIGKILL)
         driver.wait()
-        wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), "sandboxes outlived their client", 60)
-        wait_until(lambda: not any(p.is_running() for p in ours), "a node's worker outlived its client", 60)
+        assert wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), 60), "sandboxes outlived their client"
+        assert wait_until(lambda: not any(p.is_running() for p in ours), 60), "a node's worker outlived its client"
     finally:
         if driver.poll() is None:
             driver.kill()
@@ -279,4 +270,4 @@ def test_per_lane_calls_and_shutdown(cluster, capfd):
     assert all(info is not None for info in pool.reset_infos)
     pids = pool.pids()
     assert pool.shutdown("preempted") is True and pool.closed
-    wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), "sandboxes outlived shutdown()")
+    assert wait_until(lambda: not any(psutil.pid_exists(p) for p in pids), 30), "sandboxes outlived shutdown()"

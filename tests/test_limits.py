@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from boltzlabs import EnvStartError, RLPool, wire
 from boltzlabs.host.cgroups import PoolView
 from boltzlabs.host.policy import load_policy
-from conftest import COUNTER, TESTS, scaled
+from conftest import COUNTER, TESTS, scaled, wait_until
 
 HOSTILE = TESTS / "envs" / "hostile"
 MiB = 1 << 20
@@ -36,16 +36,6 @@ MiB = 1 << 20
 
 def descendants() -> set:
     return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
-def wait_until(predicate, timeout: float = 15.0) -> bool:
-    """Poll `predicate` until true; the timeout only catches a hang."""
-    deadline = time.monotonic() + scaled(timeout)
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 def gone(pids) -> bool:

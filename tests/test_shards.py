@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from boltzlabs import PoolClosedError, RLPool, WorkerError
 from boltzlabs.errors import EnvError, EnvStartError
 from boltzlabs.pool.client import ShardedPool
 from boltzlabs.pool.shards import default_workers
-from conftest import COUNTER, PROBE, intervals, open_fds, overlaps, scaled
+from conftest import COUNTER, PROBE, intervals, open_fds, overlaps, scaled, wait_until
 
 TESTS = Path(__file__).resolve().parent
 TYPED = TESTS / "envs" / "typed_env"
@@ -36,15 +35,6 @@ def _cgroups(*workers: int) -> set:
 
 def _workers(pool) -> list:
     return [shard._proc.pid for shard in pool._shards]
-
-
-def _wait(predicate, timeout: float = 15.0) -> bool:
-    deadline = time.monotonic() + scaled(timeout)
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 # -- the argument and the default --------------------------------------------------------
@@ -227,8 +217,8 @@ def test_a_shard_whose_worker_is_killed_ends_the_pool_naming_the_shard_and_its_l
     assert pool.closed
     with pytest.raises(PoolClosedError):
         pool.step([1] * 6)
-    assert _wait(lambda: not any(psutil.pid_exists(p) for p in pids))
-    assert _wait(lambda: not _cgroups(*workers))
+    assert wait_until(lambda: not any(psutil.pid_exists(p) for p in pids))
+    assert wait_until(lambda: not _cgroups(*workers))
     pool.close()
     assert _descendants() == children
     assert open_fds() == fds
@@ -240,7 +230,7 @@ def test_a_start_failure_names_an_env_of_the_pool(env_dir):
     with pytest.raises(EnvStartError, match="broken on purpose") as caught:
         RLPool(broken, 5, workers=2, start_timeout=scaled(10))
     assert 0 <= caught.value.env_index < 5 and f"env {caught.value.env_index}" in str(caught.value)
-    assert _wait(lambda: _descendants() == children)
+    assert wait_until(lambda: _descendants() == children)
 
 
 # -- send / recv ----------------------------------------------------------------------------
@@ -332,9 +322,9 @@ def test_close_leaves_nothing_behind():
     pool2 = RLPool(PROBE, 3, workers=2)
     workers = _workers(pool2)
     del pool2  # garbage collection closes every shard
-    assert _wait(lambda: _descendants() == children)
+    assert wait_until(lambda: _descendants() == children)
     assert open_fds() == fds
-    assert _wait(lambda: not _cgroups(*workers))
+    assert wait_until(lambda: not _cgroups(*workers))
 
 
 CLIENT = """
@@ -353,8 +343,8 @@ def test_a_trainer_killed_leaves_no_worker_sandbox_or_cgroup():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60))
     pids, workers = eval(out.stdout.strip().splitlines()[0])
     assert len(pids) == 5 and len(workers) == 2
-    assert _wait(lambda: not any(psutil.pid_exists(p) for p in pids + workers))
-    assert _wait(lambda: not _cgroups(*workers))
+    assert wait_until(lambda: not any(psutil.pid_exists(p) for p in pids + workers))
+    assert wait_until(lambda: not _cgroups(*workers))
 
 
 # -- the adapters over a sharded pool ---------------------------------------------------------
