@@ -6,8 +6,10 @@ tests/envs/ (nondeterministic, import_error, reset_crash).
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -179,6 +181,39 @@ def test_doctor_timeout_bounds_each_trial_and_says_which_flag_gives_more():
     line = next(line for line in out.splitlines() if "bwrap sandbox" in line)
     assert line.startswith("FAIL") and "no answer within 0.001 s (doctor --timeout)" in line, out
     assert_no_traceback_of_ours(err)
+
+
+def test_a_doctor_trial_cut_short_leaves_no_process():
+    """A trial sandbox killed at doctor's --timeout in its first milliseconds: bwrap's child in the new
+    pid namespace has not yet set its death signal and would wait for ever on bwrap's eventfd. The whole
+    process group is killed, so nothing of any trial is left (a race: many short timeouts, most of them
+    landing in bwrap's set-up)."""
+    import shutil
+
+    import psutil
+
+    from boltzlabs.cli import doctor
+
+    def trials() -> set:
+        return {
+            p.pid
+            for p in psutil.process_iter(["name", "cmdline"])
+            if p.info["name"] == "bwrap" and any("boltzlabs-doctor-" in a for a in p.info["cmdline"] or [])
+        }
+
+    before = trials()
+    bwrap = shutil.which("bwrap")
+    cut = 0
+    try:
+        for timeout in [0.001, 0.002, 0.003, 0.004, 0.005, 0.006, 0.008, 0.01] * 25:
+            findings = doctor._sandbox(bwrap, timeout)
+            cut += "doctor --timeout" in findings[0].detail
+        time.sleep(0.5)
+        assert trials() - before == set()
+        assert cut >= 100, cut  # the kill landed in most trials
+    finally:
+        for pid in trials() - before:
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_doctor_passes_here_and_names_the_cgroup_version():

@@ -29,6 +29,7 @@ import re
 import resource
 import secrets
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -248,6 +249,32 @@ def _env_dir(root: Path, name: str, source: str) -> Path:
     return directory
 
 
+def _run_alone(argv: list, timeout: float, pass_fds: list) -> subprocess.CompletedProcess:
+    """subprocess.run(argv) in a process group of its own, the whole group killed at the timeout.
+
+    Killing bwrap alone is not enough: its child in the new pid namespace sets --die-with-parent's
+    death signal only once it runs, so a bwrap killed in its first milliseconds can leave that child
+    blocked for ever on the eventfd it waits on for the uid map. It is still in bwrap's group (the
+    sandbox's own setsid comes later), so the group's SIGKILL ends it.
+    """
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        pass_fds=pass_fds,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)  # bwrap is not reaped yet, so its pid still names the group
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
 def _sandbox(bwrap: str | None, timeout: float = 60.0) -> list[Finding]:
     if bwrap is None:
         return [Finding("sandbox", FAIL, "not tried: bwrap is missing (above)")]
@@ -275,14 +302,7 @@ def _sandbox(bwrap: str | None, timeout: float = 60.0) -> list[Finding]:
                 }
                 argv[argv.index("--seccomp") + 1] = str(fds[abi.FILTER_FD])
                 argv[argv.index(abi.CHILD_FILTER_VARIABLE) + 1] = str(fds[abi.CHILD_FILTER_FD])
-                out = subprocess.run(
-                    argv,
-                    capture_output=True,
-                    text=True,
-                    timeout=timeout,
-                    stdin=subprocess.DEVNULL,
-                    pass_fds=list(fds.values()),
-                )
+                out = _run_alone(argv, timeout, pass_fds=list(fds.values()))
             said = (out.stderr.strip() or out.stdout.strip())[-2000:]
             ok = out.returncode == 0 and marker in out.stdout
         except subprocess.TimeoutExpired:
