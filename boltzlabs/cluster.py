@@ -42,7 +42,7 @@ import numpy as np
 
 from boltzlabs.errors import EnvError, PoolClosedError, WorkerError
 from boltzlabs.pool.client import MemoryReport, RLPool, Timing
-from boltzlabs.pool.progress import StartProgress, wanted
+from boltzlabs.pool.progress import shown
 from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_n
 
 __all__ = ["ClusterPool", "NodeWorker", "doctor", "placement"]
@@ -299,18 +299,14 @@ class ClusterPool(Pool):
             )
             return _Shard(node, pool, part)
 
-        bar = StartProgress(len(lanes)) if wanted(self._progress, len(lanes)) else None
-        futures = [self._executor.submit(open_pool, node, part) for node, part in parts]
         errors = []
-        try:
+        with shown(self._progress, len(lanes)) as bar:  # one bar over every node's workers
+            futures = [self._executor.submit(open_pool, node, part) for node, part in parts]
             for future in futures:
                 try:
                     self._shards.append(future.result())
                 except Exception as exc:  # every node's failure is reported below
                     errors.append(exc)
-        finally:
-            if bar is not None:
-                bar.close()
         if errors:
             raise errors[0]
         self._index()

@@ -410,17 +410,12 @@ class RLPool(Pool):
         self._inbox: list = []
         self._start_worker(worker, token, tls_ca, resolved)
         # A shard of a larger pool reports to that pool's bar (_progress); a pool of its own draws its own.
-        bar = None
-        if _progress is None and start_progress.wanted(progress, n):
-            bar = _progress = start_progress.StartProgress(n)
-        try:
-            ready = self._open(config, _progress.counter() if _progress is not None else None)
-        except BaseException:
-            self._shutdown()
-            raise
-        finally:
-            if bar is not None:
-                bar.close()
+        with start_progress.shown(progress, n, _progress) as bar:
+            try:
+                ready = self._open(config, bar.counter() if bar is not None else None)
+            except BaseException:
+                self._shutdown()
+                raise
         self.memory_source = ready["memory_source"]
         self.hello = hello = ready["hello"] or {}
         self.env_contract = EnvContract(

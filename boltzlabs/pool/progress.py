@@ -18,14 +18,16 @@ WorkerError naming what arrived otherwise, whether or not a bar is shown.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from boltzlabs import wire
 from boltzlabs.errors import WorkerError
 
-__all__ = ["MIN_ENVS", "StartProgress", "check", "wanted"]
+__all__ = ["MIN_ENVS", "StartProgress", "check", "shown", "wanted"]
 
 # Below this many envs a pool starts in well under a second: no bar unless asked for.
 MIN_ENVS = 64
@@ -36,6 +38,21 @@ def wanted(progress, n: int) -> bool:
     if progress is None:
         return n >= MIN_ENVS and sys.stderr.isatty()
     return bool(progress)
+
+
+@contextlib.contextmanager
+def shown(progress, n: int, parent: StartProgress | None = None) -> Iterator[StartProgress | None]:
+    """The bar a pool's workers report to while it starts: `parent`'s when the pool is part of a
+    larger one (a sharded pool's shard, a ClusterPool's node), else one of its own when `progress`
+    asks for it (closed on leaving), else None."""
+    if parent is not None or not wanted(progress, n):
+        yield parent
+        return
+    bar = StartProgress(n)
+    try:
+        yield bar
+    finally:
+        bar.close()
 
 
 def check(message: list, n: int) -> int:
@@ -58,9 +75,8 @@ def check(message: list, n: int) -> int:
 class StartProgress:
     """One bar of `total` envs over the workers that start them; counter() for each worker."""
 
-    def __init__(self, total: int, desc: str = "starting envs"):
+    def __init__(self, total: int):
         self._total = total
-        self._desc = desc
         self._ready: list[int] = []  # each worker's latest ready count
         self._bar: Any = None  # a tqdm, made at the first report: a pool that fails at once draws nothing
         self._lock = threading.Lock()
@@ -77,7 +93,7 @@ class StartProgress:
                 if self._bar is None:
                     from tqdm import tqdm
 
-                    self._bar = tqdm(total=self._total, desc=self._desc, unit="env", leave=False)
+                    self._bar = tqdm(total=self._total, desc="starting envs", unit="env", leave=False)
                 self._bar.update(sum(self._ready) - self._bar.n)
 
         return report

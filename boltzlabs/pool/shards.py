@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from boltzlabs.errors import EnvStartError, PoolClosedError, WorkerError
-from boltzlabs.pool.progress import StartProgress, wanted
+from boltzlabs.pool.progress import StartProgress, shown
 from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_cpus, check_n
 
 __all__ = ["Sharding", "default_workers", "workers_for"]
@@ -172,29 +172,25 @@ class Sharding(Pool):
                 serialize_measurement=serialize_measurement,
                 cpus=cpus,
                 _shard=(s, k),
-                _progress=_progress,
+                _progress=bar,
                 **options,
             )
 
         # One bar for the pool, each shard's worker reporting its own envs to it (unless this pool is
-        # itself part of a larger one, a ClusterPool's node, whose bar it reports to).
-        bar = None
-        if _progress is None and wanted(progress, n):
-            bar = _progress = StartProgress(n)
-        # The workers start at once, each spawning its own sandboxes (RLPool's start waits on the
-        # worker's socket, which releases the GIL).
-        try:
-            with ThreadPoolExecutor(max_workers=k, thread_name_prefix="boltzlabs-shard") as starting:
-                futures = [starting.submit(open_shard, s) for s in range(k)]
-                errors = []
-                for s, future in enumerate(futures):
-                    try:
-                        self._shards.append(future.result())
-                    except BaseException as exc:  # noqa: BLE001 - every shard is closed, the first failure raised
-                        errors.append((s, exc))
-        finally:
-            if bar is not None:
-                bar.close()
+        # itself part of a larger one, a ClusterPool's node, whose bar it reports to). The workers
+        # start at once, each spawning its own sandboxes (RLPool's start waits on the worker's
+        # socket, which releases the GIL).
+        with (
+            shown(progress, n, _progress) as bar,
+            ThreadPoolExecutor(max_workers=k, thread_name_prefix="boltzlabs-shard") as starting,
+        ):
+            futures = [starting.submit(open_shard, s) for s in range(k)]
+            errors = []
+            for s, future in enumerate(futures):
+                try:
+                    self._shards.append(future.result())
+                except BaseException as exc:  # noqa: BLE001 - every shard is closed, the first failure raised
+                    errors.append((s, exc))
         if errors:
             for shard in self._shards:
                 shard.close()
