@@ -6,8 +6,8 @@
     probe --[PROBED, module names, ...] on its channel--> worker (checks it, then WARM to the template)
 
 The report names the modules env.py's import and the work brought in, from
-outside the env's directory and the workspace: the template imports library
-modules only (boltzlabs/runtime/template.py). It also carries env.py's code,
+outside the env's directory and the workspace, by whatever path they were
+reached (runtime/origins.py): the template imports library modules only (boltzlabs/runtime/template.py). It also carries env.py's code,
 compiled here and marshalled: the template keeps those bytes unread and each
 env it forks unmarshals them instead of compiling env.py itself. Env code
 ran here, so the worker trusts nothing of the frame
@@ -23,6 +23,7 @@ import os
 import sys
 
 from boltzlabs import wire
+from boltzlabs.runtime import origins
 
 TYPE_CHECKING = False  # typing is not imported at run time: every env would pay for it
 if TYPE_CHECKING:
@@ -77,17 +78,15 @@ class ProbeRun:
         module of its own in sys.modules that nobody can import), from outside
         the env's directory and the workspace. Env code ran here: the worker
         trusts nothing of this frame, and the template imports library modules only."""
-        roots = tuple(root.rstrip("/") + "/" for root in (self.env_dir, self.workspace))
+        env_files = origins.EnvFiles(self.env_dir, self.workspace)
         names = []
         for name, module in list(sys.modules.items()):
             if type(name) is not str or name in self.baseline or name in self.sampling:
                 continue
             spec = getattr(module, "__spec__", None)
-            if spec is None:
+            if spec is None or env_files.holds(spec):  # the env's own, by any path (runtime/origins.py)
                 continue
-            places = [getattr(spec, "origin", None), *list(getattr(spec, "submodule_search_locations", None) or ())]
-            if not any(type(place) is str and (place + "/").startswith(roots) for place in places):
-                names.append(name)
+            names.append(name)
         wanted = [name[: MAX_NAME_LEN + 1] for name in (preload or ()) if type(name) is str][:MAX_NAMES]
         frame = wire.encode(
             [

@@ -121,7 +121,7 @@ import threading
 import time
 
 from boltzlabs import abi, wire
-from boltzlabs.runtime import confine, probe
+from boltzlabs.runtime import confine, origins, probe
 from boltzlabs.runtime import filter as seccomp
 from boltzlabs.runtime import rlimits as limits
 
@@ -456,17 +456,18 @@ def warm(names: Any, timeout: float, env_dir: str, workspace: str) -> dict[str, 
     it; the env's directory is never on it), so a name resolves to a library
     module or to nothing. A name whose top-level package the env's directory
     holds too is skipped: the env's own `import x` must find its own x, as in
-    exec mode. Every module a preload brought in is then checked to lie
-    outside the env's directory and the workspace (`foreign_modules`).
+    exec mode. So is a program's entry point (`is_program`). A module whose
+    file lies in the env's directory or the workspace, reached by any path (a
+    $PYTHONPATH root that holds the env's directory binds it a second time),
+    is refused by the import hook main() puts first on sys.meta_path
+    (`LibrariesOnly`), before any of its code runs; every module the
+    preloads brought in is checked again afterwards (`foreign_modules`).
     The template never runs reset or step: its module state stays as the
     imports left it, so episodes match exec mode's and hard resets stay
     byte-identical.
     """
     report: dict[str, Any] = {"imported": [], "failed": {}, "refused": 0}
-    try:
-        own = {entry.split(".", 1)[0] for entry in os.listdir(env_dir)}
-    except OSError:
-        own = set()
+    own = own_names(env_dir)
     had_numpy_random = "numpy.random" in sys.modules
     started = time.monotonic()
     deadline = started + timeout  # a library's import can hang as well
@@ -477,6 +478,14 @@ def warm(names: Any, timeout: float, env_dir: str, workspace: str) -> dict[str, 
                 name,
                 f"not imported here: the env's directory has its own "
                 f"{name.split('.', 1)[0]!r}, which each env imports itself",
+            )
+            continue
+        if is_program(name):
+            _note_failure(
+                report,
+                name,
+                "not imported here: it is a program, not a library (importing it runs it); "
+                "the template imports libraries only",
             )
             continue
         if name in sys.modules:
@@ -506,19 +515,74 @@ def warm(names: Any, timeout: float, env_dir: str, workspace: str) -> dict[str, 
 
 def foreign_modules(env_dir: str, workspace: str) -> list[str]:
     """Modules of this process loaded from the env's directory or the
-    workspace: code the template must never hold (see `warm`)."""
-    roots = tuple(root.rstrip("/") + "/" for root in (env_dir, workspace) if root)
-    found = []
-    for name, module in list(sys.modules.items()):
-        spec = getattr(module, "__spec__", None)
-        places = [
-            getattr(module, "__file__", None),
-            getattr(spec, "origin", None),
-            *list(getattr(spec, "submodule_search_locations", None) or ()),
-        ]
-        if any(type(place) is str and (place + "/").startswith(roots) for place in places):
-            found.append(str(name))
-    return sorted(found)
+    workspace, by whatever path: code the template must never hold (see `warm`)."""
+    env_files = origins.EnvFiles(env_dir, workspace)
+    return sorted(str(name) for name, module in list(sys.modules.items()) if env_files.holds(module))
+
+
+class LibrariesOnly:
+    """The template's first finder on sys.meta_path (untrusted mode): it asks the
+    others, and refuses a module whose file lies in the env's directory or the
+    workspace, by device and inode (boltzlabs/runtime/origins.py), before any of
+    its code runs. Each child takes it off before env code (`_sandboxed`)."""
+
+    def __init__(self, env_files: origins.EnvFiles) -> None:
+        self.env_files = env_files
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        for finder in list(sys.meta_path):
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if self.env_files.holds(spec):
+            raise ImportError(
+                f"{name} lies in the env's directory or the workspace ({self.env_files.where(spec)}): "
+                f"each env imports it itself, the template never does",
+                name=name,
+            )
+        return spec
+
+
+def own_names(env_dir: str) -> set[str]:
+    """The top-level module names the env's directory holds: its packages
+    (directories) and modules (files with a module suffix), not its other files."""
+    import importlib.machinery
+
+    suffixes = tuple(importlib.machinery.all_suffixes())
+    own: set[str] = set()
+    try:
+        entries = list(os.scandir(env_dir))
+    except OSError:
+        return own
+    for entry in entries:
+        name = entry.name
+        try:
+            is_dir = entry.is_dir()
+        except OSError:
+            is_dir = False
+        if is_dir:
+            own.add(name)
+        elif name.endswith(suffixes):
+            own.add(name.split(".", 1)[0])
+    return own
+
+
+# Modules whose import runs a program, besides every `__main__` module (the
+# entry point of `python -m <package>`: IPython.__main__ starts IPython, which
+# runs the command line's script): the standard library's own, that run at
+# import. The template imports libraries only.
+_PROGRAMS = frozenset({"this", "antigravity", "idlelib.idle", "test.autotest", "test.regrtest", "turtledemo"})
+
+
+def is_program(name: str) -> bool:
+    """Whether importing module `name` runs a program rather than defining a library."""
+    parts = name.split(".")
+    return "__main__" in parts or any(".".join(parts[: i + 1]) in _PROGRAMS for i in range(len(parts)))
 
 
 def _note_failure(report: dict[str, Any], name: str, text: str) -> None:
@@ -575,6 +639,8 @@ def _sandboxed(channel: tuple[Any, ...]) -> None:
 
     serving.channel = channel
     serving._fork_server = None
+    # The env's own code is the env's to import: the template's hook goes.
+    sys.meta_path[:] = [finder for finder in sys.meta_path if type(finder) is not LibrariesOnly]
     sys.path.insert(0, "")
 
 
@@ -1063,6 +1129,9 @@ def main(argv: Any = None) -> None:
         del sys.path[0]
     env_file = argv[0]
     _ENV_FILE[:] = [env_file]
+    # What a library's import sees of the command line names no env path (a
+    # program's entry point would run it; each child's runner sets its own).
+    sys.argv = ["-c"]
     workspace = confine.path_of(values, "workspace")
     # The serve loop every env runs is imported here, so it is shared by every
     # child (the worker's WARM names boltzlabs.env, env.py's own import, too).
@@ -1074,8 +1143,8 @@ def main(argv: Any = None) -> None:
         serving._fork_server = serve_trusted
         sys.path.insert(0, "")
         limits.run(env_file)  # its serve() never returns; one that is never called exits NO_SERVE_EXIT
-    # The zygote: library modules only.
-
+    # The zygote: library modules only, by any path.
+    sys.meta_path.insert(0, LibrariesOnly(origins.EnvFiles(os.path.dirname(env_file), workspace)))
     fork_server(
         _lane_main(_run_env_file(env_file)),
         int(os.environ.pop(abi.FD_VARIABLE)),
