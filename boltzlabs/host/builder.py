@@ -36,7 +36,7 @@ class SandboxSpec:
 
     `SandboxSpec(policy, source_dir, workspace_size=None, params=None,
     account=None, limits=None, *, env_fns=None, import_roots=(),
-    env_vars=None)` compiles the plan (plan.compile_plan: None takes the
+    expose=(), env_vars=None)` compiles the plan (plan.compile_plan: None takes the
     policy's default workspace size and env limits). The argv is
     built once per pool; per-env parts (the channel fd number, the env
     index) are appended by `argv()`. `account`: who bwrap runs as on the
@@ -55,6 +55,7 @@ class SandboxSpec:
         *,
         env_fns: str | None = None,
         import_roots: Any = (),
+        expose: Any = (),
         env_vars: dict[str, Any] | None = None,
     ) -> None:
         self.account = account
@@ -75,6 +76,7 @@ class SandboxSpec:
             account,
             env_fns=env_fns,
             import_roots=import_roots,
+            expose=expose,
             env_vars=env_vars,
         )
         self._child_text = self.plan.child_text()

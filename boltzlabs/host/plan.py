@@ -27,6 +27,7 @@ from typing import Any
 from boltzlabs.errors import SandboxUnavailable
 from boltzlabs.runtime import confine
 from boltzlabs.host import limits as _limits
+from boltzlabs.host import roots as _roots
 from boltzlabs.host import seccomp
 from boltzlabs.host.identity import HostAccount
 from boltzlabs.host.policy import MOUNT_PROFILES, PACKAGE_DIR, Policy, Reader
@@ -102,6 +103,9 @@ class Plan:
     filters: seccomp.Filters
     relocations: tuple[tuple[str, str], ...]
     relocate_tmp: str
+    # What the pool's import roots left out of the sandbox (host/roots.py), said once to the
+    # trainer at start; "" when every root was bound as it is.
+    import_note: str = ""
 
     def inside(self, path: str) -> str:
         """Where a host path is bound inside the sandbox: the interpreter and
@@ -183,6 +187,7 @@ def compile_plan(
     *,
     env_fns: str | None = None,
     import_roots: Any = (),
+    expose: Any = (),
     env_vars: dict[str, Any] | None = None,
     inherited: dict[str, Any] | None = None,
 ) -> Plan:
@@ -195,7 +200,9 @@ def compile_plan(
     file (boltzlabs/runtime/env_fns.py), bound read-only; `import_roots`:
     what the trainer imports from outside its site-packages
     (boltzlabs/pool/imports.py: [path, kind, name] each), bound read-only at
-    neutral paths and put on the sandbox's PYTHONPATH; `env_vars`: the
+    neutral paths, narrowed to their packages and modules (host/roots.py),
+    and put on the sandbox's PYTHONPATH; `expose`: host paths below those
+    roots bound too, whole (RLPool(expose=)); `env_vars`: the
     pool's own variables (RLPool(env_vars=)); `inherited`: the environment
     the policy's [pass_environment] names are taken from (None: this
     process's). Raises SandboxUnavailable naming the policy key that is
@@ -245,7 +252,10 @@ def compile_plan(
         if os.path.exists(f"{confine.SYSCTL_DIR}/{name}"):
             sysctls.append((name, value))
     relocations, site_packages = _relocations(policy.mounts["interpreter"])
-    roots, path_before, path_after = _import_roots(policy.mounts["interpreter"], import_roots, relocations)
+    scanner = _roots.Scanner(read.names("import_roots", "hide"), read.integer("import_roots", "scan_limit", 0))
+    roots, binds, path_before, path_after, import_note = _import_roots(
+        policy.mounts["interpreter"], import_roots, relocations, scanner, expose
+    )
     relocations += roots
     relocate_tmp = read.path("workspace", "relocate_tmp")
 
@@ -261,7 +271,7 @@ def compile_plan(
         "package_dir": str(PACKAGE_DIR),
         "workspace": workspace,
         "site_path": ":".join(inside(p) for p in site.getsitepackages() if os.path.isdir(p)),
-        "import_roots": [host for host, _ in roots],
+        "import_roots": binds,
         "python_path": ":".join(path_before),
         "pth_path": ":".join(path_after),
         "env_fns": [env_fns] if env_fns else [],
@@ -339,6 +349,7 @@ def compile_plan(
         filters=seccomp.compile_rules(policy.seccomp),
         relocations=tuple(relocations),
         relocate_tmp=relocate_tmp,
+        import_note=import_note,
     )
 
 
@@ -426,31 +437,30 @@ def _passed(read: Reader, fixed: dict[str, Any], env_vars: dict[str, Any] | None
 
 
 def _import_roots(
-    interpreter: dict[str, Any], import_roots: Any, relocations: Any
-) -> tuple[list[Any], list[Any], list[Any]]:
+    interpreter: dict[str, Any], import_roots: Any, relocations: Any, scanner: _roots.Scanner, expose: Any = ()
+) -> tuple[list[Any], list[str], list[Any], list[Any], str]:
     """(host path, inside) relocations for what the trainer imports from outside
     its site-packages (`import_roots`: [path, kind, name] from
-    boltzlabs/pool/imports.py), each bound at import_dir/<k>; and the PYTHONPATH
-    entries inside, those of $PYTHONPATH (kind "path", before site-packages)
-    and those of .pth files and editable finders ("pth", "package": after). A
-    root the sandbox sees already (below a site-packages directory, the
-    interpreter or /usr) is not bound again: its entry names where it is."""
+    boltzlabs/pool/imports.py), each root at import_dir/<k>; the host paths to
+    bind there (each root narrowed to its packages and modules by
+    host/roots.py, then `expose`'s paths whole); the PYTHONPATH entries
+    inside, those of $PYTHONPATH (kind "path", before site-packages) and those
+    of .pth files and editable finders ("pth", "package": after); and the
+    note for the trainer of what was left out. A root the sandbox sees already
+    (below a site-packages directory, the interpreter or /usr) is not bound
+    again: its entry names where it is."""
     roots: list[tuple[str, ...]] = []
+    binds: list[str] = []
     before: list[str] = []
     after: list[str] = []
+    notes: list[str] = []
     base = interpreter.get("import_dir", "/opt/import")
     seen = set()
     for item in import_roots or ():
         if not (isinstance(item, (list, tuple)) and len(item) == 3 and all(isinstance(x, str) for x in item)):
             raise ValueError(f"import_roots: expected [path, kind, name] items, not {item!r:.200}")
         path, kind, name = item
-        if (
-            kind not in ("path", "pth", "package")
-            or not path.startswith("/")
-            or path == "/"
-            or os.path.normpath(path) != path
-            or any(c in path for c in ",:\n\0")
-        ):
+        if not _clean_path(path) or kind not in ("path", "pth", "package"):
             raise ValueError(f"import_roots: {item!r:.200} is not an absolute path of kind path, pth or package")
         if kind == "package" and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
             raise ValueError(f"import_roots: {name!r:.80} is not a module name")
@@ -468,7 +478,72 @@ def _import_roots(
         else:
             roots.append((path, where))
         entries.append(where)
-    return roots, before, after
+        if not os.path.isdir(path):
+            binds.append(path)  # a module or a zip archive: what is imported, whole
+            continue
+        narrowed = scanner.narrow(path, whole_package=kind == "package")
+        binds += narrowed.binds
+        if narrowed.left_out or narrowed.unscanned:
+            notes.append(_narrowed_note(path, kind, narrowed))
+    for path in _exposed(expose, [host for host, _ in roots]):
+        binds.append(path)
+    note = ""
+    if notes:
+        note = (
+            "boltzlabs: envs see only the packages and modules of what this trainer imports from outside its "
+            "site-packages, never its other files: "
+            + "; ".join(notes)
+            + ". To let envs read more of a root (read-only), name the paths in RLPool(expose=[...])."
+        )
+    return roots, binds, before, after, note
+
+
+_ROOT_KINDS = {"path": "the $PYTHONPATH entry", "pth": "the .pth entry (an editable install)", "package": "the package"}
+
+
+def _narrowed_note(path: str, kind: str, narrowed: _roots.Narrowed) -> str:
+    def some(names: list[str], most: int) -> str:
+        return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+    text = f"{_ROOT_KINDS[kind]} {path}"
+    if kind != "package":
+        text += f" shows {some(narrowed.shown, 6) or 'nothing'}"
+    if narrowed.left_out:
+        text += f"; left out: {some(narrowed.left_out, 8)}"
+    if narrowed.unscanned:
+        text += f"; bound whole, past the scan's limit ([import_roots] scan_limit): {some(narrowed.unscanned, 4)}"
+    return text
+
+
+def _clean_path(path: Any) -> bool:
+    return (
+        isinstance(path, str)
+        and path.startswith("/")
+        and path != "/"
+        and os.path.normpath(path) == path
+        and not any(c in path for c in ",:\n\0")
+    )
+
+
+def _exposed(expose: Any, roots: list[str]) -> list[str]:
+    """RLPool(expose=[...]): host paths below the pool's import roots, bound whole."""
+    if expose is None:
+        return []
+    if not isinstance(expose, (list, tuple)):
+        raise TypeError(f"expose must be a list of paths below an import root, not {type(expose).__name__}")
+    paths = []
+    for path in expose:
+        if not _clean_path(path):
+            raise ValueError(f"expose: {path!r:.200} is not an absolute path (normalized, no ',' or ':')")
+        if not any(_below(path, root) and path != root for root in roots):
+            raise ValueError(
+                f"expose: {path} is not below an import root of this trainer "
+                f"({', '.join(roots) or 'it has none'}): expose binds more of what $PYTHONPATH "
+                "or an editable install already names; put other files in the env's directory"
+            )
+        if os.path.lexists(path):
+            paths.append(path)
+    return paths
 
 
 def _relocations(interpreter: dict[str, Any]) -> tuple[list[Any], list[Any]]:

@@ -262,6 +262,13 @@ class RLPool(Pool):
         are set here (shipped: the ones that change numerical results, such
         as OPENBLAS_CORETYPE, and MUJOCO_GL), and these. PYTHON*, LD_* and
         the policy's own names are refused (ValueError).
+      expose: paths of this machine that envs may read besides what they
+        import (read-only), each below an import root: what this trainer
+        imports from outside its site-packages, $PYTHONPATH's entries and
+        editable installs, is bound narrowed to its packages and modules (a
+        project root's .env, .git, data and notes stay out; the pool says
+        once at start what it left out), e.g. expose=["/proj/data"].
+        Refused for a remote worker, which binds none of this machine's paths.
       workers: the number of worker processes the lanes are split over
         (contiguous lane ranges, stepped concurrently; docs/sharding.md).
         None chooses from n and the cores this process may use
@@ -334,6 +341,7 @@ class RLPool(Pool):
         preload=None,
         trust_env: bool = False,
         env_vars=None,
+        expose=None,
         workers=None,
         cpus=None,
         _shard: tuple[int, int] = (0, 1),
@@ -361,6 +369,7 @@ class RLPool(Pool):
                 f"env_vars must be a dict of variable names to strings, like {{'MUJOCO_GL': 'osmesa'}}; "
                 f"got {env_vars!r:.200}"
             )
+        import_roots = imports.roots()
         config = {
             "source_dir": str(resolved.env_dir),
             # As the sandbox will see them (JSON: a tuple is a list), not as the wire
@@ -378,8 +387,10 @@ class RLPool(Pool):
             "preload": _preload(preload),
             "trust_env": _flag("trust_env", trust_env),
             "env_fns": list(resolved.env_fns) if resolved.env_fns is not None else None,
-            # What this interpreter imports from outside its site-packages (pool/imports.py).
-            "import_roots": imports.roots(),
+            # What this interpreter imports from outside its site-packages (pool/imports.py),
+            # and what of those roots the envs may read besides (bound narrowed: host/roots.py).
+            "import_roots": import_roots,
+            "expose": imports.exposed(expose, import_roots, remote=worker is not None),
             "env_vars": env_vars,
             # A local worker can hand us each env's observation slot (pool/slots.py): asked for unless
             # BOLTZLABS_NO_SHM=1; it gives them when the env's space has a fixed shape.
@@ -455,7 +466,7 @@ class RLPool(Pool):
             warnings.warn(ready["fast_path_note"], RuntimeWarning, stacklevel=2)
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, self._link.shutdown)
-        for note in (ready["memory_note"], ready["warning"]):
+        for note in (ready["memory_note"], ready["warning"], ready.get("import_note")):
             if note:
                 import warnings
 
@@ -874,6 +885,7 @@ _POOL_OPTIONS = (
     "envs_per_node",
     "warmup",
     "env_vars",
+    "expose",
     "workers",
     "workers_per_node",
 )

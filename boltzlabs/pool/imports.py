@@ -25,7 +25,7 @@ import os
 import site
 import sys
 
-__all__ = ["roots", "visible"]
+__all__ = ["roots", "visible", "exposed"]
 
 _RUNTIME = "boltzlabs"  # bound by mounts/runtime.toml, whatever the finders say
 
@@ -120,3 +120,29 @@ def visible(path: str, extra: list | None = None) -> bool:
     path = os.path.realpath(path)
     dirs = [os.path.realpath(sys.base_prefix), *_site_dirs(), _package_dir(), *(r[0] for r in (extra or ()))]
     return any(_below(path, d) for d in dirs)
+
+
+def exposed(expose, roots_: list[list[str]], remote: bool = False) -> list[str]:
+    """RLPool(expose=[...]) checked: absolute paths below one of `roots_`
+    (roots()), as the worker binds them (host/roots.py narrows each root to
+    its packages and modules; these are bound besides, whole)."""
+    if expose is None:
+        return []
+    if isinstance(expose, (str, bytes)) or not isinstance(expose, (list, tuple)):
+        raise TypeError(f"expose must be a list of paths below an import root, not {expose!r:.200}")
+    if remote and expose:
+        raise ValueError("expose names paths of this machine: a remote worker binds none of them")
+    out = []
+    for path in expose:
+        path = os.fspath(path)
+        if not isinstance(path, str) or not os.path.isabs(path):
+            raise ValueError(f"expose: {path!r:.200} is not an absolute path")
+        path = os.path.normpath(os.path.realpath(path))
+        if not any(_below(path, root[0]) and path != root[0] for root in roots_):
+            places = ", ".join(root[0] for root in roots_) or "none: $PYTHONPATH is empty and no editable install"
+            raise ValueError(
+                f"expose: {path} is not below an import root of this trainer (its roots: {places}); expose "
+                "binds more of what $PYTHONPATH or an editable install names: put other files in the env's directory"
+            )
+        out.append(path)
+    return out

@@ -46,6 +46,7 @@ class PoolConfig:
     log_tail: int
     env_fns: tuple | None = None  # an env_fns pool: one pickled thunk (bytes) per lane (runtime/env_fns.py)
     import_roots: tuple = ()  # what the trainer imports from outside site-packages (pool/imports.py); local only
+    expose: tuple = ()  # paths below those roots bound besides, whole (RLPool(expose=)); local only
     env_vars: dict | None = None  # RLPool(env_vars=): variables for every env (host/plan.py checks them)
     affinity: affinity.Affinity | None = None  # RLPool(cpus=), a shard's slice (affinity.py); None: not pinned
 
@@ -108,6 +109,7 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
         env_fns=_env_fns(request.get("env_fns"), int(request["n"])),
         # Paths of the client's machine: a remote worker binds none of its own host's for a client.
         import_roots=() if remote else tuple(request.get("import_roots") or ()),
+        expose=() if remote else tuple(request.get("expose") or ()),
         env_vars=request.get("env_vars"),
         affinity=affinity.parse(request.get("affinity")),
     )

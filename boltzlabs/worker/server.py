@@ -147,6 +147,7 @@ class Worker:
             config.limits,
             env_fns=self._write_env_fns(config.env_fns),
             import_roots=config.import_roots,
+            expose=config.expose,
             env_vars=config.env_vars,
         )
         n = config.n
@@ -239,6 +240,8 @@ class Worker:
             "spawn": spawner.kind,
             "fast_path": self.fastpath is not None,
             "fast_path_note": self.fastpath_note,
+            # What the trainer's import roots left out of the sandboxes (host/roots.py), said once.
+            "import_note": spec.plan.import_note,
             "channel": self.channel,
             # The observation slots' layout (wire.SlotLayout.describe), None without them: the client
             # then asks for the memfds ("slots").
