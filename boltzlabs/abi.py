@@ -41,7 +41,7 @@ PROBE_VARIABLE = "BOLTZLABS_PROBE"  # "1" in the warm-up probe: serve() reports 
 NO_SERVE_EXIT = 87  # env.py returned (or exited with 0) without calling serve()
 SET_UP_EXIT = 88  # the sandbox's own set-up (confine, the template) failed before any env code ran
 
-# --- Linux constants (include/uapi/linux/sched.h, mount.h, prctl.h, seccomp.h, if.h, sockios.h)
+# --- Linux constants (include/uapi/linux/sched.h, mount.h, prctl.h, seccomp.h, if.h, sockios.h, falloc.h)
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000
 CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x08000000, 0x10000000, 0x20000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
@@ -55,6 +55,7 @@ SECCOMP_MODE_FILTER = 2
 BPF_INSTRUCTION = 8  # bytes of one struct sock_filter
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP, IFF_RUNNING = 0x8913, 0x8914, 0x1, 0x40
 SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine)
+FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02  # include/uapi/linux/falloc.h
 
 # The process's one handle on libc; errno is kept for `check`.
 libc = ctypes.CDLL(None, use_errno=True)

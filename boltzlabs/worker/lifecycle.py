@@ -215,6 +215,10 @@ class Lifecycle:
         if self.cgroups is not None:
             self._settle(lane)
             lane.events_base = self.cgroups.events(lane.index)
+        if self.slots is not None:
+            # After the last sandbox's tasks are gone (with cgroups; else after its pid 1
+            # was killed): the new one never reads what the old one wrote.
+            self.slots.clear(lane.index)
         if self.freezing:
             self.thaw(lane)  # the template forks while in the env's cgroups: never into a frozen one
         self.spawner.spawn(lane)  # sets lane.chan, lane.wchan, lane.logfd (and lane.pid when known)

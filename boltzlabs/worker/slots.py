@@ -9,8 +9,8 @@
 A slot is written by untrusted code at any time, so the trainer maps it
 read-only and copies a lane's slot out once, after that lane's reply came
 (pool/client.py). The worker never reads it. One memfd per lane: mapped by
-that lane's env (each of its spawns: a respawn gets the same one) and by the
-trainer, nobody else; in template mode the template passes it on in the
+that lane's env (each of its spawns: a respawn gets the same one, cleared
+first, `clear`) and by the trainer, nobody else; in template mode the template passes it on in the
 FORK and closes its copy, as it does the channel's. An env that resizes or
 seals its memfd before the worker sizes it is killed: an honest env does not
 touch it before its first request.
@@ -18,6 +18,7 @@ touch it before its first request.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import os
 from collections.abc import Callable
@@ -65,6 +66,25 @@ class Slots:
         if fd < 0:
             fd = self.fds[index] = os.memfd_create(f"boltzlabs-obs-{index}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         return fd
+
+    def clear(self, index: int) -> None:
+        """Empty lane `index`'s slot before a new sandbox of the lane gets it (lifecycle._spawn, once
+        the last one's tasks are gone): its pages are punched out, so the respawned env, and the
+        trainer, read zeros where its predecessor wrote. A memfd's size is sealed, its contents not."""
+        fd = self.fds[index]
+        if fd < 0:
+            return
+        try:
+            size = os.fstat(fd).st_size
+            if size:
+                punch = abi.FALLOC_FL_PUNCH_HOLE | abi.FALLOC_FL_KEEP_SIZE
+                if abi.libc.fallocate(fd, punch, ctypes.c_long(0), ctypes.c_long(size)) != 0:
+                    os.pwrite(fd, bytes(size), 0)  # a kernel without hole punching on shmem
+        except OSError:
+            # Not to be cleared: the lane goes on without a slot (its obs by the wire).
+            os.close(fd)
+            self.fds[index] = -2
+            self.sealed[index] = False
 
     def on_hello(
         self,
