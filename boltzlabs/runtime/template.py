@@ -524,12 +524,17 @@ class LibrariesOnly:
     """The template's first finder on sys.meta_path (untrusted mode): it asks the
     others, and refuses a module whose file lies in the env's directory or the
     workspace, by device and inode (boltzlabs/runtime/origins.py), before any of
-    its code runs. Each child takes it off before env code (`_sandboxed`)."""
+    its code runs. In a child (another pid: the env's own code is the env's to
+    import) it steps aside, left in place: removing it would copy the page
+    of sys.meta_path into every env."""
 
     def __init__(self, env_files: origins.EnvFiles) -> None:
         self.env_files = env_files
+        self.pid = os.getpid()
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if os.getpid() != self.pid:
+            return None
         for finder in list(sys.meta_path):
             find = getattr(finder, "find_spec", None)
             if finder is self or find is None:
@@ -639,8 +644,6 @@ def _sandboxed(channel: tuple[Any, ...]) -> None:
 
     serving.channel = channel
     serving._fork_server = None
-    # The env's own code is the env's to import: the template's hook goes.
-    sys.meta_path[:] = [finder for finder in sys.meta_path if type(finder) is not LibrariesOnly]
     sys.path.insert(0, "")
 
 
