@@ -323,13 +323,15 @@ def test_expose_binds_more_of_a_root_and_only_what_it_names(pool_factory, projec
         ("/etc", "expose must be a list"),
         (["relative/path"], "absolute path"),
         (["/etc/passwd"], "not below an import root"),
+        ("remote", "a remote worker binds none of them"),
     ],
 )
 def test_expose_is_checked_before_anything_starts(project, monkeypatch, paths, error):
     monkeypatch.setenv("PYTHONPATH", str(project))
     directory = env_in(project, "seen", SEEN_ENV)
+    remote = {"worker": "tcp://127.0.0.1:9"} if paths == "remote" else {}
     with pytest.raises((TypeError, ValueError), match=error):
-        RLPool(directory, 1, expose=paths)
+        RLPool(directory, 1, expose=[str(project / "data")] if remote else paths, **remote)
 
 
 def test_an_editable_install_of_the_project_is_narrowed_alike(pool_factory, project, tmp_path, monkeypatch):
@@ -414,3 +416,47 @@ def test_a_respawned_env_finds_its_observation_slot_empty(pool_factory, env_dir)
     pool.reset(where=[True, False], hard=True, seed=0)  # one lane's respawn: it alone is cleared
     obs, *_ = pool.step([2, 3])
     assert bytes(obs[0]).startswith(b"SECRET-lane2") and bytes(obs[1]).startswith(b"SECRET-lane3")
+
+
+# -- the scan itself, on hostile trees (host/roots.py, no sandbox) ---------------------------------
+
+
+def _scanner(limit=50000):
+    from boltzlabs.host import policy, roots
+
+    hide = policy.load_policy().reader().names("import_roots", "hide")
+    return roots.Scanner(hide, limit)
+
+
+def test_modules_named_like_secrets_stay_importable_and_their_look_alikes_stay_out(tmp_path):
+    for name in ("secrets.py", "credentials.py", "id_utils.py", "token.py", "keys.cpython-311-x86_64-linux-gnu.so"):
+        (tmp_path / name).write_text("")
+    for name in ("secrets.yaml", "credentials", "id_rsa", "token", "tls.key", ".hidden.py", "notes.txt"):
+        (tmp_path / name).write_text(SECRET)
+    narrowed = _scanner().narrow(str(tmp_path))
+    shown = sorted(os.path.basename(path) for path in narrowed.binds)
+    assert shown == sorted(
+        ["secrets.py", "credentials.py", "id_utils.py", "token.py", "keys.cpython-311-x86_64-linux-gnu.so"]
+    )
+    assert sorted(narrowed.left_out) == sorted(
+        ["secrets.yaml", "credentials", "id_rsa", "token", "tls.key", ".hidden.py", "notes.txt"]
+    )
+
+
+def test_a_link_loop_and_a_tree_past_the_scan_limit_end_the_scan_and_say_so(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "loop").symlink_to(package)  # followed by nothing: recreated as the same link
+    (tmp_path / "also").symlink_to("pkg")
+    wide = package / "wide"
+    wide.mkdir()
+    for i in range(300):
+        (wide / f"f{i}.txt").write_text("")
+    (wide / ".env").write_text(SECRET)
+    narrowed = _scanner(limit=100).narrow(str(tmp_path))
+    assert str(package / "loop") in narrowed.binds or str(package) in narrowed.binds
+    assert narrowed.unscanned, narrowed  # past the limit: bound whole, and the note says which
+    full = _scanner().narrow(str(tmp_path))
+    assert "pkg/wide/.env" in full.left_out and not full.unscanned
+    assert str(tmp_path / "also") in full.binds  # a link to a package: shown, as the link it is
