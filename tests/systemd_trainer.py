@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -29,7 +30,38 @@ sys.path.insert(0, str(ROOT))
 from boltzlabs import RLPool  # noqa: E402
 from boltzlabs.host.cgroups import PoolView  # noqa: E402
 
-HOSTILE = ROOT / "tests" / "envs" / "hostile"
+# What each step does: "hold" keeps 32 MiB more, "oom" tries to keep 256 (past memory_limit),
+# "fork" forks until refused and exits 11 (as a shell does), a number is a normal step.
+ENV = """
+import os, time
+from boltzlabs.env import serve
+
+held = []
+
+
+def keep(mib):
+    block = bytearray(mib << 20)
+    block[::4096] = b"x" * len(block[::4096])
+    held.append(block)
+
+
+def step(action):
+    if action in ("hold", "oom"):
+        keep(32 if action == "hold" else 256)
+        return len(held), 0.0, False, {}
+    if action == "fork":
+        while True:
+            try:
+                if os.fork() == 0:
+                    time.sleep(600)
+                    os._exit(0)
+            except OSError:
+                os._exit(11)
+    return action, float(action), False, {}
+
+
+serve(reset=lambda seed: 0, step=step)
+"""
 SCALE = float(os.environ.get("BOLTZLABS_TIME_SCALE") or 1)
 MiB = 1 << 20
 PIDS, POOL_PIDS = 16, 64
@@ -67,8 +99,12 @@ def show(cgroup: str) -> dict[str, str]:
 
 
 def open_pool() -> RLPool:
+    env = Path(tempfile.mkdtemp(prefix="boltzlabs-trainer-"))
+    (env / "env.py").write_text(ENV)
+    env.chmod(0o755)  # a root worker's sandboxes run as the policy's account (nobody)
+    (env / "env.py").chmod(0o644)
     return RLPool(
-        HOSTILE,
+        env,
         2,
         memory_limit="96M",
         limits={"pids": PIDS, "pool_pids": POOL_PIDS},
@@ -119,20 +155,20 @@ def check() -> dict:
             pool.reset(seed=0)
             # Accounting: the kernel's figures, each env charged for what it allocates.
             before = pool.memory()
-            pool.step([{"op": "alloc", "mb": 32}, 1])
+            pool.step(["hold", 1])
             after = pool.memory()
             report["memory_source"] = before.source
             report["grew_mib"] = [(a - b) / MiB for a, b in zip(after.per_env, before.per_env)]
             # The gate: between calls every env is frozen.
             report["frozen_between_calls"] = [view.frozen(i) for i in range(2)]
             # pids: the env's cap refuses its forks and is named; the pool's cap is written.
-            _, _, dones, infos = pool.step([{"op": "fork_until_refused", "then": "exit"}, 1])
+            _, _, dones, infos = pool.step(["fork", 1])
             report["pids_error"] = infos[0].get("error", "")
             report["pids_limit"] = [view.pids_limit(i) for i in range(2)]
             report["pool_pids_limit"] = view.pids_limit()
             pool.reset(where=[0], seed=0)
             # OOM: the env past memory_limit is killed and named; the trainer and the other env go on.
-            _, rewards, dones, infos = pool.step([{"op": "alloc", "mb": 256}, 1])
+            _, rewards, dones, infos = pool.step(["oom", 1])
             report["oom_error"] = infos[0].get("error", "")
             report["oom_other_lane"] = infos[1].get("error", "")
             time.sleep(2 * SCALE)  # what systemd would do about the OOM kill, it does now

@@ -48,7 +48,7 @@ pytestmark = pytest.mark.skipif(bool(_systemd_cgroup2()), reason=_systemd_cgroup
 
 
 def _tag() -> str:
-    return f"boltzlabs-test-{secrets.token_hex(3)}"
+    return f"trainer-{secrets.token_hex(3)}"
 
 
 def _placed(placement: str, mode: str, unit: str, *env: str) -> list[str]:
