@@ -114,6 +114,18 @@ def open_pool() -> RLPool:
     )
 
 
+def guardian_of(worker: int) -> int | None:
+    """The worker's cgroup guardian: its child named boltzlabs-guard."""
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if stat.split(")")[-1].split()[1] == str(worker) and "(boltzlabs-guard)" in stat:
+            return int(entry.name)
+    return None
+
+
 def where(pool: RLPool) -> dict:
     worker = pool._proc.pid
     cgroup = cgroup_of(worker)
@@ -121,6 +133,7 @@ def where(pool: RLPool) -> dict:
         "trainer_pid": os.getpid(),
         "trainer_cgroup": cgroup_of(),
         "worker_pid": worker,
+        "guardian_pid": guardian_of(worker),
         "worker_cgroup": cgroup,
         "unit": show(cgroup),
         "pool_cgroups": pool._cgroup,

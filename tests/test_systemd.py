@@ -129,8 +129,17 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("placement", ["beside_another_tree", "user_session"])
-def test_nothing_is_left_after_the_trainer_is_killed(placement):
+@pytest.mark.parametrize(
+    "placement, killed",
+    [
+        ("beside_another_tree", ["trainer"]),
+        ("user_session", ["trainer"]),
+        # No guardian left to clean up: systemd alone removes the emptied scope and what is below it.
+        ("alone", ["trainer", "worker", "guardian"]),
+    ],
+    ids=["beside_another_tree", "user_session", "alone-with-worker-and-guardian"],
+)
+def test_nothing_is_left_after_the_trainer_is_killed(placement, killed):
     if placement == "user_session" and not SESSION_USER:
         pytest.skip("no BOLTZLABS_TEST_SESSION_USER: ci/v2tests.sh's systemd run makes one in the guest")
     unit = _tag() + (".service" if placement == "user_session" else ".scope")
@@ -145,8 +154,10 @@ def test_nothing_is_left_after_the_trainer_is_killed(placement):
         _in_its_own_scope(report)
         scope = Path("/sys/fs/cgroup" + report["worker_cgroup"].split(report["unit"]["Id"])[0] + report["unit"]["Id"])
         assert scope.is_dir()
-        os.kill(report["trainer_pid"], signal.SIGKILL)
-        pids = [report["worker_pid"], *report["env_pids"]]
+        assert report["guardian_pid"], report
+        for who in killed:
+            os.kill(report[f"{who}_pid"], signal.SIGKILL)
+        pids = [report["worker_pid"], report["guardian_pid"], *report["env_pids"]]
         assert wait_until(lambda: not any(map(_alive, pids)), 30), [p for p in pids if _alive(p)]
         assert wait_until(lambda: not scope.exists(), 30), f"{scope} outlived the trainer"
         if "/user@" not in str(scope):  # (a user's manager may itself be gone with the session)
