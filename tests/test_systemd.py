@@ -182,10 +182,12 @@ def test_doctor_says_where_the_room_was_made():
     assert "delegated scope boltzlabs-" in found["memory cgroup"]["detail"], found["memory cgroup"]
 
 
-def test_doctor_says_why_neither_room_could_be_made_without_a_bus():
-    # A system bus that is not there: no scope from systemd, and beside another tree no room of its own.
+@pytest.mark.parametrize("placement", ["beside_another_tree", "alone"])
+def test_doctor_says_what_it_tried_where_systemd_gives_no_scope(placement):
+    # A system bus that is not there: no scope from systemd. Beside another tree the worker cannot
+    # make a room of its own either; alone it can, in a unit systemd may stop on an env's OOM kill.
     unit = _tag() + ".scope"
-    argv = _placed("beside_another_tree", "doctor", unit, "DBUS_SYSTEM_BUS_ADDRESS=unix:path=/nonexistent/bus")
+    argv = _placed(placement, "doctor", unit, "DBUS_SYSTEM_BUS_ADDRESS=unix:path=/nonexistent/bus")
     try:
         out = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=scaled(90))
     finally:
@@ -193,6 +195,12 @@ def test_doctor_says_why_neither_room_could_be_made_without_a_bus():
     assert out.returncode == 0, out.stderr[-4000:]
     found = {f["name"]: f for f in json.loads(out.stdout.strip().splitlines()[-1])["findings"]}
     memory = found["memory cgroup"]
-    assert memory["status"] == "warn", memory
-    assert "a delegated scope from systemd" in memory["detail"] and "/nonexistent/bus" in memory["detail"], memory
-    assert "its own room" in memory["detail"] and "not of the worker's own process tree" in memory["detail"], memory
+    assert memory["status"] == "warn" and "/nonexistent/bus" in memory["detail"], memory
+    if placement == "beside_another_tree":
+        assert "tried a delegated scope from systemd" in memory["detail"], memory
+        assert "then its own room" in memory["detail"], memory
+        assert "not of the worker's own process tree" in memory["detail"], memory
+        assert found["pids cgroup"]["status"] == "warn", found["pids cgroup"]
+    else:
+        assert "OOMPolicy=stop" in memory["detail"] and "the trainer with it" in memory["detail"], memory
+        assert found["pids cgroup"]["status"] == "ok" and found["freezer cgroup"]["status"] == "ok", found
