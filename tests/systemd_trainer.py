@@ -15,8 +15,10 @@ and exits 143, which the test reports as such.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -100,6 +102,7 @@ def show(cgroup: str) -> dict[str, str]:
 
 def open_pool() -> RLPool:
     env = Path(tempfile.mkdtemp(prefix="boltzlabs-trainer-"))
+    atexit.register(shutil.rmtree, env, True)
     (env / "env.py").write_text(ENV)
     env.chmod(0o755)  # a root worker's sandboxes run as the policy's account (nobody)
     (env / "env.py").chmod(0o644)

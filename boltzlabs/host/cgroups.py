@@ -7,7 +7,9 @@
         memory, when the pool sets no per-env memory limit:
             boltzlabs-<worker pid>-<tag>/
                 envs/  template/  probe/       every env in one memory cgroup
-    cgroup v2 (one tree), the worker started in cgroup S:
+    cgroup v2 (one tree), the worker started in cgroup S (under systemd, in a unit
+    systemd did not delegate: S is the scope boltzlabs-<worker pid>.scope that
+    systemd makes for the worker alone, host/systemd.py):
         S/                                     +memory +pids in cgroup.subtree_control
             boltzlabs-procs/                   "the leaf": what was in S, the worker among it
             boltzlabs-<worker pid>-<tag>/      the pool (pids.max: the pool's cap), +memory +pids
@@ -16,7 +18,8 @@
 `CgroupPool` is the one interface the worker uses; `_V1` and `_V2` are its
 two backends, and `PoolView` reads a pool's cgroups through the same
 backends from their paths alone (tests, diagnostics). We only ever create
-cgroups below the cgroup the worker started in, and remove what we created.
+cgroups below the cgroup the worker started in (or the scope systemd made for
+it), and remove what we created; systemd removes the scope once it is empty.
 
 Kernel facts this depends on:
 - A process is charged for the pages it touches first, and a forked child
@@ -638,7 +641,13 @@ def _v2_room(start: Path, root: Path) -> _V2:
         )
         backend.note += f"; tried {tried}"
         return backend
-    backend = _V2(scope)
+    try:
+        backend = _V2(scope)
+    except CgroupUnavailable as exc:  # (the worker has left `start`: no room there to fall back on)
+        raise CgroupUnavailable(
+            f"cgroup v2 under systemd: in the delegated scope {scope} that "
+            f"{systemd.manager()} made for this worker: {exc}"
+        ) from exc
     backend.note = (
         f"in the delegated scope {scope.name} that {systemd.manager()} made for this worker "
         f"({unit.name} was not delegated): " + backend.note
