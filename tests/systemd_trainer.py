@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -145,15 +146,17 @@ def where(pool: RLPool) -> dict:
 
 
 def gone(report: dict, timeout: float) -> float | None:
-    """Seconds until the worker, its scope's unit and its cgroup were all gone; None if not by `timeout`."""
-    cgroup = report["worker_cgroup"]
-    scope = "/sys/fs/cgroup" + cgroup.split(report["unit"].get("Id", "?"))[0] + report["unit"].get("Id", "?")
+    """Seconds until the worker and the pool's cgroups were gone, and with them the worker's own
+    scope (unit and cgroup) where it had one; None if not by `timeout`."""
+    cgroup, unit = report["worker_cgroup"], report["unit"].get("Id", "?")
+    own = re.fullmatch(r"boltzlabs-\d+(-[0-9a-f]+)?\.scope", unit) is not None
+    left = [*report["pool_cgroups"], "/sys/fs/cgroup" + cgroup.split(unit)[0] + unit if own else "/nonexistent"]
     start = time.monotonic()
     while time.monotonic() - start < timeout:
         if (
             not os.path.exists(f"/proc/{report['worker_pid']}")
-            and not os.path.exists(scope)
-            and show(cgroup).get("LoadState") == "not-found"
+            and not any(map(os.path.exists, left))
+            and (not own or show(cgroup).get("LoadState") == "not-found")
         ):
             return time.monotonic() - start
         time.sleep(0.05)

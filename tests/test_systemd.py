@@ -63,10 +63,13 @@ def _placed(placement: str, mode: str, unit: str, *env: str) -> list[str]:
                 "bash", "-c", '(sleep 100000 </dev/null >/dev/null 2>&1 &); exec "$@"', "trainer", *trainer]  # fmt: skip
     if placement == "alone":
         return ["systemd-run", "--scope", f"--unit={unit}", "--quiet", "--", *trainer]
-    if placement == "user_session":
-        # pam_systemd through PAMName=login: a session-N.scope of logind's and the user's manager.
+    if placement in ("user_session", "user_delegated_scope"):
+        # pam_systemd through PAMName=login: a session-N.scope of logind's and the user's manager;
+        # then, for the second, a scope of that manager's with Delegate=yes, as the docs' fix made.
+        inner = ["systemd-run", "--user", "--scope", "-p", "Delegate=yes", "--quiet", "--"]
         return ["systemd-run", "-p", "PAMName=login", "-p", f"User={SESSION_USER}", f"--unit={unit}",
-                "--quiet", "--pipe", "--wait", "--", *trainer]  # fmt: skip
+                "--quiet", "--pipe", "--wait", "--",
+                *(inner if placement == "user_delegated_scope" else []), *trainer]  # fmt: skip
     raise ValueError(placement)
 
 
@@ -76,9 +79,9 @@ def _stop(unit: str) -> None:
 
 
 def _run(placement: str, mode: str) -> dict:
-    if placement == "user_session" and not SESSION_USER:
+    if placement.startswith("user_") and not SESSION_USER:
         pytest.skip("no BOLTZLABS_TEST_SESSION_USER: ci/v2tests.sh's systemd run makes one in the guest")
-    unit = _tag() + (".service" if placement == "user_session" else ".scope")
+    unit = _tag() + (".service" if placement.startswith("user_") else ".scope")
     try:
         out = subprocess.run(
             _placed(placement, mode, unit), capture_output=True, text=True, cwd=ROOT, timeout=scaled(90)
@@ -120,6 +123,23 @@ def test_a_trainer_in_a_scope_systemd_did_not_delegate_gets_every_limit(placemen
     assert report["unit_after_oom"].get("ActiveState") == "active", report["unit_after_oom"]
     # Close: the worker, its scope and the scope's cgroup are gone.
     assert report["gone_after_close_s"] is not None, "the worker's scope outlived the pool by 30 s"
+
+
+def test_a_user_whose_scope_systemd_delegated_keeps_the_room_there():
+    """A delegated unit is the worker's to use (a user's manager marks it with no xattr: the
+    worker asks it for the unit's Delegate property): no second scope, the room made in the
+    trainer's own, every limit there, and an env's OOM kill leaves it running (a delegated unit's
+    OOMPolicy defaults to continue)."""
+    report = _run("user_delegated_scope", "check")
+    unit = report["unit"]
+    assert "/user@" in report["trainer_cgroup_before"] and unit.get("Delegate") == "yes", report
+    assert unit.get("Id", "").startswith("run-") and unit["Id"] in report["trainer_cgroup_before"], unit
+    assert report["worker_cgroup"] == report["trainer_cgroup_before"] + "/boltzlabs-procs", report
+    assert report["memory_source"].startswith("cgroup v2 ") and 28 < report["grew_mib"][0] < 40, report
+    assert report["frozen_between_calls"] == [True, True] and report["pool_pids_limit"] == 64, report
+    assert "OOM" in report["oom_error"] and report["after_oom"] == [1.0, 1.0], report
+    assert report["unit_after_oom"].get("ActiveState") == "active", report["unit_after_oom"]
+    assert report["gone_after_close_s"] is not None, "the pool's cgroups outlived it by 30 s"
 
 
 def _alive(pid: int) -> bool:
