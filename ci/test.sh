@@ -4,7 +4,8 @@
 #   pure    the whole test suite again on the pure-Python one (BOLTZLABS_PURE=1), less the
 #           files that never start a pool (PURE_SKIPS below): every test that runs a pool runs on both;
 #   asan    the fuzz and fault tests under AddressSanitizer and UBSan (ci/asan.sh);
-#   v2      the cgroup tests in a cgroup-v2-only QEMU guest, twice (ci/v2guest.sh, ci/v2tests.sh);
+#   v2      the cgroup tests in a cgroup-v2-only QEMU guest, twice, then once more in one booted
+#           with systemd as PID 1 (ci/v2guest.sh, ci/v2tests.sh);
 #   lint    ruff check, ruff format --check and mypy (ci/lint.sh), when no arguments choose tests.
 # Much of the suite waits (sandboxes starting, envs sleeping, time-outs running out, Ray
 # starting), so two sessions at once on two cores take far less than the two in turn
@@ -88,12 +89,16 @@ if [ "${CI_LINT:-1}" != 0 ] && [ $# = 0 ]; then
   start lint "ruff and mypy (ci/lint.sh)" bash ci/lint.sh
 fi
 # The cgroup tests on cgroup v2, in a guest with v1 disabled: worker in the root cgroup,
-# then in a service's cgroup beside another process (ci/v2tests.sh: its own choice of
-# tests, so it runs only when no arguments choose others); CI_V2=0 skips it. Niced: the
-# emulated guest would take both cores from the host stages' timed tests, while its own
-# deadlines are scaled for a slow machine.
+# then in a service's cgroup beside another process; then a second boot with systemd as
+# PID 1, trainers in scopes systemd did not delegate and in a user's session (ci/v2tests.sh:
+# its own choice of tests, so it runs only when no arguments choose others); CI_V2=0 skips
+# it. Niced: the emulated guest would take both cores from the host stages' timed tests,
+# while its own deadlines are scaled for a slow machine.
 if [ "${CI_V2:-1}" != 0 ] && [ $# = 0 ]; then
-  start v2 "cgroup tests in a cgroup-v2-only guest" nice -n 10 bash ci/v2guest.sh bash ci/v2tests.sh
+  start v2 "cgroup tests in cgroup-v2-only guests (bash, then systemd, as PID 1)" nice -n 10 bash -c '
+    bash ci/v2guest.sh bash ci/v2tests.sh; first=$?
+    V2GUEST_INIT=systemd bash ci/v2guest.sh bash ci/v2tests.sh systemd; second=$?
+    exit $(( first != 0 ? first : second ))'
 fi
 
 progress() {  # one line: how far each running stage is (pytest -q's "[ NN%]"), tests run, how many failed

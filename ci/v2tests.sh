@@ -20,10 +20,26 @@
 # refused forks forever; emulated, that takes every vCPU and the next pool cannot start
 # (pids.max against forks is test_an_env_that_dies_at_its_pids_limit_says_so and the pool
 # cap test instead).
-# Usage: bash ci/v2tests.sh [root|service]... (default: both). Exit status: the first failure.
+#
+# A third run, in a guest booted with systemd as PID 1 (V2GUEST_INIT=systemd, where COMMAND
+# is the service v2guest.service):
+#   systemd  tests/test_systemd.py: trainers placed by systemd-run in scopes systemd did not
+#            delegate (beside a process of another tree; alone, with the default
+#            OOMPolicy=stop) and in a user's login session; each worker asks systemd for a
+#            delegated scope of its own. The guest starts only v2guest.service, so this run
+#            first starts what a node runs anyway: the system bus (dbus.socket) and logind,
+#            and makes the session's user (the guest's files are a throwaway overlay), who
+#            must reach the interpreter under /root.
+# Usage: bash ci/v2tests.sh [root|service|systemd]... (default: root and service in a bash-init
+# guest, systemd in a systemd one). Exit status: the first failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ "$(cat /proc/self/cgroup)" = "0::/" ] || { echo "ci/v2tests.sh: run me in a cgroup v2 guest's root cgroup (ci/v2guest.sh)" >&2; exit 2; }
+if [ -d /run/systemd/system ]; then
+  [ "${*:-systemd}" = systemd ] || { echo "ci/v2tests.sh: in a systemd guest only the systemd run" >&2; exit 2; }
+  set -- systemd
+elif [ "$(cat /proc/self/cgroup)" != "0::/" ]; then
+  echo "ci/v2tests.sh: run me in a cgroup v2 guest's root cgroup (ci/v2guest.sh)" >&2; exit 2
+fi
 # The per-test hang timeout (pyproject.toml: 300 s) scaled as the tests' deadlines are.
 pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=5 -o timeout=1800 -o faulthandler_timeout=1780)
 
@@ -85,7 +101,15 @@ for where in ${@:-root service}; do
         "$@"; rc=$?
         kill $helper
         exit $rc' v2tests "$unit" "${pytest[@]}" "${SERVICE_TESTS[@]}" ;;
-    *) echo "ci/v2tests.sh: unknown run $where (root, service)" >&2; exit 2 ;;
+    systemd)
+      [ -d /run/systemd/system ] || { echo "ci/v2tests.sh: the systemd run needs V2GUEST_INIT=systemd" >&2; exit 2; }
+      systemctl start dbus.socket systemd-logind.service || exit 1
+      user=boltzlabs-trainee
+      id "$user" >/dev/null 2>&1 || useradd --create-home --uid 4242 "$user" || exit 1
+      chmod o+x /root  # the interpreter is under /root/.pyenv (0755 inside)
+      run "trainers under systemd, as root and as a user in a session" \
+        env BOLTZLABS_TEST_SESSION_USER="$user" "${pytest[@]}" tests/test_systemd.py ;;
+    *) echo "ci/v2tests.sh: unknown run $where (root, service, systemd)" >&2; exit 2 ;;
   esac
 done
 exit "$status"

@@ -378,7 +378,7 @@ def _cgroup_mounts() -> tuple[list, list]:
 
 
 def _cgroup_version() -> list[Finding]:
-    from boltzlabs.host.cgroups import _mounts, _own_cgroups, _v2_start, delegation_fix, systemd_delegated, version
+    from boltzlabs.host.cgroups import _mounts, _own_cgroups, _v2_start, systemd_delegated, version
 
     v1, v2 = _cgroup_mounts()
     pools = version()
@@ -392,14 +392,15 @@ def _cgroup_version() -> list[Finding]:
         findings = [Finding("cgroup version", OK, f"cgroup v2 (unified, at {v2[0]})")]
         start = _v2_start(_own_cgroups(), _mounts())
         if start is not None and systemd_delegated(start) is False:
+            # Not a fault: a pool's worker asks systemd for a delegated scope of its own (the
+            # memory cgroup finding below says whether it got one, or why not).
             findings.append(
                 Finding(
                     "systemd delegation",
-                    WARN,
-                    f"this process's cgroup {start} is systemd's and "
-                    "was not delegated (no Delegate=yes): root may make the pool's cgroups there, "
-                    "but systemd may move its processes or remove those cgroups",
-                    delegation_fix(),
+                    OK,
+                    f"this process's cgroup {start} is in a unit systemd did not delegate (no "
+                    "Delegate=yes): a pool's worker asks systemd for a delegated scope of its own, "
+                    "boltzlabs-<worker pid>.scope, and makes its cgroups there",
                 )
             )
         return findings
@@ -510,6 +511,8 @@ def _cgroups() -> list[Finding]:
 
 def _memory_trial(pool, view, where: str) -> Finding:
     limit, swap, used = view.memory_limit(0), view.swap_limit(0), pool.usage(0)
+    if pool.backend.risk:
+        return Finding("memory cgroup", WARN, f"{pool.backend.risk} ({where})", "")
     if limit != _TRIAL_MEMORY or swap != 0 or used <= 0:
         return Finding(
             "memory cgroup",

@@ -7,7 +7,9 @@
         memory, when the pool sets no per-env memory limit:
             boltzlabs-<worker pid>-<tag>/
                 envs/  template/  probe/       every env in one memory cgroup
-    cgroup v2 (one tree), the worker started in cgroup S:
+    cgroup v2 (one tree), the worker started in cgroup S (under systemd, in a unit
+    systemd did not delegate: S is the scope boltzlabs-<worker pid>.scope that
+    systemd makes for the worker alone, host/systemd.py):
         S/                                     +memory +pids in cgroup.subtree_control
             boltzlabs-procs/                   "the leaf": what was in S, the worker among it
             boltzlabs-<worker pid>-<tag>/      the pool (pids.max: the pool's cap), +memory +pids
@@ -16,7 +18,8 @@
 `CgroupPool` is the one interface the worker uses; `_V1` and `_V2` are its
 two backends, and `PoolView` reads a pool's cgroups through the same
 backends from their paths alone (tests, diagnostics). We only ever create
-cgroups below the cgroup the worker started in, and remove what we created.
+cgroups below the cgroup the worker started in (or the scope systemd made for
+it), and remove what we created; systemd removes the scope once it is empty.
 
 Kernel facts this depends on:
 - A process is charged for the pages it touches first, and a forked child
@@ -83,6 +86,7 @@ from pathlib import Path
 from typing import Any
 
 from boltzlabs.errors import CgroupUnavailable
+from boltzlabs.host import systemd
 from boltzlabs.runtime.rlimits import read_file, stat_fields
 
 LEAF = "boltzlabs-procs"  # v2: where the worker and its process tree go to make room
@@ -186,6 +190,8 @@ class _Backend:
         self.home = home
         self.procs_home = home
         self.note = ""  # what the backend did to make room, for doctor
+        # Where the room is in a unit systemd owns and may stop on an env's OOM kill, why (v2).
+        self.risk = ""
 
     def prepare_pool(self, pool: Path) -> None:
         pool.mkdir()
@@ -528,23 +534,12 @@ def delegation_fix() -> str:
 
 
 def systemd_delegated(group: Path) -> bool | None:
-    """Whether systemd delegated `group` (or a cgroup above it) to its unit,
-    None where systemd does not run this host. systemd marks a delegated
-    unit's cgroup with the xattrs trusted.delegate and user.delegate (seen on
-    systemd 252); below a unit that has none, systemd owns the tree and may
-    move or remove what others make there."""
-    if not Path("/run/systemd/system").is_dir():
-        return None
+    """Whether systemd delegated the unit `group` is in (host/systemd.py says how that is told),
+    None where systemd does not run this host or `group` is in no unit of its. Below a unit that
+    was not delegated, systemd owns the tree: it may move or remove what others make there."""
     root = hierarchy("memory")
-    for path in [group, *group.parents]:
-        if root is not None and not str(path).startswith(str(root)):
-            break
-        try:
-            if {"trusted.delegate", "user.delegate"} & set(os.listxattr(path)):
-                return True
-        except OSError:
-            pass
-    return False
+    unit = systemd.unit_of(group, root) if systemd.running() and root is not None else None
+    return None if unit is None else systemd.delegated(unit)
 
 
 def _ppid(pid: int) -> int:
@@ -613,9 +608,51 @@ def _find_backend(make_room: bool = True) -> _Backend:
                 f"cgroup v2: this process's cgroup {own['']} is not below the cgroup2 mount "
                 f"({start} does not exist: a cgroup namespace whose root is not mounted here?)"
             )
+        elif make_room:
+            return _v2_room(start, Path(next(p for p, f, _ in mounts if f == "cgroup2")))
         else:
-            return _V2(start, make_room)
+            return _V2(start, make_room=False)
     raise CgroupUnavailable("; ".join(reasons) or "no cgroup filesystem is mounted")
+
+
+def _v2_room(start: Path, root: Path) -> _V2:
+    """The v2 backend with its room made. Where systemd is the init and the unit the worker
+    started in was not delegated, the room is made in a delegated scope systemd makes for the
+    worker alone (host/systemd.py says why: systemd owns that unit, and stops it on an env's OOM
+    kill); where systemd gives none, in `start` as elsewhere, and a refusal names both tries."""
+    unit = systemd.unit_of(start, root) if systemd.running() else None
+    if unit is None or systemd.delegated(unit):
+        return _V2(start)
+    # Root's scope goes in the slice of the trainer's unit, under the same slice limits
+    # (user-0.slice, system.slice); a user's manager has only its own slices (app.slice).
+    beside = unit.parent.name if os.geteuid() == 0 and unit.parent.name.endswith(".slice") else None
+    try:
+        scope = systemd.own_scope(root, beside)
+    except CgroupUnavailable as exc:
+        tried = f"a delegated scope from systemd, as {unit.name} was not delegated: {exc}"
+        try:
+            backend = _V2(start)
+        except CgroupUnavailable as again:
+            raise CgroupUnavailable(f"cgroup v2 under systemd: tried {tried}; then its own room: {again}") from again
+        backend.risk = (
+            f"{unit.name} is systemd's and not delegated, and systemd gave no scope of the pool's own ({exc}): "
+            f"with its default OOMPolicy=stop, an env OOM-killed at memory_limit makes systemd stop "
+            f"{unit.name}, the trainer with it. " + delegation_fix()
+        )
+        backend.note += f"; tried {tried}"
+        return backend
+    try:
+        backend = _V2(scope)
+    except CgroupUnavailable as exc:  # (the worker has left `start`: no room there to fall back on)
+        raise CgroupUnavailable(
+            f"cgroup v2 under systemd: in the delegated scope {scope} that "
+            f"{systemd.manager()} made for this worker: {exc}"
+        ) from exc
+    backend.note = (
+        f"in the delegated scope {scope.name} that {systemd.manager()} made for this worker "
+        f"({unit.name} was not delegated): " + backend.note
+    )
+    return backend
 
 
 def pool_home() -> Path | None:

@@ -114,6 +114,7 @@ class Worker:
         self.memory_note: str = ""  # why there is no cgroup accounting, and the fix
         self.limits_note: str = ""  # limits the host cannot enforce (pids without cgroups)
         self.gate_note: str = ""  # serialize_measurement without a freezer
+        self.room_note: str = ""  # cgroups in a unit systemd may stop on an env's OOM kill (memory_limit)
         self.packer: msgpack.Packer = msgpack.Packer(use_bin_type=True)  # every lane's action frame
         # The step's hot path in C (native.py), or None for pure Python; the
         # client warns with the note when the extension is missing.
@@ -177,6 +178,8 @@ class Worker:
                     f"({limits.get('pool_pids')} tasks) are not enforced; {DELEGATE_FIX}"
                 )
             self.memory_source = self.cgroups.memory_source
+            if config.memory_limit and self.cgroups.backend.risk:
+                self.room_note = self.cgroups.backend.risk
         except CgroupUnavailable as exc:
             self.cgroups = None
             self.memory_source = "psutil PSS of each sandbox's processes (no writable memory cgroup)"
@@ -247,7 +250,9 @@ class Worker:
             # then asks for the memfds ("slots").
             "slots": self.slots.layout.describe() if self.slots is not None and self.slots.layout is not None else None,
             "warning": "\n".join(
-                note for note in (self.warning, self.limits_note, self.gate_note, warmup_note(warmup)) if note
+                note
+                for note in (self.warning, self.limits_note, self.gate_note, self.room_note, warmup_note(warmup))
+                if note
             ),
             "warmup": warmup,
             "affinity": pinned,  # the CPUs this worker and its envs run on; None: not pinned
