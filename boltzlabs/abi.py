@@ -55,6 +55,7 @@ SECCOMP_MODE_FILTER = 2
 BPF_INSTRUCTION = 8  # bytes of one struct sock_filter
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP, IFF_RUNNING = 0x8913, 0x8914, 0x1, 0x40
 SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine)
+CLOCK_MONOTONIC, TFD_NONBLOCK, TFD_CLOEXEC = 1, os.O_NONBLOCK, os.O_CLOEXEC  # timerfd_create(2)
 
 # The process's one handle on libc; errno is kept for `check`.
 libc = ctypes.CDLL(None, use_errno=True)

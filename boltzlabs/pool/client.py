@@ -10,11 +10,19 @@ can splice) and each lane's episode (id, seed, length, return), and owns the
 worker's life: `close()`, the context manager, garbage collection and
 interpreter exit all end it, and a call interrupted by Ctrl-C kills it
 rather than leave it half way.
+
+Every call has a deadline: what it asked for (the step's timeout, a reset's
+respawns, the start's timeout: _budget) plus DEADLINE_MARGIN, moved on by
+each HEARTBEAT the worker sends while a long call progresses (wire.md). Past
+it the worker is taken for stuck (stopped, deadlocked, a silent remote host):
+the call raises WorkerError (kind "deadline") and the pool is closed as at a
+worker's death, a local worker killed.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import signal
@@ -34,9 +42,11 @@ from boltzlabs.link import worker_environment
 from boltzlabs.pool import imports, progress as start_progress, shards, slots, sources
 from boltzlabs.errors import (
     CATEGORIES,
+    DEADLINE,
     HOST,
     INTERNAL,
     POLICY,
+    PROTOCOL,
     START,
     USAGE,
     USAGE_TYPE,
@@ -58,6 +68,14 @@ if TYPE_CHECKING:
     from boltzlabs.pool.remote_link import RemoteLink
 
 __all__ = ["RLPool", "ShardedPool", "Timing", "MemoryReport", "EnvContract"]
+
+# Seconds a call may run past what it asked for (_budget), and past the worker's last HEARTBEAT,
+# before the worker is taken for stuck: generous, for a loaded machine (docs/api.md#deadlines).
+DEADLINE_MARGIN = 10.0
+# What a start may take when RLPool(start_timeout=None) leaves it to the worker's policy (60 s as
+# shipped), and a shutdown() (the worker's kills, then its cgroups); heartbeats move both on.
+_START_BUDGET = 60.0
+_CLOSE_BUDGET = 10.0
 
 # Reads from the worker. Not 1 MiB: a buffer that large is an mmap, mremap and
 # munmap per read (~90 us here), most of the hop at small n.
@@ -405,6 +423,12 @@ class RLPool(Pool):
         self.timing = Timing()
         self._seq = 0
         self._started = 0.0  # perf_counter at the latest CALL's send: its roundtrip_ms counts from there
+        # The call waited for (its name, or "start"), the seconds it asked for (_budget) and its
+        # deadline (perf_counter): _started + budget + DEADLINE_MARGIN, moved on by each heartbeat.
+        self._asked: str = "start"
+        self._asked_budget: float = 0.0
+        self._deadline: float = math.inf
+        self._start_timeout: float = _START_BUDGET  # a reset's respawns: the worker's, from READY
         # A long REPLY (image observations) is read straight into a buffer of its own.
         self._reader = wire.FrameReader(wire.Limits(1 << 30), allocate=_frame_buffer)
         self._inbox: list = []
@@ -429,6 +453,9 @@ class RLPool(Pool):
             attributes=_offered(hello.get("attributes")),
         )
         self.step_timeout = ready["step_timeout"]
+        start_timeout = ready.get("start_timeout")
+        if type(start_timeout) in (int, float) and 0 < start_timeout < math.inf:
+            self._start_timeout = float(start_timeout)
         # Per worker process, the CPUs it and its envs are pinned to (None: not pinned).
         self.affinity: list[list[int] | None] = [ready.get("affinity")]
         self._cgroup = ready["cgroup"]  # the worker's (and its guardian's) to remove; kept for diagnostics
@@ -480,14 +507,18 @@ class RLPool(Pool):
     def _open(self, config: dict, report) -> dict:
         """OPEN, then the worker's messages until READY: each PROGRESS checked and passed to report
         (one worker's ready count, or None: no bar), an ERROR raised as the start's failure."""
+        self._expect("start", config["start_timeout"] or _START_BUDGET)
         self._conn.sendall(wire.encode([wire.OPEN, config]))
         while True:
             message = self._receive()
             code = message[0]  # the reader passes only arrays led by an integer code
             if code == wire.PROGRESS:
                 ready = start_progress.check(message, self.n)
+                self._deadline = max(self._deadline, time.perf_counter() + DEADLINE_MARGIN)
                 if report is not None:
                     report(ready)
+            elif code == wire.HEARTBEAT:
+                self._heartbeat(message, 0)
             elif code == wire.READY and len(message) == 2 and isinstance(message[1], dict):
                 return message[1]
             elif code == wire.ERROR:
@@ -510,9 +541,14 @@ class RLPool(Pool):
             for start in range(0, self.n, slots.PER_CALL):
                 self._seq += 1
                 frame = wire.encode([wire.CALL, self._seq, "slots", [start, slots.PER_CALL]])
+                self._expect("slots", 0.0)
                 try:
-                    message, fds = slots.receive(self._conn, frame, self._reader, self._link.alive)
+                    message, fds = slots.receive(
+                        self._conn, frame, self._reader, lambda: self._link.alive() and not self._overdue()
+                    )
                 except (OSError, EOFError):
+                    if self._link.alive() and self._overdue():
+                        raise self._stuck() from None
                     self._link.wait_dead()
                     raise self._worker_died() from None
                 lanes = message[3] if message[0] == wire.REPLY and message[1] == self._seq else None
@@ -552,9 +588,11 @@ class RLPool(Pool):
                 data = self._conn.recv(_RECV_SIZE)
             else:
                 got = self._conn.recv_into(room)
-        except TimeoutError:
+        except TimeoutError:  # a second of silence: is the worker dead, or stuck past the call's deadline?
             if not self._link.alive():
                 raise self._worker_died() from None
+            if self._overdue():
+                raise self._stuck() from None
             return
         except OSError:
             data, got = b"", 0
@@ -583,7 +621,74 @@ class RLPool(Pool):
 
     def _request(self, name: str, args, diagnose=None) -> int:
         """Send one CALL; its sequence number, for _reply."""
-        return self._send_frame(self._frame(name, args, diagnose))
+        return self._send_frame(self._frame(name, args, diagnose), name, self._budget(name, args))
+
+    def _budget(self, name: str, args) -> float:
+        """The seconds call `name` may take by what it asks (DEADLINE_MARGIN comes on top, and
+        the worker's heartbeats move the deadline on while a longer call progresses)."""
+        step = self.step_timeout
+        if name == "step" or name == "send":
+            return step + (self._start_timeout if args[-1] else 0.0)  # autoreset lanes respawn first
+        if name == "reset":
+            return step + self._start_timeout  # dead lanes (every one, when hard) respawn first
+        if name == "recv":
+            timeout = args[1]
+            return step if timeout is None else min(float(timeout), step)
+        if name == "render" or name == "attr":
+            return step
+        if name == "shutdown":
+            return _CLOSE_BUDGET
+        return 0.0  # memory, log, states, pids, lane_states: reads
+
+    def _expect(self, name: str, budget: float) -> None:
+        """Call `name` (asking for `budget` seconds) is sent now: its deadline."""
+        self._asked, self._asked_budget = name, budget
+        self._started = time.perf_counter()
+        self._deadline = self._started + budget + DEADLINE_MARGIN
+
+    def _overdue(self) -> bool:
+        return time.perf_counter() >= self._deadline
+
+    def _heartbeat(self, message: list, seq: int) -> None:
+        """A HEARTBEAT from the worker, checked (a remote worker's is input): call `seq` goes on,
+        its deadline moves on. WorkerError (the pool closed) for any other."""
+        if (
+            len(message) != 3
+            or type(message[1]) is not int
+            or type(message[2]) not in (int, float)
+            or not 0 <= message[2] < 1e9  # NaN too
+        ):
+            raise self._broken(f"sent a malformed heartbeat {message!r:.100}")
+        if message[1] != seq:
+            raise self._broken(f"sent a heartbeat for call {message[1]} while call {seq} ({self._what()}) was running")
+        self._deadline = max(self._deadline, time.perf_counter() + DEADLINE_MARGIN)
+
+    def _what(self) -> str:
+        return "the pool's start (OPEN)" if self._asked == "start" else f"{self._asked}()"
+
+    def _stuck(self) -> WorkerError:
+        """The call waited for is past its deadline: the worker is killed (a remote one's connection
+        closed), the pool closed; the error saying who, what and how long."""
+        waited = time.perf_counter() - self._started
+        self._link.stuck = True  # its shutdown kills at once: no CLOSE, no wait for an answer
+        self._shutdown()
+        fate = "it was killed" if self._link.kind == "local" else "its connection was closed"
+        return WorkerError(
+            f"the boltzlabs worker ({self._link.who}) did not answer {self._what()} within its deadline: "
+            f"waited {waited:.1f} s ({self._asked_budget:g} s for what was asked + a margin of "
+            f"{DEADLINE_MARGIN:g} s, moved on by each heartbeat). It is stopped (SIGSTOP, a debugger), "
+            f"deadlocked, or its host or network is gone; {fate} and the pool is closed: create a new RLPool",
+            kind=DEADLINE,
+        )
+
+    def _broken(self, text: str) -> WorkerError:
+        """The worker broke the protocol (`text` says how): the pool is closed."""
+        self._shutdown()  # the stream cannot be trusted past this frame
+        return WorkerError(
+            f"the boltzlabs worker ({self._link.who}) {text}; the pool is closed. A worker of another "
+            "boltzlabs version does this: run the same boltzlabs version on both sides",
+            kind=PROTOCOL,
+        )
 
     def _frame(self, name: str, args, diagnose=None) -> bytes:
         """The next CALL, encoded (a sharded pool encodes every shard's before it sends any)."""
@@ -595,12 +700,17 @@ class RLPool(Pool):
                 diagnose()  # raises, naming the culprit
             raise TypeError(f"{name}() arguments cannot be serialized: {exc}") from exc
 
-    def _send_frame(self, frame: bytes) -> int:
-        """Send a CALL _frame made; its sequence number."""
+    def _send_frame(self, frame: bytes, name: str, budget: float) -> int:
+        """Send a CALL _frame made (call `name`, asking for `budget` seconds: _budget); its sequence number."""
         self._seq += 1
-        self._started = time.perf_counter()
+        # Hot path: the deadline is a sum; it is read only after a second of silence (_read).
+        self._started = now = time.perf_counter()
+        self._asked, self._asked_budget = name, budget
+        self._deadline = now + budget + DEADLINE_MARGIN
         try:
             self._conn.sendall(frame)
+        except TimeoutError:  # the worker reads nothing for a second (the socket's timeout)
+            raise self._stuck() from None
         except OSError:
             self._link.wait_dead()
             raise self._worker_died() from None
@@ -644,6 +754,8 @@ class RLPool(Pool):
                     f"the worker failed {name}()",
                     "; the pool may be unusable: close it and create a new one",
                 ) from WorkerSideError(category, detail.get("traceback") or text)
+            if message[0] == wire.HEARTBEAT:
+                self._heartbeat(message, seq)
         return False, None
 
     def _shutdown(self) -> None:
@@ -900,6 +1012,7 @@ class _LocalLink:
 
     kind = "local"
     guardian = None  # a pidfd of the worker's cgroup guardian, once the pool is open
+    stuck = False  # set when a call passed its deadline: shutdown() kills at once
 
     def __init__(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -921,6 +1034,7 @@ class _LocalLink:
         finally:
             theirs.close()
         self.conn = ours
+        self.who = f"pid {self.proc.pid}"  # how errors name the worker
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -946,11 +1060,11 @@ class _LocalLink:
         )
 
     def shutdown(self) -> None:
-        """End the worker: ask, then insist, then wait for its cgroup guardian.
-        Runs once, from close(), GC or exit."""
+        """End the worker: ask, then insist (at once when it is stuck: a stopped process dies of
+        SIGKILL too), then wait for its cgroup guardian. Runs once, from close(), GC or exit."""
         proc, conn = self.proc, self.conn
         try:
-            if proc.poll() is None:
+            if proc.poll() is None and not self.stuck:
                 try:
                     conn.settimeout(5.0)
                     conn.sendall(wire.encode([wire.CLOSE]))
