@@ -16,7 +16,8 @@ respawns, the start's timeout: _budget) plus DEADLINE_MARGIN, moved on by
 each HEARTBEAT the worker sends while a long call progresses (wire.md). Past
 it the worker is taken for stuck (stopped, deadlocked, a silent remote host):
 the call raises WorkerError (kind "deadline") and the pool is closed as at a
-worker's death, a local worker killed.
+worker's death, a local worker killed. close() returns once the worker, its
+process group and its cgroups are gone, and warns naming what is not.
 """
 
 from __future__ import annotations
@@ -76,6 +77,12 @@ DEADLINE_MARGIN = 10.0
 # shipped), and a shutdown() (the worker's kills, then its cgroups); heartbeats move both on.
 _START_BUDGET = 60.0
 _CLOSE_BUDGET = 10.0
+# How long close() waits for the worker to end the pool itself after CLOSE (then it is killed), for
+# what is left of its process group, and at most for its cgroup guardian (which gives up on a
+# cgroup only once none has gone for 5 s: host/cgroups.py).
+_CLOSE_WAIT = 10.0
+_GROUP_WAIT = 10.0
+_GUARDIAN_WAIT = 300.0
 
 # Reads from the worker. Not 1 MiB: a buffer that large is an mmap, mremap and
 # munmap per read (~90 us here), most of the hop at small n.
@@ -459,7 +466,7 @@ class RLPool(Pool):
         # Per worker process, the CPUs it and its envs are pinned to (None: not pinned).
         self.affinity: list[list[int] | None] = [ready.get("affinity")]
         self._cgroup = ready["cgroup"]  # the worker's (and its guardian's) to remove; kept for diagnostics
-        self._link.watch_guardian(ready.get("guardian"))
+        self._link.watch_guardian(ready.get("guardian"), self._cgroup)
         self.spawn: str = ready["spawn"]
         # Which step path the worker runs: native (boltzlabs.worker._fastpath) or pure Python.
         self.fast_path: bool = bool(ready.get("fast_path"))
@@ -1012,6 +1019,7 @@ class _LocalLink:
 
     kind = "local"
     guardian = None  # a pidfd of the worker's cgroup guardian, once the pool is open
+    cgroups: list | None = None  # the pool's cgroups (one per hierarchy), once the pool is open
     stuck = False  # set when a call passed its deadline: shutdown() kills at once
 
     def __init__(self):
@@ -1061,22 +1069,30 @@ class _LocalLink:
 
     def shutdown(self) -> None:
         """End the worker: ask, then insist (at once when it is stuck: a stopped process dies of
-        SIGKILL too), then wait for its cgroup guardian. Runs once, from close(), GC or exit."""
+        SIGKILL too), then wait for what is left of its process group and for its cgroup
+        guardian; warn naming whatever is still there. Runs once, from close(), GC or exit."""
         proc, conn = self.proc, self.conn
         try:
             if proc.poll() is None and not self.stuck:
                 try:
                     conn.settimeout(5.0)
                     conn.sendall(wire.encode([wire.CLOSE]))
-                    proc.wait(timeout=10)
-                except (OSError, subprocess.TimeoutExpired):
+                except OSError:
                     pass
+                end = time.monotonic() + _CLOSE_WAIT
+                # A stopped worker (SIGSTOP, a debugger) never reads its CLOSE: it is killed at once.
+                while proc.poll() is None and time.monotonic() < end and not _stopped(proc.pid):
+                    try:
+                        proc.wait(timeout=min(0.25, max(0.0, end - time.monotonic())))
+                    except subprocess.TimeoutExpired:
+                        pass
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)  # the worker and every bwrap it started
                 except ProcessLookupError:
                     pass
                 proc.wait()
+            group = self._wait_group()
             self._wait_guardian()
         finally:
             conn.close()
@@ -1084,24 +1100,81 @@ class _LocalLink:
             if self.guardian is not None:
                 os.close(self.guardian)
                 self.guardian = None
+        self._report_leftovers(group)
 
-    def watch_guardian(self, pid) -> None:
+    def watch_guardian(self, pid, cgroups) -> None:
         """Hold a pidfd of the worker's cgroup guardian (worker._guard_cgroups), so
-        shutdown() returns once the pool's cgroups are gone, and not before."""
+        shutdown() returns once the pool's cgroups (their paths: `cgroups`) are gone, and not before."""
+        self.cgroups = list(cgroups) if isinstance(cgroups, list) else None
         if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
             try:
                 self.guardian = os.pidfd_open(pid)
             except OSError:  # already gone (nothing to wait for)
                 pass
 
-    def _wait_guardian(self, timeout: float = 10.0) -> None:
-        # The guardian removes the cgroups once the worker is gone, however it
-        # went; its pidfd turns readable when it exits.
+    def _wait_group(self) -> bool:
+        """Wait until no process is left in the worker's process group (it leads one of its own:
+        the bwrap processes it started, which --die-with-parent ends once it is gone); whether
+        none is. kill(-pgid, 0) asks the kernel without touching any of them."""
+        end = time.monotonic() + _GROUP_WAIT
+        pause = 0.001
+        while True:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:  # one of another user's: still there
+                pass
+            if time.monotonic() >= end:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+    def _wait_guardian(self) -> None:
+        # The guardian removes the cgroups once the worker is gone, however it went, giving up on
+        # one only once none has gone for a while (10,000 sandboxes take long to die); its pidfd
+        # turns readable when it exits.
         if self.guardian is not None:
             # poll, not select: a trainer may well hold fd numbers past 1024 (select's limit).
             poller = select.poll()
             poller.register(self.guardian, select.POLLIN)
-            poller.poll(int(timeout * 1000))
+            poller.poll(int(_GUARDIAN_WAIT * 1000))
+
+    def _report_leftovers(self, group_gone: bool) -> None:
+        """close() returns with the pool's processes and cgroups gone, or says what is not."""
+        left = [path for path in self.cgroups or () if os.path.exists(path)]
+        if not left and group_gone:
+            return
+        import warnings
+
+        parts = []
+        if left:
+            parts.append(
+                f"{len(left)} of its cgroups could not be removed ({', '.join(left)}): something else "
+                "holds them (a process moved in, a cgroup made inside); `rmdir` each once it is empty"
+            )
+        if not group_gone:
+            parts.append(
+                f"processes of its process group {self.proc.pid} were still running {_GROUP_WAIT:g} s after "
+                f"it ended (`ps -g {self.proc.pid}`)"
+            )
+        warnings.warn(
+            f"close(): the boltzlabs worker ({self.who}) has ended, but " + "; ".join(parts),
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP, a debugger): the state in /proc/<pid>/stat,
+    after the command's closing parenthesis, is T or t."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    at = stat.rfind(b")") + 2
+    return stat[at : at + 1] in (b"T", b"t")
 
 
 # The exception each ERROR category (errors.CATEGORIES) raises here; any other: WorkerError.

@@ -101,8 +101,8 @@ class RemoteLink:
             "failed); the pool is gone: create a new RLPool"
         )
 
-    def watch_guardian(self, pid) -> None:
-        """A remote worker's guardian is on its own host: nothing to watch here."""
+    def watch_guardian(self, pid, cgroups) -> None:
+        """A remote worker's guardian and cgroups are on its own host: nothing to watch here."""
 
     def shutdown(self) -> None:
         """Ask the worker to end the pool, wait a little for it, close (at once when it is
