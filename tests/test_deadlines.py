@@ -84,6 +84,25 @@ def test_a_stopped_worker_during_step_is_a_worker_error_not_a_hang(margin, spawn
 
 
 @pytest.mark.timeout(120)
+def test_a_stopped_worker_that_cannot_take_a_big_batch_is_a_worker_error(margin):
+    # 2 x 8 MiB of actions: more than the socket holds, so the send itself waits on the worker.
+    pool = RLPool(COUNTER, 2, step_timeout=2)
+    cgroups = pool._cgroup
+    try:
+        pool.reset(seed=0)
+        pid = _stop(pool)
+        started = time.monotonic()
+        with pytest.raises(WorkerError) as err:
+            pool.step([b"x" * (8 << 20)] * 2)
+        waited = time.monotonic() - started
+    finally:
+        pool.close()
+    _stuck(err.value, "step()", f"pid {pid}")
+    assert waited < 2 + margin + SLACK, waited
+    _assert_gone(pool, pid, cgroups)
+
+
+@pytest.mark.timeout(120)
 def test_a_stopped_worker_during_a_hard_reset_is_a_worker_error(margin):
     pool = RLPool(COUNTER, 4, step_timeout=2, start_timeout=3)
     cgroups = pool._cgroup

@@ -84,6 +84,11 @@ _CLOSE_WAIT = 10.0
 _GROUP_WAIT = 10.0
 _GUARDIAN_WAIT = 300.0
 
+# The client's socket timeout: a read wakes after a second of silence to look at the worker and the
+# call's deadline. A CALL longer than _BIG_FRAME is sent with the call's whole deadline instead.
+_SILENCE = 1.0
+_BIG_FRAME = 1 << 20
+
 # Reads from the worker. Not 1 MiB: a buffer that large is an mmap, mremap and
 # munmap per read (~90 us here), most of the hop at small n.
 _RECV_SIZE = 1 << 16
@@ -507,7 +512,7 @@ class RLPool(Pool):
             self._link = connect(worker, token, resolved, tls_ca)
         self.worker: str = worker or "local"
         self._conn = self._link.conn
-        self._conn.settimeout(1.0)  # _receive wakes each second to check that the worker lives
+        self._conn.settimeout(_SILENCE)  # _receive wakes each second: is the worker dead, or stuck?
         self._closed = False
         self._finalizer = weakref.finalize(self, self._link.shutdown)
 
@@ -714,9 +719,16 @@ class RLPool(Pool):
         self._started = now = time.perf_counter()
         self._asked, self._asked_budget = name, budget
         self._deadline = now + budget + DEADLINE_MARGIN
+        # sendall's timeout bounds the whole send: a long frame (a remote pool's big batch) may
+        # take more than the socket's second to cross, and has until the call's deadline.
+        big = len(frame) > _BIG_FRAME
         try:
+            if big:
+                self._conn.settimeout(budget + DEADLINE_MARGIN)
             self._conn.sendall(frame)
-        except TimeoutError:  # the worker reads nothing for a second (the socket's timeout)
+            if big:
+                self._conn.settimeout(_SILENCE)
+        except TimeoutError:  # the worker took nothing in for the send's timeout
             raise self._stuck() from None
         except OSError:
             self._link.wait_dead()
