@@ -1168,7 +1168,7 @@ class _LocalLink:
         if not group_gone:
             parts.append(
                 f"processes of its process group {self.proc.pid} were still running {_GROUP_WAIT:g} s after "
-                f"it ended (`ps -g {self.proc.pid}`)"
+                f"it ended (`pgrep -a -g {self.proc.pid}` lists them)"
             )
         warnings.warn(
             f"close(): the boltzlabs worker ({self.who}) has ended, but " + "; ".join(parts),
