@@ -56,6 +56,7 @@ BPF_INSTRUCTION = 8  # bytes of one struct sock_filter
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP, IFF_RUNNING = 0x8913, 0x8914, 0x1, 0x40
 SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine)
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02  # include/uapi/linux/falloc.h
+CLOCK_MONOTONIC, TFD_NONBLOCK, TFD_CLOEXEC = 1, os.O_NONBLOCK, os.O_CLOEXEC  # timerfd_create(2)
 
 # The process's one handle on libc; errno is kept for `check`.
 libc = ctypes.CDLL(None, use_errno=True)

@@ -73,7 +73,10 @@ class WorkerError(BoltzLabsError):
     """The worker (the process that owns the sandboxes) failed or died.
 
     `kind`: the category of the worker's ERROR frame ("internal", "protocol",
-    ...: CATEGORIES), or None when the worker died or was unreachable.
+    ...: CATEGORIES), "protocol" for a frame the client refused, "deadline"
+    (DEADLINE) when the worker did not answer a call by its deadline (it was
+    then killed, or its connection closed), or None when the worker died or
+    was unreachable.
     `signal`: the signal that killed the worker (signal.Signals), else None.
     When the failure happened inside the worker, `__cause__` is a
     WorkerSideError holding the worker's own text (its traceback).
@@ -143,6 +146,8 @@ PROTOCOL = "protocol"  # the peer broke the protocol: WorkerError
 INTERNAL = "internal"  # anything else: a fault of the worker (detail: its traceback): WorkerError
 REFUSED = "refused"  # a remote listener refused the connection: WorkerError
 CATEGORIES = (USAGE, USAGE_TYPE, POLICY, HOST, START, PROTOCOL, INTERNAL, REFUSED)
+# The client's own, never on the wire: the worker did not answer a call by its deadline (WorkerError.kind).
+DEADLINE = "deadline"
 
 
 def category_of(exc: BaseException) -> str:

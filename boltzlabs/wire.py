@@ -97,6 +97,11 @@ CALL = 25
 REPLY = 26
 ERROR = 27  # [ERROR, seq, category, text, detail]: error_frame() below; errors.CATEGORIES
 CLOSE = 28
+# worker -> client, during a call (OPEN included, seq 0) that runs past HEARTBEAT_AFTER seconds, about
+# once a second: [HEARTBEAT, seq, seconds the call has run]. It says the call is progressing and
+# moves the client's deadline for it on (docs/wire.md#heartbeats); anything else of that code is a
+# broken worker.
+HEARTBEAT = 29
 
 # A remote client's handshake with `boltzlabs worker --listen` (remote.py),
 # before the connection is handed to a worker and OPEN/CALL begin.

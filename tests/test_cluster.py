@@ -171,6 +171,41 @@ def test_a_lost_node_loses_nothing_silently(cluster):
         pool.close()
 
 
+@pytest.mark.timeout(300)
+def test_a_stopped_node_worker_is_a_lost_node_not_a_hang(cluster, monkeypatch):
+    # A node whose pool worker stops answering (SIGSTOP here; a hung host the same) while its TCP
+    # connection stays up: its RLPool's call passes its deadline (issue 42), the node is lost and
+    # its lanes say so; the other node's lanes step on.
+    from boltzlabs.pool import client
+
+    monkeypatch.setattr(client, "DEADLINE_MARGIN", 3.0)
+    pool = ClusterPool(COUNTER, 4, cluster=cluster.address, envs_per_node=2, step_timeout=2)
+    stopped = None
+    try:
+        pool.reset()
+        workers = [
+            child
+            for listener in listeners()
+            for child in listener.children()
+            if "--remote" in child.cmdline() and "boltzlabs.worker" in child.cmdline()
+        ]
+        assert len(workers) == 2, workers
+        stopped = workers[0]
+        stopped.suspend()  # SIGSTOP
+        started = time.monotonic()
+        obs, rewards, dones, infos = pool.step([1] * 4)
+        waited = time.monotonic() - started
+        lost = [lane for lane in range(4) if obs[lane] is None]
+        assert len(lost) == 2 and all("lost" in infos[lane]["error"] for lane in lost), infos
+        assert all("did not answer step()" in infos[lane]["error"] for lane in lost), infos
+        assert all(rewards[lane] == 1.0 for lane in set(range(4)) - set(lost))
+        assert waited < 2 + 3 + 30, waited
+    finally:
+        if stopped is not None:
+            stopped.resume()  # it then finds its client gone and ends its pool
+        pool.close()
+
+
 def test_a_cluster_without_room_says_so(cluster):
     extra = cluster.add_node(**NODE)
     pool = ClusterPool(COUNTER, 6, cluster=cluster.address, envs_per_node=2)

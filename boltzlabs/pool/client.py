@@ -10,11 +10,20 @@ can splice) and each lane's episode (id, seed, length, return), and owns the
 worker's life: `close()`, the context manager, garbage collection and
 interpreter exit all end it, and a call interrupted by Ctrl-C kills it
 rather than leave it half way.
+
+Every call has a deadline: what it asked for (the step's timeout, a reset's
+respawns, the start's timeout: _budget) plus DEADLINE_MARGIN, moved on by
+each HEARTBEAT the worker sends while a long call progresses (wire.md). Past
+it the worker is taken for stuck (stopped, deadlocked, a silent remote host):
+the call raises WorkerError (kind "deadline") and the pool is closed as at a
+worker's death, a local worker killed. close() returns once the worker, its
+process group and its cgroups are gone, and warns naming what is not.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import signal
@@ -34,9 +43,11 @@ from boltzlabs.link import worker_environment
 from boltzlabs.pool import imports, progress as start_progress, shards, slots, sources
 from boltzlabs.errors import (
     CATEGORIES,
+    DEADLINE,
     HOST,
     INTERNAL,
     POLICY,
+    PROTOCOL,
     START,
     USAGE,
     USAGE_TYPE,
@@ -58,6 +69,25 @@ if TYPE_CHECKING:
     from boltzlabs.pool.remote_link import RemoteLink
 
 __all__ = ["RLPool", "ShardedPool", "Timing", "MemoryReport", "EnvContract"]
+
+# Seconds a call may run past what it asked for (_budget), and past the worker's last HEARTBEAT,
+# before the worker is taken for stuck: generous, for a loaded machine (docs/api.md#deadlines).
+DEADLINE_MARGIN = 10.0
+# What a start may take when RLPool(start_timeout=None) leaves it to the worker's policy (60 s as
+# shipped), and a shutdown() (the worker's kills, then its cgroups); heartbeats move both on.
+_START_BUDGET = 60.0
+_CLOSE_BUDGET = 10.0
+# How long close() waits for the worker to end the pool itself after CLOSE (then it is killed), for
+# what is left of its process group, and at most for its cgroup guardian (which gives up on a
+# cgroup only once none has gone for 5 s: host/cgroups.py).
+_CLOSE_WAIT = 10.0
+_GROUP_WAIT = 10.0
+_GUARDIAN_WAIT = 300.0
+
+# The client's socket timeout: a read wakes after a second of silence to look at the worker and the
+# call's deadline. A CALL longer than _BIG_FRAME is sent with the call's whole deadline instead.
+_SILENCE = 1.0
+_BIG_FRAME = 1 << 20
 
 # Reads from the worker. Not 1 MiB: a buffer that large is an mmap, mremap and
 # munmap per read (~90 us here), most of the hop at small n.
@@ -416,6 +446,12 @@ class RLPool(Pool):
         self.timing = Timing()
         self._seq = 0
         self._started = 0.0  # perf_counter at the latest CALL's send: its roundtrip_ms counts from there
+        # The call waited for (its name, or "start"), the seconds it asked for (_budget) and its
+        # deadline (perf_counter): _started + budget + DEADLINE_MARGIN, moved on by each heartbeat.
+        self._asked: str = "start"
+        self._asked_budget: float = 0.0
+        self._deadline: float = math.inf
+        self._start_timeout: float = _START_BUDGET  # a reset's respawns: the worker's, from READY
         # A long REPLY (image observations) is read straight into a buffer of its own.
         self._reader = wire.FrameReader(wire.Limits(1 << 30), allocate=_frame_buffer)
         self._inbox: list = []
@@ -440,10 +476,13 @@ class RLPool(Pool):
             attributes=_offered(hello.get("attributes")),
         )
         self.step_timeout = ready["step_timeout"]
+        start_timeout = ready.get("start_timeout")
+        if type(start_timeout) in (int, float) and 0 < start_timeout < math.inf:
+            self._start_timeout = float(start_timeout)
         # Per worker process, the CPUs it and its envs are pinned to (None: not pinned).
         self.affinity: list[list[int] | None] = [ready.get("affinity")]
         self._cgroup = ready["cgroup"]  # the worker's (and its guardian's) to remove; kept for diagnostics
-        self._link.watch_guardian(ready.get("guardian"))
+        self._link.watch_guardian(ready.get("guardian"), self._cgroup)
         self.spawn: str = ready["spawn"]
         # Which step path the worker runs: native (boltzlabs.worker._fastpath) or pure Python.
         self.fast_path: bool = bool(ready.get("fast_path"))
@@ -484,21 +523,25 @@ class RLPool(Pool):
             self._link = connect(worker, token, resolved, tls_ca)
         self.worker: str = worker or "local"
         self._conn = self._link.conn
-        self._conn.settimeout(1.0)  # _receive wakes each second to check that the worker lives
+        self._conn.settimeout(_SILENCE)  # _receive wakes each second: is the worker dead, or stuck?
         self._closed = False
         self._finalizer = weakref.finalize(self, self._link.shutdown)
 
     def _open(self, config: dict, report) -> dict:
         """OPEN, then the worker's messages until READY: each PROGRESS checked and passed to report
         (one worker's ready count, or None: no bar), an ERROR raised as the start's failure."""
+        self._expect("start", config["start_timeout"] or _START_BUDGET)
         self._conn.sendall(wire.encode([wire.OPEN, config]))
         while True:
             message = self._receive()
             code = message[0]  # the reader passes only arrays led by an integer code
             if code == wire.PROGRESS:
                 ready = start_progress.check(message, self.n)
+                self._deadline = max(self._deadline, time.perf_counter() + DEADLINE_MARGIN)
                 if report is not None:
                     report(ready)
+            elif code == wire.HEARTBEAT:
+                self._heartbeat(message, 0)
             elif code == wire.READY and len(message) == 2 and isinstance(message[1], dict):
                 return message[1]
             elif code == wire.ERROR:
@@ -521,9 +564,14 @@ class RLPool(Pool):
             for start in range(0, self.n, slots.PER_CALL):
                 self._seq += 1
                 frame = wire.encode([wire.CALL, self._seq, "slots", [start, slots.PER_CALL]])
+                self._expect("slots", 0.0)
                 try:
-                    message, fds = slots.receive(self._conn, frame, self._reader, self._link.alive)
+                    message, fds = slots.receive(
+                        self._conn, frame, self._reader, lambda: self._link.alive() and not self._overdue()
+                    )
                 except (OSError, EOFError):
+                    if self._link.alive() and self._overdue():
+                        raise self._stuck() from None
                     self._link.wait_dead()
                     raise self._worker_died() from None
                 lanes = message[3] if message[0] == wire.REPLY and message[1] == self._seq else None
@@ -563,9 +611,11 @@ class RLPool(Pool):
                 data = self._conn.recv(_RECV_SIZE)
             else:
                 got = self._conn.recv_into(room)
-        except TimeoutError:
+        except TimeoutError:  # a second of silence: is the worker dead, or stuck past the call's deadline?
             if not self._link.alive():
                 raise self._worker_died() from None
+            if self._overdue():
+                raise self._stuck() from None
             return
         except OSError:
             data, got = b"", 0
@@ -594,7 +644,74 @@ class RLPool(Pool):
 
     def _request(self, name: str, args, diagnose=None) -> int:
         """Send one CALL; its sequence number, for _reply."""
-        return self._send_frame(self._frame(name, args, diagnose))
+        return self._send_frame(self._frame(name, args, diagnose), name, self._budget(name, args))
+
+    def _budget(self, name: str, args) -> float:
+        """The seconds call `name` may take by what it asks (DEADLINE_MARGIN comes on top, and
+        the worker's heartbeats move the deadline on while a longer call progresses)."""
+        step = self.step_timeout
+        if name == "step" or name == "send":
+            return step + (self._start_timeout if args[-1] else 0.0)  # autoreset lanes respawn first
+        if name == "reset":
+            return step + self._start_timeout  # dead lanes (every one, when hard) respawn first
+        if name == "recv":
+            timeout = args[1]
+            return step if timeout is None else min(float(timeout), step)
+        if name == "render" or name == "attr":
+            return step
+        if name == "shutdown":
+            return _CLOSE_BUDGET
+        return 0.0  # memory, log, states, pids, lane_states: reads
+
+    def _expect(self, name: str, budget: float) -> None:
+        """Call `name` (asking for `budget` seconds) is sent now: its deadline."""
+        self._asked, self._asked_budget = name, budget
+        self._started = time.perf_counter()
+        self._deadline = self._started + budget + DEADLINE_MARGIN
+
+    def _overdue(self) -> bool:
+        return time.perf_counter() >= self._deadline
+
+    def _heartbeat(self, message: list, seq: int) -> None:
+        """A HEARTBEAT from the worker, checked (a remote worker's is input): call `seq` goes on,
+        its deadline moves on. WorkerError (the pool closed) for any other."""
+        if (
+            len(message) != 3
+            or type(message[1]) is not int
+            or type(message[2]) not in (int, float)
+            or not 0 <= message[2] < 1e9  # NaN too
+        ):
+            raise self._broken(f"sent a malformed heartbeat {message!r:.100}")
+        if message[1] != seq:
+            raise self._broken(f"sent a heartbeat for call {message[1]} while call {seq} ({self._what()}) was running")
+        self._deadline = max(self._deadline, time.perf_counter() + DEADLINE_MARGIN)
+
+    def _what(self) -> str:
+        return "the pool's start (OPEN)" if self._asked == "start" else f"{self._asked}()"
+
+    def _stuck(self) -> WorkerError:
+        """The call waited for is past its deadline: the worker is killed (a remote one's connection
+        closed), the pool closed; the error saying who, what and how long."""
+        waited = time.perf_counter() - self._started
+        self._link.stuck = True  # its shutdown kills at once: no CLOSE, no wait for an answer
+        self._shutdown()
+        fate = "it was killed" if self._link.kind == "local" else "its connection was closed"
+        return WorkerError(
+            f"the boltzlabs worker ({self._link.who}) did not answer {self._what()} within its deadline: "
+            f"waited {waited:.1f} s ({self._asked_budget:g} s for what was asked + a margin of "
+            f"{DEADLINE_MARGIN:g} s, moved on by each heartbeat). It is stopped (SIGSTOP, a debugger), "
+            f"deadlocked, or its host or network is gone; {fate} and the pool is closed: create a new RLPool",
+            kind=DEADLINE,
+        )
+
+    def _broken(self, text: str) -> WorkerError:
+        """The worker broke the protocol (`text` says how): the pool is closed."""
+        self._shutdown()  # the stream cannot be trusted past this frame
+        return WorkerError(
+            f"the boltzlabs worker ({self._link.who}) {text}; the pool is closed. A worker of another "
+            "boltzlabs version does this: run the same boltzlabs version on both sides",
+            kind=PROTOCOL,
+        )
 
     def _frame(self, name: str, args, diagnose=None) -> bytes:
         """The next CALL, encoded (a sharded pool encodes every shard's before it sends any)."""
@@ -606,12 +723,24 @@ class RLPool(Pool):
                 diagnose()  # raises, naming the culprit
             raise TypeError(f"{name}() arguments cannot be serialized: {exc}") from exc
 
-    def _send_frame(self, frame: bytes) -> int:
-        """Send a CALL _frame made; its sequence number."""
+    def _send_frame(self, frame: bytes, name: str, budget: float) -> int:
+        """Send a CALL _frame made (call `name`, asking for `budget` seconds: _budget); its sequence number."""
         self._seq += 1
-        self._started = time.perf_counter()
+        # Hot path: the deadline is a sum; it is read only after a second of silence (_read).
+        self._started = now = time.perf_counter()
+        self._asked, self._asked_budget = name, budget
+        self._deadline = now + budget + DEADLINE_MARGIN
+        # sendall's timeout bounds the whole send: a long frame (a remote pool's big batch) may
+        # take more than the socket's second to cross, and has until the call's deadline.
+        big = len(frame) > _BIG_FRAME
         try:
+            if big:
+                self._conn.settimeout(budget + DEADLINE_MARGIN)
             self._conn.sendall(frame)
+            if big:
+                self._conn.settimeout(_SILENCE)
+        except TimeoutError:  # the worker took nothing in for the send's timeout
+            raise self._stuck() from None
         except OSError:
             self._link.wait_dead()
             raise self._worker_died() from None
@@ -655,6 +784,8 @@ class RLPool(Pool):
                     f"the worker failed {name}()",
                     "; the pool may be unusable: close it and create a new one",
                 ) from WorkerSideError(category, detail.get("traceback") or text)
+            if message[0] == wire.HEARTBEAT:
+                self._heartbeat(message, seq)
         return False, None
 
     def _shutdown(self) -> None:
@@ -912,6 +1043,8 @@ class _LocalLink:
 
     kind = "local"
     guardian = None  # a pidfd of the worker's cgroup guardian, once the pool is open
+    cgroups: list | None = None  # the pool's cgroups (one per hierarchy), once the pool is open
+    stuck = False  # set when a call passed its deadline: shutdown() kills at once
 
     def __init__(self):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -933,6 +1066,7 @@ class _LocalLink:
         finally:
             theirs.close()
         self.conn = ours
+        self.who = f"pid {self.proc.pid}"  # how errors name the worker
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -958,23 +1092,31 @@ class _LocalLink:
         )
 
     def shutdown(self) -> None:
-        """End the worker: ask, then insist, then wait for its cgroup guardian.
-        Runs once, from close(), GC or exit."""
+        """End the worker: ask, then insist (at once when it is stuck: a stopped process dies of
+        SIGKILL too), then wait for what is left of its process group and for its cgroup
+        guardian; warn naming whatever is still there. Runs once, from close(), GC or exit."""
         proc, conn = self.proc, self.conn
         try:
-            if proc.poll() is None:
+            if proc.poll() is None and not self.stuck:
                 try:
                     conn.settimeout(5.0)
                     conn.sendall(wire.encode([wire.CLOSE]))
-                    proc.wait(timeout=10)
-                except (OSError, subprocess.TimeoutExpired):
+                except OSError:
                     pass
+                end = time.monotonic() + _CLOSE_WAIT
+                # A stopped worker (SIGSTOP, a debugger) never reads its CLOSE: it is killed at once.
+                while proc.poll() is None and time.monotonic() < end and not _stopped(proc.pid):
+                    try:
+                        proc.wait(timeout=min(0.25, max(0.0, end - time.monotonic())))
+                    except subprocess.TimeoutExpired:
+                        pass
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)  # the worker and every bwrap it started
                 except ProcessLookupError:
                     pass
                 proc.wait()
+            group = self._wait_group()
             self._wait_guardian()
         finally:
             conn.close()
@@ -982,24 +1124,81 @@ class _LocalLink:
             if self.guardian is not None:
                 os.close(self.guardian)
                 self.guardian = None
+        self._report_leftovers(group)
 
-    def watch_guardian(self, pid) -> None:
+    def watch_guardian(self, pid, cgroups) -> None:
         """Hold a pidfd of the worker's cgroup guardian (worker._guard_cgroups), so
-        shutdown() returns once the pool's cgroups are gone, and not before."""
+        shutdown() returns once the pool's cgroups (their paths: `cgroups`) are gone, and not before."""
+        self.cgroups = list(cgroups) if isinstance(cgroups, list) else None
         if isinstance(pid, int) and not isinstance(pid, bool) and pid > 0:
             try:
                 self.guardian = os.pidfd_open(pid)
             except OSError:  # already gone (nothing to wait for)
                 pass
 
-    def _wait_guardian(self, timeout: float = 10.0) -> None:
-        # The guardian removes the cgroups once the worker is gone, however it
-        # went; its pidfd turns readable when it exits.
+    def _wait_group(self) -> bool:
+        """Wait until no process is left in the worker's process group (it leads one of its own:
+        the bwrap processes it started, which --die-with-parent ends once it is gone); whether
+        none is. kill(-pgid, 0) asks the kernel without touching any of them."""
+        end = time.monotonic() + _GROUP_WAIT
+        pause = 0.001
+        while True:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return True
+            except PermissionError:  # one of another user's: still there
+                pass
+            if time.monotonic() >= end:
+                return False
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+    def _wait_guardian(self) -> None:
+        # The guardian removes the cgroups once the worker is gone, however it went, giving up on
+        # one only once none has gone for a while (10,000 sandboxes take long to die); its pidfd
+        # turns readable when it exits.
         if self.guardian is not None:
             # poll, not select: a trainer may well hold fd numbers past 1024 (select's limit).
             poller = select.poll()
             poller.register(self.guardian, select.POLLIN)
-            poller.poll(int(timeout * 1000))
+            poller.poll(int(_GUARDIAN_WAIT * 1000))
+
+    def _report_leftovers(self, group_gone: bool) -> None:
+        """close() returns with the pool's processes and cgroups gone, or says what is not."""
+        left = [path for path in self.cgroups or () if os.path.exists(path)]
+        if not left and group_gone:
+            return
+        import warnings
+
+        parts = []
+        if left:
+            parts.append(
+                f"{len(left)} of its cgroups could not be removed ({', '.join(left)}): something else "
+                "holds them (a process moved in, a cgroup made inside); `rmdir` each once it is empty"
+            )
+        if not group_gone:
+            parts.append(
+                f"processes of its process group {self.proc.pid} were still running {_GROUP_WAIT:g} s after "
+                f"it ended (`pgrep -a -g {self.proc.pid}` lists them)"
+            )
+        warnings.warn(
+            f"close(): the boltzlabs worker ({self.who}) has ended, but " + "; ".join(parts),
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP, a debugger): the state in /proc/<pid>/stat,
+    after the command's closing parenthesis, is T or t."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    at = stat.rfind(b")") + 2
+    return stat[at : at + 1] in (b"T", b"t")
 
 
 # The exception each ERROR category (errors.CATEGORIES) raises here; any other: WorkerError.

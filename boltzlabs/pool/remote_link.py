@@ -81,9 +81,11 @@ class RemoteLink:
     """
 
     kind = "remote"
+    stuck = False  # set when a call passed its deadline: shutdown() closes at once
 
     def __init__(self, url: str, conn: socket.socket, accepted: dict):
         self.url = url
+        self.who = f"at {url}"  # how errors name the worker
         self.conn = conn
         self.accepted = accepted
 
@@ -99,11 +101,15 @@ class RemoteLink:
             "failed); the pool is gone: create a new RLPool"
         )
 
-    def watch_guardian(self, pid) -> None:
-        """A remote worker's guardian is on its own host: nothing to watch here."""
+    def watch_guardian(self, pid, cgroups) -> None:
+        """A remote worker's guardian and cgroups are on its own host: nothing to watch here."""
 
     def shutdown(self) -> None:
-        """Ask the worker to end the pool, wait a little for it, close."""
+        """Ask the worker to end the pool, wait a little for it, close (at once when it is
+        stuck: the worker ends the pool when its connection closes)."""
+        if self.stuck:
+            self.conn.close()
+            return
         try:
             self.conn.settimeout(5.0)
             self.conn.sendall(wire.encode([wire.CLOSE]))

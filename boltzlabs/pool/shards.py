@@ -261,8 +261,9 @@ class Sharding(Pool):
         started = time.perf_counter()
         pending = {}
         for s, frame in frames.items():
+            name, args = calls[s]
             try:
-                pending[s] = shards[s]._send_frame(frame)
+                pending[s] = shards[s]._send_frame(frame, name, shards[s]._budget(name, args))
             except WorkerError as exc:
                 raise self._lost(s, exc) from exc
         shown = self.timing.shards = [0.0] * self.workers
@@ -272,10 +273,8 @@ class Sharding(Pool):
                 ready = [s for s in self._buffered if s in pending and shards[s]._conn.pending()]
                 if not ready:
                     events = self._epoll.poll(1.0)
-                    if not events:
-                        for s in pending:
-                            if not shards[s]._link.alive():
-                                raise self._lost(s, shards[s]._worker_died())
+                    if not events:  # a second of silence: is a shard's worker dead, or stuck?
+                        self._check_shards(pending)
                         continue
                     ready = [self._fd_shard[fd] for fd, _ in events]
                 for s in ready:
@@ -295,6 +294,8 @@ class Sharding(Pool):
                         del pending[s]
                         shown[s] = shard.timing.worker_ms
                         land(s, value)
+                    else:  # part of a frame, or a heartbeat: another shard may be stuck meanwhile
+                        self._check_shards(pending)
         except (ValueError, WorkerError, PoolClosedError):
             raise
         except BaseException:
@@ -307,6 +308,15 @@ class Sharding(Pool):
             s, refusal = refused
             raise ValueError(_global_text(str(refusal), self._bounds[s])) from None
 
+    def _check_shards(self, pending) -> None:
+        """A pending shard whose worker is dead, or past its call's deadline (client.py), ends the pool."""
+        shards = self._shards
+        for s in pending:
+            if not shards[s]._link.alive():
+                raise self._lost(s, shards[s]._worker_died())
+            if shards[s]._overdue():
+                raise self._lost(s, shards[s]._stuck())
+
     def _lost(self, s: int, exc: Exception) -> WorkerError:
         """Shard s's worker is gone: close every shard; the error naming it."""
         start, end = self._bounds[s], self._bounds[s + 1]
@@ -314,6 +324,7 @@ class Sharding(Pool):
         return WorkerError(
             f"shard {s} of {self.workers} of this pool (envs {start}-{end - 1}) lost its worker; every "
             f"shard was closed: create a new RLPool. {exc}",
+            kind=getattr(exc, "kind", None),
             signal=getattr(exc, "signal", None),
         )
 

@@ -118,6 +118,7 @@ class Lifecycle:
             unwatch=reactor.unwatch,
             on_exit=self.on_exit,
             thawed=self.template_thawed,
+            beat=reactor.beat,
         )
         self.spawner: Spawner = ExecSpawner(self.spawn_context)  # TemplateSpawner from use_template()
         self.hello: dict | None = None  # lane 0's handshake info, for the client's READY
@@ -301,11 +302,13 @@ class Lifecycle:
         else the dead and those still busy with an unanswered step."""
         respawn = [e for e in lanes if hard or e.state.dead or e.state.due]
         cause = "killed for a hard reset" if hard else "killed at reset: it had not answered its last step"
+        beat = self.reactor.beat  # 10,000 kills take seconds outside the loop: the client hears of them
         with self.spawner.batching_kills():
             for lane in respawn:
                 if not lane.state.dead:
                     self.kill(lane, cause)
                 lane.log += b"\n--- boltzlabs: sandbox respawned ---\n"
+                beat()
         if respawn:
             self.start(respawn)
 
@@ -537,6 +540,7 @@ class Lifecycle:
         """Kill every lane and stop the spawner (by a deadline of 5 s); that deadline, for the cgroups."""
         for lane in self.lanes:
             self.kill(lane, "pool closed")
+            self.reactor.beat()
         deadline = time.monotonic() + 5.0
         self.spawner.close(deadline)
         return deadline

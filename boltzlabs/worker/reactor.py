@@ -11,24 +11,32 @@ knows fds and callbacks, never what a lane's frames mean. Budget counts
 the bytes the pool holds for replies not yet returned (limits.max_pool_bytes).
 
 The client's socket stays in the epoll set during every wait, so a client
-that dies tears the pool down even in the middle of a step. The shape of a
+that dies tears the pool down even in the middle of a step. A timerfd in the
+set ticks once a second; a tick during a call that has run HEARTBEAT_AFTER
+seconds sends the client a HEARTBEAT (beat): the client's deadline for the
+call moves on while the loop runs, and only then. It costs a step nothing (no
+clock read, no system call: most steps see no tick). The shape of a
 valid reply (check_reply) and the bounded repr of what an env sent
 (describe) live here for every part that reads frames.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import reprlib
 import select
 import socket
+import time
 from typing import Any
 from collections.abc import Callable
 
-from boltzlabs import wire
+from boltzlabs import abi, wire
 from boltzlabs.errors import PROTOCOL, ClientGone, ProtocolError
 from boltzlabs.worker.lanes import Lane
 
+# Seconds a call runs before the worker's first HEARTBEAT to the client, and between two (wire.md#heartbeats).
+HEARTBEAT_AFTER = 1.0
 OBJECT_COST = 64  # bytes a decoded object is charged to the pool's budget (an empty list is 56, a dict 64+)
 READ_SIZE = 1 << 16
 
@@ -87,6 +95,23 @@ class Budget:
 CHAN, WCHAN, CALL, CLIENT = "chan", "wchan", "call", "client"
 
 
+def ticker(interval: float) -> int:
+    """A timerfd (non-blocking, close-on-exec) that turns readable every `interval` seconds."""
+    fd = abi.libc.timerfd_create(abi.CLOCK_MONOTONIC, abi.TFD_NONBLOCK | abi.TFD_CLOEXEC)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"timerfd_create: {os.strerror(err)}")
+    seconds, fraction = divmod(interval, 1.0)
+    every = (int(seconds), int(fraction * 1e9))
+    spec = (ctypes.c_long * 4)(*every, *every)  # struct itimerspec: it_interval, then it_value
+    try:
+        abi.check(abi.libc.timerfd_settime(fd, 0, spec, None), "timerfd_settime")
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
 class Reactor:
     """The epoll set, the table of who serves each fd, and the client's connection.
 
@@ -113,6 +138,13 @@ class Reactor:
         self.handlers: dict[int, tuple[str, Callable[[Any], None], Any]] = {}
         self.epoll.register(conn.fileno(), select.EPOLLIN)
         self.handlers[conn.fileno()] = (CLIENT, self._read_client_ready, None)
+        # The call being served (server.Worker.serve; OPEN is 0), -1 between calls; when it began
+        # and when its last HEARTBEAT went (time.perf_counter()).
+        self.calling: int = -1
+        self.call_started: float = 0.0
+        self.beaten: float = 0.0
+        self.ticks: int = ticker(HEARTBEAT_AFTER)  # readable once a second: beat() from the loop
+        self.watch(self.ticks, self._tick, None)
 
     def poll(self, timeout: float | None) -> None:
         """One round of epoll: every ready fd served by its handler (None: wait until one is)."""
@@ -146,6 +178,33 @@ class Reactor:
             pass
 
     # -- the client -------------------------------------------------------------------
+
+    def begin_call(self, seq: int, started: float) -> None:
+        """Call `seq` (started at time.perf_counter() `started`) is being served: heartbeats may go."""
+        self.calling = seq
+        self.call_started = self.beaten = started
+
+    def end_call(self) -> None:
+        """The call is answered (before its REPLY goes): no heartbeat until the next."""
+        self.calling = -1
+
+    def beat(self) -> None:
+        """A HEARTBEAT to the client when the call being served has run HEARTBEAT_AFTER seconds
+        since it began or since the last one. The loop's ticks call it; so do waits outside
+        the loop (the template's start, its warm-up probe, long kill loops)."""
+        if self.calling < 0:
+            return
+        now = time.perf_counter()
+        if now - self.beaten >= HEARTBEAT_AFTER:
+            self.beaten = now
+            self.send([wire.HEARTBEAT, self.calling, round(now - self.call_started, 3)])
+
+    def _tick(self, _: None) -> None:
+        try:
+            os.read(self.ticks, 8)  # how many ticks passed: one beat says enough
+        except BlockingIOError:
+            return
+        self.beat()
 
     def _read_client_ready(self, _: None) -> None:
         self._read_client()

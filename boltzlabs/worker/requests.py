@@ -434,7 +434,10 @@ class Requests:
             if spawner.kind == "template":
                 shared = cgroups.usage(TEMPLATE_LANE)
         else:
-            per_env = [_pss_tree(e.pid) if e.pid > 0 else 0 for e in lifecycle.lanes]
+            per_env = []
+            for lane in lifecycle.lanes:  # psutil over every sandbox's tree: seconds for thousands
+                per_env.append(_pss_tree(lane.pid) if lane.pid > 0 else 0)
+                self.reactor.beat()
             if isinstance(spawner, TemplateSpawner) and spawner.alive():
                 shared = _pss_tree(spawner.bwrap_pid)
         return {"per_env": per_env, "shared": shared}

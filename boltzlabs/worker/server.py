@@ -240,6 +240,7 @@ class Worker:
             "guardian": guardian,
             "hello": lifecycle.hello,
             "step_timeout": config.step_timeout,
+            "start_timeout": config.start_timeout,  # the client's deadline for a reset's respawns
             "spawn": spawner.kind,
             "fast_path": self.fastpath is not None,
             "fast_path_note": self.fastpath_note,
@@ -288,7 +289,13 @@ class Worker:
         """Kill every sandbox, stop the spawner, remove the cgroups and the account."""
         deadline = self.lifecycle.close() if self.lifecycle is not None else time.monotonic() + 5.0
         if self.cgroups is not None:
-            if not self.cgroups.close(deadline, reap_orphans):
+            beat = self.reactor.beat
+
+            def reap() -> None:  # between tries: zombies reaped, and a shutdown() call heartbeats
+                reap_orphans()
+                beat()
+
+            if not self.cgroups.close(deadline, reap):
                 print(
                     f"boltzlabs worker: some of the pool's cgroups under {self.cgroups.path} still held tasks "
                     f"after {CLOSE_STALL:g} s with none leaving; its guardian removes them once this worker has exited",
@@ -336,11 +343,15 @@ class Worker:
         if message[0] != wire.OPEN or len(message) != 2:
             self._send([wire.ERROR, 0, PROTOCOL, f"expected OPEN first, got {describe(message)}", {}])
             return
+        reactor = self.reactor
+        reactor.begin_call(0, time.perf_counter())  # a slow start heartbeats too (seq 0: OPEN's)
         try:
             ready = self.open(message[1])
         except Exception as exc:
+            reactor.end_call()
             self._send(wire.error_frame(0, exc))
             return
+        reactor.end_call()
         self._send([wire.READY, ready])
         requests, stepping = self.requests, self.stepping
         assert requests is not None and stepping is not None
@@ -371,11 +382,14 @@ class Worker:
             if name not in calls or not isinstance(args, list):
                 self._send([wire.ERROR, seq, PROTOCOL, f"no call {describe(name)} with those arguments", {}])
                 continue
+            reactor.begin_call(seq, started)  # from here the loop's ticks send heartbeats (reactor.beat)
             try:
                 result = calls[name](*args)
             except (ValueError, TypeError, KeyError, IndexError) as exc:
+                reactor.end_call()
                 self._send(wire.error_frame(seq, exc))
                 continue
+            reactor.end_call()
             worker_ms = (time.perf_counter() - started) * 1000.0
             self._send([wire.REPLY, seq, worker_ms, result])
 

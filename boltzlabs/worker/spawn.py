@@ -48,6 +48,7 @@ from boltzlabs.host.cgroups import CgroupPool
 from boltzlabs.worker.config import PIPES, SOCKETPAIR, PoolConfig
 from boltzlabs.worker.confinement import Confinement
 from boltzlabs.worker.lanes import Lane
+from boltzlabs.worker.reactor import HEARTBEAT_AFTER
 from boltzlabs.worker.slots import Slots
 from boltzlabs.errors import ProtocolError, TemplateUnavailable, describe_status
 
@@ -70,6 +71,7 @@ class SpawnContext:
     unwatch: Callable[[int], None]  # reactor.unwatch: before an fd is closed
     on_exit: Callable[..., None]  # lifecycle.on_exit(env, status, cause=""): an env's process is gone
     thawed: Callable[[], ContextManager[None]]  # lifecycle.template_thawed: the template runs (forks) within it
+    beat: Callable[[], None]  # reactor.beat: the client's call goes on (waits outside the reactor's loop)
 
 
 class Spawner(Protocol):
@@ -294,7 +296,7 @@ class ExecSpawner:
     def close(self, deadline: float) -> None:
         for pidfd, _pid in list(self.reaping.items()):
             remaining = max(0.0, deadline - time.monotonic())
-            if _readable([pidfd], remaining):
+            if _readable([pidfd], remaining, self.context.beat):
                 self._reap(pidfd)
         for pidfd, _pid in self.reaping.items():
             os.close(pidfd)  # a zombie we could not wait for: init will
@@ -397,7 +399,7 @@ class TemplateSpawner:
         assert control is not None, "_start opens the control channel before the handshake"
         while True:
             remaining = deadline - time.monotonic()
-            ready = _readable([control, self.pidfd, self.logfd], remaining)
+            ready = _readable([control, self.pidfd, self.logfd], remaining, self.context.beat)
             if self.logfd in ready:
                 self._take_log()
             if control.fileno() in ready:
@@ -414,7 +416,7 @@ class TemplateSpawner:
                     and isinstance(messages[0][2], dict)
                 ):
                     return messages[0][2]
-                _readable([self.pidfd], deadline - time.monotonic())
+                _readable([self.pidfd], deadline - time.monotonic(), self.context.beat)
                 ready = {self.pidfd}  # EOF or anything but a HELLO: it is done for
             if self.pidfd in ready or remaining <= 0:
                 self.log += _drain(self.logfd)
@@ -464,7 +466,7 @@ class TemplateSpawner:
         deadline = time.monotonic() + context.spec.plan.warmup_timeout + context.config.start_timeout
         while self.warmed is False:
             remaining = deadline - time.monotonic()
-            ready = _readable([self.control, self.logfd], remaining)
+            ready = _readable([self.control, self.logfd], remaining, self.context.beat)
             if self.logfd in ready:
                 self._take_log()
             if remaining <= 0:
@@ -562,7 +564,7 @@ class TemplateSpawner:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return None, f"the probe did not finish within {timeout:g} s ([template] warmup_timeout): killed"
-            ready = _readable(watched, remaining)
+            ready = _readable(watched, remaining, self.context.beat)
             if logfd in ready:
                 log += _drain(logfd)
                 del log[:-65536]
@@ -593,7 +595,7 @@ class TemplateSpawner:
         """The wait status of child `key` from its EXITED (the template reaps it), or None."""
         self.deliver_exits()  # an EXITED read while the probe ran waits in self.pending
         while key not in self.exits and self.control is not None:
-            if not _readable([self.control], deadline - time.monotonic()):
+            if not _readable([self.control], deadline - time.monotonic(), self.context.beat):
                 return None
             if not self._read_control():
                 return None
@@ -657,7 +659,7 @@ class TemplateSpawner:
         deadline = time.monotonic() + self.context.config.start_timeout
         while self.forked != key:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not _readable([self.control], remaining):
+            if remaining <= 0 or not _readable([self.control], remaining, self.context.beat):
                 raise OSError("the template did not answer a fork request in time")
             if not self._read_control():
                 raise OSError(f"the template failed: {self.failure}" if self.failure else "the template is gone")
@@ -845,7 +847,7 @@ class TemplateSpawner:
         _close_pidfd(self.template_pidfd)
         self.template_pidfd = -1
         _signal_pidfd(self.pidfd)  # our own child: bwrap's pid namespace takes every env with it
-        _readable([self.pidfd], deadline - time.monotonic())
+        _readable([self.pidfd], deadline - time.monotonic(), self.context.beat)
         try:
             if os.waitpid(self.bwrap_pid, os.WNOHANG)[0]:
                 _reaped(self.bwrap_pid)
@@ -977,15 +979,24 @@ def _warmup_report(fields: dict) -> dict:
 _PIDFD_SPACE = socket.CMSG_SPACE(4 * 4)  # a FORKED brings one fd; more are closed (or cut by the kernel)
 
 
-def _readable(fds, timeout: float) -> set[int]:
+def _readable(fds, timeout: float, beat: Callable[[], None] | None = None) -> set[int]:
     """The fd numbers among `fds` (ints, or objects with fileno()) that are
     readable, closed or in error within `timeout` seconds. poll, not select:
     select refuses fd numbers from 1024 up, and a worker with a thousand envs
-    holds thousands."""
+    holds thousands. With `beat` (Reactor.beat), a long wait is cut into
+    seconds with a beat() after each: the client hears that its call goes on."""
     poller = select.poll()
     for fd in fds:
         poller.register(fd, select.POLLIN)
-    return {fd for fd, _ in poller.poll(math.ceil(max(0.0, timeout) * 1000))}
+    if beat is None:
+        return {fd for fd, _ in poller.poll(math.ceil(max(0.0, timeout) * 1000))}
+    end = time.monotonic() + timeout
+    while True:
+        left = end - time.monotonic()
+        ready = {fd for fd, _ in poller.poll(math.ceil(max(0.0, min(left, HEARTBEAT_AFTER)) * 1000))}
+        if ready or left <= HEARTBEAT_AFTER:
+            return ready
+        beat()
 
 
 def _received_fds(ancillary) -> list[int]:
