@@ -199,13 +199,22 @@ for p in "$WORKDIR" "$RUN"; do
   [ "$m" = / ] || case " $EXTRA " in *" $m "*) ;; *) EXTRA="$EXTRA $m" ;; esac
 done
 SOCK=$RUN/virtiofs.sock
+# virtiofsd holds an O_PATH fd for every host inode the guest has cached, and its fd limit is
+# this process's hard limit (20,000 here, which root cannot raise). A systemd guest passes it:
+# once the system bus starts, the guest looks up host inodes by the ten thousand (seen: 600
+# fds to 20,000 in 30 s), and every open and close after that fails in the guest (EMFILE,
+# EBADF: systemd-logind, then systemctl itself, exit 127). cache=none lets the guest drop
+# what it no longer uses (at most ~800 fds seen), at some speed; the bash-init guest keeps
+# cache=always. V2GUEST_VIRTIOFS_CACHE chooses.
+if [ "${V2GUEST_INIT:-bash}" = systemd ]; then VIRTIOFS_CACHE=${V2GUEST_VIRTIOFS_CACHE:-none}
+else VIRTIOFS_CACHE=${V2GUEST_VIRTIOFS_CACHE:-always}; fi
 unshare -m --propagation private bash -c '
   set -e
-  lower=$1 sock=$2 virtiofsd=$3; shift 3
+  lower=$1 sock=$2 virtiofsd=$3 cache=$4; shift 4
   mount --bind / "$lower"; mount -o remount,bind,ro "$lower"
   for m in "$@"; do mount --bind "$m" "$lower$m"; mount -o remount,bind,ro "$lower$m"; done
-  exec "$virtiofsd" --socket-path="$sock" -o source="$lower" -o cache=always -o no_posix_lock -o log_level=err
-' v2guest-virtiofsd "$RUN/lower" "$SOCK" "$VIRTIOFSD" $EXTRA 2>"$RUN/virtiofsd.log" &
+  exec "$virtiofsd" --socket-path="$sock" -o source="$lower" -o cache="$cache" -o no_posix_lock -o log_level=err
+' v2guest-virtiofsd "$RUN/lower" "$SOCK" "$VIRTIOFSD" "$VIRTIOFS_CACHE" $EXTRA 2>"$RUN/virtiofsd.log" &
 VPID=$!
 for _ in $(seq 200); do [ -S "$SOCK" ] && break; sleep 0.05; done
 [ -S "$SOCK" ] || { echo "ci/v2guest.sh: virtiofsd did not start: $(cat "$RUN/virtiofsd.log")" >&2; exit 125; }
