@@ -152,7 +152,11 @@ mkdir "$RUN/lower"
 # the API filesystems and cgroup2 itself and runs COMMAND as the oneshot v2guest.service.
 { echo '#!/bin/bash'; echo "RUN=$RUN"; echo "INIT=${V2GUEST_INIT:-bash}"; cat <<'STAGE2'; } > "$RUN/stage2"
 if [ "$INIT" = systemd ] && [ "$$" = 1 ]; then
-  mkdir -p /etc/systemd/system
+  # Debian's tmpfiles.d/tmp.conf empties /tmp at boot ("D /tmp"): once the system bus pulls in
+  # systemd-tmpfiles-setup, the guest would delete its view of the host's /tmp, a checkout
+  # there included, walking every file of it. Kept, not emptied.
+  mkdir -p /etc/systemd/system /etc/tmpfiles.d
+  printf '%s\n' 'd /tmp 1777 root root -' 'd /var/tmp 1777 root root -' > /etc/tmpfiles.d/tmp.conf
   printf '%s\n' '[Unit]' 'DefaultDependencies=no' '[Service]' 'Type=oneshot' \
     "ExecStart=/bin/bash $RUN/stage2" > /etc/systemd/system/v2guest.service
   exec /lib/systemd/systemd --unit=v2guest.service
@@ -200,12 +204,12 @@ for p in "$WORKDIR" "$RUN"; do
 done
 SOCK=$RUN/virtiofs.sock
 # virtiofsd holds an O_PATH fd for every host inode the guest has cached, and its fd limit is
-# this process's hard limit (20,000 here, which root cannot raise). A systemd guest passes it:
-# once the system bus starts, the guest looks up host inodes by the ten thousand (seen: 600
-# fds to 20,000 in 30 s), and every open and close after that fails in the guest (EMFILE,
-# EBADF: systemd-logind, then systemctl itself, exit 127). cache=none lets the guest drop
-# what it no longer uses (at most ~800 fds seen), at some speed; the bash-init guest keeps
-# cache=always. V2GUEST_VIRTIOFS_CACHE chooses.
+# this process's hard limit (20,000 here, which root cannot raise). A systemd guest passed it
+# when systemd-tmpfiles walked the host's /tmp to empty it (seen: 600 fds to 20,000 in 30 s;
+# every open and close after that failed in the guest, EMFILE and EBADF). stage2 now keeps
+# /tmp, and the systemd guest, which looks up far more than the bash-init one, also runs
+# with cache=none, which lets the guest drop what it no longer uses (at most ~800 fds seen),
+# at some speed; the bash-init guest keeps cache=always. V2GUEST_VIRTIOFS_CACHE chooses.
 if [ "${V2GUEST_INIT:-bash}" = systemd ]; then VIRTIOFS_CACHE=${V2GUEST_VIRTIOFS_CACHE:-none}
 else VIRTIOFS_CACHE=${V2GUEST_VIRTIOFS_CACHE:-always}; fi
 unshare -m --propagation private bash -c '
