@@ -59,6 +59,26 @@ def _assert_gone(pool, pid: int, cgroups) -> None:
     assert not left, f"cgroups left behind: {left}"
 
 
+def _stopped_during(pool, call, what: str, budget: float, before=None) -> None:
+    """Reset `pool` (then `before(pool)`), SIGSTOP its worker and make `call(pool)`: it raises a
+    WorkerError naming `what` and the worker within `budget` s and SLACK, and nothing is left."""
+    cgroups = pool._cgroup
+    try:
+        pool.reset(seed=0)
+        if before is not None:
+            before(pool)
+        pid = _stop(pool)
+        started = time.monotonic()
+        with pytest.raises(WorkerError) as err:
+            call(pool)
+        waited = time.monotonic() - started
+    finally:
+        pool.close()
+    _stuck(err.value, what, f"pid {pid}")
+    assert waited < budget + SLACK, waited
+    _assert_gone(pool, pid, cgroups)
+
+
 def _stuck(exc: WorkerError, what: str, who: str) -> None:
     text = str(exc)
     assert what in text and who in text and "waited" in text, text
@@ -69,75 +89,26 @@ def _stuck(exc: WorkerError, what: str, who: str) -> None:
 @pytest.mark.parametrize("spawn", ["template", "exec"])
 def test_a_stopped_worker_during_step_is_a_worker_error_not_a_hang(margin, spawn):
     pool = RLPool(COUNTER, 2, step_timeout=2, spawn=spawn)
-    cgroups = pool._cgroup
-    try:
-        pool.reset(seed=0)
-        pid = _stop(pool)
-        started = time.monotonic()
-        with pytest.raises(WorkerError) as err:
-            pool.step([1, 1])
-        waited = time.monotonic() - started
-    finally:
-        pool.close()
-    _stuck(err.value, "step()", f"pid {pid}")
-    assert waited < 2 + margin + SLACK, waited
-    _assert_gone(pool, pid, cgroups)
+    _stopped_during(pool, lambda pool: pool.step([1, 1]), "step()", 2 + margin)
 
 
 @pytest.mark.timeout(120)
 def test_a_stopped_worker_that_cannot_take_a_big_batch_is_a_worker_error(margin):
     # 2 x 8 MiB of actions: more than the socket holds, so the send itself waits on the worker.
     pool = RLPool(COUNTER, 2, step_timeout=2)
-    cgroups = pool._cgroup
-    try:
-        pool.reset(seed=0)
-        pid = _stop(pool)
-        started = time.monotonic()
-        with pytest.raises(WorkerError) as err:
-            pool.step([b"x" * (8 << 20)] * 2)
-        waited = time.monotonic() - started
-    finally:
-        pool.close()
-    _stuck(err.value, "step()", f"pid {pid}")
-    assert waited < 2 + margin + SLACK, waited
-    _assert_gone(pool, pid, cgroups)
+    _stopped_during(pool, lambda pool: pool.step([b"x" * (8 << 20)] * 2), "step()", 2 + margin)
 
 
 @pytest.mark.timeout(120)
 def test_a_stopped_worker_during_a_hard_reset_is_a_worker_error(margin):
     pool = RLPool(COUNTER, 4, step_timeout=2, start_timeout=3)
-    cgroups = pool._cgroup
-    try:
-        pool.reset(seed=0)
-        pid = _stop(pool)
-        started = time.monotonic()
-        with pytest.raises(WorkerError) as err:
-            pool.reset(hard=True)
-        waited = time.monotonic() - started
-    finally:
-        pool.close()
-    _stuck(err.value, "reset()", f"pid {pid}")
-    assert waited < 3 + 2 + margin + SLACK, waited
-    _assert_gone(pool, pid, cgroups)
+    _stopped_during(pool, lambda pool: pool.reset(hard=True), "reset()", 3 + 2 + margin)
 
 
 @pytest.mark.timeout(120)
 def test_a_stopped_worker_during_recv_is_a_worker_error(margin):
     pool = RLPool(COUNTER, 3, step_timeout=2)
-    cgroups = pool._cgroup
-    try:
-        pool.reset(seed=0)
-        pool.send([1, 1, 1])
-        pid = _stop(pool)
-        started = time.monotonic()
-        with pytest.raises(WorkerError) as err:
-            pool.recv(3)
-        waited = time.monotonic() - started
-    finally:
-        pool.close()
-    _stuck(err.value, "recv()", f"pid {pid}")
-    assert waited < 2 + margin + SLACK, waited
-    _assert_gone(pool, pid, cgroups)
+    _stopped_during(pool, lambda pool: pool.recv(3), "recv()", 2 + margin, before=lambda pool: pool.send([1, 1, 1]))
 
 
 @pytest.mark.timeout(120)
