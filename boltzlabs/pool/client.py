@@ -40,7 +40,7 @@ import numpy as np
 
 from boltzlabs import wire
 from boltzlabs.link import worker_environment
-from boltzlabs.pool import imports, progress as start_progress, shards, slots, sources
+from boltzlabs.pool import groups, imports, progress as start_progress, shards, slots, sources
 from boltzlabs.errors import (
     CATEGORIES,
     DEADLINE,
@@ -62,7 +62,7 @@ from boltzlabs.errors import (
     describe_exit,
     exit_signal,
 )
-from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_cpus, check_n
+from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, attr_error, check_batch_size, check_cpus, check_n
 from boltzlabs.units import parse_size
 
 if TYPE_CHECKING:
@@ -342,7 +342,25 @@ class RLPool(Pool):
     _link: _LocalLink | RemoteLink  # the worker process, local or over the network (_start_worker)
     _finalizer: weakref.finalize[[], RLPool]  # shuts the worker down when the pool is collected unclosed
 
-    def __new__(cls, *args, workers=None, **kwargs):
+    def __new__(cls, *args, workers=None, envs_per_sandbox=None, vectorization_mode=None, **kwargs):
+        if cls is RLPool and (envs_per_sandbox is not None or vectorization_mode is not None) and len(args) >= 1:
+            # RLPool(source, n, envs_per_sandbox=k) with k > 1: ceil(n / k) sandboxes of k envs each
+            # (pool/groups.py), a pool of those sandboxes inside. Made whole here: not an RLPool.
+            n = check_n(args[1] if len(args) > 1 else kwargs.pop("n", None))
+            k = groups.group_size(envs_per_sandbox, vectorization_mode, n)
+            if k > 1:
+                if kwargs.get("trust_env"):
+                    raise ValueError(
+                        "trust_env=True imports env.py in the template, once; a sandbox of several envs runs "
+                        "it once per env: leave trust_env out with envs_per_sandbox"
+                    )
+                batch_size = check_batch_size(kwargs.pop("batch_size", None), n)
+                source = args[0]
+
+                def inner(sandboxes: int, group: list):
+                    return RLPool(source, sandboxes, *args[2:], workers=workers, _group=group, **kwargs)
+
+                return groups.GroupedPool(inner, n, k, batch_size)
         # RLPool(source, n, workers=k) with k > 1 (or chosen so) is a pool over k
         # worker processes (pool/shards.py), still an RLPool to its caller.
         if cls is RLPool and shards.workers_for(args, kwargs, workers) > 1:
@@ -374,6 +392,9 @@ class RLPool(Pool):
         expose=None,
         workers=None,
         cpus=None,
+        envs_per_sandbox=None,
+        vectorization_mode=None,
+        _group: list | None = None,
         _shard: tuple[int, int] = (0, 1),
         _progress: start_progress.StartProgress | None = None,
         **params,
@@ -390,7 +411,10 @@ class RLPool(Pool):
         self.batch_size = check_batch_size(batch_size, n)
         cpus = check_cpus(cpus)
         _warn_pool_option_typos(params)
-        resolved = sources.resolve(source, params, n)
+        # A grouped pool's lanes are sandboxes (pool/groups.py): _group is [k, envs], and the source
+        # (env_fns) holds an env per env, not per lane. envs_per_sandbox of 1 is this pool.
+        groups.group_size(envs_per_sandbox, vectorization_mode, n)
+        resolved = sources.resolve(source, params, _group[1] if _group else n)
         if env_vars is not None and (
             not isinstance(env_vars, dict)
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items())
@@ -422,6 +446,7 @@ class RLPool(Pool):
             "import_roots": import_roots,
             "expose": imports.exposed(expose, import_roots, remote=worker is not None),
             "env_vars": env_vars,
+            "group": _group,
             # A local worker can hand us each env's observation slot (pool/slots.py): asked for unless
             # BOLTZLABS_NO_SHM=1; it gives them when the env's space has a fixed shape.
             "shared_memory": worker is None and slots.wanted(),
@@ -916,18 +941,8 @@ class RLPool(Pool):
     # -- methods and attributes of the envs (serve(methods=, attributes=, target=)) ------
 
     def _attr(self, op: str, name, env_ids, args: list, kwargs: dict, values=None) -> list:
-        if not isinstance(name, str):
-            raise TypeError(f"the attribute name must be a str, not {type(name).__name__}")
         lanes = list(range(self.n)) if env_ids is None else self._env_ids(env_ids)
-        offered = self.env_contract.attributes
-        if offered is not None and offered["target"] is None:  # the env listed everything it offers
-            methods, attributes = offered["methods"], offered["attributes"]
-            if not (name in attributes or (op == "call" and name in methods)):
-                raise AttributeError(_missing(op, name, methods, attributes, self.env_contract.id))
-            if op == "set" and not attributes[name]:
-                raise AttributeError(
-                    f"the env's attribute {name!r} is read-only (its serve(attributes=) gave it no setter)"
-                )
+        self._attr_check(op, name)
         if not lanes:
             return []
         verb = {"call": "call", "get": "get the attribute", "set": "set the attribute"}[op]
@@ -939,12 +954,22 @@ class RLPool(Pool):
                 "msgpack-able values or numpy arrays, like actions"
             ) from None
         if errors:
-            index, (message, detail) = min((int(k), v) for k, v in errors.items())
-            if message.startswith("AttributeError: "):  # the env's own: no such name (Gymnasium raises it too)
-                raise AttributeError(f"env {index}: {message[len('AttributeError: ') :]}")
-            others = f" ({len(errors) - 1} other env(s) failed too)" if len(errors) > 1 else ""
-            raise EnvError(f"env {index} could not {verb} {name!r}{others}: {detail or message}", env_index=index)
+            raise attr_error(verb, name, errors)
         return results
+
+    def _attr_check(self, op: str, name) -> None:
+        """Refuse, before anything is sent, a name the env's handshake says it does not offer."""
+        if not isinstance(name, str):
+            raise TypeError(f"the attribute name must be a str, not {type(name).__name__}")
+        offered = self.env_contract.attributes
+        if offered is not None and offered["target"] is None:  # the env listed everything it offers
+            methods, attributes = offered["methods"], offered["attributes"]
+            if not (name in attributes or (op == "call" and name in methods)):
+                raise AttributeError(_missing(op, name, methods, attributes, self.env_contract.id))
+            if op == "set" and not attributes[name]:
+                raise AttributeError(
+                    f"the env's attribute {name!r} is read-only (its serve(attributes=) gave it no setter)"
+                )
 
     def _attr_request(self, lanes: list, op: str, name: str, args: list, kwargs: dict, values) -> tuple:
         """(results aligned with lanes, {lane: (message, detail)} of the lanes that failed)."""
@@ -1019,6 +1044,8 @@ _POOL_OPTIONS = (
     "expose",
     "workers",
     "workers_per_node",
+    "envs_per_sandbox",
+    "vectorization_mode",
 )
 
 

@@ -158,14 +158,21 @@ class Sharding(Pool):
         self._bounds = [n * s // k for s in range(k + 1)]
         self._gated = bool(serialize_measurement)
         # env_fns: each shard gets its lanes' callables; any other source is the same for every shard.
+        # A grouped pool's lanes are sandboxes of k envs (pool/groups.py): its envs split with them.
         fns = isinstance(source, (list, tuple))
-        if fns and len(source) != n:
-            raise ValueError(f"env_fns has {len(source)} callables but n={n}: one env per callable")
+        group = options.pop("_group", None)
+        envs = group[1] if group else n
+        if fns and len(source) != envs:
+            raise ValueError(f"env_fns has {len(source)} callables but n={envs}: one env per callable")
 
         def open_shard(s):
             start, end = self._bounds[s], self._bounds[s + 1]
+            first, last, mine = start, end, options
+            if group:
+                first, last = start * group[0], min(end * group[0], envs)
+                mine = dict(options, _group=[group[0], last - first])
             return self._one_worker(
-                source[start:end] if fns else source,
+                source[first:last] if fns else source,
                 end - start,
                 workers=1,
                 progress=False,
@@ -173,7 +180,7 @@ class Sharding(Pool):
                 cpus=cpus,
                 _shard=(s, k),
                 _progress=bar,
-                **options,
+                **mine,
             )
 
         # One bar for the pool, each shard's worker reporting its own envs to it (unless this pool is

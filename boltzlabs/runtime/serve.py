@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import sys
 
-from boltzlabs.errors import ProtocolError
+from boltzlabs.errors import MemberServed, ProtocolError
 from boltzlabs import abi, wire
 
 TYPE_CHECKING = False  # typing is not imported at run time: every env would pay for it
@@ -36,6 +36,9 @@ _fork_server: Any = None
 # runs; None in exec mode, where $BOLTZLABS_FD says it.
 channel: tuple[int, ...] | None = None
 started = False  # serve() has been called in this process
+# In a group's sandbox (runtime/group.py), the list serve() appends each
+# member's callables to instead of serving; None everywhere else.
+members: list[Any] | None = None
 
 
 def params() -> dict[str, Any]:
@@ -511,6 +514,20 @@ def serve(
     """
     global started
     started = True  # for the runner (rlimits.run): this env.py did call serve()
+    if members is not None:
+        members.append(
+            {
+                "reset": reset_caller(reset),
+                "step": step,
+                "render": render,
+                "observation_space": observation_space,
+                "action_space": action_space,
+                "metadata": metadata,
+                "render_mode": render_mode,
+                "attributes": _Attributes(methods, attributes, target),
+            }
+        )
+        raise MemberServed
     fd = os.environ.pop(abi.FD_VARIABLE, None)
     if fd is None and channel is None:
         raise RuntimeError(

@@ -150,6 +150,7 @@ class Worker:
             import_roots=config.import_roots,
             expose=config.expose,
             env_vars=config.env_vars,
+            group=config.group,
         )
         n = config.n
         limits = config.limits
