@@ -343,10 +343,14 @@ class RLPool(Pool):
     _finalizer: weakref.finalize[[], RLPool]  # shuts the worker down when the pool is collected unclosed
 
     def __new__(cls, *args, workers=None, envs_per_sandbox=None, vectorization_mode=None, **kwargs):
-        if cls is RLPool and (envs_per_sandbox is not None or vectorization_mode is not None) and len(args) >= 1:
+        if cls is RLPool and (envs_per_sandbox is not None or vectorization_mode is not None):
             # RLPool(source, n, envs_per_sandbox=k) with k > 1: ceil(n / k) sandboxes of k envs each
             # (pool/groups.py), a pool of those sandboxes inside. Made whole here: not an RLPool.
+            kwargs = dict(kwargs)
+            source = args[0] if args else kwargs.pop("source", None)
             n = check_n(args[1] if len(args) > 1 else kwargs.pop("n", None))
+            if len(args) > 2:
+                raise TypeError("RLPool takes source and n positionally, its options by keyword")
             k = groups.group_size(envs_per_sandbox, vectorization_mode, n)
             if k > 1:
                 if kwargs.get("trust_env"):
@@ -355,10 +359,9 @@ class RLPool(Pool):
                         "it once per env: leave trust_env out with envs_per_sandbox"
                     )
                 batch_size = check_batch_size(kwargs.pop("batch_size", None), n)
-                source = args[0]
 
                 def inner(sandboxes: int, group: list):
-                    return RLPool(source, sandboxes, *args[2:], workers=workers, _group=group, **kwargs)
+                    return RLPool(source, sandboxes, workers=workers, _group=group, **kwargs)
 
                 return groups.GroupedPool(inner, n, k, batch_size)
         # RLPool(source, n, workers=k) with k > 1 (or chosen so) is a pool over k

@@ -198,19 +198,17 @@ class GroupedPool(Pool):
             obs, infos = self.inner._reset_lanes(chosen, [tables[g] for g in chosen], how, None)
             for pos, g in enumerate(chosen):
                 self._respawn.discard(g)
-                got = list(self._take(g, obs[pos], infos[pos], [i % k for i in self.members(g)]))
-                reset_whole = how or len({i for i, *_ in got if _[-1].get("error") is None}) > len(tables[g])
-                for i, o, _, _, _, info in got:
+                # Every member: a respawned group (hard, or dead before) resets them all, asked or not.
+                for i, o, _, _, _, info in self._take(g, obs[pos], infos[pos], None):
                     if i in asked:
                         taken[i] = (o, info)
                     elif "error" not in info:
-                        self._sibling_reset(i, o, info, g, lanes, how or reset_whole)
+                        self._sibling_reset(i, o, info, g, lanes)
         self._stragglers()
-        return [taken.get(i, (None, {"error": "no reply"}))[0] for i in lanes], [
-            taken.get(i, (None, {"error": "no reply"}))[1] for i in lanes
-        ]
+        missing = (None, {"error": "its sandbox's reply had no result for it"})
+        return [taken.get(i, missing)[0] for i in lanes], [taken.get(i, missing)[1] for i in lanes]
 
-    def _sibling_reset(self, i: int, obs, info, group: int, lanes: list, respawned: bool) -> None:
+    def _sibling_reset(self, i: int, obs, info, group: int, lanes: list) -> None:
         """Env i was reset with its group (a respawn), though not asked for: its new episode, said so."""
         info = dict(info)
         info["group_reset"] = (
