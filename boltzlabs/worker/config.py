@@ -83,6 +83,12 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
     step_timeout = float(request.get("step_timeout") or limits.step_timeout)
     env_limits = policy.env_limits(request.get("limits"), request.get("memory_limit"))
     group = _group(request.get("group"), request["n"])
+    if remote and group and group[1] > remote["max_envs"]:
+        # Its cap counts envs, however many share a sandbox.
+        raise ValueError(
+            f"this worker serves pools of 1 to {remote['max_envs']} envs (its --max-envs); "
+            f"asked for {group[1]} envs in {request['n']} sandboxes"
+        )
     return PoolConfig(
         n=int(request["n"]),
         source_dir=request["source_dir"],
