@@ -316,6 +316,23 @@ class RLPool(Pool):
         leave CPUs 0-7 to the trainer; a one-worker pool runs on all of them.
         False: never pinned. `pool.affinity` lists each worker's CPUs (None:
         not pinned). Placement, not a limit: an env may widen its own.
+      envs_per_sandbox: k envs in each sandbox, ceil(n / k) sandboxes (the
+        last holds the rest; a k above n is n), each one lane of an ordinary
+        pool stepped in one turn: one frame in and one out per sandbox. None
+        or 1 (default): a sandbox per env. With k > 1 the call returns a
+        GroupedPool (boltzlabs.pool.groups): every call keeps its meaning,
+        and `envs_per_sandbox`, `sandboxes` and `inner` (the pool of the
+        sandboxes) say how it is built. The envs of a sandbox share its
+        process, its workspace, the modules env.py imports (each runs
+        env.py as a module of its own) and every limit: memory_limit,
+        limits, workspace_size and step_timeout bound the sandbox as a
+        whole, not each env. An exception fails its env alone; a death,
+        OOM or missed deadline fails every env of the sandbox; a hard reset
+        respawns the whole sandbox (reset_infos[i]["group_reset"]).
+        trust_env=True is refused with k > 1. docs/groups.md.
+      vectorization_mode: envs_per_sandbox in Gymnasium's and rlmesh's
+        words: "sync" puts every env in one sandbox (k = n), "async" gives
+        each its own (k = 1). envs_per_sandbox, when given, decides.
       cluster: refused (TypeError): a pool over a Ray cluster is
         boltzlabs.cluster.ClusterPool(source, n, cluster="ray", ...), the
         same protocol (boltzlabs.pool.protocol.Pool).
