@@ -112,7 +112,7 @@ class BoltzLabsSB3VecEnv(VecEnv):
                 pool.close()
             raise
 
-    def _attach(self, pool: RLPool, observation_space, action_space, rebuild=None) -> None:
+    def _attach(self, pool: RLPool | GroupedPool, observation_space, action_space, rebuild=None) -> None:
         self.pool = pool
         contract = pool.env_contract
         observation_space = observation_space or space_or_rebuild(

@@ -88,7 +88,7 @@ class GroupedPool(Pool):
             inner.hello or {}, observation_space=group.get("observation_space"), action_space=group.get("action_space")
         )
         self.timing = inner.timing
-        self._in_flight: dict[int, list[int]] = {}  # group -> its members sent, until the group's result is taken
+        self._in_flight: dict[int, list[int]] = {}  # group -> the kind sent to each member, until its result is taken
         self._held: list[tuple] = []  # (env, obs, reward, terminated, truncated, info): finished, not yet received
         self._respawn: set[int] = set()  # groups that sent an invalid reply: respawned at their next reset
 
@@ -116,7 +116,7 @@ class GroupedPool(Pool):
 
     def _step_lanes(self, actions: list, resets) -> StepResult:
         k, reset_set = self.k, set(resets or ())
-        entries = [[None] * len(self.members(g)) for g in range(self.sandboxes)]
+        entries: list[list] = [[None] * len(self.members(g)) for g in range(self.sandboxes)]
         for i, action in enumerate(actions):
             entries[i // k][i % k] = [RESET, None, None] if i in reset_set else [STEPPED, action]
         result = self.inner._step_lanes(entries, None)
@@ -127,34 +127,39 @@ class GroupedPool(Pool):
         truncated = np.zeros(n, np.bool_)
         infos: list = [None] * n
         for g in range(self.sandboxes):
-            for i, o, r, te, tr, info in self._take(g, result.obs[g], result.infos[g], None):
+            for i, o, r, te, tr, info in self._take(g, result.obs[g], result.infos[g], _kinds(entries[g])):
                 obs[i], rewards[i], terminated[i], truncated[i], infos[i] = o, r, te, tr, info
         self._stragglers()
         return StepResult(obs, rewards, terminated, truncated, infos)
 
-    def _take(self, group: int, obs, info, asked):
+    def _take(self, group: int, obs, info, asked: list, resets_besides: bool = False):
         """Each member's (env, obs, reward, terminated, truncated, info) from group's reply (its
-        obs and info as the inner pool gave them); `asked`: the members it was asked for (None: all)."""
+        obs and info as the inner pool gave them). `asked`: the kind asked of each member (NOT_ASKED,
+        STEPPED, RESET), which its reply must match; `resets_besides`: a member not asked may come
+        reset (a reset's respawned group resets them all). A failure is every asked member's."""
         envs = self.members(group)
         count = len(envs)
         results = info.get(GROUP_KEY) if type(info) is dict and "error" not in info else None
-        why = ""
+        why: str = ""
         if results is None:
-            why = info.get("error") if type(info) is dict else None
-            why = why if isinstance(why, str) else f"sent {type(info).__name__} where a group's reply goes"
+            error = info.get("error") if type(info) is dict else None
+            why = error if isinstance(error, str) else f"sent {type(info).__name__} where a group's reply goes"
         else:
-            why = _check(results, obs, count)
+            why = _check(results, obs, count, asked, resets_besides)
             if why:
                 why = f"sent an invalid group reply ({why}); it is respawned at its next reset"
                 self._respawn.add(group)
         if why:
             straggler = type(info) is dict and info.get("straggler") is True
-            for j in range(count) if asked is None else asked:
+            for j in range(count):
+                if asked[j] == NOT_ASKED:
+                    continue
                 failure = {"error": f"{why} [{self._named(group)}: every env of it fails with it]", "group": group}
                 if straggler:
                     failure["straggler"] = True
                 yield envs.start + j, None, 0.0, False, True, failure
             return
+        assert results is not None
         kinds, rewards, terminated, truncated, member_infos, errors = results
         for j in range(count):
             if kinds[j] == NOT_ASKED:
@@ -190,7 +195,7 @@ class GroupedPool(Pool):
             self._refuse_busy(g, "reset")
         respawn = [g for g in groups if hard or g in self._respawn]
         soft = [g for g in groups if g not in respawn]
-        asked = set(lanes)
+        wanted = set(lanes)
         taken: dict[int, tuple] = {}
         for chosen, how in ((respawn, True), (soft, False)):
             if not chosen:
@@ -199,8 +204,11 @@ class GroupedPool(Pool):
             for pos, g in enumerate(chosen):
                 self._respawn.discard(g)
                 # Every member: a respawned group (hard, or dead before) resets them all, asked or not.
-                for i, o, _, _, _, info in self._take(g, obs[pos], infos[pos], None):
-                    if i in asked:
+                asked = [NOT_ASKED] * len(self.members(g))
+                for item in tables[g]:
+                    asked[item[0]] = RESET
+                for i, o, _, _, _, info in self._take(g, obs[pos], infos[pos], asked, resets_besides=True):
+                    if i in wanted:
                         taken[i] = (o, info)
                     elif "error" not in info:
                         self._sibling_reset(i, o, info, g, lanes)
@@ -246,10 +254,10 @@ class GroupedPool(Pool):
         groups = sorted(entries)
         self.inner._send_lanes([entries[g] for g in groups], groups, None)
         for g in groups:
-            self._in_flight[g] = [j for j, e in enumerate(entries[g]) if e is not None]
+            self._in_flight[g] = _kinds(entries[g])
 
     def _recv_lanes(self, batch_size, timeout) -> RecvResult:
-        sent = sum(len(members) for members in self._in_flight.values())
+        sent = sum(len(kinds) - kinds.count(NOT_ASKED) for kinds in self._in_flight.values())
         want = len(self._held) + sent if batch_size is None else batch_size
         if want > len(self._held) + sent:
             raise ValueError(
@@ -263,9 +271,7 @@ class GroupedPool(Pool):
             result = self.inner._recv_lanes(groups, left)
             for pos, g in enumerate(result.env_ids.tolist()):
                 asked = self._in_flight.pop(g, [])
-                for i, o, r, te, tr, info in self._take(g, result.obs[pos], result.infos[pos], asked):
-                    if i % self.k in asked:
-                        self._held.append((i, o, r, te, tr, info))
+                self._held += list(self._take(g, result.obs[pos], result.infos[pos], asked))
             if len(result.env_ids) < groups:
                 break  # the timeout passed
         taken, self._held = self._held[:want], self._held[want:]
@@ -308,7 +314,7 @@ class GroupedPool(Pool):
         results, errors = self.inner._attr_request(groups, op, name, [], kwargs, [tables[g] for g in groups])
         by_group = dict(zip(groups, results))
         failed: dict[int, tuple] = {}
-        out = []
+        out: list = []
         for i in lanes:
             g = i // self.k
             if g in errors:
@@ -387,8 +393,15 @@ def _rows(obs) -> int:
     return -1
 
 
-def _check(results, obs, count: int) -> str:
-    """'' when a group's results are what runtime/group.py sends for `count` members, else what is wrong."""
+def _kinds(entries: list) -> list[int]:
+    """The kind of each member's entry (NOT_ASKED for None)."""
+    return [NOT_ASKED if entry is None else entry[0] for entry in entries]
+
+
+def _check(results, obs, count: int, asked: list, resets_besides: bool) -> str:
+    """'' when a group's results are what runtime/group.py sends for `count` members asked
+    `asked`, else what is wrong: every asked member answers as asked, and no other member does
+    (but reset, where `resets_besides`)."""
     if type(results) is not list or len(results) != 6:
         return "its results are not the six lists a group sends"
     if not all(type(part) is list and len(part) == count for part in results):
@@ -400,6 +413,8 @@ def _check(results, obs, count: int) -> str:
     for j in range(count):
         if type(kinds[j]) is not int or kinds[j] not in (NOT_ASKED, STEPPED, RESET):
             return f"member {j}'s kind is {kinds[j]!r:.40}"
+        if kinds[j] != asked[j] and not (asked[j] == NOT_ASKED and kinds[j] == RESET and resets_besides):
+            return f"env {j} of the group was asked for kind {asked[j]} and answered {kinds[j]}"
         if type(rewards[j]) not in (int, float) or type(terminated[j]) is not bool or type(truncated[j]) is not bool:
             return f"member {j}'s reward or done flags are not a number and bools"
         if infos[j] is not None and type(infos[j]) is not dict:

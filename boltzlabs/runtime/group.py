@@ -296,6 +296,8 @@ class Group:
                 for path, dtype, shape, offset in slot.layout.leaves
             ]
         spec = self.member_obs
+        if spec is None:
+            return None
         writes = []
         for j, value in enumerate(obs):
             if kinds[j] == NOT_ASKED or errors[j] is not None:
