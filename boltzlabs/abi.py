@@ -33,7 +33,7 @@ CHILD_FILTER_VARIABLE = "BOLTZLABS_CHILD_FILTER_FD"  # CHILD_FILTER_FD's number
 CONFINE_VARIABLE = "BOLTZLABS_CONFINE"  # the set-up plan (runtime/confine.encode)
 ENV_FNS_VARIABLE = "BOLTZLABS_ENV_FNS"  # the pool's env_fns file, inside the sandbox
 PROBE_VARIABLE = "BOLTZLABS_PROBE"  # "1" in the warm-up probe: serve() reports instead of serving
-GROUP_VARIABLE = "BOLTZLABS_GROUP"  # RLPool(envs_per_sandbox=k): "k,envs", envs the worker's count of envs
+GROUP_VARIABLE = "BOLTZLABS_GROUP"  # RLPool(envs_per_sandbox=k): "k,envs,max_frame" (runtime/group.py)
 
 # --- exit codes of a sandboxed process ---------------------------------------
 # The worker's description of a lane's death names each (describe_exit). Not 0,

@@ -57,13 +57,13 @@ class SandboxSpec:
         import_roots: Any = (),
         expose: Any = (),
         env_vars: dict[str, Any] | None = None,
-        group: tuple[int, int] | None = None,
+        group: tuple[int, ...] | None = None,
     ) -> None:
         self.account = account
         # RLPool(source, n, **params), read in the env by boltzlabs.env.params().
         self.params_json = json.dumps(params or {}, sort_keys=True)
-        # RLPool(envs_per_sandbox=k): "k,envs" for runtime/group.py; every sandbox of the pool is a group.
-        self.group_text = f"{group[0]},{group[1]}" if group else ""
+        # RLPool(envs_per_sandbox=k): "k,envs,max_frame" for runtime/group.py; every sandbox is a group.
+        self.group_text = ",".join(map(str, group)) if group else ""
         self.source_dir = Path(source_dir).resolve()
         if account is not None:
             account.check_readable(str(self.source_dir), "the env directory", 5)

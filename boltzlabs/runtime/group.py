@@ -49,19 +49,22 @@ GROUP_KEY = "boltzlabs.group"
 NOT_ASKED, STEPPED, RESET = -1, 0, 1
 
 
-def parse(value: str) -> tuple[int, int]:
-    """$BOLTZLABS_GROUP, "k,envs": the group size and the worker's count of envs."""
-    parts = value.split(",") if len(value) <= 32 else []
-    if len(parts) == 2 and all(p.isascii() and p.isdigit() for p in parts):
-        k, envs = int(parts[0]), int(parts[1])
-        if k >= 1 and envs >= 1:
-            return k, envs
-    raise RuntimeError(f"{abi.GROUP_VARIABLE}={value[:40]!r}: expected 'k,envs', as the boltzlabs worker sets it")
+def parse(value: str) -> tuple[int, int, int]:
+    """$BOLTZLABS_GROUP, "k,envs,max_frame": the group size, the worker's count of envs, and
+    the most bytes a frame of ours may hold (the worker's limits.max_frame)."""
+    parts = value.split(",") if len(value) <= 48 else []
+    if len(parts) == 3 and all(p.isascii() and p.isdigit() for p in parts):
+        k, envs, max_frame = map(int, parts)
+        if k >= 1 and envs >= 1 and max_frame >= 1:
+            return k, envs, max_frame
+    raise RuntimeError(
+        f"{abi.GROUP_VARIABLE}={value[:48]!r}: expected 'k,envs,max_frame', as the boltzlabs worker sets it"
+    )
 
 
 def run(path: str, code: Any, value: str) -> None:
     """Build each member of this sandbox's group from env.py, then serve them. Never returns."""
-    k, envs = parse(value)
+    k, envs, max_frame = parse(value)
     group = int(os.environ[abi.ENV_INDEX_VARIABLE])
     first = group * k
     count = min(k, envs - first)
@@ -93,7 +96,7 @@ def run(path: str, code: Any, value: str) -> None:
         members.append(captured[0])
     _serve.members = None
     os.environ[abi.ENV_INDEX_VARIABLE] = str(group)
-    Group(members, k, first).serve(_serve._Channel(fds[0], fds[-1]))
+    Group(members, k, first, max_frame).serve(_serve._Channel(fds[0], fds[-1]))
     sys.stdout.flush()
     os._exit(0)
 
@@ -125,8 +128,9 @@ def _rows(bound: Any, k: int) -> Any:
 class Group:
     """The members of one sandbox and their serve loop."""
 
-    def __init__(self, members: list[Any], k: int, first: int) -> None:
+    def __init__(self, members: list[Any], k: int, first: int, max_frame: int = 1 << 24) -> None:
         self.members = members
+        self.max_frame = max_frame  # a bigger frame would be the worker's protocol violation: never sent
         self.k, self.first = k, first
         self.fresh = True  # no request yet: the first resets every member
         lead = members[0]
@@ -253,9 +257,32 @@ class Group:
 
     def encode(self, frame: list[Any], obs: list[Any], infos: list[Any], errors: list[Any], kinds: list[Any]) -> bytes:
         try:
-            return wire.encode(frame)
+            data = wire.encode(frame)
         except (TypeError, ValueError, OverflowError):
-            pass
+            data = self.encode_each(frame, obs, infos, errors, kinds)
+        if len(data) - wire.HEADER.size <= self.max_frame:
+            return data
+        # The members' values together pass the pool's frame cap (k observations by the wire: a
+        # remote pool, or a space without a slot): each asked member fails, saying so; the group lives.
+        size = len(data)
+        for j, kind in enumerate(kinds):
+            if kind != NOT_ASKED:
+                errors[j] = [
+                    "step" if kind == STEPPED else "reset",
+                    f"ValueError: the sandbox's reply for its {len(kinds)} envs is {size:,} bytes, over the pool's "
+                    f"limits.max_frame of {self.max_frame:,}: use a smaller envs_per_sandbox (each env's "
+                    "observation by the wire costs the whole group's frame), or a local pool with a "
+                    "fixed-shape observation space (its slot carries observations)",
+                    "",
+                ]
+                infos[j] = None
+                if type(obs) is list:
+                    obs[j] = None
+        return wire.encode(frame)
+
+    def encode_each(
+        self, frame: list[Any], obs: list[Any], infos: list[Any], errors: list[Any], kinds: list[Any]
+    ) -> bytes:
         # Some member's value cannot cross the wire: that member fails, the others go.
         for j in range(len(obs)):
             try:
