@@ -115,6 +115,7 @@ class GroupedPool(Pool):
         self.inner._check_open()
 
     def _step_lanes(self, actions: list, resets) -> StepResult:
+        self._refuse_async("step() cannot run")
         k, reset_set = self.k, set(resets or ())
         entries = [[None] * len(self.members(g)) for g in range(self.sandboxes)]
         for i, action in enumerate(actions):
@@ -188,6 +189,7 @@ class GroupedPool(Pool):
         groups = sorted(tables)
         for g in groups:
             self._refuse_busy(g, "reset")
+            self._refuse_held(g)
         respawn = [g for g in groups if hard or g in self._respawn]
         soft = [g for g in groups if g not in respawn]
         asked = set(lanes)
@@ -225,6 +227,26 @@ class GroupedPool(Pool):
         self.terminated[i] = self.truncated[i] = False
         self._pending_resets.discard(i)
         self._begin_episodes([i], None)
+
+    def _refuse_async(self, what: str) -> None:
+        """ValueError while a send's result is outstanding, here or in the inner pool (step() does not
+        mix with send/recv): a step run under a held result would leave it stale for a later recv."""
+        flying = sum(len(members) for members in self._in_flight.values())
+        if flying or self._held:
+            raise ValueError(
+                f"{what} while {flying} env(s) are in flight and {len(self._held)} finished but not "
+                "received: recv them first (send/recv and step() do not mix)"
+            )
+
+    def _refuse_held(self, group: int) -> None:
+        """ValueError when an env of `group` has a result recv() has not taken: a reset may respawn
+        the whole sandbox, and that result would then come after the reset, stale."""
+        held = sorted(entry[0] for entry in self._held if entry[0] // self.k == group)
+        if held:
+            raise ValueError(
+                f"cannot reset env(s) of {self._named(group)}: env {held[0]} has finished and its result "
+                "has not been received; recv it first"
+            )
 
     def _refuse_busy(self, group: int, what: str) -> None:
         if group in self._in_flight:
