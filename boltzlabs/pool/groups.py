@@ -130,7 +130,7 @@ class GroupedPool(Pool):
         for g in range(self.sandboxes):
             for i, o, r, te, tr, info in self._take(g, result.obs[g], result.infos[g], None):
                 obs[i], rewards[i], terminated[i], truncated[i], infos[i] = o, r, te, tr, info
-        self._stragglers()
+        self._stragglers([i for g in self.inner.timing.stragglers for i in self.members(g)])
         return StepResult(obs, rewards, terminated, truncated, infos)
 
     def _take(self, group: int, obs, info, asked):
@@ -175,11 +175,13 @@ class GroupedPool(Pool):
             else:
                 yield envs.start + j, _row(obs, j), 0.0, False, False, member_infos[j] or {}
 
-    def _stragglers(self) -> None:
-        """timing.stragglers in envs: every env of a group that missed its deadline."""
+    def _stragglers(self, envs: list) -> None:
+        """timing.stragglers in envs: those of this call's results whose group missed its deadline.
+        Set from this call's own results, never from the inner pool's list as it stands, which is
+        in sandboxes and is left as it was by a recv that the held results answer whole."""
         timing = self.inner.timing
         self.timing = timing
-        timing.stragglers = [i for g in timing.stragglers for i in self.members(g)]
+        timing.stragglers = envs
 
     def _reset_lanes(self, lanes: list, seeds, hard: bool, options) -> tuple:
         k = self.k
@@ -207,10 +209,12 @@ class GroupedPool(Pool):
                         taken[i] = (o, info)
                     elif "error" not in info:
                         self._sibling_reset(i, o, info, g, lanes, how or reset_whole)
-        self._stragglers()
-        return [taken.get(i, (None, {"error": "no reply"}))[0] for i in lanes], [
-            taken.get(i, (None, {"error": "no reply"}))[1] for i in lanes
-        ]
+        obs_out = [taken.get(i, (None, {"error": "no reply"}))[0] for i in lanes]
+        infos_out = [taken.get(i, (None, {"error": "no reply"}))[1] for i in lanes]
+        self._stragglers(
+            [i for i, o, info in zip(lanes, obs_out, infos_out) if o is None and info.get("straggler") is True]
+        )
+        return obs_out, infos_out
 
     def _sibling_reset(self, i: int, obs, info, group: int, lanes: list, respawned: bool) -> None:
         """Env i was reset with its group (a respawn), though not asked for: its new episode, said so."""
@@ -293,7 +297,7 @@ class GroupedPool(Pool):
             if len(result.env_ids) < groups:
                 break  # the timeout passed
         taken, self._held = self._held[:want], self._held[want:]
-        self._stragglers()
+        self._stragglers([t[0] for t in taken if t[1] is None and t[5].get("straggler") is True])
         return RecvResult(
             np.array([t[0] for t in taken], np.int64),
             [t[1] for t in taken],
