@@ -135,7 +135,8 @@ class GroupedPool(Pool):
 
     def _take(self, group: int, obs, info, asked):
         """Each member's (env, obs, reward, terminated, truncated, info) from group's reply (its
-        obs and info as the inner pool gave them); `asked`: the members it was asked for (None: all)."""
+        obs and info as the inner pool gave them); `asked`: the members it was asked for (None: all),
+        each of which it must answer, and the ones that fail with it when its reply is invalid."""
         envs = self.members(group)
         count = len(envs)
         results = info.get(GROUP_KEY) if type(info) is dict and "error" not in info else None
@@ -144,7 +145,7 @@ class GroupedPool(Pool):
             why = info.get("error") if type(info) is dict else None
             why = why if isinstance(why, str) else f"sent {type(info).__name__} where a group's reply goes"
         else:
-            why = _check(results, obs, count)
+            why = _check(results, obs, count, asked)
             if why:
                 why = f"sent an invalid group reply ({why}); it is respawned at its next reset"
                 self._respawn.add(group)
@@ -202,7 +203,7 @@ class GroupedPool(Pool):
             obs, infos = self.inner._reset_lanes(chosen, [tables[g] for g in chosen], how, None)
             for pos, g in enumerate(chosen):
                 self._respawn.discard(g)
-                got = list(self._take(g, obs[pos], infos[pos], [i % k for i in self.members(g)]))
+                got = list(self._take(g, obs[pos], infos[pos], [item[0] for item in tables[g]]))
                 reset_whole = how or len({i for i, *_ in got if _[-1].get("error") is None}) > len(tables[g])
                 for i, o, _, _, _, info in got:
                     if i in asked:
@@ -415,8 +416,9 @@ def _rows(obs) -> int:
     return -1
 
 
-def _check(results, obs, count: int) -> str:
-    """'' when a group's results are what runtime/group.py sends for `count` members, else what is wrong."""
+def _check(results, obs, count: int, asked=None) -> str:
+    """'' when a group's results are what runtime/group.py sends for `count` members asked for the
+    members `asked` (None: all), else what is wrong."""
     if type(results) is not list or len(results) != 6:
         return "its results are not the six lists a group sends"
     if not all(type(part) is list and len(part) == count for part in results):
@@ -435,6 +437,13 @@ def _check(results, obs, count: int) -> str:
         error = errors[j]
         if error is not None and (type(error) is not list or len(error) != 3 or not all(type(e) is str for e in error)):
             return f"member {j}'s error is not [phase, message, traceback]"
+    # Every member asked answers; one not asked was not stepped (a fresh process resets them all).
+    wanted = set(range(count) if asked is None else asked)
+    for j in range(count):
+        if j in wanted and kinds[j] == NOT_ASKED:
+            return f"member {j} was asked and not answered"
+        if j not in wanted and kinds[j] == STEPPED:
+            return f"member {j} was not asked and answered as stepped"
     return ""
 
 
