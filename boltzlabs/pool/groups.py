@@ -309,15 +309,20 @@ class GroupedPool(Pool):
         )
 
     def _render_lanes(self, lanes: list) -> list:
+        from boltzlabs.errors import EnvError
+
         groups = sorted({i // self.k for i in lanes})
-        frames = dict(zip(groups, self.inner._render_lanes(groups)))
+        frames, errors = self.inner._render_request(groups)
+        errors = {int(g): error for g, error in errors.items()}  # the sandbox's own: dead, ...
+        by_group = dict(zip(groups, frames))
         out = []
         for i in lanes:
-            ok, value = _member_item(frames[i // self.k], i % self.k, len(self.members(i // self.k)))
+            g = i // self.k
+            if g in errors:
+                raise EnvError(f"env {i} could not render: {errors[g]} [{self._named(g)}]", env_index=i)
+            ok, value = _member_item(by_group[g], i % self.k, len(self.members(g)))
             if not ok:
-                from boltzlabs.errors import EnvError
-
-                raise EnvError(f"env {i} could not render: {value}", env_index=i)
+                raise EnvError(f"env {i} could not render: {_failure_text(value)}", env_index=i)
             out.append(value)
         return out
 
@@ -341,7 +346,9 @@ class GroupedPool(Pool):
         for i in lanes:
             g = i // self.k
             if g in errors:
-                failed[i] = tuple(errors[g])
+                where = f" [{self._named(g)}]"
+                message, detail = errors[g]
+                failed[i] = (message + where, detail and detail + where)
                 out.append(None)
                 continue
             ok, value = _member_item(by_group[g], i % self.k, len(self.members(g)))
@@ -445,6 +452,13 @@ def _check(results, obs, count: int, asked=None) -> str:
         if j not in wanted and kinds[j] == STEPPED:
             return f"member {j} was not asked and answered as stepped"
     return ""
+
+
+def _failure_text(value) -> str:
+    """A member's [message, traceback] as the error text: its traceback, else its message."""
+    if type(value) is list and len(value) == 2 and all(type(part) is str for part in value):
+        return value[1] or value[0]
+    return str(value)[:400]
 
 
 def _member_item(items, j: int, count: int) -> tuple:
