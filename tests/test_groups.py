@@ -566,7 +566,9 @@ def test_a_members_render_failure_names_that_env(pool_factory, member_env):
     pool = pool_factory(member_env, 4, envs_per_sandbox=2)
     pool.reset(seed=0)
     pool.step([0, "render_fails", 0, 0])
-    with pytest.raises(EnvError, match=r"(?s)env 1 could not render: Traceback.*RuntimeError: render of env 1 failed") as e:
+    with pytest.raises(
+        EnvError, match=r"(?s)env 1 could not render: Traceback.*RuntimeError: render of env 1 failed"
+    ) as e:
         pool.render(1)  # its traceback, as from an env of its own sandbox
     assert e.value.env_index == 1 and "sandbox" not in str(e.value)
     with pytest.raises(EnvError, match="env 1 could not render"):
