@@ -117,7 +117,7 @@ class GroupedPool(Pool):
     def _step_lanes(self, actions: list, resets) -> StepResult:
         self._refuse_async("step() cannot run")
         k, reset_set = self.k, set(resets or ())
-        entries = [[None] * len(self.members(g)) for g in range(self.sandboxes)]
+        entries: list[list] = [[None] * len(self.members(g)) for g in range(self.sandboxes)]
         for i, action in enumerate(actions):
             entries[i // k][i % k] = [RESET, None, None] if i in reset_set else [STEPPED, action]
         result = self.inner._step_lanes(entries, None)
@@ -142,14 +142,14 @@ class GroupedPool(Pool):
         results = info.get(GROUP_KEY) if type(info) is dict and "error" not in info else None
         why = ""
         if results is None:
-            why = info.get("error") if type(info) is dict else None
-            why = why if isinstance(why, str) else f"sent {type(info).__name__} where a group's reply goes"
+            said = info.get("error") if type(info) is dict else None
+            why = said if isinstance(said, str) else f"sent {type(info).__name__} where a group's reply goes"
         else:
             why = _check(results, obs, count, asked)
             if why:
                 why = f"sent an invalid group reply ({why}); it is respawned at its next reset"
                 self._respawn.add(group)
-        if why:
+        if why or results is None:
             straggler = type(info) is dict and info.get("straggler") is True
             for j in range(count) if asked is None else asked:
                 failure = {"error": f"{why} [{self._named(group)}: every env of it fails with it]", "group": group}
@@ -342,7 +342,7 @@ class GroupedPool(Pool):
         results, errors = self.inner._attr_request(groups, op, name, [], kwargs, [tables[g] for g in groups])
         by_group = dict(zip(groups, results))
         failed: dict[int, tuple] = {}
-        out = []
+        out: list = []
         for i in lanes:
             g = i // self.k
             if g in errors:

@@ -305,7 +305,7 @@ class Group:
                 if leaf is None or leaf.shape != shape[1:] or leaf.dtype != dtype:
                     return None
                 writes.append((view, j, leaf))
-            if spec["type"] != "Box" and not _serve._same_keys(value, spec):
+            if spec is not None and spec["type"] != "Box" and not _serve._same_keys(value, spec):
                 return None
         for view, j, leaf in writes:
             view[j] = leaf
