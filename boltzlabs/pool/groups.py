@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from boltzlabs.errors import EnvStartError
 from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, attr_error
 
 # runtime/group.py's, repeated: the trainer imports nothing of the sandbox's modules.
@@ -72,7 +73,19 @@ class GroupedPool(Pool):
     def __init__(self, make_inner, n: int, k: int, batch_size=None):
         self.k = self.envs_per_sandbox = k
         self.sandboxes = -(-n // k)
-        self.inner = make_inner(self.sandboxes, [k, n])
+        try:
+            self.inner = make_inner(self.sandboxes, [k, n])
+        except EnvStartError as exc:
+            # The inner pool names the sandbox as its lane ("env g"): say which envs those are.
+            g = exc.env_index
+            if g is None or not 0 <= g < self.sandboxes:
+                raise
+            first, last = g * k, min(n, (g + 1) * k) - 1
+            raise EnvStartError(
+                f"sandbox {g} (envs {first}-{last}, envs_per_sandbox={k}) failed to start; below, 'env {g}' "
+                f"is that sandbox (its output names which of its envs failed): {exc}",
+                log=exc.log,
+            ) from exc
         self._init_lanes(n)
         inner = self.inner
         self.source = inner.source

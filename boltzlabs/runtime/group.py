@@ -83,6 +83,14 @@ def run(path: str, code: Any, value: str) -> None:
             exec(code, module.__dict__)
         except MemberServed:
             pass
+        except BaseException:
+            # The pool sees the sandbox fail, not which of its envs: say it before the traceback.
+            sys.stderr.write(
+                f"boltzlabs: env {first + j} (member {j} of this sandbox, envs {first}-{first + count - 1}) "
+                f"failed in {path}:\n"
+            )
+            sys.stderr.flush()
+            raise
         if not captured:
             sys.stderr.write(
                 f"boltzlabs: {path} returned without calling serve() (env {first + j}, member {j} of its "
