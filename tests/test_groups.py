@@ -26,7 +26,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from boltzlabs import EnvError, PoolClosedError, RLPool
+from boltzlabs import EnvError, EnvStartError, PoolClosedError, RLPool
 from boltzlabs.pool.groups import GroupedPool
 from conftest import PROBE, intervals, open_fds, overlaps, scaled
 from framers import PATHS, use_path
@@ -222,6 +222,26 @@ def test_env_fns_build_k_distinct_objects_each_in_its_own_lane(pool_factory):
     assert ids[0] != ids[1] and ids[2] != ids[3]  # one process, two objects
     pool.set_attr("index", [51], env_ids=[1])
     assert pool.get_attr("index") == [0, 51, 2, 3, 4]
+
+
+START_FAILS = """
+    import os
+
+    from boltzlabs.env import serve
+
+    if os.environ["BOLTZLABS_ENV_INDEX"] == "3" and not os.environ.get("BOLTZLABS_PROBE"):
+        raise RuntimeError("env 3 cannot start")
+    serve(reset=lambda seed: 0, step=lambda action: (0, 0.0, False, {}))
+"""
+
+
+def test_a_member_that_fails_at_start_up_names_its_sandbox_and_itself(env_dir, spawn):
+    with pytest.raises(EnvStartError) as e:
+        RLPool(env_dir(START_FAILS), 5, envs_per_sandbox=2, spawn=spawn, step_timeout=scaled(5))
+    text = str(e.value)
+    assert text.startswith(named(1, 2, 3) + " failed to start"), text
+    assert "boltzlabs: env 3 (member 1 of this sandbox, envs 2-3) failed in /env/env.py" in e.value.log
+    assert "RuntimeError: env 3 cannot start" in e.value.log and e.value.env_index is None
 
 
 @pytest.mark.parametrize("workers", [1, 2])
