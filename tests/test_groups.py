@@ -42,9 +42,10 @@ MiB = 1 << 20
 
 # An env.py with module-level state, its own env index read at import (each member runs env.py
 # as a module of its own, with $BOLTZLABS_ENV_INDEX its env's), a render, a method and two
-# attributes. reset(options=) faults: {"raise": True}, {"exit": code}.
+# attributes. reset(options=) faults: {"raise": True}, {"exit": code}, {"sleep": seconds}.
 MEMBER_ENV = """
     import os
+    import time
 
     from boltzlabs.env import serve
 
@@ -58,6 +59,7 @@ MEMBER_ENV = """
             os._exit(options["exit"])
         if options.get("raise"):
             raise RuntimeError(f"reset of env {LANE} failed on purpose")
+        time.sleep(options.get("sleep", 0))
         state["t"] = 0
         state["episodes"] += 1
         return {"lane": LANE, "t": 0, "episodes": state["episodes"], "seed": seed}, {"lane": LANE}
@@ -330,22 +332,31 @@ def test_a_group_process_that_dies_or_stalls_fails_each_of_its_envs(probe_pool, 
     assert_ok(obs, rewards, dones, infos, range(5), [1, 2, 3, 4, 5])
 
 
-def test_a_member_that_kills_its_group_in_reset_fails_the_group(pool_factory, member_env):
-    pool = pool_factory(member_env, 4, envs_per_sandbox=2)
+RESET_FAULTS = {  # options, the reset's error, the group's state, the next step's error
+    "exit": ({"exit": 4}, "exited with code 4", "dead", "exited with code 4"),
+    "deadline": ({"sleep": 60}, "missed the reset deadline", "straggler", "still busy"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(RESET_FAULTS))
+def test_a_member_that_ends_or_stalls_its_group_in_reset_fails_the_group(pool_factory, member_env, fault):
+    options, cause, state, then = RESET_FAULTS[fault]
+    pool = pool_factory(member_env, 4, envs_per_sandbox=2, step_timeout=scaled(1.5))
     pool.reset(seed=0)
     pids = pool.pids()
-    pool.reset(where=[2], options={"exit": 4})
-    assert "exited with code 4" in pool.reset_infos[2]["error"] and named(1, 2, 3) in pool.reset_infos[2]["error"]
-    assert pool.states() == ["idle", "idle", "dead", "dead"]
+    pool.reset(where=[2], options=options)
+    assert cause in pool.reset_infos[2]["error"] and named(1, 2, 3) in pool.reset_infos[2]["error"]
+    assert pool.timing.stragglers == ([2] if state == "straggler" else [])
+    assert pool.states() == ["idle", "idle", state, state]
     obs, rewards, dones, infos = pool.step([0] * 4)
-    assert_group_failed(obs, rewards, dones, infos, [2, 3], "exited with code 4", named(1, 2, 3))
+    assert_group_failed(obs, rewards, dones, infos, [2, 3], then, named(1, 2, 3))
     assert_ok(obs, rewards, dones, infos, [0, 1], [0, 1])
     pool.reset(where=[3], seed=1)  # one env's reset respawns the group: its other env is reset too
     assert "error" not in pool.reset_infos[3] and named(1, 2, 3) in pool.reset_infos[2]["group_reset"]
-    assert pool.pids()[2] == pool.pids()[3] != pids[2]
+    assert pool.pids()[2] == pool.pids()[3] != pids[2] and pool.pids()[:2] == pids[:2]
     obs, rewards, dones, infos = pool.step([0] * 4)
     assert_ok(obs, rewards, dones, infos, range(4), [0, 1, 2, 3])
-    assert [o["t"] for o in obs] == [2, 2, 1, 1]
+    assert [o["t"] for o in obs] == [2, 2, 1, 1] and [o["episodes"] for o in obs] == [1, 1, 1, 1]
 
 
 def memory_limited(factory, *args, **kwargs):
