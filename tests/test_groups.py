@@ -552,6 +552,39 @@ def test_recv_of_a_straggling_group_names_every_env_received(probe_pool):
     assert pool.states() == ["idle"] * 6
 
 
+def test_send_recv_and_partial_resets_through_a_groups_slot(pool_factory):
+    """A Box env: each result of a group's slot is its env's own, also when it is held past a later
+    step of its group, and a partial or hard reset gives just the envs asked their new obs."""
+    pool = pool_factory("CartPole-v1", 4, envs_per_sandbox=2)
+    assert pool.shared_memory is True
+    envs = [gym.make("CartPole-v1") for _ in range(4)]
+    want = [env.reset(seed=i)[0] for i, env in enumerate(envs)]
+    assert all(np.array_equal(o, w) for o, w in zip(pool.reset(seed=0), want))
+    pool.send([1, 0, 1, 0])
+    want = [env.step(a)[0] for env, a in zip(envs, [1, 0, 1, 0])]
+    got = {}
+    for _ in range(4):
+        ids, obs, *_ = pool.recv(1)
+        got[int(ids[0])] = obs[0]
+    assert sorted(got) == [0, 1, 2, 3] and all(np.array_equal(got[i], want[i]) for i in range(4))
+    pool.send([0, 1], env_ids=[0, 1])
+    ids, obs, *_ = pool.recv(1)  # env 0; env 1's result is held
+    pool.send([1], env_ids=[0])  # its sandbox steps member 0 again, rewriting the slot
+    want0, want1 = envs[0].step(0)[0], envs[1].step(1)[0]
+    rest = dict(zip(*pool.recv()[:2]))
+    assert np.array_equal(obs[0], want0) and np.array_equal(rest[1], want1)
+    assert np.array_equal(rest[0], envs[0].step(1)[0])
+    before = pool.observations
+    obs = pool.reset(where=[3], seed=9)
+    assert np.array_equal(obs[3], envs[3].reset(seed=12)[0])
+    assert all(np.array_equal(obs[i], before[i]) for i in range(3))
+    obs = pool.reset(where=[1], seed=20, hard=True)
+    assert np.array_equal(obs[1], envs[1].reset(seed=21)[0]) and "group_reset" in pool.reset_infos[0]
+    assert not np.array_equal(obs[0], before[0]) and np.array_equal(obs[2], before[2])
+    for env in envs:
+        env.close()
+
+
 def test_step_and_reset_wait_for_a_result_not_yet_received(probe_pool):
     """A group's reply can hold a result recv() has not taken: step() and a reset of that env are
     refused, as on a pool of one env per sandbox, never run under it (which would leave a stale
