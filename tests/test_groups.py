@@ -673,6 +673,13 @@ def test_sharded_and_grouped_env_fns(pool_factory):
     assert not pool.step([1] * 7)[2].any()
 
 
+def test_more_workers_than_sandboxes_is_refused_in_sandboxes():
+    with pytest.raises(
+        ValueError, match=r"workers must be in \[1, 2\]: each worker process holds at least one sandbox, "
+    ):
+        RLPool(PROBE, 4, envs_per_sandbox=2, workers=3)
+
+
 def test_sharded_and_grouped_gym_id_equals_sync_vector_env(pool_factory):
     n = 7
     pool = pool_factory("CartPole-v1", n, workers=2, envs_per_sandbox=3)
