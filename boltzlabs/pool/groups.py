@@ -157,6 +157,9 @@ class GroupedPool(Pool):
         if results is None:
             said = info.get("error") if type(info) is dict else None
             why = said if isinstance(said, str) else f"sent {type(info).__name__} where a group's reply goes"
+            # The worker's failures (died, missed its deadline) look so, and so can the group's own
+            # reply: either way it is respawned at its next reset, never trusted to go on.
+            self._respawn.add(group)
         else:
             why = _check(results, obs, count, asked)
             if why:
