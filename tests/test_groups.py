@@ -764,6 +764,10 @@ HOSTILE_GROUP = """
         elif op == "not_asked":  # an asked member answered as not asked
             kinds[0] = -1
         # "all": every member answered as stepped (a lie when only some were asked)
+        if op == "fake_failure":  # a failure as the worker reports one, with no group results
+            failure = {"error": "missed the step deadline of 5 s", "straggler": True}
+            put(wire.encode([code, seq, None, 0.0, False, True, failure] if code == wire.STEPPED else [code, seq, None, failure])[4:])
+            return
         if op in ("deep", "many"):  # raw msgpack: a member's info nested too deep, or too many objects
             if op == "deep":
                 info = b"\\x91" * depth + b"\\xc0"
@@ -813,6 +817,7 @@ ATTACKS = {
     "not_asked": "member 0 was asked and not answered",
     "deep": "nested deeper than 512 levels",
     "many": "more than 524288 objects",
+    "fake_failure": "missed the step deadline of 5 s",
 }
 
 
