@@ -19,6 +19,7 @@ Timeouts only catch hangs; no assertion is on a duration.
 """
 
 import os
+import random
 import signal
 
 import gymnasium as gym
@@ -28,7 +29,7 @@ import pytest
 
 from boltzlabs import EnvError, EnvStartError, PoolClosedError, RLPool
 from boltzlabs.pool.groups import GroupedPool
-from conftest import PROBE, intervals, open_fds, overlaps, scaled
+from conftest import PROBE, intervals, open_fds, overlaps, scaled, wait_until
 from framers import PATHS, use_path
 
 pytestmark = [
@@ -126,6 +127,13 @@ def assert_group_failed(obs, rewards, dones, infos, lanes, *words):
             assert word in infos[i]["error"], (i, word, infos[i])
 
 
+def kill_group(pool, env):
+    """SIGKILL env's sandbox (its group's bwrap: the group's process follows it), and wait until the
+    pool has seen it die: a request sent before then may still be answered."""
+    os.kill(pool.pids()[env], signal.SIGKILL)
+    assert wait_until(lambda: pool.states()[env] == "dead"), pool.states()
+
+
 @pytest.fixture
 def member_env(env_dir):
     return env_dir(MEMBER_ENV)
@@ -146,8 +154,6 @@ def test_env_py_module_state_is_each_members_own(probe_pool):
     obs, rewards, dones, infos = pool.step([1, 2, 3, 4, 5])
     # the probe's module-level `state`: each member counts its own episodes, keeps its own rng
     assert [o["episodes"] for o in obs] == [2, 1, 1, 2, 1]
-    import random
-
     seeds = [10, 1, 2, 13, 4]
     assert [o["noise"] for o in obs] == [random.Random(s).random() for s in seeds]
     assert rewards.tolist() == [1, 2, 3, 4, 5] and not dones.any()
@@ -312,7 +318,7 @@ def test_a_group_process_that_dies_or_stalls_fails_each_of_its_envs(probe_pool, 
     pids = pool.pids()
     actions = [1, 2, 3, 4, 5]
     if fault == "kill":
-        os.kill(pids[2], signal.SIGKILL)
+        kill_group(pool, 2)
     elif fault == "exit":
         actions[2] = {"op": "exit", "code": 3}
     else:
@@ -643,7 +649,7 @@ def test_a_members_render_failure_names_that_env(pool_factory, member_env):
 def test_render_and_attrs_of_a_dead_group_name_the_env_and_its_sandbox(pool_factory, member_env):
     pool = pool_factory(member_env, 4, envs_per_sandbox=2)
     pool.reset(seed=0)
-    os.kill(pool.pids()[2], signal.SIGKILL)
+    kill_group(pool, 2)
     pool.step([0] * 4)
     with pytest.raises(EnvError, match=r"env 3 could not render: .*SIGKILL") as e:
         pool.render(3)
@@ -664,7 +670,7 @@ def test_sharded_and_grouped_env_fns(pool_factory):
     assert pool.get_attr("index") == list(range(7))  # each env its own thunk, over both shards
     pids = pool.pids()
     assert grouped(pids, 2)
-    os.kill(pids[6], signal.SIGKILL)
+    kill_group(pool, 6)
     obs, rewards, dones, infos = pool.step([1] * 7)
     assert_group_failed(obs, rewards, dones, infos, [6], "SIGKILL", named(3, 6, 6))
     assert_ok(obs, rewards, dones, infos, range(6), [1.0] * 6)
