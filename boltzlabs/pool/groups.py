@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from boltzlabs.errors import EnvStartError
 from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, attr_error
 
 # runtime/group.py's, repeated: the trainer imports nothing of the sandbox's modules.
@@ -72,7 +73,19 @@ class GroupedPool(Pool):
     def __init__(self, make_inner, n: int, k: int, batch_size=None):
         self.k = self.envs_per_sandbox = k
         self.sandboxes = -(-n // k)
-        self.inner = make_inner(self.sandboxes, [k, n])
+        try:
+            self.inner = make_inner(self.sandboxes, [k, n])
+        except EnvStartError as exc:
+            # The inner pool names the sandbox as its lane ("env g"): say which envs those are.
+            g = exc.env_index
+            if g is None or not 0 <= g < self.sandboxes:
+                raise
+            first, last = g * k, min(n, (g + 1) * k) - 1
+            raise EnvStartError(
+                f"sandbox {g} (envs {first}-{last}, envs_per_sandbox={k}) failed to start; below, 'env {g}' "
+                f"is that sandbox (its output names which of its envs failed): {exc}",
+                log=exc.log,
+            ) from exc
         self._init_lanes(n)
         inner = self.inner
         self.source = inner.source
@@ -88,7 +101,8 @@ class GroupedPool(Pool):
             inner.hello or {}, observation_space=group.get("observation_space"), action_space=group.get("action_space")
         )
         self.timing = inner.timing
-        self._in_flight: dict[int, list[int]] = {}  # group -> the kind sent to each member, until its result is taken
+        self._in_flight: dict[int, list[int]] = {}  # group -> its members sent, until the group's result is taken
+        self._sent_kinds: dict[int, list[int]] = {}  # group -> the kind sent to each member, as long
         self._held: list[tuple] = []  # (env, obs, reward, terminated, truncated, info): finished, not yet received
         self._respawn: set[int] = set()  # groups that sent an invalid reply: respawned at their next reset
 
@@ -115,6 +129,7 @@ class GroupedPool(Pool):
         self.inner._check_open()
 
     def _step_lanes(self, actions: list, resets) -> StepResult:
+        self._refuse_async("step() cannot run")
         k, reset_set = self.k, set(resets or ())
         entries: list[list] = [[None] * len(self.members(g)) for g in range(self.sandboxes)]
         for i, action in enumerate(actions):
@@ -127,39 +142,38 @@ class GroupedPool(Pool):
         truncated = np.zeros(n, np.bool_)
         infos: list = [None] * n
         for g in range(self.sandboxes):
-            for i, o, r, te, tr, info in self._take(g, result.obs[g], result.infos[g], _kinds(entries[g])):
+            for i, o, r, te, tr, info in self._take(g, result.obs[g], result.infos[g], None, _kinds(entries[g])):
                 obs[i], rewards[i], terminated[i], truncated[i], infos[i] = o, r, te, tr, info
-        self._stragglers()
+        self._stragglers([i for g in self.inner.timing.stragglers for i in self.members(g)])
         return StepResult(obs, rewards, terminated, truncated, infos)
 
-    def _take(self, group: int, obs, info, asked: list, resets_besides: bool = False):
+    def _take(self, group: int, obs, info, asked, kinds=None):
         """Each member's (env, obs, reward, terminated, truncated, info) from group's reply (its
-        obs and info as the inner pool gave them). `asked`: the kind asked of each member (NOT_ASKED,
-        STEPPED, RESET), which its reply must match; `resets_besides`: a member not asked may come
-        reset (a reset's respawned group resets them all). A failure is every asked member's."""
+        obs and info as the inner pool gave them); `asked`: the members it was asked for (None: all),
+        each of which it must answer, and the ones that fail with it when its reply is invalid."""
         envs = self.members(group)
         count = len(envs)
         results = info.get(GROUP_KEY) if type(info) is dict and "error" not in info else None
-        why: str = ""
+        why = ""
         if results is None:
-            error = info.get("error") if type(info) is dict else None
-            why = error if isinstance(error, str) else f"sent {type(info).__name__} where a group's reply goes"
+            said = info.get("error") if type(info) is dict else None
+            why = said if isinstance(said, str) else f"sent {type(info).__name__} where a group's reply goes"
+            # The worker's failures (died, missed its deadline) look so, and so can the group's own
+            # reply: either way it is respawned at its next reset, never trusted to go on.
+            self._respawn.add(group)
         else:
-            why = _check(results, obs, count, asked, resets_besides)
+            why = _check(results, obs, count, asked, kinds)
             if why:
                 why = f"sent an invalid group reply ({why}); it is respawned at its next reset"
                 self._respawn.add(group)
-        if why:
+        if why or results is None:
             straggler = type(info) is dict and info.get("straggler") is True
-            for j in range(count):
-                if asked[j] == NOT_ASKED:
-                    continue
+            for j in range(count) if asked is None else asked:
                 failure = {"error": f"{why} [{self._named(group)}: every env of it fails with it]", "group": group}
                 if straggler:
                     failure["straggler"] = True
                 yield envs.start + j, None, 0.0, False, True, failure
             return
-        assert results is not None
         kinds, rewards, terminated, truncated, member_infos, errors = results
         for j in range(count):
             if kinds[j] == NOT_ASKED:
@@ -179,11 +193,13 @@ class GroupedPool(Pool):
             else:
                 yield envs.start + j, _row(obs, j), 0.0, False, False, member_infos[j] or {}
 
-    def _stragglers(self) -> None:
-        """timing.stragglers in envs: every env of a group that missed its deadline."""
+    def _stragglers(self, envs: list) -> None:
+        """timing.stragglers in envs: those of this call's results whose group missed its deadline.
+        Set from this call's own results, never from the inner pool's list as it stands, which is
+        in sandboxes and is left as it was by a recv that the held results answer whole."""
         timing = self.inner.timing
         self.timing = timing
-        timing.stragglers = [i for g in timing.stragglers for i in self.members(g)]
+        timing.stragglers = envs
 
     def _reset_lanes(self, lanes: list, seeds, hard: bool, options) -> tuple:
         k = self.k
@@ -193,9 +209,10 @@ class GroupedPool(Pool):
         groups = sorted(tables)
         for g in groups:
             self._refuse_busy(g, "reset")
+            self._refuse_held(g)
         respawn = [g for g in groups if hard or g in self._respawn]
         soft = [g for g in groups if g not in respawn]
-        wanted = set(lanes)
+        asked = set(lanes)
         taken: dict[int, tuple] = {}
         for chosen, how in ((respawn, True), (soft, False)):
             if not chosen:
@@ -203,20 +220,21 @@ class GroupedPool(Pool):
             obs, infos = self.inner._reset_lanes(chosen, [tables[g] for g in chosen], how, None)
             for pos, g in enumerate(chosen):
                 self._respawn.discard(g)
-                # Every member: a respawned group (hard, or dead before) resets them all, asked or not.
-                asked = [NOT_ASKED] * len(self.members(g))
-                for item in tables[g]:
-                    asked[item[0]] = RESET
-                for i, o, _, _, _, info in self._take(g, obs[pos], infos[pos], asked, resets_besides=True):
-                    if i in wanted:
+                got = list(self._take(g, obs[pos], infos[pos], [item[0] for item in tables[g]]))
+                reset_whole = how or len({i for i, *_ in got if _[-1].get("error") is None}) > len(tables[g])
+                for i, o, _, _, _, info in got:
+                    if i in asked:
                         taken[i] = (o, info)
                     elif "error" not in info:
-                        self._sibling_reset(i, o, info, g, lanes)
-        self._stragglers()
-        missing = (None, {"error": "its sandbox's reply had no result for it"})
-        return [taken.get(i, missing)[0] for i in lanes], [taken.get(i, missing)[1] for i in lanes]
+                        self._sibling_reset(i, o, info, g, lanes, how or reset_whole)
+        obs_out = [taken.get(i, (None, {"error": "no reply"}))[0] for i in lanes]
+        infos_out = [taken.get(i, (None, {"error": "no reply"}))[1] for i in lanes]
+        self._stragglers(
+            [i for i, o, info in zip(lanes, obs_out, infos_out) if o is None and info.get("straggler") is True]
+        )
+        return obs_out, infos_out
 
-    def _sibling_reset(self, i: int, obs, info, group: int, lanes: list) -> None:
+    def _sibling_reset(self, i: int, obs, info, group: int, lanes: list, respawned: bool) -> None:
         """Env i was reset with its group (a respawn), though not asked for: its new episode, said so."""
         info = dict(info)
         info["group_reset"] = (
@@ -231,6 +249,26 @@ class GroupedPool(Pool):
         self.terminated[i] = self.truncated[i] = False
         self._pending_resets.discard(i)
         self._begin_episodes([i], None)
+
+    def _refuse_async(self, what: str) -> None:
+        """ValueError while a send's result is outstanding, here or in the inner pool (step() does not
+        mix with send/recv): a step run under a held result would leave it stale for a later recv."""
+        flying = sum(len(members) for members in self._in_flight.values())
+        if flying or self._held:
+            raise ValueError(
+                f"{what} while {flying} env(s) are in flight and {len(self._held)} finished but not "
+                "received: recv them first (send/recv and step() do not mix)"
+            )
+
+    def _refuse_held(self, group: int) -> None:
+        """ValueError when an env of `group` has a result recv() has not taken: a reset may respawn
+        the whole sandbox, and that result would then come after the reset, stale."""
+        held = sorted(entry[0] for entry in self._held if entry[0] // self.k == group)
+        if held:
+            raise ValueError(
+                f"cannot reset env(s) of {self._named(group)}: env {held[0]} has finished and its result "
+                "has not been received; recv it first"
+            )
 
     def _refuse_busy(self, group: int, what: str) -> None:
         if group in self._in_flight:
@@ -254,10 +292,11 @@ class GroupedPool(Pool):
         groups = sorted(entries)
         self.inner._send_lanes([entries[g] for g in groups], groups, None)
         for g in groups:
-            self._in_flight[g] = _kinds(entries[g])
+            self._in_flight[g] = [j for j, e in enumerate(entries[g]) if e is not None]
+            self._sent_kinds[g] = _kinds(entries[g])
 
     def _recv_lanes(self, batch_size, timeout) -> RecvResult:
-        sent = sum(len(kinds) - kinds.count(NOT_ASKED) for kinds in self._in_flight.values())
+        sent = sum(len(members) for members in self._in_flight.values())
         want = len(self._held) + sent if batch_size is None else batch_size
         if want > len(self._held) + sent:
             raise ValueError(
@@ -271,11 +310,14 @@ class GroupedPool(Pool):
             result = self.inner._recv_lanes(groups, left)
             for pos, g in enumerate(result.env_ids.tolist()):
                 asked = self._in_flight.pop(g, [])
-                self._held += list(self._take(g, result.obs[pos], result.infos[pos], asked))
+                sent_kinds = self._sent_kinds.pop(g, None)
+                for i, o, r, te, tr, info in self._take(g, result.obs[pos], result.infos[pos], asked, sent_kinds):
+                    if i % self.k in asked:
+                        self._held.append((i, o, r, te, tr, info))
             if len(result.env_ids) < groups:
                 break  # the timeout passed
         taken, self._held = self._held[:want], self._held[want:]
-        self._stragglers()
+        self._stragglers([t[0] for t in taken if t[1] is None and t[5].get("straggler") is True])
         return RecvResult(
             np.array([t[0] for t in taken], np.int64),
             [t[1] for t in taken],
@@ -286,15 +328,20 @@ class GroupedPool(Pool):
         )
 
     def _render_lanes(self, lanes: list) -> list:
+        from boltzlabs.errors import EnvError
+
         groups = sorted({i // self.k for i in lanes})
-        frames = dict(zip(groups, self.inner._render_lanes(groups)))
+        frames, errors = self.inner._render_request(groups)
+        errors = {int(g): error for g, error in errors.items()}  # the sandbox's own: dead, ...
+        by_group = dict(zip(groups, frames))
         out = []
         for i in lanes:
-            ok, value = _member_item(frames[i // self.k], i % self.k, len(self.members(i // self.k)))
+            g = i // self.k
+            if g in errors:
+                raise EnvError(f"env {i} could not render: {errors[g]} [{self._named(g)}]", env_index=i)
+            ok, value = _member_item(by_group[g], i % self.k, len(self.members(g)))
             if not ok:
-                from boltzlabs.errors import EnvError
-
-                raise EnvError(f"env {i} could not render: {value}", env_index=i)
+                raise EnvError(f"env {i} could not render: {_failure_text(value)}", env_index=i)
             out.append(value)
         return out
 
@@ -318,7 +365,9 @@ class GroupedPool(Pool):
         for i in lanes:
             g = i // self.k
             if g in errors:
-                failed[i] = tuple(errors[g])
+                where = f" [{self._named(g)}]"
+                message, detail = errors[g]
+                failed[i] = (message + where, detail and detail + where)
                 out.append(None)
                 continue
             ok, value = _member_item(by_group[g], i % self.k, len(self.members(g)))
@@ -394,14 +443,14 @@ def _rows(obs) -> int:
 
 
 def _kinds(entries: list) -> list[int]:
-    """The kind of each member's entry (NOT_ASKED for None)."""
+    """The kind sent to each member in `entries` (NOT_ASKED for None)."""
     return [NOT_ASKED if entry is None else entry[0] for entry in entries]
 
 
-def _check(results, obs, count: int, asked: list, resets_besides: bool) -> str:
-    """'' when a group's results are what runtime/group.py sends for `count` members asked
-    `asked`, else what is wrong: every asked member answers as asked, and no other member does
-    (but reset, where `resets_besides`)."""
+def _check(results, obs, count: int, asked=None, sent=None) -> str:
+    """'' when a group's results are what runtime/group.py sends for `count` members asked for the
+    members `asked` (None: all), else what is wrong; `sent`, when given, the kind sent to each
+    member (STEPPED, RESET or NOT_ASKED), which each asked member must answer with."""
     if type(results) is not list or len(results) != 6:
         return "its results are not the six lists a group sends"
     if not all(type(part) is list and len(part) == count for part in results):
@@ -413,8 +462,6 @@ def _check(results, obs, count: int, asked: list, resets_besides: bool) -> str:
     for j in range(count):
         if type(kinds[j]) is not int or kinds[j] not in (NOT_ASKED, STEPPED, RESET):
             return f"member {j}'s kind is {kinds[j]!r:.40}"
-        if kinds[j] != asked[j] and not (asked[j] == NOT_ASKED and kinds[j] == RESET and resets_besides):
-            return f"env {j} of the group was asked for kind {asked[j]} and answered {kinds[j]}"
         if type(rewards[j]) not in (int, float) or type(terminated[j]) is not bool or type(truncated[j]) is not bool:
             return f"member {j}'s reward or done flags are not a number and bools"
         if infos[j] is not None and type(infos[j]) is not dict:
@@ -422,7 +469,23 @@ def _check(results, obs, count: int, asked: list, resets_besides: bool) -> str:
         error = errors[j]
         if error is not None and (type(error) is not list or len(error) != 3 or not all(type(e) is str for e in error)):
             return f"member {j}'s error is not [phase, message, traceback]"
+    # Every member asked answers; one not asked was not stepped (a fresh process resets them all).
+    wanted = set(range(count) if asked is None else asked)
+    for j in range(count):
+        if j in wanted and kinds[j] == NOT_ASKED:
+            return f"member {j} was asked and not answered"
+        if j not in wanted and kinds[j] == STEPPED:
+            return f"member {j} was not asked and answered as stepped"
+        if sent is not None and j in wanted and kinds[j] != sent[j]:
+            return f"member {j} was sent kind {sent[j]} and answered kind {kinds[j]}"
     return ""
+
+
+def _failure_text(value) -> str:
+    """A member's [message, traceback] as the error text: its traceback, else its message."""
+    if type(value) is list and len(value) == 2 and all(type(part) is str for part in value):
+        return value[1] or value[0]
+    return str(value)[:400]
 
 
 def _member_item(items, j: int, count: int) -> tuple:

@@ -108,6 +108,12 @@ def workers_for(args: tuple, kwargs: dict, workers) -> int:
             f"cores this process may use), not {workers!r:.80}"
         )
     if not 1 <= workers <= n:
+        group = kwargs.get("_group")
+        if group:  # RLPool(envs_per_sandbox=k): n here is the sandboxes (pool/groups.py), not the envs asked for
+            raise ValueError(
+                f"workers must be in [1, {n}]: each worker process holds at least one sandbox, and n={group[1]} "
+                f"envs at envs_per_sandbox={group[0]} make {n}; got {workers}"
+            )
         raise ValueError(f"workers must be in [1, n={n}]: each worker process holds at least one env; got {workers}")
     return int(workers)
 

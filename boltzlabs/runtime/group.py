@@ -86,6 +86,14 @@ def run(path: str, code: Any, value: str) -> None:
             exec(code, module.__dict__)
         except MemberServed:
             pass
+        except BaseException:
+            # The pool sees the sandbox fail, not which of its envs: say it before the traceback.
+            sys.stderr.write(
+                f"boltzlabs: env {first + j} (member {j} of this sandbox, envs {first}-{first + count - 1}) "
+                f"failed in {path}:\n"
+            )
+            sys.stderr.flush()
+            raise
         if not captured:
             sys.stderr.write(
                 f"boltzlabs: {path} returned without calling serve() (env {first + j}, member {j} of its "
@@ -334,7 +342,7 @@ class Group:
                 if leaf is None or leaf.shape != shape[1:] or leaf.dtype != dtype:
                     return None
                 writes.append((view, j, leaf))
-            if spec["type"] != "Box" and not _serve._same_keys(value, spec):
+            if spec is not None and spec["type"] != "Box" and not _serve._same_keys(value, spec):
                 return None
         for view, j, leaf in writes:
             view[j] = leaf
