@@ -967,16 +967,7 @@ def test_trust_env_with_groups_is_refused():
     [
         ((PROBE, 3), {}),
         ((PROBE,), {"n": 3}),
-        pytest.param(
-            (),
-            {"source": PROBE, "n": 3},
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="RLPool.__new__ (pool/client.py, not this branch's to change here) groups only when "
-                "the source is positional (len(args) >= 1): RLPool(source=..., n=..., envs_per_sandbox=2) "
-                "starts 3 ungrouped sandboxes with no word",
-            ),
-        ),
+        ((), {"source": PROBE, "n": 3}),
     ],
 )
 def test_envs_per_sandbox_groups_with_every_spelling_of_the_arguments(args, kwargs):
