@@ -27,9 +27,11 @@ truncated with infos["error"] and its last observation; autoreset respawns it.
 
 Seeds are checked as Gymnasium checks them, before anything runs;
 `np_random_seed` is each env's own (asked of the env where the source
-serves a Gymnasium env object: gym ids and env_fns), else the seed each
-lane's latest seeded reset was given (-1 where none was). `call`, `get_attr`
-and `set_attr` reach the envs in their sandboxes (RLPool.call and friends).
+serves a Gymnasium env object: gym ids and env_fns; an env with no
+generator yet draws its seed then, as SyncVectorEnv's does), else the seed
+each lane's latest seeded reset was given (-1 where none was). `call`,
+`get_attr` and `set_attr` reach the envs in their sandboxes (RLPool.call and
+friends).
 
 Built as AsyncVectorEnv is, from env_fns: `BoltzLabsVecEnv([make_env(i) for i
 in range(n)])` pickles each callable here (the trainer is the trusted side)
@@ -259,13 +261,16 @@ class BoltzLabsVecEnv(VectorEnv):
     def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]
         """The seed each env's generator was made from, as SyncVectorEnv's
         ((42, 43) after reset(seed=42)). For envs served as Gymnasium env
-        objects (serve_env: gym ids, env_fns) the seed each env's generator
-        was made from, read in its sandbox, so a thunk that seeds its env is
-        seen; for an env directory the seed of the lane's latest seeded
-        reset. -1 (Gymnasium's "unknown") for an env never seeded (where
-        SyncVectorEnv's env would draw a seed from entropy on the spot)."""
+        objects (serve_env: gym ids, env_fns) each env's own np_random_seed,
+        read in its sandbox: a thunk that seeds its env is seen, and an env
+        with no generator yet makes one from a seed drawn from entropy (a
+        128-bit int), as SyncVectorEnv's envs do when asked. For an env
+        directory that serves functions, the seed of the lane's latest
+        seeded reset, -1 (Gymnasium's "unknown") before one: there is no
+        generator to ask. A value an env sends that is not a seed is an
+        EnvError naming its lane."""
         if self._env_objects:
-            return tuple(int(seed) for seed in self.pool.call(NP_RANDOM_SEED))
+            return tuple(_seed_from_env(seed, i) for i, seed in enumerate(self.pool.call(NP_RANDOM_SEED)))
         return tuple(self._seeds)
 
     def reset(self, *, seed: int | list | None = None, options: dict | None = None):
@@ -535,6 +540,26 @@ def _comparable(spec):
     if isinstance(spec, list):
         return [_comparable(v) for v in spec]
     return spec
+
+
+# The decimal digits of the largest np_random_seed read from an env: 256 bits, twice what numpy
+# draws from entropy, and far below what int() parses in linear time.
+_SEED_DIGITS = 78
+
+
+def _seed_from_env(value, lane: int) -> int:
+    """Lane `lane`'s np_random_seed as its env sent it (boltzlabs/runtime/gym_serve.py):
+    an int of at least -1 that fits msgpack's 64 bits, or a larger one as its decimal digits.
+    The env is untrusted: anything else is an EnvError naming the lane."""
+    if type(value) is int and value >= -1:
+        return value
+    if type(value) is str and 0 < len(value) <= _SEED_DIGITS and value.isascii() and value.isdigit():
+        return int(value)
+    raise EnvError(
+        f"env {lane} sent {value!r:.100} as its np_random_seed, which is not a seed (an int >= -1, "
+        f"or the decimal digits of one below 10**{_SEED_DIGITS})",
+        env_index=lane,
+    )
 
 
 def _check_seeds(seed, n: int) -> list:
