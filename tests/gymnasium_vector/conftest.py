@@ -17,6 +17,7 @@ lists; each names its reason once, here.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -75,6 +76,16 @@ class Source:
         return self.gym_id, tuple(sorted((k, repr(v)) for k, v in self.params.items()))
 
 
+def _gym_thunk(gym_id: str, params: dict, seed: int | None):
+    """Source.thunk for a registered id, written out: it pickles alone (Source would take its
+    module's `generic`, loaded by path and importable nowhere, into the pickle)."""
+    env = gym.make(gym_id, **params)
+    if seed is not None:
+        env.action_space.seed(seed)
+        env.reset(seed=seed)
+    return env
+
+
 def make_env(env_name: str, seed: int | None = None, **kwargs) -> Source:
     """Upstream's tests/vector/testing_utils.make_env, as a Source."""
     return Source(env_name, {"disable_env_checker": True, **kwargs}, seed)
@@ -129,15 +140,21 @@ def _strip(infos: dict) -> dict:
 
 @pytest.fixture
 def build():
-    """`build(vectoriser, sources, **vector_kwargs)`: the vector env over these sub-envs."""
+    """`build(vectoriser, sources, **vector_kwargs)`: the vector env over these sub-envs; with
+    `thunks=True` ours is built as the others are, from the sources' thunks (env_fns)."""
     made = []
 
-    def make(vectoriser: str, sources, **vector_kwargs):
+    def make(vectoriser: str, sources, *, thunks: bool = False, **vector_kwargs):
         sources = list(sources)
         if vectoriser == "sync":
             env = SyncVectorEnv([s.thunk for s in sources], **vector_kwargs)
         elif vectoriser == "async":
             env = AsyncVectorEnv([s.thunk for s in sources], **vector_kwargs)
+        elif thunks:
+            # Upstream's callables (env_fns), each called in its own sandbox: a seed in a thunk is seen.
+            assert all(s.gym_id is not None for s in sources), "thunks=True builds registered ids"
+            fns = [functools.partial(_gym_thunk, s.gym_id, s.params, s.seed) for s in sources]
+            env = WithoutRuntimeInfo(BoltzLabsVecEnv(fns, step_timeout=STEP_TIMEOUT, warmup=False, **vector_kwargs))
         else:
             assert vectoriser == "boltzlabs", vectoriser
             if len({s.key() for s in sources}) != 1:
@@ -245,10 +262,6 @@ PER_ENV_WRAPPERS = pytest.mark.skip(
 SANDBOX_RNG_SEEN = pytest.mark.skip(
     reason="the same host-side action_space as every other id (test_sync_vector_determinism[CartPole-v1-boltzlabs] "
            "checks the difference, strict)")
-UNSEEDED = pytest.mark.xfail(
-    strict=True, reason="upstream's make_env(env_name, seed) resets each sub-env with its seed inside the callable; "
-                        "a sandboxed env is seeded only by reset(seed=...), so before that np_random_seed is -1 "
-                        "(Gymnasium's 'unknown') in every lane")
 
 
 def pytest_collection_modifyitems(config, items):
