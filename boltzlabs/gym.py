@@ -57,6 +57,7 @@ from boltzlabs.pool.protocol import Pool
 from boltzlabs.errors import EnvError
 from boltzlabs.pool.spaces import gym_rebuilder, rebuilder, space_or_rebuild
 from boltzlabs.runtime.gym_serve import NP_RANDOM_SEED, SPACES
+from boltzlabs.runtime.spec import graph_restorer
 
 __all__ = ["BoltzLabsVecEnv"]
 
@@ -179,6 +180,8 @@ class BoltzLabsVecEnv(VectorEnv):
         self.render_mode = contract.render_mode
         self.copy = copy
         self._observations = create_empty_array(self.single_observation_space, n=self.num_envs, fn=np.zeros)
+        # For a space that holds a Graph: each obs with its GraphInstances back (the wire carries plain tuples).
+        self._restore = graph_restorer(self.single_observation_space)
         self._env_obs = [None] * self.num_envs
         self._all_reset = False  # every lane has an observation: step() may run
         self._autoreset = np.zeros(self.num_envs, dtype=np.bool_)
@@ -394,7 +397,10 @@ class BoltzLabsVecEnv(VectorEnv):
                 if i in done:
                     final = obs[i] if obs[i] is not None else self._env_obs[i]
                     # The env's own (writable) arrays in SyncVectorEnv; ours are views of the frame.
-                    infos = self._add_info(infos, {"final_obs": _writable(final), "final_info": env_infos[i]}, i)
+                    final = _writable(final)
+                    if self._restore is not None:
+                        final = self._restore(final)
+                    infos = self._add_info(infos, {"final_obs": final, "final_info": env_infos[i]}, i)
                     self._env_obs[i] = observations[i] if observations[i] is not None else final
                     infos = self._add_info(infos, pool.reset_infos[i], i)
                 else:
@@ -467,7 +473,8 @@ class BoltzLabsVecEnv(VectorEnv):
                 and batch.shape == self._observations.shape
             ):  # the pool's batch (its slots'): one copy, not two
                 return batch.copy()
-        self._observations = concatenate(self.single_observation_space, self._env_obs, self._observations)
+        env_obs = self._env_obs if self._restore is None else [self._restore(o) for o in self._env_obs]
+        self._observations = concatenate(self.single_observation_space, env_obs, self._observations)
         if not self.copy:
             return self._observations
         if type(self._observations) is np.ndarray:  # a Box: what deepcopy makes, without its machinery

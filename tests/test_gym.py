@@ -17,6 +17,7 @@ import uuid
 import gymnasium as gym
 import numpy as np
 import pytest
+from gymnasium.utils.env_checker import data_equivalence
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from gymnasium.wrappers.vector import NormalizeObservation, RecordEpisodeStatistics
 
@@ -371,6 +372,58 @@ def test_render_of_a_gym_source():
 def test_the_adapter_needs_declared_spaces(probe_pool):
     with pytest.raises(ValueError, match="declared no observation_space"):
         BoltzLabsVecEnv(probe_pool(1))
+
+
+GRAPHS = [
+    gym.spaces.Graph(node_space=gym.spaces.Box(-1, 1, (2,)), edge_space=None),
+    gym.spaces.Graph(node_space=gym.spaces.Discrete(5), edge_space=gym.spaces.Box(-100, 100, (3, 4))),
+    gym.spaces.Graph(
+        node_space=gym.spaces.Dict([("pos", gym.spaces.Box(-10, 10, (3,))), ("label", gym.spaces.Discrete(5))]),
+        edge_space=gym.spaces.Tuple((gym.spaces.Discrete(4), gym.spaces.Box(0, 1, (2,)))),
+    ),
+    gym.spaces.Sequence(gym.spaces.Graph(node_space=gym.spaces.Box(-1, 1, (2,)), edge_space=gym.spaces.Discrete(4))),
+    gym.spaces.OneOf([gym.spaces.Discrete(2), gym.spaces.Graph(node_space=gym.spaces.MultiBinary(3), edge_space=None)]),
+]
+
+
+@pytest.mark.parametrize("space", GRAPHS, ids=repr)
+def test_graph_specs_round_trip_and_their_values_come_back_as_graph_instances(space):
+    """The spec's two halves (runtime/spec.py in the env, pool/spaces.py in the trainer) and the
+    restorer both sides run on what the wire delivers (tests/test_gym_compat.py runs them in pools)."""
+    from boltzlabs.pool.spaces import from_spec
+    from boltzlabs.runtime.spec import graph_restorer, to_spec
+
+    def across(value):  # as a frame delivers it: a step's action, or a reply's obs
+        return wire.FrameReader(wire.Limits(1 << 20)).feed(wire.encode([wire.STEP, 0, value, False]))[0][2]
+
+    assert from_spec(across(to_spec(space))) == space
+    space.seed(3)
+    for _ in range(5):
+        value = space.sample()
+        restored = graph_restorer(space)(across(value))  # each GraphInstance arrived a plain tuple
+        assert restored in space and data_equivalence(restored, value, exact=True)  # types too
+
+
+def test_a_malformed_graph_spec_or_value_is_refused_or_passed_on_never_a_crash():
+    from boltzlabs.pool.spaces import from_spec
+    from boltzlabs.runtime.spec import graph_restorer
+
+    box = {"type": "Box", "low": 0, "high": 1, "shape": [2], "dtype": "float32"}
+    for spec in [
+        {"type": "Graph"},
+        {"type": "Graph", "node_space": None, "edge_space": None},
+        {"type": "Graph", "node_space": "Box", "edge_space": None},
+        {"type": "Graph", "node_space": box, "edge_space": {"type": "Box"}},
+    ]:
+        with pytest.raises(ValueError, match="malformed|cannot describe"):
+            from_spec(spec)
+    restore = graph_restorer(GRAPHS[0])
+    for value in [None, "graph", (), (1, 2), (1, 2, 3, 4), {"nodes": 1}, np.zeros(3)]:
+        assert restore(value) is value
+    one_of = graph_restorer(GRAPHS[4])
+    for value in [(7, (np.zeros((1, 3)), None, None)), (-1, ()), ("0", ()), (0,), 5]:
+        assert one_of(value) is value
+    assert graph_restorer(gym.spaces.Box(0, 1)) is None  # no Graph: nothing to do
 
 
 FLAKY = """

@@ -32,6 +32,8 @@ N = 2
 
 
 TypedEnv = env_class(TYPED_ENV, "TypedEnv")
+GRAPH_ENV = TESTS / "envs" / "graph_env"
+GraphEnv = env_class(GRAPH_ENV, "GraphEnv")
 
 
 def assert_same(got, want, where="value"):
@@ -211,6 +213,37 @@ def test_tuples_numpy_scalars_and_metadata_survive_the_wire(pool_factory, mode):
                 final["z"][0] = 1.0
                 finals += 1
     assert finals >= 2 or mode == AutoresetMode.NEXT_STEP
+
+
+@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP], ids=lambda m: m.name)
+def test_graph_spaces_travel_and_their_values_are_graph_instances_both_ways(pool_factory, mode):
+    """A Graph observation (in a Dict) and a Graph action, from an env directory, as SyncVectorEnv
+    has them: the spaces from the handshake, a batch a tuple of GraphInstance (Gymnasium's
+    concatenate), final_obs too; the env is given GraphInstance actions (its step asserts it)."""
+    ours = BoltzLabsVecEnv(pool_factory(GRAPH_ENV, N), autoreset_mode=mode)
+    reference = SyncVectorEnv([GraphEnv] * N, autoreset_mode=mode)
+    spec = ours.pool.env_contract.observation_space["spaces"][0][1]
+    assert spec["type"] == "Graph" and spec["node_space"]["type"] == "Box" and spec["edge_space"]["type"] == "Discrete"
+    for name in ("single_observation_space", "single_action_space", "observation_space", "action_space"):
+        assert getattr(ours, name) == getattr(reference, name), name
+    got, want = env_part(ours.reset(seed=5)), reference.reset(seed=5)
+    assert_same(got, want)
+    assert type(got[0]["graph"][0]) is gym.spaces.GraphInstance and got[0] in ours.observation_space
+    reference.action_space.seed(1)
+    finals = 0
+    for t in range(7):
+        action = reference.action_space.sample()  # a tuple of GraphInstance, one per env
+        got, want = env_part(ours.step(action)), reference.step(action)
+        assert_same(got, want, f"step {t}")  # rewards: the sums of the actions' nodes, seen by the envs
+        assert got[0] in ours.observation_space
+        if "final_obs" in want[4]:
+            for i in np.flatnonzero(want[4]["_final_obs"]):
+                assert got[4]["final_obs"][i] in ours.single_observation_space
+                finals += 1
+    assert finals >= 2 or mode == AutoresetMode.NEXT_STEP
+    # A value that is no graph is passed on as sent, for the space to refuse (SyncVectorEnv's too).
+    obs, _ = ours.reset(options={"malformed": True})
+    assert obs["graph"][0] == ("not", "a", "graph", "at all") and obs not in ours.observation_space
 
 
 def test_blackjack_final_obs_is_a_tuple_as_in_sync_vector_env(pool_factory):

@@ -192,8 +192,8 @@ def make_vec(build):
 
 REFUSED_SPACE = pytest.mark.xfail(
     strict=True, raises=ValueError,
-    reason="the adapter refuses spaces it cannot rebuild from their spec, for an env directory (Graph, custom); "
-           "for gym ids and env_fns it builds one env in the trainer to read them")
+    reason="the adapter refuses spaces it cannot rebuild from their spec, for an env directory (a custom "
+           "space class); for gym ids and env_fns it builds one env in the trainer to read them")
 HETEROGENEOUS = pytest.mark.skip(
     reason="a pool runs one source with one set of params in every lane: its sub-envs cannot differ")
 SANDBOX_RNG = pytest.mark.xfail(
@@ -211,29 +211,13 @@ def vectorisers(*, boltzlabs=(), sync=(), names=("sync", "boltzlabs")):
     return [pytest.param(name, marks=marks[name], id=name) for name in names]
 
 
-# TESTING_SPACES the adapter cannot rebuild from their spec (Graph: GraphInstance values would arrive
-# as plain tuples); it refuses them. Text, Sequence and OneOf travel in the handshake.
-_REFUSED_KINDS = ("Graph",)
-
-
-REFUSED_SPACE_SEEN = pytest.mark.skip(
-    reason="the adapter refuses this space; the refusal is checked (strict) on the first space of its kind "
-           "in test_vector_obs_action_spaces")
-
-
-def space_params(*, boltzlabs=(), every_refusal=True, names=("sync", "boltzlabs")):
+def space_params(*, boltzlabs=(), names=("sync", "boltzlabs")):
     """(space_index, vectoriser) over Gymnasium's TESTING_SPACES, ids upstream's space ids; on our side,
-    `boltzlabs=` marks the spaces the adapter rebuilds, REFUSED_SPACE the first refused one of each outer
-    kind (every_refusal=False: none) and REFUSED_SPACE_SEEN the rest, since each pool costs a start."""
+    `boltzlabs=` marks. Every one of them travels in the handshake (Graph too), so none is refused."""
     TESTING_SPACES_IDS = generic.testing_spaces().TESTING_SPACES_IDS
-    params, kinds_seen = [], set()
+    params = []
     for index, space_id in enumerate(TESTING_SPACES_IDS):
-        mark = boltzlabs
-        if any(kind in space_id for kind in _REFUSED_KINDS):
-            kind = space_id.split("(", 1)[0]
-            mark = REFUSED_SPACE if every_refusal and kind not in kinds_seen else REFUSED_SPACE_SEEN
-            kinds_seen.add(kind)
-        for vectoriser in vectorisers(boltzlabs=mark, names=names):
+        for vectoriser in vectorisers(boltzlabs=boltzlabs, names=names):
             params.append(pytest.param(index, vectoriser.values[0], marks=vectoriser.marks,
                                        id=f"{space_id}-{vectoriser.id}"))
     return params
