@@ -88,7 +88,7 @@ class BoltzLabsVecEnv(VectorEnv):
     `shared_memory`, `context` and `daemon` are AsyncVectorEnv's and do
     nothing here (observations cross a pipe; every env is its own process).
     Other keywords are RLPool's options (step_timeout, memory_limit,
-    spawn, env_vars, ...).
+    spawn, env_vars, ...); a misspelt one is refused (TypeError naming it).
     """
 
     # Set by make() before __init__ for the pool it makes: how to build one env here to read a space the
@@ -205,7 +205,8 @@ class BoltzLabsVecEnv(VectorEnv):
         """A pool of `num_envs` sandboxes of `source` ("CartPole-v1",
         "gym://Pendulum-v1" or an env directory) behind the adapter. `kwargs`
         are RLPool's options (step_timeout, memory_limit, ...) and the env's
-        params (render_mode="rgb_array", ...), checked before any sandbox starts.
+        params (render_mode="rgb_array", ..., or params={...}), checked before
+        any sandbox starts.
         `cluster="ray"` (or a Ray cluster's address, with `envs_per_node=`)
         spreads the envs over a Ray cluster (boltzlabs.cluster.ClusterPool)."""
         observation_space, action_space = kwargs.pop("observation_space", None), kwargs.pop("action_space", None)

@@ -11,8 +11,11 @@ and records, the env contract, render, and failures on a lane.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import logging
 import uuid
+import warnings
 
 import gymnasium as gym
 import numpy as np
@@ -222,15 +225,159 @@ def test_good_params_pass_the_check(no_sandbox):
             RLPool(source, 1, **params)
 
 
-def test_params_reach_an_env_directory_and_pool_option_typos_warn(env_dir):
-    source = env_dir("""
-        from boltzlabs.env import params, serve
-        serve(reset=lambda seed, options=None: params(), step=lambda a: (0, 0.0, False, {}))
-    """)
-    with pytest.warns(UserWarning, match="did you mean the pool option 'step_timeout'"):
-        pool = RLPool(source, 1, step_timout=5, size=(3, 4), name="x")
-    with pool:
-        assert pool.reset() == [{"step_timout": 5, "size": [3, 4], "name": "x"}]  # JSON: tuples arrive as lists
+READS_PARAMS = """
+    from boltzlabs.env import params, serve
+    serve(reset=lambda seed, options=None: params(), step=lambda a: (0, 0.0, False, {}))
+"""
+IGNORES_PARAMS = """
+    from boltzlabs.env import serve
+    serve(reset=lambda seed, options=None: "no params read", step=lambda a: (0, 0.0, False, {}))
+"""
+
+
+def test_params_reach_an_env_directory_as_keywords_or_in_params(env_dir):
+    source = env_dir(READS_PARAMS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no word about any of them: they are read
+        pool = RLPool(source, 1, params={"step_timout": 5, "worker_id": 2}, size=(3, 4), name="x")
+    with pool:  # a param named like a misspelt option goes in params={...}; JSON: tuples arrive as lists
+        assert pool.reset() == [{"step_timout": 5, "worker_id": 2, "size": [3, 4], "name": "x"}]
+
+
+def _thunk():
+    return gym.make("CartPole-v1")
+
+
+class _LimitedEnv(gym.Env):
+    """A Gymnasium env whose constructor names params that look like RLPool's options."""
+
+    def __init__(self, limit=1, worker_id=0):
+        self.limit, self.worker_id = limit, worker_id
+
+
+# No module of its own (a partial of a class of this file): nothing for the sandbox to import first.
+gym.register("BoltzLabsTest/Limited-v0", entry_point=functools.partial(_LimitedEnv))
+
+
+@pytest.mark.parametrize(
+    "make, name, option",
+    [
+        (lambda dir, **kw: RLPool(dir, 2, **kw), "step_timout", "step_timeout"),
+        (lambda dir, **kw: RLPool(dir, 2, workers=2, **kw), "memory_limt", "memory_limit"),  # sharded
+        (lambda dir, **kw: RLPool("CartPole-v1", 2, **kw), "memory_limt", "memory_limit"),
+        pytest.param(
+            lambda dir, **kw: RLPool("gym://HalfCheetah-v5", 2, **kw),  # a constructor that takes **kwargs
+            "steps_timeout",
+            "step_timeout",
+            marks=pytest.mark.skipif(importlib.util.find_spec("mujoco") is None, reason="mujoco is not installed"),
+        ),
+        (lambda dir, **kw: RLPool([_thunk] * 2, 2, **kw), "step_timout", "step_timeout"),
+        (lambda dir, **kw: BoltzLabsVecEnv([_thunk] * 2, **kw), "start_timout", "start_timeout"),
+        (lambda dir, **kw: BoltzLabsVecEnv.make("CartPole-v1", 2, **kw), "autoreset_mod", "autoreset_mode"),
+        (lambda dir, **kw: BoltzLabsVecEnv.make(dir, 2, **kw), "observaton_space", "observation_space"),
+        (lambda dir, **kw: RLPool(dir, 2, **kw), "worker_id", "worker"),  # an env param of that name: params=
+    ],
+    ids=[
+        "env dir",
+        "sharded",
+        "gym id",
+        "gym id with **kwargs",
+        "env_fns",
+        "adapter env_fns",
+        "adapter option",
+        "adapter env dir",
+        "a param named like an option",
+    ],
+)
+def test_a_misspelt_option_is_refused_naming_it_before_any_sandbox_starts(no_sandbox, env_dir, make, name, option):
+    source = env_dir(READS_PARAMS)
+    with pytest.raises(TypeError, match=rf"unknown option '{name}': did you mean '{option}'\? \((.*params=|env_fns)"):
+        make(source, **{name: 5})
+
+
+def test_a_gym_constructor_names_its_own_params_whatever_option_they_resemble(no_sandbox):
+    with pytest.raises(AssertionError, match="a worker was started"):  # the check passed
+        RLPool("gym://BoltzLabsTest/Limited-v0", 1, limit=3, worker_id=2)
+    with pytest.raises(ValueError, match="takes no argument 'limt'; did you mean 'limit'"):
+        RLPool("gym://BoltzLabsTest/Limited-v0", 1, limt=3)  # nearer the env's own than the option 'limits'
+    with pytest.raises(TypeError, match="unknown option 'limitss': did you mean 'limits'"):
+        RLPool("gym://BoltzLabsTest/Limited-v0", 1, limitss=3)
+
+
+@pytest.mark.parametrize(
+    "source, error, match",
+    [
+        ("CartPole-v1", ValueError, "'CartPole-v1' takes no argument 'colour'"),
+        ([_thunk], TypeError, "env_fns carry their own arguments; these are not options of the pool: colour"),
+    ],
+    ids=["gym id", "env_fns"],
+)
+def test_an_unknown_keyword_is_refused_by_a_source_that_takes_no_such_param(no_sandbox, source, error, match):
+    with pytest.raises(error, match=match):
+        RLPool(source, 1, colour="red")
+    with pytest.raises(error, match=match):
+        RLPool(source, 1, params={"colour": "red"})
+
+
+def test_params_given_twice_or_not_as_a_dict_are_refused(no_sandbox, env_dir):
+    source = env_dir(READS_PARAMS)
+    with pytest.raises(TypeError, match="env param 'level' is given twice"):
+        RLPool(source, 1, level=1, params={"level": 2})
+    with pytest.raises(TypeError, match="params must be a dict"):
+        RLPool(source, 1, params=[("level", 1)])
+
+
+def test_params_an_env_directory_never_reads_are_warned_about_once(env_dir):
+    source = env_dir(IGNORES_PARAMS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for workers in (1, 1, 2):  # the same params again, and a sharded pool: no second warning
+            with RLPool(source, 2, workers=workers, level=3, warmup=False) as pool:
+                assert pool.reset() == ["no params read"] * 2  # they went nowhere; the env runs
+        with RLPool(source, 2, params={"levl": 3}, memory_cap="1G", warmup=False) as pool:
+            pool.reset()
+    unread = [w for w in caught if "never reads them" in str(w.message)]
+    assert [str(w.message).split(" go to ")[0] for w in unread] == [
+        "env params 'level'",
+        "env params 'levl', 'memory_cap'",
+    ]
+    assert all(w.category is UserWarning and w.filename == __file__ for w in unread)  # at the caller's line
+    assert f"go to {source}, whose code never reads them" in str(unread[0].message)
+    assert "Did you mean the option 'memory_limit' for 'memory_cap'?" in str(unread[1].message)
+
+
+def test_every_adapter_keyword_is_an_option_a_misspelling_is_checked_against():
+    """The layers above RLPool pass the keywords they do not take on to it: a misspelling of one of
+    theirs arrives as a bare keyword, to be compared with their names too (keywords.ADAPTER_OPTIONS)."""
+    import inspect
+
+    from boltzlabs.cluster import ClusterPool
+    from boltzlabs.pool import keywords
+
+    layers = [BoltzLabsVecEnv.__init__, BoltzLabsVecEnv.make, ClusterPool.__init__]
+    if importlib.util.find_spec("stable_baselines3") is not None:
+        from boltzlabs.sb3 import BoltzLabsSB3VecEnv
+
+        layers.append(BoltzLabsSB3VecEnv.__init__)
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    theirs = {name for f in layers for name, p in inspect.signature(f).parameters.items() if p.kind in named}
+    assert theirs - {"self", "cls", "env_fns", "source", "n"} <= set(keywords.options(RLPool.__init__))
+
+
+def test_reading_params_anywhere_in_an_env_directory_counts(tmp_path):
+    from boltzlabs.pool.keywords import reads_params
+
+    (tmp_path / "env.py").write_text("import helper\nhelper.main()\n")
+    assert not reads_params(tmp_path)
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "helper.py").write_text("import boltzlabs.env as be\nlevel = be.params ( )['level']\n")
+    assert reads_params(tmp_path)
+    (tmp_path / "lib" / "helper.py").write_text("import os, json\njson.loads(os.environ['BOLTZLABS_PARAMS'])\n")
+    assert reads_params(tmp_path)
+    (tmp_path / "lib" / "helper.py").write_text("from boltzlabs.env import params as p\n")
+    assert reads_params(tmp_path)
+    (tmp_path / "lib" / "helper.py").write_text("def get_params(): pass\n")
+    assert not reads_params(tmp_path)
 
 
 def test_a_path_that_exists_wins_over_a_gym_id(tmp_path, monkeypatch):

@@ -117,7 +117,8 @@ def rebuilder(thunk):
 
 def gym_rebuilder(source, kwargs: dict):
     """rebuilder for a Gymnasium id: gymnasium.make(id, **the env's params)
-    (RLPool's own options left out); None for an env directory."""
+    (params={...} and the keywords that are not RLPool's options; the pool
+    has checked them); None for an env directory."""
     import inspect
     import os
 
@@ -126,8 +127,8 @@ def gym_rebuilder(source, kwargs: dict):
 
     if not isinstance(source, str) or (not source.startswith(sources.GYM_PREFIX) and os.path.exists(source)):
         return None
-    options = set(inspect.signature(RLPool.__init__).parameters) | {"cluster", "envs_per_node"}
-    params = {k: v for k, v in kwargs.items() if k not in options}
+    options = set(inspect.signature(RLPool.__init__).parameters) | {"cluster", "envs_per_node", "workers_per_node"}
+    params = {**(kwargs.get("params") or {}), **{k: v for k, v in kwargs.items() if k not in options}}
     env_id = source[len(sources.GYM_PREFIX) :] if source.startswith(sources.GYM_PREFIX) else source
 
     def make():

@@ -39,7 +39,8 @@ started = False  # serve() has been called in this process
 
 
 def params() -> dict[str, Any]:
-    """The construction params given to the pool: `RLPool(source, n, **params)`.
+    """The construction params given to the pool: `RLPool(source, n, params={...})`,
+    and its keywords that are no option of the pool (`RLPool(source, n, level=3)`).
 
     They arrive as JSON in the environment, so values are JSON types (a tuple
     given to the pool arrives as a list).
