@@ -76,7 +76,7 @@ def measure(source, n: int, steps: int, *, spawn: str = "template", actions=None
     from boltzlabs import RLPool
 
     started = time.perf_counter()
-    pool = RLPool(source, n, spawn=spawn, **(params or {}))
+    pool = RLPool(source, n, spawn=spawn, params=params)
     start_s = time.perf_counter() - started
     try:
         batches = action_batches(pool, actions)

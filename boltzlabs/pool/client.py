@@ -40,7 +40,7 @@ import numpy as np
 
 from boltzlabs import wire
 from boltzlabs.link import worker_environment
-from boltzlabs.pool import groups, imports, progress as start_progress, shards, slots, sources
+from boltzlabs.pool import groups, imports, keywords, progress as start_progress, shards, slots, sources
 from boltzlabs.errors import (
     CATEGORIES,
     DEADLINE,
@@ -336,9 +336,16 @@ class RLPool(Pool):
       cluster: refused (TypeError): a pool over a Ray cluster is
         boltzlabs.cluster.ClusterPool(source, n, cluster="ray", ...), the
         same protocol (boltzlabs.pool.protocol.Pool).
-      **params: construction params. A Gymnasium source passes them to
-        gymnasium.make(id, **params), checked against the env's constructor
-        here; an env directory reads them with boltzlabs.env.params().
+      params: the env's construction params, as a dict: a Gymnasium source
+        passes them to gymnasium.make(id, **params), checked against the
+        env's constructor here; an env directory reads them with
+        boltzlabs.env.params(); env_fns take none. A keyword this signature
+        does not take is such a param too (RLPool(src, n, level=3)), unless
+        its name is close to an option's (step_timout=): that is refused as a
+        misspelling (TypeError naming the option), unless a Gymnasium env's
+        constructor names it; a param of such a name goes in params={...}.
+        An env directory whose code never reads params() is warned about
+        once (a text scan of its .py files). docs/api.md#env-params.
 
     `source` is a directory holding env.py, "gym://<id>" for a Gymnasium env,
     a bare Gymnasium id ("CartPole-v1", "ALE/Pong-v5") when no such path
@@ -415,9 +422,10 @@ class RLPool(Pool):
         envs_per_sandbox=None,
         vectorization_mode=None,
         _group: list | None = None,
+        params=None,
         _shard: tuple[int, int] = (0, 1),
         _progress: start_progress.StartProgress | None = None,
-        **params,
+        **env_params,
     ):
         self._closed = True
         self.workers = 1  # the worker processes the lanes are split over (pool/shards.py for more than one)
@@ -430,11 +438,18 @@ class RLPool(Pool):
         n = check_n(n)
         self.batch_size = check_batch_size(batch_size, n)
         cpus = check_cpus(cpus)
-        _warn_pool_option_typos(params)
         # A grouped pool's lanes are sandboxes (pool/groups.py): _group is [k, envs], and the source
         # (env_fns) holds an env per env, not per lane. envs_per_sandbox of 1 is this pool.
         groups.group_size(envs_per_sandbox, vectorization_mode, n)
-        resolved = sources.resolve(source, params, _group[1] if _group else n)
+        # The env's params: params={...} as given, and the keywords this signature does not take, each
+        # checked for a misspelt option first (pool/keywords.py).
+        resolved = sources.resolve(
+            source,
+            keywords.merge(env_params, params),
+            _group[1] if _group else n,
+            bare=env_params,
+            options=keywords.options(RLPool.__init__),
+        )
         if env_vars is not None and (
             not isinstance(env_vars, dict)
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items())
@@ -1043,46 +1058,6 @@ def _missing(op: str, name: str, methods: list, attributes: dict, source: str) -
         f"the env {source!r} has no method or attribute {name!r}; it offers methods {sorted(methods)} and "
         f"attributes {sorted(attributes)} (name them in serve(..., methods=, attributes=) in its env.py)"
     )
-
-
-_POOL_OPTIONS = (
-    "step_timeout",
-    "serialize_measurement",
-    "memory_limit",
-    "workspace_size",
-    "start_timeout",
-    "progress",
-    "batch_size",
-    "limits",
-    "worker",
-    "token",
-    "tls_ca",
-    "cluster",
-    "envs_per_node",
-    "warmup",
-    "env_vars",
-    "expose",
-    "workers",
-    "workers_per_node",
-    "envs_per_sandbox",
-    "vectorization_mode",
-)
-
-
-def _warn_pool_option_typos(params: dict) -> None:
-    # Env params share RLPool's keywords, so a misspelt pool option would reach
-    # an env directory (which nobody checks) as a param, silently.
-    import difflib
-    import warnings
-
-    for name in params:
-        close = difflib.get_close_matches(name, _POOL_OPTIONS, n=1, cutoff=0.8)
-        if close:
-            warnings.warn(
-                f"{name!r} is passed to the env as a param; did you mean the pool option {close[0]!r}?",
-                UserWarning,
-                stacklevel=3,
-            )
 
 
 class _LocalLink:

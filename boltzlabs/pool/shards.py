@@ -33,6 +33,7 @@ hands out the first M.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import re
@@ -47,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from boltzlabs.errors import EnvStartError, PoolClosedError, WorkerError
+from boltzlabs.pool import keywords, sources
 from boltzlabs.pool.progress import StartProgress, shown
 from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_cpus, check_n
 
@@ -170,6 +172,15 @@ class Sharding(Pool):
         envs = group[1] if group else n
         if fns and len(source) != envs:
             raise ValueError(f"env_fns has {len(source)} callables but n={envs}: one env per callable")
+        if not fns:
+            # The keywords checked once here, in the caller's thread, before the shards' threads check
+            # them again: a misspelt option refused, unread params warned about at the caller's line.
+            init = self._one_worker.__init__
+            signature = inspect.signature(init).parameters
+            accepted = {name for name, p in signature.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+            bare = {name: value for name, value in options.items() if name not in accepted}
+            merged = keywords.merge(bare, options.get("params"))
+            sources.resolve(source, merged, envs, bare=bare, options=keywords.options(init))
 
         def open_shard(s):
             start, end = self._bounds[s], self._bounds[s + 1]

@@ -42,7 +42,8 @@ members: list[Any] | None = None
 
 
 def params() -> dict[str, Any]:
-    """The construction params given to the pool: `RLPool(source, n, **params)`.
+    """The construction params given to the pool: `RLPool(source, n, params={...})`,
+    and its keywords that are no option of the pool (`RLPool(source, n, level=3)`).
 
     They arrive as JSON in the environment, so values are JSON types (a tuple
     given to the pool arrives as a list).
@@ -543,10 +544,13 @@ def serve(
         "attributes": _ATTRIBUTES.describe(),
     }
     if observation_space is not None or action_space is not None:
-        from boltzlabs.runtime.spec import to_spec
+        from boltzlabs.runtime.spec import graph_restorer, to_spec
 
         info["observation_space"] = to_spec(observation_space)
         info["action_space"] = to_spec(action_space)
+        restore = graph_restorer(action_space)
+        if restore is not None:  # a Graph's GraphInstance arrives as a plain tuple: the env gets its own class
+            step = _restoring(step, restore)
 
     fds = channel if channel is not None else _channel_fds(fd)
 
@@ -570,6 +574,13 @@ def serve(
     run(fds)
     sys.stdout.flush()
     os._exit(0)
+
+
+def _restoring(step: Any, restore: Any) -> Any:
+    def step_restored(action: Any) -> Any:
+        return step(restore(action))
+
+    return step_restored
 
 
 def serve_each(main: Any) -> None:
