@@ -142,7 +142,21 @@ class GroupedPool(Pool):
         truncated = np.zeros(n, np.bool_)
         infos: list = [None] * n
         for g in range(self.sandboxes):
-            for i, o, r, te, tr, info in self._take(g, result.obs[g], result.infos[g], None, _kinds(entries[g])):
+            sent = _kinds(entries[g])
+            # Hot path: a group whose every env stepped without error, checked with whole-list
+            # operations, goes in by slices; anything else member by member (_take's full check).
+            if _stepped_whole(result.obs[g], result.infos[g], sent):
+                start, count = g * k, len(sent)
+                kinds, group_rewards, group_terminated, group_truncated, group_infos, _ = result.infos[g][GROUP_KEY]
+                stop = start + count
+                rewards[start:stop] = group_rewards
+                terminated[start:stop] = group_terminated
+                truncated[start:stop] = group_truncated
+                group_obs = result.obs[g]
+                obs[start:stop] = list(group_obs[:count]) if type(group_obs) is not dict else _rows_of(group_obs, count)
+                infos[start:stop] = group_infos if None not in group_infos else [x or {} for x in group_infos]
+                continue
+            for i, o, r, te, tr, info in self._take(g, result.obs[g], result.infos[g], None, sent):
                 obs[i], rewards[i], terminated[i], truncated[i], infos[i] = o, r, te, tr, info
         self._stragglers([i for g in self.inner.timing.stragglers for i in self.members(g)])
         return StepResult(obs, rewards, terminated, truncated, infos)
@@ -440,6 +454,55 @@ def _rows(obs) -> int:
         counts = {_rows(value) for value in (obs.values() if type(obs) is dict else obs)}
         return counts.pop() if len(counts) == 1 else -1
     return -1
+
+
+_NUMBERS = frozenset((int, float))
+_BOOL = frozenset((bool,))
+_INFO = frozenset((dict, type(None)))
+
+
+def _stepped_whole(obs, info, sent: list) -> bool:
+    """Whether a group's reply is the plain one to a step of all its envs: each env stepped, none
+    failed, every field of the right type and count, obs rows for each (an array or a dict of
+    arrays from the slot, or a list by the wire). What _check accepts, by whole-list operations;
+    False sends the reply through _take, which checks it member by member and names what is wrong."""
+    count = len(sent)
+    if type(info) is not dict or len(info) != 1:
+        return False
+    results = info.get(GROUP_KEY)
+    if type(results) is not list or len(results) != 6:
+        return False
+    kinds, rewards, terminated, truncated, infos, errors = results
+    if not (
+        type(kinds) is list
+        and kinds == sent
+        and sent.count(STEPPED) == count
+        and all(type(kind) is int for kind in kinds)
+        and type(rewards) is list
+        and len(rewards) == count
+        and set(map(type, rewards)) <= _NUMBERS
+        and type(terminated) is list
+        and len(terminated) == count
+        and set(map(type, terminated)) <= _BOOL
+        and type(truncated) is list
+        and len(truncated) == count
+        and set(map(type, truncated)) <= _BOOL
+        and type(infos) is list
+        and len(infos) == count
+        and set(map(type, infos)) <= _INFO
+        and type(errors) is list
+        and errors.count(None) == count == len(errors)
+    ):
+        return False
+    if isinstance(obs, np.ndarray):
+        return obs.ndim > 0 and obs.shape[0] >= count
+    if type(obs) is list:
+        return len(obs) == count
+    return type(obs) is dict and _rows(obs) >= count
+
+
+def _rows_of(obs: dict, count: int) -> list:
+    return [_row(obs, j) for j in range(count)]
 
 
 def _kinds(entries: list) -> list[int]:
