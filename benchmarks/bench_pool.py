@@ -273,10 +273,13 @@ class Ours(Side):
 
     name = "boltzlabs"
 
-    def __init__(self, n: int, spawn: str | None, env: str = "counter"):
+    def __init__(self, n: int, spawn: str | None, env: str = "counter", k: int = 1):
         super().__init__(n)
         self.exact_reward = env == "counter"
-        options = {"spawn": spawn} if spawn else {}  # else the library's default
+        options: dict = {"spawn": spawn} if spawn else {}  # else the library's default
+        if k > 1:
+            options["envs_per_sandbox"] = k
+            self.name = f"boltzlabs k={k}"
         started = time.perf_counter()
         self.pool = RLPool(SOURCES[env], n, progress=False, **options)
         self.startup = time.perf_counter() - started
@@ -380,7 +383,7 @@ def ours_groups(procs: list, pool) -> dict:
     """The pool's processes by role: the worker, the envs (each env's host
     pid and everything under it) and the template (the rest: its bwrap and
     the warm interpreter the envs fork from)."""
-    worker = pool._proc.pid
+    worker = getattr(pool, "inner", pool)._proc.pid  # a grouped pool's inner pool holds the worker
     env_pids = {pid for pid in pool.pids() if pid > 0}
     parents = {p.pid: p.ppid() for p in procs}
     groups = {"worker": [], "template": [], "envs": []}
@@ -398,7 +401,9 @@ def ours_groups(procs: list, pool) -> dict:
     return groups
 
 
-def bench(n: int, steps: int | None, target_s: float, spawn: str | None, rounds: int, env: str = "counter") -> tuple:
+def bench(
+    n: int, steps: int | None, target_s: float, spawn: str | None, rounds: int, env: str = "counter", k: int = 1
+) -> tuple:
     """Both sides at one n: (ours figures, async figures)."""
     gc.collect()
     # AsyncVectorEnv first: its forked workers must not inherit the pool's socket.
@@ -407,7 +412,7 @@ def bench(n: int, steps: int | None, target_s: float, spawn: str | None, rounds:
     ours = None
     try:
         log(f"[n={n}] async start-up {theirs.startup:.2f} s; starting RLPool")
-        ours = Ours(n, spawn, env)
+        ours = Ours(n, spawn, env, k)
         log(f"[n={n}] boltzlabs start-up {ours.startup:.2f} s")
         mine = {p.pid for p in theirs.envs.processes}
         everything = psutil.Process().children(recursive=True)
@@ -590,6 +595,9 @@ def main(argv=None) -> int:
         help="examples/counter (default), benchmarks/envs/numpy_env or benchmarks/envs/image_env "
         "(Atari-sized frames), each against its gymnasium twin",
     )
+    parser.add_argument(
+        "--envs-per-sandbox", type=int, default=1, help="RLPool(envs_per_sandbox=k): k envs per sandbox (default 1)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON output (default {RESULTS.relative_to(ROOT)})")
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.n) or (args.steps is not None and args.steps < 1) or args.rounds < 1:
@@ -604,7 +612,9 @@ def main(argv=None) -> int:
     run_started = time.perf_counter()
     rows = []
     for n in args.n:
-        ours, theirs = bench(n, args.steps, args.target, args.spawn, args.rounds, args.env)  # same n, same steps
+        ours, theirs = bench(
+            n, args.steps, args.target, args.spawn, args.rounds, args.env, args.envs_per_sandbox
+        )  # same n, same steps
         rows.append(
             {
                 "n": n,
