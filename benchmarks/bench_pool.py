@@ -43,6 +43,8 @@ except ImportError:
 import gymnasium as gym
 import numpy as np
 import psutil
+
+from boltzlabs.cli.bench import cpu_seconds, sched_ns
 from gymnasium.vector import AsyncVectorEnv, AutoresetMode
 
 import boltzlabs
@@ -139,43 +141,9 @@ def uss_of_tree(pid: int) -> int:
     return total
 
 
-def _runtime_ns(pid: int) -> int | None:
-    """CPU time of every thread of pid, in ns, from the scheduler's own counter.
-
-    /proc/PID/task/TID/sched (se.sum_exec_runtime) is exact to the ns, where
-    utime/stime are sampled at the timer tick (10 ms): too coarse for loops of
-    a few seconds spread over hundreds of processes. None when unavailable.
-    """
-    total = 0
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return None
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/sched") as f:
-                for line in f:
-                    if line.startswith("se.sum_exec_runtime"):
-                        total += int(float(line.split(":", 1)[1]) * 1e6)
-                        break
-                else:
-                    return None
-        except FileNotFoundError:
-            continue  # the thread ended
-        except OSError:
-            return None
-    return total
-
-
-def _proc_seconds(proc) -> float:
-    runtime = _runtime_ns(proc.pid)
-    if runtime is not None:
-        return runtime / 1e9
-    try:
-        times = proc.cpu_times()
-        return times.user + times.system
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return 0.0
+# CPU time from the scheduler's own counters (boltzlabs bench reads them the same way).
+_runtime_ns = sched_ns
+_proc_seconds = cpu_seconds
 
 
 def cpu_split(groups: dict, self_last: bool) -> dict:

@@ -149,7 +149,7 @@ def twin(source, params=None, n: int | None = None):
     return [functools.partial(gymnasium.make, resolved.gym_id, **resolved.params["kwargs"])] * (n or 1)
 
 
-def _sched_ns(pid: int) -> int | None:
+def sched_ns(pid: int) -> int | None:
     """CPU time of every thread of pid in ns, from the scheduler's own counter (se.sum_exec_runtime
     of /proc/PID/task/TID/sched, exact where utime and stime are sampled at the 10 ms tick); None
     when it cannot be read."""
@@ -174,11 +174,11 @@ def _sched_ns(pid: int) -> int | None:
     return total
 
 
-def _cpu_s(proc) -> float:
+def cpu_seconds(proc) -> float:
     """CPU seconds a process has used (0 once it is gone)."""
     import psutil
 
-    ns = _sched_ns(proc.pid)
+    ns = sched_ns(proc.pid)
     if ns is not None:
         return ns / 1e9
     try:
@@ -214,16 +214,16 @@ class _Side:
 
         me = psutil.Process()
         procs = self.processes()  # enumerated before the chunk; one born inside it is not counted
-        theirs = sum(_cpu_s(p) for p in procs)
-        mine = _cpu_s(me)  # this process last before the loop, first after it: the readings stay out
+        theirs = sum(cpu_seconds(p) for p in procs)
+        mine = cpu_seconds(me)  # this process last before the loop, first after it: the readings stay out
         started = time.perf_counter()
         for _ in range(steps):
             self.step()
             if bar is not None:
                 bar.update(1)
         seconds = time.perf_counter() - started
-        mine = _cpu_s(me) - mine
-        theirs = sum(_cpu_s(p) for p in procs) - theirs
+        mine = cpu_seconds(me) - mine
+        theirs = sum(cpu_seconds(p) for p in procs) - theirs
         self.rounds.append((seconds, steps, mine, theirs))
 
     def step(self) -> None:
