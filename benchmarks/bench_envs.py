@@ -3,6 +3,7 @@
     python benchmarks/bench_envs.py                          # every env, n = 8 and 32 (~10 minutes)
     python benchmarks/bench_envs.py --envs halfcheetah --n 8 --rounds 7
     python benchmarks/bench_envs.py --only boltzlabs rlpool async   # a subset of the implementations
+    python benchmarks/bench_envs.py --envs halfcheetah --n 32 --envs-per-sandbox 4 16   # grouped pools too
 
 Envs (`pip install -e ".[bench]"` brings them: mujoco, box2d, ale-py with its
 ROMs, opencv, envpool):
@@ -34,9 +35,18 @@ in their default NEXT_STEP mode, RLPool through step_full(actions,
 resets=the lanes done at the previous step), EnvPool as it always autoresets.
 EnvPool runs where it has the env (its Pong-v5 is made to emit raw RGB frames
 for `pong`, 84 x 84 x 4 grey for `pong84`); it is the reference for what a C++
-pool without isolation reaches. A markdown table goes to stdout, progress to
-stderr, every figure (and the load average before and after) to
-benchmarks/results/envs.json.
+pool without isolation reaches.
+
+--envs-per-sandbox K [K ...] adds, for each K > 1, BoltzLabsVecEnv over
+RLPool(source, n, envs_per_sandbox=K) ("boltzlabs k=K": ceil(n / K) sandboxes
+of K envs each, docs/groups.md), open and taking turns with the others (a K
+past n is n; K = 1 is "boltzlabs" itself). A second table gives each of ours
+against AsyncVectorEnv, SyncVectorEnv, EnvPool and the limit: the cores this
+process may use x SyncVectorEnv's rate, every core stepping envs and doing
+nothing else.
+
+A markdown table goes to stdout, progress to stderr, every figure (and the
+load average before and after) to benchmarks/results/envs.json.
 """
 
 from __future__ import annotations
@@ -92,6 +102,23 @@ ENVS = {
     "pong84": (str(PONG84), _pong84, ("Pong-v5", {})),
 }
 IMPLEMENTATIONS = ("boltzlabs", "rlpool", "async", "sync", "envpool")
+OURS = ("boltzlabs", "rlpool")  # and "boltzlabs k=K" for each --envs-per-sandbox K > 1
+
+
+def grouped(k: int) -> str:
+    """The name of BoltzLabsVecEnv over RLPool(envs_per_sandbox=k)."""
+    return f"boltzlabs k={k}"
+
+
+def names_of(rows: list) -> list:
+    """Every implementation of the rows, the fixed ones first, then the grouped ones by k."""
+    found = {name for row in rows for name in row["results"]}
+    ks = sorted(int(name.split("=")[1]) for name in found if name.startswith("boltzlabs k="))
+    return [name for name in IMPLEMENTATIONS if name in found] + [grouped(k) for k in ks]
+
+
+def ours(name: str) -> bool:
+    return name in OURS or name.startswith("boltzlabs k=")
 
 
 def action_bank(space, n: int, seed: int = 0) -> list:
@@ -151,13 +178,15 @@ class Impl:
 
 
 class Ours(Impl):
-    """BoltzLabsVecEnv over an RLPool (name "boltzlabs"), or the RLPool itself ("rlpool")."""
+    """BoltzLabsVecEnv over an RLPool (name "boltzlabs"), or the RLPool itself ("rlpool"); with
+    k > 1, BoltzLabsVecEnv over RLPool(envs_per_sandbox=k) ("boltzlabs k=K")."""
 
-    def __init__(self, n, bank, source, adapter: bool):
+    def __init__(self, n, bank, source, adapter: bool, k: int = 1):
         super().__init__(n, bank)
-        self.name = "boltzlabs" if adapter else "rlpool"
+        self.name = grouped(k) if k > 1 else "boltzlabs" if adapter else "rlpool"
+        options = {"envs_per_sandbox": k} if k > 1 else {}
         started = time.perf_counter()
-        self.pool = RLPool(source, n, progress=False)
+        self.pool = RLPool(source, n, progress=False, **options)
         self.startup = time.perf_counter() - started
         self.vec = BoltzLabsVecEnv(self.pool) if adapter else None
         if self.vec is not None:
@@ -174,17 +203,30 @@ class Ours(Impl):
         done = np.flatnonzero(result.terminated | result.truncated)
         self.resets = done.tolist() if done.size else None
 
+    @property
+    def sandboxes_pool(self):
+        """The pool whose lanes are the sandboxes: the pool itself, or a grouped pool's inner one."""
+        return getattr(self.pool, "inner", self.pool)
+
+    @property
+    def worker_pid(self) -> int:
+        return self.sandboxes_pool._proc.pid
+
     def figures(self) -> dict:
         pool = self.pool
-        uss = [uss_of_tree(pid) for pid in pool.pids() if pid > 0]
+        # A sandbox's tree once, however many envs it holds (pids() repeats it for each).
+        uss = [uss_of_tree(pid) for pid in set(pool.pids()) if pid > 0]
         return {
             **super().figures(),
+            "envs_per_sandbox": getattr(pool, "envs_per_sandbox", 1),
+            "sandboxes": getattr(pool, "sandboxes", pool.n),
+            "envs_per_gb": pool.envs_per_gb(),
             "startup_s": self.startup,
             "fast_path": pool.fast_path,
             "channel": pool.channel,
             "spawn": pool.spawn,
             "memory_per_env_mib": pool.memory().mean / MIB,
-            "uss_per_env_mib": float(np.mean(uss)) / MIB if uss else None,
+            "uss_per_env_mib": sum(uss) / self.n / MIB if uss else None,
             "failed_lanes": sum(state != "idle" for state in pool.states()),
         }
 
@@ -260,7 +302,7 @@ def in_process(make, bank: list, steps: int) -> float:
     return 1e6 * seconds / steps
 
 
-def bench(env: str, n: int, rounds: int, chunk_s: float, only) -> dict:
+def bench(env: str, n: int, rounds: int, chunk_s: float, only, ks=()) -> dict:
     source, make, envpool_spec = ENVS[env]
     probe = make()
     bank = action_bank(probe.action_space, n)
@@ -278,6 +320,9 @@ def bench(env: str, n: int, rounds: int, chunk_s: float, only) -> dict:
             if ("boltzlabs" if adapter else "rlpool") in only:
                 log(f"[{env} n={n}] starting {'BoltzLabsVecEnv' if adapter else 'RLPool'}")
                 impls.append(Ours(n, bank, source, adapter))
+        for k in dict.fromkeys(min(k, n) for k in ks if k > 1):
+            log(f"[{env} n={n}] starting BoltzLabsVecEnv over RLPool(envs_per_sandbox={k})")
+            impls.append(Ours(n, bank, source, True, k))
         if "envpool" in only and envpool_spec is not None:
             impls.append(EnvPool(n, bank, *envpool_spec))
         for impl in impls:
@@ -285,8 +330,8 @@ def bench(env: str, n: int, rounds: int, chunk_s: float, only) -> dict:
                 impl.groups = {"envs": [psutil.Process(p.pid) for p in impl.envs.processes]}
         for impl in impls:
             if isinstance(impl, Ours):
-                worker = psutil.Process(impl.pool._proc.pid)
-                impl.groups = ours_groups([worker] + worker.children(recursive=True), impl.pool)
+                worker = psutil.Process(impl.worker_pid)
+                impl.groups = ours_groups([worker] + worker.children(recursive=True), impl.sandboxes_pool)
         for impl in impls:
             impl.warm(20)
         # Steps per chunk, per implementation: about chunk_s seconds each.
@@ -315,11 +360,22 @@ def bench(env: str, n: int, rounds: int, chunk_s: float, only) -> dict:
         f"[{env} n={n}] "
         + "; ".join(f"{k} {v['env_steps_per_s']:,.0f}/s {v['cpu_us_per_env_step']:.1f} us" for k, v in figures.items())
     )
-    return {"env": env, "n": n, "in_process_us": cost, "load": os.getloadavg(), "results": figures}
+    cores = len(os.sched_getaffinity(0))
+    sync = figures.get("sync", {}).get("env_steps_per_s")
+    return {
+        "env": env,
+        "n": n,
+        "in_process_us": cost,
+        "cores": cores,
+        # All cores stepping envs and nothing else: what no pool of processes can pass here.
+        "limit_env_steps_per_s": cores * sync if sync else None,
+        "load": os.getloadavg(),
+        "results": figures,
+    }
 
 
 def table(rows: list) -> str:
-    names = [name for name in IMPLEMENTATIONS if any(name in row["results"] for row in rows)]
+    names = names_of(rows)
     head = (
         ["env", "n"]
         + [f"{name} env-steps/s" for name in names]
@@ -344,11 +400,31 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def ratio_table(rows: list) -> str:
+    """Each of ours against AsyncVectorEnv, SyncVectorEnv, EnvPool and the limit (cores x SyncVectorEnv)."""
+    head = ["env", "n", "impl", "env-steps/s", "/ async", "/ sync", "/ envpool", "/ limit"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        res = row["results"]
+        rate = {k: v["env_steps_per_s"] for k, v in res.items()}
+        if row.get("limit_env_steps_per_s"):
+            rate["limit"] = row["limit_env_steps_per_s"]
+        for name in names_of([row]):
+            if not ours(name):
+                continue
+            cells = [row["env"], str(row["n"]), name, f"{rate[name]:,.0f}"]
+            cells += [
+                f"{rate[name] / rate[b]:.2f}x" if b in rate else "n/a" for b in ("async", "sync", "envpool", "limit")
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def cpu_table(rows: list) -> str:
     head = ["env", "n", "impl", "client", "worker", "template", "envs", "total", "in-process", "overhead"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
-        for name in IMPLEMENTATIONS:
+        for name in names_of([row]):
             fig = row["results"].get(name)
             if fig is None:
                 continue
@@ -361,6 +437,16 @@ def cpu_table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def _group_size(text: str) -> int:
+    try:
+        k = int(text)
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, not {text!r}")
+    return k
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--envs", nargs="+", choices=sorted(ENVS), default=list(ENVS))
@@ -368,14 +454,31 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="rounds of chunks, the implementations taking turns")
     parser.add_argument("--chunk", type=float, default=1.0, help="seconds each implementation's chunk should take")
     parser.add_argument("--only", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS))
+    parser.add_argument(
+        "--envs-per-sandbox",
+        type=_group_size,
+        nargs="+",
+        default=[],
+        metavar="K",
+        help="also BoltzLabsVecEnv over RLPool(envs_per_sandbox=K) for each K > 1 (docs/groups.md)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
     started = time.perf_counter()
-    rows = [bench(env, n, args.rounds, args.chunk, args.only) for env in args.envs for n in args.n]
+    rows = [
+        bench(env, n, args.rounds, args.chunk, args.only, args.envs_per_sandbox) for env in args.envs for n in args.n
+    ]
     total = time.perf_counter() - started
     load_after = os.getloadavg()
     print(table(rows))
+    print()
+    print(ratio_table(rows))
+    print()
+    print(
+        f"limit: {rows[0]['cores']} cores x SyncVectorEnv's env-steps/s (every core stepping envs, nothing else); "
+        "n/a where SyncVectorEnv or EnvPool was not run"
+    )
     print()
     print(cpu_table(rows))
     print()

@@ -43,6 +43,8 @@ except ImportError:
 import gymnasium as gym
 import numpy as np
 import psutil
+
+from boltzlabs.cli.bench import cpu_seconds, sched_ns
 from gymnasium.vector import AsyncVectorEnv, AutoresetMode
 
 import boltzlabs
@@ -139,43 +141,9 @@ def uss_of_tree(pid: int) -> int:
     return total
 
 
-def _runtime_ns(pid: int) -> int | None:
-    """CPU time of every thread of pid, in ns, from the scheduler's own counter.
-
-    /proc/PID/task/TID/sched (se.sum_exec_runtime) is exact to the ns, where
-    utime/stime are sampled at the timer tick (10 ms): too coarse for loops of
-    a few seconds spread over hundreds of processes. None when unavailable.
-    """
-    total = 0
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return None
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/sched") as f:
-                for line in f:
-                    if line.startswith("se.sum_exec_runtime"):
-                        total += int(float(line.split(":", 1)[1]) * 1e6)
-                        break
-                else:
-                    return None
-        except FileNotFoundError:
-            continue  # the thread ended
-        except OSError:
-            return None
-    return total
-
-
-def _proc_seconds(proc) -> float:
-    runtime = _runtime_ns(proc.pid)
-    if runtime is not None:
-        return runtime / 1e9
-    try:
-        times = proc.cpu_times()
-        return times.user + times.system
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return 0.0
+# CPU time from the scheduler's own counters (boltzlabs bench reads them the same way).
+_runtime_ns = sched_ns
+_proc_seconds = cpu_seconds
 
 
 def cpu_split(groups: dict, self_last: bool) -> dict:
@@ -273,10 +241,13 @@ class Ours(Side):
 
     name = "boltzlabs"
 
-    def __init__(self, n: int, spawn: str | None, env: str = "counter"):
+    def __init__(self, n: int, spawn: str | None, env: str = "counter", k: int = 1):
         super().__init__(n)
         self.exact_reward = env == "counter"
-        options = {"spawn": spawn} if spawn else {}  # else the library's default
+        options: dict = {"spawn": spawn} if spawn else {}  # else the library's default
+        if k > 1:
+            options["envs_per_sandbox"] = k
+            self.name = f"boltzlabs k={k}"
         started = time.perf_counter()
         self.pool = RLPool(SOURCES[env], n, progress=False, **options)
         self.startup = time.perf_counter() - started
@@ -380,7 +351,7 @@ def ours_groups(procs: list, pool) -> dict:
     """The pool's processes by role: the worker, the envs (each env's host
     pid and everything under it) and the template (the rest: its bwrap and
     the warm interpreter the envs fork from)."""
-    worker = pool._proc.pid
+    worker = getattr(pool, "inner", pool)._proc.pid  # a grouped pool's inner pool holds the worker
     env_pids = {pid for pid in pool.pids() if pid > 0}
     parents = {p.pid: p.ppid() for p in procs}
     groups = {"worker": [], "template": [], "envs": []}
@@ -398,7 +369,9 @@ def ours_groups(procs: list, pool) -> dict:
     return groups
 
 
-def bench(n: int, steps: int | None, target_s: float, spawn: str | None, rounds: int, env: str = "counter") -> tuple:
+def bench(
+    n: int, steps: int | None, target_s: float, spawn: str | None, rounds: int, env: str = "counter", k: int = 1
+) -> tuple:
     """Both sides at one n: (ours figures, async figures)."""
     gc.collect()
     # AsyncVectorEnv first: its forked workers must not inherit the pool's socket.
@@ -407,7 +380,7 @@ def bench(n: int, steps: int | None, target_s: float, spawn: str | None, rounds:
     ours = None
     try:
         log(f"[n={n}] async start-up {theirs.startup:.2f} s; starting RLPool")
-        ours = Ours(n, spawn, env)
+        ours = Ours(n, spawn, env, k)
         log(f"[n={n}] boltzlabs start-up {ours.startup:.2f} s")
         mine = {p.pid for p in theirs.envs.processes}
         everything = psutil.Process().children(recursive=True)
@@ -590,6 +563,9 @@ def main(argv=None) -> int:
         help="examples/counter (default), benchmarks/envs/numpy_env or benchmarks/envs/image_env "
         "(Atari-sized frames), each against its gymnasium twin",
     )
+    parser.add_argument(
+        "--envs-per-sandbox", type=int, default=1, help="RLPool(envs_per_sandbox=k): k envs per sandbox (default 1)"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON output (default {RESULTS.relative_to(ROOT)})")
     args = parser.parse_args(argv)
     if any(n < 1 for n in args.n) or (args.steps is not None and args.steps < 1) or args.rounds < 1:
@@ -604,7 +580,9 @@ def main(argv=None) -> int:
     run_started = time.perf_counter()
     rows = []
     for n in args.n:
-        ours, theirs = bench(n, args.steps, args.target, args.spawn, args.rounds, args.env)  # same n, same steps
+        ours, theirs = bench(
+            n, args.steps, args.target, args.spawn, args.rounds, args.env, args.envs_per_sandbox
+        )  # same n, same steps
         rows.append(
             {
                 "n": n,

@@ -2,6 +2,7 @@
 
     python benchmarks/bench_scale.py                 # 10,000 counter envs
     python benchmarks/bench_scale.py --n 2000
+    python benchmarks/bench_scale.py --n 100000 --envs-per-sandbox 100   # 1,000 sandboxes of 100 envs
 
 A worker plans three file descriptors per env (a template-mode env holds
 two: its channel and its log pipe; exec mode adds a pidfd). When this process's hard RLIMIT_NOFILE cannot
@@ -65,12 +66,15 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=10_000)
     parser.add_argument("--source", default=str(ROOT / "examples" / "counter"))
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--envs-per-sandbox", type=int, default=1, help="k envs in each sandbox (RLPool(envs_per_sandbox=))"
+    )
     args = parser.parse_args()
-    n = args.n
+    n, k = args.n, args.envs_per_sandbox
     room = _fd_room()
-    per_worker = max(1, envs_within(room))
+    per_worker = max(1, envs_within(room)) * k  # the fds are per sandbox
     nodes = math.ceil(n / per_worker)
-    kwargs: dict = {}
+    kwargs: dict = {"envs_per_sandbox": k} if k > 1 else {}
     cluster = None
     if nodes > 1:
         print(
@@ -81,7 +85,7 @@ def main() -> None:
         from bench_cluster import local_cluster  # imports ray: only when it is needed
 
         cluster = local_cluster(nodes)
-        kwargs = {"cluster": cluster.address, "envs_per_node": math.ceil(n / nodes)}
+        kwargs.update(cluster=cluster.address, envs_per_node=math.ceil(n / nodes))
     before = _leftovers()  # another job's pools are not ours to count
     try:
         available = psutil.virtual_memory().available
@@ -93,7 +97,7 @@ def main() -> None:
         else:
             pool = RLPool(args.source, n, start_timeout=600, **kwargs)
         start = time.monotonic() - started
-        print(f"{n} envs ready in {start:.1f} s", flush=True)
+        print(f"{n} envs ready in {start:.1f} s ({math.ceil(n / k)} sandboxes of {k})", flush=True)
         pool.reset(seed=0)
         actions = [1] * n
         pool.step(actions)
@@ -123,7 +127,7 @@ def main() -> None:
     time.sleep(2)
     sandboxes, groups = (len(now - then) for now, then in zip(_leftovers(), before))
     print(
-        f"n={n} workers={nodes} start={start:.1f}s env-steps/s={rate:,.0f} lane errors={errors} "
+        f"n={n} envs_per_sandbox={k} workers={nodes} start={start:.1f}s env-steps/s={rate:,.0f} lane errors={errors} "
         f"MiB/env={memory.mean / 2**20:.2f} envs/GiB={per_gb:.0f} (machine: {used:.2f} MiB/env) "
         f"hard reset={hard:.1f}s close={close:.1f}s left after close: {sandboxes} sandboxes, {groups} cgroups"
     )

@@ -28,11 +28,12 @@ ARGS_FD = 9  # where bwrap reads its own options (--args), NUL-separated
 # --- variables the host sets for the sandbox ---------------------------------
 FD_VARIABLE = "BOLTZLABS_FD"  # the channel's fd numbers: "3", or "4,3" (read, write)
 ENV_INDEX_VARIABLE = "BOLTZLABS_ENV_INDEX"  # the env's lane
-PARAMS_VARIABLE = "BOLTZLABS_PARAMS"  # RLPool(**params), JSON
+PARAMS_VARIABLE = "BOLTZLABS_PARAMS"  # the env's params (RLPool(params=..., **params)), JSON
 CHILD_FILTER_VARIABLE = "BOLTZLABS_CHILD_FILTER_FD"  # CHILD_FILTER_FD's number
 CONFINE_VARIABLE = "BOLTZLABS_CONFINE"  # the set-up plan (runtime/confine.encode)
 ENV_FNS_VARIABLE = "BOLTZLABS_ENV_FNS"  # the pool's env_fns file, inside the sandbox
 PROBE_VARIABLE = "BOLTZLABS_PROBE"  # "1" in the warm-up probe: serve() reports instead of serving
+GROUP_VARIABLE = "BOLTZLABS_GROUP"  # RLPool(envs_per_sandbox=k): "k,envs,max_frame" (runtime/group.py)
 
 # --- exit codes of a sandboxed process ---------------------------------------
 # The worker's description of a lane's death names each (describe_exit). Not 0,

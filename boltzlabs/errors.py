@@ -228,6 +228,12 @@ class TooMany(Exception):
     """wire: a decoded message holds more objects than its Limits allow."""
 
 
+class MemberServed(BaseException):
+    """Raised by serve() in one env of a sandbox of several (RLPool(envs_per_sandbox=k)) to end
+    its env.py there: runtime/group.py serves every member at once. A BaseException, so an
+    env.py's `except Exception` does not swallow it."""
+
+
 class LaneStateError(BoltzLabsError):
     """The worker tried a lane state change its transition table does not
     declare (boltzlabs/worker/lanes.py): a bug in the worker, which then ends

@@ -27,9 +27,11 @@ truncated with infos["error"] and its last observation; autoreset respawns it.
 
 Seeds are checked as Gymnasium checks them, before anything runs;
 `np_random_seed` is each env's own (asked of the env where the source
-serves a Gymnasium env object: gym ids and env_fns), else the seed each
-lane's latest seeded reset was given (-1 where none was). `call`, `get_attr`
-and `set_attr` reach the envs in their sandboxes (RLPool.call and friends).
+serves a Gymnasium env object: gym ids and env_fns; an env with no
+generator yet draws its seed then, as SyncVectorEnv's does), else the seed
+each lane's latest seeded reset was given (-1 where none was). `call`,
+`get_attr` and `set_attr` reach the envs in their sandboxes (RLPool.call and
+friends).
 
 Built as AsyncVectorEnv is, from env_fns: `BoltzLabsVecEnv([make_env(i) for i
 in range(n)])` pickles each callable here (the trainer is the trusted side)
@@ -55,6 +57,7 @@ from boltzlabs.pool.protocol import Pool
 from boltzlabs.errors import EnvError
 from boltzlabs.pool.spaces import gym_rebuilder, rebuilder, space_or_rebuild
 from boltzlabs.runtime.gym_serve import NP_RANDOM_SEED, SPACES
+from boltzlabs.runtime.spec import graph_restorer
 
 __all__ = ["BoltzLabsVecEnv"]
 
@@ -85,7 +88,7 @@ class BoltzLabsVecEnv(VectorEnv):
     `shared_memory`, `context` and `daemon` are AsyncVectorEnv's and do
     nothing here (observations cross a pipe; every env is its own process).
     Other keywords are RLPool's options (step_timeout, memory_limit,
-    spawn, env_vars, ...).
+    spawn, env_vars, ...); a misspelt one is refused (TypeError naming it).
     """
 
     # Set by make() before __init__ for the pool it makes: how to build one env here to read a space the
@@ -177,6 +180,8 @@ class BoltzLabsVecEnv(VectorEnv):
         self.render_mode = contract.render_mode
         self.copy = copy
         self._observations = create_empty_array(self.single_observation_space, n=self.num_envs, fn=np.zeros)
+        # For a space that holds a Graph: each obs with its GraphInstances back (the wire carries plain tuples).
+        self._restore = graph_restorer(self.single_observation_space)
         self._env_obs = [None] * self.num_envs
         self._all_reset = False  # every lane has an observation: step() may run
         self._autoreset = np.zeros(self.num_envs, dtype=np.bool_)
@@ -200,7 +205,8 @@ class BoltzLabsVecEnv(VectorEnv):
         """A pool of `num_envs` sandboxes of `source` ("CartPole-v1",
         "gym://Pendulum-v1" or an env directory) behind the adapter. `kwargs`
         are RLPool's options (step_timeout, memory_limit, ...) and the env's
-        params (render_mode="rgb_array", ...), checked before any sandbox starts.
+        params (render_mode="rgb_array", ..., or params={...}), checked before
+        any sandbox starts.
         `cluster="ray"` (or a Ray cluster's address, with `envs_per_node=`)
         spreads the envs over a Ray cluster (boltzlabs.cluster.ClusterPool)."""
         observation_space, action_space = kwargs.pop("observation_space", None), kwargs.pop("action_space", None)
@@ -259,13 +265,16 @@ class BoltzLabsVecEnv(VectorEnv):
     def np_random_seed(self) -> tuple[int, ...]:  # type: ignore[override]
         """The seed each env's generator was made from, as SyncVectorEnv's
         ((42, 43) after reset(seed=42)). For envs served as Gymnasium env
-        objects (serve_env: gym ids, env_fns) the seed each env's generator
-        was made from, read in its sandbox, so a thunk that seeds its env is
-        seen; for an env directory the seed of the lane's latest seeded
-        reset. -1 (Gymnasium's "unknown") for an env never seeded (where
-        SyncVectorEnv's env would draw a seed from entropy on the spot)."""
+        objects (serve_env: gym ids, env_fns) each env's own np_random_seed,
+        read in its sandbox: a thunk that seeds its env is seen, and an env
+        with no generator yet makes one from a seed drawn from entropy (a
+        128-bit int), as SyncVectorEnv's envs do when asked. For an env
+        directory that serves functions, the seed of the lane's latest
+        seeded reset, -1 (Gymnasium's "unknown") before one: there is no
+        generator to ask. A value an env sends that is not a seed is an
+        EnvError naming its lane."""
         if self._env_objects:
-            return tuple(int(seed) for seed in self.pool.call(NP_RANDOM_SEED))
+            return tuple(_seed_from_env(seed, i) for i, seed in enumerate(self.pool.call(NP_RANDOM_SEED)))
         return tuple(self._seeds)
 
     def reset(self, *, seed: int | list | None = None, options: dict | None = None):
@@ -389,7 +398,10 @@ class BoltzLabsVecEnv(VectorEnv):
                 if i in done:
                     final = obs[i] if obs[i] is not None else self._env_obs[i]
                     # The env's own (writable) arrays in SyncVectorEnv; ours are views of the frame.
-                    infos = self._add_info(infos, {"final_obs": _writable(final), "final_info": env_infos[i]}, i)
+                    final = _writable(final)
+                    if self._restore is not None:
+                        final = self._restore(final)
+                    infos = self._add_info(infos, {"final_obs": final, "final_info": env_infos[i]}, i)
                     self._env_obs[i] = observations[i] if observations[i] is not None else final
                     infos = self._add_info(infos, pool.reset_infos[i], i)
                 else:
@@ -462,7 +474,8 @@ class BoltzLabsVecEnv(VectorEnv):
                 and batch.shape == self._observations.shape
             ):  # the pool's batch (its slots'): one copy, not two
                 return batch.copy()
-        self._observations = concatenate(self.single_observation_space, self._env_obs, self._observations)
+        env_obs = self._env_obs if self._restore is None else [self._restore(o) for o in self._env_obs]
+        self._observations = concatenate(self.single_observation_space, env_obs, self._observations)
         if not self.copy:
             return self._observations
         if type(self._observations) is np.ndarray:  # a Box: what deepcopy makes, without its machinery
@@ -535,6 +548,26 @@ def _comparable(spec):
     if isinstance(spec, list):
         return [_comparable(v) for v in spec]
     return spec
+
+
+# The decimal digits of the largest np_random_seed read from an env: 256 bits, twice what numpy
+# draws from entropy, and far below what int() parses in linear time.
+_SEED_DIGITS = 78
+
+
+def _seed_from_env(value, lane: int) -> int:
+    """Lane `lane`'s np_random_seed as its env sent it (boltzlabs/runtime/gym_serve.py):
+    an int of at least -1 that fits msgpack's 64 bits, or a larger one as its decimal digits.
+    The env is untrusted: anything else is an EnvError naming the lane."""
+    if type(value) is int and value >= -1:
+        return value
+    if type(value) is str and 0 < len(value) <= _SEED_DIGITS and value.isascii() and value.isdigit():
+        return int(value)
+    raise EnvError(
+        f"env {lane} sent {value!r:.100} as its np_random_seed, which is not a seed (an int >= -1, "
+        f"or the decimal digits of one below 10**{_SEED_DIGITS})",
+        env_index=lane,
+    )
 
 
 def _check_seeds(seed, n: int) -> list:

@@ -42,6 +42,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
     ) from exc
 
 from boltzlabs.pool.client import RLPool
+from boltzlabs.pool.groups import GroupedPool
 from boltzlabs.runtime.serve import WRAPPER_CLASSES
 from boltzlabs.cluster import ClusterPool
 from boltzlabs.errors import EnvError
@@ -89,7 +90,7 @@ class BoltzLabsSB3VecEnv(VecEnv):
                 "is not supported: drop cluster=, or use RLPool(..., worker='tcp://...') for a remote one"
             )
         rebuild = None
-        if isinstance(source, RLPool):
+        if isinstance(source, (RLPool, GroupedPool)):  # an open pool (envs_per_sandbox=k makes a GroupedPool)
             if n_envs is not None or pool_kwargs:
                 raise TypeError(
                     "BoltzLabsSB3VecEnv(pool) takes an open RLPool alone; n_envs and pool options "
@@ -111,7 +112,7 @@ class BoltzLabsSB3VecEnv(VecEnv):
                 pool.close()
             raise
 
-    def _attach(self, pool: RLPool, observation_space, action_space, rebuild=None) -> None:
+    def _attach(self, pool: RLPool | GroupedPool, observation_space, action_space, rebuild=None) -> None:
         self.pool = pool
         contract = pool.env_contract
         observation_space = observation_space or space_or_rebuild(

@@ -58,6 +58,10 @@ def test_no_command_is_a_usage_error():
         (["check", "gym://NoSuchEnv-v0"], "not a registered Gymnasium id"),
         (["bench", COUNTER, "-n", "0"], "whole number >= 1"),
         (["bench", COUNTER], "-n"),
+        (["bench", COUNTER, "-n", "2", "--envs-per-sandbox", "0"], "whole numbers >= 1 separated by commas"),
+        (["bench", COUNTER, "-n", "2", "--envs-per-sandbox", "1,x"], "whole numbers >= 1 separated by commas"),
+        (["bench", COUNTER, "-n", "2", "--envs-per-sandbox", "2", "--plot", "x.png"], "leave it out with"),
+        (["bench", COUNTER, "-n", "2", "--envs-per-sandbox", "2", "--rounds", "0"], "whole number >= 1"),
     ],
 )
 def test_usage_errors_exit_2_with_the_cause(args, words):
@@ -170,6 +174,42 @@ def test_bench_of_an_env_that_cannot_start_exits_1():
     code, out, err = boltzlabs("bench", ENVS / "import_error", "-n", "2", "--steps", "5")
     assert code == 1
     assert "ModuleNotFoundError" in err and "a pool of 2 envs failed" in err
+
+
+def test_bench_per_envs_per_sandbox_prints_a_row_per_k_beside_async_vector_env():
+    """Rows and columns, never speeds: a pool per k, then AsyncVectorEnv over the same Gymnasium id."""
+    code, out, err = boltzlabs(
+        "bench", "gym://CartPole-v1", "-n", "4", "--envs-per-sandbox", "1,2", "--steps", "6", "--rounds", "2"
+    )
+    assert code == 0, out + err
+    lines = out.splitlines()
+    header = [cell.strip() for cell in lines[0].split("|")[1:-1]]
+    assert header == ["n", "k", "sandboxes", "env-steps/s", "CPU us/env-step", "envs/GiB", "/ AsyncVectorEnv"]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in lines[2:5]]
+    assert [row[:3] for row in rows] == [["4", "1", "4"], ["4", "2", "2"], ["4", "async", "-"]]
+    assert rows[2][5:] == ["-", "1.00x"]  # AsyncVectorEnv: no kernel accounting of its own; the reference
+    for row in rows:
+        assert float(row[3].replace(",", "")) > 0 and float(row[4]) > 0
+    for row in rows[:2]:
+        assert float(row[5].replace(",", "")) > 0 and row[6].endswith("x")
+    assert lines[5] == "" and "medians of 2 round(s) taken in turns" in lines[6]
+    assert f"cgroup {cgroups.version()}" in out
+
+
+def test_bench_per_envs_per_sandbox_json_of_an_env_directory():
+    """An env directory has no AsyncVectorEnv twin; a k past n is measured as n, once."""
+    code, out, err = boltzlabs(
+        "bench", COUNTER, "-n", "4", "--envs-per-sandbox", "1,2,4,8", "--steps", "6", "--rounds", "3", "--json"
+    )
+    assert code == 0, out + err
+    report = json.loads(out)
+    assert report["envs_per_sandbox"] == [1, 2, 4, 8] and report["rounds"] == 3
+    results = report["results"]
+    assert [(r["n"], r["k"], r["sandboxes"]) for r in results] == [(4, 1, 4), (4, 2, 2), (4, 4, 1)]
+    for r in results:
+        assert r["steps"] == 6 and r["rounds"] == 3 and len(r["rates"]) == 3 and r["failed_steps"] == 0
+        assert r["env_steps_per_s"] > 0 and r["cpu_us_per_env_step"] > r["client_cpu_us_per_env_step"] > 0
+        assert r["envs_per_gb"] > 0 and r["vs_async"] is None
 
 
 # -- doctor ------------------------------------------------------------------------------------

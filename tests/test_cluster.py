@@ -119,6 +119,21 @@ def test_a_node_may_run_several_workers(cluster):
             assert (views.count(first), views.count(second)) == (2, 4), views
 
 
+def test_a_cluster_pool_groups_envs_in_each_nodes_sandboxes(cluster):
+    # envs_per_sandbox reaches each node's pool: 3 envs per node, 2 per sandbox, 4 sandboxes in all.
+    with ClusterPool(PROBE, 6, cluster=cluster.address, envs_per_node=3, envs_per_sandbox=2, step_timeout=10) as pool:
+        assert sorted(shard.pool.sandboxes for shard in pool._shards) == [2, 2]
+        obs = pool.reset(seed=10)
+        assert [o["seed"] for o in obs] == list(range(10, 16))
+        _, rewards, dones, infos = pool.step([1.0, 2.0, {"op": "raise"}, 4.0, 5.0, 6.0])
+        # One env's exception fails that env only, its sandbox's other env steps on.
+        assert rewards.tolist() == [1.0, 2.0, 0.0, 4.0, 5.0, 6.0] and dones.tolist() == [0, 0, 1, 0, 0, 0]
+        assert "step failed on purpose" in infos[2]["error"]
+        pids = pool.pids()
+        assert len(set(pids)) == 4 and pids[0] == pids[1] and pids[3] == pids[4] and pids[2] != pids[3]
+        assert len(pool.memory().per_env) == 6
+
+
 def test_hard_reset_and_async_stepping_across_nodes(cluster):
     with ClusterPool(COUNTER, 4, cluster=cluster.address, envs_per_node=2) as pool:
 

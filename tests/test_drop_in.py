@@ -160,11 +160,10 @@ def test_env_fns_are_checked_before_any_sandbox_starts():
         RLPool([make_env("CartPole-v1", 0)] * 2, 3)
     with pytest.raises(TypeError, match="non-empty list of callables"):
         RLPool([make_env("CartPole-v1", 0), "CartPole-v1"], 2)
-    with (
-        pytest.raises(TypeError, match="not options of the pool: step_timout"),
-        pytest.warns(UserWarning, match="did you mean the pool option 'step_timeout'"),
-    ):
+    with pytest.raises(TypeError, match="unknown option 'step_timout': did you mean 'step_timeout'"):
         BoltzLabsVecEnv([make_env("CartPole-v1", 0)], step_timout=3)
+    with pytest.raises(TypeError, match="not options of the pool: level"):
+        BoltzLabsVecEnv([make_env("CartPole-v1", 0)], level=3)
     lock = threading.Lock()
     with pytest.raises(TypeError, match="cannot be pickled"):
         BoltzLabsVecEnv([lambda: (lock, gym.make("CartPole-v1"))[1]])

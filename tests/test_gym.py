@@ -11,12 +11,16 @@ and records, the env contract, render, and failures on a lane.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import logging
 import uuid
+import warnings
 
 import gymnasium as gym
 import numpy as np
 import pytest
+from gymnasium.utils.env_checker import data_equivalence
 from gymnasium.vector import AutoresetMode, SyncVectorEnv
 from gymnasium.wrappers.vector import NormalizeObservation, RecordEpisodeStatistics
 
@@ -221,15 +225,159 @@ def test_good_params_pass_the_check(no_sandbox):
             RLPool(source, 1, **params)
 
 
-def test_params_reach_an_env_directory_and_pool_option_typos_warn(env_dir):
-    source = env_dir("""
-        from boltzlabs.env import params, serve
-        serve(reset=lambda seed, options=None: params(), step=lambda a: (0, 0.0, False, {}))
-    """)
-    with pytest.warns(UserWarning, match="did you mean the pool option 'step_timeout'"):
-        pool = RLPool(source, 1, step_timout=5, size=(3, 4), name="x")
-    with pool:
-        assert pool.reset() == [{"step_timout": 5, "size": [3, 4], "name": "x"}]  # JSON: tuples arrive as lists
+READS_PARAMS = """
+    from boltzlabs.env import params, serve
+    serve(reset=lambda seed, options=None: params(), step=lambda a: (0, 0.0, False, {}))
+"""
+IGNORES_PARAMS = """
+    from boltzlabs.env import serve
+    serve(reset=lambda seed, options=None: "no params read", step=lambda a: (0, 0.0, False, {}))
+"""
+
+
+def test_params_reach_an_env_directory_as_keywords_or_in_params(env_dir):
+    source = env_dir(READS_PARAMS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no word about any of them: they are read
+        pool = RLPool(source, 1, params={"step_timout": 5, "worker_id": 2}, size=(3, 4), name="x")
+    with pool:  # a param named like a misspelt option goes in params={...}; JSON: tuples arrive as lists
+        assert pool.reset() == [{"step_timout": 5, "worker_id": 2, "size": [3, 4], "name": "x"}]
+
+
+def _thunk():
+    return gym.make("CartPole-v1")
+
+
+class _LimitedEnv(gym.Env):
+    """A Gymnasium env whose constructor names params that look like RLPool's options."""
+
+    def __init__(self, limit=1, worker_id=0):
+        self.limit, self.worker_id = limit, worker_id
+
+
+# No module of its own (a partial of a class of this file): nothing for the sandbox to import first.
+gym.register("BoltzLabsTest/Limited-v0", entry_point=functools.partial(_LimitedEnv))
+
+
+@pytest.mark.parametrize(
+    "make, name, option",
+    [
+        (lambda dir, **kw: RLPool(dir, 2, **kw), "step_timout", "step_timeout"),
+        (lambda dir, **kw: RLPool(dir, 2, workers=2, **kw), "memory_limt", "memory_limit"),  # sharded
+        (lambda dir, **kw: RLPool("CartPole-v1", 2, **kw), "memory_limt", "memory_limit"),
+        pytest.param(
+            lambda dir, **kw: RLPool("gym://HalfCheetah-v5", 2, **kw),  # a constructor that takes **kwargs
+            "steps_timeout",
+            "step_timeout",
+            marks=pytest.mark.skipif(importlib.util.find_spec("mujoco") is None, reason="mujoco is not installed"),
+        ),
+        (lambda dir, **kw: RLPool([_thunk] * 2, 2, **kw), "step_timout", "step_timeout"),
+        (lambda dir, **kw: BoltzLabsVecEnv([_thunk] * 2, **kw), "start_timout", "start_timeout"),
+        (lambda dir, **kw: BoltzLabsVecEnv.make("CartPole-v1", 2, **kw), "autoreset_mod", "autoreset_mode"),
+        (lambda dir, **kw: BoltzLabsVecEnv.make(dir, 2, **kw), "observaton_space", "observation_space"),
+        (lambda dir, **kw: RLPool(dir, 2, **kw), "worker_id", "worker"),  # an env param of that name: params=
+    ],
+    ids=[
+        "env dir",
+        "sharded",
+        "gym id",
+        "gym id with **kwargs",
+        "env_fns",
+        "adapter env_fns",
+        "adapter option",
+        "adapter env dir",
+        "a param named like an option",
+    ],
+)
+def test_a_misspelt_option_is_refused_naming_it_before_any_sandbox_starts(no_sandbox, env_dir, make, name, option):
+    source = env_dir(READS_PARAMS)
+    with pytest.raises(TypeError, match=rf"unknown option '{name}': did you mean '{option}'\? \((.*params=|env_fns)"):
+        make(source, **{name: 5})
+
+
+def test_a_gym_constructor_names_its_own_params_whatever_option_they_resemble(no_sandbox):
+    with pytest.raises(AssertionError, match="a worker was started"):  # the check passed
+        RLPool("gym://BoltzLabsTest/Limited-v0", 1, limit=3, worker_id=2)
+    with pytest.raises(ValueError, match="takes no argument 'limt'; did you mean 'limit'"):
+        RLPool("gym://BoltzLabsTest/Limited-v0", 1, limt=3)  # nearer the env's own than the option 'limits'
+    with pytest.raises(TypeError, match="unknown option 'limitss': did you mean 'limits'"):
+        RLPool("gym://BoltzLabsTest/Limited-v0", 1, limitss=3)
+
+
+@pytest.mark.parametrize(
+    "source, error, match",
+    [
+        ("CartPole-v1", ValueError, "'CartPole-v1' takes no argument 'colour'"),
+        ([_thunk], TypeError, "env_fns carry their own arguments; these are not options of the pool: colour"),
+    ],
+    ids=["gym id", "env_fns"],
+)
+def test_an_unknown_keyword_is_refused_by_a_source_that_takes_no_such_param(no_sandbox, source, error, match):
+    with pytest.raises(error, match=match):
+        RLPool(source, 1, colour="red")
+    with pytest.raises(error, match=match):
+        RLPool(source, 1, params={"colour": "red"})
+
+
+def test_params_given_twice_or_not_as_a_dict_are_refused(no_sandbox, env_dir):
+    source = env_dir(READS_PARAMS)
+    with pytest.raises(TypeError, match="env param 'level' is given twice"):
+        RLPool(source, 1, level=1, params={"level": 2})
+    with pytest.raises(TypeError, match="params must be a dict"):
+        RLPool(source, 1, params=[("level", 1)])
+
+
+def test_params_an_env_directory_never_reads_are_warned_about_once(env_dir):
+    source = env_dir(IGNORES_PARAMS)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for workers in (1, 1, 2):  # the same params again, and a sharded pool: no second warning
+            with RLPool(source, 2, workers=workers, level=3, warmup=False) as pool:
+                assert pool.reset() == ["no params read"] * 2  # they went nowhere; the env runs
+        with RLPool(source, 2, params={"levl": 3}, memory_cap="1G", warmup=False) as pool:
+            pool.reset()
+    unread = [w for w in caught if "never reads them" in str(w.message)]
+    assert [str(w.message).split(" go to ")[0] for w in unread] == [
+        "env params 'level'",
+        "env params 'levl', 'memory_cap'",
+    ]
+    assert all(w.category is UserWarning and w.filename == __file__ for w in unread)  # at the caller's line
+    assert f"go to {source}, whose code never reads them" in str(unread[0].message)
+    assert "Did you mean the option 'memory_limit' for 'memory_cap'?" in str(unread[1].message)
+
+
+def test_every_adapter_keyword_is_an_option_a_misspelling_is_checked_against():
+    """The layers above RLPool pass the keywords they do not take on to it: a misspelling of one of
+    theirs arrives as a bare keyword, to be compared with their names too (keywords.ADAPTER_OPTIONS)."""
+    import inspect
+
+    from boltzlabs.cluster import ClusterPool
+    from boltzlabs.pool import keywords
+
+    layers = [BoltzLabsVecEnv.__init__, BoltzLabsVecEnv.make, ClusterPool.__init__]
+    if importlib.util.find_spec("stable_baselines3") is not None:
+        from boltzlabs.sb3 import BoltzLabsSB3VecEnv
+
+        layers.append(BoltzLabsSB3VecEnv.__init__)
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    theirs = {name for f in layers for name, p in inspect.signature(f).parameters.items() if p.kind in named}
+    assert theirs - {"self", "cls", "env_fns", "source", "n"} <= set(keywords.options(RLPool.__init__))
+
+
+def test_reading_params_anywhere_in_an_env_directory_counts(tmp_path):
+    from boltzlabs.pool.keywords import reads_params
+
+    (tmp_path / "env.py").write_text("import helper\nhelper.main()\n")
+    assert not reads_params(tmp_path)
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "helper.py").write_text("import boltzlabs.env as be\nlevel = be.params ( )['level']\n")
+    assert reads_params(tmp_path)
+    (tmp_path / "lib" / "helper.py").write_text("import os, json\njson.loads(os.environ['BOLTZLABS_PARAMS'])\n")
+    assert reads_params(tmp_path)
+    (tmp_path / "lib" / "helper.py").write_text("from boltzlabs.env import params as p\n")
+    assert reads_params(tmp_path)
+    (tmp_path / "lib" / "helper.py").write_text("def get_params(): pass\n")
+    assert not reads_params(tmp_path)
 
 
 def test_a_path_that_exists_wins_over_a_gym_id(tmp_path, monkeypatch):
@@ -371,6 +519,58 @@ def test_render_of_a_gym_source():
 def test_the_adapter_needs_declared_spaces(probe_pool):
     with pytest.raises(ValueError, match="declared no observation_space"):
         BoltzLabsVecEnv(probe_pool(1))
+
+
+GRAPHS = [
+    gym.spaces.Graph(node_space=gym.spaces.Box(-1, 1, (2,)), edge_space=None),
+    gym.spaces.Graph(node_space=gym.spaces.Discrete(5), edge_space=gym.spaces.Box(-100, 100, (3, 4))),
+    gym.spaces.Graph(
+        node_space=gym.spaces.Dict([("pos", gym.spaces.Box(-10, 10, (3,))), ("label", gym.spaces.Discrete(5))]),
+        edge_space=gym.spaces.Tuple((gym.spaces.Discrete(4), gym.spaces.Box(0, 1, (2,)))),
+    ),
+    gym.spaces.Sequence(gym.spaces.Graph(node_space=gym.spaces.Box(-1, 1, (2,)), edge_space=gym.spaces.Discrete(4))),
+    gym.spaces.OneOf([gym.spaces.Discrete(2), gym.spaces.Graph(node_space=gym.spaces.MultiBinary(3), edge_space=None)]),
+]
+
+
+@pytest.mark.parametrize("space", GRAPHS, ids=repr)
+def test_graph_specs_round_trip_and_their_values_come_back_as_graph_instances(space):
+    """The spec's two halves (runtime/spec.py in the env, pool/spaces.py in the trainer) and the
+    restorer both sides run on what the wire delivers (tests/test_gym_compat.py runs them in pools)."""
+    from boltzlabs.pool.spaces import from_spec
+    from boltzlabs.runtime.spec import graph_restorer, to_spec
+
+    def across(value):  # as a frame delivers it: a step's action, or a reply's obs
+        return wire.FrameReader(wire.Limits(1 << 20)).feed(wire.encode([wire.STEP, 0, value, False]))[0][2]
+
+    assert from_spec(across(to_spec(space))) == space
+    space.seed(3)
+    for _ in range(5):
+        value = space.sample()
+        restored = graph_restorer(space)(across(value))  # each GraphInstance arrived a plain tuple
+        assert restored in space and data_equivalence(restored, value, exact=True)  # types too
+
+
+def test_a_malformed_graph_spec_or_value_is_refused_or_passed_on_never_a_crash():
+    from boltzlabs.pool.spaces import from_spec
+    from boltzlabs.runtime.spec import graph_restorer
+
+    box = {"type": "Box", "low": 0, "high": 1, "shape": [2], "dtype": "float32"}
+    for spec in [
+        {"type": "Graph"},
+        {"type": "Graph", "node_space": None, "edge_space": None},
+        {"type": "Graph", "node_space": "Box", "edge_space": None},
+        {"type": "Graph", "node_space": box, "edge_space": {"type": "Box"}},
+    ]:
+        with pytest.raises(ValueError, match="malformed|cannot describe"):
+            from_spec(spec)
+    restore = graph_restorer(GRAPHS[0])
+    for value in [None, "graph", (), (1, 2), (1, 2, 3, 4), {"nodes": 1}, np.zeros(3)]:
+        assert restore(value) is value
+    one_of = graph_restorer(GRAPHS[4])
+    for value in [(7, (np.zeros((1, 3)), None, None)), (-1, ()), ("0", ()), (0,), 5]:
+        assert one_of(value) is value
+    assert graph_restorer(gym.spaces.Box(0, 1)) is None  # no Graph: nothing to do
 
 
 FLAKY = """

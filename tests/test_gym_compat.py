@@ -32,6 +32,8 @@ N = 2
 
 
 TypedEnv = env_class(TYPED_ENV, "TypedEnv")
+GRAPH_ENV = TESTS / "envs" / "graph_env"
+GraphEnv = env_class(GRAPH_ENV, "GraphEnv")
 
 
 def assert_same(got, want, where="value"):
@@ -213,6 +215,37 @@ def test_tuples_numpy_scalars_and_metadata_survive_the_wire(pool_factory, mode):
     assert finals >= 2 or mode == AutoresetMode.NEXT_STEP
 
 
+@pytest.mark.parametrize("mode", [AutoresetMode.NEXT_STEP, AutoresetMode.SAME_STEP], ids=lambda m: m.name)
+def test_graph_spaces_travel_and_their_values_are_graph_instances_both_ways(pool_factory, mode):
+    """A Graph observation (in a Dict) and a Graph action, from an env directory, as SyncVectorEnv
+    has them: the spaces from the handshake, a batch a tuple of GraphInstance (Gymnasium's
+    concatenate), final_obs too; the env is given GraphInstance actions (its step asserts it)."""
+    ours = BoltzLabsVecEnv(pool_factory(GRAPH_ENV, N), autoreset_mode=mode)
+    reference = SyncVectorEnv([GraphEnv] * N, autoreset_mode=mode)
+    spec = ours.pool.env_contract.observation_space["spaces"][0][1]
+    assert spec["type"] == "Graph" and spec["node_space"]["type"] == "Box" and spec["edge_space"]["type"] == "Discrete"
+    for name in ("single_observation_space", "single_action_space", "observation_space", "action_space"):
+        assert getattr(ours, name) == getattr(reference, name), name
+    got, want = env_part(ours.reset(seed=5)), reference.reset(seed=5)
+    assert_same(got, want)
+    assert type(got[0]["graph"][0]) is gym.spaces.GraphInstance and got[0] in ours.observation_space
+    reference.action_space.seed(1)
+    finals = 0
+    for t in range(7):
+        action = reference.action_space.sample()  # a tuple of GraphInstance, one per env
+        got, want = env_part(ours.step(action)), reference.step(action)
+        assert_same(got, want, f"step {t}")  # rewards: the sums of the actions' nodes, seen by the envs
+        assert got[0] in ours.observation_space
+        if "final_obs" in want[4]:
+            for i in np.flatnonzero(want[4]["_final_obs"]):
+                assert got[4]["final_obs"][i] in ours.single_observation_space
+                finals += 1
+    assert finals >= 2 or mode == AutoresetMode.NEXT_STEP
+    # A value that is no graph is passed on as sent, for the space to refuse (SyncVectorEnv's too).
+    obs, _ = ours.reset(options={"malformed": True})
+    assert obs["graph"][0] == ("not", "a", "graph", "at all") and obs not in ours.observation_space
+
+
 def test_blackjack_final_obs_is_a_tuple_as_in_sync_vector_env(pool_factory):
     mode = AutoresetMode.SAME_STEP
     ours = BoltzLabsVecEnv(pool_factory("gym://Blackjack-v1", N), autoreset_mode=mode)
@@ -236,7 +269,6 @@ def test_blackjack_final_obs_is_a_tuple_as_in_sync_vector_env(pool_factory):
 def test_call_get_attr_set_attr_reach_a_gym_sources_env(pool_factory):
     ours = BoltzLabsVecEnv(pool_factory("gym://CartPole-v1", N))
     reference = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * N)
-    assert ours.np_random_seed == (-1, -1)  # never seeded: unknown
     for env in (ours, reference):
         env.reset(seed=42)
     assert ours.np_random_seed == reference.np_random_seed == (42, 43)
@@ -267,6 +299,79 @@ def test_call_get_attr_set_attr_reach_a_gym_sources_env(pool_factory):
     with pytest.raises(ValueError, match="Got `3` values for 2 environments"):
         reference.set_attr("gravity", [1, 2, 3])
     ours.step(np.array([0, 1]))  # the envs serve on
+
+
+def _entropy_seeds(seeds) -> bool:
+    # numpy's SeedSequence draws 128 bits: more than msgpack's 64 (both draw at once below 2**64: 2**-128).
+    return (
+        len(set(seeds)) == N
+        and all(type(s) is int and 0 <= s < 2**128 for s in seeds)
+        and any(s >= 2**64 for s in seeds)
+    )
+
+
+def test_np_random_seed_of_an_unseeded_env_is_drawn_when_first_asked_for(pool_factory):
+    """Gymnasium's Env.np_random_seed makes the env's generator from a seed drawn from entropy
+    when there is none; SyncVectorEnv reads it so, and so does ours, each 128-bit seed whole."""
+    ours = BoltzLabsVecEnv(pool_factory("gym://CartPole-v1", N))
+    reference = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * N)
+    for envs in (ours, reference):
+        drawn = envs.np_random_seed
+        assert _entropy_seeds(drawn), drawn
+        assert envs.np_random_seed == drawn  # drawn once, then kept
+        obs, _ = envs.reset()  # unseeded: the generator made at the read is the one the reset uses
+        for i in range(N):
+            np.testing.assert_array_equal(obs[i], gym.make("CartPole-v1").reset(seed=drawn[i])[0])
+        assert envs.np_random_seed == drawn
+        envs.reset(seed=42)
+        assert envs.np_random_seed == (42, 43)
+
+
+def test_np_random_seed_after_an_unseeded_first_reset_is_the_seed_the_env_drew(pool_factory):
+    ours = BoltzLabsVecEnv(pool_factory("gym://CartPole-v1", N))
+    reference = SyncVectorEnv([lambda: gym.make("CartPole-v1")] * N)
+    for envs in (reference, ours):
+        obs, _ = envs.reset()  # CartPole's reset draws from self.np_random: a seed from entropy
+        drawn = envs.np_random_seed
+        assert _entropy_seeds(drawn), drawn
+        for i in range(N):
+            np.testing.assert_array_equal(obs[i], gym.make("CartPole-v1").reset(seed=drawn[i])[0])
+    ours.pool.reset(hard=True)  # fresh envs, with no generator: a new draw
+    assert _entropy_seeds(ours.np_random_seed) and set(ours.np_random_seed).isdisjoint(drawn)
+
+
+HOSTILE_SEED = """
+    from boltzlabs.env import serve
+    from gymnasium import spaces
+    state = {"seed": 7}
+    def sent(value):
+        state["seed"] = value
+    serve(reset=lambda seed: 0, step=lambda action: (0, 0.0, False, {}),
+          observation_space=spaces.Discrete(2), action_space=spaces.Discrete(2),
+          methods={"boltzlabs_np_random_seed": lambda: state["seed"]},  # the adapter's question (gym_serve.py)
+          attributes={"sent": (lambda: state["seed"], sent)})
+"""
+
+
+def test_a_seed_an_env_sends_is_checked_and_a_bad_one_fails_its_lane(pool_factory, env_dir):
+    """np_random_seed crosses the wire as an int (msgpack's 64 bits) or as decimal digits; the
+    adapter reads it as untrusted input: anything else is an EnvError naming the lane."""
+    ours = BoltzLabsVecEnv(pool_factory(env_dir(HOSTILE_SEED), N))
+    for good, read in [("9" * 78, int("9" * 78)), (2**64 - 1, 2**64 - 1), (-1, -1), ("007", 7)]:
+        ours.set_attr("sent", [7, good])
+        assert ours.np_random_seed == (7, read)
+    too_long = ["9" * 79, "1" * 1_000_000]
+    not_digits = ["", "12a", "-5", " 5", "5\n", "\u0665", "1_000"]
+    not_seeds = [-2, 1.5, True, None, [1], b"5", {"seed": 5}, (5,)]
+    for value in too_long + not_digits + not_seeds:
+        ours.set_attr("sent", [7, value])
+        with pytest.raises(EnvError, match=r"env 1 sent .* as its np_random_seed, which is not a seed") as caught:
+            _ = ours.np_random_seed
+        assert caught.value.env_index == 1, value
+    ours.set_attr("sent", [7, 8])
+    assert ours.np_random_seed == (7, 8)  # the envs serve on
+    ours.reset()
+    ours.step(np.array([0, 1]))
 
 
 def test_call_get_attr_set_attr_reach_only_what_a_served_env_offers(pool_factory):

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import gymnasium
 import numpy as np
 import psutil
 import pytest
@@ -164,6 +165,20 @@ def test_hard_reset_is_byte_identical_remotely(worker):
         assert episode() == episode()
 
 
+def test_a_remote_pool_groups_envs_in_its_sandboxes(worker):
+    pytest.importorskip("gymnasium")
+    # No slot crosses TCP: a group's observations come by the wire, one per env.
+    with worker.pool("gym://CartPole-v1", 5, envs_per_sandbox=2) as pool:
+        assert pool.sandboxes == 3 and not pool.shared_memory
+        obs = pool.reset(seed=0)
+        local = [gymnasium.make("CartPole-v1").reset(seed=i)[0] for i in range(5)]
+        assert all(np.array_equal(o, want) for o, want in zip(obs, local))
+        _, rewards, _, _ = pool.step(np.array([0, 1, 0, 1, 0]))
+        assert rewards.tolist() == [1.0] * 5
+        pids = pool.pids()
+        assert pids[0] == pids[1] != pids[2] == pids[3] != pids[4]
+
+
 def test_gym_source_runs_the_workers_own_gym_env(worker):
     pytest.importorskip("gymnasium")
     with worker.pool("gym://CartPole-v1", 2) as pool:
@@ -232,6 +247,9 @@ def test_n_over_the_workers_cap_is_refused(tmp_path):
     try:
         with pytest.raises(ValueError, match="1 to 3 envs"):
             w.pool(COUNTER, 4)
+        # The cap counts envs, not sandboxes: 2 sandboxes of 2 envs are 4 envs.
+        with pytest.raises(ValueError, match=r"1 to 3 envs .*asked for 4 envs in 2 sandboxes"):
+            w.pool(COUNTER, 4, envs_per_sandbox=2)
         with w.pool(COUNTER, 3) as pool:
             assert len(pool.reset()) == 3
     finally:

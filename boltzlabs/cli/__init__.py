@@ -2,6 +2,7 @@
 
     boltzlabs check PATH|gym://ID     does one env keep the pool's contract?   (boltzlabs.cli.check)
     boltzlabs bench PATH|gym://ID -n  what a pool costs and delivers, per n    (boltzlabs.cli.bench)
+        --envs-per-sandbox 1,4,16     ... per k envs in a sandbox, beside AsyncVectorEnv
     boltzlabs doctor                  can this host run pools?                 (boltzlabs.cli.doctor)
     boltzlabs worker --listen H:P     serve pools to remote clients            (boltzlabs.remote.listener)
 
@@ -69,6 +70,19 @@ def _positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, not {text!r}")
     return value
+
+
+def _group_sizes(text: str) -> list:
+    """--envs-per-sandbox 1,4,16: whole numbers >= 1, comma-separated."""
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if not (part.isascii() and part.isdigit() and int(part) >= 1):
+            raise argparse.ArgumentTypeError(
+                f"must be whole numbers >= 1 separated by commas, such as 1,4,16, not {text!r}"
+            )
+        values.append(int(part))
+    return values
 
 
 def _actions(text: str) -> list:
@@ -247,7 +261,13 @@ For each n: start a pool of n envs (start-up time), step it --steps times
 (resetting finished envs inside the timed loop) and report env-steps/s, the
 mean worker_ms (the step as measured in the worker) against roundtrip_ms (as
 measured here), memory per env and envs_per_gb() from the kernel's cgroup
-accounting. A progress bar goes to stderr on a terminal, a table to stdout.""",
+accounting. A progress bar goes to stderr on a terminal, a table to stdout.
+
+With --envs-per-sandbox 1,4,16: for each n, a pool per k (k envs in each
+sandbox; 1 is a sandbox per env) and, for a Gymnasium id, AsyncVectorEnv
+over the same envs, all open at once and taking --rounds turns; the table
+gives env-steps/s, CPU per env-step (this process and the side's processes),
+envs/GiB and the ratio to AsyncVectorEnv per k (docs/groups.md).""",
     )
     _add_source(parser)
     parser.add_argument(
@@ -268,6 +288,21 @@ accounting. A progress bar goes to stderr on a terminal, a table to stdout.""",
         metavar="JSON",
         help="actions to cycle through, each sent to every env (default: sampled from the env's action space, else 0)",
     )
+    parser.add_argument(
+        "--envs-per-sandbox",
+        type=_group_sizes,
+        metavar="K[,K...]",
+        help="compare RLPool(envs_per_sandbox=K) for each K (1: a sandbox per env) and AsyncVectorEnv, "
+        "taking turns: env-steps/s, CPU per env-step, envs/GiB and the ratio to AsyncVectorEnv",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=5,
+        metavar="R",
+        help="with --envs-per-sandbox: the timed steps of each side cut into R chunks, the sides "
+        "taking turns chunk by chunk; figures are medians over them (default 5)",
+    )
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON only, no table")
     parser.add_argument(
         "--plot",
@@ -279,6 +314,8 @@ accounting. A progress bar goes to stderr on a terminal, a table to stdout.""",
 
 
 def _run_bench(args) -> int:
+    if args.envs_per_sandbox is not None:
+        return _run_bench_groups(args)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
@@ -335,6 +372,106 @@ def _run_bench(args) -> int:
     return EXIT_PROBLEM if failed else EXIT_OK
 
 
+def _run_bench_groups(args) -> int:
+    """bench --envs-per-sandbox: a pool per k and AsyncVectorEnv beside, per n (cli/bench.py's compare)."""
+    if args.plot:
+        raise UsageError("--plot draws figures against n: leave it out with --envs-per-sandbox")
+    params = _resolve(args)
+    from tqdm import tqdm
+
+    from boltzlabs.cli.bench import compare, group_sizes, twin
+    from boltzlabs.errors import BoltzLabsError
+
+    with_async = twin(args.source, params, 1) is not None
+    sides = sum(len(group_sizes(args.envs_per_sandbox, n)) + with_async for n in args.ns)
+    results = []
+    with tqdm(total=sides * args.steps, unit="step", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
+        for n in args.ns:
+            bar.set_description(f"n={n}")
+            try:
+                results += compare(
+                    args.source,
+                    n,
+                    args.envs_per_sandbox,
+                    args.steps,
+                    rounds=args.rounds,
+                    spawn=args.spawn,
+                    actions=args.actions,
+                    params=params,
+                    bar=bar,
+                )
+            except (BoltzLabsError, ValueError) as exc:
+                bar.close()
+                print(f"boltzlabs bench: a pool of {n} envs failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                return EXIT_PROBLEM
+    if args.json:
+        import boltzlabs
+
+        print(
+            json.dumps(
+                {
+                    "source": args.source,
+                    "spawn": args.spawn,
+                    "steps": args.steps,
+                    "rounds": args.rounds,
+                    "envs_per_sandbox": args.envs_per_sandbox,
+                    "boltzlabs": boltzlabs.__version__,
+                    "results": results,
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(_groups_table(results, args, with_async))
+    failed = [r for r in results if r["failed_steps"]]
+    for r in failed:
+        print(
+            f"boltzlabs bench: {r['failed_steps']} lane step(s) failed at n={r['n']}, k={r['k']}; "
+            f"the first: {r['first_error']}",
+            file=sys.stderr,
+        )
+    return EXIT_PROBLEM if failed else EXIT_OK
+
+
+_GROUP_COLUMNS = (
+    ("n", "n", "{}"),
+    ("k", "k", "{}"),
+    ("sandboxes", "sandboxes", "{}"),
+    ("env-steps/s", "env_steps_per_s", "{:,.0f}"),
+    ("CPU us/env-step", "cpu_us_per_env_step", "{:.1f}"),
+    ("envs/GiB", "envs_per_gb", "{:,.0f}"),
+    ("/ AsyncVectorEnv", "vs_async", "{:.2f}x"),
+)
+
+
+def _groups_table(results: list, args, with_async: bool) -> str:
+    rows = [[label for label, _, _ in _GROUP_COLUMNS]]
+    rows += [["-" if r[key] is None else fmt.format(r[key]) for _, key, fmt in _GROUP_COLUMNS] for r in results]
+    lines = _markdown(rows)
+    sources = sorted({r["memory_source"] for r in results if r["memory_source"]})
+    rounds = max(r["rounds"] for r in results)
+    lines.append("")
+    lines.append(
+        "k: envs per sandbox (async: Gymnasium's AsyncVectorEnv, a process per env); env-steps/s and CPU "
+        f"(this process and the side's processes): medians of {rounds} round(s) taken in turns"
+    )
+    if not with_async:
+        lines.append(f"AsyncVectorEnv: not run ({args.source} is an env directory; a Gymnasium id has one)")
+    asked = sorted({k for k in args.envs_per_sandbox if any(k > n for n in args.ns)})
+    if asked:
+        lines.append(f"k = {', '.join(map(str, asked))}: more than n; a sandbox holds at most n envs")
+    lines.append(f"memory: {'; '.join(sources)}")
+    return "\n".join(lines)
+
+
+def _markdown(rows: list) -> list:
+    """Rows of cells as a markdown table, right-aligned: the header, its rule, the rest."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(cell.rjust(w) for cell, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
+    return lines
+
+
 _COLUMNS = (
     ("n", "n", "{}"),
     ("start (s)", "start_s", "{:.2f}"),
@@ -350,9 +487,7 @@ _COLUMNS = (
 def _bench_table(results: list) -> str:
     rows = [[label for label, _, _ in _COLUMNS]]
     rows += [[fmt.format(r[key]) for _, key, fmt in _COLUMNS] for r in results]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-    lines = ["| " + " | ".join(cell.rjust(w) for cell, w in zip(row, widths)) + " |" for row in rows]
-    lines.insert(1, "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|")
+    lines = _markdown(rows)
     sources = sorted({r["memory_source"] for r in results})
     lines.append("")
     lines.append(

@@ -108,7 +108,7 @@ def check_env(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             options = {} if warmup is None else {"warmup": bool(warmup)}
-            pool = RLPool(source, 1, spawn=spawn, step_timeout=step_timeout, **options, **(params or {}))
+            pool = RLPool(source, 1, spawn=spawn, step_timeout=step_timeout, **options, params=params)
     except EnvStartError as exc:
         yield Finding("start", FAIL, f"the env did not complete its handshake: {exc}")
         return

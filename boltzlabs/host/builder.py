@@ -57,10 +57,13 @@ class SandboxSpec:
         import_roots: Any = (),
         expose: Any = (),
         env_vars: dict[str, Any] | None = None,
+        group: tuple[int, ...] | None = None,
     ) -> None:
         self.account = account
         # RLPool(source, n, **params), read in the env by boltzlabs.env.params().
         self.params_json = json.dumps(params or {}, sort_keys=True)
+        # RLPool(envs_per_sandbox=k): "k,envs,max_frame" for runtime/group.py; every sandbox is a group.
+        self.group_text = ",".join(map(str, group)) if group else ""
         self.source_dir = Path(source_dir).resolve()
         if account is not None:
             account.check_readable(str(self.source_dir), "the env directory", 5)
@@ -136,6 +139,8 @@ class SandboxSpec:
         for name, value in plan.environment:
             args += ["--setenv", name, value]
         args += ["--setenv", abi.PARAMS_VARIABLE, self.params_json]
+        if self.group_text:
+            args += ["--setenv", abi.GROUP_VARIABLE, self.group_text]
         return args
 
     def hand_over(self, argv: list[str]) -> tuple[list[str], dict[int, bytes]]:

@@ -40,7 +40,7 @@ import numpy as np
 
 from boltzlabs import wire
 from boltzlabs.link import worker_environment
-from boltzlabs.pool import imports, progress as start_progress, shards, slots, sources
+from boltzlabs.pool import groups, imports, keywords, progress as start_progress, shards, slots, sources
 from boltzlabs.errors import (
     CATEGORIES,
     DEADLINE,
@@ -62,7 +62,7 @@ from boltzlabs.errors import (
     describe_exit,
     exit_signal,
 )
-from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_cpus, check_n
+from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, attr_error, check_batch_size, check_cpus, check_n
 from boltzlabs.units import parse_size
 
 if TYPE_CHECKING:
@@ -316,12 +316,36 @@ class RLPool(Pool):
         leave CPUs 0-7 to the trainer; a one-worker pool runs on all of them.
         False: never pinned. `pool.affinity` lists each worker's CPUs (None:
         not pinned). Placement, not a limit: an env may widen its own.
+      envs_per_sandbox: k envs in each sandbox, ceil(n / k) sandboxes (the
+        last holds the rest; a k above n is n), each one lane of an ordinary
+        pool stepped in one turn: one frame in and one out per sandbox. None
+        or 1 (default): a sandbox per env. With k > 1 the call returns a
+        GroupedPool (boltzlabs.pool.groups): every call keeps its meaning,
+        and `envs_per_sandbox`, `sandboxes` and `inner` (the pool of the
+        sandboxes) say how it is built. The envs of a sandbox share its
+        process, its workspace, the modules env.py imports (each runs
+        env.py as a module of its own) and every limit: memory_limit,
+        limits, workspace_size and step_timeout bound the sandbox as a
+        whole, not each env. An exception fails its env alone; a death,
+        OOM or missed deadline fails every env of the sandbox; a hard reset
+        respawns the whole sandbox (reset_infos[i]["group_reset"]).
+        trust_env=True is refused with k > 1. docs/groups.md.
+      vectorization_mode: envs_per_sandbox in Gymnasium's and rlmesh's
+        words: "sync" puts every env in one sandbox (k = n), "async" gives
+        each its own (k = 1). envs_per_sandbox, when given, decides.
       cluster: refused (TypeError): a pool over a Ray cluster is
         boltzlabs.cluster.ClusterPool(source, n, cluster="ray", ...), the
         same protocol (boltzlabs.pool.protocol.Pool).
-      **params: construction params. A Gymnasium source passes them to
-        gymnasium.make(id, **params), checked against the env's constructor
-        here; an env directory reads them with boltzlabs.env.params().
+      params: the env's construction params, as a dict: a Gymnasium source
+        passes them to gymnasium.make(id, **params), checked against the
+        env's constructor here; an env directory reads them with
+        boltzlabs.env.params(); env_fns take none. A keyword this signature
+        does not take is such a param too (RLPool(src, n, level=3)), unless
+        its name is close to an option's (step_timout=): that is refused as a
+        misspelling (TypeError naming the option), unless a Gymnasium env's
+        constructor names it; a param of such a name goes in params={...}.
+        An env directory whose code never reads params() is warned about
+        once (a text scan of its .py files). docs/api.md#env-params.
 
     `source` is a directory holding env.py, "gym://<id>" for a Gymnasium env,
     a bare Gymnasium id ("CartPole-v1", "ALE/Pong-v5") when no such path
@@ -342,7 +366,28 @@ class RLPool(Pool):
     _link: _LocalLink | RemoteLink  # the worker process, local or over the network (_start_worker)
     _finalizer: weakref.finalize[[], RLPool]  # shuts the worker down when the pool is collected unclosed
 
-    def __new__(cls, *args, workers=None, **kwargs):
+    def __new__(cls, *args, workers=None, envs_per_sandbox=None, vectorization_mode=None, **kwargs):
+        if cls is RLPool and (envs_per_sandbox is not None or vectorization_mode is not None):
+            # RLPool(source, n, envs_per_sandbox=k) with k > 1: ceil(n / k) sandboxes of k envs each
+            # (pool/groups.py), a pool of those sandboxes inside. Made whole here: not an RLPool.
+            kwargs = dict(kwargs)
+            source = args[0] if args else kwargs.pop("source", None)
+            n = check_n(args[1] if len(args) > 1 else kwargs.pop("n", None))
+            if len(args) > 2:
+                raise TypeError("RLPool takes source and n positionally, its options by keyword")
+            k = groups.group_size(envs_per_sandbox, vectorization_mode, n)
+            if k > 1:
+                if kwargs.get("trust_env"):
+                    raise ValueError(
+                        "trust_env=True imports env.py in the template, once; a sandbox of several envs runs "
+                        "it once per env: leave trust_env out with envs_per_sandbox"
+                    )
+                batch_size = check_batch_size(kwargs.pop("batch_size", None), n)
+
+                def inner(sandboxes: int, group: list):
+                    return RLPool(source, sandboxes, workers=workers, _group=group, **kwargs)
+
+                return groups.GroupedPool(inner, n, k, batch_size)
         # RLPool(source, n, workers=k) with k > 1 (or chosen so) is a pool over k
         # worker processes (pool/shards.py), still an RLPool to its caller.
         if cls is RLPool and shards.workers_for(args, kwargs, workers) > 1:
@@ -374,9 +419,13 @@ class RLPool(Pool):
         expose=None,
         workers=None,
         cpus=None,
+        envs_per_sandbox=None,
+        vectorization_mode=None,
+        _group: list | None = None,
+        params=None,
         _shard: tuple[int, int] = (0, 1),
         _progress: start_progress.StartProgress | None = None,
-        **params,
+        **env_params,
     ):
         self._closed = True
         self.workers = 1  # the worker processes the lanes are split over (pool/shards.py for more than one)
@@ -389,8 +438,18 @@ class RLPool(Pool):
         n = check_n(n)
         self.batch_size = check_batch_size(batch_size, n)
         cpus = check_cpus(cpus)
-        _warn_pool_option_typos(params)
-        resolved = sources.resolve(source, params, n)
+        # A grouped pool's lanes are sandboxes (pool/groups.py): _group is [k, envs], and the source
+        # (env_fns) holds an env per env, not per lane. envs_per_sandbox of 1 is this pool.
+        groups.group_size(envs_per_sandbox, vectorization_mode, n)
+        # The env's params: params={...} as given, and the keywords this signature does not take, each
+        # checked for a misspelt option first (pool/keywords.py).
+        resolved = sources.resolve(
+            source,
+            keywords.merge(env_params, params),
+            _group[1] if _group else n,
+            bare=env_params,
+            options=keywords.options(RLPool.__init__),
+        )
         if env_vars is not None and (
             not isinstance(env_vars, dict)
             or not all(isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items())
@@ -422,6 +481,7 @@ class RLPool(Pool):
             "import_roots": import_roots,
             "expose": imports.exposed(expose, import_roots, remote=worker is not None),
             "env_vars": env_vars,
+            "group": _group,
             # A local worker can hand us each env's observation slot (pool/slots.py): asked for unless
             # BOLTZLABS_NO_SHM=1; it gives them when the env's space has a fixed shape.
             "shared_memory": worker is None and slots.wanted(),
@@ -916,18 +976,8 @@ class RLPool(Pool):
     # -- methods and attributes of the envs (serve(methods=, attributes=, target=)) ------
 
     def _attr(self, op: str, name, env_ids, args: list, kwargs: dict, values=None) -> list:
-        if not isinstance(name, str):
-            raise TypeError(f"the attribute name must be a str, not {type(name).__name__}")
         lanes = list(range(self.n)) if env_ids is None else self._env_ids(env_ids)
-        offered = self.env_contract.attributes
-        if offered is not None and offered["target"] is None:  # the env listed everything it offers
-            methods, attributes = offered["methods"], offered["attributes"]
-            if not (name in attributes or (op == "call" and name in methods)):
-                raise AttributeError(_missing(op, name, methods, attributes, self.env_contract.id))
-            if op == "set" and not attributes[name]:
-                raise AttributeError(
-                    f"the env's attribute {name!r} is read-only (its serve(attributes=) gave it no setter)"
-                )
+        self._attr_check(op, name)
         if not lanes:
             return []
         verb = {"call": "call", "get": "get the attribute", "set": "set the attribute"}[op]
@@ -939,12 +989,22 @@ class RLPool(Pool):
                 "msgpack-able values or numpy arrays, like actions"
             ) from None
         if errors:
-            index, (message, detail) = min((int(k), v) for k, v in errors.items())
-            if message.startswith("AttributeError: "):  # the env's own: no such name (Gymnasium raises it too)
-                raise AttributeError(f"env {index}: {message[len('AttributeError: ') :]}")
-            others = f" ({len(errors) - 1} other env(s) failed too)" if len(errors) > 1 else ""
-            raise EnvError(f"env {index} could not {verb} {name!r}{others}: {detail or message}", env_index=index)
+            raise attr_error(verb, name, errors)
         return results
+
+    def _attr_check(self, op: str, name) -> None:
+        """Refuse, before anything is sent, a name the env's handshake says it does not offer."""
+        if not isinstance(name, str):
+            raise TypeError(f"the attribute name must be a str, not {type(name).__name__}")
+        offered = self.env_contract.attributes
+        if offered is not None and offered["target"] is None:  # the env listed everything it offers
+            methods, attributes = offered["methods"], offered["attributes"]
+            if not (name in attributes or (op == "call" and name in methods)):
+                raise AttributeError(_missing(op, name, methods, attributes, self.env_contract.id))
+            if op == "set" and not attributes[name]:
+                raise AttributeError(
+                    f"the env's attribute {name!r} is read-only (its serve(attributes=) gave it no setter)"
+                )
 
     def _attr_request(self, lanes: list, op: str, name: str, args: list, kwargs: dict, values) -> tuple:
         """(results aligned with lanes, {lane: (message, detail)} of the lanes that failed)."""
@@ -998,44 +1058,6 @@ def _missing(op: str, name: str, methods: list, attributes: dict, source: str) -
         f"the env {source!r} has no method or attribute {name!r}; it offers methods {sorted(methods)} and "
         f"attributes {sorted(attributes)} (name them in serve(..., methods=, attributes=) in its env.py)"
     )
-
-
-_POOL_OPTIONS = (
-    "step_timeout",
-    "serialize_measurement",
-    "memory_limit",
-    "workspace_size",
-    "start_timeout",
-    "progress",
-    "batch_size",
-    "limits",
-    "worker",
-    "token",
-    "tls_ca",
-    "cluster",
-    "envs_per_node",
-    "warmup",
-    "env_vars",
-    "expose",
-    "workers",
-    "workers_per_node",
-)
-
-
-def _warn_pool_option_typos(params: dict) -> None:
-    # Env params share RLPool's keywords, so a misspelt pool option would reach
-    # an env directory (which nobody checks) as a param, silently.
-    import difflib
-    import warnings
-
-    for name in params:
-        close = difflib.get_close_matches(name, _POOL_OPTIONS, n=1, cutoff=0.8)
-        if close:
-            warnings.warn(
-                f"{name!r} is passed to the env as a param; did you mean the pool option {close[0]!r}?",
-                UserWarning,
-                stacklevel=3,
-            )
 
 
 class _LocalLink:

@@ -585,6 +585,18 @@ class Pool(abc.ABC):
             self._never_reset.difference_update(lanes)
 
 
+def attr_error(verb: str, name: str, errors: dict) -> Exception:
+    """The exception for a call/get_attr/set_attr some envs failed: {env: (message, detail)}; the
+    first env's AttributeError as one, else EnvError naming it and how many others failed."""
+    from boltzlabs.errors import EnvError
+
+    index, (message, detail) = min((int(k), v) for k, v in errors.items())
+    if message.startswith("AttributeError: "):  # the env's own: no such name (Gymnasium raises it too)
+        return AttributeError(f"env {index}: {message[len('AttributeError: ') :]}")
+    others = f" ({len(errors) - 1} other env(s) failed too)" if len(errors) > 1 else ""
+    return EnvError(f"env {index} could not {verb} {name!r}{others}: {detail or message}", env_index=index)
+
+
 def _failure_kind(info: dict) -> str:
     """What kind of failure a lane's info["error"] reports, in a few words."""
     text = str(info.get("error"))[:200]

@@ -33,6 +33,7 @@ hands out the first M.
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import re
@@ -47,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from boltzlabs.errors import EnvStartError, PoolClosedError, WorkerError
+from boltzlabs.pool import keywords, sources
 from boltzlabs.pool.progress import StartProgress, shown
 from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, check_batch_size, check_cpus, check_n
 
@@ -108,6 +110,12 @@ def workers_for(args: tuple, kwargs: dict, workers) -> int:
             f"cores this process may use), not {workers!r:.80}"
         )
     if not 1 <= workers <= n:
+        group = kwargs.get("_group")
+        if group:  # RLPool(envs_per_sandbox=k): n here is the sandboxes (pool/groups.py), not the envs asked for
+            raise ValueError(
+                f"workers must be in [1, {n}]: each worker process holds at least one sandbox, and n={group[1]} "
+                f"envs at envs_per_sandbox={group[0]} make {n}; got {workers}"
+            )
         raise ValueError(f"workers must be in [1, n={n}]: each worker process holds at least one env; got {workers}")
     return int(workers)
 
@@ -158,14 +166,30 @@ class Sharding(Pool):
         self._bounds = [n * s // k for s in range(k + 1)]
         self._gated = bool(serialize_measurement)
         # env_fns: each shard gets its lanes' callables; any other source is the same for every shard.
+        # A grouped pool's lanes are sandboxes of k envs (pool/groups.py): its envs split with them.
         fns = isinstance(source, (list, tuple))
-        if fns and len(source) != n:
-            raise ValueError(f"env_fns has {len(source)} callables but n={n}: one env per callable")
+        group = options.pop("_group", None)
+        envs = group[1] if group else n
+        if fns and len(source) != envs:
+            raise ValueError(f"env_fns has {len(source)} callables but n={envs}: one env per callable")
+        if not fns:
+            # The keywords checked once here, in the caller's thread, before the shards' threads check
+            # them again: a misspelt option refused, unread params warned about at the caller's line.
+            init = self._one_worker.__init__
+            signature = inspect.signature(init).parameters
+            accepted = {name for name, p in signature.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+            bare = {name: value for name, value in options.items() if name not in accepted}
+            merged = keywords.merge(bare, options.get("params"))
+            sources.resolve(source, merged, envs, bare=bare, options=keywords.options(init))
 
         def open_shard(s):
             start, end = self._bounds[s], self._bounds[s + 1]
+            first, last, mine = start, end, options
+            if group:
+                first, last = start * group[0], min(end * group[0], envs)
+                mine = dict(options, _group=[group[0], last - first])
             return self._one_worker(
-                source[start:end] if fns else source,
+                source[first:last] if fns else source,
                 end - start,
                 workers=1,
                 progress=False,
@@ -173,7 +197,7 @@ class Sharding(Pool):
                 cpus=cpus,
                 _shard=(s, k),
                 _progress=bar,
-                **options,
+                **mine,
             )
 
         # One bar for the pool, each shard's worker reporting its own envs to it (unless this pool is

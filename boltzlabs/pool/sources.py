@@ -29,10 +29,12 @@ import json
 import os
 import sys
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 from boltzlabs.link import GYM_ENV_DIR
+from boltzlabs.pool import keywords
 
 __all__ = ["Source", "resolve"]
 
@@ -58,11 +60,21 @@ class Source:
     thunks: tuple = ()  # env_fns: the callables themselves (the adapter may build one here, for its spaces)
 
 
-def resolve(source, params: dict, n: int | None = None) -> Source:
+def resolve(
+    source, params: dict, n: int | None = None, bare: Collection[str] = (), options: Collection[str] = ()
+) -> Source:
     """The Source for `source` (see the module docstring); `n` the pool's size,
-    checked against env_fns' length. ValueError/TypeError saying what is wrong."""
+    checked against env_fns' length. ValueError/TypeError saying what is wrong.
+
+    `bare`: the names of `params` given as keywords RLPool does not know (not in
+    params={...}). One close to the name of one of `options` (keywords.options)
+    is refused as its misspelling,
+    unless a Gymnasium env's constructor names it; any unknown to a source that
+    takes no such param is refused (a gym id whose constructor does not take it,
+    env_fns); an env directory whose code never reads params() is warned about
+    once (pool/keywords.py)."""
     if isinstance(source, (list, tuple)):
-        return _env_fns(source, params, n)
+        return _env_fns(source, params, n, bare, options)
     if callable(source):
         raise TypeError(
             "a single callable is not a source: give a list of them, one per env "
@@ -75,15 +87,20 @@ def resolve(source, params: dict, n: int | None = None) -> Source:
         )
     text = os.fspath(source)
     if isinstance(text, str) and text.startswith(GYM_PREFIX):
-        return _gym(text[len(GYM_PREFIX) :], params)
+        return _gym(text[len(GYM_PREFIX) :], params, bare, options)
     path = Path(text).expanduser()
     if path.exists() or not isinstance(source, str) or text.startswith((".", "/", "~")):
-        return Source(_env_dir(path, text), _json_params(params, text), path.resolve().name)
+        keywords.refuse_misspelt(bare, options)
+        env_dir = _env_dir(path, text)
+        params = _json_params(params, text)
+        if params:
+            keywords.warn_unread(env_dir, params, options)
+        return Source(env_dir, params, path.resolve().name)
     # A name that is no path: a Gymnasium id ("CartPole-v1", a namespaced "ALE/Pong-v5").
-    return _gym(text, params)
+    return _gym(text, params, bare, options)
 
 
-def _env_fns(fns, params: dict, n: int | None) -> Source:
+def _env_fns(fns, params: dict, n: int | None, bare: Collection[str] = (), options: Collection[str] = ()) -> Source:
     if not fns or not all(callable(fn) for fn in fns):
         raise TypeError(
             "env_fns must be a non-empty list of callables, each returning a Gymnasium env "
@@ -93,6 +110,7 @@ def _env_fns(fns, params: dict, n: int | None) -> Source:
     if n is not None and n != len(fns):
         raise ValueError(f"env_fns has {len(fns)} callables but n={n}: one env per callable")
     if params:
+        keywords.refuse_misspelt(bare, options, "env_fns take no params: their thunks carry their own arguments")
         raise TypeError(
             f"env_fns carry their own arguments; these are not options of the pool: {', '.join(sorted(params))}"
         )
@@ -190,7 +208,7 @@ def _json_params(params: dict, name: str) -> dict:
     return dict(params)
 
 
-def _gym(env_id: str, params: dict) -> Source:
+def _gym(env_id: str, params: dict, bare: Collection[str] = (), options: Collection[str] = ()) -> Source:
     try:
         import gymnasium
     except ImportError:
@@ -199,7 +217,7 @@ def _gym(env_id: str, params: dict) -> Source:
             "pip install -e '.[gym]' (from a checkout of boltzlabs)"
         ) from None
     spec = _spec(gymnasium, env_id)
-    _check_params(spec, env_id, params)
+    _check_params(spec, env_id, params, bare, options)
     params = _json_params(params, env_id)
     module = None if ":" in env_id else _registering_module(spec, env_id)
     return Source(GYM_ENV_DIR, {"id": env_id, "kwargs": params, "import": module}, env_id, gym_id=env_id)
@@ -270,7 +288,11 @@ def _spec(gymnasium, env_id: str):
         ) from None
 
 
-def _check_params(spec, env_id: str, params: dict) -> None:
+def _likeness(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()  # get_close_matches' measure
+
+
+def _check_params(spec, env_id: str, params: dict, bare: Collection[str] = (), options: Collection[str] = ()) -> None:
     from gymnasium.envs.registration import load_env_creator
 
     entry = spec.entry_point
@@ -281,22 +303,29 @@ def _check_params(spec, env_id: str, params: dict) -> None:
             f"{env_id!r} cannot be made here: importing its entry point {entry!r} failed ({type(exc).__name__}: {exc})"
         ) from None
     try:
-        signature = inspect.signature(creator)
+        accepted = inspect.signature(creator).parameters
     except (TypeError, ValueError):
-        return  # a builtin or C callable: nothing to check against
-    accepted = signature.parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-        known = [
+        accepted = None  # a builtin or C callable: nothing to check against but the options' names
+    known = list(_MAKE_KEYWORDS)
+    if accepted is not None:
+        known[:0] = [
             name
             for name, p in accepted.items()
             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         ]
-        known += _MAKE_KEYWORDS
-        for name in params:
-            if name not in known:
-                close = difflib.get_close_matches(name, known, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
-                raise ValueError(f"{env_id!r} takes no argument {name!r}{hint} (it takes {', '.join(known)})")
+    # With **kwargs the constructor takes any name, its own to refuse (its TypeError fails the start).
+    open_ended = accepted is None or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    for name in params:
+        if name in known:
+            continue  # the env's own, whatever option it resembles
+        close = difflib.get_close_matches(name, known, n=1)
+        option = keywords.misspelt(name, options) if name in bare else None
+        # A misspelt option, unless the name is closer still to one of the env's own.
+        if option is not None and not (close and _likeness(name, close[0]) > _likeness(name, option)):
+            raise keywords.misspelling(name, option)
+        if not open_ended:
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"{env_id!r} takes no argument {name!r}{hint} (it takes {', '.join(known)})")
     render_mode = params.get("render_mode")
     modes = (getattr(creator, "metadata", None) or {}).get("render_modes")
     # gymnasium.make serves "human" through HumanRendering from an rgb_array mode, and "<mode>_list"

@@ -5,12 +5,12 @@
 
 Runs in the trainer; `from_spec` imports numpy and Gymnasium when called.
 Supported: Box, Discrete, MultiDiscrete, MultiBinary, Dict, Tuple, Text,
-Sequence and OneOf. A Dict's spec lists its keys in the space's own order
-(pairs) and `from_spec` keeps it, so batched and flattened observations line
-up with the env's. Any other space (Graph; a package's own space class, such
-as MiniGrid's MissionSpace) raises UnsupportedSpace naming where it sits;
-the adapters then rebuild the space in the trainer from the same Gymnasium
-id or env_fns thunk (`rebuild`), or say which override to pass.
+Sequence, OneOf and Graph. A Dict's spec lists its keys in the space's own
+order (pairs) and `from_spec` keeps it, so batched and flattened
+observations line up with the env's. Any other space (a package's own space
+class, such as MiniGrid's MissionSpace) raises UnsupportedSpace naming where
+it sits; the adapters then rebuild the space in the trainer from the same
+Gymnasium id or env_fns thunk (`rebuild`), or say which override to pass.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from boltzlabs.errors import UnsupportedSpace
 
 __all__ = ["from_spec", "UnsupportedSpace", "space_or_rebuild", "rebuilder", "gym_rebuilder"]
 
-CARRIED = "Box, Discrete, MultiDiscrete, MultiBinary, Dict, Tuple, Text, Sequence and OneOf"
+CARRIED = "Box, Discrete, MultiDiscrete, MultiBinary, Dict, Tuple, Text, Sequence, OneOf and Graph"
 
 
 def from_spec(spec: dict | None, where: str = ""):
@@ -53,6 +53,14 @@ def from_spec(spec: dict | None, where: str = ""):
             return spaces.Sequence(from_spec(spec["space"], f"{where}.feature_space"), stack=bool(spec["stack"]))
         if kind == "OneOf":
             return spaces.OneOf([from_spec(sub, f"{where}.spaces[{i}]") for i, sub in enumerate(spec["spaces"])])
+        if kind == "Graph":
+            if spec["node_space"] is None:
+                raise ValueError("a Graph has a node space")
+            edge = spec["edge_space"]
+            return spaces.Graph(
+                node_space=from_spec(spec["node_space"], f"{where}.node_space"),
+                edge_space=None if edge is None else from_spec(edge, f"{where}.edge_space"),
+            )
     except UnsupportedSpace:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -61,9 +69,8 @@ def from_spec(spec: dict | None, where: str = ""):
         ) from None
     name = spec.get("class") or kind if isinstance(spec, dict) else None
     shown = spec.get("repr", spec) if isinstance(spec, dict) else spec
-    why = " (its values, GraphInstance, would arrive as plain tuples)" if kind == "Graph" else ""
     raise UnsupportedSpace(
-        f"the env's space{where} is {str(shown)[:300]}, a {name}{why}, which the handshake cannot "
+        f"the env's space{where} is {str(shown)[:300]}, a {name}, which the handshake cannot "
         f"describe: boltzlabs carries {CARRIED} spaces",
         where,
         str(name),
@@ -110,7 +117,8 @@ def rebuilder(thunk):
 
 def gym_rebuilder(source, kwargs: dict):
     """rebuilder for a Gymnasium id: gymnasium.make(id, **the env's params)
-    (RLPool's own options left out); None for an env directory."""
+    (params={...} and the keywords that are not RLPool's options; the pool
+    has checked them); None for an env directory."""
     import inspect
     import os
 
@@ -119,8 +127,8 @@ def gym_rebuilder(source, kwargs: dict):
 
     if not isinstance(source, str) or (not source.startswith(sources.GYM_PREFIX) and os.path.exists(source)):
         return None
-    options = set(inspect.signature(RLPool.__init__).parameters) | {"cluster", "envs_per_node"}
-    params = {k: v for k, v in kwargs.items() if k not in options}
+    options = set(inspect.signature(RLPool.__init__).parameters) | {"cluster", "envs_per_node", "workers_per_node"}
+    params = {**(kwargs.get("params") or {}), **{k: v for k, v in kwargs.items() if k not in options}}
     env_id = source[len(sources.GYM_PREFIX) :] if source.startswith(sources.GYM_PREFIX) else source
 
     def make():

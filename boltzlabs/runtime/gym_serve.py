@@ -25,10 +25,11 @@ __all__ = ["serve_env", "NP_RANDOM_SEED", "SPACES"]
 # spaces (env_fns may build different envs): this env's [observation, action] specs.
 SPACES = "boltzlabs_spaces"
 
-# The method that answers the Gymnasium adapter's np_random_seed: the seed the
-# env's generator was made from, -1 when it has none yet or the seed does not
-# fit 64 bits (one drawn from entropy). Not the env's own property, which makes
-# a generator (and draws a seed) when there is none.
+# The method that answers the Gymnasium adapter's np_random_seed: the env's own
+# np_random_seed, as SyncVectorEnv's get_attr reads it (an env with no generator
+# yet makes one then, from a seed drawn from entropy). msgpack carries 64-bit
+# ints and numpy draws 128-bit seeds: one that does not fit travels as its
+# decimal digits (the adapter checks them: boltzlabs/gym.py).
 NP_RANDOM_SEED = "boltzlabs_np_random_seed"
 
 
@@ -78,8 +79,11 @@ def serve_env(
         return sorted(set(names))
 
     def np_random_seed() -> Any:
-        seed = getattr(getattr(env, "unwrapped", env), "_np_random_seed", None)
-        return seed if isinstance(seed, int) and 0 <= seed < 1 << 63 else -1
+        seed = getattr(env, "np_random_seed", None)  # through the wrappers, drawn if there is none yet
+        if seed is None:
+            return -1
+        seed = seed.__index__()  # an int or a numpy integer; anything else fails the call
+        return seed if -1 <= seed < 1 << 63 else str(seed)
 
     def spaces() -> Any:
         from boltzlabs.runtime.spec import to_spec

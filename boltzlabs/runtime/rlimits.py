@@ -70,10 +70,16 @@ def run(path: str, code: Any = None) -> None:
     boltzlabs.runtime.confine.main (exec mode) calls it, after the set-up, and
     so does a template's child once it is a sandbox. `code`: env.py already
     compiled (a template child's, from the warm-up probe), else it is compiled here."""
-    sys.argv = [path]
-    sys.path[0] = os.path.dirname(path)  # -c put the working directory there
     if code is None:
         code = compile(read_file(path), path, "exec")
+    group = os.environ.get(abi.GROUP_VARIABLE)
+    if group and not os.environ.get(abi.PROBE_VARIABLE):
+        # RLPool(envs_per_sandbox=k): env.py runs once per member (the warm-up probe runs it once).
+        from boltzlabs.runtime import group as _group
+
+        _group.run(path, code, group)
+    sys.argv = [path]
+    sys.path[0] = os.path.dirname(path)  # -c put the working directory there
     module = type(sys)("__main__")
     module.__file__ = path
     module.__dict__["__builtins__"] = __builtins__

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import sys
 
-from boltzlabs.errors import ProtocolError
+from boltzlabs.errors import MemberServed, ProtocolError
 from boltzlabs import abi, wire
 
 TYPE_CHECKING = False  # typing is not imported at run time: every env would pay for it
@@ -36,10 +36,14 @@ _fork_server: Any = None
 # runs; None in exec mode, where $BOLTZLABS_FD says it.
 channel: tuple[int, ...] | None = None
 started = False  # serve() has been called in this process
+# In a group's sandbox (runtime/group.py), the list serve() appends each
+# member's callables to instead of serving; None everywhere else.
+members: list[Any] | None = None
 
 
 def params() -> dict[str, Any]:
-    """The construction params given to the pool: `RLPool(source, n, **params)`.
+    """The construction params given to the pool: `RLPool(source, n, params={...})`,
+    and its keywords that are no option of the pool (`RLPool(source, n, level=3)`).
 
     They arrive as JSON in the environment, so values are JSON types (a tuple
     given to the pool arrives as a list).
@@ -511,6 +515,20 @@ def serve(
     """
     global started
     started = True  # for the runner (rlimits.run): this env.py did call serve()
+    if members is not None:
+        members.append(
+            {
+                "reset": reset_caller(reset),
+                "step": step,
+                "render": render,
+                "observation_space": observation_space,
+                "action_space": action_space,
+                "metadata": metadata,
+                "render_mode": render_mode,
+                "attributes": _Attributes(methods, attributes, target),
+            }
+        )
+        raise MemberServed
     fd = os.environ.pop(abi.FD_VARIABLE, None)
     if fd is None and channel is None:
         raise RuntimeError(
@@ -526,10 +544,13 @@ def serve(
         "attributes": _ATTRIBUTES.describe(),
     }
     if observation_space is not None or action_space is not None:
-        from boltzlabs.runtime.spec import to_spec
+        from boltzlabs.runtime.spec import graph_restorer, to_spec
 
         info["observation_space"] = to_spec(observation_space)
         info["action_space"] = to_spec(action_space)
+        restore = graph_restorer(action_space)
+        if restore is not None:  # a Graph's GraphInstance arrives as a plain tuple: the env gets its own class
+            step = _restoring(step, restore)
 
     fds = channel if channel is not None else _channel_fds(fd)
 
@@ -553,6 +574,13 @@ def serve(
     run(fds)
     sys.stdout.flush()
     os._exit(0)
+
+
+def _restoring(step: Any, restore: Any) -> Any:
+    def step_restored(action: Any) -> Any:
+        return step(restore(action))
+
+    return step_restored
 
 
 def serve_each(main: Any) -> None:

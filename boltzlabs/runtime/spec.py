@@ -10,22 +10,28 @@ and one that passes none must not pay for it. A spec is a dict of str, int,
 float, bool and lists (JSON-able except for infinite bounds).
 
 Supported: Box, Discrete, MultiDiscrete, MultiBinary, Dict, Tuple, Text,
-Sequence and OneOf (a subclass travels as the Gymnasium space it derives
-from). Any other space (Graph: its GraphInstance values would arrive as plain
-tuples; a space class of a package's own, such as MiniGrid's MissionSpace)
-becomes {"type": name, "class": "module.qualname", "repr": ...}: the pool
-works, and the adapters rebuild it in the trainer from the same id or thunk,
-or name the override to pass (boltzlabs/pool/spaces.py).
+Sequence, OneOf and Graph (a subclass travels as the Gymnasium space it
+derives from). Any other space (a space class of a package's own, such as
+MiniGrid's MissionSpace) becomes {"type": name, "class": "module.qualname",
+"repr": ...}: the pool works, and the adapters rebuild it in the trainer from
+the same id or thunk, or name the override to pass (boltzlabs/pool/spaces.py).
+
+A Graph's values, GraphInstance, are named tuples, which msgpack carries as
+plain tuples; `graph_restorer(space)` gives them back their class, on both
+sides: serve() for the actions an env is given, the Gymnasium adapter for the
+observations it batches.
 """
 
 from __future__ import annotations
+
+import sys
 
 TYPE_CHECKING = False  # typing is not imported at run time: every env would pay for it
 if TYPE_CHECKING:
     from collections.abc import Callable
     from typing import Any
 
-__all__ = ["to_spec"]
+__all__ = ["to_spec", "graph_restorer"]
 
 
 def _bound(values: Any) -> Any:
@@ -76,4 +82,76 @@ _ENCODERS: dict[str, Callable[[Any], dict[str, Any]]] = {
     },
     "Sequence": lambda s: {"type": "Sequence", "space": to_spec(s.feature_space), "stack": bool(s.stack)},
     "OneOf": lambda s: {"type": "OneOf", "spaces": [to_spec(sub) for sub in s.spaces]},
+    "Graph": lambda s: {"type": "Graph", "node_space": to_spec(s.node_space), "edge_space": to_spec(s.edge_space)},
 }
+
+
+def _kind(space: Any) -> str:
+    # The Gymnasium space class this space derives from, as to_spec matches it.
+    for klass in type(space).__mro__:
+        if klass.__module__.startswith("gymnasium.spaces"):
+            return klass.__name__
+    return type(space).__name__
+
+
+def _holds_graph(space: Any) -> bool:
+    kind = _kind(space)
+    if kind == "Graph":
+        return True
+    if kind in ("Tuple", "OneOf"):
+        return any(_holds_graph(sub) for sub in space.spaces)
+    if kind == "Dict":
+        return any(_holds_graph(sub) for sub in space.spaces.values())
+    if kind == "Sequence":
+        return _holds_graph(space.feature_space)
+    return False
+
+
+def graph_restorer(space: Any) -> Callable[[Any], Any] | None:
+    """For a space that holds a Graph (at any depth): a function from one of
+    its values as the wire delivers it, each GraphInstance a plain 3-tuple, to
+    the value with its GraphInstances back. None for any other space, whose
+    values need nothing. The value may come from an env (the adapter) or the
+    trainer (serve()): what does not have the space's structure is left as it
+    is, for the space's own contains() to refuse; the space bounds the depth."""
+    if space is None or not _holds_graph(space):
+        return None
+    # A Graph space exists, so its module has been imported (by whoever made the space).
+    instance = sys.modules["gymnasium.spaces.graph"].GraphInstance
+    return lambda value: _restore(space, value, False, instance)
+
+
+def _restore(space: Any, value: Any, batched: bool, instance: Any) -> Any:
+    """`value` of `space` (of batch_space(space, n) when `batched`) with its GraphInstances back."""
+    kind = _kind(space)
+    if kind == "Tuple" and isinstance(value, (tuple, list)) and len(value) == len(space.spaces):
+        return tuple(_restore(sub, v, batched, instance) for sub, v in zip(space.spaces, value))
+    if kind == "Dict" and isinstance(value, dict):
+        subs = space.spaces
+        return {k: _restore(subs[k], v, batched, instance) if k in subs else v for k, v in value.items()}
+    if kind == "Sequence" and space.stack and not batched:  # stacked: batch_space(feature_space, length)'s value
+        return _restore(space.feature_space, value, True, instance)
+    if kind not in ("Graph", "Sequence", "OneOf") or not isinstance(value, (tuple, list)):
+        return value  # no Graph below, or not the space's structure
+    if batched:  # batch_space makes a Tuple of n copies of these: a tuple of n values
+        return tuple(_restore(space, v, False, instance) for v in value)
+    if kind == "Graph":
+        if len(value) != 3:
+            return value
+        nodes, edges, links = value
+        nodes = _restore(space.node_space, nodes, True, instance)  # (n, ...): batch_space(node_space, n)'s
+        if edges is not None and space.edge_space is not None:
+            edges = _restore(space.edge_space, edges, True, instance)
+        return instance(nodes, edges, links)
+    if kind == "Sequence":
+        return tuple(_restore(space.feature_space, v, False, instance) for v in value)
+    # OneOf: (index, value of spaces[index])
+    if len(value) != 2:
+        return value
+    try:
+        index = value[0].__index__()  # an int, or the np.int64 OneOf.sample gives
+    except (AttributeError, TypeError):
+        return value
+    if not 0 <= index < len(space.spaces):
+        return value
+    return (value[0], _restore(space.spaces[index], value[1], False, instance))

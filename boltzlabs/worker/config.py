@@ -49,6 +49,9 @@ class PoolConfig:
     expose: tuple = ()  # paths below those roots bound besides, whole (RLPool(expose=)); local only
     env_vars: dict | None = None  # RLPool(env_vars=): variables for every env (host/plan.py checks them)
     affinity: affinity.Affinity | None = None  # RLPool(cpus=), a shard's slice (affinity.py); None: not pinned
+    # RLPool(envs_per_sandbox=k): (k, envs), each of the n lanes a sandbox of k envs (the last
+    # of envs - (n - 1) * k); None: an env per sandbox (runtime/group.py, pool/groups.py).
+    group: tuple[int, int] | None = None
 
 
 def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
@@ -79,6 +82,13 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
     start_timeout = float(request.get("start_timeout") or limits.start_timeout)
     step_timeout = float(request.get("step_timeout") or limits.step_timeout)
     env_limits = policy.env_limits(request.get("limits"), request.get("memory_limit"))
+    group = _group(request.get("group"), request["n"])
+    if remote and group and group[1] > remote["max_envs"]:
+        # Its cap counts envs, however many share a sandbox.
+        raise ValueError(
+            f"this worker serves pools of 1 to {remote['max_envs']} envs (its --max-envs); "
+            f"asked for {group[1]} envs in {request['n']} sandboxes"
+        )
     return PoolConfig(
         n=int(request["n"]),
         source_dir=request["source_dir"],
@@ -106,12 +116,13 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
         ),
         max_pool_bytes=limits.max_pool_bytes,
         log_tail=limits.log_tail,
-        env_fns=_env_fns(request.get("env_fns"), int(request["n"])),
+        env_fns=_env_fns(request.get("env_fns"), group[1] if group else int(request["n"])),
         # Paths of the client's machine: a remote worker binds none of its own host's for a client.
         import_roots=() if remote else tuple(request.get("import_roots") or ()),
         expose=() if remote else tuple(request.get("expose") or ()),
         env_vars=request.get("env_vars"),
         affinity=affinity.parse(request.get("affinity")),
+        group=group,
     )
 
 
@@ -168,6 +179,24 @@ def preload_names(asked, source_dir: str) -> tuple[str, ...]:
     if len(names) > _MAX_PRELOAD:
         raise ValueError(f"preload names {len(names)} modules; at most {_MAX_PRELOAD}")
     return tuple(names)
+
+
+def _group(asked, n) -> tuple[int, int] | None:
+    """OPEN's group: [k, envs] with n == ceil(envs / k) lanes, each a sandbox of k envs; None: one each."""
+    if asked is None:
+        return None
+    if (
+        not isinstance(asked, list)
+        or len(asked) != 2
+        or not all(type(v) is int for v in asked)
+        or not (1 <= asked[0] < 1 << 32 and 1 <= asked[1] < 1 << 32)
+        or type(n) is not int
+        or -(-asked[1] // asked[0]) != n
+    ):
+        raise ValueError(
+            f"group must be [k, envs], k >= 1 envs per sandbox, with n = ceil(envs / k) sandboxes; got {asked!r:.80} for n={n!r:.20}"
+        )
+    return asked[0], asked[1]
 
 
 def _env_fns(blobs, n: int) -> tuple | None:

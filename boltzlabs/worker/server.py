@@ -150,6 +150,7 @@ class Worker:
             import_roots=config.import_roots,
             expose=config.expose,
             env_vars=config.env_vars,
+            group=config.group and (*config.group, config.env_limits.max_frame),
         )
         n = config.n
         limits = config.limits

@@ -17,6 +17,7 @@ lists; each names its reason once, here.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -75,6 +76,16 @@ class Source:
         return self.gym_id, tuple(sorted((k, repr(v)) for k, v in self.params.items()))
 
 
+def _gym_thunk(gym_id: str, params: dict, seed: int | None):
+    """Source.thunk for a registered id, written out: it pickles alone (Source would take its
+    module's `generic`, loaded by path and importable nowhere, into the pickle)."""
+    env = gym.make(gym_id, **params)
+    if seed is not None:
+        env.action_space.seed(seed)
+        env.reset(seed=seed)
+    return env
+
+
 def make_env(env_name: str, seed: int | None = None, **kwargs) -> Source:
     """Upstream's tests/vector/testing_utils.make_env, as a Source."""
     return Source(env_name, {"disable_env_checker": True, **kwargs}, seed)
@@ -129,15 +140,21 @@ def _strip(infos: dict) -> dict:
 
 @pytest.fixture
 def build():
-    """`build(vectoriser, sources, **vector_kwargs)`: the vector env over these sub-envs."""
+    """`build(vectoriser, sources, **vector_kwargs)`: the vector env over these sub-envs; with
+    `thunks=True` ours is built as the others are, from the sources' thunks (env_fns)."""
     made = []
 
-    def make(vectoriser: str, sources, **vector_kwargs):
+    def make(vectoriser: str, sources, *, thunks: bool = False, **vector_kwargs):
         sources = list(sources)
         if vectoriser == "sync":
             env = SyncVectorEnv([s.thunk for s in sources], **vector_kwargs)
         elif vectoriser == "async":
             env = AsyncVectorEnv([s.thunk for s in sources], **vector_kwargs)
+        elif thunks:
+            # Upstream's callables (env_fns), each called in its own sandbox: a seed in a thunk is seen.
+            assert all(s.gym_id is not None for s in sources), "thunks=True builds registered ids"
+            fns = [functools.partial(_gym_thunk, s.gym_id, s.params, s.seed) for s in sources]
+            env = WithoutRuntimeInfo(BoltzLabsVecEnv(fns, step_timeout=STEP_TIMEOUT, warmup=False, **vector_kwargs))
         else:
             assert vectoriser == "boltzlabs", vectoriser
             if len({s.key() for s in sources}) != 1:
@@ -175,8 +192,8 @@ def make_vec(build):
 
 REFUSED_SPACE = pytest.mark.xfail(
     strict=True, raises=ValueError,
-    reason="the adapter refuses spaces it cannot rebuild from their spec, for an env directory (Graph, custom); "
-           "for gym ids and env_fns it builds one env in the trainer to read them")
+    reason="the adapter refuses spaces it cannot rebuild from their spec, for an env directory (a custom "
+           "space class); for gym ids and env_fns it builds one env in the trainer to read them")
 HETEROGENEOUS = pytest.mark.skip(
     reason="a pool runs one source with one set of params in every lane: its sub-envs cannot differ")
 SANDBOX_RNG = pytest.mark.xfail(
@@ -194,29 +211,13 @@ def vectorisers(*, boltzlabs=(), sync=(), names=("sync", "boltzlabs")):
     return [pytest.param(name, marks=marks[name], id=name) for name in names]
 
 
-# TESTING_SPACES the adapter cannot rebuild from their spec (Graph: GraphInstance values would arrive
-# as plain tuples); it refuses them. Text, Sequence and OneOf travel in the handshake.
-_REFUSED_KINDS = ("Graph",)
-
-
-REFUSED_SPACE_SEEN = pytest.mark.skip(
-    reason="the adapter refuses this space; the refusal is checked (strict) on the first space of its kind "
-           "in test_vector_obs_action_spaces")
-
-
-def space_params(*, boltzlabs=(), every_refusal=True, names=("sync", "boltzlabs")):
+def space_params(*, boltzlabs=(), names=("sync", "boltzlabs")):
     """(space_index, vectoriser) over Gymnasium's TESTING_SPACES, ids upstream's space ids; on our side,
-    `boltzlabs=` marks the spaces the adapter rebuilds, REFUSED_SPACE the first refused one of each outer
-    kind (every_refusal=False: none) and REFUSED_SPACE_SEEN the rest, since each pool costs a start."""
+    `boltzlabs=` marks. Every one of them travels in the handshake (Graph too), so none is refused."""
     TESTING_SPACES_IDS = generic.testing_spaces().TESTING_SPACES_IDS
-    params, kinds_seen = [], set()
+    params = []
     for index, space_id in enumerate(TESTING_SPACES_IDS):
-        mark = boltzlabs
-        if any(kind in space_id for kind in _REFUSED_KINDS):
-            kind = space_id.split("(", 1)[0]
-            mark = REFUSED_SPACE if every_refusal and kind not in kinds_seen else REFUSED_SPACE_SEEN
-            kinds_seen.add(kind)
-        for vectoriser in vectorisers(boltzlabs=mark, names=names):
+        for vectoriser in vectorisers(boltzlabs=boltzlabs, names=names):
             params.append(pytest.param(index, vectoriser.values[0], marks=vectoriser.marks,
                                        id=f"{space_id}-{vectoriser.id}"))
     return params
@@ -245,10 +246,6 @@ PER_ENV_WRAPPERS = pytest.mark.skip(
 SANDBOX_RNG_SEEN = pytest.mark.skip(
     reason="the same host-side action_space as every other id (test_sync_vector_determinism[CartPole-v1-boltzlabs] "
            "checks the difference, strict)")
-UNSEEDED = pytest.mark.xfail(
-    strict=True, reason="upstream's make_env(env_name, seed) resets each sub-env with its seed inside the callable; "
-                        "a sandboxed env is seeded only by reset(seed=...), so before that np_random_seed is -1 "
-                        "(Gymnasium's 'unknown') in every lane")
 
 
 def pytest_collection_modifyitems(config, items):

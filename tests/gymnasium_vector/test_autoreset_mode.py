@@ -220,7 +220,7 @@ def test_make_vec_autoreset(vectoriser, autoreset_mode, make_vec):
     envs.close()
 
 
-@pytest.mark.parametrize("space_index, vectoriser", space_params(every_refusal=False))
+@pytest.mark.parametrize("space_index, vectoriser", space_params())
 def test_same_step_final_obs(space_index, vectoriser, build):
     envs = build(
         vectoriser,

@@ -1,0 +1,561 @@
+"""Several envs per sandbox: `RLPool(source, n, envs_per_sandbox=k)`, the trainer's half.
+
+    GroupedPool (n envs) --one request per group: each member's entry--> inner pool (ceil(n / k) lanes:
+        RLPool or ShardedPool, each lane one sandbox running runtime/group.py)
+    GroupedPool <--each group's one reply: [kinds, rewards, terminated, truncated, infos, errors]--
+
+The inner pool is an ordinary pool whose lanes are the groups' sandboxes: the
+worker, its lane state machine, the sandbox recipe, the slots, the cgroups and
+the deadlines are the same for a group of one and a group of k. This module
+maps env i to lane i // k and member i % k, fans every call out as one entry
+per member and takes each group's reply apart, checking it first: a group's
+reply is its env code's output, and a group that answers for members it does
+not have, with the wrong counts or types, fails each of its envs (named) and
+is respawned at their next reset.
+
+What fails where: an exception in one env's reset or step fails that env
+only; anything the worker sees (the group's process died, was OOM-killed,
+missed its deadline, sent a bad frame) fails every env of the group, each
+with the cause and the group's other envs named. A hard reset (and the reset
+of an env whose group died) respawns the whole group: its other envs are
+reset too, and `reset_infos[i]["group_reset"]` says why.
+
+Imports nothing of client.py (which imports this): the inner pool comes made.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+
+from boltzlabs.errors import EnvStartError
+from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, attr_error
+
+# runtime/group.py's, repeated: the trainer imports nothing of the sandbox's modules.
+GROUP_KEY = "boltzlabs.group"
+NOT_ASKED, STEPPED, RESET = -1, 0, 1
+
+
+def group_size(envs_per_sandbox, vectorization_mode, n: int) -> int:
+    """k from RLPool(envs_per_sandbox=, vectorization_mode=): 1 (a sandbox per env) by default.
+
+    vectorization_mode is Gymnasium's and rlmesh's spelling: "sync" steps every env in one
+    sandbox (k = n), "async" gives each its own (k = 1); envs_per_sandbox, when given, decides."""
+    if vectorization_mode is not None:
+        if vectorization_mode not in ("sync", "async"):
+            raise ValueError(
+                f"vectorization_mode must be 'sync' (every env in one sandbox) or 'async' (a sandbox "
+                f"per env), not {vectorization_mode!r}; envs_per_sandbox=k chooses any size in between"
+            )
+        if envs_per_sandbox is None:
+            envs_per_sandbox = n if vectorization_mode == "sync" else 1
+    if envs_per_sandbox is None:
+        return 1
+    if (
+        isinstance(envs_per_sandbox, bool)
+        or not isinstance(envs_per_sandbox, (int, np.integer))
+        or envs_per_sandbox < 1
+    ):
+        raise ValueError(f"envs_per_sandbox must be a whole number >= 1, not {envs_per_sandbox!r}")
+    return min(int(envs_per_sandbox), n)
+
+
+class GroupedPool(Pool):
+    """n envs in ceil(n / k) sandboxes of k envs each (the last holds the rest), behind one step.
+
+    Made by `RLPool(source, n, envs_per_sandbox=k)` for k > 1; every call keeps its meaning
+    (docs/groups.md). `envs_per_sandbox` is k, `sandboxes` the number of groups, `inner` the
+    pool whose lanes are the groups' sandboxes."""
+
+    def __init__(self, make_inner, n: int, k: int, batch_size=None):
+        self.k = self.envs_per_sandbox = k
+        self.sandboxes = -(-n // k)
+        try:
+            self.inner = make_inner(self.sandboxes, [k, n])
+        except EnvStartError as exc:
+            # The inner pool names the sandbox as its lane ("env g"): say which envs those are.
+            g = exc.env_index
+            if g is None or not 0 <= g < self.sandboxes:
+                raise
+            first, last = g * k, min(n, (g + 1) * k) - 1
+            raise EnvStartError(
+                f"sandbox {g} (envs {first}-{last}, envs_per_sandbox={k}) failed to start; below, 'env {g}' "
+                f"is that sandbox (its output names which of its envs failed): {exc}",
+                log=exc.log,
+            ) from exc
+        self._init_lanes(n)
+        inner = self.inner
+        self.source = inner.source
+        self.batch_size = batch_size
+        contract = inner.env_contract
+        group = (inner.hello or {}).get("group") or {}
+        self.env_contract = dataclasses.replace(
+            contract,
+            observation_space=group.get("observation_space"),
+            action_space=group.get("action_space"),
+        )
+        self.hello = dict(
+            inner.hello or {}, observation_space=group.get("observation_space"), action_space=group.get("action_space")
+        )
+        self.timing = inner.timing
+        self._in_flight: dict[int, list[int]] = {}  # group -> its members sent, until the group's result is taken
+        self._sent_kinds: dict[int, list[int]] = {}  # group -> the kind sent to each member, as long
+        self._held: list[tuple] = []  # (env, obs, reward, terminated, truncated, info): finished, not yet received
+        self._respawn: set[int] = set()  # groups that sent an invalid reply: respawned at their next reset
+
+    # -- what the inner pool says of itself -------------------------------------------
+
+    def __getattr__(self, name):
+        # spawn, fast_path, channel, shared_memory, workers, affinity, step_timeout, memory_source,
+        # worker: the inner pool's, which are the groups' (only names not set here reach this).
+        if name.startswith("_") or name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def members(self, group: int) -> range:
+        """The envs of sandbox `group`."""
+        return range(group * self.k, min(self.n, (group + 1) * self.k))
+
+    def _named(self, group: int) -> str:
+        envs = self.members(group)
+        return f"sandbox {group} (envs {envs.start}-{envs.stop - 1}, envs_per_sandbox={self.k})"
+
+    # -- the hooks ------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        self.inner._check_open()
+
+    def _step_lanes(self, actions: list, resets) -> StepResult:
+        self._refuse_async("step() cannot run")
+        k, reset_set = self.k, set(resets or ())
+        entries: list[list] = [[None] * len(self.members(g)) for g in range(self.sandboxes)]
+        for i, action in enumerate(actions):
+            entries[i // k][i % k] = [RESET, None, None] if i in reset_set else [STEPPED, action]
+        result = self.inner._step_lanes(entries, None)
+        n = self.n
+        obs: list = [None] * n
+        rewards = np.zeros(n, np.float64)
+        terminated = np.zeros(n, np.bool_)
+        truncated = np.zeros(n, np.bool_)
+        infos: list = [None] * n
+        for g in range(self.sandboxes):
+            sent = _kinds(entries[g])
+            # Hot path: a group whose every env stepped without error, checked with whole-list
+            # operations, goes in by slices; anything else member by member (_take's full check).
+            if _stepped_whole(result.obs[g], result.infos[g], sent):
+                start, count = g * k, len(sent)
+                kinds, group_rewards, group_terminated, group_truncated, group_infos, _ = result.infos[g][GROUP_KEY]
+                stop = start + count
+                rewards[start:stop] = group_rewards
+                terminated[start:stop] = group_terminated
+                truncated[start:stop] = group_truncated
+                group_obs = result.obs[g]
+                obs[start:stop] = list(group_obs[:count]) if type(group_obs) is not dict else _rows_of(group_obs, count)
+                infos[start:stop] = group_infos if None not in group_infos else [x or {} for x in group_infos]
+                continue
+            for i, o, r, te, tr, info in self._take(g, result.obs[g], result.infos[g], None, sent):
+                obs[i], rewards[i], terminated[i], truncated[i], infos[i] = o, r, te, tr, info
+        self._stragglers([i for g in self.inner.timing.stragglers for i in self.members(g)])
+        return StepResult(obs, rewards, terminated, truncated, infos)
+
+    def _take(self, group: int, obs, info, asked, kinds=None):
+        """Each member's (env, obs, reward, terminated, truncated, info) from group's reply (its
+        obs and info as the inner pool gave them); `asked`: the members it was asked for (None: all),
+        each of which it must answer, and the ones that fail with it when its reply is invalid."""
+        envs = self.members(group)
+        count = len(envs)
+        results = info.get(GROUP_KEY) if type(info) is dict and "error" not in info else None
+        why = ""
+        if results is None:
+            said = info.get("error") if type(info) is dict else None
+            why = said if isinstance(said, str) else f"sent {type(info).__name__} where a group's reply goes"
+            # The worker's failures (died, missed its deadline) look so, and so can the group's own
+            # reply: either way it is respawned at its next reset, never trusted to go on.
+            self._respawn.add(group)
+        else:
+            why = _check(results, obs, count, asked, kinds)
+            if why:
+                why = f"sent an invalid group reply ({why}); it is respawned at its next reset"
+                self._respawn.add(group)
+        if why or results is None:
+            straggler = type(info) is dict and info.get("straggler") is True
+            for j in range(count) if asked is None else asked:
+                failure = {"error": f"{why} [{self._named(group)}: every env of it fails with it]", "group": group}
+                if straggler:
+                    failure["straggler"] = True
+                yield envs.start + j, None, 0.0, False, True, failure
+            return
+        kinds, rewards, terminated, truncated, member_infos, errors = results
+        for j in range(count):
+            if kinds[j] == NOT_ASKED:
+                continue
+            error = errors[j]
+            if error is not None:
+                yield envs.start + j, None, 0.0, False, True, {"error": error[2] or error[1]}
+            elif kinds[j] == STEPPED:
+                yield (
+                    envs.start + j,
+                    _row(obs, j),
+                    float(rewards[j]),
+                    terminated[j],
+                    truncated[j],
+                    member_infos[j] or {},
+                )
+            else:
+                yield envs.start + j, _row(obs, j), 0.0, False, False, member_infos[j] or {}
+
+    def _stragglers(self, envs: list) -> None:
+        """timing.stragglers in envs: those of this call's results whose group missed its deadline.
+        Set from this call's own results, never from the inner pool's list as it stands, which is
+        in sandboxes and is left as it was by a recv that the held results answer whole."""
+        timing = self.inner.timing
+        self.timing = timing
+        timing.stragglers = envs
+
+    def _reset_lanes(self, lanes: list, seeds, hard: bool, options) -> tuple:
+        k = self.k
+        tables: dict[int, list] = {}
+        for pos, i in enumerate(lanes):
+            tables.setdefault(i // k, []).append([i % k, None if seeds is None else seeds[pos], options])
+        groups = sorted(tables)
+        for g in groups:
+            self._refuse_busy(g, "reset")
+            self._refuse_held(g)
+        respawn = [g for g in groups if hard or g in self._respawn]
+        soft = [g for g in groups if g not in respawn]
+        asked = set(lanes)
+        taken: dict[int, tuple] = {}
+        for chosen, how in ((respawn, True), (soft, False)):
+            if not chosen:
+                continue
+            obs, infos = self.inner._reset_lanes(chosen, [tables[g] for g in chosen], how, None)
+            for pos, g in enumerate(chosen):
+                self._respawn.discard(g)
+                got = list(self._take(g, obs[pos], infos[pos], [item[0] for item in tables[g]]))
+                reset_whole = how or len({i for i, *_ in got if _[-1].get("error") is None}) > len(tables[g])
+                for i, o, _, _, _, info in got:
+                    if i in asked:
+                        taken[i] = (o, info)
+                    elif "error" not in info:
+                        self._sibling_reset(i, o, info, g, lanes, how or reset_whole)
+        obs_out = [taken.get(i, (None, {"error": "no reply"}))[0] for i in lanes]
+        infos_out = [taken.get(i, (None, {"error": "no reply"}))[1] for i in lanes]
+        self._stragglers(
+            [i for i, o, info in zip(lanes, obs_out, infos_out) if o is None and info.get("straggler") is True]
+        )
+        return obs_out, infos_out
+
+    def _sibling_reset(self, i: int, obs, info, group: int, lanes: list, respawned: bool) -> None:
+        """Env i was reset with its group (a respawn), though not asked for: its new episode, said so."""
+        info = dict(info)
+        info["group_reset"] = (
+            f"reset with {self._named(group)}, which was respawned to reset env(s) "
+            f"{', '.join(map(str, [j for j in lanes if j // self.k == group][:8]))}"
+        )
+        self._obs = list(self._obs)
+        self.reset_infos = list(self.reset_infos)
+        self._obs[i], self.reset_infos[i] = obs, info
+        self.terminated = self.terminated.copy()
+        self.truncated = self.truncated.copy()
+        self.terminated[i] = self.truncated[i] = False
+        self._pending_resets.discard(i)
+        self._begin_episodes([i], None)
+
+    def _refuse_async(self, what: str) -> None:
+        """ValueError while a send's result is outstanding, here or in the inner pool (step() does not
+        mix with send/recv): a step run under a held result would leave it stale for a later recv."""
+        flying = sum(len(members) for members in self._in_flight.values())
+        if flying or self._held:
+            raise ValueError(
+                f"{what} while {flying} env(s) are in flight and {len(self._held)} finished but not "
+                "received: recv them first (send/recv and step() do not mix)"
+            )
+
+    def _refuse_held(self, group: int) -> None:
+        """ValueError when an env of `group` has a result recv() has not taken: a reset may respawn
+        the whole sandbox, and that result would then come after the reset, stale."""
+        held = sorted(entry[0] for entry in self._held if entry[0] // self.k == group)
+        if held:
+            raise ValueError(
+                f"cannot reset env(s) of {self._named(group)}: env {held[0]} has finished and its result "
+                "has not been received; recv it first"
+            )
+
+    def _refuse_busy(self, group: int, what: str) -> None:
+        if group in self._in_flight:
+            raise ValueError(
+                f"{what} of env(s) in {self._named(group)}, whose step is in flight: recv() it first "
+                "(the envs of one sandbox are stepped in one turn)"
+            )
+
+    def _send_lanes(self, actions: list, lanes: list, resets) -> None:
+        k, reset_set = self.k, set(resets or ())
+        held = {entry[0] for entry in self._held}
+        entries: dict[int, list] = {}
+        for i, action in zip(lanes, actions):
+            g = i // k
+            if g not in entries:
+                self._refuse_busy(g, "send()")
+                entries[g] = [None] * len(self.members(g))
+            if i in held:
+                raise ValueError(f"send(): env {i} has a result not yet received; recv() it first")
+            entries[g][i % k] = [RESET, None, None] if i in reset_set else [STEPPED, action]
+        groups = sorted(entries)
+        self.inner._send_lanes([entries[g] for g in groups], groups, None)
+        for g in groups:
+            self._in_flight[g] = [j for j, e in enumerate(entries[g]) if e is not None]
+            self._sent_kinds[g] = _kinds(entries[g])
+
+    def _recv_lanes(self, batch_size, timeout) -> RecvResult:
+        sent = sum(len(members) for members in self._in_flight.values())
+        want = len(self._held) + sent if batch_size is None else batch_size
+        if want > len(self._held) + sent:
+            raise ValueError(
+                f"recv(batch_size={batch_size}): only {len(self._held) + sent} env(s) are in flight or finished"
+            )
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        while len(self._held) < want and self._in_flight:
+            need = want - len(self._held)
+            groups = min(len(self._in_flight), max(1, -(-need // self.k)))
+            left = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
+            result = self.inner._recv_lanes(groups, left)
+            for pos, g in enumerate(result.env_ids.tolist()):
+                asked = self._in_flight.pop(g, [])
+                sent_kinds = self._sent_kinds.pop(g, None)
+                for i, o, r, te, tr, info in self._take(g, result.obs[pos], result.infos[pos], asked, sent_kinds):
+                    if i % self.k in asked:
+                        self._held.append((i, o, r, te, tr, info))
+            if len(result.env_ids) < groups:
+                break  # the timeout passed
+        taken, self._held = self._held[:want], self._held[want:]
+        self._stragglers([t[0] for t in taken if t[1] is None and t[5].get("straggler") is True])
+        return RecvResult(
+            np.array([t[0] for t in taken], np.int64),
+            [t[1] for t in taken],
+            np.array([t[2] for t in taken], np.float64),
+            np.array([t[3] for t in taken], np.bool_),
+            np.array([t[4] for t in taken], np.bool_),
+            [t[5] for t in taken],
+        )
+
+    def _render_lanes(self, lanes: list) -> list:
+        from boltzlabs.errors import EnvError
+
+        groups = sorted({i // self.k for i in lanes})
+        frames, errors = self.inner._render_request(groups)
+        errors = {int(g): error for g, error in errors.items()}  # the sandbox's own: dead, ...
+        by_group = dict(zip(groups, frames))
+        out = []
+        for i in lanes:
+            g = i // self.k
+            if g in errors:
+                raise EnvError(f"env {i} could not render: {errors[g]} [{self._named(g)}]", env_index=i)
+            ok, value = _member_item(by_group[g], i % self.k, len(self.members(g)))
+            if not ok:
+                raise EnvError(f"env {i} could not render: {_failure_text(value)}", env_index=i)
+            out.append(value)
+        return out
+
+    def _log(self, index: int) -> str:
+        return self.inner._log(index // self.k)
+
+    def _attr(self, op: str, name, env_ids, args: list, kwargs: dict, values=None) -> list:
+        lanes = list(range(self.n)) if env_ids is None else self._env_ids(env_ids)
+        self.inner._attr_check(op, name)
+        if not lanes:
+            return []
+        tables: dict[int, list] = {}
+        for pos, i in enumerate(lanes):
+            tables.setdefault(i // self.k, []).append([i % self.k, [values[pos]] if values is not None else args])
+        groups = sorted(tables)
+        verb = {"call": "call", "get": "get the attribute", "set": "set the attribute"}[op]
+        results, errors = self.inner._attr_request(groups, op, name, [], kwargs, [tables[g] for g in groups])
+        by_group = dict(zip(groups, results))
+        failed: dict[int, tuple] = {}
+        out: list = []
+        for i in lanes:
+            g = i // self.k
+            if g in errors:
+                where = f" [{self._named(g)}]"
+                message, detail = errors[g]
+                failed[i] = (message + where, detail and detail + where)
+                out.append(None)
+                continue
+            ok, value = _member_item(by_group[g], i % self.k, len(self.members(g)))
+            if not ok:
+                failed[i] = tuple(value) if isinstance(value, list) and len(value) == 2 else (str(value), "")
+            out.append(value if ok else None)
+        if failed:
+            raise attr_error(verb, name, failed)
+        return out
+
+    def memory(self):
+        """Each env's share of its sandbox's memory (the group's, kernel-accounted, over its envs)."""
+        report = self.inner.memory()
+        per_env = []
+        for g, value in enumerate(report.per_env):
+            count = len(self.members(g))
+            per_env += [value / count] * count
+        return dataclasses.replace(report, per_env=per_env)
+
+    def states(self) -> list:
+        groups = self.inner.states()
+        shown = [groups[i // self.k] for i in range(self.n)]
+        for g, members in self._in_flight.items():
+            for j in range(len(self.members(g))):
+                if j not in members and shown[g * self.k + j] in ("in_flight", "finished"):
+                    shown[g * self.k + j] = "idle"
+        for entry in self._held:
+            shown[entry[0]] = "finished"
+        return shown
+
+    def pids(self) -> list:
+        pids = self.inner.pids()
+        return [pids[i // self.k] for i in range(self.n)]
+
+    def shutdown(self, reason: str = "owner shutdown") -> bool:
+        return self.inner.shutdown(reason)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.inner.closed
+
+    def __repr__(self) -> str:
+        return f"<GroupedPool {self.source!r} n={self.n} envs_per_sandbox={self.k} ({self.sandboxes} sandboxes)>"
+
+
+def _row(obs, j: int):
+    """Member j's obs from its group's: a row of the slot's batch (an array, or a dict or tuple of
+    them), or an item of the list that came by the wire."""
+    if type(obs) is list:
+        return obs[j]
+    if isinstance(obs, np.ndarray):
+        return obs[j]
+    if type(obs) is dict:
+        return {key: _row(value, j) for key, value in obs.items()}
+    if type(obs) is tuple:
+        return tuple(_row(value, j) for value in obs)
+    return None
+
+
+def _rows(obs) -> int:
+    """How many members' obs a group's obs holds (-1: not a group's obs)."""
+    if type(obs) is list:
+        return len(obs)
+    if isinstance(obs, np.ndarray):
+        return obs.shape[0] if obs.ndim else -1
+    if type(obs) in (dict, tuple) and obs:
+        counts = {_rows(value) for value in (obs.values() if type(obs) is dict else obs)}
+        return counts.pop() if len(counts) == 1 else -1
+    return -1
+
+
+_NUMBERS = frozenset((int, float))
+_BOOL = frozenset((bool,))
+_INFO = frozenset((dict, type(None)))
+
+
+def _stepped_whole(obs, info, sent: list) -> bool:
+    """Whether a group's reply is the plain one to a step of all its envs: each env stepped, none
+    failed, every field of the right type and count, obs rows for each (an array or a dict of
+    arrays from the slot, or a list by the wire). What _check accepts, by whole-list operations;
+    False sends the reply through _take, which checks it member by member and names what is wrong."""
+    count = len(sent)
+    if type(info) is not dict or len(info) != 1:
+        return False
+    results = info.get(GROUP_KEY)
+    if type(results) is not list or len(results) != 6:
+        return False
+    kinds, rewards, terminated, truncated, infos, errors = results
+    if not (
+        type(kinds) is list
+        and kinds == sent
+        and sent.count(STEPPED) == count
+        and all(type(kind) is int for kind in kinds)
+        and type(rewards) is list
+        and len(rewards) == count
+        and set(map(type, rewards)) <= _NUMBERS
+        and type(terminated) is list
+        and len(terminated) == count
+        and set(map(type, terminated)) <= _BOOL
+        and type(truncated) is list
+        and len(truncated) == count
+        and set(map(type, truncated)) <= _BOOL
+        and type(infos) is list
+        and len(infos) == count
+        and set(map(type, infos)) <= _INFO
+        and type(errors) is list
+        and errors.count(None) == count == len(errors)
+    ):
+        return False
+    if isinstance(obs, np.ndarray):
+        return obs.ndim > 0 and obs.shape[0] >= count
+    if type(obs) is list:
+        return len(obs) == count
+    return type(obs) is dict and _rows(obs) >= count
+
+
+def _rows_of(obs: dict, count: int) -> list:
+    return [_row(obs, j) for j in range(count)]
+
+
+def _kinds(entries: list) -> list[int]:
+    """The kind sent to each member in `entries` (NOT_ASKED for None)."""
+    return [NOT_ASKED if entry is None else entry[0] for entry in entries]
+
+
+def _check(results, obs, count: int, asked=None, sent=None) -> str:
+    """'' when a group's results are what runtime/group.py sends for `count` members asked for the
+    members `asked` (None: all), else what is wrong; `sent`, when given, the kind sent to each
+    member (STEPPED, RESET or NOT_ASKED), which each asked member must answer with."""
+    if type(results) is not list or len(results) != 6:
+        return "its results are not the six lists a group sends"
+    if not all(type(part) is list and len(part) == count for part in results):
+        return f"its results do not hold exactly {count} items each, one per env of the group"
+    kinds, rewards, terminated, truncated, infos, errors = results
+    rows = _rows(obs)
+    if type(obs) is list and rows != count or type(obs) is not list and rows < count:
+        return f"its observations hold {rows} rows for {count} envs"
+    for j in range(count):
+        if type(kinds[j]) is not int or kinds[j] not in (NOT_ASKED, STEPPED, RESET):
+            return f"member {j}'s kind is {kinds[j]!r:.40}"
+        if type(rewards[j]) not in (int, float) or type(terminated[j]) is not bool or type(truncated[j]) is not bool:
+            return f"member {j}'s reward or done flags are not a number and bools"
+        if infos[j] is not None and type(infos[j]) is not dict:
+            return f"member {j}'s info is a {type(infos[j]).__name__}, not a dict"
+        error = errors[j]
+        if error is not None and (type(error) is not list or len(error) != 3 or not all(type(e) is str for e in error)):
+            return f"member {j}'s error is not [phase, message, traceback]"
+    # Every member asked answers; one not asked was not stepped (a fresh process resets them all).
+    wanted = set(range(count) if asked is None else asked)
+    for j in range(count):
+        if j in wanted and kinds[j] == NOT_ASKED:
+            return f"member {j} was asked and not answered"
+        if j not in wanted and kinds[j] == STEPPED:
+            return f"member {j} was not asked and answered as stepped"
+        if sent is not None and j in wanted and kinds[j] != sent[j]:
+            return f"member {j} was sent kind {sent[j]} and answered kind {kinds[j]}"
+    return ""
+
+
+def _failure_text(value) -> str:
+    """A member's [message, traceback] as the error text: its traceback, else its message."""
+    if type(value) is list and len(value) == 2 and all(type(part) is str for part in value):
+        return value[1] or value[0]
+    return str(value)[:400]
+
+
+def _member_item(items, j: int, count: int) -> tuple:
+    """(ok, value) of member j in a group's render or attr reply [[member, ok, value], ...]."""
+    if type(items) is not list or len(items) > count:
+        return False, ["the group's reply is malformed", ""]
+    for item in items:
+        if type(item) is list and len(item) == 3 and item[0] == j and type(item[1]) is bool:
+            return item[1], item[2]
+    return False, [f"the group's reply has no item for member {j}", ""]

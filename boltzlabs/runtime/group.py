@@ -1,0 +1,388 @@
+"""Several envs in one sandbox: `RLPool(source, n, envs_per_sandbox=k)`, the env side.
+
+    worker --[STEP, seq, entries, gated]--> run(): each member's step or reset, in member order
+           --[RESET, seq, table, options]-->
+    worker <--[STEPPED, seq, obs, 0.0, False, False, {GROUP_KEY: results}]-- one frame for the group
+           <--[RESET_DONE, seq, obs, {GROUP_KEY: results}]--
+
+To the worker a group is one env: one lane, one sandbox, one channel, one
+slot, one cgroup, the same state machine. What it carries is the group's:
+`entries` holds one item per member, `None` (not asked this turn), `[0,
+action]` (step) or `[1, seed, options]` (reset); a RESET's seed is the same
+kind of table, `[[member, seed, options], ...]`. `results` is `[kinds,
+rewards, terminated, truncated, infos, errors]`, a list of one item per
+member each: kind -1 (not asked), 0 (stepped) or 1 (reset); an error is
+`[phase, message, traceback]` when that member raised, and only that member
+fails. obs is the slot marker (each member's obs in its row of the group's
+slot, written in place) or a list of one obs per member (None where none).
+The trainer's half is boltzlabs/pool/groups.py, which checks all of it: a
+group's reply is the env's output, as untrusted as any.
+
+Each member is env.py run once more as a module of its own, with
+$BOLTZLABS_ENV_INDEX its own lane (so env_fns[i] and module-level state
+work unchanged); serve() then hands its callables here (serve.members)
+instead of serving. Members share the process, the workspace, every other
+module they import and every limit: a group is one sandbox.
+
+A fresh process (spawned or respawned) resets every member at its first
+request, asked or not, and says so in `kinds`: a respawned group never
+steps an env that was not reset.
+
+Standard library and msgpack only, as serve.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from boltzlabs import abi, wire
+from boltzlabs.errors import MemberServed, ProtocolError
+from boltzlabs.runtime import serve as _serve
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+# The key of a group's results in the frame's info; the trainer accepts no other.
+GROUP_KEY = "boltzlabs.group"
+NOT_ASKED, STEPPED, RESET = -1, 0, 1
+
+
+def parse(value: str) -> tuple[int, int, int]:
+    """$BOLTZLABS_GROUP, "k,envs,max_frame": the group size, the worker's count of envs, and
+    the most bytes a frame of ours may hold (the worker's limits.max_frame)."""
+    parts = value.split(",") if len(value) <= 48 else []
+    if len(parts) == 3 and all(p.isascii() and p.isdigit() for p in parts):
+        k, envs, max_frame = map(int, parts)
+        if k >= 1 and envs >= 1 and max_frame >= 1:
+            return k, envs, max_frame
+    raise RuntimeError(
+        f"{abi.GROUP_VARIABLE}={value[:48]!r}: expected 'k,envs,max_frame', as the boltzlabs worker sets it"
+    )
+
+
+def run(path: str, code: Any, value: str) -> None:
+    """Build each member of this sandbox's group from env.py, then serve them. Never returns."""
+    k, envs, max_frame = parse(value)
+    group = int(os.environ[abi.ENV_INDEX_VARIABLE])
+    first = group * k
+    count = min(k, envs - first)
+    if count < 1:
+        raise RuntimeError(f"group {group} of {k} envs each is past the pool's {envs} envs")
+    fds = _serve.channel if _serve.channel is not None else _serve._channel_fds(os.environ.pop(abi.FD_VARIABLE, None))
+    sys.argv = [path]
+    sys.path[0] = os.path.dirname(path)
+    members: list[Any] = []
+    for j in range(count):
+        os.environ[abi.ENV_INDEX_VARIABLE] = str(first + j)
+        captured: list[Any] = []
+        _serve.members = captured
+        module = type(sys)("__main__")
+        module.__file__ = path
+        module.__dict__["__builtins__"] = __builtins__
+        sys.modules["__main__"] = module
+        try:
+            exec(code, module.__dict__)
+        except MemberServed:
+            pass
+        except BaseException:
+            # The pool sees the sandbox fail, not which of its envs: say it before the traceback.
+            sys.stderr.write(
+                f"boltzlabs: env {first + j} (member {j} of this sandbox, envs {first}-{first + count - 1}) "
+                f"failed in {path}:\n"
+            )
+            sys.stderr.flush()
+            raise
+        if not captured:
+            sys.stderr.write(
+                f"boltzlabs: {path} returned without calling serve() (env {first + j}, member {j} of its "
+                "group): an env.py must end with boltzlabs.env.serve(reset=..., step=...)\n"
+            )
+            sys.stderr.flush()
+            os._exit(abi.NO_SERVE_EXIT)
+        members.append(captured[0])
+    _serve.members = None
+    os.environ[abi.ENV_INDEX_VARIABLE] = str(group)
+    Group(members, k, first, max_frame).serve(_serve._Channel(fds[0], fds[-1]))
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def batched_spec(spec: Any, k: int) -> Any:
+    """The spec of k rows of `spec` for the group's slot (Box, and Dict and Tuple of them), else None."""
+    if type(spec) is not dict:
+        return None
+    kind = spec.get("type")
+    if kind == "Box":
+        return dict(spec, shape=[k, *spec["shape"]], low=_rows(spec["low"], k), high=_rows(spec["high"], k))
+    if kind in ("Dict", "Tuple"):
+        if kind == "Dict":
+            items = [[key, batched_spec(sub, k)] for key, sub in spec["spaces"]]
+            subs = [sub for _, sub in items]
+        else:
+            items = [batched_spec(sub, k) for sub in spec["spaces"]]
+            subs = items
+        if any(sub is None for sub in subs):
+            return None
+        return dict(spec, spaces=items)
+    return None
+
+
+def _rows(bound: Any, k: int) -> Any:
+    return bound if not isinstance(bound, list) else [bound] * k
+
+
+class Group:
+    """The members of one sandbox and their serve loop."""
+
+    def __init__(self, members: list[Any], k: int, first: int, max_frame: int = 1 << 24) -> None:
+        self.members = members
+        self.max_frame = max_frame  # a bigger frame would be the worker's protocol violation: never sent
+        self.k, self.first = k, first
+        self.fresh = True  # no request yet: the first resets every member
+        lead = members[0]
+        from boltzlabs.runtime.spec import to_spec
+
+        self.member_obs = to_spec(lead["observation_space"]) if lead["observation_space"] is not None else None
+        self.member_act = to_spec(lead["action_space"]) if lead["action_space"] is not None else None
+        self.slot: Any = None
+        self.views: Any = None
+
+    def hello(self) -> dict[str, Any]:
+        lead = self.members[0]
+        info = {
+            "python": sys.version.split()[0],
+            "metadata": lead["metadata"] or {},
+            "render_mode": lead["render_mode"],
+            "attributes": lead["attributes"].describe(),
+            "group": {
+                "size": self.k,
+                "members": len(self.members),
+                "first": self.first,
+                "observation_space": self.member_obs,
+                "action_space": self.member_act,
+            },
+            "pid": os.getpid(),
+        }
+        # The slot's layout: k rows of the member's space (the last group pads). No action space:
+        # the group's action is its members' entries, checked by the trainer per member.
+        rows = batched_spec(self.member_obs, self.k)
+        if rows is not None:
+            info["observation_space"] = rows
+        return info
+
+    def serve(self, channel: Any) -> None:
+        info = self.hello()
+        channel.write(wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, info]))
+        if info.get("observation_space") is not None:
+            self.slot = _serve._UNOPENED
+            channel.space = info["observation_space"]
+        receive = channel.receive
+        try:
+            while True:
+                message = receive()
+                code = message[0]
+                if code == wire.STEP:  # the hot path: one frame per group per turn
+                    _, seq, entries, gated = message
+                    if gated:
+                        while receive()[:2] != [wire.GO, seq]:
+                            pass
+                    channel.write(self.turn(channel, seq, entries, wire.STEPPED))
+                elif code == wire.RESET:
+                    _, seq, table, options = message
+                    channel.write(self.turn(channel, seq, self.reset_entries(table, options), wire.RESET_DONE))
+                elif code == wire.RENDER:
+                    channel.write(self.render(message[1]))
+                elif code == wire.ATTR:
+                    _, seq, op, name, args, kwargs = message
+                    channel.write(self.attr(seq, op, name, args, kwargs))
+                else:
+                    raise ProtocolError(f"unexpected message code {code}")
+        except EOFError:
+            pass
+
+    def reset_entries(self, table: Any, options: Any) -> list[Any]:
+        """A RESET's entries: its table [[member, seed, options], ...]; a plain seed resets every member."""
+        count = len(self.members)
+        if type(table) is not list:  # a plain reset (int or None): every member, env i seed + i
+            return [[RESET, None if table is None else table + j, options] for j in range(count)]
+        entries: list[Any] = [None] * count
+        for item in table:
+            if type(item) is not list or len(item) != 3 or type(item[0]) is not int or not 0 <= item[0] < count:
+                raise ProtocolError(f"malformed group reset table item {item!r:.80}")
+            entries[item[0]] = [RESET, item[1], item[2]]
+        return entries
+
+    def turn(self, channel: Any, seq: Any, entries: Any, code: int) -> bytes:
+        """Run each asked member (a fresh group: every member, reset first) and frame the group's reply."""
+        members = self.members
+        count = len(members)
+        if type(entries) is not list or len(entries) != count:
+            raise ProtocolError(
+                f"a group of {count} envs got {len(entries) if type(entries) is list else entries!r:.40} entries"
+            )
+        if self.fresh:
+            entries = [e if e is not None and e[0] == RESET else [RESET, None, None] for e in entries]
+            self.fresh = False
+        kinds = [NOT_ASKED] * count
+        rewards = [0.0] * count
+        terminated = [False] * count
+        truncated = [False] * count
+        infos: list[Any] = [None] * count
+        errors: list[Any] = [None] * count
+        obs: list[Any] = [None] * count
+        for j in range(count):
+            entry = entries[j]
+            if entry is None:
+                continue
+            member = members[j]
+            kind = kinds[j] = entry[0]
+            try:
+                if kind == STEPPED:
+                    reply = _serve._step_reply(seq, member["step"](entry[1]))
+                    obs[j], rewards[j], terminated[j], truncated[j], infos[j] = reply[2:]
+                else:
+                    reply = _serve._reset_reply(seq, member["reset"](entry[1], entry[2]))
+                    obs[j], infos[j] = reply[2], reply[3]
+            except Exception as exc:  # that member's bug: it alone fails
+                errors[j] = _serve._failure(seq, "step" if kind == STEPPED else "reset", exc)[2:]
+        results = [kinds, rewards, terminated, truncated, infos, errors]
+        marker = self.put(channel, obs, kinds, errors, seq)
+        if code == wire.STEPPED:
+            frame: list[Any] = [
+                wire.STEPPED,
+                seq,
+                obs if marker is None else marker,
+                0.0,
+                False,
+                False,
+                {GROUP_KEY: results},
+            ]
+        else:
+            frame = [wire.RESET_DONE, seq, obs if marker is None else marker, {GROUP_KEY: results}]
+        return self.encode(frame, obs, infos, errors, kinds)
+
+    def encode(self, frame: list[Any], obs: list[Any], infos: list[Any], errors: list[Any], kinds: list[Any]) -> bytes:
+        try:
+            data = wire.encode(frame)
+        except (TypeError, ValueError, OverflowError):
+            data = self.encode_each(frame, obs, infos, errors, kinds)
+        if len(data) - wire.HEADER.size <= self.max_frame:
+            return data
+        # The members' values together pass the pool's frame cap (k observations by the wire: a
+        # remote pool, or a space without a slot): each asked member fails, saying so; the group lives.
+        size = len(data)
+        for j, kind in enumerate(kinds):
+            if kind != NOT_ASKED:
+                errors[j] = [
+                    "step" if kind == STEPPED else "reset",
+                    f"ValueError: the sandbox's reply for its {len(kinds)} envs is {size:,} bytes, over the pool's "
+                    f"limits.max_frame of {self.max_frame:,}: use a smaller envs_per_sandbox (each env's "
+                    "observation by the wire costs the whole group's frame), or a local pool with a "
+                    "fixed-shape observation space (its slot carries observations)",
+                    "",
+                ]
+                infos[j] = None
+                if type(obs) is list:
+                    obs[j] = None
+        return wire.encode(frame)
+
+    def encode_each(
+        self, frame: list[Any], obs: list[Any], infos: list[Any], errors: list[Any], kinds: list[Any]
+    ) -> bytes:
+        # Some member's value cannot cross the wire: that member fails, the others go.
+        for j in range(len(obs)):
+            try:
+                wire.encode([obs[j] if type(obs) is list else None, infos[j]])
+            except (TypeError, ValueError, OverflowError) as exc:
+                errors[j] = [
+                    "step" if kinds[j] == STEPPED else "reset",
+                    f"{type(exc).__name__}: the env returned a value that cannot cross the wire ({exc})",
+                    "",
+                ]
+                if type(obs) is list:
+                    obs[j] = None
+                infos[j] = None
+        return wire.encode(frame)
+
+    def put(self, channel: Any, obs: list[Any], kinds: list[Any], errors: list[Any], seq: int) -> Any:
+        """Each new obs in its member's row of the slot, then the marker; None (obs go by the wire)
+        when the group has no slot or an obs does not have exactly the member's shapes and dtypes."""
+        slot = self.slot
+        if slot is None:
+            return None
+        if slot is _serve._UNOPENED:
+            slot = self.slot = _serve._Slot.open(channel.space)
+            if slot is None:
+                return None
+        views = self.views
+        if views is None:
+            np = sys.modules.get("numpy")
+            if np is None:
+                return None
+            views = self.views = [
+                (  # the batched spec's paths are the member's: only each Box gained a row dimension
+                    path,
+                    np.dtype(dtype),
+                    shape,
+                    np.frombuffer(slot.mapping, np.dtype(dtype), _serve._count(shape), offset).reshape(shape),
+                )
+                for path, dtype, shape, offset in slot.layout.leaves
+            ]
+        spec = self.member_obs
+        if spec is None:
+            return None
+        writes = []
+        for j, value in enumerate(obs):
+            if kinds[j] == NOT_ASKED or errors[j] is not None:
+                continue
+            for path, dtype, shape, view in views:
+                leaf = _serve._leaf(value, path, spec)
+                if leaf is None or leaf.shape != shape[1:] or leaf.dtype != dtype:
+                    return None
+                writes.append((view, j, leaf))
+            if spec is not None and spec["type"] != "Box" and not _serve._same_keys(value, spec):
+                return None
+        for view, j, leaf in writes:
+            view[j] = leaf
+        wire.SLOT_SEQ.pack_into(slot.mapping, 8, seq)
+        return _serve._marker(seq)
+
+    def render(self, seq: Any) -> bytes:
+        """[RENDERED, seq, [[member, ok, frame or [message, traceback]], ...]], every member's."""
+        out = []
+        for j, member in enumerate(self.members):
+            try:
+                out.append([j, True, (member["render"] or _none)()])
+            except Exception as exc:
+                out.append([j, False, _serve._failure(seq, "render", exc)[3:]])
+        return self.frame_each(seq, wire.RENDERED, "render", out)
+
+    def attr(self, seq: Any, op: str, name: Any, args: Any, kwargs: Any) -> bytes:
+        """call/get/set on the members asked: args is [[[member, member_args], ...]], each member's
+        own args (set: [value]); the reply's value is [[member, ok, value or [message, traceback]], ...]."""
+        phase = _serve._ATTR_PHASES.get(op, "call")
+        table = args[0] if type(args) is list and len(args) == 1 and type(args[0]) is list else None
+        count = len(self.members)
+        out = []
+        for item in table if table is not None else [None]:
+            if type(item) is not list or len(item) != 2 or type(item[0]) is not int or not 0 <= item[0] < count:
+                raise ProtocolError(f"malformed group attr table item {item!r:.80}")
+            j, member_args = item
+            try:
+                out.append([j, True, self.members[j]["attributes"].run(op, name, member_args, kwargs)])
+            except Exception as exc:
+                out.append([j, False, _serve._failure(seq, phase, exc)[3:]])
+        return self.frame_each(seq, wire.ATTR_DONE, phase, out)
+
+    def frame_each(self, seq: Any, code: int, phase: str, out: list[Any]) -> bytes:
+        try:
+            return wire.encode([code, seq, out])
+        except (TypeError, ValueError, OverflowError) as exc:
+            message = f"{type(exc).__name__}: {phase}() returned a value that cannot cross the wire ({exc})"
+            return wire.encode(_serve._failure(seq, phase, ValueError(message)))
+
+
+def _none() -> None:
+    return None

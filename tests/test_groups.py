@@ -1,0 +1,975 @@
+"""Several envs per sandbox (issue 43): the fault matrix of RLPool(source, n, envs_per_sandbox=k).
+
+Every test runs real pools of real sandboxes, most in both spawn modes. A pool
+of n envs in groups of k has ceil(n / k) sandboxes; env i lives in sandbox
+i // k, as its member i % k. What each test pins down:
+
+  1. every env kind works grouped, each member with its own env (module state,
+     env_fns object), obs through the group's slot or by the wire;
+  2. an env's own exception fails that env only; anything that ends or stalls
+     the group's process fails every env of it, naming the sandbox and its envs,
+     and the group is respawned at their reset; soft and hard resets; stragglers;
+     the measurement gate; memory per group;
+  3. send/recv per env over groups;
+  4. render/call/get_attr/set_attr per member;
+  5. grouped and sharded at once;
+  6. a hostile group reply fails its own group only, and the group comes back.
+
+Timeouts only catch hangs; no assertion is on a duration.
+"""
+
+import os
+import random
+import signal
+
+import gymnasium as gym
+import msgpack
+import numpy as np
+import pytest
+
+from boltzlabs import EnvError, EnvStartError, PoolClosedError, RLPool
+from boltzlabs.pool.groups import GroupedPool
+from conftest import PROBE, intervals, open_fds, overlaps, scaled, wait_until
+from framers import PATHS, use_path
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    # Failed envs are what these tests make: the pool's once-per-kind warnings about them are expected.
+    pytest.mark.filterwarnings("ignore:.*failures are lanes:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:.*closed; its envs failed:RuntimeWarning"),
+]
+
+MiB = 1 << 20
+
+# An env.py with module-level state, its own env index read at import (each member runs env.py
+# as a module of its own, with $BOLTZLABS_ENV_INDEX its env's), a render, a method and two
+# attributes. reset(options=) faults: {"raise": True}, {"exit": code}, {"sleep": seconds}.
+MEMBER_ENV = """
+    import os
+    import time
+
+    from boltzlabs.env import serve
+
+    LANE = int(os.environ["BOLTZLABS_ENV_INDEX"])
+    state = {"t": 0, "episodes": 0, "label": f"env-{LANE}", "render_fails": False}
+
+
+    def reset(seed, options=None):
+        options = options or {}
+        if "exit" in options:
+            os._exit(options["exit"])
+        if options.get("raise"):
+            raise RuntimeError(f"reset of env {LANE} failed on purpose")
+        time.sleep(options.get("sleep", 0))
+        state["t"] = 0
+        state["episodes"] += 1
+        return {"lane": LANE, "t": 0, "episodes": state["episodes"], "seed": seed}, {"lane": LANE}
+
+
+    def step(action):
+        state["t"] += 1
+        if action == "render_fails":
+            state["render_fails"] = True
+        return {"lane": LANE, "t": state["t"], "episodes": state["episodes"]}, float(LANE), False, False, {"lane": LANE}
+
+
+    def render():
+        if state["render_fails"]:
+            raise RuntimeError(f"render of env {LANE} failed on purpose")
+        return f"frame of env {LANE} at t={state['t']}"
+
+
+    def set_label(value):
+        state["label"] = value
+
+
+    serve(
+        reset=reset,
+        step=step,
+        render=render,
+        methods={"add": lambda x, y=0: LANE + x + y},
+        attributes={"label": (lambda: state["label"], set_label), "lane": lambda: LANE},
+    )
+"""
+
+SERVE_ENV = """
+    import gymnasium as gym
+
+    from boltzlabs.env import serve_env
+
+    serve_env(gym.make("CartPole-v1"))
+"""
+
+
+def named(group, first, last, k=2):
+    """What every error of a failed group says of it."""
+    return f"sandbox {group} (envs {first}-{last}, envs_per_sandbox={k})"
+
+
+def grouped(pids, k):
+    """The pids, one per env, as they must look for groups of k: equal within a group, distinct across."""
+    groups = [pids[i : i + k] for i in range(0, len(pids), k)]
+    return all(len(set(g)) == 1 for g in groups) and len({g[0] for g in groups}) == len(groups)
+
+
+def assert_ok(obs, rewards, dones, infos, lanes, rewards_expected=None):
+    for i in lanes:
+        assert not dones[i] and "error" not in infos[i], (i, infos[i])
+        assert obs[i] is not None
+        if rewards_expected is not None:
+            assert rewards[i] == rewards_expected[i], (i, rewards)
+
+
+def assert_group_failed(obs, rewards, dones, infos, lanes, *words):
+    for i in lanes:
+        assert dones[i] and rewards[i] == 0.0 and obs[i] is None, (i, obs[i], infos[i])
+        for word in words:
+            assert word in infos[i]["error"], (i, word, infos[i])
+
+
+def kill_group(pool, env):
+    """SIGKILL env's sandbox (its group's bwrap: the group's process follows it), and wait until the
+    pool has seen it die: a request sent before then may still be answered."""
+    os.kill(pool.pids()[env], signal.SIGKILL)
+    assert wait_until(lambda: pool.states()[env] == "dead"), pool.states()
+
+
+@pytest.fixture
+def member_env(env_dir):
+    return env_dir(MEMBER_ENV)
+
+
+# -- 1. every env kind works grouped ------------------------------------------------------------
+
+
+def test_env_py_module_state_is_each_members_own(probe_pool):
+    pool = probe_pool(5, envs_per_sandbox=2)
+    assert isinstance(pool, GroupedPool) and pool.sandboxes == 3 and pool.envs_per_sandbox == 2
+    assert list(pool.members(2)) == [4]  # n not a multiple of k: the last group holds the rest
+    pids = pool.pids()
+    assert grouped(pids, 2), pids
+    obs = pool.reset(seed=0)
+    assert [o["seed"] for o in obs] == [0, 1, 2, 3, 4] and [o["episodes"] for o in obs] == [1] * 5
+    pool.reset(where=[0, 3], seed=10)
+    obs, rewards, dones, infos = pool.step([1, 2, 3, 4, 5])
+    # the probe's module-level `state`: each member counts its own episodes, keeps its own rng
+    assert [o["episodes"] for o in obs] == [2, 1, 1, 2, 1]
+    seeds = [10, 1, 2, 13, 4]
+    assert [o["noise"] for o in obs] == [random.Random(s).random() for s in seeds]
+    assert rewards.tolist() == [1, 2, 3, 4, 5] and not dones.any()
+    assert pool.shared_memory is False  # dict obs with no space: by the wire
+    assert pool.pids() == pids
+
+
+def test_each_member_sees_its_own_env_index_at_import(pool_factory, member_env):
+    pool = pool_factory(member_env, 5, envs_per_sandbox=3)
+    assert pool.sandboxes == 2 and grouped(pool.pids(), 3)
+    obs = pool.reset(seed=0)
+    assert [o["lane"] for o in obs] == [0, 1, 2, 3, 4]
+    assert pool.reset_infos == [{"lane": i} for i in range(5)]
+    obs, rewards, dones, infos = pool.step([0] * 5)
+    assert [o["lane"] for o in obs] == [0, 1, 2, 3, 4] and rewards.tolist() == [0, 1, 2, 3, 4]
+
+
+def cartpole_fns(n):
+    return [lambda: gym.make("CartPole-v1") for _ in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["gym_id", "serve_env", "env_fns"])
+def test_cartpole_grouped_equals_sync_vector_env(pool_factory, env_dir, kind):
+    """Through the group's slot (a Box space), obs equal SyncVectorEnv's with the same seed; an
+    earlier step's obs stay as they were."""
+    n = 5
+    source = {"gym_id": "CartPole-v1", "serve_env": env_dir(SERVE_ENV), "env_fns": cartpole_fns(n)}[kind]
+    pool = pool_factory(source, n, envs_per_sandbox=2)
+    assert pool.sandboxes == 3 and grouped(pool.pids(), 2)
+    assert pool.shared_memory is True
+    assert pool.env_contract.observation_space["shape"] == [4]  # the member's space, not the group's
+    sync = gym.vector.SyncVectorEnv(cartpole_fns(n))
+    try:
+        want, _ = sync.reset(seed=3)
+        got = pool.reset(seed=3)
+        assert np.array_equal(np.stack(got), want) and got[0].dtype == np.float32
+        kept = []
+        for t in range(12):
+            actions = np.array([(t + i) % 2 for i in range(n)])
+            want_obs, want_rewards, want_term, want_trunc, _ = sync.step(actions)
+            obs, rewards, terminated, truncated, infos = pool.step_full(actions)
+            assert np.array_equal(np.stack(obs), want_obs), t
+            assert rewards.tolist() == want_rewards.tolist()
+            assert terminated.tolist() == want_term.tolist() and truncated.tolist() == want_trunc.tolist()
+            assert not terminated.any() and not truncated.any()
+            kept.append((obs, np.stack(obs).copy()))
+        for obs, copy in kept:  # the slot is written again each step: what a call returned is not
+            assert np.array_equal(np.stack(obs), copy)
+    finally:
+        sync.close()
+
+
+class Indexed(gym.Wrapper):
+    """What env_fns[i] builds: CartPole with its thunk's index, where it was built, and its own id."""
+
+    def __init__(self, index):
+        super().__init__(gym.make("CartPole-v1"))
+        self.index = index
+        self.built_in = os.environ.get("BOLTZLABS_ENV_INDEX")
+        self.object_id = id(self)
+
+
+def indexed_fns(n):
+    return [lambda i=i: Indexed(i) for i in range(n)]
+
+
+def test_env_fns_build_k_distinct_objects_each_in_its_own_lane(pool_factory):
+    pool = pool_factory(indexed_fns(5), 5, envs_per_sandbox=2)
+    pool.reset(seed=0)
+    assert pool.get_attr("index") == [0, 1, 2, 3, 4]
+    assert pool.get_attr("built_in") == ["0", "1", "2", "3", "4"]
+    ids, pids = pool.get_attr("object_id"), pool.pids()
+    assert grouped(pids, 2)
+    assert ids[0] != ids[1] and ids[2] != ids[3]  # one process, two objects
+    pool.set_attr("index", [51], env_ids=[1])
+    assert pool.get_attr("index") == [0, 51, 2, 3, 4]
+
+
+START_FAILS = """
+    import os
+
+    from boltzlabs.env import serve
+
+    if os.environ["BOLTZLABS_ENV_INDEX"] == "3" and not os.environ.get("BOLTZLABS_PROBE"):
+        raise RuntimeError("env 3 cannot start")
+    serve(reset=lambda seed: 0, step=lambda action: (0, 0.0, False, {}))
+"""
+
+
+def test_a_member_that_fails_at_start_up_names_its_sandbox_and_itself(env_dir, spawn):
+    with pytest.raises(EnvStartError) as e:
+        RLPool(env_dir(START_FAILS), 5, envs_per_sandbox=2, spawn=spawn, step_timeout=scaled(5))
+    text = str(e.value)
+    assert text.startswith(named(1, 2, 3) + " failed to start"), text
+    assert "boltzlabs: env 3 (member 1 of this sandbox, envs 2-3) failed in /env/env.py" in e.value.log
+    assert "RuntimeError: env 3 cannot start" in e.value.log and e.value.env_index is None
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_close_leaves_no_process_or_fd_of_a_grouped_pool(spawn, workers):
+    import psutil
+
+    def descendants():
+        return {p.pid for p in psutil.Process().children(recursive=True)}
+
+    fds, children = open_fds(), descendants()
+    pool = RLPool(PROBE, 5, envs_per_sandbox=2, workers=workers, spawn=spawn, step_timeout=scaled(1.5))
+    pool.reset(seed=0)
+    pool.step([1, 1, 1, 1, {"op": "sleep", "s": 60}])  # a busy group at close too: bounded by the deadline
+    assert set(pool.pids()) <= descendants() - children
+    pool.close()
+    assert pool.closed and descendants() == children and open_fds() == fds
+    with pytest.raises(PoolClosedError):
+        pool.step([1] * 5)
+
+
+# -- 2. failure semantics -----------------------------------------------------------------------
+
+
+def test_an_exception_in_one_members_step_fails_that_env_only(probe_pool):
+    pool = probe_pool(4, envs_per_sandbox=2)
+    pool.reset(seed=0)
+    pids = pool.pids()
+    obs, rewards, dones, infos = pool.step([1, {"op": "raise"}, 3, 4])
+    assert dones[1] and obs[1] is None and rewards[1] == 0.0
+    assert "ValueError: step failed on purpose" in infos[1]["error"] and "Traceback" in infos[1]["error"]
+    assert "sandbox" not in infos[1]["error"]  # the env's own failure, not its group's
+    assert_ok(obs, rewards, dones, infos, [0, 2, 3], [1, 0, 3, 4])
+    assert [o["t"] for o in (obs[0], obs[2], obs[3])] == [1, 1, 1]
+    assert pool.states() == ["idle"] * 4 and pool.pids() == pids
+    obs, rewards, dones, infos = pool.step([1, 2, 3, 4])  # the member still serves, even unreset
+    assert_ok(obs, rewards, dones, infos, range(4), [1, 2, 3, 4])
+    assert [o["t"] for o in obs] == [2, 2, 2, 2]
+
+
+def test_an_exception_in_one_members_reset_fails_that_env_only(pool_factory, member_env):
+    pool = pool_factory(member_env, 4, envs_per_sandbox=2)
+    pool.reset(seed=0)
+    pool.step([0] * 4)
+    pids, before = pool.pids(), pool.observations
+    obs = pool.reset(where=[1], seed=5, options={"raise": True})
+    assert obs[1] is None and "RuntimeError: reset of env 1 failed on purpose" in pool.reset_infos[1]["error"]
+    assert obs[0] == before[0] and obs[2:] == before[2:]  # the others were not reset
+    assert pool.pids() == pids and pool.states() == ["idle"] * 4
+    obs, rewards, dones, infos = pool.step([0] * 4)
+    assert_ok(obs, rewards, dones, infos, range(4), [0, 1, 2, 3])
+    assert [o["t"] for o in obs] == [2, 2, 2, 2]
+
+
+FAULTS = {
+    "exit": ("exited with code 3", False),
+    "kill": ("SIGKILL", False),
+    "deadline": ("missed the step deadline", True),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_a_group_process_that_dies_or_stalls_fails_each_of_its_envs(probe_pool, fault):
+    cause, straggler = FAULTS[fault]
+    pool = probe_pool(5, envs_per_sandbox=2, step_timeout=scaled(1.5))
+    pool.reset(seed=0)
+    pids = pool.pids()
+    actions = [1, 2, 3, 4, 5]
+    if fault == "kill":
+        kill_group(pool, 2)
+    elif fault == "exit":
+        actions[2] = {"op": "exit", "code": 3}
+    else:
+        actions[3] = {"op": "sleep", "s": 60}
+    obs, rewards, dones, infos = pool.step(actions)
+    assert_group_failed(obs, rewards, dones, infos, [2, 3], cause, named(1, 2, 3))
+    assert [bool(infos[i].get("straggler")) for i in (2, 3)] == [straggler] * 2
+    assert pool.timing.stragglers == ([2, 3] if straggler else [])
+    assert_ok(obs, rewards, dones, infos, [0, 1, 4], [1, 2, 0, 0, 5])
+    assert pool.states()[2] == pool.states()[3] == ("straggler" if straggler else "dead")
+    obs = pool.reset(where=[2, 3], seed=7)
+    assert [pool.reset_infos[i] for i in (2, 3)] == [{"reset_info": True}] * 2
+    assert [o["seed"] for o in obs[2:4]] == [9, 10]
+    now = pool.pids()
+    assert now[2] == now[3] != pids[2] and now[:2] == pids[:2] and now[4] == pids[4]
+    obs, rewards, dones, infos = pool.step([1, 2, 3, 4, 5])
+    assert_ok(obs, rewards, dones, infos, range(5), [1, 2, 3, 4, 5])
+
+
+RESET_FAULTS = {  # options, the reset's error, the group's state, the next step's error
+    "exit": ({"exit": 4}, "exited with code 4", "dead", "exited with code 4"),
+    "deadline": ({"sleep": 60}, "missed the reset deadline", "straggler", "still busy"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(RESET_FAULTS))
+def test_a_member_that_ends_or_stalls_its_group_in_reset_fails_the_group(pool_factory, member_env, fault):
+    options, cause, state, then = RESET_FAULTS[fault]
+    pool = pool_factory(member_env, 4, envs_per_sandbox=2, step_timeout=scaled(1.5))
+    pool.reset(seed=0)
+    pids = pool.pids()
+    pool.reset(where=[2], options=options)
+    assert cause in pool.reset_infos[2]["error"] and named(1, 2, 3) in pool.reset_infos[2]["error"]
+    assert pool.timing.stragglers == ([2] if state == "straggler" else [])
+    assert pool.states() == ["idle", "idle", state, state]
+    obs, rewards, dones, infos = pool.step([0] * 4)
+    assert_group_failed(obs, rewards, dones, infos, [2, 3], then, named(1, 2, 3))
+    assert_ok(obs, rewards, dones, infos, [0, 1], [0, 1])
+    pool.reset(where=[3], seed=1)  # one env's reset respawns the group: its other env is reset too
+    assert "error" not in pool.reset_infos[3] and named(1, 2, 3) in pool.reset_infos[2]["group_reset"]
+    assert pool.pids()[2] == pool.pids()[3] != pids[2] and pool.pids()[:2] == pids[:2]
+    obs, rewards, dones, infos = pool.step([0] * 4)
+    assert_ok(obs, rewards, dones, infos, range(4), [0, 1, 2, 3])
+    assert [o["t"] for o in obs] == [2, 2, 1, 1] and [o["episodes"] for o in obs] == [1, 1, 1, 1]
+
+
+def memory_limited(factory, *args, **kwargs):
+    """A pool with a memory_limit, or a clean skip on a host with no usable memory cgroup."""
+    try:
+        return factory(*args, **kwargs)
+    except ValueError as exc:
+        if "memory cgroup" in str(exc):
+            pytest.skip(f"no usable memory cgroup here: {exc}")
+        raise
+
+
+def test_memory_limit_is_per_group_and_an_oom_fails_the_group(probe_pool):
+    """memory_limit bounds each group's sandbox as a whole (not k times it): two members of one
+    group that each stay under it, together over it, OOM their group; a member alone does not."""
+    pool = memory_limited(probe_pool, 4, envs_per_sandbox=2, memory_limit="192M")
+    pool.reset(seed=0)
+    obs, rewards, dones, infos = pool.step([{"op": "alloc", "mb": 110}, 1, {"op": "alloc", "mb": 110}, 1])
+    assert obs[0]["out"] == obs[2]["out"] == {"held_mb": 110}
+    assert_ok(obs, rewards, dones, infos, range(4))
+    obs, rewards, dones, infos = pool.step([1, {"op": "alloc", "mb": 110}, 1, 1])
+    assert_group_failed(obs, rewards, dones, infos, [0, 1], "OOM", "memory_limit=201326592", named(0, 0, 1))
+    assert_ok(obs, rewards, dones, infos, [2, 3], [0, 0, 1, 1])
+    pool.reset(where=[0, 1], seed=0)
+    obs, rewards, dones, infos = pool.step([{"op": "alloc", "mb": 16}, 1, 1, 1])
+    assert obs[0]["out"] == {"held_mb": 16}
+    assert_ok(obs, rewards, dones, infos, range(4))
+
+
+def test_reset_where_soft_resets_only_the_masked_envs(probe_pool):
+    pool = probe_pool(4, envs_per_sandbox=2)
+    pool.reset(seed=0)
+    for _ in range(3):
+        obs, *_ = pool.step([1] * 4)
+    pids, infos_before = pool.pids(), pool.reset_infos
+    obs = pool.reset(where=np.array([False, True, False, False]), seed=9)
+    assert obs[1] == {"t": 0, "episodes": 2, "seed": 10}
+    assert [o["t"] for o in obs] == [3, 0, 3, 3] and obs[0] == pool.observations[0]
+    assert pool.reset_infos[0] == infos_before[0] and "group_reset" not in str(pool.reset_infos)
+    assert pool.pids() == pids
+    obs, *_ = pool.step([1] * 4)
+    assert [o["t"] for o in obs] == [4, 1, 4, 4] and [o["episodes"] for o in obs] == [1, 2, 1, 1]
+
+
+def test_a_hard_reset_respawns_the_whole_group_and_says_so(probe_pool):
+    pool = probe_pool(4, envs_per_sandbox=2)
+    pool.reset(seed=0)
+    pool.step([1] * 4)
+    pool.step([1] * 4)
+    pids, episodes = pool.pids(), pool.episode_ids
+    obs = pool.reset(where=[1], seed=9, hard=True)
+    now = pool.pids()
+    assert now[0] == now[1] != pids[0] and now[2:] == pids[2:]
+    assert obs[1] == {"t": 0, "episodes": 1, "seed": 10}  # a fresh process: its counter starts again
+    assert obs[0] == {"t": 0, "episodes": 1, "seed": None}  # reset too, unseeded
+    assert pool.reset_infos[1] == {"reset_info": True}
+    said = pool.reset_infos[0]["group_reset"]
+    assert named(0, 0, 1) in said and "env(s) 1" in said
+    assert pool.observations[0] == obs[0] and [o["t"] for o in obs[2:]] == [2, 2]
+    assert pool.episode_ids[0] != episodes[0] and pool.episode_ids[2:] == episodes[2:]
+    obs, rewards, dones, infos = pool.step([1] * 4)
+    assert [o["t"] for o in obs] == [1, 1, 3, 3] and not dones.any()
+
+
+def test_serialize_measurement_runs_one_env_at_a_time_across_groups(probe_pool):
+    pool = probe_pool(5, envs_per_sandbox=2, serialize_measurement=True)
+    pool.reset(seed=0)
+    obs, rewards, dones, infos = pool.step([{"op": "interval", "s": 0.05}] * 5)
+    spans = intervals(obs)
+    assert len(spans) == 5 and not overlaps(spans), spans
+    pool.reset(where=[1], seed=3)
+    assert pool.step([1] * 5)[1].tolist() == [1.0] * 5
+
+
+def test_without_the_gate_groups_overlap_and_members_take_turns(probe_pool):
+    pool = probe_pool(4, envs_per_sandbox=2)
+    pool.reset(seed=0)
+    obs, *_ = pool.step([{"op": "interval", "s": scaled(0.3)}] * 4)
+    assert not overlaps(intervals(obs[0:2])) and not overlaps(intervals(obs[2:4]))  # one process each
+    assert overlaps(intervals(obs))  # the two groups ran at once
+
+
+def test_envs_per_gb_divides_a_groups_memory_by_its_envs(probe_pool):
+    pool = memory_limited(probe_pool, 5, envs_per_sandbox=2, memory_limit="512M")
+    pool.reset(seed=0)
+    before = pool.memory()
+    assert len(before.per_env) == 5 and all(b > 0 for b in before.per_env)
+    pool.step([{"op": "alloc", "mb": 64}, 1, 1, 1, 1])
+    after = pool.memory()
+    assert len(after.per_env) == 5
+    assert after.per_env[0] == after.per_env[1] and after.per_env[2] == after.per_env[3]
+    grew = [a - b for a, b in zip(after.per_env, before.per_env)]
+    assert 28 * MiB < grew[0] == grew[1] < 40 * MiB, grew  # the group's 64 MiB, over its two envs
+    assert all(abs(g) < 4 * MiB for g in grew[2:]), grew
+    assert pool.envs_per_gb() == pytest.approx((1 << 30) / (after.total / 5), rel=0.05)
+
+
+def episode(pool, **reset_args):
+    """A reset and 5 steps of every env: [[obs, reward] of each env] per call."""
+    frames = [[[o, 0.0] for o in pool.reset(**reset_args)]]
+    for _ in range(5):
+        obs, rewards, _, _ = pool.step([1] * len(pool))
+        frames.append([[o, r] for o, r in zip(obs, rewards.tolist())])
+    return frames
+
+
+def wire_bytes(frames, lanes):
+    """The bytes of `lanes`' part of an episode, as they crossed the wire."""
+    return msgpack.packb([[frame[i] for i in lanes] for frame in frames])
+
+
+def test_hard_resets_are_byte_identical_per_group(probe_pool):
+    pool = probe_pool(4, envs_per_sandbox=2)
+    first = episode(pool, seed=3)
+    assert wire_bytes(episode(pool, seed=3), range(4)) != wire_bytes(first, range(4))  # soft: counters carry over
+    assert wire_bytes(episode(pool, seed=3, hard=True), range(4)) == wire_bytes(first, range(4))
+    # One group's hard reset: that group's episode is byte for byte its first one.
+    alone = episode(pool, seed=3, where=[2, 3], hard=True)
+    assert wire_bytes(alone, [2, 3]) == wire_bytes(first, [2, 3])
+    assert wire_bytes(alone, [0, 1]) != wire_bytes(first, [0, 1])
+
+
+# -- 3. send / recv ----------------------------------------------------------------------------
+
+
+def test_send_to_all_then_recv_in_batches(probe_pool):
+    pool = probe_pool(5, envs_per_sandbox=2)
+    pool.reset(seed=0)
+    pool.send([1, 2, 3, 4, 5])
+    assert set(pool.states()) <= {"in_flight", "finished"}
+    ids, obs, rewards, dones, infos = pool.recv(3)
+    assert len(ids) == 3 and ids.dtype == np.int64 and len(obs) == len(infos) == 3
+    got = dict(zip(ids.tolist(), rewards.tolist()))
+    assert pool.states().count("idle") == 3 and all(pool.states()[i] == "idle" for i in got)
+    ids, obs, rewards, dones, infos = pool.recv()  # the rest
+    got.update(zip(ids.tolist(), rewards.tolist()))
+    assert got == {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0, 4: 5.0} and len(ids) == 2
+    assert pool.states() == ["idle"] * 5
+    assert [o["t"] for o in pool.observations] == [1] * 5
+
+
+def test_send_to_some_envs_and_refuse_an_env_whose_group_is_in_flight(probe_pool):
+    pool = probe_pool(5, envs_per_sandbox=2)
+    pool.reset(seed=0)
+    pool.send([7, 9], env_ids=[1, 4])
+    states = pool.states()
+    assert states[0] == states[2] == states[3] == "idle" and {states[1], states[4]} <= {"in_flight", "finished"}
+    with pytest.raises(ValueError, match=r"sandbox 0 \(envs 0-1, envs_per_sandbox=2\), whose step is in flight"):
+        pool.send([1], env_ids=[0])
+    with pytest.raises(ValueError, match=r"sandbox 0 \(envs 0-1"):
+        pool.reset(where=[0])
+    pool.send([3], env_ids=[2])  # another group: free
+    ids, obs, rewards, dones, infos = pool.recv()
+    assert dict(zip(ids.tolist(), rewards.tolist())) == {1: 7.0, 2: 3.0, 4: 9.0}  # actions aligned with env_ids
+    assert pool.states() == ["idle"] * 5
+    with pytest.raises(ValueError, match="batch_size"):
+        pool.recv(1)  # nothing is in flight
+
+
+def test_recv_batch_size_returns_that_many(probe_pool):
+    pool = probe_pool(6, envs_per_sandbox=3)
+    pool.reset(seed=0)
+    pool.send([1] * 6)
+    seen = []
+    for size in (1, 2, 3):
+        ids, *_ = pool.recv(size)
+        assert len(ids) == size
+        seen += ids.tolist()
+    assert sorted(seen) == list(range(6))
+    pool.send([1] * 6)
+    with pytest.raises(ValueError, match="only 6 env"):
+        pool.recv(7)
+    ids, *_ = pool.recv(6)
+    assert sorted(ids.tolist()) == list(range(6))
+
+
+def test_recv_of_a_straggling_group_names_every_env_received(probe_pool):
+    pool = probe_pool(6, envs_per_sandbox=2, step_timeout=scaled(1.5))
+    pool.reset(seed=0)
+    pool.send([{"op": "sleep", "s": 60}, 1, 1, 1, 1, 1])
+    ids, obs, rewards, dones, infos = pool.recv(5)  # groups 1 and 2, then group 0 at its deadline
+    assert sorted(ids[:4].tolist()) == [2, 3, 4, 5] and ids[4] == 0
+    assert infos[4]["straggler"] and named(0, 0, 1) in infos[4]["error"] and dones[4]
+    assert pool.timing.stragglers == [0]  # the stragglers among the envs received
+    ids, obs, rewards, dones, infos = pool.recv(1)  # what the last recv held back
+    assert ids.tolist() == [1] and infos[0]["straggler"] and named(0, 0, 1) in infos[0]["error"]
+    assert pool.timing.stragglers == [1]
+    assert pool.states()[:2] == ["straggler", "straggler"]
+    pool.send([1, 1], env_ids=[2, 3])
+    pool.recv()
+    assert pool.timing.stragglers == []
+    pool.reset(where=[0, 1])
+    assert pool.states() == ["idle"] * 6
+
+
+def test_send_recv_and_partial_resets_through_a_groups_slot(pool_factory):
+    """A Box env: each result of a group's slot is its env's own, also when it is held past a later
+    step of its group, and a partial or hard reset gives just the envs asked their new obs."""
+    pool = pool_factory("CartPole-v1", 4, envs_per_sandbox=2)
+    assert pool.shared_memory is True
+    envs = [gym.make("CartPole-v1") for _ in range(4)]
+    want = [env.reset(seed=i)[0] for i, env in enumerate(envs)]
+    assert all(np.array_equal(o, w) for o, w in zip(pool.reset(seed=0), want))
+    pool.send([1, 0, 1, 0])
+    want = [env.step(a)[0] for env, a in zip(envs, [1, 0, 1, 0])]
+    got = {}
+    for _ in range(4):
+        ids, obs, *_ = pool.recv(1)
+        got[int(ids[0])] = obs[0]
+    assert sorted(got) == [0, 1, 2, 3] and all(np.array_equal(got[i], want[i]) for i in range(4))
+    pool.send([0, 1], env_ids=[0, 1])
+    ids, obs, *_ = pool.recv(1)  # env 0; env 1's result is held
+    pool.send([1], env_ids=[0])  # its sandbox steps member 0 again, rewriting the slot
+    want0, want1 = envs[0].step(0)[0], envs[1].step(1)[0]
+    rest = dict(zip(*pool.recv()[:2]))
+    assert np.array_equal(obs[0], want0) and np.array_equal(rest[1], want1)
+    assert np.array_equal(rest[0], envs[0].step(1)[0])
+    before = pool.observations
+    obs = pool.reset(where=[3], seed=9)
+    assert np.array_equal(obs[3], envs[3].reset(seed=12)[0])
+    assert all(np.array_equal(obs[i], before[i]) for i in range(3))
+    obs = pool.reset(where=[1], seed=20, hard=True)
+    assert np.array_equal(obs[1], envs[1].reset(seed=21)[0]) and "group_reset" in pool.reset_infos[0]
+    assert not np.array_equal(obs[0], before[0]) and np.array_equal(obs[2], before[2])
+    for env in envs:
+        env.close()
+
+
+def test_step_and_reset_wait_for_a_result_not_yet_received(probe_pool):
+    """A group's reply can hold a result recv() has not taken: step() and a reset of that env are
+    refused, as on a pool of one env per sandbox, never run under it (which would leave a stale
+    result for a later recv)."""
+    pool = probe_pool(4, envs_per_sandbox=2)
+    pool.reset(seed=0)
+    pool.send([1, 2], env_ids=[0, 1])
+    ids, *_ = pool.recv(1)
+    held = 1 - ids[0]
+    assert pool.states()[held] == "finished"
+    with pytest.raises(ValueError, match=r"step\(\) cannot run while 0 env\(s\) are in flight and 1 finished"):
+        pool.step([5] * 4)
+    with pytest.raises(ValueError, match=f"env {held}"):
+        pool.reset(where=[held])
+    ids, obs, rewards, dones, infos = pool.recv()
+    assert ids.tolist() == [held] and obs[0]["t"] == 1 and rewards[0] == [1.0, 2.0][held]
+    obs, rewards, dones, infos = pool.step([5] * 4)
+    assert [o["t"] for o in obs] == [2, 2, 1, 1]
+
+
+# -- 4. render, call, get_attr, set_attr per member -----------------------------------------------
+
+
+def test_render_call_get_attr_set_attr_reach_each_member(pool_factory, member_env):
+    pool = pool_factory(member_env, 5, envs_per_sandbox=2)
+    pool.reset(seed=0)
+    pool.step([0] * 5)
+    assert pool.render_all() == [f"frame of env {i} at t=1" for i in range(5)]
+    assert pool.render(3) == "frame of env 3 at t=1"
+    assert pool.call("add", 10, y=1) == [11, 12, 13, 14, 15]
+    assert pool.call("add", 5, env_ids=[4, 1]) == [9, 6]
+    assert pool.get_attr("lane") == [0, 1, 2, 3, 4]
+    assert pool.get_attr("label", env_ids=[3]) == ["env-3"]
+    pool.set_attr("label", ["a", "b"], env_ids=[1, 4])
+    assert pool.get_attr("label") == ["env-0", "a", "env-2", "env-3", "b"]
+    pool.set_attr("label", "z", env_ids=[2])
+    assert pool.get_attr("label") == ["env-0", "a", "z", "env-3", "b"]
+    with pytest.raises(AttributeError, match="no method or attribute 'nope'"):
+        pool.get_attr("nope")
+
+
+def test_a_members_render_failure_names_that_env(pool_factory, member_env):
+    pool = pool_factory(member_env, 4, envs_per_sandbox=2)
+    pool.reset(seed=0)
+    pool.step([0, "render_fails", 0, 0])
+    with pytest.raises(
+        EnvError, match=r"(?s)env 1 could not render: Traceback.*RuntimeError: render of env 1 failed"
+    ) as e:
+        pool.render(1)  # its traceback, as from an env of its own sandbox
+    assert e.value.env_index == 1 and "sandbox" not in str(e.value)
+    with pytest.raises(EnvError, match="env 1 could not render"):
+        pool.render_all()
+    assert pool.render(0) == "frame of env 0 at t=1"
+
+
+def test_render_and_attrs_of_a_dead_group_name_the_env_and_its_sandbox(pool_factory, member_env):
+    pool = pool_factory(member_env, 4, envs_per_sandbox=2)
+    pool.reset(seed=0)
+    kill_group(pool, 2)
+    pool.step([0] * 4)
+    with pytest.raises(EnvError, match=r"env 3 could not render: .*SIGKILL") as e:
+        pool.render(3)
+    assert e.value.env_index == 3 and named(1, 2, 3) in str(e.value)
+    with pytest.raises(EnvError, match=r"env 3 could not call 'add': .*SIGKILL") as e:
+        pool.call("add", 1, env_ids=[3])
+    assert e.value.env_index == 3 and named(1, 2, 3) in str(e.value)
+    assert pool.get_attr("lane", env_ids=[0, 1]) == [0, 1]
+
+
+# -- 5. grouped and sharded ---------------------------------------------------------------------
+
+
+def test_sharded_and_grouped_env_fns(pool_factory):
+    pool = pool_factory(indexed_fns(7), 7, workers=2, envs_per_sandbox=2)
+    assert pool.sandboxes == 4 and pool.inner.workers == 2
+    pool.reset(seed=0)
+    assert pool.get_attr("index") == list(range(7))  # each env its own thunk, over both shards
+    pids = pool.pids()
+    assert grouped(pids, 2)
+    kill_group(pool, 6)
+    obs, rewards, dones, infos = pool.step([1] * 7)
+    assert_group_failed(obs, rewards, dones, infos, [6], "SIGKILL", named(3, 6, 6))
+    assert_ok(obs, rewards, dones, infos, range(6), [1.0] * 6)
+    pool.reset(where=[6], seed=0)
+    assert pool.get_attr("index", env_ids=[6]) == [6] and pool.pids()[6] != pids[6]
+    assert not pool.step([1] * 7)[2].any()
+
+
+def test_more_workers_than_sandboxes_is_refused_in_sandboxes():
+    with pytest.raises(
+        ValueError, match=r"workers must be in \[1, 2\]: each worker process holds at least one sandbox, "
+    ):
+        RLPool(PROBE, 4, envs_per_sandbox=2, workers=3)
+
+
+def test_sharded_and_grouped_gym_id_equals_sync_vector_env(pool_factory):
+    n = 7
+    pool = pool_factory("CartPole-v1", n, workers=2, envs_per_sandbox=3)
+    assert pool.sandboxes == 3 and pool.inner.workers == 2 and grouped(pool.pids(), 3)
+    sync = gym.vector.SyncVectorEnv(cartpole_fns(n))
+    try:
+        want, _ = sync.reset(seed=11)
+        assert np.array_equal(np.stack(pool.reset(seed=11)), want)
+        for t in range(8):
+            actions = np.array([(t + i) % 2 for i in range(n)])
+            want_obs, want_rewards, *_ = sync.step(actions)
+            obs, rewards, dones, infos = pool.step(actions)
+            assert np.array_equal(np.stack(obs), want_obs) and rewards.tolist() == want_rewards.tolist()
+    finally:
+        sync.close()
+    pids = pool.pids()
+    pool.reset(where=[4], hard=True, seed=0)  # group 1 (envs 3-5), in the second shard
+    now = pool.pids()
+    assert now[3] == now[5] != pids[3] and now[:3] == pids[:3] and now[6] == pids[6]
+    assert [("group_reset" in pool.reset_infos[i]) for i in (3, 4, 5)] == [True, False, True]
+
+
+# -- 6. hostile group replies -------------------------------------------------------------------
+
+# An env whose step or reset (action or options {"forge": op}) writes its own frame on fd 3, the
+# channel's write end, answering for its whole group, and has the runtime's own reply dropped.
+HOSTILE_GROUP = """
+    import os
+
+    import msgpack
+
+    from boltzlabs import wire
+    from boltzlabs.env import serve
+    from boltzlabs.runtime import group
+
+    KEY = group.GROUP_KEY
+    state = {"t": 0}
+
+    if not getattr(group.Group, "forging", False):  # env.py runs once per member: wrap once
+        _turn = group.Group.turn
+
+        def turn(self, channel, seq, entries, code):
+            group.turn_of = (seq, len(entries), code)
+            out = _turn(self, channel, seq, entries, code)
+            if getattr(group, "forged", False):
+                group.forged = False
+                return b""  # the frame of this turn went already
+            return out
+
+        group.Group.turn = turn
+        group.Group.forging = True
+
+
+    def put(body):
+        view = memoryview(len(body).to_bytes(4, "little") + body)
+        while view:
+            view = view[os.write(3, view):]
+        group.forged = True
+
+
+    def forge(op, depth=600, many=1_000_000):
+        if getattr(group, "forged", False):  # another member of this turn forged its frame already
+            return
+        seq, count, code = group.turn_of
+        kind = 0 if code == wire.STEPPED else 1
+        kinds, rewards, term, trunc = [kind] * count, [1.0] * count, [False] * count, [False] * count
+        infos, errors, obs = [{}] * count, [None] * count, [{"t": -1}] * count
+        if op == "count":  # a result for one member more than the group has
+            kinds, rewards, term, trunc, infos, errors, obs = (
+                [*x, x[0]] for x in (kinds, rewards, term, trunc, infos, errors, obs)
+            )
+        elif op == "reward_str":
+            rewards[0] = "1.0"
+        elif op == "info_list":
+            infos[0] = [1, 2]
+        elif op == "kind7":
+            kinds[0] = 7
+        elif op == "rows":
+            obs = obs[:-1]
+        elif op == "error":
+            errors[0] = ["step", 5, None]
+        elif op == "not_asked":  # an asked member answered as not asked
+            kinds[0] = -1
+        # "all": every member answered as stepped (a lie when only some were asked)
+        if op == "fake_failure":  # a failure as the worker reports one, with no group results
+            failure = {"error": "missed the step deadline of 5 s", "straggler": True}
+            put(wire.encode([code, seq, None, 0.0, False, True, failure] if code == wire.STEPPED else [code, seq, None, failure])[4:])
+            return
+        if op in ("deep", "many"):  # raw msgpack: a member's info nested too deep, or too many objects
+            if op == "deep":
+                info = b"\\x91" * depth + b"\\xc0"
+            else:
+                info = b"\\xdd" + many.to_bytes(4, "big") + b"\\x90" * many
+            results = (b"\\x96" + b"".join(msgpack.packb(x) for x in (kinds, rewards, term, trunc))
+                       + b"\\x92\\x81\\xa1x" + info + b"\\x80" + msgpack.packb(errors))
+            head = [code, seq, obs] + ([0.0, False, False] if code == wire.STEPPED else [])
+            body = bytes([0x90 + len(head) + 1]) + b"".join(msgpack.packb(x) for x in head)
+            put(body + b"\\x81" + msgpack.packb(KEY) + results)
+            return
+        results = [kinds, rewards, term, trunc, infos, errors]
+        if code == wire.STEPPED:
+            frame = wire.encode([code, seq, obs, 0.0, False, False, {KEY: results}])
+        else:
+            frame = wire.encode([code, seq, obs, {KEY: results}])
+        put(frame[4:])
+
+
+    def reset(seed, options=None):
+        state["t"] = 0
+        if options and "forge" in options:
+            forge(options["forge"])
+        return {"t": 0}, {}
+
+
+    def step(action):
+        state["t"] += 1
+        if isinstance(action, dict):
+            if action["op"] == "unencodable":
+                return object(), 0.0, False, False, {}
+            forge(**action)
+            return {"t": state["t"]}, 0.0, False, False, {}
+        return {"t": state["t"]}, float(action), False, False, {}
+
+
+    serve(reset=reset, step=step)
+"""
+
+ATTACKS = {
+    "count": "do not hold exactly 2 items each",
+    "reward_str": "member 0's reward or done flags are not a number and bools",
+    "info_list": "member 0's info is a list, not a dict",
+    "kind7": "member 0's kind is 7",
+    "rows": "its observations hold 1 rows for 2 envs",
+    "error": "member 0's error is not [phase, message, traceback]",
+    "not_asked": "member 0 was asked and not answered",
+    "deep": "nested deeper than 512 levels",
+    "many": "more than 524288 objects",
+    "fake_failure": "missed the step deadline of 5 s",
+}
+
+
+@pytest.fixture
+def hostile(env_dir, pool_factory):
+    source = env_dir(HOSTILE_GROUP)
+    return lambda n=6, **kwargs: pool_factory(source, n, envs_per_sandbox=2, **kwargs)
+
+
+def assert_group_comes_back(pool, lanes, pids):
+    """The failed group is respawned at its envs' reset (one of them suffices) and works."""
+    pool.reset(where=[lanes[0]], seed=0)
+    assert "error" not in pool.reset_infos[lanes[0]], pool.reset_infos[lanes[0]]
+    assert "group_reset" in pool.reset_infos[lanes[1]]
+    now = pool.pids()
+    assert now[lanes[0]] == now[lanes[1]] != pids[lanes[0]]
+    assert [now[i] for i in range(len(pool)) if i not in lanes] == [pids[i] for i in range(len(pool)) if i not in lanes]
+    obs, rewards, dones, infos = pool.step(list(range(1, len(pool) + 1)))
+    assert_ok(obs, rewards, dones, infos, range(len(pool)), list(range(1, len(pool) + 1)))
+
+
+@pytest.mark.parametrize("attack", sorted(ATTACKS))
+def test_a_hostile_group_reply_fails_its_own_group_only(hostile, attack):
+    pool = hostile()
+    pool.reset(seed=0)
+    pids = pool.pids()
+    obs, rewards, dones, infos = pool.step([1, 2, {"op": attack}, 4, 5, 6])
+    assert_group_failed(obs, rewards, dones, infos, [2, 3], ATTACKS[attack], named(1, 2, 3))
+    assert_ok(obs, rewards, dones, infos, [0, 1, 4, 5], [1, 2, 0, 0, 5, 6])
+    assert [o["t"] for o in obs if o is not None] == [1, 1, 1, 1]
+    assert_group_comes_back(pool, [2, 3], pids)
+
+
+@pytest.mark.parametrize("attack", ["count", "kind7", "not_asked", "info_list"])
+def test_a_hostile_group_reply_to_a_reset_fails_its_own_group_only(hostile, attack):
+    pool = hostile()
+    pool.reset(seed=0)
+    pids = pool.pids()
+    obs = pool.reset(where=[4, 5], options={"forge": attack})
+    for i in (4, 5):
+        assert obs[i] is None and ATTACKS[attack] in pool.reset_infos[i]["error"], pool.reset_infos[i]
+        assert named(2, 4, 5) in pool.reset_infos[i]["error"]
+    assert obs[:4] == [{"t": 0}] * 4
+    assert_group_comes_back(pool, [4, 5], pids)
+
+
+def test_a_group_answering_for_an_env_not_sent_fails_the_envs_sent(hostile):
+    pool = hostile(4)
+    pool.reset(seed=0)
+    pids = pool.pids()
+    pool.send([{"op": "all"}], env_ids=[2])  # the reply says env 3 stepped too
+    ids, obs, rewards, dones, infos = pool.recv()
+    assert ids.tolist() == [2] and obs == [None] and dones.tolist() == [True]
+    assert "member 1 was not asked and answered as stepped" in infos[0]["error"] and named(1, 2, 3) in infos[0]["error"]
+    assert pool.states() == ["idle"] * 4 and pool.observations[3] == {"t": 0}
+    assert_group_comes_back(pool, [2, 3], pids)
+
+
+def test_hostile_replies_to_send_fail_the_envs_sent(hostile):
+    pool = hostile()
+    pool.reset(seed=0)
+    pids = pool.pids()
+    pool.send([{"op": "count"}, 2, 3], env_ids=[2, 0, 4])
+    ids, obs, rewards, dones, infos = pool.recv()
+    results = {i: (o, r, d, info) for i, o, r, d, info in zip(ids.tolist(), obs, rewards, dones, infos)}
+    assert sorted(results) == [0, 2, 4]  # never env 3, which was not sent, whatever its group said
+    assert results[2][0] is None and results[2][2] and named(1, 2, 3) in results[2][3]["error"]
+    assert results[0][1:3] == (2.0, False) and results[4][1:3] == (3.0, False)
+    assert pool.states() == ["idle"] * 6
+    assert_group_comes_back(pool, [2, 3], pids)
+
+
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch):
+    return use_path(request, monkeypatch)
+
+
+def test_every_hostile_reply_on_each_step_path(env_dir, path):
+    """The worker's native and pure step paths both carry a group's reply as they would any env's."""
+    with RLPool(env_dir(HOSTILE_GROUP), 4, envs_per_sandbox=2, step_timeout=scaled(5)) as pool:
+        assert pool.fast_path == (path == "native")
+        pool.reset(seed=0)
+        for attack, words in ATTACKS.items():
+            pids = pool.pids()
+            obs, rewards, dones, infos = pool.step([{"op": attack}, 2, 3, 4])
+            assert_group_failed(obs, rewards, dones, infos, [0, 1], words, named(0, 0, 1))
+            assert_ok(obs, rewards, dones, infos, [2, 3], [0, 0, 3, 4])
+            assert_group_comes_back(pool, [0, 1], pids)
+
+
+def test_a_members_info_nested_within_the_limits_is_carried(hostile):
+    pool = hostile(4)
+    pool.reset(seed=0)
+    obs, rewards, dones, infos = pool.step([1, 2, {"op": "deep", "depth": 400}, 4])
+    assert rewards.tolist() == [1, 2, 1, 1] and not dones.any()  # its own (forged) results, believed
+    depth, value = 0, infos[2]["x"]
+    while isinstance(value, list):
+        depth, value = depth + 1, value[0] if value else None
+    assert depth == 400
+
+
+def test_a_members_obs_that_cannot_cross_the_wire_fails_that_env_only(hostile):
+    pool = hostile(4)
+    pool.reset(seed=0)
+    pids = pool.pids()
+    obs, rewards, dones, infos = pool.step([1, 2, {"op": "unencodable"}, 4])
+    assert dones[2] and obs[2] is None and "cannot cross the wire" in infos[2]["error"]
+    assert "sandbox" not in infos[2]["error"]
+    assert_ok(obs, rewards, dones, infos, [0, 1, 3], [1, 2, 0, 4])
+    assert obs[3] == {"t": 1} and pool.pids() == pids
+    obs, rewards, dones, infos = pool.step([1, 2, 3, 4])
+    assert_ok(obs, rewards, dones, infos, range(4), [1, 2, 3, 4])
+
+
+# -- the options ---------------------------------------------------------------------------------
+
+
+def test_vectorization_mode_sync_async_and_anything_else(spawn):
+    with RLPool(PROBE, 3, vectorization_mode="sync", spawn=spawn) as pool:
+        assert isinstance(pool, GroupedPool) and pool.sandboxes == 1 and len(set(pool.pids())) == 1
+        pool.reset(seed=0)
+        assert pool.step([1, 2, 3])[1].tolist() == [1, 2, 3]
+    with RLPool(PROBE, 3, vectorization_mode="async", spawn=spawn) as pool:
+        assert not isinstance(pool, GroupedPool) and len(set(pool.pids())) == 3
+    with RLPool(PROBE, 3, envs_per_sandbox=1, spawn=spawn) as pool:
+        assert not isinstance(pool, GroupedPool) and len(set(pool.pids())) == 3
+    with pytest.raises(ValueError, match="vectorization_mode must be 'sync'"):
+        RLPool(PROBE, 3, vectorization_mode="threads")
+    for bad in (0, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="envs_per_sandbox must be a whole number"):
+            RLPool(PROBE, 3, envs_per_sandbox=bad)
+
+
+def test_trust_env_with_groups_is_refused():
+    with pytest.raises(ValueError, match="trust_env=True imports env.py in the template"):
+        RLPool(PROBE, 4, envs_per_sandbox=2, trust_env=True)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs",
+    [
+        ((PROBE, 3), {}),
+        ((PROBE,), {"n": 3}),
+        ((), {"source": PROBE, "n": 3}),
+    ],
+)
+def test_envs_per_sandbox_groups_with_every_spelling_of_the_arguments(args, kwargs):
+    with RLPool(*args, envs_per_sandbox=2, **kwargs) as pool:
+        assert isinstance(pool, GroupedPool) and pool.sandboxes == 2 and grouped(pool.pids(), 2)
