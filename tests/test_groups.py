@@ -728,7 +728,7 @@ HOSTILE_GROUP = """
         _turn = group.Group.turn
 
         def turn(self, channel, seq, entries, code):
-            group.turn_of = (seq, len(entries), code)
+            group.turn_of = (seq, len(self.members), code)  # entries may come packed (bytes)
             out = _turn(self, channel, seq, entries, code)
             if getattr(group, "forged", False):
                 group.forged = False

@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from boltzlabs import wire
 from boltzlabs.errors import EnvStartError
 from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, attr_error
 
@@ -134,7 +135,7 @@ class GroupedPool(Pool):
         entries: list[list] = [[None] * len(self.members(g)) for g in range(self.sandboxes)]
         for i, action in enumerate(actions):
             entries[i // k][i % k] = [RESET, None, None] if i in reset_set else [STEPPED, action]
-        result = self.inner._step_lanes(entries, None)
+        result = self.inner._step_lanes(_packed(entries, actions, range(len(actions))), None)
         n = self.n
         obs: list = [None] * n
         rewards = np.zeros(n, np.float64)
@@ -304,7 +305,7 @@ class GroupedPool(Pool):
                 raise ValueError(f"send(): env {i} has a result not yet received; recv() it first")
             entries[g][i % k] = [RESET, None, None] if i in reset_set else [STEPPED, action]
         groups = sorted(entries)
-        self.inner._send_lanes([entries[g] for g in groups], groups, None)
+        self.inner._send_lanes(_packed([entries[g] for g in groups], actions, lanes), groups, None)
         for g in groups:
             self._in_flight[g] = [j for j, e in enumerate(entries[g]) if e is not None]
             self._sent_kinds[g] = _kinds(entries[g])
@@ -503,6 +504,24 @@ def _stepped_whole(obs, info, sent: list) -> bool:
 
 def _rows_of(obs: dict, count: int) -> list:
     return [_row(obs, j) for j in range(count)]
+
+
+def _packed(entries: list, actions: list, envs) -> list:
+    """Each group's entries as one msgpack bin, which the worker passes on as that group's action
+    without decoding it (runtime/group.py decodes it): a grouped step's actions are decoded once,
+    in the sandbox, not in the worker too. TypeError naming the env whose action cannot be sent."""
+    try:
+        return [wire.pack([wire.STEP, group]) for group in entries]  # a message, as wire.decode takes one
+    except (TypeError, ValueError, OverflowError):
+        for i, action in zip(envs, actions):
+            try:
+                wire.pack(action)
+            except (TypeError, ValueError, OverflowError) as exc:
+                raise TypeError(
+                    f"the action for env {i} cannot be sent ({exc}); actions must be msgpack-able "
+                    "values (numbers, str, bytes, lists, dicts, None) or numpy arrays"
+                ) from exc
+        raise
 
 
 def _kinds(entries: list) -> list[int]:

@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 # The key of a group's results in the frame's info; the trainer accepts no other.
 GROUP_KEY = "boltzlabs.group"
 NOT_ASKED, STEPPED, RESET = -1, 0, 1
+# How a group's packed entries are decoded: the worker's frames are trusted more than an env's,
+# and capped the same way (serve._Channel's reader).
+_FROM_WORKER = wire.Limits(1 << 30)
 
 
 def parse(value: str) -> tuple[int, int, int]:
@@ -218,6 +221,9 @@ class Group:
         """Run each asked member (a fresh group: every member, reset first) and frame the group's reply."""
         members = self.members
         count = len(members)
+        if type(entries) is bytes:  # the trainer packed them (pool/groups.py); the worker passed them on
+            message = wire.decode(entries, _FROM_WORKER)
+            entries = message[1] if len(message) == 2 and message[0] == wire.STEP else None
         if type(entries) is not list or len(entries) != count:
             raise ProtocolError(
                 f"a group of {count} envs got {len(entries) if type(entries) is list else entries!r:.40} entries"
