@@ -2,6 +2,7 @@
 
 python examples/run_pool.py            # 1000 envs, 300 steps
 python examples/run_pool.py -n 64 --steps 1000
+python examples/run_pool.py -n 100000 --envs-per-sandbox 100   # 1,000 sandboxes of 100 envs (docs/groups.md)
 """
 
 import argparse
@@ -19,12 +20,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-n", type=int, default=1000, help="number of envs (default 1000)")
     parser.add_argument("--steps", type=int, default=300, help="batched steps to run (default 300)")
+    parser.add_argument(
+        "--envs-per-sandbox", type=int, default=1, help="envs in each sandbox, stepped in one turn (default 1)"
+    )
     args = parser.parse_args()
 
     started = time.perf_counter()
-    with RLPool(COUNTER, args.n, progress=True) as pool:
+    with RLPool(COUNTER, args.n, progress=True, envs_per_sandbox=args.envs_per_sandbox) as pool:
         start_s = time.perf_counter() - started
-        print(f"{args.n} sandboxed envs ready in {start_s:.1f} s")
+        where = f" ({-(-args.n // args.envs_per_sandbox)} sandboxes)" if args.envs_per_sandbox > 1 else ""
+        print(f"{args.n} sandboxed envs ready in {start_s:.1f} s{where}")
         pool.reset(seed=0)
         worker_ms = roundtrip_ms = 0.0
         episodes = 0

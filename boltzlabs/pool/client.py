@@ -517,7 +517,7 @@ class RLPool(Pool):
         self._inbox: list = []
         self._start_worker(worker, token, tls_ca, resolved)
         # A shard of a larger pool reports to that pool's bar (_progress); a pool of its own draws its own.
-        with start_progress.shown(progress, n, _progress) as bar:
+        with start_progress.shown(progress, n, _progress, "sandbox" if _group else "env") as bar:
             try:
                 ready = self._open(config, bar.counter() if bar is not None else None)
             except BaseException:

@@ -41,14 +41,15 @@ def wanted(progress, n: int) -> bool:
 
 
 @contextlib.contextmanager
-def shown(progress, n: int, parent: StartProgress | None = None) -> Iterator[StartProgress | None]:
+def shown(progress, n: int, parent: StartProgress | None = None, what: str = "env") -> Iterator[StartProgress | None]:
     """The bar a pool's workers report to while it starts: `parent`'s when the pool is part of a
     larger one (a sharded pool's shard, a ClusterPool's node), else one of its own when `progress`
-    asks for it (closed on leaving), else None."""
+    asks for it (closed on leaving), else None. `what` the bar counts: "env", or "sandbox" for a
+    grouped pool (pool/groups.py), whose workers start sandboxes of several envs."""
     if parent is not None or not wanted(progress, n):
         yield parent
         return
-    bar = StartProgress(n)
+    bar = StartProgress(n, what)
     try:
         yield bar
     finally:
@@ -72,11 +73,15 @@ def check(message: list, n: int) -> int:
     )
 
 
+_PLURAL = {"env": "envs", "sandbox": "sandboxes"}
+
+
 class StartProgress:
     """One bar of `total` envs over the workers that start them; counter() for each worker."""
 
-    def __init__(self, total: int):
+    def __init__(self, total: int, what: str = "env"):
         self._total = total
+        self._what = what  # what it counts: "env", or "sandbox" (a grouped pool's)
         self._ready: list[int] = []  # each worker's latest ready count
         self._bar: Any = None  # a tqdm, made at the first report: a pool that fails at once draws nothing
         self._lock = threading.Lock()
@@ -93,7 +98,9 @@ class StartProgress:
                 if self._bar is None:
                     from tqdm import tqdm
 
-                    self._bar = tqdm(total=self._total, desc="starting envs", unit="env", leave=False)
+                    self._bar = tqdm(
+                        total=self._total, desc=f"starting {_PLURAL[self._what]}", unit=self._what, leave=False
+                    )
                 self._bar.update(sum(self._ready) - self._bar.n)
 
         return report

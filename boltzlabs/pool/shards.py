@@ -205,7 +205,7 @@ class Sharding(Pool):
         # start at once, each spawning its own sandboxes (RLPool's start waits on the worker's
         # socket, which releases the GIL).
         with (
-            shown(progress, n, _progress) as bar,
+            shown(progress, n, _progress, "sandbox" if group else "env") as bar,
             ThreadPoolExecutor(max_workers=k, thread_name_prefix="boltzlabs-shard") as starting,
         ):
             futures = [starting.submit(open_shard, s) for s in range(k)]
