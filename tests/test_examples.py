@@ -48,3 +48,12 @@ def test_sb3_ppo_with_cnn_policy_trains_on_pong_84x84x4():
     source = (EXAMPLES / "sb3_ppo_pong.py").read_text()
     assert "BoltzLabsSB3VecEnv([make_env(i, args.seed) for i in range(args.n_envs)])" in source
     assert "screen_size=84" in source and "FrameStackObservation(env, 4)" in source and '"CnnPolicy"' in source
+
+
+@pytest.mark.parametrize("k", [1, 50])
+def test_the_main_job_runs_one_env_or_many_per_sandbox(k):
+    out = run(EXAMPLES / "run_pool.py", "-n", "100", "--steps", "120", "--envs-per-sandbox", str(k))
+    assert re.search(r"100 sandboxed envs ready in [\d.]+ s" + (r" \(2 sandboxes\)" if k > 1 else "$"), out, re.M), out
+    # The counter ends its episodes at t = 100: every env finished one, and reset(where=dones) went on.
+    assert "120 steps x 100 envs" in out and "100 episodes finished" in out, out
+    assert float(re.search(r"envs_per_gb\(\): ([\d.]+)", out).group(1)) > 0, out
