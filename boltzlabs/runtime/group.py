@@ -8,7 +8,8 @@
 To the worker a group is one env: one lane, one sandbox, one channel, one
 slot, one cgroup, the same state machine. What it carries is the group's:
 `entries` holds one item per member, `None` (not asked this turn), `[0,
-action]` (step) or `[1, seed, options]` (reset); a RESET's seed is the same
+action]` (step) or `[1, seed, options]` (reset), and comes packed (the bin of
+`[STEP, entries]`, which the worker passes on undecoded); a RESET's seed is the same
 kind of table, `[[member, seed, options], ...]`. `results` is `[kinds,
 rewards, terminated, truncated, infos, errors]`, a list of one item per
 member each: kind -1 (not asked), 0 (stepped) or 1 (reset); an error is
