@@ -62,7 +62,16 @@ from boltzlabs.errors import (
     describe_exit,
     exit_signal,
 )
-from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, attr_error, check_batch_size, check_cpus, check_n
+from boltzlabs.pool.protocol import (
+    Pool,
+    RecvResult,
+    StepResult,
+    attr_error,
+    check_batch_size,
+    check_cpus,
+    check_n,
+    raise_unserializable,
+)
 from boltzlabs.units import parse_size
 
 if TYPE_CHECKING:
@@ -962,16 +971,8 @@ class RLPool(Pool):
     def _log(self, index: int) -> str:
         return self._call("log", index)
 
-    @staticmethod
-    def _raise_unserializable(actions):
-        for i, action in enumerate(actions):
-            try:
-                wire.encode(action)
-            except (TypeError, ValueError, OverflowError) as exc:
-                raise TypeError(
-                    f"the action for env {i} cannot be sent ({exc}); actions must be msgpack-able "
-                    "values (numbers, str, bytes, lists, dicts, None) or numpy arrays"
-                ) from exc
+    # The TypeError naming the first action that cannot be sent (step's and send's diagnosis).
+    _raise_unserializable = staticmethod(raise_unserializable)
 
     # -- methods and attributes of the envs (serve(methods=, attributes=, target=)) ------
 

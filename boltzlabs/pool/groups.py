@@ -33,7 +33,7 @@ import numpy as np
 
 from boltzlabs import wire
 from boltzlabs.errors import EnvStartError
-from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, attr_error
+from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, attr_error, raise_unserializable
 
 # runtime/group.py's, repeated: the trainer imports nothing of the sandbox's modules.
 GROUP_KEY = "boltzlabs.group"
@@ -102,8 +102,8 @@ class GroupedPool(Pool):
             inner.hello or {}, observation_space=group.get("observation_space"), action_space=group.get("action_space")
         )
         self.timing = inner.timing
-        self._in_flight: dict[int, list[int]] = {}  # group -> its members sent, until the group's result is taken
-        self._sent_kinds: dict[int, list[int]] = {}  # group -> the kind sent to each member, as long
+        # group -> the kind sent to each member (NOT_ASKED: not sent), until the group's result is taken
+        self._in_flight: dict[int, list[int]] = {}
         self._held: list[tuple] = []  # (env, obs, reward, terminated, truncated, info): finished, not yet received
         self._respawn: set[int] = set()  # groups that sent an invalid reply: respawned at their next reset
 
@@ -157,15 +157,15 @@ class GroupedPool(Pool):
                 obs[start:stop] = list(group_obs[:count]) if type(group_obs) is not dict else _rows_of(group_obs, count)
                 infos[start:stop] = group_infos if None not in group_infos else [x or {} for x in group_infos]
                 continue
-            for i, o, r, te, tr, info in self._take(g, result.obs[g], result.infos[g], None, sent):
+            for i, o, r, te, tr, info in self._take(g, result.obs[g], result.infos[g], sent):
                 obs[i], rewards[i], terminated[i], truncated[i], infos[i] = o, r, te, tr, info
         self._stragglers([i for g in self.inner.timing.stragglers for i in self.members(g)])
         return StepResult(obs, rewards, terminated, truncated, infos)
 
-    def _take(self, group: int, obs, info, asked, kinds=None):
+    def _take(self, group: int, obs, info, sent: list):
         """Each member's (env, obs, reward, terminated, truncated, info) from group's reply (its
-        obs and info as the inner pool gave them); `asked`: the members it was asked for (None: all),
-        each of which it must answer, and the ones that fail with it when its reply is invalid."""
+        obs and info as the inner pool gave them); `sent`: the kind sent to each member (NOT_ASKED:
+        none), which each member asked must answer with, and which fail with it when its reply is invalid."""
         envs = self.members(group)
         count = len(envs)
         results = info.get(GROUP_KEY) if type(info) is dict and "error" not in info else None
@@ -177,13 +177,15 @@ class GroupedPool(Pool):
             # reply: either way it is respawned at its next reset, never trusted to go on.
             self._respawn.add(group)
         else:
-            why = _check(results, obs, count, asked, kinds)
+            why = _check(results, obs, count, sent)
             if why:
                 why = f"sent an invalid group reply ({why}); it is respawned at its next reset"
                 self._respawn.add(group)
         if why or results is None:
             straggler = type(info) is dict and info.get("straggler") is True
-            for j in range(count) if asked is None else asked:
+            for j in range(count):
+                if sent[j] == NOT_ASKED:
+                    continue
                 failure = {"error": f"{why} [{self._named(group)}: every env of it fails with it]", "group": group}
                 if straggler:
                     failure["straggler"] = True
@@ -227,7 +229,7 @@ class GroupedPool(Pool):
             self._refuse_held(g)
         respawn = [g for g in groups if hard or g in self._respawn]
         soft = [g for g in groups if g not in respawn]
-        asked = set(lanes)
+        wanted = set(lanes)
         taken: dict[int, tuple] = {}
         for chosen, how in ((respawn, True), (soft, False)):
             if not chosen:
@@ -235,13 +237,15 @@ class GroupedPool(Pool):
             obs, infos = self.inner._reset_lanes(chosen, [tables[g] for g in chosen], how, None)
             for pos, g in enumerate(chosen):
                 self._respawn.discard(g)
-                got = list(self._take(g, obs[pos], infos[pos], [item[0] for item in tables[g]]))
-                reset_whole = how or len({i for i, *_ in got if _[-1].get("error") is None}) > len(tables[g])
-                for i, o, _, _, _, info in got:
-                    if i in asked:
+                sent = [NOT_ASKED] * len(self.members(g))
+                for item in tables[g]:
+                    sent[item[0]] = RESET
+                # A respawned group resets every member, asked or not: the others come back reset too.
+                for i, o, _, _, _, info in self._take(g, obs[pos], infos[pos], sent):
+                    if i in wanted:
                         taken[i] = (o, info)
                     elif "error" not in info:
-                        self._sibling_reset(i, o, info, g, lanes, how or reset_whole)
+                        self._sibling_reset(i, o, info, g, lanes)
         obs_out = [taken.get(i, (None, {"error": "no reply"}))[0] for i in lanes]
         infos_out = [taken.get(i, (None, {"error": "no reply"}))[1] for i in lanes]
         self._stragglers(
@@ -249,7 +253,7 @@ class GroupedPool(Pool):
         )
         return obs_out, infos_out
 
-    def _sibling_reset(self, i: int, obs, info, group: int, lanes: list, respawned: bool) -> None:
+    def _sibling_reset(self, i: int, obs, info, group: int, lanes: list) -> None:
         """Env i was reset with its group (a respawn), though not asked for: its new episode, said so."""
         info = dict(info)
         info["group_reset"] = (
@@ -268,12 +272,16 @@ class GroupedPool(Pool):
     def _refuse_async(self, what: str) -> None:
         """ValueError while a send's result is outstanding, here or in the inner pool (step() does not
         mix with send/recv): a step run under a held result would leave it stale for a later recv."""
-        flying = sum(len(members) for members in self._in_flight.values())
+        flying = self._flying()
         if flying or self._held:
             raise ValueError(
                 f"{what} while {flying} env(s) are in flight and {len(self._held)} finished but not "
                 "received: recv them first (send/recv and step() do not mix)"
             )
+
+    def _flying(self) -> int:
+        """How many envs are in flight (sent, their group's result not taken)."""
+        return sum(len(kinds) - kinds.count(NOT_ASKED) for kinds in self._in_flight.values())
 
     def _refuse_held(self, group: int) -> None:
         """ValueError when an env of `group` has a result recv() has not taken: a reset may respawn
@@ -307,11 +315,10 @@ class GroupedPool(Pool):
         groups = sorted(entries)
         self.inner._send_lanes(_packed([entries[g] for g in groups], actions, lanes), groups, None)
         for g in groups:
-            self._in_flight[g] = [j for j, e in enumerate(entries[g]) if e is not None]
-            self._sent_kinds[g] = _kinds(entries[g])
+            self._in_flight[g] = _kinds(entries[g])
 
     def _recv_lanes(self, batch_size, timeout) -> RecvResult:
-        sent = sum(len(members) for members in self._in_flight.values())
+        sent = self._flying()
         want = len(self._held) + sent if batch_size is None else batch_size
         if want > len(self._held) + sent:
             raise ValueError(
@@ -324,10 +331,9 @@ class GroupedPool(Pool):
             left = None if deadline == math.inf else max(0.0, deadline - time.monotonic())
             result = self.inner._recv_lanes(groups, left)
             for pos, g in enumerate(result.env_ids.tolist()):
-                asked = self._in_flight.pop(g, [])
-                sent_kinds = self._sent_kinds.pop(g, None)
-                for i, o, r, te, tr, info in self._take(g, result.obs[pos], result.infos[pos], asked, sent_kinds):
-                    if i % self.k in asked:
+                kinds = self._in_flight.pop(g)
+                for i, o, r, te, tr, info in self._take(g, result.obs[pos], result.infos[pos], kinds):
+                    if kinds[i % self.k] != NOT_ASKED:
                         self._held.append((i, o, r, te, tr, info))
             if len(result.env_ids) < groups:
                 break  # the timeout passed
@@ -405,9 +411,9 @@ class GroupedPool(Pool):
     def states(self) -> list:
         groups = self.inner.states()
         shown = [groups[i // self.k] for i in range(self.n)]
-        for g, members in self._in_flight.items():
-            for j in range(len(self.members(g))):
-                if j not in members and shown[g * self.k + j] in ("in_flight", "finished"):
+        for g, kinds in self._in_flight.items():
+            for j, kind in enumerate(kinds):
+                if kind == NOT_ASKED and shown[g * self.k + j] in ("in_flight", "finished"):
                     shown[g * self.k + j] = "idle"
         for entry in self._held:
             shown[entry[0]] = "finished"
@@ -479,18 +485,10 @@ def _stepped_whole(obs, info, sent: list) -> bool:
         and kinds == sent
         and sent.count(STEPPED) == count
         and all(type(kind) is int for kind in kinds)
-        and type(rewards) is list
-        and len(rewards) == count
-        and set(map(type, rewards)) <= _NUMBERS
-        and type(terminated) is list
-        and len(terminated) == count
-        and set(map(type, terminated)) <= _BOOL
-        and type(truncated) is list
-        and len(truncated) == count
-        and set(map(type, truncated)) <= _BOOL
-        and type(infos) is list
-        and len(infos) == count
-        and set(map(type, infos)) <= _INFO
+        and _column(rewards, count, _NUMBERS)
+        and _column(terminated, count, _BOOL)
+        and _column(truncated, count, _BOOL)
+        and _column(infos, count, _INFO)
         and type(errors) is list
         and errors.count(None) == count == len(errors)
     ):
@@ -500,6 +498,11 @@ def _stepped_whole(obs, info, sent: list) -> bool:
     if type(obs) is list:
         return len(obs) == count
     return type(obs) is dict and _rows(obs) >= count
+
+
+def _column(values, count: int, types: frozenset) -> bool:
+    """Whether values is a list of `count` items, each of one of `types` (exactly)."""
+    return type(values) is list and len(values) == count and set(map(type, values)) <= types
 
 
 def _rows_of(obs: dict, count: int) -> list:
@@ -513,14 +516,7 @@ def _packed(entries: list, actions: list, envs) -> list:
     try:
         return [wire.pack([wire.STEP, group]) for group in entries]  # a message, as wire.decode takes one
     except (TypeError, ValueError, OverflowError):
-        for i, action in zip(envs, actions):
-            try:
-                wire.pack(action)
-            except (TypeError, ValueError, OverflowError) as exc:
-                raise TypeError(
-                    f"the action for env {i} cannot be sent ({exc}); actions must be msgpack-able "
-                    "values (numbers, str, bytes, lists, dicts, None) or numpy arrays"
-                ) from exc
+        raise_unserializable(actions, envs)
         raise
 
 
@@ -529,10 +525,10 @@ def _kinds(entries: list) -> list[int]:
     return [NOT_ASKED if entry is None else entry[0] for entry in entries]
 
 
-def _check(results, obs, count: int, asked=None, sent=None) -> str:
-    """'' when a group's results are what runtime/group.py sends for `count` members asked for the
-    members `asked` (None: all), else what is wrong; `sent`, when given, the kind sent to each
-    member (STEPPED, RESET or NOT_ASKED), which each asked member must answer with."""
+def _check(results, obs, count: int, sent: list) -> str:
+    """'' when a group's results are what runtime/group.py sends for `count` members sent the
+    kinds `sent` (STEPPED, RESET or NOT_ASKED), else what is wrong: each member asked answers
+    with the kind it was sent, and no other member answers as stepped."""
     if type(results) is not list or len(results) != 6:
         return "its results are not the six lists a group sends"
     if not all(type(part) is list and len(part) == count for part in results):
@@ -551,14 +547,13 @@ def _check(results, obs, count: int, asked=None, sent=None) -> str:
         error = errors[j]
         if error is not None and (type(error) is not list or len(error) != 3 or not all(type(e) is str for e in error)):
             return f"member {j}'s error is not [phase, message, traceback]"
-    # Every member asked answers; one not asked was not stepped (a fresh process resets them all).
-    wanted = set(range(count) if asked is None else asked)
+    # Every member asked answers as asked; one not asked was not stepped (a fresh process resets them all).
     for j in range(count):
-        if j in wanted and kinds[j] == NOT_ASKED:
+        if sent[j] != NOT_ASKED and kinds[j] == NOT_ASKED:
             return f"member {j} was asked and not answered"
-        if j not in wanted and kinds[j] == STEPPED:
+        if sent[j] == NOT_ASKED and kinds[j] == STEPPED:
             return f"member {j} was not asked and answered as stepped"
-        if sent is not None and j in wanted and kinds[j] != sent[j]:
+        if sent[j] != NOT_ASKED and kinds[j] != sent[j]:
             return f"member {j} was sent kind {sent[j]} and answered kind {kinds[j]}"
     return ""
 

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from boltzlabs import wire
 from boltzlabs.pool.ids import uuid7
 
 __all__ = ["Pool", "StepResult", "RecvResult"]
@@ -583,6 +584,19 @@ class Pool(abc.ABC):
         self._episode_open[lanes] = True
         if self._never_reset:
             self._never_reset.difference_update(lanes)
+
+
+def raise_unserializable(actions: list, envs=None) -> None:
+    """TypeError naming the first action that cannot cross the wire; `envs`: the env of each
+    action (default: its position). Returns when every action can."""
+    for i, action in zip(range(len(actions)) if envs is None else envs, actions):
+        try:
+            wire.encode(action)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise TypeError(
+                f"the action for env {i} cannot be sent ({exc}); actions must be msgpack-able "
+                "values (numbers, str, bytes, lists, dicts, None) or numpy arrays"
+            ) from exc
 
 
 def attr_error(verb: str, name: str, errors: dict) -> Exception:

@@ -140,7 +140,7 @@ class Sharding(Pool):
     _one_worker: Callable[..., Pool]
     _timing: Callable[..., Any]
     _memory: Callable[..., Any]
-    _raise_unserializable: Callable[[list[Any]], None]
+    _raise_unserializable: Callable[..., None]
 
     def __init__(
         self,
