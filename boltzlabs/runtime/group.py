@@ -66,8 +66,9 @@ def parse(value: str) -> tuple[int, int, int]:
     )
 
 
-def run(path: str, code: Any, value: str) -> None:
-    """Build each member of this sandbox's group from env.py, then serve them. Never returns."""
+def run(path: str, code: Any, value: str, main_module: Any) -> None:
+    """Build each member of this sandbox's group from env.py (`code`, each run in a module
+    main_module(path) makes: rlimits.run's), then serve them. Never returns."""
     k, envs, max_frame = parse(value)
     group = int(os.environ[abi.ENV_INDEX_VARIABLE])
     first = group * k
@@ -75,19 +76,13 @@ def run(path: str, code: Any, value: str) -> None:
     if count < 1:
         raise RuntimeError(f"group {group} of {k} envs each is past the pool's {envs} envs")
     fds = _serve.channel if _serve.channel is not None else _serve._channel_fds(os.environ.pop(abi.FD_VARIABLE, None))
-    sys.argv = [path]
-    sys.path[0] = os.path.dirname(path)
     members: list[Any] = []
     for j in range(count):
         os.environ[abi.ENV_INDEX_VARIABLE] = str(first + j)
         captured: list[Any] = []
         _serve.members = captured
-        module = type(sys)("__main__")
-        module.__file__ = path
-        module.__dict__["__builtins__"] = __builtins__
-        sys.modules["__main__"] = module
         try:
-            exec(code, module.__dict__)
+            exec(code, main_module(path).__dict__)
         except MemberServed:
             pass
         except BaseException:

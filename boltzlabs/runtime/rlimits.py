@@ -72,18 +72,15 @@ def run(path: str, code: Any = None) -> None:
     compiled (a template child's, from the warm-up probe), else it is compiled here."""
     if code is None:
         code = compile(read_file(path), path, "exec")
+    sys.argv = [path]
+    sys.path[0] = os.path.dirname(path)  # -c put the working directory there
     group = os.environ.get(abi.GROUP_VARIABLE)
     if group and not os.environ.get(abi.PROBE_VARIABLE):
         # RLPool(envs_per_sandbox=k): env.py runs once per member (the warm-up probe runs it once).
         from boltzlabs.runtime import group as _group
 
-        _group.run(path, code, group)
-    sys.argv = [path]
-    sys.path[0] = os.path.dirname(path)  # -c put the working directory there
-    module = type(sys)("__main__")
-    module.__file__ = path
-    module.__dict__["__builtins__"] = __builtins__
-    sys.modules["__main__"] = module
+        _group.run(path, code, group, main_module)
+    module = main_module(path)
     try:
         exec(code, module.__dict__)
     except SystemExit as exc:
@@ -101,6 +98,16 @@ def run(path: str, code: Any = None) -> None:
     )
     sys.stderr.flush()
     os._exit(abi.NO_SERVE_EXIT)
+
+
+def main_module(path: str) -> Any:
+    """A fresh module named __main__ for the env file `path`, made sys.modules["__main__"], as
+    `python path` makes it: run() runs env.py in one, runtime/group.py in one per member."""
+    module = type(sys)("__main__")
+    module.__file__ = path
+    module.__dict__["__builtins__"] = __builtins__
+    sys.modules["__main__"] = module
+    return module
 
 
 def _served() -> bool:
