@@ -68,6 +68,7 @@ import numpy as np
 import psutil
 
 from boltzlabs import RLPool
+from boltzlabs.cli import _positive_int  # the CLI's argparse type for a whole number >= 1
 from boltzlabs.gym import BoltzLabsVecEnv
 
 RESULTS = ROOT / "benchmarks" / "results" / "envs.json"
@@ -437,16 +438,6 @@ def cpu_table(rows: list) -> str:
     return "\n".join(lines)
 
 
-def _group_size(text: str) -> int:
-    try:
-        k = int(text)
-    except ValueError:
-        k = 0
-    if k < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, not {text!r}")
-    return k
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--envs", nargs="+", choices=sorted(ENVS), default=list(ENVS))
@@ -456,7 +447,7 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS))
     parser.add_argument(
         "--envs-per-sandbox",
-        type=_group_size,
+        type=_positive_int,
         nargs="+",
         default=[],
         metavar="K",

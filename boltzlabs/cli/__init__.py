@@ -325,51 +325,26 @@ def _run_bench(args) -> int:
                 "pip install matplotlib (or pip install -e '.[plot]' in a checkout of boltzlabs)"
             ) from None
     params = _resolve(args)
-    from tqdm import tqdm
-
     from boltzlabs.cli.bench import measure
-    from boltzlabs.errors import BoltzLabsError
 
-    results = []
-    with tqdm(total=len(args.ns) * args.steps, unit="step", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
-        for n in args.ns:
-            bar.set_description(f"n={n}")
-            try:
-                results.append(
-                    measure(args.source, n, args.steps, spawn=args.spawn, actions=args.actions, params=params, bar=bar)
-                )
-            except (BoltzLabsError, ValueError) as exc:
-                bar.close()
-                print(f"boltzlabs bench: a pool of {n} envs failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-                return EXIT_PROBLEM
+    results = _bench_each_n(
+        args,
+        len(args.ns),
+        lambda n, bar: [
+            measure(args.source, n, args.steps, spawn=args.spawn, actions=args.actions, params=params, bar=bar)
+        ],
+    )
+    if results is None:
+        return EXIT_PROBLEM
     if args.json:
-        import boltzlabs
-
-        print(
-            json.dumps(
-                {
-                    "source": args.source,
-                    "spawn": args.spawn,
-                    "steps": args.steps,
-                    "boltzlabs": boltzlabs.__version__,
-                    "results": results,
-                },
-                indent=2,
-            )
-        )
+        _print_bench_json(args, results)
     else:
         print(_bench_table(results))
     if args.plot:
         _plot(results, args.plot, f"{args.source} (spawn={args.spawn}, {args.steps} steps)")
         if not args.json:
             print(f"plot: {args.plot}")
-    failed = [r for r in results if r["failed_steps"]]
-    for r in failed:
-        print(
-            f"boltzlabs bench: {r['failed_steps']} lane step(s) failed at n={r['n']}; the first: {r['first_error']}",
-            file=sys.stderr,
-        )
-    return EXIT_PROBLEM if failed else EXIT_OK
+    return _bench_failures(results, lambda r: f"n={r['n']}")
 
 
 def _run_bench_groups(args) -> int:
@@ -377,57 +352,79 @@ def _run_bench_groups(args) -> int:
     if args.plot:
         raise UsageError("--plot draws figures against n: leave it out with --envs-per-sandbox")
     params = _resolve(args)
-    from tqdm import tqdm
-
     from boltzlabs.cli.bench import compare, group_sizes, twin
-    from boltzlabs.errors import BoltzLabsError
 
     with_async = twin(args.source, params, 1) is not None
     sides = sum(len(group_sizes(args.envs_per_sandbox, n)) + with_async for n in args.ns)
-    results = []
+    results = _bench_each_n(
+        args,
+        sides,
+        lambda n, bar: compare(
+            args.source,
+            n,
+            args.envs_per_sandbox,
+            args.steps,
+            rounds=args.rounds,
+            spawn=args.spawn,
+            actions=args.actions,
+            params=params,
+            bar=bar,
+        ),
+    )
+    if results is None:
+        return EXIT_PROBLEM
+    if args.json:
+        _print_bench_json(args, results, rounds=args.rounds, envs_per_sandbox=args.envs_per_sandbox)
+    else:
+        print(_groups_table(results, args, with_async))
+    return _bench_failures(results, lambda r: f"n={r['n']}, k={r['k']}")
+
+
+def _bench_each_n(args, sides: int, run) -> list | None:
+    """`run(n, bar)`'s results for each n of args.ns, under one bar of `sides` x args.steps steps;
+    None, said on stderr, when a pool failed."""
+    from tqdm import tqdm
+
+    from boltzlabs.errors import BoltzLabsError
+
+    results: list = []
     with tqdm(total=sides * args.steps, unit="step", file=sys.stderr, disable=not sys.stderr.isatty()) as bar:
         for n in args.ns:
             bar.set_description(f"n={n}")
             try:
-                results += compare(
-                    args.source,
-                    n,
-                    args.envs_per_sandbox,
-                    args.steps,
-                    rounds=args.rounds,
-                    spawn=args.spawn,
-                    actions=args.actions,
-                    params=params,
-                    bar=bar,
-                )
+                results += run(n, bar)
             except (BoltzLabsError, ValueError) as exc:
                 bar.close()
                 print(f"boltzlabs bench: a pool of {n} envs failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-                return EXIT_PROBLEM
-    if args.json:
-        import boltzlabs
+                return None
+    return results
 
-        print(
-            json.dumps(
-                {
-                    "source": args.source,
-                    "spawn": args.spawn,
-                    "steps": args.steps,
-                    "rounds": args.rounds,
-                    "envs_per_sandbox": args.envs_per_sandbox,
-                    "boltzlabs": boltzlabs.__version__,
-                    "results": results,
-                },
-                indent=2,
-            )
+
+def _print_bench_json(args, results: list, **options) -> None:
+    """bench --json: the run's options (`options` besides source, spawn and steps), the version, the results."""
+    import boltzlabs
+
+    print(
+        json.dumps(
+            {
+                "source": args.source,
+                "spawn": args.spawn,
+                "steps": args.steps,
+                **options,
+                "boltzlabs": boltzlabs.__version__,
+                "results": results,
+            },
+            indent=2,
         )
-    else:
-        print(_groups_table(results, args, with_async))
+    )
+
+
+def _bench_failures(results: list, where) -> int:
+    """The exit status of a bench: each result whose steps failed said on stderr (`where(r)`: its n, k)."""
     failed = [r for r in results if r["failed_steps"]]
     for r in failed:
         print(
-            f"boltzlabs bench: {r['failed_steps']} lane step(s) failed at n={r['n']}, k={r['k']}; "
-            f"the first: {r['first_error']}",
+            f"boltzlabs bench: {r['failed_steps']} lane step(s) failed at {where(r)}; the first: {r['first_error']}",
             file=sys.stderr,
         )
     return EXIT_PROBLEM if failed else EXIT_OK
