@@ -1054,6 +1054,11 @@ class CgroupPool:
         except OSError:
             return 0
 
+    def procs(self, index: int) -> list[int]:
+        """The processes in env `index`'s own cgroup (the one a kill empties), by host pid."""
+        groups = self._groups.get(index)
+        return _procs(groups[-1]) if groups else []
+
     def kill(self, index: int | str) -> None:
         """SIGKILL everything in env `index`'s cgroup (or a pool part's, by name) now (one round, no wait)."""
         if index in self._groups:

@@ -946,8 +946,8 @@ class RLPool(Pool):
             self._slots.fill(lanes, obs, result.rewards, result.terminated, result.truncated, infos)
         return result
 
-    def _reset_lanes(self, lanes: list, seeds, hard: bool, options) -> tuple:
-        return self._was_reset(lanes, self._call("reset", lanes, seeds, hard, options))
+    def _reset_lanes(self, lanes: list, seeds, hard: bool, options, scrub: bool = False) -> tuple:
+        return self._was_reset(lanes, self._call("reset", lanes, seeds, hard, options, scrub))
 
     def _was_reset(self, lanes: list, reply) -> tuple:
         _, obs, infos = reply

@@ -423,7 +423,7 @@ class Sharding(Pool):
         self.timing.stragglers = stragglers
         return StepResult(obs, rewards, terminated, truncated, infos)
 
-    def _reset_lanes(self, lanes: list, seeds, hard: bool, options) -> tuple:
+    def _reset_lanes(self, lanes: list, seeds, hard: bool, options, scrub: bool = False) -> tuple:
         self._refuse_outstanding(lanes, "reset")
         bounds, shards = self._bounds, self._shards
         position = {lane: k for k, lane in enumerate(lanes)}
@@ -436,7 +436,7 @@ class Sharding(Pool):
             mine[s] = (local, globals_)
             calls[s] = (
                 "reset",
-                [local, None if seeds is None else [seeds[position[g]] for g in globals_], hard, options],
+                [local, None if seeds is None else [seeds[position[g]] for g in globals_], hard, options, scrub],
             )
 
         def land(s, reply):
