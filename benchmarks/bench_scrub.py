@@ -8,7 +8,8 @@ Each round, every lane's step leaves what a code action leaves (benchmarks/envs/
 are scrubbed; the same again, then all are hard-reset. After each reset every lane's
 census (pool.call) must show the sandbox's own processes alone and an empty
 workspace, or the run fails. Prints each round's wall times and their ratio
-(hard / scrub), and the median. Run it alone on the machine.
+(hard / scrub), and the median; then the median time of one lane's scrub and hard reset
+(20 lanes in turn, the others left as they are). Run it alone on the machine.
 """
 
 import argparse
@@ -63,7 +64,21 @@ def main() -> None:
                 f"hard/scrub {hard / scrub:.2f}x",
                 flush=True,
             )
+        # One lane at a time, the others left as they are (20 lanes in turn).
+        one_scrub, one_hard = [], []
+        for lane in range(0, args.n, max(1, args.n // 20)):
+            pool.step([args.files] * args.n)
+            started = time.monotonic()
+            pool.reset(seed=0, where=[lane], scrub=True)
+            one_scrub.append(time.monotonic() - started)
+            started = time.monotonic()
+            pool.reset(seed=0, where=[lane], hard=True)
+            one_hard.append(time.monotonic() - started)
     print(f"median hard/scrub {statistics.median(ratios):.2f}x over {args.rounds} rounds")
+    scrub_ms, hard_ms = statistics.median(one_scrub) * 1e3, statistics.median(one_hard) * 1e3
+    print(
+        f"one lane: scrub {scrub_ms:.2f} ms, hard {hard_ms:.2f} ms (medians of {len(one_scrub)}), hard/scrub {hard_ms / scrub_ms:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -272,3 +272,20 @@ def test_the_gymnasium_adapter_scrubs_through_its_options(env_dir):
         assert clean(pool.reset_infos[0], "template") and "scrubbed" in pool.reset_infos[0]
         adapter.step(np.array([0, 0]))
         assert pool.reset_infos[1]["resets"] == 1  # lane 1 was not reset at all
+
+
+def test_bench_scrub_runs_and_checks_every_lane():
+    """benchmarks/bench_scrub.py at a small n: it fails (exit status) when any lane is not clean."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_scrub.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "--n", "4", "--rounds", "1", "--files", "5"],
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "median hard/scrub" in done.stdout and "one lane: scrub" in done.stdout, done.stdout
