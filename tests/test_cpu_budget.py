@@ -79,11 +79,11 @@ def reset(seed):
 def step(action):
     if action == "spin":
         spin()
-    if action == "fork":
+    if action == "fork":  # the daemon first: nothing waits once the 4 spinners run
+        daemon()
         for _ in range(4):
             if os.fork() == 0:
                 spin()
-        daemon()
     if action == "escape":
         return {"lane": LANE, "tried": escape()}, 0.0, False, {}
     if isinstance(action, dict):  # {"burn": s}: s seconds of this process's CPU, then the reply
@@ -281,7 +281,7 @@ def test_a_sharded_pool_keeps_the_budget_on_each_shards_lanes(spin_env):
 
 
 def test_honest_lanes_are_never_killed_over_many_steps(pool_factory, spin_env):
-    # A budget far above what a step costs: every step, sync and async, renders none of them a failure.
+    # A budget far above what a step costs: no lane fails, over many sync and async steps.
     pool = pool_factory(spin_env, 4, cpu_budget=2.0, step_timeout=HANG)
     pool.reset(seed=0)
     for t in range(150):
@@ -303,6 +303,14 @@ def test_bad_cpu_budgets_are_refused_before_any_sandbox_starts(budget, spin_env)
     with pytest.raises(ValueError, match="cpu_budget must be a positive, finite number of CPU seconds"):
         RLPool(spin_env, 2, cpu_budget=budget)
     assert set(psutil.Process().children(recursive=True)) <= before  # no worker was started
+
+
+@pytest.mark.parametrize("kind", [{"workers": 2}, {"envs_per_sandbox": 2}])
+def test_bad_cpu_budgets_are_refused_by_sharded_and_grouped_pools_too(kind, spin_env):
+    before = set(psutil.Process().children(recursive=True))
+    with pytest.raises(ValueError, match="cpu_budget must be a positive, finite number of CPU seconds"):
+        RLPool(spin_env, 4, cpu_budget=0, **kind)
+    assert set(psutil.Process().children(recursive=True)) <= before
 
 
 def test_cpu_budget_is_an_option_not_an_env_param(spin_env):
