@@ -183,12 +183,15 @@ class GroupedPool(Pool):
                 self._respawn.add(group)
         if why or results is None:
             straggler = type(info) is dict and info.get("straggler") is True
+            budget = type(info) is dict and info.get("cpu_budget") is True
             for j in range(count):
                 if sent[j] == NOT_ASKED:
                     continue
                 failure = {"error": f"{why} [{self._named(group)}: every env of it fails with it]", "group": group}
                 if straggler:
                     failure["straggler"] = True
+                if budget:  # the sandbox, all its envs' work, was killed over its cpu_budget
+                    failure["cpu_budget"] = True
                 yield envs.start + j, None, 0.0, False, True, failure
             return
         kinds, rewards, terminated, truncated, member_infos, errors = results

@@ -626,6 +626,8 @@ def _failure_kind(info: dict) -> str:
     text = str(info.get("error"))[:200]
     if info.get("straggler"):
         return "missed its deadline"
+    if info.get("cpu_budget") is True:
+        return "went over its cpu_budget"
     if text.startswith("Traceback") or "Error: " in text[:200]:
         return "raised"
     if "died" in text or "dead" in text or "killed" in text:

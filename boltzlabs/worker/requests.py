@@ -30,7 +30,7 @@ import msgpack
 from boltzlabs import wire
 from boltzlabs.worker import native
 from boltzlabs.worker.config import PoolConfig
-from boltzlabs.worker.lanes import BUSY, FINISHED, IDLE, Lane
+from boltzlabs.worker.lanes import BUSY, FINISHED, IDLE, Lane, failure
 from boltzlabs.worker.lifecycle import Lifecycle, Op
 from boltzlabs.worker.reactor import Budget, Reactor
 from boltzlabs.worker.spawn import TEMPLATE_LANE, TemplateSpawner
@@ -98,7 +98,10 @@ class Requests:
         op = Op(seq)
         lifecycle.begin(op)
         gated = self.config.gated
-        if self.fastpath is not None and not gated:
+        meter = lifecycle.meter
+        # The native path waits in C until the deadline: with a cpu_budget the lanes' CPU must be
+        # read at each reply and while they run (cpu_budget.py), which the pure path's loop does.
+        if self.fastpath is not None and not gated and meter is None:
             result = self._step_native(actions, resets, op)
             if result is not None:
                 return result
@@ -108,9 +111,10 @@ class Requests:
         freezing = lifecycle.freezing
         step_timeout = self.config.step_timeout
         immediate: dict[int, str] = {}
-        # Hot path (pure), fan-out: one frame per idle env, written straight to its channel.
+        # Hot path (pure), fan-out: one frame per idle env, written straight to its channel (with a
+        # cpu_budget, once its window is open: a lane over the budget of the last one is killed instead).
         for lane, action in zip(lanes, actions):
-            if lane.state is IDLE:
+            if lane.state is IDLE and (meter is None or meter.open(lane, seq)):
                 if resets and lane.index in resets:
                     body = pack([wire.RESET, seq, None, None])
                     lane.expect = wire.RESET_DONE
@@ -205,7 +209,7 @@ class Requests:
         elif straggler and not lane.state.dead:
             info = {"straggler": True, "error": f"missed the step deadline of {self.config.step_timeout:g} s"}
         elif straggler:
-            info = {"straggler": True, "error": lane.cause}
+            info = {"straggler": True, **failure(lane, lane.cause)}
         elif immediate == "straggler":
             info = {
                 "straggler": True,
@@ -213,9 +217,9 @@ class Requests:
                 "reset it (it will be killed and respawned)",
             }
         elif immediate == "dead":
-            info = {"error": f"env is dead ({lane.cause}); reset it to respawn"}
+            info = failure(lane, f"env is dead ({lane.cause}); reset it to respawn")
         else:
-            info = {"error": lane.cause}
+            info = failure(lane, lane.cause)
         return None, 0.0, False, True, info
 
     def _step_native(self, actions: list, resets: set, op: Op):
@@ -428,6 +432,8 @@ class Requests:
         for k, index in enumerate(indices):
             lane = lifecycle.lanes[index]
             if lane.state is IDLE or lane.state is FINISHED:  # an env with a result held for recv may answer too
+                if lifecycle.meter is not None:
+                    lifecycle.meter.carry(lane, seq)  # a step's CPU window goes on through it
                 lane.seq = seq
                 lane.on("request")
                 lane.expect = expect
