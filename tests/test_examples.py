@@ -57,3 +57,16 @@ def test_the_main_job_runs_one_env_or_many_per_sandbox(k):
     # The counter ends its episodes at t = 100: every env finished one, and reset(where=dones) went on.
     assert "120 steps x 100 envs" in out and "100 episodes finished" in out, out
     assert float(re.search(r"envs_per_gb\(\): ([\d.]+)", out).group(1)) > 0, out
+
+
+def test_the_code_rl_driver_keeps_every_honest_lane_as_a_clean_pool_has_it():
+    # 20 lanes, 13 of them hostile in each episode: every attack in examples/code_rl/solutions.py once per episode.
+    out = run(EXAMPLES / "code_rl" / "run.py", "-n", "20", "--hostile", "0.65", "--speed-lanes", "8")
+    assert re.search(r"honest episodes: (\d+) checked, 0 with rewards unlike the clean pass's", out), out
+    assert int(re.search(r"honest episodes: (\d+) checked", out).group(1)) >= 10, out
+    assert "secrets a lane saw that were not its own: 0 steps" in out and "the trainer's files: unchanged" in out, out
+    assert re.search(r"reset of all 20 lanes after an attacked episode: scrub [\d.]+ s, hard [\d.]+ s", out), out
+    assert re.search(r"after it 0 of 20 \(after the hard reset 0\)", out), out
+    for attack in ("fork_bomb", "memory_balloon", "cpu_spin", "background_writer", "trainer_files", "forge_channel"):
+        assert re.search(rf"^  {attack} +\S", out, re.M), out
+    assert re.search(r"speed variant \(serialize_measurement=True, 8 lanes", out) and out.rstrip().endswith("OK"), out

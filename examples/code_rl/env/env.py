@@ -1,0 +1,319 @@
+"""A code env: the action is Python source, the reward what its tests say of it.
+
+Each step writes the action to the workspace as solution.py, beside the task's
+test file, and runs the tests in a child process under a CPU and a wall-time
+limit; the reward is the share of the tests that passed (params mode="tests"), or
+with mode="speed" the submitted function's speed against a reference solution's
+(0 unless every test passes; run it in a pool made with serialize_measurement=True,
+so no other lane runs while one is timed). The observation is a str: the task
+and the last attempt's outcome and log, at most `log_bytes` of it. An episode is
+`attempts` attempts at one task (chosen by the reset's seed); it ends early when
+every test passes.
+
+The child is forked from this server (runner="fork", the default: a few ms and
+little memory per attempt) or is a fresh interpreter (runner="subprocess").
+It runs in its own session: at the end of an attempt its process group is
+killed, so a test that leaves processes behind leaves none. A process that
+calls setsid() itself escapes that kill and lives on until the lane's next
+scrub or hard reset (`pool.reset(where=..., scrub=True)`); info["strays"] says
+how many there are after each attempt. census() (pool.call("census")) lists
+the lane's processes and files from inside.
+
+    RLPool("examples/code_rl/env", n, params={"attempts": 2, "cpu_limit": 0.25, "time_limit": 20.0}, ...)
+
+docs/code-rl.md says what one lane can and cannot do to another, and which
+pool limits to set.
+"""
+
+import ctypes
+import json
+import os
+import select
+import signal
+import sys
+import time
+
+import harness
+import tasks
+
+from boltzlabs.env import params, serve
+
+P = params()
+KNOWN = {"mode", "attempts", "cpu_limit", "time_limit", "runner", "log_bytes", "max_source"}
+if set(P) - KNOWN:  # a pool option this boltzlabs does not know would arrive here as a param
+    raise ValueError(f"unknown params {sorted(set(P) - KNOWN)}: this env takes {sorted(KNOWN)}")
+MODE = P.get("mode", "tests")  # "tests": reward = share of tests passed; "speed": measured speed
+ATTEMPTS = int(P.get("attempts", 2))  # attempts per episode
+CPU_LIMIT = float(P.get("cpu_limit", 0.25))  # CPU seconds of an attempt: its processes together
+TIME_LIMIT = float(P.get("time_limit", 20.0))  # wall seconds of an attempt: for code that blocks or sleeps
+RUNNER = P.get("runner", "fork")  # "fork" or "subprocess"
+LOG_BYTES = int(P.get("log_bytes", 16 << 10))  # the most of an attempt's log the obs carries
+MAX_SOURCE = int(P.get("max_source", 64 << 10))  # a longer action is refused, not written
+if MODE not in ("tests", "speed") or RUNNER not in ("fork", "subprocess"):
+    raise ValueError(f"mode must be 'tests' or 'speed' and runner 'fork' or 'subprocess', not {MODE!r}, {RUNNER!r}")
+
+# Each env's own directory: with envs_per_sandbox=k the k envs of a sandbox share the workspace.
+RUN_DIR = os.path.join(os.getcwd(), f"run-{os.environ.get('BOLTZLABS_ENV_INDEX', '0')}")
+HARNESS = os.path.abspath(harness.__file__)
+TICK = os.sysconf("SC_CLK_TCK")
+CORES = os.cpu_count() or 1
+RESULT_BYTES = 64 << 10
+
+state = {"task": tasks.NAMES[0], "attempt": 0, "total": 1}
+
+# The attempts are this server's children, as the same user: without this they could open
+# /proc/<server>/mem (writable in template mode), rewrite the server and so skip its scrub,
+# or read /proc/<server>/environ and fds. A process that is not dumpable is out of their reach.
+if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
+    raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
+
+
+def reap():
+    """Collect exited children. In template mode this server is pid 1 of its lane, so
+    every orphan of an attempt (a setsid daemon, once killed) ends up its child."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+
+
+def others():
+    """The pids of the lane's processes but this server and the namespace's init."""
+    me = os.getpid()
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]
+
+
+def statement(task):
+    return f"# task: {task}\n{tasks.TASKS[task]['statement']}\n"
+
+
+def reset(seed, options=None):
+    reap()
+    task = tasks.task_for(seed)
+    state.update(task=task, attempt=0, total=tasks.TASKS[task]["tests"].count("\ndef test_"))
+    return statement(task) + f"(attempt 1 of {ATTEMPTS})\n", {"task": task}
+
+
+def write_attempt(source):
+    os.makedirs(RUN_DIR, exist_ok=True)
+    for name, text in (("solution.py", source), ("test_solution.py", tasks.TASKS[state["task"]]["tests"])):
+        fd = os.open(
+            os.path.join(RUN_DIR, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644
+        )
+        try:
+            data = text.encode()
+            while data:
+                data = data[os.write(fd, data) :]
+        finally:
+            os.close(fd)
+
+
+def cpu_seconds(pid):
+    """User + system CPU of one process so far (all its threads), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / TICK
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def lane_cpu():
+    """{pid: CPU seconds so far} of the lane's processes but this server."""
+    return {pid: cpu for pid in others() if (cpu := cpu_seconds(pid)) is not None}
+
+
+def start_child(result_w, log_fd):
+    """The attempt's process, in a session of its own, its cwd the attempt's directory."""
+    if RUNNER == "subprocess":
+        import subprocess
+
+        argv = [sys.executable, "-S", "-B", HARNESS, str(result_w), MODE, state["task"], str(CPU_LIMIT)]
+        child = subprocess.Popen(
+            argv,
+            cwd=RUN_DIR,
+            stdin=subprocess.DEVNULL,
+            stdout=log_fd,
+            stderr=log_fd,
+            pass_fds=(result_w,),
+            start_new_session=True,
+        )
+        child.returncode = 0  # this server waits for it itself (wait_child); Popen must not
+        return child.pid
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: nothing of the server's but the two fds it is given
+        try:
+            os.setsid()
+            os.chdir(RUN_DIR)
+            os.dup2(log_fd, 1)
+            os.dup2(log_fd, 2)
+            os.dup2(result_w, 3)
+            os.closerange(4, os.sysconf("SC_OPEN_MAX"))  # the pool's channel and slot among them
+            harness.child(3, MODE, state["task"], CPU_LIMIT)
+        finally:
+            os._exit(70)
+    return pid
+
+
+def wait_child(pid, result_r, before):
+    """Wait for the attempt within its limits; returns (what it wrote, its outcome or None).
+    `before`: lane_cpu() when it started, so processes an earlier attempt left are counted
+    only for what they use during this one."""
+    pidfd = os.pidfd_open(pid)
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    poller.register(result_r, select.POLLIN)
+    data, limit, began, used = bytearray(), None, time.monotonic(), 0.0
+    try:
+        while True:
+            # The lane cannot use more than every core: look again when it could first be at its limit
+            # (an honest attempt has ended by then, and never pays for a look at /proc).
+            left = TIME_LIMIT - (time.monotonic() - began)
+            events = dict(poller.poll(max(0.0, min(left, max(0.01, (CPU_LIMIT - used) / CORES))) * 1000))
+            if events.get(result_r):
+                chunk = os.read(result_r, 1 << 16)
+                if chunk and len(data) < RESULT_BYTES:
+                    data += chunk
+                elif not chunk:
+                    poller.unregister(result_r)
+            if events.get(pidfd):
+                break
+            used = sum(cpu - before.get(p, 0.0) for p, cpu in lane_cpu().items())
+            if used >= CPU_LIMIT:
+                limit = f"CPU limit: killed after {used:.2f} s of CPU (cpu_limit={CPU_LIMIT:g})"
+                break
+            if time.monotonic() - began >= TIME_LIMIT:
+                limit = f"time limit: still running after {TIME_LIMIT:g} s (time_limit)"
+                break
+    finally:
+        # The child and its process group; a member that called setsid() escapes this.
+        for kill in (lambda: signal.pidfd_send_signal(pidfd, signal.SIGKILL), lambda: os.killpg(pid, signal.SIGKILL)):
+            try:
+                kill()
+            except OSError:
+                pass
+        os.close(pidfd)
+    status = os.waitpid(pid, 0)[1]
+    os.set_blocking(result_r, False)
+    try:
+        while len(data) < RESULT_BYTES and (chunk := os.read(result_r, 1 << 16)):
+            data += chunk
+    except BlockingIOError:
+        pass
+    reap()
+    if limit is None and os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        if sig == signal.SIGXCPU:
+            limit = "CPU limit: killed by SIGXCPU (RLIMIT_CPU)"
+        elif sig == signal.SIGKILL:
+            limit = "killed by SIGKILL: the lane's memory limit, most likely (the OOM killer)"
+        else:
+            limit = f"crashed: killed by {signal.Signals(sig).name}"
+    return bytes(data), limit
+
+
+def read_log():
+    """The end of the attempt's log: at most LOG_BYTES, whatever the code left in its place."""
+    try:
+        fd = os.open(os.path.join(RUN_DIR, "output.log"), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        return f"(no log: {exc})"
+    try:
+        size = os.fstat(fd).st_size
+        return os.pread(fd, LOG_BYTES, max(0, size - LOG_BYTES)).decode("utf-8", "replace")
+    except OSError as exc:
+        return f"(no log: {exc})"
+    finally:
+        os.close(fd)
+
+
+def attempt(source):
+    """Run one attempt: (outcome, names of the tests that passed, speed or None, wall ms, log)."""
+    began = time.monotonic()
+    try:
+        write_attempt(source)
+        log_fd = os.open(
+            os.path.join(RUN_DIR, "output.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK
+        )
+    except OSError as exc:  # its workspace is full, or the code left something in the way
+        return f"could not write the attempt: {exc}", [], None, 0.0, ""
+    result_r, result_w = os.pipe()
+    before = lane_cpu()
+    try:
+        pid = start_child(result_w, log_fd)
+    except OSError as exc:  # at the pids limit: a fork bomb of an earlier attempt is still there
+        os.close(result_r)
+        return f"could not start the attempt: {exc}", [], None, 0.0, ""
+    finally:
+        os.close(result_w)
+        os.close(log_fd)
+    try:
+        data, limit = wait_child(pid, result_r, before)
+    finally:
+        os.close(result_r)
+    ms, log = (time.monotonic() - began) * 1000, read_log()
+    if limit is not None:
+        return limit, [], None, ms, log
+    try:
+        result = json.loads(data)
+        passed = sorted({str(name) for name in result["passed"]})
+        speed = result.get("speed")
+        speed = None if speed is None else min(100.0, max(0.0, float(speed)))
+    except (ValueError, TypeError, KeyError):
+        return "exited without a result", [], None, ms, log
+    return "ran", passed, speed, ms, log
+
+
+def step(action):
+    state["attempt"] += 1
+    if not isinstance(action, str) or len(action) > MAX_SOURCE:
+        outcome, passed, speed, ms, log = (
+            f"refused: the action must be a str of at most {MAX_SOURCE} chars",
+            [],
+            None,
+            0,
+            "",
+        )
+    else:
+        outcome, passed, speed, ms, log = attempt(action)
+    total = state["total"]
+    # A test name the code made up does not count; nor more than the file holds.
+    count = min(total, sum(1 for name in passed if name.startswith("test_")))
+    solved = count == total
+    reward = count / total if MODE == "tests" else (speed or 0.0) if solved else 0.0
+    over = state["attempt"] >= ATTEMPTS
+    obs = (
+        statement(state["task"])
+        + f"(attempt {state['attempt']} of {ATTEMPTS})\n# last run: {outcome}; {count}/{total} tests passed"
+        + ("" if speed is None else f"; speed {speed:.3f}x the reference")
+        + f" ({ms:.0f} ms)\n{log}"
+    )
+    info = {"task": state["task"], "outcome": outcome, "passed": count, "total": total, "strays": len(others())}
+    if speed is not None:
+        info["speed"] = speed
+    terminated = solved and MODE == "tests"
+    return obs, float(reward), terminated, over and not terminated, info
+
+
+def census():
+    """What is in the lane besides this server: its processes and its files (workspace and /dev/shm)."""
+    reap()
+    procs = []
+    for pid in others():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                procs.append([pid, f.read(200).replace(b"\0", b" ").decode("utf-8", "replace").strip()])
+        except OSError:
+            pass
+    files = []
+    for top in (os.getcwd(), "/dev/shm"):
+        for root, dirs, names in os.walk(top):  # links are listed, never followed
+            files += [os.path.join(root, n) for n in dirs + names][: 1000 - len(files)]
+            if len(files) >= 1000:
+                break
+    return {"processes": procs, "files": sorted(files)}
+
+
+serve(reset=reset, step=step, methods={"census": census})

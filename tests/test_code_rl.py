@@ -1,0 +1,126 @@
+"""examples/code_rl (issue 44): an env whose action is Python source, and its driver's attacks.
+
+The driver's own functions, at a small n, in both spawn modes: every attack of
+examples/code_rl/solutions.py in one episode beside honest lanes; each comes to its expected
+cause on its own lane, the honest lanes' rewards are what a pool with no attack gives, and a
+scrub leaves no process (counted from outside, by pid namespace, and from inside) and no file
+of the episode. The speed variant (serialize_measurement=True) rewards a fast right answer above
+a slow one and a wrong one with 0. The whole driver, as a user runs it, is in test_examples.py.
+"""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "code_rl"
+
+
+@pytest.fixture(scope="module")
+def code_rl():
+    """examples/code_rl/run.py as a module (it imports solutions.py beside it)."""
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        spec = importlib.util.spec_from_file_location("code_rl_run", EXAMPLE / "run.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(EXAMPLE))
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    spec = importlib.util.spec_from_file_location("code_rl_tasks", EXAMPLE / "env" / "tasks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def lane_processes(pool, i: int) -> int:
+    """Lane i's processes seen from the host: its pid and every descendant (a setsid daemon's
+    parent is the sandbox's init once its own parent is gone, so it stays below)."""
+    root = psutil.Process(pool.pids()[i])
+    return 1 + len(root.children(recursive=True))
+
+
+@pytest.mark.parametrize("spawn", ["template", "exec"])
+def test_every_attack_stays_on_its_lane_and_a_scrub_leaves_nothing(code_rl, spawn):
+    attacks = list(code_rl.solutions.ATTACKS)
+    honest = 3
+    n = len(attacks) + honest
+    args = code_rl.parse_args(["-n", str(n), "--episodes", "1", "--batch", "4"])
+    # Lanes 0-2 honest, then one lane per attack; every lane honest in the clean pass.
+    table = [[None]] * honest + [[kind] for kind in attacks]
+    secrets = [f"lane{i}-{i:012x}" for i in range(n)]
+    trainer = code_rl.Trainer()
+    try:
+        with code_rl.make_pool(args, n, spawn=spawn) as pool:
+            clean = code_rl.run_pass(pool, [[None]] * n, False, args, trainer, secrets)
+            pool.reset(seed=0, hard=True)
+            attacked = code_rl.run_pass(pool, table, True, args, trainer, secrets)
+            records = attacked["records"]
+
+            # Each attack's first step ends as expected, on its own lane; honest lanes see no failure.
+            by_kind, wrong = code_rl.attack_check(attacked, table)
+            assert not wrong, wrong
+            assert set(by_kind) == set(attacks)
+            for lane in range(honest):
+                steps = [records[key] for key in sorted(records) if key[0] == lane]
+                assert steps and all(what is None for _, what, _ in steps), steps
+            checked, differing, _, _, bad = code_rl.honest_check(clean, attacked, table, 1)
+            assert checked == honest and differing == 0, bad
+            assert attacked["leaks"] == [] and trainer.intact()
+            daemon = honest + attacks.index("background_writer")
+            assert any(strays for key, (_, _, strays) in records.items() if key[0] == daemon)
+
+            # What the episode left: the daemons, seen from outside and inside; the filled workspace.
+            spinner = honest + attacks.index("background_spinner")
+            fill = honest + attacks.index("workspace_fill")
+            own = 1 if spawn == "template" else 3  # the server (exec: and bubblewrap's two)
+            assert lane_processes(pool, daemon) > own and lane_processes(pool, spinner) > own
+            before = code_rl.census(pool, range(n))
+            assert before[daemon][0] and before[spinner][0]
+            assert any("fill.bin" in path for path in before[fill][1])
+
+            # In exec mode the server is not its sandbox's pid 1: signal_all's SIGKILL reached it. Its
+            # lane alone is dead, and the reset respawns it instead of scrubbing it.
+            dead = [i for i, state in enumerate(pool.states()) if state == "dead"]
+            assert dead == ([] if spawn == "template" else [honest + attacks.index("signal_all")])
+            pool.reset(where=list(range(n)), seed=1, scrub=True)
+            assert all(("scrubbed" in info) == (i not in dead) for i, info in enumerate(pool.reset_infos)), (
+                pool.reset_infos
+            )
+            after = code_rl.census(pool, range(n))
+            assert len(after) == n and all(p == [] and f == [] for p, f in after.values()), after
+            assert [lane_processes(pool, i) for i in range(n)] == [own] * n
+    finally:
+        trainer.close()
+
+
+def seed_for(tasks, name: str) -> int:
+    return next(seed for seed in range(1000) if tasks.task_for(seed) == name)
+
+
+def test_the_speed_variant_rewards_a_fast_right_answer_above_a_slow_one(code_rl, tasks):
+    solutions = code_rl.solutions
+    args = code_rl.parse_args(["-n", "4"])
+    cases = [  # (task, source, what the reward must be)
+        ("dedupe", solutions.CORRECT["dedupe"], "fast"),
+        ("dedupe", solutions.SLOW["dedupe"], "slow"),
+        ("is_prime", solutions.CORRECT["is_prime"], "fast"),
+        ("is_prime", solutions.PARTLY["is_prime"], "zero"),
+    ]
+    seeds = [seed_for(tasks, task) for task, _, _ in cases]
+    with code_rl.make_pool(
+        args, len(cases), mode="speed", serialize_measurement=True, params={"attempts": 1, "cpu_limit": 2.0}
+    ) as pool:
+        pool.reset(seed=seeds)
+        _, rewards, dones, infos = pool.step([source for _, source, _ in cases])
+    speed = dict(zip(range(len(cases)), rewards.tolist()))
+    assert all(dones) and all("error" not in info for info in infos), infos
+    assert 0.3 < speed[0] < 3 and 0.3 < speed[2] < 3, infos  # the reference's own speed, give or take the node
+    assert speed[1] < 0.5 * speed[0], infos  # a list scan per item against a dict: far slower
+    assert speed[3] == 0.0 and "speed" not in infos[3], infos  # a wrong answer is not timed
