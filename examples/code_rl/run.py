@@ -133,9 +133,8 @@ class Trainer:
         self.planted = os.path.join(self.dir, "planted-by-a-lane")
         os.environ["CODE_RL_TRAINER_SECRET"] = self.secret  # the pool clears the envs' environment
 
-    def context(self, pool, lane: int) -> dict:
+    def context(self, pids: list, lane: int) -> dict:
         """What the attacks are told: the trainer's paths, and a few other lanes' host pids."""
-        pids = pool.pids()
         others = [[int(pids[j]), j] for j in range(len(pids)) if j != lane and pids[j] > 0][:16]
         return {
             "canary": self.canary,
@@ -184,15 +183,15 @@ def run_pass(pool, table: list, attack: bool, args, trainer: Trainer, lane_secre
     episode, attempt, done = [0] * n, [0] * n, [False] * n
     records: dict = {}
     leaks: list = []
-    contexts: dict = {}
+    pids: list = []
     reset_kw = reset_options(args.reset)
 
     def action(lane: int, obs) -> str:
         kind = table[lane][episode[lane]] if attack else None
         if kind is not None:
-            if lane not in contexts:
-                contexts[lane] = trainer.context(pool, lane)
-            return solutions.attack(kind, contexts[lane])
+            if not pids:
+                pids.extend(pool.pids())
+            return solutions.attack(kind, trainer.context(pids, lane))
         match = TASK.match(obs or "")
         task = match.group(1) if match else "add"
         return solutions.honest(task, lane, episode[lane], attempt[lane], lane_secrets[lane])
@@ -202,9 +201,11 @@ def run_pass(pool, table: list, attack: bool, args, trainer: Trainer, lane_secre
     stragglers = 0
     resets_s = 0.0
     pool.send([action(i, obs[i]) for i in range(n)])
-    in_flight = set(range(len(units)))
-    while in_flight:
-        ids, batch_obs, rewards, dones, infos = pool.recv(min(args.batch, sum(len(units[u]) for u in in_flight)))
+    out = [set(lanes) for lanes in units]  # each sandbox's envs sent and not yet received
+    waiting = n
+    while waiting:
+        ids, batch_obs, rewards, dones, infos = pool.recv(min(args.batch, waiting))
+        waiting -= len(ids)
         stragglers += len(pool.timing.stragglers)
         landed = set()
         for i, o, r, d, info in zip(ids.tolist(), batch_obs, rewards.tolist(), dones.tolist(), infos):
@@ -218,10 +219,11 @@ def run_pass(pool, table: list, attack: bool, args, trainer: Trainer, lane_secre
             obs[i] = o
             attempt[i] += 1
             done[i] = bool(d)
-            landed.add(unit_of[i])
+            out[unit_of[i]].discard(i)
+            if not out[unit_of[i]]:  # a sandbox's envs may land over several recv() calls
+                landed.add(unit_of[i])
         to_reset, to_send = [], []
-        for u in landed:  # a grouped sandbox's envs land together: recv() takes whole sandboxes
-            in_flight.discard(u)
+        for u in landed:
             lanes = units[u]
             if all(done[i] for i in lanes):  # the sandbox's episode is over: the next one, if any
                 for i in lanes:
@@ -233,7 +235,6 @@ def run_pass(pool, table: list, attack: bool, args, trainer: Trainer, lane_secre
                     continue
                 to_reset += lanes
             to_send += [i for i in lanes if not done[i]]
-            in_flight.add(u)
         if to_reset:  # one call for every sandbox of this batch whose episode ended
             t = time.perf_counter()
             reset_obs = pool.reset(where=to_reset, seed=seeds, **reset_kw)
@@ -242,6 +243,9 @@ def run_pass(pool, table: list, attack: bool, args, trainer: Trainer, lane_secre
                 obs[i] = reset_obs[i]
         if to_send:
             pool.send([action(i, obs[i]) for i in to_send], env_ids=to_send)
+            waiting += len(to_send)
+            for i in to_send:
+                out[unit_of[i]].add(i)
     elapsed = time.perf_counter() - began
     return {"records": records, "elapsed": elapsed, "stragglers": stragglers, "leaks": leaks, "resets_s": resets_s}
 
@@ -273,19 +277,22 @@ def honest_check(clean: dict, attacked: dict, table: list, groups: int) -> tuple
     return checked, differing, exposed, exposed_differing, bad
 
 
-def attack_check(attacked: dict, table: list) -> tuple:
+def attack_check(attacked: dict, table: list, groups: int = 1) -> tuple:
     """Each hostile episode's first step should come to what solutions.EXPECTED says; returns
-    ({attack: Counter of causes}, [(lane, episode, attack, cause) that did not])."""
+    ({attack: Counter of causes}, [(lane, episode, attack, cause) that did not]). With groups, an
+    attack whose sandbox held another in the same episode may have met that one's work: not checked."""
     by_kind: dict = collections.defaultdict(collections.Counter)
     wrong = []
     for lane, row in enumerate(table):
+        first = lane - lane % groups
         for e, kind in enumerate(row):
             if kind is None:
                 continue
             record = attacked["records"].get((lane, e, 0))
             what = record[1] if record else "no result"
             by_kind[kind][what or "ran"] += 1
-            if not any(x in (what or "ran") for x in solutions.EXPECTED[kind]):
+            alone = all(table[j][e] is None for j in range(first, min(len(table), first + groups)) if j != lane)
+            if alone and not any(x in (what or "ran") for x in solutions.EXPECTED[kind]):
                 wrong.append((lane, e, kind, what))
     return by_kind, wrong
 
@@ -404,7 +411,7 @@ def main(argv=None) -> int:
         if any(what for _, what, _ in clean["records"].values()):
             print_failures("clean pass", [(clean, False)], table)
 
-        by_kind, wrong = attack_check(attacked, table)
+        by_kind, wrong = attack_check(attacked, table, args.groups)
         print("each attack's first step, on its own lane:")
         for kind in args.attacks:
             causes = ", ".join(f"{what} x{count}" for what, count in by_kind[kind].most_common())
