@@ -46,12 +46,13 @@ def lane_processes(pool, i: int) -> int:
     return 1 + len(root.children(recursive=True))
 
 
+@pytest.mark.parametrize("reap", ["lane", "group"])
 @pytest.mark.parametrize("spawn", ["template", "exec"])
-def test_every_attack_stays_on_its_lane_and_a_scrub_leaves_nothing(code_rl, spawn):
+def test_every_attack_stays_on_its_lane_and_a_scrub_leaves_nothing(code_rl, spawn, reap):
     attacks = list(code_rl.solutions.ATTACKS)
     honest = 3
     n = len(attacks) + honest
-    args = code_rl.parse_args(["-n", str(n), "--episodes", "1", "--batch", "4"])
+    args = code_rl.parse_args(["-n", str(n), "--episodes", "1", "--batch", "4", "--reap", reap])
     # Lanes 0-2 honest, then one lane per attack; every lane honest in the clean pass.
     table = [[None]] * honest + [[kind] for kind in attacks]
     secrets = [f"lane{i}-{i:012x}" for i in range(n)]
@@ -76,13 +77,18 @@ def test_every_attack_stays_on_its_lane_and_a_scrub_leaves_nothing(code_rl, spaw
             daemon = honest + attacks.index("background_writer")
             assert any(strays for key, (_, _, strays) in records.items() if key[0] == daemon)
 
-            # What the episode left: the daemons, seen from outside and inside; the filled workspace.
+            # What the episode left, seen from outside and inside: the filled workspace; the daemons,
+            # unless the env killed every process of the lane after each attempt (reap="lane").
             spinner = honest + attacks.index("background_spinner")
             fill = honest + attacks.index("workspace_fill")
             own = 1 if spawn == "template" else 3  # the server (exec: and bubblewrap's two)
-            assert lane_processes(pool, daemon) > own and lane_processes(pool, spinner) > own
             before = code_rl.census(pool, range(n))
-            assert before[daemon][0] and before[spinner][0]
+            if reap == "group":
+                assert lane_processes(pool, daemon) > own and lane_processes(pool, spinner) > own
+                assert before[daemon][0] and before[spinner][0]
+            else:
+                assert lane_processes(pool, daemon) == own and lane_processes(pool, spinner) == own
+                assert not any(processes for processes, _ in before.values()), before
             assert any("fill.bin" in path for path in before[fill][1])
 
             # In exec mode the server is not its sandbox's pid 1: signal_all's SIGKILL reached it. Its

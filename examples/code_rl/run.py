@@ -61,13 +61,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reset", choices=("scrub", "hard", "soft"), default="scrub", help="between episodes (scrub)")
     p.add_argument("--seed", type=int, default=0)
     # The limits (docs/code-rl.md says why each).
-    p.add_argument("--memory-limit", default="128M", help="memory_limit per sandbox (128M)")
+    p.add_argument("--memory-limit", default="64M", help="memory_limit per sandbox (64M)")
     p.add_argument("--workspace-size", default="16M", help="workspace_size per sandbox (16M)")
     p.add_argument("--pids", type=int, default=32, help='limits={"pids": ...} per sandbox (32)')
     p.add_argument("--step-timeout", type=float, default=60.0, help="step_timeout, seconds (60)")
     p.add_argument("--straggler-grace", type=float, default=5.0, help='limits={"straggler_grace": ...} (5)')
     p.add_argument("--cpu-budget", type=float, default=1.0, help="cpu_budget, CPU s per lane and step (1.0)")
-    p.add_argument("--cpu-limit", type=float, default=0.25, help="the env's CPU limit per attempt, s (0.25)")
+    p.add_argument("--cpu-limit", type=float, default=0.05, help="the env's CPU limit per attempt, s (0.05)")
+    p.add_argument("--reap", choices=("lane", "group"), default="lane", help="the env's kill after each attempt (lane)")
     p.add_argument("--time-limit", type=float, default=20.0, help="the env's wall limit per attempt, s (20)")
     p.add_argument("--speed-lanes", type=int, default=16, help="lanes of the speed variant's pools (16; 0: skip)")
     p.add_argument("--no-reset-timing", action="store_true", help="skip timing the scrub and hard reset of all lanes")
@@ -94,6 +95,7 @@ def make_pool(args, n: int, mode: str = "tests", **options) -> RLPool:
     if args.cpu_budget and HAS_CPU_BUDGET:
         options["cpu_budget"] = args.cpu_budget
     params = {"mode": mode, "attempts": args.attempts, "cpu_limit": args.cpu_limit, "time_limit": args.time_limit}
+    params["reap"] = args.reap
     params.update(options.pop("params", {}))
     return RLPool(
         ENV,
@@ -199,12 +201,14 @@ def run_pass(pool, table: list, attack: bool, args, trainer: Trainer, lane_secre
     began = time.perf_counter()
     obs = pool.reset(seed=seeds, **(first_reset or {}))
     stragglers = 0
-    resets_s = 0.0
+    resets_s = recv_s = 0.0
     pool.send([action(i, obs[i]) for i in range(n)])
     out = [set(lanes) for lanes in units]  # each sandbox's envs sent and not yet received
     waiting = n
     while waiting:
+        t = time.perf_counter()
         ids, batch_obs, rewards, dones, infos = pool.recv(min(args.batch, waiting))
+        recv_s += time.perf_counter() - t
         waiting -= len(ids)
         stragglers += len(pool.timing.stragglers)
         landed = set()
@@ -247,7 +251,14 @@ def run_pass(pool, table: list, attack: bool, args, trainer: Trainer, lane_secre
             for i in to_send:
                 out[unit_of[i]].add(i)
     elapsed = time.perf_counter() - began
-    return {"records": records, "elapsed": elapsed, "stragglers": stragglers, "leaks": leaks, "resets_s": resets_s}
+    return {
+        "records": records,
+        "elapsed": elapsed,
+        "stragglers": stragglers,
+        "leaks": leaks,
+        "resets_s": resets_s,
+        "recv_s": recv_s,
+    }
 
 
 def honest_check(clean: dict, attacked: dict, table: list, groups: int) -> tuple:
@@ -386,7 +397,7 @@ def main(argv=None) -> int:
         f"limits: memory_limit={args.memory_limit} workspace_size={args.workspace_size} pids={args.pids} "
         f"step_timeout={args.step_timeout:g} straggler_grace={args.straggler_grace:g} "
         + (f"cpu_budget={args.cpu_budget:g}" if HAS_CPU_BUDGET else "cpu_budget: not in this boltzlabs")
-        + f"; the env's cpu_limit={args.cpu_limit:g} s, time_limit={args.time_limit:g} s per attempt"
+        + f"; the env's cpu_limit={args.cpu_limit:g} s, time_limit={args.time_limit:g} s, reap={args.reap}"
     )
     try:
         passes = {}
@@ -401,7 +412,8 @@ def main(argv=None) -> int:
             steps = len(r["records"])
             print(
                 f"{name} pass: pool ready in {ready:.1f} s; {steps} env-steps in {r['elapsed']:.1f} s "
-                f"({steps / r['elapsed']:.0f} env-steps/s, resets between episodes {r['resets_s']:.1f} s); "
+                f"({steps / r['elapsed']:.0f} env-steps/s; waiting in recv() {r['recv_s']:.1f} s, in reset() between "
+                f"episodes {r['resets_s']:.1f} s); "
                 f"stragglers {r['stragglers']}"
             )
         clean, attacked = passes["clean"], passes["attacked"]

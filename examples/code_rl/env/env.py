@@ -12,14 +12,15 @@ every test passes.
 
 The child is forked from this server (runner="fork", the default: a few ms and
 little memory per attempt) or is a fresh interpreter (runner="subprocess").
-It runs in its own session: at the end of an attempt its process group is
-killed, so a test that leaves processes behind leaves none. A process that
-calls setsid() itself escapes that kill and lives on until the lane's next
-scrub or hard reset (`pool.reset(where=..., scrub=True)`); info["strays"] says
-how many there are after each attempt. census() (pool.call("census")) lists
-the lane's processes and files from inside.
+It runs in a process group of its own, and when the attempt ends every other process of
+the lane is killed (reap="lane"), a setsid daemon the code started included;
+with reap="group" only the attempt's process group is, and a daemon lives on
+until the lane's scrub or hard reset (`pool.reset(where=..., scrub=True)`).
+info["strays"] says how many processes an attempt left running. Files stay
+until the scrub. census() (pool.call("census")) lists the lane's processes
+and files from inside.
 
-    RLPool("examples/code_rl/env", n, params={"attempts": 2, "cpu_limit": 0.25, "time_limit": 20.0}, ...)
+    RLPool("examples/code_rl/env", n, params={"attempts": 2, "cpu_limit": 0.05, "time_limit": 20.0}, ...)
 
 docs/code-rl.md says what one lane can and cannot do to another, and which
 pool limits to set.
@@ -39,23 +40,26 @@ import tasks
 from boltzlabs.env import params, serve
 
 P = params()
-KNOWN = {"mode", "attempts", "cpu_limit", "time_limit", "runner", "log_bytes", "max_source"}
+KNOWN = {"mode", "attempts", "cpu_limit", "time_limit", "runner", "reap", "log_bytes", "max_source"}
 if set(P) - KNOWN:  # a pool option this boltzlabs does not know would arrive here as a param
     raise ValueError(f"unknown params {sorted(set(P) - KNOWN)}: this env takes {sorted(KNOWN)}")
 MODE = P.get("mode", "tests")  # "tests": reward = share of tests passed; "speed": measured speed
 ATTEMPTS = int(P.get("attempts", 2))  # attempts per episode
-CPU_LIMIT = float(P.get("cpu_limit", 0.25))  # CPU seconds of an attempt: its processes together
+CPU_LIMIT = float(P.get("cpu_limit", 0.05))  # CPU seconds of an attempt: its processes together
 TIME_LIMIT = float(P.get("time_limit", 20.0))  # wall seconds of an attempt: for code that blocks or sleeps
 RUNNER = P.get("runner", "fork")  # "fork" or "subprocess"
+# After an attempt: "lane" kills every process of the lane but this server (a setsid daemon the
+# code started included); "group" kills the attempt's process group only, so a daemon lives on
+# until the lane's scrub or hard reset.
+REAP = P.get("reap", "lane")
 LOG_BYTES = int(P.get("log_bytes", 16 << 10))  # the most of an attempt's log the obs carries
 MAX_SOURCE = int(P.get("max_source", 64 << 10))  # a longer action is refused, not written
-if MODE not in ("tests", "speed") or RUNNER not in ("fork", "subprocess"):
-    raise ValueError(f"mode must be 'tests' or 'speed' and runner 'fork' or 'subprocess', not {MODE!r}, {RUNNER!r}")
+if MODE not in ("tests", "speed") or RUNNER not in ("fork", "subprocess") or REAP not in ("lane", "group"):
+    raise ValueError(f"mode, runner or reap not known: {MODE!r}, {RUNNER!r}, {REAP!r}")
 
 # Each env's own directory: with envs_per_sandbox=k the k envs of a sandbox share the workspace.
 RUN_DIR = os.path.join(os.getcwd(), f"run-{os.environ.get('BOLTZLABS_ENV_INDEX', '0')}")
 HARNESS = os.path.abspath(harness.__file__)
-TICK = os.sysconf("SC_CLK_TCK")
 CORES = os.cpu_count() or 1
 RESULT_BYTES = 64 << 10
 
@@ -79,9 +83,36 @@ def reap():
 
 
 def others():
-    """The pids of the lane's processes but this server and the namespace's init."""
-    me = os.getpid()
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) not in (1, me)]
+    """The pids of the lane's live processes but this server and the namespace's init."""
+    me, pids = os.getpid(), []
+    for p in os.listdir("/proc"):
+        if p.isdigit() and int(p) not in (1, me):
+            try:
+                with open(f"/proc/{p}/stat", "rb") as f:
+                    if f.read().rsplit(b")", 1)[1].split()[0] != b"Z":
+                        pids.append(int(p))
+            except (OSError, IndexError):
+                pass  # gone meanwhile
+    return pids
+
+
+def kill_others():
+    """SIGKILL every process of the lane but this server, until none is left (a fork bomb may
+    still be forking); returns how many there were. kill(-1) reaches exactly the lane's pid
+    namespace, less its init: this server in template mode, bubblewrap's in exec mode."""
+    left = others()
+    count, deadline = len(left), time.monotonic() + 2.0
+    while left and time.monotonic() < deadline:
+        try:
+            os.kill(-1, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        # A process ends in its own context, at its nice 19: sleep, or this server (nice 0) would
+        # spin on the cores they need to die.
+        time.sleep(0.002)
+        reap()
+        left = others()
+    return count
 
 
 def statement(task):
@@ -110,11 +141,11 @@ def write_attempt(source):
 
 
 def cpu_seconds(pid):
-    """User + system CPU of one process so far (all its threads), or None once it is gone."""
+    """CPU time of one process so far (all its threads), or None once it is gone: schedstat's
+    nanoseconds. stat's clock ticks (10 ms) would count a fork bomb's 31 short lives as nothing."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / TICK
+        with open(f"/proc/{pid}/schedstat", "rb") as f:
+            return int(f.read().split()[0]) / 1e9
     except (OSError, IndexError, ValueError):
         return None
 
@@ -137,7 +168,7 @@ def start_child(result_w, log_fd):
             stdout=log_fd,
             stderr=log_fd,
             pass_fds=(result_w,),
-            start_new_session=True,
+            process_group=0,
         )
         child.returncode = 0  # this server waits for it itself (wait_child); Popen must not
         return child.pid
@@ -145,7 +176,11 @@ def start_child(result_w, log_fd):
     pid = os.fork()
     if pid == 0:  # the child: nothing of the server's but the two fds it is given
         try:
-            os.setsid()
+            # A process group of its own, in the lane's session, not a session of its own: where the
+            # kernel schedules by session (autogroup, on in Debian's and Ubuntu's kernels) a lane's
+            # processes then weigh as one, however many a fork bomb makes, and under nice 19 (the
+            # harness) they give way to this server, which must wake to enforce the limits.
+            os.setpgid(0, 0)
             os.chdir(RUN_DIR)
             os.dup2(log_fd, 1)
             os.dup2(log_fd, 2)
@@ -168,10 +203,13 @@ def wait_child(pid, result_r, before):
     data, limit, began, used = bytearray(), None, time.monotonic(), 0.0
     try:
         while True:
-            # The lane cannot use more than every core: look again when it could first be at its limit
-            # (an honest attempt has ended by then, and never pays for a look at /proc).
-            left = TIME_LIMIT - (time.monotonic() - began)
-            events = dict(poller.poll(max(0.0, min(left, max(0.01, (CPU_LIMIT - used) / CORES))) * 1000))
+            # Look again when the lane could first be at its limit, using every core (an honest attempt
+            # has ended by then and never pays for a look at /proc), and no sooner than half the time
+            # it has run: an attempt that waits for a core on a loaded node costs a few looks, not one
+            # every few ms. The limit may be passed by that half (a spin is caught within 1.5x).
+            elapsed = time.monotonic() - began
+            wait = max(0.01, (CPU_LIMIT - used) / CORES, elapsed / 2)
+            events = dict(poller.poll(max(0.0, min(TIME_LIMIT - elapsed, wait)) * 1000))
             if events.get(result_r):
                 chunk = os.read(result_r, 1 << 16)
                 if chunk and len(data) < RESULT_BYTES:
@@ -268,16 +306,12 @@ def attempt(source):
 
 def step(action):
     state["attempt"] += 1
-    if not isinstance(action, str) or len(action) > MAX_SOURCE:
-        outcome, passed, speed, ms, log = (
-            f"refused: the action must be a str of at most {MAX_SOURCE} chars",
-            [],
-            None,
-            0,
-            "",
-        )
-    else:
+    if isinstance(action, str) and len(action) <= MAX_SOURCE:
         outcome, passed, speed, ms, log = attempt(action)
+    else:
+        outcome, passed, speed, ms, log = f"refused: not a str of at most {MAX_SOURCE} chars", [], None, 0, ""
+    # What the attempt left running once it ended (a setsid daemon escapes its process group's kill).
+    strays = kill_others() if REAP == "lane" else len(others())
     total = state["total"]
     # A test name the code made up does not count; nor more than the file holds.
     count = min(total, sum(1 for name in passed if name.startswith("test_")))
@@ -290,7 +324,7 @@ def step(action):
         + ("" if speed is None else f"; speed {speed:.3f}x the reference")
         + f" ({ms:.0f} ms)\n{log}"
     )
-    info = {"task": state["task"], "outcome": outcome, "passed": count, "total": total, "strays": len(others())}
+    info = {"task": state["task"], "outcome": outcome, "passed": count, "total": total, "strays": strays}
     if speed is not None:
         info["speed"] = speed
     terminated = solved and MODE == "tests"
