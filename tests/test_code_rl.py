@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from conftest import wait_until
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "code_rl"
 
@@ -52,7 +53,9 @@ def test_every_attack_stays_on_its_lane_and_a_scrub_leaves_nothing(code_rl, spaw
     attacks = list(code_rl.solutions.ATTACKS)
     honest = 3
     n = len(attacks) + honest
-    args = code_rl.parse_args(["-n", str(n), "--episodes", "1", "--batch", "4", "--reap", reap])
+    # No cpu_budget here: with reap="group" the spinning daemon must live until the scrub (the
+    # budget's own test is below).
+    args = code_rl.parse_args(["-n", str(n), "--episodes", "1", "--batch", "4", "--reap", reap, "--cpu-budget", "0"])
     # Lanes 0-2 honest, then one lane per attack; every lane honest in the clean pass.
     table = [[None]] * honest + [[kind] for kind in attacks]
     secrets = [f"lane{i}-{i:012x}" for i in range(n)]
@@ -130,3 +133,21 @@ def test_the_speed_variant_rewards_a_fast_right_answer_above_a_slow_one(code_rl,
     assert 0.3 < speed[0] < 3 and 0.3 < speed[2] < 3, infos  # the reference's own speed, give or take the node
     assert speed[1] < 0.5 * speed[0], infos  # a list scan per item against a dict: far slower
     assert speed[3] == 0.0 and "speed" not in infos[3], infos  # a wrong answer is not timed
+
+
+def test_a_daemon_left_spinning_between_steps_is_killed_over_the_cpu_budget_on_its_lane(code_rl):
+    if not code_rl.HAS_CPU_BUDGET:
+        pytest.skip("this boltzlabs has no cpu_budget")
+    solutions = code_rl.solutions
+    # reap="group": the env leaves a setsid daemon running after the attempt; the pool's budget
+    # counts the lane's cgroup from each step's send to the next, so the idle lane is killed.
+    args = code_rl.parse_args(["-n", "3", "--reap", "group", "--cpu-budget", "0.3"])
+    with code_rl.make_pool(args, 3) as pool:
+        pool.reset(seed=[2, 2, 2])  # the task "add"
+        actions = [solutions.attack("background_spinner", {}), solutions.CORRECT["add"], solutions.CORRECT["add"]]
+        _, rewards, dones, infos = pool.step(actions)
+        assert infos[0]["strays"] == 1 and list(rewards) == [0.0, 1.0, 1.0], infos
+        assert wait_until(lambda: pool.states()[0] == "dead", timeout=20), pool.states()
+        _, rewards, _, infos = pool.step([solutions.CORRECT["add"]] * 3)
+    assert infos[0].get("cpu_budget") is True and "cpu_budget" in infos[0]["error"], infos
+    assert "error" not in infos[1] and "error" not in infos[2], infos

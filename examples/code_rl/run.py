@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--pids", type=int, default=32, help='limits={"pids": ...} per sandbox (32)')
     p.add_argument("--step-timeout", type=float, default=60.0, help="step_timeout, seconds (60)")
     p.add_argument("--straggler-grace", type=float, default=5.0, help='limits={"straggler_grace": ...} (5)')
-    p.add_argument("--cpu-budget", type=float, default=1.0, help="cpu_budget, CPU s per lane and step (1.0)")
+    p.add_argument("--cpu-budget", type=float, default=0.5, help="cpu_budget, CPU s per lane and step (0.5)")
     p.add_argument("--cpu-limit", type=float, default=0.05, help="the env's CPU limit per attempt, s (0.05)")
     p.add_argument("--reap", choices=("lane", "group"), default="lane", help="the env's kill after each attempt (lane)")
     p.add_argument("--time-limit", type=float, default=20.0, help="the env's wall limit per attempt, s (20)")
@@ -92,11 +92,11 @@ def reset_options(kind: str) -> dict:
 
 def make_pool(args, n: int, mode: str = "tests", **options) -> RLPool:
     """A pool of the code env with the limits docs/code-rl.md explains."""
-    if args.cpu_budget and HAS_CPU_BUDGET:
-        options["cpu_budget"] = args.cpu_budget
     params = {"mode": mode, "attempts": args.attempts, "cpu_limit": args.cpu_limit, "time_limit": args.time_limit}
     params["reap"] = args.reap
     params.update(options.pop("params", {}))
+    if args.cpu_budget and HAS_CPU_BUDGET:  # above the env's own limit, whose outcome keeps the lane
+        options["cpu_budget"] = max(args.cpu_budget, 2 * params["cpu_limit"])
     return RLPool(
         ENV,
         n,
