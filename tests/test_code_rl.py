@@ -17,6 +17,8 @@ import pytest
 from conftest import wait_until
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "code_rl"
+# The pool warns once per kind of lane failure, and sums them up at close: here they are the attacks'.
+pytestmark = pytest.mark.filterwarnings("ignore:.*examples/code_rl/env.*:RuntimeWarning")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,9 @@
 
 Each runs briefly, in a subprocess as a user would start it: the CleanRL-style PPO on both
 vector env classes (the only change between them is the class name, and the same seeds give
-the same episodes), and SB3's PPO with CnnPolicy on Pong 84x84x4.
+the same episodes), SB3's PPO with CnnPolicy on Pong 84x84x4, the main job, and the code RL
+driver (examples/code_rl: every attack beside honest lanes; its env's own tests are in
+test_code_rl.py).
 """
 
 from __future__ import annotations
