@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from boltzlabs import RLPool
-from conftest import COUNTER, PROBE
+from conftest import COUNTER, PROBE, scaled
 
 IMPORT_PROBE = """
 import ctypes, os, errno
@@ -383,3 +383,37 @@ def test_the_worker_byte_compiles_what_every_sandbox_imports(tmp_path):
         pool.reset(seed=0)
     finally:
         pool.close()
+
+
+def test_a_process_the_env_forks_imports_its_own_modules(env_dir):
+    """The template's import guard (LibrariesOnly) steps aside in every env process: a child the
+    env forks is pid 2 of the env's namespace, which can be the template's own number in its
+    namespace, and must still import a module from the workspace (as a code action's does)."""
+    source = env_dir("""
+        import os, sys
+        from boltzlabs.env import serve
+
+        def step(action):
+            with open("solution.py", "w") as f:
+                f.write("ANSWER = 42\\n")
+            read, write = os.pipe()
+            child = os.fork()
+            if child == 0:
+                try:
+                    sys.path.insert(0, os.getcwd())
+                    import solution
+                    os.write(write, f"{os.getpid()} {solution.ANSWER}".encode())
+                except BaseException as exc:
+                    os.write(write, f"{os.getpid()} {type(exc).__name__}: {exc}".encode())
+                os._exit(0)
+            os.close(write)
+            said = os.read(read, 4096).decode()
+            os.waitpid(child, 0)
+            return 0, 0.0, False, {"child": said}
+
+        serve(reset=lambda seed=None: 0, step=step)
+    """)
+    with RLPool(source, 1, spawn="template", step_timeout=scaled(10)) as pool:
+        pool.reset()
+        _, _, _, infos = pool.step([0])
+        assert infos[0]["child"].split(" ", 1)[1] == "42", infos[0]

@@ -526,14 +526,18 @@ class LibrariesOnly:
     workspace, by device and inode (boltzlabs/runtime/origins.py), before any of
     its code runs. In a child (another pid: the env's own code is the env's to
     import) it steps aside, left in place: removing it would copy the page
-    of sys.meta_path into every env."""
+    of sys.meta_path into every env. A pid alone does not say which process
+    this is: every env is pid 1 of a namespace of its own, so a process the
+    env forks may have the template's number (2, say) in another namespace;
+    where the numbers match, the pid namespace decides."""
 
     def __init__(self, env_files: origins.EnvFiles) -> None:
         self.env_files = env_files
         self.pid = os.getpid()
+        self.namespace = _pid_namespace()
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if os.getpid() != self.pid:
+        if os.getpid() != self.pid or _pid_namespace() != self.namespace:
             return None
         for finder in list(sys.meta_path):
             find = getattr(finder, "find_spec", None)
@@ -551,6 +555,14 @@ class LibrariesOnly:
                 name=name,
             )
         return spec
+
+
+def _pid_namespace() -> str:
+    """This process's pid namespace ("pid:[inode]"), or "" where /proc does not say."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
 
 
 def own_names(env_dir: str) -> set[str]:
