@@ -151,6 +151,7 @@ class Worker:
             expose=config.expose,
             env_vars=config.env_vars,
             group=config.group and (*config.group, config.env_limits.max_frame),
+            max_str_len=config.max_str_len,
         )
         n = config.n
         limits = config.limits
@@ -242,6 +243,7 @@ class Worker:
             "hello": lifecycle.hello,
             "step_timeout": config.step_timeout,
             "start_timeout": config.start_timeout,  # the client's deadline for a reset's respawns
+            "max_str_len": config.max_str_len,  # the trainer refuses an action holding a longer str
             "spawn": spawner.kind,
             "fast_path": self.fastpath is not None,
             "fast_path_note": self.fastpath_note,
