@@ -13,6 +13,8 @@ Runs in the trainer; imports wire (long_str) and numpy.
 
 from __future__ import annotations
 
+import operator
+
 import numpy as np
 
 from boltzlabs import wire
@@ -21,6 +23,8 @@ __all__ = ["refuse_long_strs", "text_note"]
 
 # Action types that hold no str: a batch of only these is passed at the cost of one set().
 _NO_STR = frozenset((int, float, bool, type(None), bytes))
+_NUMERIC = "biufcmM"  # the dtype kinds of arrays that hold no str
+_dtype = operator.attrgetter("dtype")
 
 
 def refuse_long_strs(given, values: list, cap: int, envs=None, what: str = "step()", kind: str = "action") -> None:
@@ -28,12 +32,18 @@ def refuse_long_strs(given, values: list, cap: int, envs=None, what: str = "step
     their env indices, default their positions) holds a str of more than `cap` UTF-8 bytes (the
     pool's max_str_len), before anything is sent. `given`: the batch as the caller gave it (a
     numeric array holds no str). The hot path, each step: numbers cost one set() of their
-    types, strs one max() of their lengths; anything else is looked through (wire.long_str)."""
-    if isinstance(given, np.ndarray) and given.dtype.kind in "biufcmM":
+    types, strs one max() of their lengths, numeric arrays one set() of their dtypes; anything
+    else is looked through (wire.long_str: a non-ASCII str longer than a quarter of the cap is
+    encoded once to count its bytes)."""
+    if isinstance(given, np.ndarray) and given.dtype.kind in _NUMERIC:
         return
     types = set(map(type, values))
     if types <= _NO_STR or (types == {str} and max(map(len, values)) <= cap >> 2):
         return
+    if np.ndarray in types and types <= _NO_STR | {np.ndarray}:  # a list of numeric arrays: one set() of dtypes
+        arrays = values if len(types) == 1 else [value for value in values if type(value) is np.ndarray]
+        if all(dtype.kind in _NUMERIC for dtype in set(map(_dtype, arrays))):
+            return
     if not wire.long_str(values, cap):
         return
     for position, value in enumerate(values):
