@@ -421,7 +421,7 @@ class ClusterPool(Pool):
         self.timing.stragglers = sorted(stragglers)
         return StepResult(obs, rewards, terminated, truncated, infos)
 
-    def _reset_lanes(self, lanes: list, seeds, hard: bool, options) -> tuple:
+    def _reset_lanes(self, lanes: list, seeds, hard: bool, options, scrub: bool = False) -> tuple:
         """Lanes of a lost node are placed again on the nodes left (WorkerError
         when the cluster has no room for them)."""
         by_lane = None if seeds is None else dict(zip(lanes, seeds))
@@ -436,7 +436,7 @@ class ClusterPool(Pool):
                     if by_lane is None
                     else [by_lane.get(lane) if i in locals_ else None for i, lane in enumerate(shard.lanes)]
                 )
-                return pool.reset(seed=shard_seeds, where=locals_, hard=hard, options=options)
+                return pool.reset(seed=shard_seeds, where=locals_, hard=hard, options=options, scrub=scrub)
 
             return run
 

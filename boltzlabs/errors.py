@@ -240,6 +240,12 @@ class MemberServed(BaseException):
     env.py's `except Exception` does not swallow it."""
 
 
+class ScrubError(RuntimeError):
+    """Raised inside a sandbox when reset(scrub=True) cannot finish (runtime/scrub.py): a process
+    would not die, or the workspace could not be emptied. The lane's reset fails with it, named;
+    `reset(hard=True)` is the way on."""
+
+
 class LaneStateError(BoltzLabsError):
     """The worker tried a lane state change its transition table does not
     declare (boltzlabs/worker/lanes.py): a bug in the worker, which then ends

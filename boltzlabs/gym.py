@@ -63,6 +63,8 @@ __all__ = ["BoltzLabsVecEnv"]
 
 logger = logging.getLogger("boltzlabs")
 _RUNTIME_KEYS = ("episode_ids", "episode_record")
+# reset(options={SCRUB_OPTION: True}): the envs' sandboxes scrubbed first (RLPool.reset(scrub=True)).
+SCRUB_OPTION = "boltzlabs.scrub"
 
 
 class BoltzLabsVecEnv(VectorEnv):
@@ -281,15 +283,20 @@ class BoltzLabsVecEnv(VectorEnv):
         """Reset every env (or those of options["reset_mask"]), as SyncVectorEnv.reset:
         it pops "reset_mask" from `options` (so a wrapper above sees what
         SyncVectorEnv's would), and each env is given the rest (`{}` when
-        only the mask was there, None when no options were given)."""
+        only the mask was there, None when no options were given).
+        `options["boltzlabs.scrub"] = True` (popped too) scrubs each env's
+        sandbox first: RLPool.reset(scrub=True), docs/code-rl.md."""
         n = self.num_envs
         seeds = _check_seeds(seed, n)
         lanes = list(range(n))
+        scrub = False
+        if options is not None and SCRUB_OPTION in options:
+            scrub = options.pop(SCRUB_OPTION)
         if options is not None and "reset_mask" in options:
             mask = _check_reset_mask(options["reset_mask"], n)
             options.pop("reset_mask")
             lanes = np.flatnonzero(mask).tolist()
-        self.pool.reset(seed=seeds, where=lanes, options=options)
+        self.pool.reset(seed=seeds, where=lanes, options=options, scrub=scrub)
         for i in lanes:
             if seeds[i] is not None:
                 self._seeds[i] = seeds[i]

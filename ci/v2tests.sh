@@ -44,7 +44,7 @@ fi
 pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=5 -o timeout=1800 -o faulthandler_timeout=1780)
 
 # Both runs: kernel accounting per env, memory_limit's OOM on its lane, pids.max, the
-# freezer gate, cleanup at close, the template's cgroups.
+# freezer gate, cleanup at close, the template's cgroups, cpu_budget (cpu.stat's usage_usec).
 COMMON_TESTS=(
   "tests/test_memory_and_gate.py::test_envs_per_gb_tracks_a_known_allocation[template]"
   "tests/test_memory_and_gate.py::test_memory_limit_kills_and_reports_oom[exec]"
@@ -53,6 +53,7 @@ COMMON_TESTS=(
   "tests/test_limits.py::test_memory_hog_is_oom_killed_by_name_and_never_swaps[template]"
   "tests/test_pool.py::test_close_leaves_nothing_behind[template]"
   "tests/test_template.py::test_each_child_is_born_in_its_own_cgroup"
+  "tests/test_cpu_budget.py::test_a_spinning_step_is_killed_at_its_budget_and_the_others_answer[template]"
 )
 # The root run also: the room a worker makes, tried in cgroups test_cgroups.py makes itself
 # (below the root, as systemd makes a unit's).

@@ -727,9 +727,9 @@ HOSTILE_GROUP = """
     if not getattr(group.Group, "forging", False):  # env.py runs once per member: wrap once
         _turn = group.Group.turn
 
-        def turn(self, channel, seq, entries, code):
+        def turn(self, channel, seq, entries, code, *rest):
             group.turn_of = (seq, len(self.members), code)  # entries may come packed (bytes)
-            out = _turn(self, channel, seq, entries, code)
+            out = _turn(self, channel, seq, entries, code, *rest)
             if getattr(group, "forged", False):
                 group.forged = False
                 return b""  # the frame of this turn went already

@@ -375,9 +375,10 @@ PARTS = {
     "stepping.py": {"Stepping"},
     "requests.py": {"Requests"},
     "spawn.py": {"ExecSpawner"},
+    "cpu_budget.py": {"CpuMeter"},
 }
 # What a part is called where another part holds it: none of them is assigned to from outside.
-PART_NAMES = {"worker", "reactor", "budget", "lifecycle", "stepping", "requests", "spawner", "context"}
+PART_NAMES = {"worker", "reactor", "budget", "lifecycle", "stepping", "requests", "spawner", "context", "meter"}
 
 
 def _classes(path: Path) -> dict[str, ast.ClassDef]:

@@ -179,6 +179,19 @@ def test_a_remote_pool_groups_envs_in_its_sandboxes(worker):
         assert pids[0] == pids[1] != pids[2] == pids[3] != pids[4]
 
 
+def test_a_remote_pool_scrubs_its_sandboxes(worker):
+    """reset(scrub=True) crosses the remote link: the node's sandbox holds its server alone after."""
+    litter = Path(__file__).resolve().parent.parent / "benchmarks" / "envs" / "litter"
+    with worker.pool(litter, 2, warmup=False) as pool:
+        pool.reset()
+        pool.step([3, 3])
+        pool.reset(where=[0], scrub=True)
+        assert pool.reset_infos[0]["scrubbed"]["entries"] >= 4
+        census = pool.call("census")
+        assert census[0] == {"procs": [1], "entries": 0}
+        assert len(census[1]["procs"]) > 1 and census[1]["entries"] >= 4
+
+
 def test_gym_source_runs_the_workers_own_gym_env(worker):
     pytest.importorskip("gymnasium")
     with worker.pool("gym://CartPole-v1", 2) as pool:

@@ -1,6 +1,6 @@
 """Memory accounting and limits: one cgroup per env below one pool cgroup.
 
-    cgroup v1 (one tree per controller: memory, pids, freezer):
+    cgroup v1 (one tree per controller: memory, pids, freezer; cpuacct for a pool with a cpu_budget):
         <the worker's own cgroup in each>/
             boltzlabs-<worker pid>-<tag>/      the pool (pids.max: the pool's cap)
                 env-0/  env-1/  ...  template/ probe/     one per env, a sandbox's whole tree
@@ -67,6 +67,14 @@ Kernel facts this depends on:
   evenly), while the pids and freezer groups, which keep no such slots,
   stay per env: kills, task counts, fork caps and the measurement gate are
   still one env's. v2 has one tree, so its envs keep a cgroup each.
+- CPU accounting (RLPool(cpu_budget=)) counts every task of a cgroup and all
+  below it, children and setsid daemons included (a task cannot leave its
+  cgroup without the cgroup filesystem, which no sandbox mounts): v1's
+  cpuacct.usage (ns), a hierarchy of its own, joined only by the envs of a
+  pool that asks for it (a spawn then joins one more cgroup); v2's cpu.stat
+  usage_usec, in every cgroup whether or not the cpu controller is enabled.
+  How fast a cgroup can spend it is bounded by its cpuset (`cpus_allowed`),
+  not by affinity, which any task may widen within its cpuset.
 - Freezing is asynchronous: v1's freezer.state reads FREEZING until every
   task has stopped (reading it re-checks), v2's cgroup.events says
   "frozen 1". A SIGKILL to a task frozen by the v1 freezer waits for the
@@ -239,6 +247,12 @@ class _Backend:
     def kill(self, group: Path) -> None:
         _kill_procs(group)
 
+    # The file that counts a group's CPU time, and how many seconds its first bytes say.
+    cpu_file = ""
+
+    def cpu_seconds(self, data: bytes) -> float:
+        raise NotImplementedError
+
 
 def _kill_procs(group: Path, pids: list[int] | None = None) -> None:
     """SIGKILL each process listed in `group` (one round; any version, no backend needed),
@@ -252,6 +266,10 @@ def _kill_procs(group: Path, pids: list[int] | None = None) -> None:
 
 class _V1(_Backend):
     version = "v1"
+    cpu_file = "cpuacct.usage"  # in the cpuacct hierarchy: nanoseconds, every task of the group and below
+
+    def cpu_seconds(self, data: bytes) -> float:
+        return int(data) / 1e9
 
     # The v1 freezer is its own hierarchy: these take a group in it.
     def freeze(self, group: Path) -> None:
@@ -301,6 +319,14 @@ class _V1(_Backend):
 
 class _V2(_Backend):
     version = "v2"
+    cpu_file = "cpu.stat"  # "usage_usec N" first, in every cgroup (the cpu controller need not be on)
+
+    def cpu_seconds(self, data: bytes) -> float:
+        for line in data.splitlines():
+            key, _, value = line.partition(b" ")
+            if key == b"usage_usec":
+                return int(value) / 1e6
+        raise ValueError("cpu.stat has no usage_usec line")
 
     def __init__(self, start: Path | None, make_room: bool = True) -> None:
         super().__init__(start)
@@ -691,6 +717,46 @@ def hierarchy(controller: str = "memory") -> Path | None:
     return None
 
 
+def cpu_list_count(text: str) -> int:
+    """How many CPUs a kernel CPU list names ("0-3,8,10-11": 7); ValueError for what is not one."""
+    count = 0
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        count += (int(high) if high else int(low)) - int(low) + 1
+    return count
+
+
+def cpus_allowed() -> int:
+    """How many CPUs the tasks of this process's cgroup (and of every cgroup below it: a pool's
+    envs) can run on at once: the CPUs of its cpuset (v1: its cpuset hierarchy's group; v2: the
+    nearest cpuset.cpus.effective up its tree), else every online CPU. Not its affinity: a task
+    may widen its own within its cpuset (sched_setaffinity is not filtered), never leave it."""
+    own, mounts = _own_cgroups(), _mounts()
+    files: list[Path] = []
+    if "cpuset" in own:
+        for point, fstype, options in mounts:
+            if fstype == "cgroup" and "cpuset" in options:
+                group = Path(point) / own["cpuset"].lstrip("/")
+                files += [group / "cpuset.effective_cpus", group / "cpuset.cpus"]
+    else:
+        start = _v2_start(own, mounts)
+        root = next((Path(p) for p, f, _ in mounts if f == "cgroup2"), None)
+        while start is not None and root is not None and start != root and root in start.parents:
+            files.append(start / "cpuset.cpus.effective")
+            start = start.parent
+    files.append(Path("/sys/devices/system/cpu/online"))
+    for path in files:
+        try:
+            count = cpu_list_count(_read(path))
+        except (OSError, ValueError):
+            continue
+        if count > 0:
+            return count
+    return os.cpu_count() or 1
+
+
 def _find_v1_home(controller: str) -> Path | None:
     """The worker's own cgroup in a cgroup v1 hierarchy of `controller`, if writable."""
     own = _own_cgroups()
@@ -814,7 +880,10 @@ class CgroupPool:
     whether it does, `freezer_note` why not. `per_env_memory` (None: only
     with a `memory_limit`) gives each env a memory cgroup of its own on v1;
     without it the envs share SHARED (the module's docstring says why) and
-    `env_usages` splits it. Everything is removed by
+    `env_usages` splits it. `cpu=True` counts each env's CPU time (`cpu_seconds`,
+    for RLPool(cpu_budget=)): on v1 in a cpuacct tree made for this pool only,
+    so other pools' spawns join no more cgroups than before; `counts_cpu` says
+    whether it does, `cpu_note` why not. Everything is removed by
     `close()`, and on cgroup v2 the room made for it too (`_V2`).
     """
 
@@ -825,6 +894,7 @@ class CgroupPool:
         freezer: bool = False,
         pool_pids: int | None = None,
         per_env_memory: bool | None = None,
+        cpu: bool = False,
     ) -> None:
         self.memory_limit = memory_limit
         self.pids_max = pids_max
@@ -836,7 +906,14 @@ class CgroupPool:
             # cgroup v1: the pids controller (and the freezer) are hierarchies of their own.
             self.pids_home = _find_v1_home("pids") if v1 else None
             self.freezer_home = _find_v1_home("freezer") if v1 and freezer else None
-            sweep_stale([home for home in (self.backend.home, self.pids_home, self.freezer_home) if home is not None])
+            self.cpuacct_home = _find_v1_home("cpuacct") if v1 and cpu else None
+            sweep_stale(
+                [
+                    home
+                    for home in (self.backend.home, self.pids_home, self.freezer_home, self.cpuacct_home)
+                    if home is not None
+                ]
+            )
             home = self.backend.home
             assert home is not None, "a backend _find_backend found has its home (only PoolView's has none)"
             self.path = home / name
@@ -874,11 +951,26 @@ class CgroupPool:
             # v2: every non-root cgroup has cgroup.freeze (kernel 5.2+).
             self.freezes = (self.path / "cgroup.freeze").exists()
             self.freezer_note = "" if self.freezes else f"no cgroup.freeze in {self.path} (kernel older than 5.2)"
+        # CPU accounting (cpu=True): v1's cpuacct tree, made for this pool; v2's cpu.stat in each group.
+        self.cpuacct_path: Path | None = None
+        self.counts_cpu, self.cpu_note = False, ""
+        if cpu and v1:
+            self.cpu_note = "no writable cgroup v1 cpuacct hierarchy holds this process"
+            if self.cpuacct_home is not None:
+                try:
+                    (self.cpuacct_home / name).mkdir()
+                    self.cpuacct_path = self.cpuacct_home / name
+                    self.counts_cpu = True
+                except OSError as exc:
+                    self.cpu_note = f"cannot create the pool's cpuacct cgroup {self.cpuacct_home / name}: {exc}"
+        elif cpu:
+            self.counts_cpu = (self.path / "cpu.stat").exists()
+            self.cpu_note = "" if self.counts_cpu else f"no cpu.stat in {self.path} (kernel older than 4.15)"
         # Where the worker goes back to after a spawn: its own cgroup in each hierarchy.
         procs_home = self.backend.procs_home
         assert procs_home is not None, "the worker's own cgroup: its home or the leaf it made"
         self._homes = [os.path.join(procs_home, "cgroup.procs")]
-        for home in (self.pids_home, self.freezer_path and self.freezer_home):
+        for home in (self.pids_home, self.freezer_path and self.freezer_home, self.cpuacct_path and self.cpuacct_home):
             if home is not None:
                 self._homes.append(os.path.join(home, "cgroup.procs"))
         # Whether each env has a memory cgroup of its own (the module's docstring
@@ -893,6 +985,8 @@ class CgroupPool:
         self._groups: dict[Any, Any] = {}
         self._frozen_group: dict[Any, Any] = {}  # key -> the group whose freezer holds it
         self._procs: dict[Any, list[str]] = {}  # key -> the cgroup.procs file of each group it joins
+        self._cpu_groups: dict[Any, Path] = {}  # key -> its cpuacct group (v1, counts_cpu only)
+        self._cpu_files: dict[Any, str] = {}  # key -> the file that counts its CPU time (counts_cpu only)
 
     @property
     def version(self) -> str:
@@ -901,7 +995,7 @@ class CgroupPool:
     @property
     def paths(self) -> list[str]:
         """The pool's cgroup directories, one per hierarchy."""
-        return [str(p) for p in (self.path, self.pids_path, self.freezer_path) if p is not None]
+        return [str(p) for p in (self.path, self.pids_path, self.freezer_path, self.cpuacct_path) if p is not None]
 
     @property
     def limits_pids(self) -> bool:
@@ -929,6 +1023,8 @@ class CgroupPool:
             del self._groups[key]
             self._frozen_group.pop(key, None)
             self._procs.pop(key, None)
+            self._cpu_groups.pop(key, None)
+            self._cpu_files.pop(key, None)
         return ok
 
     def _made(self, key: Any) -> list[Path]:
@@ -947,6 +1043,12 @@ class CgroupPool:
             if self.freezer_path is not None:  # last, so groups[-1] stays the pids group for the others
                 self._frozen_group[key] = self.freezer_path / name
                 _mkdir(self._frozen_group[key])
+            if self.cpuacct_path is not None:
+                self._cpu_groups[key] = self.cpuacct_path / name
+                _mkdir(self._cpu_groups[key])
+                self._cpu_files[key] = str(self._cpu_groups[key] / self.backend.cpu_file)
+            elif self.counts_cpu:  # v2: the env's one group
+                self._cpu_files[key] = str(groups[0] / self.backend.cpu_file)
             self._groups[key] = groups
             self._procs[key] = [os.path.join(group, "cgroup.procs") for group in self._joined(key)]
         return groups
@@ -977,7 +1079,9 @@ class CgroupPool:
         """Every group a process of `key` is in, one per hierarchy."""
         groups = self._made(key)
         if self.freezer_path is not None:
-            return groups + [self._frozen_group[key]]
+            groups = groups + [self._frozen_group[key]]
+        if self.cpuacct_path is not None:
+            groups = groups + [self._cpu_groups[key]]
         return groups
 
     def freeze(self, index: int | str) -> None:
@@ -989,6 +1093,16 @@ class CgroupPool:
 
     def frozen(self, index: int | str) -> bool:
         return self.backend.frozen(self._frozen_group[index])
+
+    def cpu_seconds(self, key: Any) -> float:
+        """CPU seconds every task of `key`'s cgroup (and below) has used (counts_cpu only), user and
+        system, since the cgroup was made: OSError or ValueError if it cannot be read."""
+        fd = os.open(self._cpu_files[key], os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            data = os.read(fd, 4096)
+        finally:
+            os.close(fd)
+        return self.backend.cpu_seconds(data)
 
     def usage(self, key: Any) -> int:
         """The working set of `key`'s memory cgroup (with shared env memory,
@@ -1054,6 +1168,11 @@ class CgroupPool:
         except OSError:
             return 0
 
+    def procs(self, index: int) -> list[int]:
+        """The processes in env `index`'s own cgroup (the one a kill empties), by host pid."""
+        groups = self._groups.get(index)
+        return _procs(groups[-1]) if groups else []
+
     def kill(self, index: int | str) -> None:
         """SIGKILL everything in env `index`'s cgroup (or a pool part's, by name) now (one round, no wait)."""
         if index in self._groups:
@@ -1077,7 +1196,7 @@ class CgroupPool:
         # gives up only once none went for CLOSE_STALL seconds (10,000 sandboxes take far
         # longer than 5 s to die).
         made = [group for key in self._groups for group in self._joined(key)]
-        made += [path for path in (self.path, self.pids_path, self.freezer_path) if path is not None]
+        made += [path for path in (self.path, self.pids_path, self.freezer_path, self.cpuacct_path) if path is not None]
         ok = _rmdir_all(list(dict.fromkeys(made)), deadline, reap, CLOSE_STALL)
         self._groups.clear()
         self.release()  # False only when another pool still uses the room: not a failure of ours
@@ -1092,17 +1211,18 @@ class PoolView:
 
     def __init__(self, paths: Any) -> None:
         self.paths = [Path(p) for p in paths]
-        self.by_controller: dict[str, Path] = {}  # "memory" / "pids" / "freezer" -> the pool in that hierarchy
+        # "memory" / "pids" / "freezer" / "cpuacct" -> the pool in that hierarchy (v2: the one pool)
+        self.by_controller: dict[str, Path] = {}
         v2 = False
         mounts = sorted(_mounts(), key=lambda m: len(m[0]), reverse=True)
         for path in self.paths:
             point, fstype, options = next(m for m in mounts if str(path).startswith(m[0].rstrip("/") + "/"))
             if fstype == "cgroup2":
                 v2 = True
-                for name in ("memory", "pids", "freezer"):
+                for name in ("memory", "pids", "freezer", "cpuacct"):
                     self.by_controller.setdefault(name, path)
             else:
-                for name in ("memory", "pids", "freezer"):
+                for name in ("memory", "pids", "freezer", "cpuacct"):
                     if name in options:
                         self.by_controller[name] = path
         self.backend = _V2(None, make_room=False) if v2 else _V1(None)
@@ -1152,6 +1272,10 @@ class PoolView:
 
     def frozen(self, key: Any) -> bool:
         return self.backend.frozen(self.group(key, "freezer"))
+
+    def cpu_seconds(self, key: Any) -> float:
+        """CPU seconds env `key`'s cgroup has counted (a pool with a cpu_budget)."""
+        return self.backend.cpu_seconds(read_file(str(self.group(key, "cpuacct") / self.backend.cpu_file)))
 
     def cgroup_of(self, pid: int, controller: str = "memory") -> Path | None:
         """The cgroup process `pid` is in, in the hierarchy of `controller`, as

@@ -220,6 +220,17 @@ def _positive(name: str, value, allow_none: bool = True):
     return float(value)
 
 
+def _cpu_budget(value) -> float | None:
+    """RLPool(cpu_budget=) checked: None (off), or CPU seconds per step, finite and > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(
+            f"cpu_budget must be a positive, finite number of CPU seconds per step (None: no budget), not {value!r:.80}"
+        )
+    return float(value)
+
+
 def _preload(names):
     """RLPool(preload=...) as a list of str (the worker checks each name)."""
     if names is None:
@@ -250,6 +261,17 @@ class RLPool(Pool):
         misses it is a straggler (done, reward 0, info["straggler"]). None
         takes the policy default (sandbox/policy.toml). With
         serialize_measurement it bounds each env's turn at the gate.
+      cpu_budget: CPU seconds each lane's sandbox may use per step, all its
+        processes together (children and daemons it starts included), as its
+        cgroup counts them: from the step's send until its next step or reset
+        is sent, so what a step leaves running after its reply counts too.
+        A lane over it is killed (its whole cgroup) and reported on its lane:
+        reward 0, truncated, obs None, info["error"] saying how much it used,
+        info["cpu_budget"] True; the other lanes are not touched. Resets are
+        not budgeted. None (default): no budget. Needs the pool's cgroups
+        (refused without them); steps through the pure-Python step path.
+        With envs_per_sandbox it bounds each sandbox as a whole.
+        docs/limits.md#cpu-budget.
       serialize_measurement: at most one env's step code runs at any instant.
       memory_limit: per-env memory limit (bytes or '512M'); an env over it is
         killed by the kernel and reported on its lane. Needs a memory cgroup.
@@ -367,7 +389,7 @@ class RLPool(Pool):
     ended (lane, id, seed, length, return, terminated). `env_id` is this
     pool's UUIDv7, `env_contract` the env's handshake. `fast_path` says
     whether the worker steps through the native path (boltzlabs.worker._fastpath)
-    or the pure-Python one (no extension built, or BOLTZLABS_PURE=1);
+    or the pure-Python one (no extension built, BOLTZLABS_PURE=1, or a cpu_budget);
     `channel` whether each env talks to it over two pipes ("pipes") or, when
     the worker's open-file limit cannot hold 4 fds per env, a socketpair
     ("socketpair", 3 fds per env; BOLTZLABS_CHANNEL=socketpair forces it).
@@ -410,6 +432,7 @@ class RLPool(Pool):
         n: int,
         *,
         step_timeout=None,
+        cpu_budget=None,
         serialize_measurement: bool = False,
         memory_limit=None,
         workspace_size=None,
@@ -476,6 +499,7 @@ class RLPool(Pool):
             "params": json.loads(json.dumps(resolved.params, allow_nan=True)),
             "n": n,
             "step_timeout": _positive("step_timeout", step_timeout),
+            "cpu_budget": _cpu_budget(cpu_budget),
             "start_timeout": _positive("start_timeout", start_timeout),
             "serialize_measurement": bool(serialize_measurement),
             "memory_limit": parse_size(memory_limit) if memory_limit is not None else None,
@@ -548,6 +572,8 @@ class RLPool(Pool):
         self.step_timeout = ready["step_timeout"]
         max_str_len = ready.get("max_str_len")
         self.max_str_len = max_str_len if type(max_str_len) is int and max_str_len > 0 else None
+        # CPU seconds per step each lane's sandbox may use (RLPool(cpu_budget=)); None: no budget.
+        self.cpu_budget: float | None = ready.get("cpu_budget")
         start_timeout = ready.get("start_timeout")
         if type(start_timeout) in (int, float) and 0 < start_timeout < math.inf:
             self._start_timeout = float(start_timeout)
@@ -950,8 +976,8 @@ class RLPool(Pool):
             self._slots.fill(lanes, obs, result.rewards, result.terminated, result.truncated, infos)
         return result
 
-    def _reset_lanes(self, lanes: list, seeds, hard: bool, options) -> tuple:
-        return self._was_reset(lanes, self._call("reset", lanes, seeds, hard, options))
+    def _reset_lanes(self, lanes: list, seeds, hard: bool, options, scrub: bool = False) -> tuple:
+        return self._was_reset(lanes, self._call("reset", lanes, seeds, hard, options, scrub))
 
     def _was_reset(self, lanes: list, reply) -> tuple:
         _, obs, infos = reply

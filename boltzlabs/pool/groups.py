@@ -184,12 +184,15 @@ class GroupedPool(Pool):
                 self._respawn.add(group)
         if why or results is None:
             straggler = type(info) is dict and info.get("straggler") is True
+            budget = type(info) is dict and info.get("cpu_budget") is True
             for j in range(count):
                 if sent[j] == NOT_ASKED:
                     continue
                 failure = {"error": f"{why} [{self._named(group)}: every env of it fails with it]", "group": group}
                 if straggler:
                     failure["straggler"] = True
+                if budget:  # the sandbox, all its envs' work, was killed over its cpu_budget
+                    failure["cpu_budget"] = True
                 yield envs.start + j, None, 0.0, False, True, failure
             return
         kinds, rewards, terminated, truncated, member_infos, errors = results
@@ -219,7 +222,7 @@ class GroupedPool(Pool):
         self.timing = timing
         timing.stragglers = envs
 
-    def _reset_lanes(self, lanes: list, seeds, hard: bool, options) -> tuple:
+    def _reset_lanes(self, lanes: list, seeds, hard: bool, options, scrub: bool = False) -> tuple:
         k = self.k
         tables: dict[int, list] = {}
         for pos, i in enumerate(lanes):
@@ -235,7 +238,8 @@ class GroupedPool(Pool):
         for chosen, how in ((respawn, True), (soft, False)):
             if not chosen:
                 continue
-            obs, infos = self.inner._reset_lanes(chosen, [tables[g] for g in chosen], how, None)
+            # A scrub empties the sandbox every member shares: each member resets (runtime/group.py).
+            obs, infos = self.inner._reset_lanes(chosen, [tables[g] for g in chosen], how, None, scrub and not how)
             for pos, g in enumerate(chosen):
                 self._respawn.discard(g)
                 sent = [NOT_ASKED] * len(self.members(g))
@@ -246,7 +250,7 @@ class GroupedPool(Pool):
                     if i in wanted:
                         taken[i] = (o, info)
                     elif "error" not in info:
-                        self._sibling_reset(i, o, info, g, lanes)
+                        self._sibling_reset(i, o, info, g, lanes, "respawned" if how else "scrubbed")
         obs_out = [taken.get(i, (None, {"error": "no reply"}))[0] for i in lanes]
         infos_out = [taken.get(i, (None, {"error": "no reply"}))[1] for i in lanes]
         self._stragglers(
@@ -254,11 +258,12 @@ class GroupedPool(Pool):
         )
         return obs_out, infos_out
 
-    def _sibling_reset(self, i: int, obs, info, group: int, lanes: list) -> None:
-        """Env i was reset with its group (a respawn), though not asked for: its new episode, said so."""
+    def _sibling_reset(self, i: int, obs, info, group: int, lanes: list, why: str) -> None:
+        """Env i was reset with its group (respawned or scrubbed), though not asked for: its new
+        episode, said so."""
         info = dict(info)
         info["group_reset"] = (
-            f"reset with {self._named(group)}, which was respawned to reset env(s) "
+            f"reset with {self._named(group)}, which was {why} to reset env(s) "
             f"{', '.join(map(str, [j for j in lanes if j // self.k == group][:8]))}"
         )
         self._obs = list(self._obs)

@@ -144,8 +144,11 @@ class Pool(abc.ABC):
         """Raise PoolClosedError (saying why) when the pool is closed."""
 
     @abc.abstractmethod
-    def _reset_lanes(self, lanes: list, seeds: list | None, hard: bool, options) -> tuple[list, list]:
-        """Reset `lanes` (sorted, checked) with `seeds` (aligned, or None): (obs, infos) aligned with lanes."""
+    def _reset_lanes(
+        self, lanes: list, seeds: list | None, hard: bool, options, scrub: bool = False
+    ) -> tuple[list, list]:
+        """Reset `lanes` (sorted, checked) with `seeds` (aligned, or None): (obs, infos) aligned with
+        lanes; `scrub`: each sandbox scrubbed before its reset (reset()'s docstring)."""
 
     @abc.abstractmethod
     def _step_lanes(self, actions: list, resets: list | None) -> StepResult:
@@ -207,7 +210,7 @@ class Pool(abc.ABC):
         """Each lane's latest observation (None for a lane whose env failed and has none)."""
         return list(self._obs)
 
-    def reset(self, seed=None, where=None, hard: bool = False, options=None) -> list:
+    def reset(self, seed=None, where=None, hard: bool = False, options=None, scrub: bool = False) -> list:
         """Reset envs and return all n observations.
 
         seed: an int gives env i the seed `seed + i`; a list gives one per env
@@ -215,14 +218,21 @@ class Pool(abc.ABC):
         indices; only those lanes reset, the others' latest observations are
         spliced in place. hard=True kills and respawns the selected sandboxes
         on a fresh workspace before resetting them (byte-identical starts).
+        scrub=True keeps each sandbox and its env's server process but kills
+        every other process in it and empties its workspace (and /dev/shm)
+        before the env's reset, for envs that run an action's code
+        (docs/code-rl.md); `reset_infos[i]["scrubbed"]` says what went. A
+        hard reset does all that and more, so hard=True with it is a hard reset.
         A lane whose reset failed gets obs None and `reset_infos[i]["error"]`.
         """
         self._check_open()
+        if not isinstance(scrub, (bool, np.bool_)):
+            raise TypeError(f"reset() scrub must be True or False, not {scrub!r}")
         lanes = self._lanes(where)
         seeds = self._seeds(seed, lanes)
         if not lanes:
             return list(self._obs)
-        obs, infos = self._reset_lanes(lanes, seeds, bool(hard), options)
+        obs, infos = self._reset_lanes(lanes, seeds, bool(hard), options, bool(scrub) and not hard)
         self._note_failures("reset", lanes, obs, infos, stacklevel=3)
         self._obs = list(self._obs)
         self.reset_infos = list(self.reset_infos)
@@ -629,6 +639,8 @@ def _failure_kind(info: dict) -> str:
     text = str(info.get("error"))[:200]
     if info.get("straggler"):
         return "missed its deadline"
+    if info.get("cpu_budget") is True:
+        return "went over its cpu_budget"
     if text.startswith("Traceback") or "Error: " in text[:200]:
         return "raised"
     if "died" in text or "dead" in text or "killed" in text:

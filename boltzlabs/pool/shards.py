@@ -235,6 +235,7 @@ class Sharding(Pool):
         self.memory_source, self.step_timeout, self.spawn = first.memory_source, first.step_timeout, first.spawn
         caps = [shard.max_str_len for shard in self._shards if shard.max_str_len is not None]
         self.max_str_len = min(caps) if caps else None
+        self.cpu_budget = first.cpu_budget
         self.fast_path = all(shard.fast_path for shard in self._shards)
         self.channel = first.channel if len({s.channel for s in self._shards}) == 1 else "mixed"
         self.shared_memory = all(shard.shared_memory for shard in self._shards)
@@ -425,7 +426,7 @@ class Sharding(Pool):
         self.timing.stragglers = stragglers
         return StepResult(obs, rewards, terminated, truncated, infos)
 
-    def _reset_lanes(self, lanes: list, seeds, hard: bool, options) -> tuple:
+    def _reset_lanes(self, lanes: list, seeds, hard: bool, options, scrub: bool = False) -> tuple:
         self._refuse_outstanding(lanes, "reset")
         bounds, shards = self._bounds, self._shards
         position = {lane: k for k, lane in enumerate(lanes)}
@@ -438,7 +439,7 @@ class Sharding(Pool):
             mine[s] = (local, globals_)
             calls[s] = (
                 "reset",
-                [local, None if seeds is None else [seeds[position[g]] for g in globals_], hard, options],
+                [local, None if seeds is None else [seeds[position[g]] for g in globals_], hard, options, scrub],
             )
 
         def land(s, reply):

@@ -193,8 +193,14 @@ class Group:
                             pass
                     channel.write(self.turn(channel, seq, entries, wire.STEPPED))
                 elif code == wire.RESET:
-                    _, seq, table, options = message
-                    channel.write(self.turn(channel, seq, self.reset_entries(table, options), wire.RESET_DONE))
+                    seq, table, options = message[1:4]
+                    entries = self.reset_entries(table, options)
+                    scrubbed = None
+                    if len(message) > 4 and message[4]:
+                        # reset(scrub=True): the sandbox is every member's, so every member resets.
+                        entries = [e if e is not None else [RESET, None, None] for e in entries]
+                        scrubbed = self.scrub(message[4])
+                    channel.write(self.turn(channel, seq, entries, wire.RESET_DONE, scrubbed))
                 elif code == wire.RENDER:
                     channel.write(self.render(message[1]))
                 elif code == wire.ATTR:
@@ -204,6 +210,15 @@ class Group:
                     raise ProtocolError(f"unexpected message code {code}")
         except EOFError:
             pass
+
+    def scrub(self, what: Any) -> Any:
+        """The sandbox scrubbed (runtime/scrub.py): what it removed, or the exception it raised."""
+        from boltzlabs.runtime import scrub
+
+        try:
+            return scrub.scrub(scrub.workspace, ipc=type(what) is dict and what.get("ipc") is True)
+        except Exception as exc:
+            return exc
 
     def reset_entries(self, table: Any, options: Any) -> list[Any]:
         """A RESET's entries: its table [[member, seed, options], ...]; a plain seed resets every member."""
@@ -217,8 +232,10 @@ class Group:
             entries[item[0]] = [RESET, item[1], item[2]]
         return entries
 
-    def turn(self, channel: Any, seq: Any, entries: Any, code: int) -> bytes:
-        """Run each asked member (a fresh group: every member, reset first) and frame the group's reply."""
+    def turn(self, channel: Any, seq: Any, entries: Any, code: int, scrubbed: Any = None) -> bytes:
+        """Run each asked member (a fresh group: every member, reset first) and frame the group's reply.
+        `scrubbed`: a scrub's report, which each member's reset info carries, or the exception that
+        stopped it, with which every member fails."""
         members = self.members
         count = len(members)
         if type(entries) is bytes:  # the trainer packed them (pool/groups.py); the worker passed them on
@@ -252,8 +269,12 @@ class Group:
                     reply = _serve._step_reply(seq, member["step"](entry[1]))
                     obs[j], rewards[j], terminated[j], truncated[j], infos[j] = reply[2:]
                 else:
+                    if isinstance(scrubbed, Exception):
+                        raise scrubbed
                     reply = _serve._reset_reply(seq, member["reset"](entry[1], entry[2]))
                     obs[j], infos[j] = reply[2], reply[3]
+                    if scrubbed is not None:
+                        infos[j] = dict(infos[j], scrubbed=scrubbed)
             except Exception as exc:  # that member's bug: it alone fails
                 errors[j] = _serve._failure(seq, "step" if kind == STEPPED else "reset", exc, self.max_str)[2:]
         results = [kinds, rewards, terminated, truncated, infos, errors]

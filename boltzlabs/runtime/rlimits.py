@@ -22,6 +22,7 @@ import resource
 import sys
 
 from boltzlabs import abi
+from boltzlabs.runtime import scrub  # tiny; the template imports it once for every child
 
 TYPE_CHECKING = False  # typing is not imported at run time: every env would pay for it
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ def run(path: str, code: Any = None) -> None:
     boltzlabs.runtime.confine.main (exec mode) calls it, after the set-up, and
     so does a template's child once it is a sandbox. `code`: env.py already
     compiled (a template child's, from the warm-up probe), else it is compiled here."""
+    scrub.workspace = os.getcwd()  # the set-up left us in it, before any env code could move
     if code is None:
         code = compile(read_file(path), path, "exec")
     sys.argv = [path]

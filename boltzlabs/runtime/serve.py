@@ -343,6 +343,23 @@ def reset_caller(reset: Any) -> Any:
     return lambda seed, options: reset(seed, options=options) if options else reset(seed)
 
 
+def scrubbed(reset: Any, what: Any) -> Any:
+    """`reset(seed, options)` after a scrub (runtime/scrub.py) of this sandbox; its info says what
+    the scrub removed (info["scrubbed"]). `what`: the RESET frame's scrub field, {"ipc": bool}
+    (whether the sandbox has an IPC namespace of its own, whose objects go too)."""
+
+    def reset_scrubbed(seed: Any, options: Any) -> Any:
+        from boltzlabs.runtime import scrub
+
+        report = scrub.scrub(scrub.workspace, ipc=type(what) is dict and what.get("ipc") is True)
+        result = reset(seed, options)
+        if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
+            return result[0], dict(result[1], scrubbed=report)
+        return result, {"scrubbed": report}
+
+    return reset_scrubbed
+
+
 def _reset_reply(seq: Any, result: Any) -> Any:
     if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
         obs, info = result
@@ -756,8 +773,11 @@ def _serve_loop(channel: _Channel, reset: Any, step: Any, render: Any, info: dic
                         pass
                 _reply(channel, seq, "step", _step_reply, step, action)
             elif code == wire.RESET:
-                _, seq, seed, options = message
-                _reply(channel, seq, "reset", _reset_reply, reset, seed, options)
+                seq, seed, options = message[1:4]
+                if len(message) > 4 and message[4]:  # reset(scrub=True): the sandbox scrubbed first
+                    _reply(channel, seq, "reset", _reset_reply, scrubbed(reset, message[4]), seed, options)
+                else:
+                    _reply(channel, seq, "reset", _reset_reply, reset, seed, options)
             elif code == wire.RENDER:
                 seq = message[1]
                 _reply(channel, seq, "render", _render_reply, render if render is not None else lambda: None)

@@ -38,6 +38,9 @@ class PoolConfig:
     start_timeout: float
     step_timeout: float
     gated: bool  # serialize_measurement: one env's step at a time
+    # RLPool(cpu_budget=): CPU seconds a lane's sandbox may use per step, all its processes
+    # (worker/cpu_budget.py); None: no budget.
+    cpu_budget: float | None
     limits: dict  # per env: the policy's [env_limits] with the pool's overrides (docs/limits.md)
     memory_limit: int | None
     straggler_grace: float
@@ -111,6 +114,7 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
         start_timeout=start_timeout,
         step_timeout=step_timeout,
         gated=bool(request.get("serialize_measurement")),
+        cpu_budget=cpu_budget(request.get("cpu_budget")),
         limits=env_limits,
         memory_limit=env_limits.get("memory") or None,
         straggler_grace=env_limits.get("straggler_grace", float("inf")),
@@ -154,6 +158,18 @@ def _str_fix(asked: int, ceiling: int) -> str:
         "; the sandbox policy's [limits] max_str_len, the most a pool may ask for: send less, or run the pool "
         "under a policy that allows more (BOLTZLABS_POLICY: docs/limits.md)"
     )
+
+
+def cpu_budget(asked) -> float | None:
+    """OPEN's cpu_budget: None (no budget), or a finite number of seconds > 0; else ValueError.
+    A remote client's is taken as asked: it only ever restricts that client's own pool."""
+    if asked is None:
+        return None
+    if isinstance(asked, bool) or not isinstance(asked, (int, float)) or not 0 < asked < float("inf"):
+        raise ValueError(
+            f"cpu_budget must be a positive, finite number of CPU seconds per step (None: no budget), not {asked!r:.80}"
+        )
+    return float(asked)
 
 
 PRELOAD_FILE = "boltzlabs.toml"  # beside env.py: [boltzlabs] preload = ["scipy.special", ...]

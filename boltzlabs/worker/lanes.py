@@ -117,6 +117,18 @@ del _state
 # lane_states()'s vocabulary, as the client documents it (starting never outlives a call).
 SHOWN = tuple(dict.fromkeys(state.shown for state in State))
 
+# Lane.limit_hit of a lane killed over RLPool(cpu_budget=) (worker/cpu_budget.py).
+CPU_BUDGET = "cpu_budget"
+
+
+def failure(lane: Lane, error: str) -> dict[str, Any]:
+    """The info of a lane's failed result: {"error": error}, and "cpu_budget": True when its
+    sandbox was killed over its cpu_budget."""
+    info: dict[str, Any] = {"error": error}
+    if lane.state.dead and lane.limit_hit == CPU_BUDGET:
+        info[CPU_BUDGET] = True
+    return info
+
 
 class Lane:
     """One env's sandbox as the worker sees it: process, channel, log and state."""

@@ -59,9 +59,10 @@ from boltzlabs import abi, wire
 from boltzlabs.abi import PR_SET_NAME
 from boltzlabs.errors import ProtocolError, TemplateUnavailable, describe_status, exit_signal
 from boltzlabs.host.builder import SandboxSpec
-from boltzlabs.host.cgroups import CgroupPool
+from boltzlabs.host.cgroups import CgroupPool, cpus_allowed
 from boltzlabs.worker.config import PoolConfig
 from boltzlabs.worker.confinement import Confinement
+from boltzlabs.worker.cpu_budget import CpuMeter
 from boltzlabs.worker.lanes import BUSY, IDLE, IN_FLIGHT, STARTING, Lane
 from boltzlabs.worker.reactor import OBJECT_COST, Budget, Reactor, check_reply, describe, read_fd
 from boltzlabs.worker.slots import Slots
@@ -141,6 +142,13 @@ class Lifecycle:
         self.template_frozen: bool = False
         # How a frame from a lane is handled: with the freezer, the lane is frozen first.
         self.on_message: Callable[[Lane, list], None] = self._on_message_freezing if self.freezing else self._on_message
+        # RLPool(cpu_budget=): each lane's CPU in its step's window (cpu_budget.py), None without a
+        # budget (server.py refuses a budget where the cgroups count no CPU). A reply is metered first.
+        self.meter: CpuMeter | None = None
+        self.on_message_unmetered: Callable[[Lane, list], None] = self.on_message  # where a metered reply goes on
+        if config.cpu_budget is not None and cgroups is not None and cgroups.counts_cpu:
+            self.meter = CpuMeter(config.cpu_budget, cgroups, cpus_allowed(), self.lanes, self.kill)
+            self.on_message = self._on_message_metered
 
     def use_template(self) -> None:
         """Spawn by forks of a warm template (spawn="template"); TemplateUnavailable if it cannot start."""
@@ -176,14 +184,21 @@ class Lifecycle:
 
     def poll(self, timeout: float | None) -> None:
         """One round of the reactor: read every ready fd, handle what arrived; then
-        kill the stragglers past their grace (waking up in time for them)."""
+        kill the stragglers past their grace, and with a cpu_budget the lanes past it
+        (waking up in time for both)."""
         overdue = self.overdue
         if overdue:
             due = max(0.0, overdue[0][0] - time.monotonic())
             timeout = due if timeout is None or timeout < 0 else min(timeout, due)
+        meter = self.meter
+        if meter is not None and meter.checks:
+            due = max(0.0, meter.next_check() - time.monotonic())
+            timeout = due if timeout is None or timeout < 0 else min(timeout, due)
         self.reactor.poll(timeout)
         if overdue:
             self._kill_overdue()
+        if meter is not None and meter.checks:
+            meter.check()
 
     def straggling(self, lane: Lane) -> None:
         """env missed its deadline and is still running: it has straggler_grace
@@ -373,6 +388,15 @@ class Lifecycle:
             if lane.state.dead:
                 return
 
+    def _on_message_metered(self, lane: Lane, message: list) -> None:
+        """on_message of a pool with a cpu_budget: the reply a lane owes is metered before it is
+        taken, and a lane over its budget is killed, the reply dropped (cpu_budget.py)."""
+        meter = self.meter
+        assert meter is not None
+        if lane.state.due and len(message) >= 2 and message[1] == lane.seq and meter.at_reply(lane):
+            return
+        self.on_message_unmetered(lane, message)
+
     def _on_message(self, lane: Lane, message: list) -> None:
         code = message[0]
         if lane.state is STARTING:
@@ -525,10 +549,12 @@ class Lifecycle:
             op.waiting.discard(lane.index)
             op.results[lane.index] = None  # failure: see lane.cause
 
-    def kill(self, lane: Lane, cause: str) -> None:
-        """Kill env's sandbox now, its whole tree; the spawner reaps it."""
+    def kill(self, lane: Lane, cause: str, limit: str = "") -> None:
+        """Kill env's sandbox now, its whole tree; the spawner reaps it. `limit`: the limit it
+        is killed at, by its name (lane.limit_hit: lanes.CPU_BUDGET), '' for none."""
         if lane.state.dead:
             return
+        lane.limit_hit = limit
         self.spawner.kill(lane)
         if self.cgroups is not None:
             self.cgroups.kill(lane.index)  # and thaws it: killed tasks die on the way out

@@ -30,7 +30,7 @@ import msgpack
 from boltzlabs import wire
 from boltzlabs.worker import native
 from boltzlabs.worker.config import PoolConfig
-from boltzlabs.worker.lanes import BUSY, FINISHED, IDLE, Lane
+from boltzlabs.worker.lanes import BUSY, FINISHED, IDLE, Lane, failure
 from boltzlabs.worker.lifecycle import Lifecycle, Op
 from boltzlabs.worker.reactor import Budget, Reactor
 from boltzlabs.worker.spawn import TEMPLATE_LANE, TemplateSpawner
@@ -98,7 +98,10 @@ class Requests:
         op = Op(seq)
         lifecycle.begin(op)
         gated = self.config.gated
-        if self.fastpath is not None and not gated:
+        meter = lifecycle.meter
+        # The native path waits in C until the deadline: with a cpu_budget the lanes' CPU must be
+        # read at each reply and while they run (cpu_budget.py), which the pure path's loop does.
+        if self.fastpath is not None and not gated and meter is None:
             result = self._step_native(actions, resets, op)
             if result is not None:
                 return result
@@ -108,9 +111,10 @@ class Requests:
         freezing = lifecycle.freezing
         step_timeout = self.config.step_timeout
         immediate: dict[int, str] = {}
-        # Hot path (pure), fan-out: one frame per idle env, written straight to its channel.
+        # Hot path (pure), fan-out: one frame per idle env, written straight to its channel (with a
+        # cpu_budget, once its window is open: a lane over the budget of the last one is killed instead).
         for lane, action in zip(lanes, actions):
-            if lane.state is IDLE:
+            if lane.state is IDLE and (meter is None or meter.open(lane, seq)):
                 if resets and lane.index in resets:
                     body = pack([wire.RESET, seq, None, None])
                     lane.expect = wire.RESET_DONE
@@ -205,7 +209,7 @@ class Requests:
         elif straggler and not lane.state.dead:
             info = {"straggler": True, "error": f"missed the step deadline of {self.config.step_timeout:g} s"}
         elif straggler:
-            info = {"straggler": True, "error": lane.cause}
+            info = {"straggler": True, **failure(lane, lane.cause)}
         elif immediate == "straggler":
             info = {
                 "straggler": True,
@@ -213,9 +217,9 @@ class Requests:
                 "reset it (it will be killed and respawned)",
             }
         elif immediate == "dead":
-            info = {"error": f"env is dead ({lane.cause}); reset it to respawn"}
+            info = failure(lane, f"env is dead ({lane.cause}); reset it to respawn")
         else:
-            info = {"error": lane.cause}
+            info = failure(lane, lane.cause)
         return None, 0.0, False, True, info
 
     def _step_native(self, actions: list, resets: set, op: Op):
@@ -302,9 +306,11 @@ class Requests:
         budget.free(batch.held)
         return wire.Raw(batch.compose(overrides, wire.pack(stragglers)))
 
-    def reset(self, indices, seeds, hard: bool, options=None) -> list:
+    def reset(self, indices, seeds, hard: bool, options=None, scrub: bool = False) -> list:
         """Reset the lanes in `indices` (respawned first when hard, dead or
-        busy): [indices, obs, infos]."""
+        busy): [indices, obs, infos]. `scrub` (and not hard): each live lane's
+        sandbox kills every process but its server and empties its workspace
+        before the env's reset (runtime/scrub.py); counted from outside after."""
         lifecycle = self.lifecycle
         indices = lifecycle.check_lanes(indices)
         if seeds is not None and (not isinstance(seeds, list) or len(seeds) != len(indices)):
@@ -312,11 +318,16 @@ class Requests:
         self.stepping.pump()
         for index in indices:
             self.stepping.refuse_outstanding(index, "reset")
+        if not isinstance(scrub, bool):
+            raise ValueError(f"reset() scrub must be a bool, not {scrub!r}")
         lanes = [lifecycle.lanes[i] for i in indices]
+        fresh = {lane.index for lane in lanes if hard or lane.state is not IDLE}  # respawned: nothing to scrub
         lifecycle.respawn(lanes, hard)
         seq = lifecycle.next_seq()
         op = Op(seq)
         lifecycle.begin(op)
+        # A scrub also removes the sandbox's SysV IPC objects where its IPC namespace is its own.
+        scrubbing = {"ipc": "ipc" in lifecycle.confinement.kinds} if scrub else None
         for lane, seed in zip(lanes, seeds or [None] * len(lanes)):
             if lane.state is not IDLE:
                 continue
@@ -326,11 +337,16 @@ class Requests:
             op.waiting.add(lane.index)
             if lifecycle.freezing:
                 lifecycle.thaw(lane)
-            self.reactor.write(lane, wire.encode([wire.RESET, seq, seed, options]))
+            if scrubbing is None or lane.index in fresh:
+                self.reactor.write(lane, wire.encode([wire.RESET, seq, seed, options]))
+            else:
+                self.reactor.write(lane, wire.encode([wire.RESET, seq, seed, options, scrubbing]))
         self._wait(op, time.monotonic() + self.config.step_timeout)
         lifecycle.end()
         for index in op.waiting:
             lifecycle.straggling(lifecycle.lanes[index])
+        if scrubbing is not None:
+            self._count_scrubbed([lane for lane in lanes if lane.index not in fresh], op)
         obs, infos = [], []
         for lane in lanes:
             if not lane.state.due:
@@ -350,6 +366,28 @@ class Requests:
             else:
                 infos.append({"error": f"could not be reset: {lane.cause}", "log": tail(lane.log)})
         return [indices, obs, infos]
+
+    def _count_scrubbed(self, lanes: list[Lane], op: Op) -> None:
+        """Each scrubbed lane's cgroup counted from outside: a sandbox whose scrub said it was done
+        but that still holds a process besides its server (and, in exec mode, bubblewrap's two) is
+        killed, named on its lane: its server is no longer the env's (an action ran in it).
+        Without cgroups the count is the sandbox's own word."""
+        lifecycle = self.lifecycle
+        if lifecycle.cgroups is None:
+            return
+        at_rest = lifecycle.spawner.processes_at_rest
+        for lane in lanes:
+            result = op.results.get(lane.index)
+            if not result or result[0] != wire.RESET_DONE:
+                continue
+            left = lifecycle.cgroups.procs(lane.index)
+            if len(left) > at_rest:
+                lifecycle.kill(
+                    lane,
+                    f"its scrub reported done, yet {len(left) - at_rest} process(es) besides its server were "
+                    "still running (counted in its cgroup); killed: reset it to respawn",
+                )
+                op.results[lane.index] = None
 
     def render(self, indices) -> list:
         """One frame per lane in `indices` (None for a lane that has none)."""
@@ -394,6 +432,8 @@ class Requests:
         for k, index in enumerate(indices):
             lane = lifecycle.lanes[index]
             if lane.state is IDLE or lane.state is FINISHED:  # an env with a result held for recv may answer too
+                if lifecycle.meter is not None:
+                    lifecycle.meter.carry(lane, seq)  # a step's CPU window goes on through it
                 lane.seq = seq
                 lane.on("request")
                 lane.expect = expect

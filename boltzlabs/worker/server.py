@@ -171,7 +171,11 @@ class Worker:
         guardian = None
         try:
             self.cgroups = CgroupPool(
-                config.memory_limit, limits.get("pids"), freezer=config.gated, pool_pids=limits.get("pool_pids")
+                config.memory_limit,
+                limits.get("pids"),
+                freezer=config.gated,
+                pool_pids=limits.get("pool_pids"),
+                cpu=config.cpu_budget is not None,
             )
             if (limits.get("pids") or limits.get("pool_pids")) and not self.cgroups.limits_pids:
                 self.limits_note = (
@@ -196,6 +200,18 @@ class Worker:
                 raise ValueError(
                     f"memory_limit needs a writable memory cgroup, and this host has none ({exc}); {DELEGATE_FIX}"
                 )
+            if config.cpu_budget is not None:
+                raise ValueError(
+                    f"cpu_budget needs the pool's cgroups to count each env's CPU (all its processes), and this "
+                    f"host gives the worker no writable cgroup ({exc}); {DELEGATE_FIX}"
+                )
+        if config.cpu_budget is not None and self.cgroups is not None and not self.cgroups.counts_cpu:
+            # (worker.close() removes the cgroups made so far, as for any refusal of OPEN.)
+            raise ValueError(
+                f"cpu_budget needs the pool's cgroups to count each env's CPU (all its processes), and here they "
+                f"cannot: {self.cgroups.cpu_note} (cgroup v1 needs a writable cpuacct hierarchy beside the memory "
+                f"one); {DELEGATE_FIX}"
+            )
         if self.cgroups is not None:
             # However this worker dies, its cgroups go with it (and the room made for them).
             guardian = guard_cgroups(self.cgroups.paths, self.cgroups.release)
@@ -242,10 +258,12 @@ class Worker:
             "guardian": guardian,
             "hello": lifecycle.hello,
             "step_timeout": config.step_timeout,
+            "cpu_budget": config.cpu_budget,
             "start_timeout": config.start_timeout,  # the client's deadline for a reset's respawns
             "max_str_len": config.max_str_len,  # the trainer refuses an action holding a longer str
             "spawn": spawner.kind,
-            "fast_path": self.fastpath is not None,
+            # (A pool with a cpu_budget steps through the pure path: requests.step.)
+            "fast_path": self.fastpath is not None and config.cpu_budget is None,
             "fast_path_note": self.fastpath_note,
             # What the trainer's import roots left out of the sandboxes (host/roots.py), said once.
             "import_note": spec.plan.import_note,

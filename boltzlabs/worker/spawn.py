@@ -78,6 +78,7 @@ class Spawner(Protocol):
     """What the worker asks of a spawner (ExecSpawner, TemplateSpawner)."""
 
     kind: str  # "exec" or "template": RLPool(spawn=...) as it is served
+    processes_at_rest: int  # a live sandbox's processes: what a scrubbed lane's cgroup may hold
 
     def spawn(self, lane: Lane) -> None:
         """Start env's sandbox: set lane.chan, lane.wchan, lane.logfd (and lane.pid when known)."""
@@ -225,6 +226,8 @@ class ExecSpawner:
     """spawn="exec": each env is its own bubblewrap sandbox and interpreter."""
 
     kind = "exec"
+    # A live sandbox's processes: bwrap, its init (pid 1 inside) and the env's server.
+    processes_at_rest = 3
 
     def __init__(self, context: SpawnContext):
         self.context: SpawnContext = context  # what it may use of the pool
@@ -323,6 +326,8 @@ class TemplateSpawner:
     """
 
     kind = "template"
+    # A live sandbox's processes: the env's server alone (pid 1 of its namespace).
+    processes_at_rest = 1
 
     def __init__(self, context: SpawnContext):
         self.context: SpawnContext = context  # what it may use of the pool

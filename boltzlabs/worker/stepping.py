@@ -32,7 +32,7 @@ import msgpack
 
 from boltzlabs import wire
 from boltzlabs.worker.config import PoolConfig
-from boltzlabs.worker.lanes import IDLE, IN_FLIGHT, Lane
+from boltzlabs.worker.lanes import IDLE, IN_FLIGHT, Lane, failure
 from boltzlabs.worker.lifecycle import Lifecycle
 from boltzlabs.worker.reactor import Budget, Reactor
 
@@ -90,9 +90,14 @@ class Stepping:
         freezing = lifecycle.freezing
         write = self.reactor.write
         deadline = now + self.config.step_timeout
+        meter = lifecycle.meter
         # Hot path: one frame per lane, written straight to its channel.
         for index, action in zip(indices, actions):
             lane = lanes[index]
+            if meter is not None and lane.state is IDLE:
+                # Its step's CPU window opens (cpu_budget.py); a lane over the budget of its
+                # last one is killed instead, and refused below.
+                meter.open(lane, seq)
             if lane.state is not IDLE:  # dead, or a straggler still busy: a failure result at once, as in step()
                 info = _unavailable(lane)
                 lane.on("refuse")
@@ -218,7 +223,7 @@ class Stepping:
 
     def take(self, lane: Lane, reply: list | None, cause: str) -> None:
         """env's async action has its reply (None: it died of `cause`): its result, held for recv."""
-        self._finish(lane, outcome(reply, cause))
+        self._finish(lane, outcome(reply, cause, lane))
 
     def _finish(self, lane: Lane, result: tuple) -> None:
         """env's async action has its one result (its state says so already): hold it for recv."""
@@ -297,11 +302,12 @@ class Stepping:
         self.expire()
 
 
-def outcome(result, cause: str) -> tuple:
+def outcome(result, cause: str, lane: Lane) -> tuple:
     """An async lane's result as (obs, reward, terminated, truncated, info);
-    failures as step() reports them: truncated, reward 0, info["error"]."""
+    failures as step() reports them: truncated, reward 0, info["error"]
+    (and info["cpu_budget"] for `lane` killed over it: lanes.failure)."""
     if result is None:
-        return (None, 0.0, False, True, {"error": cause})
+        return (None, 0.0, False, True, failure(lane, cause))
     code = result[0]
     if code == wire.STEPPED:
         return (result[2], float(result[3]), result[4], result[5], result[6])
@@ -312,7 +318,7 @@ def outcome(result, cause: str) -> tuple:
 
 def _unavailable(lane: Lane) -> dict:
     if lane.state.dead:
-        return {"error": f"env is dead ({lane.cause}); reset it to respawn"}
+        return failure(lane, f"env is dead ({lane.cause}); reset it to respawn")
     return {
         "straggler": True,
         "error": "still busy with an earlier step it has not answered; reset it (it will be killed and respawned)",
