@@ -34,6 +34,9 @@ CONFINE_VARIABLE = "BOLTZLABS_CONFINE"  # the set-up plan (runtime/confine.encod
 ENV_FNS_VARIABLE = "BOLTZLABS_ENV_FNS"  # the pool's env_fns file, inside the sandbox
 PROBE_VARIABLE = "BOLTZLABS_PROBE"  # "1" in the warm-up probe: serve() reports instead of serving
 GROUP_VARIABLE = "BOLTZLABS_GROUP"  # RLPool(envs_per_sandbox=k): "k,envs,max_frame" (runtime/group.py)
+# The pool's max_str_len in bytes: the longest str an env's decoder takes in a request, and its
+# serve() sends in a reply (runtime/serve.py); unset: only the frame caps apply.
+MAX_STR_VARIABLE = "BOLTZLABS_MAX_STR_LEN"
 
 # --- exit codes of a sandboxed process ---------------------------------------
 # The worker's description of a lane's death names each (describe_exit). Not 0,
@@ -41,6 +44,7 @@ GROUP_VARIABLE = "BOLTZLABS_GROUP"  # RLPool(envs_per_sandbox=k): "k,envs,max_fr
 # bwrap reports one).
 NO_SERVE_EXIT = 87  # env.py returned (or exited with 0) without calling serve()
 SET_UP_EXIT = 88  # the sandbox's own set-up (confine, the template) failed before any env code ran
+REFUSED_EXIT = 89  # serve() refused a request from the worker (a str over the pool's max_str_len): its log says why
 
 # --- Linux constants (include/uapi/linux/sched.h, mount.h, prctl.h, seccomp.h, if.h, sockios.h, falloc.h)
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS = 0x00020000, 0x02000000, 0x04000000

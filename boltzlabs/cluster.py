@@ -247,6 +247,8 @@ class ClusterPool(Pool):
         self._ready: list = []  # async results taken from a node beyond what recv() asked for
         self.env_contract = self._live()[0].pool.env_contract
         self.spawn = self._live()[0].pool.spawn
+        caps = [shard.pool.max_str_len for shard in self._live() if shard.pool.max_str_len is not None]
+        self.max_str_len = min(caps) if caps else None  # every node's worker holds a str to its own
 
     # -- placement -------------------------------------------------------------------
 

@@ -128,6 +128,12 @@ def describe_exit(code: int) -> str:
         )
     if code == _abi.SET_UP_EXIT:
         return f"exited with code {code}: the sandbox's own set-up failed before any env code ran"
+    if code == _abi.REFUSED_EXIT:
+        return (
+            f"exited with code {code}: its serve() refused a request from the worker that it could not decode "
+            "(a str over the pool's max_str_len, limits={'max_str_len': ...}, in reset options or call "
+            "arguments, say); the env's log says what"
+        )
     return f"exited with code {code}"
 
 

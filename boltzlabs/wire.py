@@ -503,7 +503,18 @@ class Limits:
     (no recursion), after the decode.
     """
 
-    __slots__ = ("max_frame", "kwargs", "max_depth", "max_objects", "guarded", "_count", "made", "_inner", "slot_marks")
+    __slots__ = (
+        "max_frame",
+        "kwargs",
+        "max_depth",
+        "max_objects",
+        "guarded",
+        "_count",
+        "made",
+        "_inner",
+        "slot_marks",
+        "str_fix",
+    )
 
     def __init__(
         self,
@@ -515,8 +526,12 @@ class Limits:
         arrays: str = "decode",
         max_depth: int | None = None,
         max_objects: int | None = None,
+        str_fix: str = "",
     ) -> None:
         self.max_frame = int(max_frame)
+        # What the refusal of a str over max_str_len adds: how its owner raises the cap (the
+        # worker's env limits name RLPool(limits={'max_str_len': ...}) and the policy's ceiling).
+        self.str_fix = str_fix
         cap = self.max_frame
 
         def clamp(limit: Any) -> Any:  # None: only the frame cap applies
@@ -657,6 +672,69 @@ def _too_deep(message: Any, limit: int) -> bool:
     return False
 
 
+# msgpack's "N exceeds max_X_len(M)": what X counts, in words.
+_LENGTHS = {
+    "max_str_len": ("a str of", "bytes (UTF-8)"),
+    "max_bin_len": ("a bytes value of", "bytes"),
+    "max_array_len": ("a list of", "items"),
+    "max_map_len": ("a dict of", "entries"),
+    "max_ext_len": ("an extension value (array, tuple) of", "bytes"),
+}
+
+
+def _refusal(exc: BaseException, limits: Limits) -> str:
+    """Why msgpack refused a frame body, in words: a length over one of the Limits' caps (which,
+    how long, the cap, and for a str its owner's `str_fix`), a str that is not UTF-8, or malformed."""
+    text = str(exc)
+    if type(exc).__name__ == "StackError":
+        return "frame is nested deeper than msgpack's limit of 1024 levels"
+    if type(exc) is ValueError and " exceeds max_" in text:
+        size, _, rest = text.partition(" exceeds ")
+        name, _, cap = rest.partition("(")
+        cap = cap.rstrip(")")
+        if name in _LENGTHS and size.isdigit() and cap.isdigit():
+            what, unit = _LENGTHS[name]
+            fix = limits.str_fix if name == "max_str_len" else ""
+            return f"frame holds {what} {int(size):,} {unit}, over its cap of {int(cap):,} (limits.{name}){fix}"
+    if isinstance(exc, UnicodeDecodeError):
+        return (
+            f"malformed frame: a str that is not valid UTF-8 ({exc.reason} at byte {exc.start} of a "
+            f"{len(exc.object):,}-byte str); binary data travels as bytes"
+        )
+    return f"malformed frame ({type(exc).__name__}: {exc})"
+
+
+def long_str(value: Any, cap: int) -> int:
+    """The size in UTF-8 bytes of the first str in `value` longer than `cap` bytes, or 0 when none is.
+
+    Looks through lists, tuples, dicts (keys too) and numpy arrays of str or objects, the way
+    encode() would send them, with no recursion; a str's bytes are counted only when its length
+    in characters could pass the cap (ASCII: its length, at no cost). For the trainer's check of
+    actions (pool/protocol.py) and an env's of its own replies (runtime/serve.py), each against
+    the pool's max_str_len, before the bytes go anywhere. A value that holds itself is looked
+    through a bounded number of items, then left to encode() to refuse."""
+    quarter = cap >> 2  # a character is at most 4 bytes
+    stack = [value]
+    pop, extend = stack.pop, stack.extend
+    left = 1 << 24
+    while stack and left:
+        left -= 1
+        item = pop()
+        if isinstance(item, str):
+            if len(item) > quarter:
+                size = len(item) if item.isascii() else len(item.encode("utf-8", "surrogatepass"))
+                if size > cap:
+                    return size
+        elif isinstance(item, (list, tuple)):
+            extend(item)
+        elif isinstance(item, dict):
+            extend(item)
+            extend(item.values())
+        elif type(item).__module__ == "numpy" and getattr(getattr(item, "dtype", None), "kind", "") in ("U", "O"):
+            stack.append(item.tolist())
+    return 0
+
+
 def decode(body: Any, limits: Limits) -> Any:
     """Decode one frame body (bytes or memoryview) under `limits`."""
     message = None
@@ -686,9 +764,7 @@ def decode(body: Any, limits: Limits) -> Any:
             "send big data as numpy arrays or bytes"
         )
     except Exception as exc:  # msgpack raises several types for bad input
-        error = f"malformed frame ({type(exc).__name__}: {exc})"
-        if type(exc).__name__ == "StackError":
-            error = "frame is nested deeper than msgpack's limit of 1024 levels"
+        error = _refusal(exc, limits)
     else:
         error = None  # type: ignore[assignment]  # (a str in the branches above)
         if type(message) is not list or not message or type(message[0]) is not int:

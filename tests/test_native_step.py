@@ -371,6 +371,37 @@ def test_odd_but_valid_forms_are_safe_either_way(data):
     check_vouch(data)  # C may leave these to Python; it must not vouch for anything Python refuses
 
 
+# Byte runs that test the walker's UTF-8 check around its eight-bytes-at-a-time ASCII path: valid
+# 2-, 3- and 4-byte forms and each kind Python's strict decoder refuses (a lone continuation byte,
+# overlong forms, a surrogate, past U+10FFFF, a truncated sequence, bytes no UTF-8 holds).
+UTF8_RUNS = [
+    "é".encode(),
+    "€".encode(),
+    "𝄞".encode(),
+    b"\x80",
+    b"\xc0\xaf",
+    b"\xe0\x80\xaf",
+    b"\xed\xa0\x80",
+    b"\xf4\x90\x80\x80",
+    b"\xe2\x82",
+    b"\xf8\x88\x80\x80\x80",
+    b"\xff",
+]
+
+
+@pytest.mark.parametrize("run", UTF8_RUNS, ids=lambda run: run.hex())
+def test_utf8_is_checked_as_python_checks_it_at_every_offset_around_the_ascii_words(run):
+    """Text is mostly ASCII, which the walker checks eight bytes at a time: a multibyte form or a
+    bad byte at any offset of a word, across two, at either end, after an ASCII run or none, is
+    judged exactly as Python's decoder judges it."""
+    for length in (0, 1, 7, 8, 9, 15, 16, 17, 24, 40):
+        for at in range(length + 1):
+            for tail in (b"", run):
+                raw = b"a" * at + run + b"b" * (length - at) + tail
+                verdict = check_vouch(body_frame(b"\xdb" + struct.pack(">I", len(raw)) + raw))
+                assert verdict[0] == verdict[1], (raw, verdict)
+
+
 def test_python_agrees_the_edge_forms_it_accepts_are_accepted():
     # Not everything odd is refused: C takes these as Python does.
     for data in (

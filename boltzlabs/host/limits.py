@@ -7,6 +7,9 @@ sandbox/policy.toml [env_limits] + RLPool(limits=...) --resolve()--> limits (wor
     open_files, file_size, core_size, msgqueue --encode()--> rlimits= of the plan's
         $BOLTZLABS_CONFINE (boltzlabs/host/plan.py)
         --> boltzlabs/runtime/rlimits.py applies them inside the sandbox
+sandbox/policy.toml [limits] max_str_len + RLPool(limits={"max_str_len": ...}) --split(), bound()-->
+    the pool's own cap on a str, at most the policy's (worker/config.py: the env limits' decoder,
+    the envs' $BOLTZLABS_MAX_STR_LEN, the trainer's check of actions)
 """
 
 from __future__ import annotations
@@ -17,13 +20,17 @@ from typing import Any
 from boltzlabs.runtime.rlimits import RLIMITS
 from boltzlabs.units import parse_size
 
-__all__ = ["RLIMITS", "resolve", "encode", "host_tasks", "task_count"]
+__all__ = ["RLIMITS", "BOUNDS", "resolve", "split", "bound", "encode", "host_tasks", "task_count"]
 
 _SIZES = ("memory", "file_size", "core_size", "msgqueue")
 _ZERO_MEANS_ZERO = ("core_size", "msgqueue")  # the others: 0 is "no limit"
 # The least an env can start with: bwrap and the interpreter need a few
 # tasks and a few dozen files before env.py runs.
 _MINIMUM = {"pids": 8, "pool_pids": 8, "open_files": 32}
+# Keys of the policy's [limits] (bounds on what crosses between the trainer and an env, not
+# per-env kernel limits) that RLPool(limits={...}) may set for one pool, each at most the
+# policy's own value, with the least each may be (tracebacks and error messages are strs too).
+BOUNDS = {"max_str_len": 1024}
 
 
 def host_tasks() -> int:
@@ -66,7 +73,10 @@ def resolve(table: dict[str, Any], overrides: dict[str, Any] | None = None, memo
     overrides = dict(overrides or {})
     unknown = sorted(set(overrides) - set(table))
     if unknown:
-        raise ValueError(f"unknown env limit(s) {unknown}; the policy's limits are {sorted(table)}")
+        raise ValueError(
+            f"unknown env limit(s) {unknown}; the policy's limits are {sorted(table)}, and a pool's bounds "
+            f"{sorted(BOUNDS)}"
+        )
     if memory_limit is not None:
         if overrides.get("memory", memory_limit) != memory_limit:
             raise ValueError("give memory_limit= or limits={'memory': ...}, not both")
@@ -88,6 +98,36 @@ def resolve(table: dict[str, Any], overrides: dict[str, Any] | None = None, memo
         else:
             out[key] = value
     return out
+
+
+def split(overrides: Any) -> tuple[Any, dict[str, Any]]:
+    """RLPool(limits=...) as (the env limits, for resolve(); the pool's BOUNDS keys, for bound()).
+    Anything but a dict is left whole to resolve(), which names what it takes."""
+    if not isinstance(overrides, dict) or not set(BOUNDS) & set(overrides):
+        return overrides, {}
+    env = {key: value for key, value in overrides.items() if key not in BOUNDS}
+    return env, {key: value for key, value in overrides.items() if key in BOUNDS}
+
+
+def bound(key: str, value: Any, ceiling: int) -> int:
+    """A pool's `key` of BOUNDS (bytes, or a size like "512K"), at least BOUNDS[key] and at most
+    `ceiling`, the policy's [limits] value. Above it is refused, never clamped: a pool sized
+    for 8 MiB logs would otherwise fail its lanes at 4 MiB, far from the line that asked."""
+    if value is None:
+        return ceiling
+    try:
+        size = parse_size(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"limits[{key!r}] must be a size in bytes, like 524288 or '512K', not {value!r:.80}") from None
+    if size < BOUNDS[key]:
+        raise ValueError(f"limits[{key!r}]={size} is below the least a pool may have, {BOUNDS[key]} bytes")
+    if size > ceiling:
+        raise ValueError(
+            f"limits[{key!r}]={size:,} bytes is over the sandbox policy's [limits] {key} of {ceiling:,} bytes, the "
+            f"most a pool may ask for; ask for at most that, or run the pool under a policy that allows more (a copy "
+            "of sandbox/policy.toml with a larger [limits] value, named by BOLTZLABS_POLICY: docs/limits.md)"
+        )
+    return size
 
 
 def encode(limits: dict[str, Any], open_files: int | None = None) -> str:

@@ -72,6 +72,7 @@ from boltzlabs.pool.protocol import (
     check_n,
     raise_unserializable,
 )
+from boltzlabs.pool.text import text_note
 from boltzlabs.units import parse_size
 
 if TYPE_CHECKING:
@@ -569,6 +570,8 @@ class RLPool(Pool):
             attributes=_offered(hello.get("attributes")),
         )
         self.step_timeout = ready["step_timeout"]
+        max_str_len = ready.get("max_str_len")
+        self.max_str_len = max_str_len if type(max_str_len) is int and max_str_len > 0 else None
         # CPU seconds per step each lane's sandbox may use (RLPool(cpu_budget=)); None: no budget.
         self.cpu_budget: float | None = ready.get("cpu_budget")
         start_timeout = ready.get("start_timeout")
@@ -600,7 +603,8 @@ class RLPool(Pool):
             warnings.warn(ready["fast_path_note"], RuntimeWarning, stacklevel=2)
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, self._link.shutdown)
-        for note in (ready["memory_note"], ready["warning"], ready.get("import_note")):
+        long_text = text_note(hello, self.max_str_len) if _shard[0] == 0 else ""  # one shard says it
+        for note in (ready["memory_note"], ready["warning"], ready.get("import_note"), long_text):
             if note:
                 import warnings
 

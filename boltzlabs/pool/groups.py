@@ -102,6 +102,7 @@ class GroupedPool(Pool):
             inner.hello or {}, observation_space=group.get("observation_space"), action_space=group.get("action_space")
         )
         self.timing = inner.timing
+        self.max_str_len = inner.max_str_len  # each env's str cap is its sandbox's
         # group -> the kind sent to each member (NOT_ASKED: not sent), until the group's result is taken
         self._in_flight: dict[int, list[int]] = {}
         self._held: list[tuple] = []  # (env, obs, reward, terminated, truncated, info): finished, not yet received

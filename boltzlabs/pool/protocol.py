@@ -22,6 +22,7 @@ import numpy as np
 
 from boltzlabs import wire
 from boltzlabs.pool.ids import uuid7
+from boltzlabs.pool.text import refuse_long_strs
 
 __all__ = ["Pool", "StepResult", "RecvResult"]
 
@@ -110,6 +111,10 @@ class Pool(abc.ABC):
 
     source: str  # what the envs are, in words (set by each kind's __init__)
     batch_size: int | None  # recv()'s default batch size (None: every env in flight or finished)
+    # The most UTF-8 bytes one str may hold, each way between the trainer and an env: the worker's
+    # (READY), RLPool(limits={"max_str_len": ...}) or the policy's [limits] max_str_len. An action
+    # holding a longer str is refused here before anything is sent; None: not checked here.
+    max_str_len: int | None = None
 
     def _init_lanes(self, n: int) -> None:
         """The per-lane state every pool kind starts with."""
@@ -264,7 +269,9 @@ class Pool(abc.ABC):
         obs is the reset's, their episode begins, unseeded).
         """
         self._check_open()
-        actions = self._actions(actions, self.n, "step()")
+        given, actions = actions, self._actions(actions, self.n, "step()")
+        if self.max_str_len is not None:
+            refuse_long_strs(given, actions, self.max_str_len, None, "step()")
         resets = self._resets(resets)
         if self._never_reset:
             self._refuse_unreset(range(self.n), resets, "step()")
@@ -292,7 +299,9 @@ class Pool(abc.ABC):
         """
         self._check_open()
         lanes = list(range(self.n)) if env_ids is None else self._env_ids(env_ids)
-        actions = self._actions(actions, len(lanes), "send()")
+        given, actions = actions, self._actions(actions, len(lanes), "send()")
+        if self.max_str_len is not None:
+            refuse_long_strs(given, actions, self.max_str_len, lanes, "send()")
         resets = self._resets(resets)
         if resets and not set(resets) <= set(lanes):
             raise ValueError("send(resets=...) names an env that is not among env_ids")
@@ -378,6 +387,8 @@ class Pool(abc.ABC):
         died, missed the step deadline or returned a value that cannot cross
         the wire; arguments and results travel like actions and observations.
         """
+        if self.max_str_len is not None:
+            refuse_long_strs(None, [[args, kwargs]], self.max_str_len, None, f"call({name!r:.80}, ...)", "arguments")
         return self._attr("call", name, env_ids, list(args), kwargs)
 
     def get_attr(self, name: str, env_ids=None) -> list:
@@ -397,6 +408,8 @@ class Pool(abc.ABC):
                 "Values must be a list or tuple with length equal to the number of environments. "
                 f"Got `{len(values)}` values for {len(lanes)} environments."
             )
+        if self.max_str_len is not None:
+            refuse_long_strs(None, list(values), self.max_str_len, lanes, f"set_attr({name!r:.80}, ...)", "value")
         self._attr("set", name, lanes, [], {}, list(values))
 
     def render_all(self) -> list:

@@ -233,6 +233,8 @@ class Sharding(Pool):
         self.timing = self._timing(shards=[0.0] * k)
         self.env_contract, self.hello = first.env_contract, first.hello
         self.memory_source, self.step_timeout, self.spawn = first.memory_source, first.step_timeout, first.spawn
+        caps = [shard.max_str_len for shard in self._shards if shard.max_str_len is not None]
+        self.max_str_len = min(caps) if caps else None
         self.cpu_budget = first.cpu_budget
         self.fast_path = all(shard.fast_path for shard in self._shards)
         self.channel = first.channel if len({s.channel for s in self._shards}) == 1 else "mixed"

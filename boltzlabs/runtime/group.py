@@ -48,9 +48,6 @@ if TYPE_CHECKING:
 # The key of a group's results in the frame's info; the trainer accepts no other.
 GROUP_KEY = "boltzlabs.group"
 NOT_ASKED, STEPPED, RESET = -1, 0, 1
-# How a group's packed entries are decoded: the worker's frames are trusted more than an env's,
-# and capped the same way (serve._Channel's reader).
-_FROM_WORKER = wire.Limits(1 << 30)
 
 
 def parse(value: str) -> tuple[int, int, int]:
@@ -103,7 +100,8 @@ def run(path: str, code: Any, value: str, main_module: Any) -> None:
         members.append(captured[0])
     _serve.members = None
     os.environ[abi.ENV_INDEX_VARIABLE] = str(group)
-    Group(members, k, first, max_frame).serve(_serve._Channel(fds[0], fds[-1]))
+    channel = _serve._Channel(fds[0], fds[-1])
+    Group(members, k, first, max_frame, channel.max_str).serve(channel)
     sys.stdout.flush()
     os._exit(0)
 
@@ -135,9 +133,15 @@ def _rows(bound: Any, k: int) -> Any:
 class Group:
     """The members of one sandbox and their serve loop."""
 
-    def __init__(self, members: list[Any], k: int, first: int, max_frame: int = 1 << 24) -> None:
+    def __init__(
+        self, members: list[Any], k: int, first: int, max_frame: int = 1 << 24, max_str: int = 1 << 30
+    ) -> None:
         self.members = members
         self.max_frame = max_frame  # a bigger frame would be the worker's protocol violation: never sent
+        # The pool's max_str_len (serve._Channel's): no member's reply holds a longer str (that
+        # member fails alone), and the packed entries of a STEP are decoded under it, as a frame is.
+        self.max_str = max_str
+        self.from_worker = wire.Limits(1 << 30, max_str_len=max_str)
         self.k, self.first = k, first
         self.fresh = True  # no request yet: the first resets every member
         lead = members[0]
@@ -235,7 +239,10 @@ class Group:
         members = self.members
         count = len(members)
         if type(entries) is bytes:  # the trainer packed them (pool/groups.py); the worker passed them on
-            message = wire.decode(entries, _FROM_WORKER)
+            try:
+                message = wire.decode(entries, self.from_worker)
+            except ProtocolError as exc:
+                _serve.refuse_request(exc)
             entries = message[1] if len(message) == 2 and message[0] == wire.STEP else None
         if type(entries) is not list or len(entries) != count:
             raise ProtocolError(
@@ -269,7 +276,7 @@ class Group:
                     if scrubbed is not None:
                         infos[j] = dict(infos[j], scrubbed=scrubbed)
             except Exception as exc:  # that member's bug: it alone fails
-                errors[j] = _serve._failure(seq, "step" if kind == STEPPED else "reset", exc)[2:]
+                errors[j] = _serve._failure(seq, "step" if kind == STEPPED else "reset", exc, self.max_str)[2:]
         results = [kinds, rewards, terminated, truncated, infos, errors]
         marker = self.put(channel, obs, kinds, errors, seq)
         if code == wire.STEPPED:
@@ -291,6 +298,8 @@ class Group:
             data = wire.encode(frame)
         except (TypeError, ValueError, OverflowError):
             data = self.encode_each(frame, obs, infos, errors, kinds)
+        if len(data) - wire.HEADER.size > self.max_str and self.fail_long(obs, infos, errors, kinds):
+            data = wire.encode(frame)
         if len(data) - wire.HEADER.size <= self.max_frame:
             return data
         # The members' values together pass the pool's frame cap (k observations by the wire: a
@@ -310,6 +319,21 @@ class Group:
                 if type(obs) is list:
                     obs[j] = None
         return wire.encode(frame)
+
+    def fail_long(self, obs: list[Any], infos: list[Any], errors: list[Any], kinds: list[Any]) -> bool:
+        """Each asked member whose obs or info holds a str over the pool's max_str_len fails, saying
+        so (the worker would refuse the whole frame, every member with it); whether any did."""
+        failed = False
+        for j, kind in enumerate(kinds):
+            if kind == NOT_ASKED or errors[j] is not None:
+                continue
+            phase = "step" if kind == STEPPED else "reset"
+            why = _serve.long_reply([obs[j] if type(obs) is list else None, infos[j]], self.max_str, phase)
+            if why:
+                errors[j], infos[j], failed = [phase, f"ValueError: {why}", ""], None, True
+                if type(obs) is list:
+                    obs[j] = None
+        return failed
 
     def encode_each(
         self, frame: list[Any], obs: list[Any], infos: list[Any], errors: list[Any], kinds: list[Any]
@@ -379,7 +403,7 @@ class Group:
             try:
                 out.append([j, True, (member["render"] or _none)()])
             except Exception as exc:
-                out.append([j, False, _serve._failure(seq, "render", exc)[3:]])
+                out.append([j, False, _serve._failure(seq, "render", exc, self.max_str)[3:]])
         return self.frame_each(seq, wire.RENDERED, "render", out)
 
     def attr(self, seq: Any, op: str, name: Any, args: Any, kwargs: Any) -> bytes:
@@ -396,7 +420,7 @@ class Group:
             try:
                 out.append([j, True, self.members[j]["attributes"].run(op, name, member_args, kwargs)])
             except Exception as exc:
-                out.append([j, False, _serve._failure(seq, phase, exc)[3:]])
+                out.append([j, False, _serve._failure(seq, phase, exc, self.max_str)[3:]])
         return self.frame_each(seq, wire.ATTR_DONE, phase, out)
 
     def frame_each(self, seq: Any, code: int, phase: str, out: list[Any]) -> bytes:
@@ -404,7 +428,7 @@ class Group:
             return wire.encode([code, seq, out])
         except (TypeError, ValueError, OverflowError) as exc:
             message = f"{type(exc).__name__}: {phase}() returned a value that cannot cross the wire ({exc})"
-            return wire.encode(_serve._failure(seq, phase, ValueError(message)))
+            return wire.encode(_serve._failure(seq, phase, ValueError(message), self.max_str))
 
 
 def _none() -> None:

@@ -25,7 +25,7 @@ from boltzlabs import abi, wire
 
 TYPE_CHECKING = False  # typing is not imported at run time: every env would pay for it
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, NoReturn
 
 __all__ = ["serve", "serve_each", "params", "reset_caller"]
 
@@ -80,8 +80,12 @@ class _Channel:
 
     def __init__(self, rfd: int, wfd: int) -> None:
         self.rfd, self.wfd = rfd, wfd
+        # The pool's max_str_len (abi.MAX_STR_VARIABLE): the longest str a request may hold (an
+        # action, reset options, call arguments: the trainer refuses longer actions before sending)
+        # and a reply of ours (_reply fails it instead of sending what the worker would refuse).
+        self.max_str = _max_str(os.environ.get(abi.MAX_STR_VARIABLE))
         # The worker is trusted more than an env, but a cap still costs nothing.
-        self.reader = wire.FrameReader(wire.Limits(1 << 30))
+        self.reader = wire.FrameReader(wire.Limits(1 << 30, max_str_len=self.max_str))
         self.inbox: list[Any] = []
         self.wait = _readable_waiter(rfd)
         self.slot: Any = None
@@ -104,8 +108,39 @@ class _Channel:
             data = os.read(self.rfd, 1 << 16)  # small: a 1 MiB read buffer costs every env heap pages
             if not data:
                 raise EOFError
-            inbox += self.reader.feed(data)
+            try:
+                inbox += self.reader.feed(data)
+            except ProtocolError as exc:
+                refuse_request(exc)
         return inbox.pop(0)
+
+
+def refuse_request(exc: BaseException) -> NoReturn:
+    """End this env for a request it cannot decode (its stream is lost, frame boundaries with it):
+    why, in its log, and exit abi.REFUSED_EXIT, which the worker names on the lane. Never returns."""
+    sys.stderr.write(f"boltzlabs: this env refused a request from the worker: {exc}\n")
+    sys.stderr.flush()
+    os._exit(abi.REFUSED_EXIT)
+
+
+def _max_str(value: str | None) -> int:
+    """$BOLTZLABS_MAX_STR_LEN as the worker sets it (bytes), or 1 GiB (the frame cap) when unset."""
+    if value and value.isascii() and value.isdigit() and 0 < int(value) <= 1 << 30:
+        return int(value)
+    return 1 << 30
+
+
+# The most UTF-8 bytes an exception's message and its traceback keep each in a FAILED reply (and
+# never over the pool's max_str_len): a test runner's exception may carry megabytes of log.
+FAILURE_TEXT = 1 << 16
+
+
+def _clip(text: str, limit: int) -> str:
+    """`text`, or its head and tail with what was cut between them, within `limit` UTF-8 bytes."""
+    if len(text) <= limit >> 2 or len(text.encode("utf-8", "surrogatepass")) <= limit:
+        return text
+    keep = max(0, limit - 96) >> 3  # characters on each side: 4 bytes at most each
+    return f"{text[:keep]}\n[... {len(text) - 2 * keep:,} characters cut: over {limit:,} bytes ...]\n{text[-keep:]}"
 
 
 _UNOPENED = object()
@@ -247,11 +282,12 @@ def _readable_waiter(fd: int) -> Any:
     return poller.poll
 
 
-def _failure(seq: Any, phase: str, exc: BaseException) -> Any:
+def _failure(seq: Any, phase: str, exc: BaseException, max_str: int = FAILURE_TEXT) -> Any:
     import traceback  # only on failure: 0.9 MiB and ~8 ms an env need not pay
 
-    text = "".join(traceback.format_exception(exc))
-    return [wire.FAILED, seq, phase, f"{type(exc).__name__}: {exc}", text]
+    limit = min(FAILURE_TEXT, max_str)
+    text = _clip("".join(traceback.format_exception(exc)), limit)
+    return [wire.FAILED, seq, phase, _clip(f"{type(exc).__name__}: {exc}", limit), text]
 
 
 def _step_reply(seq: Any, result: Any) -> Any:
@@ -456,9 +492,28 @@ def _reply(channel: _Channel, seq: Any, phase: str, build: Any, call: Any, *args
                 f"{phase}() returned a value that cannot cross the wire ({exc}); send msgpack-able "
                 "values (dict, list, tuple, str, numbers, bool, None, bytes) or numpy arrays"
             ) from None
+        if len(data) > channel.max_str:
+            # Only a frame longer than the cap can hold a str over it. The worker would kill this
+            # env for sending one; failing the request instead keeps the env.
+            too_long = long_reply(reply, channel.max_str, phase)
+            if too_long:  # (not raised: its traceback would show this function, not the env's code)
+                data = wire.encode(_failure(seq, phase, ValueError(too_long), channel.max_str))
     except Exception as exc:  # the env's bug: report it, keep serving
-        data = wire.encode(_failure(seq, phase, exc))
+        data = wire.encode(_failure(seq, phase, exc, channel.max_str))
     channel.write(data)
+
+
+def long_reply(value: Any, cap: int, phase: str) -> str:
+    """Why `value` (a reply, or a group member's obs and info) cannot be sent: it holds a str over
+    `cap` bytes, the pool's max_str_len (its size, and how the pool raises the cap); '' if not."""
+    size = wire.long_str(value, cap)
+    if not size:
+        return ""
+    return (
+        f"{phase}() returned a str of {size:,} bytes (UTF-8), over the pool's max_str_len of {cap:,} bytes: "
+        "send less (a log's tail, say), or raise the pool's cap, RLPool(..., limits={'max_str_len': ...}), "
+        "up to the sandbox policy's [limits] max_str_len"
+    )
 
 
 def serve(

@@ -18,6 +18,7 @@ import resource
 from dataclasses import dataclass
 
 from boltzlabs import wire
+from boltzlabs.host import limits as _limits
 from boltzlabs.host.policy import Policy
 from boltzlabs.worker import affinity
 
@@ -44,6 +45,10 @@ class PoolConfig:
     memory_limit: int | None
     straggler_grace: float
     env_limits: wire.Limits  # how an env's frames are decoded
+    # The most UTF-8 bytes one str may hold, each way: in an env's frame (env_limits), in a request
+    # the env decodes ($BOLTZLABS_MAX_STR_LEN) and in an action (the trainer's check, from READY).
+    # RLPool(limits={"max_str_len": ...}), at most the policy's [limits] max_str_len.
+    max_str_len: int
     hello_limits: wire.Limits  # how its handshake is: kept (lane 0's), so capped on its own
     max_pool_bytes: int
     log_tail: int
@@ -61,6 +66,12 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
     """The pool OPEN asks for, or ValueError/KeyError/TypeError saying what is wrong."""
     if not isinstance(request, dict):
         raise ValueError("OPEN needs the pool's configuration")
+    limits = policy.pool_limits()  # [limits], every key typed and checked (host/policy.py)
+    # A pool's own bounds (limits={"max_str_len": ...}) are [limits] keys, not [env_limits] ones:
+    # taken out first, each capped by the policy itself, for a remote client as for a local one.
+    env_asked, bounds = _limits.split(request.get("limits"))
+    request = dict(request, limits=env_asked)
+    max_str_len = _limits.bound("max_str_len", bounds.get("max_str_len"), limits.max_str_len)
     if remote:
         # A remote pool (remote/listener.py): the listener chose the env
         # directory (a client never names a path on this host) and caps what it may ask for.
@@ -79,7 +90,6 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
                 "trust_env=True is refused (its operator allows it with `boltzlabs worker "
                 "--allow-trust-env`); leave trust_env out"
             )
-    limits = policy.pool_limits()  # [limits], every key typed and checked (host/policy.py)
     lengths = (limits.max_str_len, limits.max_bin_len, limits.max_array_len, limits.max_map_len)
     depth = limits.max_depth
     start_timeout = float(request.get("start_timeout") or limits.start_timeout)
@@ -109,8 +119,15 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
         memory_limit=env_limits.get("memory") or None,
         straggler_grace=env_limits.get("straggler_grace", float("inf")),
         env_limits=wire.Limits(
-            limits.max_frame, *lengths, arrays="check", max_depth=depth, max_objects=limits.max_objects_per_frame
+            limits.max_frame,
+            max_str_len,
+            *lengths[1:],
+            arrays="check",
+            max_depth=depth,
+            max_objects=limits.max_objects_per_frame,
+            str_fix=_str_fix(max_str_len, limits.max_str_len),
         ),
+        max_str_len=min(max_str_len, limits.max_frame),
         hello_limits=wire.Limits(
             min(limits.max_hello, limits.max_frame),
             *lengths,
@@ -127,6 +144,19 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
         env_vars=request.get("env_vars"),
         affinity=affinity.parse(request.get("affinity")),
         group=group,
+    )
+
+
+def _str_fix(asked: int, ceiling: int) -> str:
+    """What a lane killed for a str over the pool's max_str_len is told to do."""
+    if asked < ceiling:
+        return (
+            f"; this pool's cap, RLPool(..., limits={{'max_str_len': ...}}): raise it, up to the policy's "
+            f"{ceiling:,} bytes, or send less"
+        )
+    return (
+        "; the sandbox policy's [limits] max_str_len, the most a pool may ask for: send less, or run the pool "
+        "under a policy that allows more (BOLTZLABS_POLICY: docs/limits.md)"
     )
 
 

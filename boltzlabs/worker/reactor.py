@@ -127,7 +127,9 @@ class Reactor:
         # A remote client is as hostile as an env: its frames make a bounded
         # number of objects (~64 bytes each) nested a bounded depth. A local
         # client is the trainer itself, and its big batches stay hook-free.
-        guard = dict(max_depth=wire.MAX_DEPTH, max_objects=max(1 << 20, max_frame // 32)) if remote else {}
+        guard: dict[str, Any] = (
+            dict(max_depth=wire.MAX_DEPTH, max_objects=max(1 << 20, max_frame // 32)) if remote else {}
+        )
         # The client's frames: decoded as they come, whatever call is running.
         self.client_reader: wire.FrameReader = wire.FrameReader(
             wire.Limits(max_frame, max_array_len=1 << 24, max_map_len=1 << 20, arrays="pass", **guard)

@@ -151,6 +151,7 @@ class Worker:
             expose=config.expose,
             env_vars=config.env_vars,
             group=config.group and (*config.group, config.env_limits.max_frame),
+            max_str_len=config.max_str_len,
         )
         n = config.n
         limits = config.limits
@@ -259,6 +260,7 @@ class Worker:
             "step_timeout": config.step_timeout,
             "cpu_budget": config.cpu_budget,
             "start_timeout": config.start_timeout,  # the client's deadline for a reset's respawns
+            "max_str_len": config.max_str_len,  # the trainer refuses an action holding a longer str
             "spawn": spawner.kind,
             # (A pool with a cpu_budget steps through the pure path: requests.step.)
             "fast_path": self.fastpath is not None and config.cpu_budget is None,
