@@ -41,9 +41,8 @@ def run_tests():
     """The names of the test functions that passed; each test's line goes to stdout."""
     namespace = {"__name__": "test_solution", "__file__": "test_solution.py"}
     try:
-        # solution.py is loaded by hand, not found by the import system: in template mode an env's
-        # first child has the template's pid (2, each in its own pid namespace), and the template's
-        # import guard, inherited, then refuses modules of the workspace (see docs/code-rl.md).
+        # solution.py is loaded by path: the workspace is never put on sys.path, so no other
+        # file the action writes there is imported.
         solution = types.ModuleType("solution")
         solution.__file__ = os.path.abspath("solution.py")
         sys.modules["solution"] = solution
