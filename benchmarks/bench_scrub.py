@@ -34,6 +34,14 @@ def check(pool, spawn: str, what: str) -> None:
             sys.exit(f"bench_scrub: after {what}, env {i} still holds {census}")
 
 
+def litter(pool, lane: int, files: int) -> None:
+    """One lane's step leaves its files and process, the others left as they are."""
+    pool.send([files], [lane])
+    _, _, _, _, infos = pool.recv()
+    if "error" in infos[0]:
+        sys.exit(f"bench_scrub: env {lane}'s step failed: {infos[0]['error']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=1000)
@@ -67,10 +75,11 @@ def main() -> None:
         # One lane at a time, the others left as they are (20 lanes in turn).
         one_scrub, one_hard = [], []
         for lane in range(0, args.n, max(1, args.n // 20)):
-            pool.step([args.files] * args.n)
+            litter(pool, lane, args.files)
             started = time.monotonic()
             pool.reset(seed=0, where=[lane], scrub=True)
             one_scrub.append(time.monotonic() - started)
+            litter(pool, lane, args.files)
             started = time.monotonic()
             pool.reset(seed=0, where=[lane], hard=True)
             one_hard.append(time.monotonic() - started)
