@@ -382,8 +382,15 @@ def test_host_environment_does_not_leak(probe_pool, monkeypatch):
         assert "BOLTZLABS_TEST_SECRET" not in env
         assert value not in repr(env)
         assert "BOLTZLABS_FD" not in env  # popped by serve()
-        # The policy's variables, the lane index, and PWD (set by bwrap's --chdir).
-        assert env == {**policy, "BOLTZLABS_ENV_INDEX": str(i), "BOLTZLABS_PARAMS": "{}", "PWD": WORKSPACE}
+        # The policy's variables, the lane index, the pool's str cap (limits.max_str_len, which
+        # the env's decoder holds requests to) and PWD (set by bwrap's --chdir).
+        assert env == {
+            **policy,
+            "BOLTZLABS_ENV_INDEX": str(i),
+            "BOLTZLABS_PARAMS": "{}",
+            "BOLTZLABS_MAX_STR_LEN": "4194304",
+            "PWD": WORKSPACE,
+        }
     # bwrap itself (pid 1 inside) is started with an empty environment.
     for out in run(pool, {"op": "read", "path": "/proc/1/environ"}):
         assert value not in out["ok"]
