@@ -416,6 +416,10 @@ def _cgroup_version() -> list[Finding]:
 
 # The trial env's limits: a few tasks, so that its forks run into pids.max.
 _TRIAL_PIDS, _TRIAL_POOL_PIDS, _TRIAL_MEMORY = 4, 16, 64 << 20
+# How long the trial child has to join its cgroup, be charged and be refused a fork, and then to
+# freeze: the checks end as soon as it has, so a slow node (an emulated guest under load took
+# over 10 s to start an interpreter) waits longer only where it must.
+_TRIAL_SECONDS = 60
 _TRIAL_CHILD = """
 import os, sys, time
 for procs in sys.argv[1:]:  # join the trial env's cgroups, this process alone
@@ -467,7 +471,7 @@ def _cgroups() -> list[Finding]:
             ),
         ]
     findings, child = [], None
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + _TRIAL_SECONDS
     try:
         view = PoolView(pool.paths)
         where = f"cgroup {pool.version}, pool cgroup {pool.path}" + (
@@ -580,7 +584,7 @@ def _freezer_trial(pool, deadline: float) -> Finding:
         return Finding(
             "freezer cgroup",
             WARN,
-            "a trial env cgroup did not freeze within 10 s: serialize_measurement "
+            f"a trial env cgroup did not freeze before the trial's {_TRIAL_SECONDS} s were up: serialize_measurement "
             "cannot rely on freezing envs outside their turn",
             "",
         )
