@@ -143,13 +143,20 @@ def test_a_daemon_left_spinning_between_steps_is_killed_over_the_cpu_budget_on_i
     solutions = code_rl.solutions
     # reap="group": the env leaves a setsid daemon running after the attempt; the pool's budget
     # counts the lane's cgroup from each step's send to the next, so the idle lane is killed.
-    args = code_rl.parse_args(["-n", "3", "--reap", "group", "--cpu-budget", "0.3"])
+    # The daemon runs at the attempt's nice 19: beside a loaded node's other work it may get a few
+    # percent of a core, so the budget is the least the driver allows and the wait is long.
+    args = code_rl.parse_args(["-n", "3", "--reap", "group", "--cpu-budget", "0.1"])
     with code_rl.make_pool(args, 3) as pool:
         pool.reset(seed=[2, 2, 2])  # the task "add"
         actions = [solutions.attack("background_spinner", {}), solutions.CORRECT["add"], solutions.CORRECT["add"]]
         _, rewards, dones, infos = pool.step(actions)
-        assert infos[0]["strays"] == 1 and list(rewards) == [0.0, 1.0, 1.0], infos
-        assert wait_until(lambda: pool.states()[0] == "dead", timeout=20), pool.states()
-        _, rewards, _, infos = pool.step([solutions.CORRECT["add"]] * 3)
+        assert list(rewards[1:]) == [1.0, 1.0] and "error" not in infos[1] and "error" not in infos[2], infos
+        if infos[0].get("cpu_budget") is not True:
+            # The usual case: the attempt ended, its daemon lives on, and the idle lane is killed once
+            # the daemon passes the budget. (On a loaded machine the daemon may pass it before the
+            # step's reply: then the step itself is the lane's failure.)
+            assert infos[0]["strays"] >= 1 and rewards[0] == 0.0, infos  # the daemon (and its parent, if not yet gone)
+            assert wait_until(lambda: pool.states()[0] == "dead", timeout=120), pool.states()
+            _, rewards, _, infos = pool.step([solutions.CORRECT["add"]] * 3)
+            assert "error" not in infos[1] and "error" not in infos[2], infos
     assert infos[0].get("cpu_budget") is True and "cpu_budget" in infos[0]["error"], infos
-    assert "error" not in infos[1] and "error" not in infos[2], infos
