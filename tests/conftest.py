@@ -193,6 +193,19 @@ def env_class(directory: Path, name: str):
     return getattr(module, name)
 
 
+def gone(pids) -> bool:
+    """No process of `pids` is running (a zombie has ended: only its entry is left)."""
+    import psutil
+
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            pass
+    return True
+
+
 def wait_until(predicate, timeout: float = 15.0) -> bool:
     """Poll `predicate` until it is true, at most `timeout` seconds of this machine's time (scaled):
     its last answer. The timeout only catches a hang."""

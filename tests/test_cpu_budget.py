@@ -20,7 +20,7 @@ import pytest
 from boltzlabs import RLPool
 from boltzlabs.host import cgroups
 from boltzlabs.host.cgroups import PoolView, cpu_list_count
-from conftest import scaled, wait_until
+from conftest import gone, scaled, wait_until
 
 # Spins in its step, in children it forks, or in a daemon it leaves behind; a number is an honest
 # step that sleeps that long (no CPU) and answers with its own lane, so a test can tell whose data
@@ -116,17 +116,6 @@ def assert_over_budget(obs, rewards, dones, infos, i, where="in this step"):
     assert f"of CPU {where}, over its cpu_budget of {BUDGET:g} s" in infos[i]["error"], infos[i]
     assert obs[i] is None and rewards[i] == 0.0 and dones[i], (obs[i], rewards[i], dones[i])
     assert "straggler" not in infos[i], infos[i]
-
-
-def gone(pids) -> bool:
-    """No process of `pids` is running (a zombie has ended)."""
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.NoSuchProcess:
-            pass
-    return True
 
 
 @pytest.fixture

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from boltzlabs import EnvStartError, RLPool, wire
 from boltzlabs.host.cgroups import PoolView
 from boltzlabs.host.policy import load_policy
-from conftest import COUNTER, TESTS, scaled, wait_until
+from conftest import COUNTER, TESTS, gone, scaled, wait_until
 
 HOSTILE = TESTS / "envs" / "hostile"
 MiB = 1 << 20
@@ -36,17 +36,6 @@ MiB = 1 << 20
 
 def descendants() -> set:
     return {p.pid for p in psutil.Process().children(recursive=True)}
-
-
-def gone(pids) -> bool:
-    """No process of `pids` is running (a zombie has ended: only its entry is left)."""
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.NoSuchProcess:
-            pass
-    return True
 
 
 def assert_own_lanes(obs, rewards, infos, actions, skip=()):
