@@ -8,22 +8,20 @@ for every lane's secret in every other lane's observations.
 
 from __future__ import annotations
 
-CORRECT = {
-    "add": "def add(a, b):\n    return a + b\n",
-    "is_prime": (
-        "def is_prime(n):\n"
-        "    if n < 2:\n        return False\n"
-        "    if n % 2 == 0:\n        return n == 2\n"
-        "    f = 3\n"
-        "    while f * f <= n:\n"
-        "        if n % f == 0:\n            return False\n"
-        "        f += 2\n"
-        "    return True\n"
-    ),
-    "fib": "def fib(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
-    "reverse_words": "def reverse_words(s):\n    return ' '.join(reversed(s.split()))\n",
-    "dedupe": "def dedupe(xs):\n    return list(dict.fromkeys(xs))\n",
-}
+import importlib.util
+from pathlib import Path
+
+
+def _tasks():
+    """env/tasks.py, the env's own module (the driver runs beside the env, not in it)."""
+    spec = importlib.util.spec_from_file_location("code_rl_tasks", Path(__file__).parent / "env" / "tasks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# The right answers: each task's reference, the solution its speed reward is measured against.
+CORRECT = {name: task["reference"] for name, task in _tasks().TASKS.items()}
 
 # Right answers, slowly: what the speed variant should reward below 1.
 SLOW = {
