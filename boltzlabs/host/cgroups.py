@@ -757,6 +757,18 @@ def cpus_allowed() -> int:
     return os.cpu_count() or 1
 
 
+def _v1_pool_group(home: Path | None, name: str, controller: str) -> tuple[Path | None, str]:
+    """The pool's own group `name` in the v1 hierarchy of `controller` whose home is `home`
+    (made now), and "", or None and why there is none."""
+    if home is None:
+        return None, f"no writable cgroup v1 {controller} hierarchy holds this process"
+    try:
+        (home / name).mkdir()
+    except OSError as exc:
+        return None, f"cannot create the pool's {controller} cgroup {home / name}: {exc}"
+    return home / name, ""
+
+
 def _find_v1_home(controller: str) -> Path | None:
     """The worker's own cgroup in a cgroup v1 hierarchy of `controller`, if writable."""
     own = _own_cgroups()
@@ -939,14 +951,8 @@ class CgroupPool:
         self.freezer_path = None
         self.freezes, self.freezer_note = False, ""
         if freezer and v1:
-            self.freezer_note = "no writable cgroup v1 freezer hierarchy holds this process"
-            if self.freezer_home is not None:
-                try:
-                    (self.freezer_home / name).mkdir()
-                    self.freezer_path = self.freezer_home / name
-                    self.freezes = True
-                except OSError as exc:
-                    self.freezer_note = f"cannot create the pool's freezer cgroup {self.freezer_home / name}: {exc}"
+            self.freezer_path, self.freezer_note = _v1_pool_group(self.freezer_home, name, "freezer")
+            self.freezes = self.freezer_path is not None
         elif freezer:
             # v2: every non-root cgroup has cgroup.freeze (kernel 5.2+).
             self.freezes = (self.path / "cgroup.freeze").exists()
@@ -955,14 +961,8 @@ class CgroupPool:
         self.cpuacct_path: Path | None = None
         self.counts_cpu, self.cpu_note = False, ""
         if cpu and v1:
-            self.cpu_note = "no writable cgroup v1 cpuacct hierarchy holds this process"
-            if self.cpuacct_home is not None:
-                try:
-                    (self.cpuacct_home / name).mkdir()
-                    self.cpuacct_path = self.cpuacct_home / name
-                    self.counts_cpu = True
-                except OSError as exc:
-                    self.cpu_note = f"cannot create the pool's cpuacct cgroup {self.cpuacct_home / name}: {exc}"
+            self.cpuacct_path, self.cpu_note = _v1_pool_group(self.cpuacct_home, name, "cpuacct")
+            self.counts_cpu = self.cpuacct_path is not None
         elif cpu:
             self.counts_cpu = (self.path / "cpu.stat").exists()
             self.cpu_note = "" if self.counts_cpu else f"no cpu.stat in {self.path} (kernel older than 4.15)"
