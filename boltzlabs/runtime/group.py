@@ -216,7 +216,7 @@ class Group:
         from boltzlabs.runtime import scrub
 
         try:
-            return scrub.scrub(scrub.workspace, ipc=type(what) is dict and what.get("ipc") is True)
+            return scrub.asked(what)
         except Exception as exc:
             return exc
 

@@ -71,6 +71,12 @@ def scrub(workspace: str, ipc: bool = False) -> dict[str, Any]:
     return {"processes": processes, "entries": entries, "ipc": removed, "seconds": time.monotonic() - started}
 
 
+def asked(what: Any) -> dict[str, Any]:
+    """The scrub of this sandbox's workspace that a RESET frame's scrub field asks for:
+    {"ipc": bool} (whether the sandbox's IPC namespace is its own, so its objects go too)."""
+    return scrub(workspace, ipc=type(what) is dict and what.get("ipc") is True)
+
+
 def _kill_others(deadline: float) -> int:
     """SIGKILL every process of the pid namespace but this one and pid 1 until none is left
     (kill(-1) fails with ESRCH once it reaches none), reaping our children; how many there were.

@@ -351,7 +351,7 @@ def scrubbed(reset: Any, what: Any) -> Any:
     def reset_scrubbed(seed: Any, options: Any) -> Any:
         from boltzlabs.runtime import scrub
 
-        report = scrub.scrub(scrub.workspace, ipc=type(what) is dict and what.get("ipc") is True)
+        report = scrub.asked(what)
         result = reset(seed, options)
         if isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict):
             return result[0], dict(result[1], scrubbed=report)
