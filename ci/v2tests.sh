@@ -44,7 +44,8 @@ fi
 pytest=(.venv/bin/python -m pytest -q -p no:cacheprovider --durations=5 -o timeout=1800 -o faulthandler_timeout=1780)
 
 # Both runs: kernel accounting per env, memory_limit's OOM on its lane, pids.max, the
-# freezer gate, cleanup at close, the template's cgroups, cpu_budget (cpu.stat's usage_usec).
+# freezer gate, cleanup at close, the template's cgroups, cpu_budget (cpu.stat's usage_usec),
+# cpu_share (the cpu controller, enabled for such a pool only).
 COMMON_TESTS=(
   "tests/test_memory_and_gate.py::test_envs_per_gb_tracks_a_known_allocation[template]"
   "tests/test_memory_and_gate.py::test_memory_limit_kills_and_reports_oom[exec]"
@@ -54,6 +55,8 @@ COMMON_TESTS=(
   "tests/test_pool.py::test_close_leaves_nothing_behind[template]"
   "tests/test_template.py::test_each_child_is_born_in_its_own_cgroup"
   "tests/test_cpu_budget.py::test_a_spinning_step_is_killed_at_its_budget_and_the_others_answer[template]"
+  "tests/test_cpu_share.py::test_a_lane_with_many_sessions_gets_one_share[template]"
+  "tests/test_cpu_share.py::test_each_sandbox_has_a_cpu_group_of_its_own_and_close_removes_them[exec]"
 )
 # The root run also: the room a worker makes, tried in cgroups test_cgroups.py makes itself
 # (below the root, as systemd makes a unit's).
@@ -90,10 +93,10 @@ for where in ${@:-root service}; do
   case $where in
     root) run "worker in the root cgroup" "${pytest[@]}" "${ROOT_TESTS[@]}" ;;
     service)
-      # A unit's cgroup, given memory and pids by its parent as systemd's Delegate=yes does.
+      # A unit's cgroup, given memory, pids and cpu by its parent as systemd's Delegate=yes does.
       unit=/sys/fs/cgroup/system.slice/boltzlabs-ci.service
       mkdir -p "$unit"
-      echo "+memory +pids" > /sys/fs/cgroup/system.slice/cgroup.subtree_control
+      echo "+memory +pids +cpu" > /sys/fs/cgroup/system.slice/cgroup.subtree_control
       # The shell stays in the unit (its main process) with a child of its own; pytest runs below it.
       run "worker in a non-root cgroup with another process" bash -c '
         echo $$ > "$1/cgroup.procs" || exit 1

@@ -6,6 +6,7 @@ import functools
 import os
 import shutil
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -265,3 +266,14 @@ def two_node_ray_cluster():
         finally:
             ray.shutdown()
             c.shutdown()
+
+
+def with_hierarchy_read_only(mount, code: str) -> str:
+    """Run Python `code` in a private mount namespace where the cgroup hierarchy mounted at `mount`
+    is read-only (the kernel, not a mock, refuses the worker's writes there); its stdout, stripped."""
+    script = f'mount --make-rprivate / && mount -o remount,bind,ro {mount} && exec {sys.executable} -c "$0"'
+    out = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, code], capture_output=True, text=True, timeout=scaled(120)
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()

@@ -113,6 +113,7 @@ def open_pool() -> RLPool:
         memory_limit="96M",
         limits={"pids": PIDS, "pool_pids": POOL_PIDS},
         serialize_measurement=True,
+        cpu_share=True,
         step_timeout=10 * SCALE,
         start_timeout=120 * SCALE,
     )
@@ -180,6 +181,13 @@ def check() -> dict:
             report["grew_mib"] = [(a - b) / MiB for a, b in zip(after.per_env, before.per_env)]
             # The gate: between calls every env is frozen.
             report["frozen_between_calls"] = [view.frozen(i) for i in range(2)]
+            # cpu_share: each env a group of the cpu controller, every process of it inside.
+            report["cpu_share"] = pool.cpu_share
+            report["cpu_groups_hold_the_envs"] = [
+                sorted(map(int, (view.group(i, "cpu") / "cgroup.procs").read_text().split())) == sorted(view.procs(i))
+                and (view.pool("cpu") / "cgroup.subtree_control").read_text().split().count("cpu") == 1
+                for i in range(2)
+            ]
             # pids: the env's cap refuses its forks and is named; the pool's cap is written.
             _, _, dones, infos = pool.step(["fork", 1])
             report["pids_error"] = infos[0].get("error", "")

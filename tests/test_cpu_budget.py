@@ -8,8 +8,6 @@ the same call, and the step returns long before step_timeout (the hang bound). W
 docs/limits.md#cpu-budget.
 """
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import pytest
 from boltzlabs import RLPool
 from boltzlabs.host import cgroups
 from boltzlabs.host.cgroups import PoolView, cpu_list_count
-from conftest import gone, scaled, wait_until
+from conftest import gone, scaled, wait_until, with_hierarchy_read_only
 
 # Spins in its step, in children it forks, or in a daemon it leaves behind; a number is an honest
 # step that sleeps that long (no CPU) and answers with its own lane, so a test can tell whose data
@@ -362,12 +360,7 @@ def test_without_a_cgroup_that_counts_cpu_a_budget_is_refused(hierarchy, spin_en
     if mount is None or (hierarchy == "cpuacct" and cgroups.version() != "v1"):
         pytest.skip(f"no cgroup v1 {hierarchy} hierarchy here (cgroup v2 counts CPU in every cgroup)")
     code = REFUSED.format(root=str(Path(__file__).parent.parent), source=str(spin_env))
-    script = f'mount --make-rprivate / && mount -o remount,bind,ro {mount} && exec {sys.executable} -c "$0"'
-    out = subprocess.run(
-        ["unshare", "-m", "sh", "-c", script, code], capture_output=True, text=True, timeout=scaled(120)
-    )
-    assert out.returncode == 0, out.stderr
-    said = out.stdout.strip()
+    said = with_hierarchy_read_only(mount, code)
     assert said.startswith("cpu_budget needs the pool's cgroups to count each env's CPU"), said
     assert "Delegate=yes" in said
     if hierarchy == "cpuacct":

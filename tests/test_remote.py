@@ -192,6 +192,18 @@ def test_a_remote_pool_scrubs_its_sandboxes(worker):
         assert len(census[1]["procs"]) > 1 and census[1]["entries"] >= 4
 
 
+def test_a_remote_pool_gives_each_sandbox_a_cpu_share(worker):
+    """RLPool(cpu_share=True) crosses the remote link: the node's sandboxes are each a cpu group."""
+    litter = Path(__file__).resolve().parent.parent / "benchmarks" / "envs" / "litter"
+    with worker.pool(litter, 2, warmup=False, cpu_share=True) as pool:
+        assert pool.cpu_share is True
+        pool.reset()
+        pool.step([3, 3])
+        view = PoolView(pool._cgroup)
+        for lane in range(2):
+            assert set(map(int, (view.group(lane, "cpu") / "cgroup.procs").read_text().split())) == view.procs(lane)
+
+
 def test_gym_source_runs_the_workers_own_gym_env(worker):
     pytest.importorskip("gymnasium")
     with worker.pool("gym://CartPole-v1", 2) as pool:

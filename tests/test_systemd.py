@@ -114,6 +114,8 @@ def test_a_trainer_in_a_scope_systemd_did_not_delegate_gets_every_limit(placemen
     assert 28 < grew[0] < 40 and abs(grew[1]) < 4, grew
     # The gate: both envs frozen between calls.
     assert report["frozen_between_calls"] == [True, True], report
+    # cpu_share: the cpu controller was the worker's to pass on, and each env's group holds it.
+    assert report["cpu_share"] is True and report["cpu_groups_hold_the_envs"] == [True, True], report
     # pids: the env's cap refused its forks and says so; the pool's cap is written.
     assert "pids limit" in report["pids_error"] and "16 tasks" in report["pids_error"], report["pids_error"]
     assert report["pids_limit"] == [16, 16] and report["pool_pids_limit"] == 64, report

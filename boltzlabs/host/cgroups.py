@@ -1,6 +1,7 @@
 """Memory accounting and limits: one cgroup per env below one pool cgroup.
 
-    cgroup v1 (one tree per controller: memory, pids, freezer; cpuacct for a pool with a cpu_budget):
+    cgroup v1 (one tree per controller: memory, pids, freezer; cpuacct for a pool with a cpu_budget,
+    cpu for a pool with cpu_share):
         <the worker's own cgroup in each>/
             boltzlabs-<worker pid>-<tag>/      the pool (pids.max: the pool's cap)
                 env-0/  env-1/  ...  template/ probe/     one per env, a sandbox's whole tree
@@ -75,6 +76,21 @@ Kernel facts this depends on:
   usage_usec, in every cgroup whether or not the cpu controller is enabled.
   How fast a cgroup can spend it is bounded by its cpuset (`cpus_allowed`),
   not by affinity, which any task may widen within its cpuset.
+- CPU shares (RLPool(cpu_share=True)): the scheduler weighs each group of the
+  cpu controller as one, whatever it holds, against its siblings (v1
+  cpu.shares, v2 cpu.weight, each left at its default: every env the same).
+  So an env's processes together get one env's share, however many it forks
+  or sessions it starts. Without it the kernel's autogroup (on in Debian's
+  and Ubuntu's kernels) weighs each session as one: every env's sandbox is a
+  session, and a `setsid()` inside it makes one more, at full weight. A task
+  in a cpu cgroup other than the root is out of autogroup, so within an
+  env the nice values hold (a server at 0 beats its own children at 19).
+  The pool's group itself weighs as one against the worker's and trainer's
+  processes, so a pool's envs cannot starve the process that steps them.
+  v1: a hierarchy of its own (or co-mounted with cpuacct, then one group
+  serves both), joined only by the envs of a pool that asks for it; v2: the
+  controller enabled in the room and the pool's subtree_control for such a
+  pool only.
 - Freezing is asynchronous: v1's freezer.state reads FREEZING until every
   task has stopped (reading it re-checks), v2's cgroup.events says
   "frozen 1". A SIGKILL to a task frozen by the v1 freezer waits for the
@@ -101,6 +117,8 @@ LEAF = "boltzlabs-procs"  # v2: where the worker and its process tree go to make
 # v2 controllers a pool needs: memory (accounting, memory_limit), pids (the
 # fork-bomb caps). The freezer is cgroup.freeze, in every non-root cgroup.
 NEEDED = ("memory", "pids")
+# v2 controllers enabled only for a pool that asks: cpu (RLPool(cpu_share=True)).
+ON_REQUEST = ("cpu",)
 # Where to read how to run the worker in a cgroup it may use (systemd, containers).
 HOST_DOC = "docs/host.md#cgroup-v2-and-systemd"
 
@@ -201,12 +219,17 @@ class _Backend:
         # Where the room is in a unit systemd owns and may stop on an env's OOM kill, why (v2).
         self.risk = ""
 
-    def prepare_pool(self, pool: Path) -> None:
+    def prepare_pool(self, pool: Path, cpu: bool = False) -> None:
+        """Make the pool's group; `cpu`: with the cpu controller for its envs (v2: v1 has a tree of it)."""
         pool.mkdir()
 
     def release(self) -> bool:
         """Undo what was done to make room for pools (v2); True when nothing is left of it."""
         return True
+
+    def cpu_note(self, pool: Path) -> str:
+        """Why `pool`'s envs have no cpu controller's group (v2; v1 says it by _v1_pool_group)."""
+        raise NotImplementedError
 
     def usage(self, group: Path) -> int:
         raise NotImplementedError
@@ -433,7 +456,7 @@ class _V2(_Backend):
         """Enable `controllers` in group's subtree_control (those not yet on); False on EBUSY."""
         have = _words(group / "cgroup.subtree_control")
         for name in controllers:
-            if name in have or name not in NEEDED:
+            if name in have or name not in NEEDED + ON_REQUEST:
                 continue
             try:
                 _write(group / "cgroup.subtree_control", f"+{name}".encode())
@@ -444,7 +467,7 @@ class _V2(_Backend):
                     raise CgroupUnavailable(
                         f"cgroup v2: cannot enable memory in {group}/cgroup.subtree_control: {exc}. " + delegation_fix()
                     ) from exc
-                continue  # pids: the pool runs, without its fork caps (limits_pids says so)
+                continue  # pids: the pool runs, without its fork caps (limits_pids says so); cpu: cpu_note
             if self.leaf is not None:  # ours to undo (never the root's)
                 self.enabled.append(name)
         return True
@@ -497,13 +520,25 @@ class _V2(_Backend):
 
     # -- what a pool does ---------------------------------------------------------------
 
-    def prepare_pool(self, pool: Path) -> None:
+    def prepare_pool(self, pool: Path, cpu: bool = False) -> None:
+        if cpu and self.home is not None:
+            # In the room too: the leaf (the worker's tree) and each pool then weigh one each.
+            self._enable(self.home, ["cpu"])
         pool.mkdir()
         (pool / "cgroup.subtree_control").write_text("+memory")
-        try:  # the pids files then sit beside the memory ones
-            (pool / "cgroup.subtree_control").write_text("+pids")
-        except OSError:
-            pass
+        for extra in ("pids", "cpu") if cpu else ("pids",):
+            try:  # the pids (cpu) files then sit beside the memory ones
+                (pool / "cgroup.subtree_control").write_text(f"+{extra}")
+            except OSError:
+                pass  # limits_pids, shares_cpu say so
+
+    def cpu_note(self, pool: Path) -> str:
+        """Why `pool` does not pass the cpu controller to its envs."""
+        have = " ".join(_words(pool / "cgroup.controllers")) or "none"
+        return (
+            f"cgroup v2: the cpu controller could not be enabled in {pool}/cgroup.subtree_control (the controllers "
+            f"it has: {have}); the cgroup above the worker must pass cpu down. " + delegation_fix()
+        )
 
     def usage(self, group: Path) -> int:
         stat = _read_stat(group / "memory.stat")
@@ -907,6 +942,7 @@ class CgroupPool:
         pool_pids: int | None = None,
         per_env_memory: bool | None = None,
         cpu: bool = False,
+        cpu_share: bool = False,
     ) -> None:
         self.memory_limit = memory_limit
         self.pids_max = pids_max
@@ -919,19 +955,15 @@ class CgroupPool:
             self.pids_home = _find_v1_home("pids") if v1 else None
             self.freezer_home = _find_v1_home("freezer") if v1 and freezer else None
             self.cpuacct_home = _find_v1_home("cpuacct") if v1 and cpu else None
-            sweep_stale(
-                [
-                    home
-                    for home in (self.backend.home, self.pids_home, self.freezer_home, self.cpuacct_home)
-                    if home is not None
-                ]
-            )
+            self.cpu_home = _find_v1_home("cpu") if v1 and cpu_share else None
+            homes = (self.backend.home, self.pids_home, self.freezer_home, self.cpuacct_home, self.cpu_home)
+            sweep_stale(list(dict.fromkeys(home for home in homes if home is not None)))
             home = self.backend.home
             assert home is not None, "a backend _find_backend found has its home (only PoolView's has none)"
             self.path = home / name
             self.pids_path = self.pids_home / name if self.pids_home is not None else None
             try:
-                self.backend.prepare_pool(self.path)
+                self.backend.prepare_pool(self.path, cpu=cpu_share)
                 if self.pids_path is not None:
                     self.pids_path.mkdir()
                 if pool_pids and self.limits_pids:
@@ -966,11 +998,28 @@ class CgroupPool:
         elif cpu:
             self.counts_cpu = (self.path / "cpu.stat").exists()
             self.cpu_note = "" if self.counts_cpu else f"no cpu.stat in {self.path} (kernel older than 4.15)"
+        # CPU shares (cpu_share=True): each env's group of the cpu controller weighs as one.
+        self.cpu_path: Path | None = None
+        self.shares_cpu, self.share_note = False, ""
+        if cpu_share and v1 and self.cpu_home is not None and self.cpu_home == self.cpuacct_home:
+            self.cpu_path, self.share_note = self.cpuacct_path, self.cpu_note  # cpu,cpuacct: one group for both
+            self.shares_cpu = self.cpu_path is not None
+        elif cpu_share and v1:
+            self.cpu_path, self.share_note = _v1_pool_group(self.cpu_home, name, "cpu")
+            self.shares_cpu = self.cpu_path is not None
+        elif cpu_share:
+            self.shares_cpu = "cpu" in _words(self.path / "cgroup.subtree_control")
+            self.share_note = "" if self.shares_cpu else self.backend.cpu_note(self.path)
         # Where the worker goes back to after a spawn: its own cgroup in each hierarchy.
         procs_home = self.backend.procs_home
         assert procs_home is not None, "the worker's own cgroup: its home or the leaf it made"
         self._homes = [os.path.join(procs_home, "cgroup.procs")]
-        for home in (self.pids_home, self.freezer_path and self.freezer_home, self.cpuacct_path and self.cpuacct_home):
+        for home in (
+            self.pids_home,
+            self.freezer_path and self.freezer_home,
+            self.cpuacct_path and self.cpuacct_home,
+            self.cpu_home if self._own_cpu_group else None,
+        ):
             if home is not None:
                 self._homes.append(os.path.join(home, "cgroup.procs"))
         # Whether each env has a memory cgroup of its own (the module's docstring
@@ -987,6 +1036,7 @@ class CgroupPool:
         self._procs: dict[Any, list[str]] = {}  # key -> the cgroup.procs file of each group it joins
         self._cpu_groups: dict[Any, Path] = {}  # key -> its cpuacct group (v1, counts_cpu only)
         self._cpu_files: dict[Any, str] = {}  # key -> the file that counts its CPU time (counts_cpu only)
+        self._share_groups: dict[Any, Path] = {}  # key -> its group in the v1 cpu hierarchy (cpu_path only)
 
     @property
     def version(self) -> str:
@@ -995,7 +1045,13 @@ class CgroupPool:
     @property
     def paths(self) -> list[str]:
         """The pool's cgroup directories, one per hierarchy."""
-        return [str(p) for p in (self.path, self.pids_path, self.freezer_path, self.cpuacct_path) if p is not None]
+        paths = (self.path, self.pids_path, self.freezer_path, self.cpuacct_path, self.cpu_path)
+        return list(dict.fromkeys(str(p) for p in paths if p is not None))
+
+    @property
+    def _own_cpu_group(self) -> bool:
+        """Whether the envs join a v1 cpu group of their own (not the cpuacct one they join anyway)."""
+        return self.cpu_path is not None and self.cpu_path != self.cpuacct_path
 
     @property
     def limits_pids(self) -> bool:
@@ -1025,6 +1081,7 @@ class CgroupPool:
             self._procs.pop(key, None)
             self._cpu_groups.pop(key, None)
             self._cpu_files.pop(key, None)
+            self._share_groups.pop(key, None)
         return ok
 
     def _made(self, key: Any) -> list[Path]:
@@ -1049,6 +1106,10 @@ class CgroupPool:
                 self._cpu_files[key] = str(self._cpu_groups[key] / self.backend.cpu_file)
             elif self.counts_cpu:  # v2: the env's one group
                 self._cpu_files[key] = str(groups[0] / self.backend.cpu_file)
+            if self._own_cpu_group:
+                assert self.cpu_path is not None
+                self._share_groups[key] = self.cpu_path / name
+                _mkdir(self._share_groups[key])
             self._groups[key] = groups
             self._procs[key] = [os.path.join(group, "cgroup.procs") for group in self._joined(key)]
         return groups
@@ -1082,6 +1143,8 @@ class CgroupPool:
             groups = groups + [self._frozen_group[key]]
         if self.cpuacct_path is not None:
             groups = groups + [self._cpu_groups[key]]
+        if self._own_cpu_group:
+            groups = groups + [self._share_groups[key]]
         return groups
 
     def freeze(self, index: int | str) -> None:
@@ -1196,7 +1259,11 @@ class CgroupPool:
         # gives up only once none went for CLOSE_STALL seconds (10,000 sandboxes take far
         # longer than 5 s to die).
         made = [group for key in self._groups for group in self._joined(key)]
-        made += [path for path in (self.path, self.pids_path, self.freezer_path, self.cpuacct_path) if path is not None]
+        made += [
+            path
+            for path in (self.path, self.pids_path, self.freezer_path, self.cpuacct_path, self.cpu_path)
+            if path is not None
+        ]
         ok = _rmdir_all(list(dict.fromkeys(made)), deadline, reap, CLOSE_STALL)
         self._groups.clear()
         self.release()  # False only when another pool still uses the room: not a failure of ours
@@ -1219,10 +1286,10 @@ class PoolView:
             point, fstype, options = next(m for m in mounts if str(path).startswith(m[0].rstrip("/") + "/"))
             if fstype == "cgroup2":
                 v2 = True
-                for name in ("memory", "pids", "freezer", "cpuacct"):
+                for name in ("memory", "pids", "freezer", "cpuacct", "cpu"):
                     self.by_controller.setdefault(name, path)
             else:
-                for name in ("memory", "pids", "freezer", "cpuacct"):
+                for name in ("memory", "pids", "freezer", "cpuacct", "cpu"):
                     if name in options:
                         self.by_controller[name] = path
         self.backend = _V2(None, make_room=False) if v2 else _V1(None)

@@ -272,6 +272,13 @@ class RLPool(Pool):
         (refused without them); steps through the pure-Python step path.
         With envs_per_sandbox it bounds each sandbox as a whole.
         docs/limits.md#cpu-budget.
+      cpu_share: True gives each sandbox one equal share of the CPU, all
+        its processes together: the scheduler weighs each as one group,
+        however many processes it forks or sessions it starts, and the
+        pool's sandboxes together weigh as one against the trainer's and
+        worker's processes. False (default): the kernel's own weighing
+        (per session, where autogroup is on). Needs a cgroup of the cpu
+        controller (refused without one). docs/limits.md#cpu-share.
       serialize_measurement: at most one env's step code runs at any instant.
       memory_limit: per-env memory limit (bytes or '512M'); an env over it is
         killed by the kernel and reported on its lane. Needs a memory cgroup.
@@ -433,6 +440,7 @@ class RLPool(Pool):
         *,
         step_timeout=None,
         cpu_budget=None,
+        cpu_share: bool = False,
         serialize_measurement: bool = False,
         memory_limit=None,
         workspace_size=None,
@@ -500,6 +508,7 @@ class RLPool(Pool):
             "n": n,
             "step_timeout": _positive("step_timeout", step_timeout),
             "cpu_budget": _cpu_budget(cpu_budget),
+            "cpu_share": _flag("cpu_share", cpu_share),
             "start_timeout": _positive("start_timeout", start_timeout),
             "serialize_measurement": bool(serialize_measurement),
             "memory_limit": parse_size(memory_limit) if memory_limit is not None else None,
@@ -574,6 +583,8 @@ class RLPool(Pool):
         self.max_str_len = max_str_len if type(max_str_len) is int and max_str_len > 0 else None
         # CPU seconds per step each lane's sandbox may use (RLPool(cpu_budget=)); None: no budget.
         self.cpu_budget: float | None = ready.get("cpu_budget")
+        # Whether each sandbox weighs as one in the CPU scheduler (RLPool(cpu_share=True)).
+        self.cpu_share: bool = ready.get("cpu_share") is True
         start_timeout = ready.get("start_timeout")
         if type(start_timeout) in (int, float) and 0 < start_timeout < math.inf:
             self._start_timeout = float(start_timeout)

@@ -236,6 +236,7 @@ class Sharding(Pool):
         caps = [shard.max_str_len for shard in self._shards if shard.max_str_len is not None]
         self.max_str_len = min(caps) if caps else None
         self.cpu_budget = first.cpu_budget
+        self.cpu_share = first.cpu_share
         self.fast_path = all(shard.fast_path for shard in self._shards)
         self.channel = first.channel if len({s.channel for s in self._shards}) == 1 else "mixed"
         self.shared_memory = all(shard.shared_memory for shard in self._shards)

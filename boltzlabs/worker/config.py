@@ -41,6 +41,9 @@ class PoolConfig:
     # RLPool(cpu_budget=): CPU seconds a lane's sandbox may use per step, all its processes
     # (worker/cpu_budget.py); None: no budget.
     cpu_budget: float | None
+    # RLPool(cpu_share=True): each sandbox a group of the cpu controller, weighing as one
+    # (host/cgroups.py), whatever processes or sessions it makes.
+    cpu_share: bool
     limits: dict  # per env: the policy's [env_limits] with the pool's overrides (docs/limits.md)
     memory_limit: int | None
     straggler_grace: float
@@ -115,6 +118,7 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
         step_timeout=step_timeout,
         gated=bool(request.get("serialize_measurement")),
         cpu_budget=cpu_budget(request.get("cpu_budget")),
+        cpu_share=request.get("cpu_share") is True,
         limits=env_limits,
         memory_limit=env_limits.get("memory") or None,
         straggler_grace=env_limits.get("straggler_grace", float("inf")),

@@ -176,6 +176,7 @@ class Worker:
                 freezer=config.gated,
                 pool_pids=limits.get("pool_pids"),
                 cpu=config.cpu_budget is not None,
+                cpu_share=config.cpu_share,
             )
             if (limits.get("pids") or limits.get("pool_pids")) and not self.cgroups.limits_pids:
                 self.limits_note = (
@@ -205,12 +206,23 @@ class Worker:
                     f"cpu_budget needs the pool's cgroups to count each env's CPU (all its processes), and this "
                     f"host gives the worker no writable cgroup ({exc}); {DELEGATE_FIX}"
                 )
+            if config.cpu_share:
+                raise ValueError(
+                    f"cpu_share needs a cgroup of the cpu controller per env, and this host gives the worker no "
+                    f"writable cgroup ({exc}); {DELEGATE_FIX}"
+                )
         if config.cpu_budget is not None and self.cgroups is not None and not self.cgroups.counts_cpu:
             # (worker.close() removes the cgroups made so far, as for any refusal of OPEN.)
             raise ValueError(
                 f"cpu_budget needs the pool's cgroups to count each env's CPU (all its processes), and here they "
                 f"cannot: {self.cgroups.cpu_note} (cgroup v1 needs a writable cpuacct hierarchy beside the memory "
                 f"one); {DELEGATE_FIX}"
+            )
+        if config.cpu_share and self.cgroups is not None and not self.cgroups.shares_cpu:
+            raise ValueError(
+                f"cpu_share needs a cgroup of the cpu controller per env, and here there is none: "
+                f"{self.cgroups.share_note} (cgroup v1 needs a writable cpu hierarchy beside the memory one); "
+                f"{DELEGATE_FIX}"
             )
         if self.cgroups is not None:
             # However this worker dies, its cgroups go with it (and the room made for them).
@@ -259,6 +271,7 @@ class Worker:
             "hello": lifecycle.hello,
             "step_timeout": config.step_timeout,
             "cpu_budget": config.cpu_budget,
+            "cpu_share": self.cgroups is not None and self.cgroups.shares_cpu,
             "start_timeout": config.start_timeout,  # the client's deadline for a reset's respawns
             "max_str_len": config.max_str_len,  # the trainer refuses an action holding a longer str
             "spawn": spawner.kind,
