@@ -9,12 +9,14 @@ a slow one and a wrong one with 0. The whole driver, as a user runs it, is in te
 """
 
 import importlib.util
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import wait_until
+from conftest import scaled, wait_until
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "code_rl"
 # The pool warns once per kind of lane failure, and sums them up at close: here they are the attacks'.
@@ -160,3 +162,57 @@ def test_a_daemon_left_spinning_between_steps_is_killed_over_the_cpu_budget_on_i
             _, rewards, _, infos = pool.step([solutions.CORRECT["add"]] * 3)
             assert "error" not in infos[1] and "error" not in infos[2], infos
     assert infos[0].get("cpu_budget") is True and "cpu_budget" in infos[0]["error"], infos
+
+
+# Spins for `cpu` CPU-seconds of its own, then passes nothing: an attempt within its limit.
+BOUNDED_SPIN = """
+import time
+began = time.process_time()
+while time.process_time() - began < {cpu}:
+    pass
+"""
+
+
+@pytest.mark.parametrize("spawn", ["template", "exec"])
+def test_a_spin_that_waited_for_a_core_is_killed_near_its_cpu_limit(code_rl, spawn):
+    # Lane 0 spins for ever; 40 more lanes each spin for 60% of the limit at the same moment, so
+    # lane 0 first waits for a core, then gets one to itself once they end. How fast it spent CPU
+    # while it waited is no guide to how fast it spends it then: the env's watch must look as
+    # often as the lane could reach its limit, or a spin runs on for a multiple of it.
+    limit, n = 0.05, 41
+    args = code_rl.parse_args(
+        ["-n", str(n), "--cpu-limit", str(limit), "--cpu-budget", "0", "--step-timeout", str(scaled(120))]
+    )
+    with code_rl.make_pool(args, n, spawn=spawn) as pool:
+        assert pool.cpu_share is True  # the driver's default: the watch's server gets its core first
+        pool.reset(seed=list(range(n)))
+        spin = code_rl.solutions.attack("cpu_spin", {})
+        _, _, _, infos = pool.step([spin] + [BOUNDED_SPIN.format(cpu=0.6 * limit)] * (n - 1))
+        used = re.search(r"killed after ([0-9.]+) s of CPU", infos[0]["outcome"])
+        assert used, infos[0]
+        assert float(used.group(1)) <= 2.5 * limit, infos[0]["outcome"]
+        assert all(info["outcome"] == "ran" for info in infos[1:]), [info["outcome"] for info in infos[1:]]
+
+
+def test_bench_attack_costs_prices_every_attack_against_an_honest_step():
+    """benchmarks/bench_attack_costs.py at a small n: each attack's lane CPU per step, from the
+    lanes' cgroups, beside an honest step's; the spinning attacks cost more than an honest step."""
+    bench = EXAMPLE.parent.parent / "benchmarks" / "bench_attack_costs.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "-n", "30", "--hostile", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if " ms " in line}
+    assert set(rows) == {"honest", *code_rl_attacks()}, done.stdout
+    assert float(rows["cpu_spin"][1]) > float(rows["honest"][1]), done.stdout
+    assert "every attack alike" in done.stdout, done.stdout
+
+
+def code_rl_attacks() -> list:
+    spec = importlib.util.spec_from_file_location("code_rl_solutions", EXAMPLE / "solutions.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return list(module.ATTACKS)

@@ -45,6 +45,7 @@ REPO = Path(__file__).resolve().parents[2]
 # The library's newer pool features, used where this boltzlabs has them (see reset_options()).
 HAS_SCRUB = "scrub" in inspect.signature(RLPool.reset).parameters
 HAS_CPU_BUDGET = "cpu_budget" in inspect.signature(RLPool.__init__).parameters
+HAS_CPU_SHARE = "cpu_share" in inspect.signature(RLPool.__init__).parameters
 TASK = re.compile(r"# task: (\w+)")
 SECRET = re.compile(r"lane(\d+)-[0-9a-f]{12}")
 
@@ -67,7 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--step-timeout", type=float, default=60.0, help="step_timeout, seconds (60)")
     p.add_argument("--straggler-grace", type=float, default=5.0, help='limits={"straggler_grace": ...} (5)')
     p.add_argument("--cpu-budget", type=float, default=0.5, help="cpu_budget, CPU s per lane and step (0.5)")
-    p.add_argument("--cpu-limit", type=float, default=0.05, help="the env's CPU limit per attempt, s (0.05)")
+    p.add_argument(
+        "--no-cpu-share", dest="cpu_share", action="store_false", help="without cpu_share=True (a CPU share per lane)"
+    )
+    p.add_argument("--cpu-limit", type=float, default=0.02, help="the env's CPU limit per attempt, s (0.02)")
     p.add_argument("--reap", choices=("lane", "group"), default="lane", help="the env's kill after each attempt (lane)")
     p.add_argument("--time-limit", type=float, default=20.0, help="the env's wall limit per attempt, s (20)")
     p.add_argument("--speed-lanes", type=int, default=16, help="lanes of the speed variant's pools (16; 0: skip)")
@@ -97,6 +101,8 @@ def make_pool(args, n: int, mode: str = "tests", **options) -> RLPool:
     params.update(options.pop("params", {}))
     if args.cpu_budget and HAS_CPU_BUDGET:  # above the env's own limit, whose outcome keeps the lane
         options["cpu_budget"] = max(args.cpu_budget, 2 * params["cpu_limit"])
+    if args.cpu_share and HAS_CPU_SHARE:  # each lane one share of the CPU, however many processes or sessions
+        options["cpu_share"] = True
     return RLPool(
         ENV,
         n,
@@ -185,6 +191,7 @@ def run_pass(pool, table: list, attack: bool, args, trainer: Trainer, lane_secre
     episode, attempt, done = [0] * n, [0] * n, [False] * n
     records: dict = {}
     leaks: list = []
+    honest_cpu: list = []  # each honest attempt's CPU seconds, its own process (the env's info["cpu"])
     pids: list = []
     reset_kw = reset_options(args.reset)
 
@@ -214,6 +221,8 @@ def run_pass(pool, table: list, attack: bool, args, trainer: Trainer, lane_secre
         landed = set()
         for i, o, r, d, info in zip(ids.tolist(), batch_obs, rewards.tolist(), dones.tolist(), infos):
             records[(i, episode[i], attempt[i])] = (r, cause(info), bool(info and info.get("strays")))
+            if not (attack and table[i][episode[i]]) and isinstance((info or {}).get("cpu"), float):
+                honest_cpu.append(info["cpu"])
             for text in (o, str(info)):
                 owners = {int(m) for m in SECRET.findall(text or "")} - {i}
                 if text and trainer.secret in text:
@@ -258,6 +267,7 @@ def run_pass(pool, table: list, attack: bool, args, trainer: Trainer, lane_secre
         "leaks": leaks,
         "resets_s": resets_s,
         "recv_s": recv_s,
+        "honest_cpu": honest_cpu,
     }
 
 
@@ -306,6 +316,18 @@ def attack_check(attacked: dict, table: list, groups: int = 1) -> tuple:
             if alone and not any(x in (what or "ran") for x in solutions.EXPECTED[kind]):
                 wrong.append((lane, e, kind, what))
     return by_kind, wrong
+
+
+def cpu_summary(seconds: list, limit: float) -> str:
+    """The honest attempts' CPU (each attempt's own process), against the env's cpu_limit."""
+    if not seconds:
+        return "no honest attempt reported its CPU"
+    ms = sorted(x * 1000 for x in seconds)
+    p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))]
+    return (
+        f"honest attempts' CPU: median {ms[len(ms) // 2]:.1f} ms, p99 {p99:.1f}, max {ms[-1]:.1f} "
+        f"(cpu_limit {limit * 1000:g} ms)"
+    )
 
 
 def census(pool, lanes: list) -> dict:
@@ -397,6 +419,7 @@ def main(argv=None) -> int:
         f"limits: memory_limit={args.memory_limit} workspace_size={args.workspace_size} pids={args.pids} "
         f"step_timeout={args.step_timeout:g} straggler_grace={args.straggler_grace:g} "
         + (f"cpu_budget={args.cpu_budget:g}" if HAS_CPU_BUDGET else "cpu_budget: not in this boltzlabs")
+        + (f" cpu_share={args.cpu_share}" if HAS_CPU_SHARE else " cpu_share: not in this boltzlabs")
         + f"; the env's cpu_limit={args.cpu_limit:g} s, time_limit={args.time_limit:g} s, reap={args.reap}"
     )
     try:
@@ -414,7 +437,7 @@ def main(argv=None) -> int:
                 f"{name} pass: pool ready in {ready:.1f} s; {steps} env-steps in {r['elapsed']:.1f} s "
                 f"({steps / r['elapsed']:.0f} env-steps/s; waiting in recv() {r['recv_s']:.1f} s, in reset() between "
                 f"episodes {r['resets_s']:.1f} s); "
-                f"stragglers {r['stragglers']}"
+                f"stragglers {r['stragglers']}; {cpu_summary(r['honest_cpu'], args.cpu_limit)}"
             )
         clean, attacked = passes["clean"], passes["attacked"]
         ratio = (len(attacked["records"]) / attacked["elapsed"]) / (len(clean["records"]) / clean["elapsed"])

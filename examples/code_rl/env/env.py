@@ -20,7 +20,7 @@ info["strays"] says how many processes an attempt left running. Files stay
 until the scrub. census() (pool.call("census")) lists the lane's processes
 and files from inside.
 
-    RLPool("examples/code_rl/env", n, params={"attempts": 2, "cpu_limit": 0.05, "time_limit": 20.0}, ...)
+    RLPool("examples/code_rl/env", n, params={"attempts": 2, "cpu_limit": 0.02, "time_limit": 20.0}, cpu_share=True, ...)
 
 docs/code-rl.md says what one lane can and cannot do to another, and which
 pool limits to set.
@@ -45,7 +45,7 @@ if set(P) - KNOWN:  # a pool option this boltzlabs does not know would arrive he
     raise ValueError(f"unknown params {sorted(set(P) - KNOWN)}: this env takes {sorted(KNOWN)}")
 MODE = P.get("mode", "tests")  # "tests": reward = share of tests passed; "speed": measured speed
 ATTEMPTS = int(P.get("attempts", 2))  # attempts per episode
-CPU_LIMIT = float(P.get("cpu_limit", 0.05))  # CPU seconds of an attempt: its processes together
+CPU_LIMIT = float(P.get("cpu_limit", 0.02))  # CPU seconds of an attempt: its processes together
 TIME_LIMIT = float(P.get("time_limit", 20.0))  # wall seconds of an attempt: for code that blocks or sleeps
 RUNNER = P.get("runner", "fork")  # "fork" or "subprocess"
 # After an attempt: "lane" kills every process of the lane but this server (a setsid daemon the
@@ -103,15 +103,31 @@ def kill_others():
     left = others()
     count, deadline = len(left), time.monotonic() + 2.0
     while left and time.monotonic() < deadline:
+        # A pidfd of each, then the kill: each is waited for by its pidfd (readable once it has
+        # exited), not by listing /proc again and again while they die. A process ends in its own
+        # context, at its nice 19, so this server sleeps in poll() meanwhile, off the cores they need.
+        poller, fds = select.poll(), []
+        for pid in left:
+            try:
+                fds.append(os.pidfd_open(pid))
+                poller.register(fds[-1], select.POLLIN)
+            except OSError:
+                pass  # gone already
         try:
             os.kill(-1, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        # A process ends in its own context, at its nice 19: sleep, or this server (nice 0) would
-        # spin on the cores they need to die.
-        time.sleep(0.002)
+        try:
+            waiting = len(fds)
+            while waiting and time.monotonic() < deadline:
+                for fd, _ in poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+                    poller.unregister(fd)
+                    waiting -= 1
+        finally:
+            for fd in fds:
+                os.close(fd)
         reap()
-        left = others()
+        left = others()  # what was forked between the list and the kill
     return count
 
 
@@ -155,6 +171,47 @@ def lane_cpu():
     return {pid: cpu for pid in others() if (cpu := cpu_seconds(pid)) is not None}
 
 
+class Watch:
+    """The CPU the lane's processes (but this server) use during one attempt, every process of
+    them together. A look re-reads the schedstat of each process it knows through an fd kept
+    open (a few us each, so it can look every few ms); a census lists the lane's processes for
+    ones it does not know yet (a fork bomb's), and costs more, so it comes less often. A process
+    that is gone keeps what it used while it was known."""
+
+    def __init__(self, before, child):
+        self.before = before  # {pid: CPU seconds} when the attempt began (lane_cpu())
+        self.fds = {}  # pid -> its schedstat, open
+        self.seen = {}  # pid -> its CPU seconds at the last look
+        self.gone = 0.0  # what processes that ended used during the attempt
+        self.add(child)
+
+    def add(self, pid):
+        try:
+            self.fds[pid] = os.open(f"/proc/{pid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            pass  # gone already
+
+    def census(self):
+        for pid in others():
+            if pid not in self.fds:
+                self.add(pid)
+
+    def used(self):
+        for pid, fd in list(self.fds.items()):
+            try:
+                self.seen[pid] = int(os.pread(fd, 64, 0).split()[0]) / 1e9
+            except (OSError, IndexError, ValueError):  # ended and reaped (its pid may come again)
+                os.close(fd)
+                del self.fds[pid]
+                self.gone += self.seen.pop(pid, 0.0) - self.before.get(pid, 0.0)
+        return self.gone + sum(cpu - self.before.get(pid, 0.0) for pid, cpu in self.seen.items())
+
+    def close(self):
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
 def start_child(result_w, log_fd):
     """The attempt's process, in a session of its own, its cwd the attempt's directory."""
     if RUNNER == "subprocess":
@@ -193,23 +250,27 @@ def start_child(result_w, log_fd):
 
 
 def wait_child(pid, result_r, before):
-    """Wait for the attempt within its limits; returns (what it wrote, its outcome or None).
+    """Wait for the attempt within its limits; returns (what it wrote, its outcome or None, the CPU
+    seconds its own process used).
     `before`: lane_cpu() when it started, so processes an earlier attempt left are counted
     only for what they use during this one."""
     pidfd = os.pidfd_open(pid)
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
     poller.register(result_r, select.POLLIN)
+    watch = Watch(before, pid)
     data, limit, began, used = bytearray(), None, time.monotonic(), 0.0
+    census_at = began + 0.01
     try:
         while True:
-            # Look again when the lane could first be at its limit, using every core (an honest attempt
-            # has ended by then and never pays for a look at /proc), and no sooner than half the time
-            # it has run: an attempt that waits for a core on a loaded node costs a few looks, not one
-            # every few ms. The limit may be passed by that half (a spin is caught within 1.5x).
+            # Look again when the lane could first be at its limit using every core (an honest
+            # attempt has ended by then), at least every 5 ms. How fast the lane spends CPU is no
+            # guide: it may wait for a core while other lanes run, then get one, so a look is
+            # never put off for what it spent so far. A look is cheap (an fd per process); a census
+            # for new processes comes no sooner than half the time the attempt has run.
             elapsed = time.monotonic() - began
-            wait = max(0.01, (CPU_LIMIT - used) / CORES, elapsed / 2)
-            events = dict(poller.poll(max(0.0, min(TIME_LIMIT - elapsed, wait)) * 1000))
+            wait = min(TIME_LIMIT - elapsed, max(0.005, (CPU_LIMIT - used) / CORES))
+            events = dict(poller.poll(max(0.0, wait) * 1000))
             if events.get(result_r):
                 chunk = os.read(result_r, 1 << 16)
                 if chunk and len(data) < RESULT_BYTES:
@@ -218,22 +279,33 @@ def wait_child(pid, result_r, before):
                     poller.unregister(result_r)
             if events.get(pidfd):
                 break
-            used = sum(cpu - before.get(p, 0.0) for p, cpu in lane_cpu().items())
+            now = time.monotonic()
+            if now >= census_at:
+                watch.census()
+                census_at = now + max(0.01, (now - began) / 2)
+            used = watch.used()
             if used >= CPU_LIMIT:
                 limit = f"CPU limit: killed after {used:.2f} s of CPU (cpu_limit={CPU_LIMIT:g})"
                 break
-            if time.monotonic() - began >= TIME_LIMIT:
+            if now - began >= TIME_LIMIT:
                 limit = f"time limit: still running after {TIME_LIMIT:g} s (time_limit)"
                 break
     finally:
-        # The child and its process group; a member that called setsid() escapes this.
-        for kill in (lambda: signal.pidfd_send_signal(pidfd, signal.SIGKILL), lambda: os.killpg(pid, signal.SIGKILL)):
+        # The child and its process group; a member that called setsid() escapes this, so with
+        # reap="lane" every other process of the lane too, at once: a daemon the attempt started
+        # spins on another core until it is killed (step()'s kill_others() then makes sure).
+        kills = [lambda: signal.pidfd_send_signal(pidfd, signal.SIGKILL), lambda: os.killpg(pid, signal.SIGKILL)]
+        if REAP == "lane":
+            kills.append(lambda: os.kill(-1, signal.SIGKILL))
+        for kill in kills:
             try:
                 kill()
             except OSError:
                 pass
         os.close(pidfd)
-    status = os.waitpid(pid, 0)[1]
+        watch.close()
+    _, status, usage = os.wait4(pid, 0)
+    cpu = usage.ru_utime + usage.ru_stime  # the attempt's own process (and the children it waited for)
     os.set_blocking(result_r, False)
     try:
         while len(data) < RESULT_BYTES and (chunk := os.read(result_r, 1 << 16)):
@@ -249,7 +321,7 @@ def wait_child(pid, result_r, before):
             limit = "killed by SIGKILL: the lane's memory limit, most likely (the OOM killer)"
         else:
             limit = f"crashed: killed by {signal.Signals(sig).name}"
-    return bytes(data), limit
+    return bytes(data), limit, cpu
 
 
 def read_log():
@@ -268,7 +340,7 @@ def read_log():
 
 
 def attempt(source):
-    """Run one attempt: (outcome, names of the tests that passed, speed or None, wall ms, log)."""
+    """Run one attempt: (outcome, names of the tests that passed, speed or None, wall ms, log, CPU s)."""
     began = time.monotonic()
     try:
         write_attempt(source)
@@ -276,40 +348,40 @@ def attempt(source):
             os.path.join(RUN_DIR, "output.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK
         )
     except OSError as exc:  # its workspace is full, or the code left something in the way
-        return f"could not write the attempt: {exc}", [], None, 0.0, ""
+        return f"could not write the attempt: {exc}", [], None, 0.0, "", 0.0
     result_r, result_w = os.pipe()
     before = lane_cpu()
     try:
         pid = start_child(result_w, log_fd)
     except OSError as exc:  # at the pids limit: a fork bomb of an earlier attempt is still there
         os.close(result_r)
-        return f"could not start the attempt: {exc}", [], None, 0.0, ""
+        return f"could not start the attempt: {exc}", [], None, 0.0, "", 0.0
     finally:
         os.close(result_w)
         os.close(log_fd)
     try:
-        data, limit = wait_child(pid, result_r, before)
+        data, limit, cpu = wait_child(pid, result_r, before)
     finally:
         os.close(result_r)
     ms, log = (time.monotonic() - began) * 1000, read_log()
     if limit is not None:
-        return limit, [], None, ms, log
+        return limit, [], None, ms, log, cpu
     try:
         result = json.loads(data)
         passed = sorted({str(name) for name in result["passed"]})
         speed = result.get("speed")
         speed = None if speed is None else min(100.0, max(0.0, float(speed)))
     except (ValueError, TypeError, KeyError):
-        return "exited without a result", [], None, ms, log
-    return "ran", passed, speed, ms, log
+        return "exited without a result", [], None, ms, log, cpu
+    return "ran", passed, speed, ms, log, cpu
 
 
 def step(action):
     state["attempt"] += 1
     if isinstance(action, str) and len(action) <= MAX_SOURCE:
-        outcome, passed, speed, ms, log = attempt(action)
+        outcome, passed, speed, ms, log, cpu = attempt(action)
     else:
-        outcome, passed, speed, ms, log = f"refused: not a str of at most {MAX_SOURCE} chars", [], None, 0, ""
+        outcome, passed, speed, ms, log, cpu = f"refused: not a str of at most {MAX_SOURCE} chars", [], None, 0, "", 0.0
     # What the attempt left running once it ended (a setsid daemon escapes its process group's kill).
     strays = kill_others() if REAP == "lane" else len(others())
     total = state["total"]
@@ -324,7 +396,7 @@ def step(action):
         + ("" if speed is None else f"; speed {speed:.3f}x the reference")
         + f" ({ms:.0f} ms)\n{log}"
     )
-    info = {"task": state["task"], "outcome": outcome, "passed": count, "total": total, "strays": strays}
+    info = {"task": state["task"], "outcome": outcome, "passed": count, "total": total, "strays": strays, "cpu": cpu}
     if speed is not None:
         info["speed"] = speed
     terminated = solved and MODE == "tests"
