@@ -1,7 +1,7 @@
 """What each attack of examples/code_rl costs the pool, per step, against an honest step.
 
     python benchmarks/bench_attack_costs.py                  # 250 lanes, 30% of the episodes hostile
-    python benchmarks/bench_attack_costs.py -n 100 --hostile 0.5 --cpu-limit 0.05
+    python benchmarks/bench_attack_costs.py -n 100 --hostile 0.5 --cpu-limit 0.05 -- --pids 8
 
 One attacked pass of the code RL driver (examples/code_rl/run.py: its pool, its plan, its
 send/recv loop, one episode per lane), each lane holding either honest episodes or one attack.
@@ -54,10 +54,12 @@ def main(argv=None) -> int:
     p.add_argument("--hostile", type=float, default=0.3)
     p.add_argument("--cpu-limit", default="0.02")
     p.add_argument("--no-cpu-share", action="store_true")
+    p.add_argument("driver", nargs="*", help="more arguments for examples/code_rl/run.py, after --")
     ours = p.parse_args(argv)
     # The driver's own defaults, one episode per lane, and a budget (so each lane's CPU is counted).
     argv = ["-n", str(ours.n), "--hostile", str(ours.hostile), "--episodes", "1", "--cpu-limit", ours.cpu_limit]
-    args = driver.parse_args(argv + ["--cpu-budget", "5"] + (["--no-cpu-share"] if ours.no_cpu_share else []))
+    argv += ["--cpu-budget", "5", *(["--no-cpu-share"] if ours.no_cpu_share else []), *ours.driver]
+    args = driver.parse_args(argv)
     table = driver.plan(args.n, 1, args.hostile, args.attacks, args.seed)
     secrets = [f"lane{i}-{i:012x}" for i in range(args.n)]
     trainer = driver.Trainer()

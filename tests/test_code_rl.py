@@ -9,7 +9,6 @@ a slow one and a wrong one with 0. The whole driver, as a user runs it, is in te
 """
 
 import importlib.util
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -174,24 +173,26 @@ while time.process_time() - began < {cpu}:
 
 
 @pytest.mark.parametrize("spawn", ["template", "exec"])
-def test_a_spin_that_waited_for_a_core_is_killed_near_its_cpu_limit(code_rl, spawn):
-    # Lane 0 spins for ever; 40 more lanes each spin for 60% of the limit at the same moment, so
-    # lane 0 first waits for a core, then gets one to itself once they end. How fast it spent CPU
-    # while it waited is no guide to how fast it spends it then: the env's watch must look as
-    # often as the lane could reach its limit, or a spin runs on for a multiple of it.
-    limit, n = 0.05, 41
+def test_a_spin_that_waited_for_a_core_is_ended_at_its_cpu_limit_even_with_its_own_timer_deleted(code_rl, spawn):
+    # Lanes 0 and 1 spin for ever, lane 1 after deleting its own CPU timer; 40 more lanes each
+    # spin for 60% of the limit at the same moment, so the spinners first wait for a core, then
+    # get one once those end. A watch that looks now and then (less often the longer an attempt
+    # has waited: 1,000 lanes cannot each look every few ms) would let them run on past the limit
+    # once they get a core; the server's timer on the attempt's CPU clock ends each at it.
+    limit, n = 0.05, 42
     args = code_rl.parse_args(
         ["-n", str(n), "--cpu-limit", str(limit), "--cpu-budget", "0", "--step-timeout", str(scaled(120))]
     )
     with code_rl.make_pool(args, n, spawn=spawn) as pool:
-        assert pool.cpu_share is True  # the driver's default: the watch's server gets its core first
+        assert pool.cpu_share is True  # the driver's default
         pool.reset(seed=list(range(n)))
-        spin = code_rl.solutions.attack("cpu_spin", {})
-        _, _, _, infos = pool.step([spin] + [BOUNDED_SPIN.format(cpu=0.6 * limit)] * (n - 1))
-        used = re.search(r"killed after ([0-9.]+) s of CPU", infos[0]["outcome"])
-        assert used, infos[0]
-        assert float(used.group(1)) <= 2.5 * limit, infos[0]["outcome"]
-        assert all(info["outcome"] == "ran" for info in infos[1:]), [info["outcome"] for info in infos[1:]]
+        spins = [code_rl.solutions.attack(kind, {}) for kind in ("cpu_spin", "timer_evasion")]
+        _, _, _, infos = pool.step(spins + [BOUNDED_SPIN.format(cpu=0.6 * limit)] * (n - 2))
+        for info in infos[:2]:
+            assert info["outcome"].startswith("CPU limit: killed"), info
+            # A tick (4 ms at HZ=250) and the server's look past the limit, no more.
+            assert limit <= info["cpu"] <= limit * 1.5, info
+        assert all(info["outcome"] == "ran" for info in infos[2:]), [info["outcome"] for info in infos[2:]]
 
 
 def test_bench_attack_costs_prices_every_attack_against_an_honest_step():
@@ -216,3 +217,18 @@ def code_rl_attacks() -> list:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return list(module.ATTACKS)
+
+
+def test_bench_code_rl_attack_gives_a_median_over_pairs_and_checks_honest_rewards():
+    """benchmarks/bench_code_rl_attack.py at a small n: pairs of passes, their median ratio, and
+    exit status 0 only when every honest episode kept the clean pass's rewards."""
+    bench = EXAMPLE.parent.parent / "benchmarks" / "bench_code_rl_attack.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "-n", "20", "--hostile", "0.5", "--repeat", "2"],
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("  pair ") == 2 and "throughput under attack: median" in done.stdout, done.stdout
+    assert "honest episodes unlike the clean pass's: 0" in done.stdout, done.stdout

@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     # The limits (docs/code-rl.md says why each).
     p.add_argument("--memory-limit", default="64M", help="memory_limit per sandbox (64M)")
     p.add_argument("--workspace-size", default="16M", help="workspace_size per sandbox (16M)")
-    p.add_argument("--pids", type=int, default=16, help='limits={"pids": ...} per sandbox (16)')
+    p.add_argument("--pids", type=int, default=8, help='limits={"pids": ...} per sandbox (8)')
     p.add_argument("--step-timeout", type=float, default=60.0, help="step_timeout, seconds (60)")
     p.add_argument("--straggler-grace", type=float, default=5.0, help='limits={"straggler_grace": ...} (5)')
     p.add_argument("--cpu-budget", type=float, default=0.5, help="cpu_budget, CPU s per lane and step (0.5)")

@@ -92,6 +92,26 @@ while True:
 while True:
     pass
 """,
+    # The same loop, by code that tries to slip the limits first: ignores SIGXCPU, tries to raise
+    # its RLIMIT_CPU, deletes any CPU timer of its own, renices itself. The env's limits are the
+    # server's, on the attempt's processes' CPU clocks, which it cannot reach.
+    "timer_evasion": """
+import ctypes, os, resource, signal
+signal.signal(signal.SIGXCPU, signal.SIG_IGN)
+try:
+    resource.setrlimit(resource.RLIMIT_CPU, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+except (ValueError, OSError) as exc:
+    print("rlimit:", exc)
+libc = ctypes.CDLL(None)
+for timer in range(4):
+    libc.timer_delete(ctypes.c_void_p(timer))
+try:
+    os.nice(-20)
+except OSError as exc:
+    print("nice:", exc)
+while True:
+    pass
+""",
     # Fills its workspace and /dev/shm (one tmpfs of workspace_size) with bytes, then with empty
     # files (its inode cap): ENOSPC, in its own lane only; the files stay until a scrub.
     "workspace_fill": """
@@ -294,6 +314,7 @@ EXPECTED = {
     "fork_bomb": ("CPU limit", "cpu_budget"),
     "memory_balloon": ("killed by SIGKILL", "OOM", "CPU limit"),  # zeroing pages costs CPU: whichever comes first
     "cpu_spin": ("CPU limit", "cpu_budget"),
+    "timer_evasion": ("CPU limit", "cpu_budget"),
     "workspace_fill": ("ran", "could not write"),
     # Its daemon writes while the attempt runs, and the env's CPU limit counts every process of the
     # lane: on a loaded node the attempt lasts longer in wall time, and the daemon's writes can tip it.

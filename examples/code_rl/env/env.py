@@ -65,11 +65,82 @@ RESULT_BYTES = 64 << 10
 
 state = {"task": tasks.NAMES[0], "attempt": 0, "total": 1}
 
+# The server's own timer on each attempt's CPU clock (wait_child) sends it SIGUSR1 once the
+# attempt's process has used cpu_limit, whatever the attempt did to its own timer; the signal
+# wakes the watch through this pipe.
+TIMER_R, TIMER_W = os.pipe()
+os.set_blocking(TIMER_R, False)
+os.set_blocking(TIMER_W, False)
+signal.signal(signal.SIGUSR1, lambda *_: None)
+signal.set_wakeup_fd(TIMER_W)
+
 # The attempts are this server's children, as the same user: without this they could open
 # /proc/<server>/mem (writable in template mode), rewrite the server and so skip its scrub,
 # or read /proc/<server>/environ and fds. A process that is not dumpable is out of their reach.
-if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
+LIBC = ctypes.CDLL(None, use_errno=True)
+if LIBC.prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE, 0
     raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
+
+
+# -- the server's timers on its attempt's processes' CPU clocks (Watch) --------------------------
+
+
+class _Sigevent(ctypes.Structure):  # struct sigevent (64 bytes): what the timer does when it fires
+    _fields_ = [
+        ("value", ctypes.c_void_p),
+        ("signo", ctypes.c_int),
+        ("notify", ctypes.c_int),
+        ("pad", ctypes.c_int * 12),
+    ]
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("sec", ctypes.c_long), ("nsec", ctypes.c_long)]
+
+
+class _Itimerspec(ctypes.Structure):
+    _fields_ = [("interval", _Timespec), ("value", _Timespec)]
+
+
+def cpu_timer(clock, signo):
+    """A POSIX timer of this server's that sends it `signo` once the CPU clock `clock` (another
+    process's: process_clock) has counted what arm_timer() sets; disarmed until then. The
+    clock's nanoseconds, looked at by the kernel every tick, so at most a tick late, and the
+    process it counts cannot touch it. Not setitimer(ITIMER_PROF), which counts CPU in whole
+    ticks charged to whichever process a tick finds running (it ended honest 7 ms attempts at a
+    20 ms limit), and only its own process's. Returns the timer (delete_timer)."""
+    event, timer = _Sigevent(signo=signo, notify=0), ctypes.c_void_p()  # SIGEV_SIGNAL
+    if LIBC.timer_create(clock, ctypes.byref(event), ctypes.byref(timer)) != 0:
+        raise OSError(ctypes.get_errno(), "timer_create")
+    return timer
+
+
+def arm_timer(timer, seconds):
+    """Set `timer` to fire once its clock has counted `seconds` more (0: disarmed)."""
+    spec = _Itimerspec(value=_Timespec(int(seconds), int(seconds % 1 * 1e9)))
+    if LIBC.timer_settime(timer, 0, ctypes.byref(spec), None) != 0:
+        raise OSError(ctypes.get_errno(), "timer_settime")
+
+
+def process_clock(pid):
+    """The CPU clock of process `pid` (clock_getcpuclockid(3)): every thread of it, in ns."""
+    clock = ctypes.c_int()
+    err = LIBC.clock_getcpuclockid(pid, ctypes.byref(clock))
+    if err:
+        raise OSError(err, "clock_getcpuclockid")
+    return clock.value
+
+
+def delete_timer(timer):
+    LIBC.timer_delete(timer)
+
+
+def drain(fd):
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def reap():
@@ -173,14 +244,21 @@ def lane_cpu():
 
 class Watch:
     """The CPU the lane's processes (but this server) use during one attempt, every process of
-    them together. A look re-reads the schedstat of each process it knows through an fd kept
-    open (a few us each, so it can look every few ms); a census lists the lane's processes for
-    ones it does not know yet (a fork bomb's), and costs more, so it comes less often. A process
-    that is gone keeps what it used while it was known."""
+    them together. A census lists the lane's processes and opens the schedstat of each new one;
+    a look re-reads each through its fd. A process that ends keeps what it used while it was
+    known (a fork bomb's short lives would otherwise count as nothing).
+
+    Between looks, a timer of this server's on each known process's CPU clock (SIGUSR1, which
+    wakes wait_child) fires once that process alone has used its part of what is left, the
+    budget left split evenly over the k processes known (arm()): the k together cannot use what
+    is left without one of them using a k-th of it, so the watch hears of it, exactly, however
+    long it was waiting for a core and whatever the processes did to timers of their own. Only
+    processes born since the last census are not timed; the census catches them."""
 
     def __init__(self, before, child):
         self.before = before  # {pid: CPU seconds} when the attempt began (lane_cpu())
         self.fds = {}  # pid -> its schedstat, open
+        self.timers = {}  # pid -> this server's timer on its CPU clock
         self.seen = {}  # pid -> its CPU seconds at the last look
         self.gone = 0.0  # what processes that ended used during the attempt
         self.add(child)
@@ -188,6 +266,7 @@ class Watch:
     def add(self, pid):
         try:
             self.fds[pid] = os.open(f"/proc/{pid}/schedstat", os.O_RDONLY | os.O_CLOEXEC)
+            self.timers[pid] = cpu_timer(process_clock(pid), signal.SIGUSR1)
         except OSError:
             pass  # gone already
 
@@ -201,15 +280,29 @@ class Watch:
             try:
                 self.seen[pid] = int(os.pread(fd, 64, 0).split()[0]) / 1e9
             except (OSError, IndexError, ValueError):  # ended and reaped (its pid may come again)
-                os.close(fd)
-                del self.fds[pid]
+                self.drop(pid)
                 self.gone += self.seen.pop(pid, 0.0) - self.before.get(pid, 0.0)
         return self.gone + sum(cpu - self.before.get(pid, 0.0) for pid, cpu in self.seen.items())
 
-    def close(self):
-        for fd in self.fds.values():
+    def arm(self, left):
+        """Each known process's timer to fire after its k-th of `left` CPU seconds more."""
+        part = max(left, 0.0005) / max(1, len(self.timers))
+        for pid, timer in list(self.timers.items()):
+            try:
+                arm_timer(timer, part)
+            except OSError:
+                self.drop(pid)
+
+    def drop(self, pid):
+        fd, timer = self.fds.pop(pid, None), self.timers.pop(pid, None)
+        if fd is not None:
             os.close(fd)
-        self.fds.clear()
+        if timer is not None:
+            delete_timer(timer)
+
+    def close(self):
+        for pid in list(self.fds):
+            self.drop(pid)
 
 
 def start_child(result_w, log_fd):
@@ -233,6 +326,7 @@ def start_child(result_w, log_fd):
     pid = os.fork()
     if pid == 0:  # the child: nothing of the server's but the two fds it is given
         try:
+            signal.set_wakeup_fd(-1)  # the server's (its fd is closed below)
             # A process group of its own, in the lane's session, not a session of its own: where the
             # kernel schedules by session (autogroup, on in Debian's and Ubuntu's kernels) a lane's
             # processes then weigh as one, however many a fork bomb makes, and under nice 19 (the
@@ -258,18 +352,22 @@ def wait_child(pid, result_r, before):
     poller = select.poll()
     poller.register(pidfd, select.POLLIN)
     poller.register(result_r, select.POLLIN)
+    poller.register(TIMER_R, select.POLLIN)
+    drain(TIMER_R)  # a signal of an earlier attempt's timer
     watch = Watch(before, pid)
+    watch.arm(CPU_LIMIT)
     data, limit, began, used = bytearray(), None, time.monotonic(), 0.0
-    census_at = began + 0.01
     try:
         while True:
             # Look again when the lane could first be at its limit using every core (an honest
-            # attempt has ended by then), at least every 5 ms. How fast the lane spends CPU is no
-            # guide: it may wait for a core while other lanes run, then get one, so a look is
-            # never put off for what it spent so far. A look is cheap (an fd per process); a census
-            # for new processes comes no sooner than half the time the attempt has run.
+            # attempt has ended by then), and no sooner than half the time it has run: with 1,000
+            # attempts waiting for 2 cores, a look every few ms per lane is 100,000 wake-ups a
+            # second, more than the attempts' own work (measured: honest attempts then passed
+            # their 20 s time limit). So a lane that waited for a core and then gets one may pass
+            # the limit by up to that half before this looks, but for the Watch's timers, which
+            # wake this loop the moment a process has used its part of what is left.
             elapsed = time.monotonic() - began
-            wait = min(TIME_LIMIT - elapsed, max(0.005, (CPU_LIMIT - used) / CORES))
+            wait = min(TIME_LIMIT - elapsed, max(0.01, (CPU_LIMIT - used) / CORES, elapsed / 2))
             events = dict(poller.poll(max(0.0, wait) * 1000))
             if events.get(result_r):
                 chunk = os.read(result_r, 1 << 16)
@@ -279,14 +377,15 @@ def wait_child(pid, result_r, before):
                     poller.unregister(result_r)
             if events.get(pidfd):
                 break
+            if events.get(TIMER_R):
+                drain(TIMER_R)  # a process used its part of what was left (Watch): look now
             now = time.monotonic()
-            if now >= census_at:
-                watch.census()
-                census_at = now + max(0.01, (now - began) / 2)
+            watch.census()
             used = watch.used()
             if used >= CPU_LIMIT:
                 limit = f"CPU limit: killed after {used:.2f} s of CPU (cpu_limit={CPU_LIMIT:g})"
                 break
+            watch.arm(CPU_LIMIT - used)
             if now - began >= TIME_LIMIT:
                 limit = f"time limit: still running after {TIME_LIMIT:g} s (time_limit)"
                 break

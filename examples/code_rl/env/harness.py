@@ -26,7 +26,7 @@ def confine(cpu_limit, mode):
         # processes (a fork bomb's 31) this attempt makes. Not for a timing (mode "speed"), where
         # the gate keeps the pool's other lanes off the cores.
         os.nice(19)
-    # A backstop for the server's own CPU watch (env.py): RLIMIT_CPU counts whole seconds and
+    # A backstop for the server's CPU watch (env.py): RLIMIT_CPU counts whole seconds and
     # cannot be raised again by the code (soft = hard); SIGXCPU at the limit, SIGKILL a second later.
     seconds = math.ceil(cpu_limit) + 1
     resource.setrlimit(resource.RLIMIT_CPU, (seconds, seconds + 1))
@@ -95,7 +95,6 @@ def child(result_fd, mode, task_name, cpu_limit):
     result = {"passed": []}
     try:
         confine(cpu_limit, mode)
-        sys.path.insert(0, os.getcwd())
         passed, namespace = run_tests()
         result["passed"] = passed
         if mode == "speed":
