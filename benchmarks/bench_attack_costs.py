@@ -32,14 +32,10 @@ from boltzlabs.host.cgroups import PoolView
 def lane_cpu(pool) -> list:
     """Each lane's CPU seconds so far, every process of its sandbox (its cgroup's count)."""
     view = PoolView(pool._cgroup)
-    out = []
-    for lane in range(pool.n):
-        if view.version == "v1":
-            out.append(int((view.group(lane, "cpuacct") / "cpuacct.usage").read_text()) / 1e9)
-        else:
-            stat = dict(line.split() for line in (view.group(lane) / "cpu.stat").read_text().splitlines())
-            out.append(int(stat["usage_usec"]) / 1e6)
-    return out
+    backend = view.backend  # the worker's own reader of the file (cpuacct.usage on v1, cpu.stat on v2)
+    return [
+        backend.cpu_seconds((view.group(lane, "cpuacct") / backend.cpu_file).read_bytes()) for lane in range(pool.n)
+    ]
 
 
 def busy() -> float:

@@ -277,3 +277,12 @@ def with_hierarchy_read_only(mount, code: str) -> str:
     )
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
+
+
+def run_benchmark(name: str, *args: str, timeout: float = 120) -> str:
+    """Run benchmarks/<name> with `args` (a smoke run at a small size); its stdout, once it has
+    exited 0 (the benchmark's own checks passed) within `timeout` seconds (scaled)."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / name
+    done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=scaled(timeout))
+    assert done.returncode == 0, done.stderr
+    return done.stdout

@@ -59,6 +59,18 @@ def use_path(request, monkeypatch) -> str:
     return request.param
 
 
+def pools_on_path(source, pool_factory, path):
+    """`make(n=2, **kwargs)`: a pool of `source` (pool_factory's) that steps through the worker's
+    step path `path` (use_path), which it checks."""
+
+    def make(n=2, **kwargs):
+        pool = pool_factory(source, n, **kwargs)
+        assert pool.fast_path == (path == "native")
+        return pool
+
+    return make
+
+
 def same(a, b) -> bool:
     """Equal and of the same types all the way down (dict key order included)."""
     if type(a) is not type(b):

@@ -9,13 +9,12 @@ a slow one and a wrong one with 0. The whole driver, as a user runs it, is in te
 """
 
 import importlib.util
-import subprocess
 import sys
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import scaled, wait_until
+from conftest import run_benchmark, scaled, wait_until
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "code_rl"
 # The pool warns once per kind of lane failure, and sums them up at close: here they are the attacks'.
@@ -198,18 +197,11 @@ def test_a_spin_that_waited_for_a_core_is_ended_at_its_cpu_limit_even_with_its_o
 def test_bench_attack_costs_prices_every_attack_against_an_honest_step():
     """benchmarks/bench_attack_costs.py at a small n: each attack's lane CPU per step, from the
     lanes' cgroups, beside an honest step's; the spinning attacks cost more than an honest step."""
-    bench = EXAMPLE.parent.parent / "benchmarks" / "bench_attack_costs.py"
-    done = subprocess.run(
-        [sys.executable, str(bench), "-n", "30", "--hostile", "0.5"],
-        capture_output=True,
-        text=True,
-        timeout=scaled(300),
-    )
-    assert done.returncode == 0, done.stderr
-    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if " ms " in line}
-    assert set(rows) == {"honest", *code_rl_attacks()}, done.stdout
-    assert float(rows["cpu_spin"][1]) > float(rows["honest"][1]), done.stdout
-    assert "every attack alike" in done.stdout, done.stdout
+    out = run_benchmark("bench_attack_costs.py", "-n", "30", "--hostile", "0.5", timeout=300)
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if " ms " in line}
+    assert set(rows) == {"honest", *code_rl_attacks()}, out
+    assert float(rows["cpu_spin"][1]) > float(rows["honest"][1]), out
+    assert "every attack alike" in out, out
 
 
 def code_rl_attacks() -> list:
@@ -222,13 +214,6 @@ def code_rl_attacks() -> list:
 def test_bench_code_rl_attack_gives_a_median_over_pairs_and_checks_honest_rewards():
     """benchmarks/bench_code_rl_attack.py at a small n: pairs of passes, their median ratio, and
     exit status 0 only when every honest episode kept the clean pass's rewards."""
-    bench = EXAMPLE.parent.parent / "benchmarks" / "bench_code_rl_attack.py"
-    done = subprocess.run(
-        [sys.executable, str(bench), "-n", "20", "--hostile", "0.5", "--repeat", "2"],
-        capture_output=True,
-        text=True,
-        timeout=scaled(300),
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.count("  pair ") == 2 and "throughput under attack: median" in done.stdout, done.stdout
-    assert "honest episodes unlike the clean pass's: 0" in done.stdout, done.stdout
+    out = run_benchmark("bench_code_rl_attack.py", "-n", "20", "--hostile", "0.5", "--repeat", "2", timeout=300)
+    assert out.count("  pair ") == 2 and "throughput under attack: median" in out, out
+    assert "honest episodes unlike the clean pass's: 0" in out, out

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from boltzlabs import EnvStartError
-from framers import PATHS, use_path
+from framers import PATHS, pools_on_path, use_path
 
 HOSTILE = """
     import os
@@ -145,14 +145,7 @@ def path(request, monkeypatch):
 
 @pytest.fixture
 def hostile_pool(env_dir, pool_factory, path):
-    source = env_dir(HOSTILE)
-
-    def make(n=2, **kwargs):
-        pool = pool_factory(source, n, **kwargs)
-        assert pool.fast_path == (path == "native")
-        return pool
-
-    return make
+    return pools_on_path(env_dir(HOSTILE), pool_factory, path)
 
 
 def assert_lane_failed(obs, dones, infos, lane, *words):

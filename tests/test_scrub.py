@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from boltzlabs import RLPool
-from conftest import scaled, wait_until
+from conftest import run_benchmark, scaled, wait_until
 
 LITTER = """
     import ctypes, os, subprocess, sys, time
@@ -276,16 +276,5 @@ def test_the_gymnasium_adapter_scrubs_through_its_options(env_dir):
 
 def test_bench_scrub_runs_and_checks_every_lane():
     """benchmarks/bench_scrub.py at a small n: it fails (exit status) when any lane is not clean."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    bench = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_scrub.py"
-    done = subprocess.run(
-        [sys.executable, str(bench), "--n", "4", "--rounds", "1", "--files", "5"],
-        capture_output=True,
-        text=True,
-        timeout=scaled(120),
-    )
-    assert done.returncode == 0, done.stderr
-    assert "median hard/scrub" in done.stdout and "one lane: scrub" in done.stdout, done.stdout
+    out = run_benchmark("bench_scrub.py", "--n", "4", "--rounds", "1", "--files", "5")
+    assert "median hard/scrub" in out and "one lane: scrub" in out, out

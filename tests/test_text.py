@@ -32,7 +32,7 @@ from boltzlabs.gym import BoltzLabsVecEnv
 from boltzlabs.host import limits as host_limits
 from boltzlabs.pool.text import refuse_long_strs, text_note
 from conftest import COUNTER
-from framers import PATHS, use_path
+from framers import PATHS, pools_on_path, use_path
 
 KiB, MiB = 1 << 10, 1 << 20
 POLICY_CAP = 4 * MiB  # sandbox/policy.toml [limits] max_str_len
@@ -125,14 +125,7 @@ def path(request, monkeypatch):
 
 @pytest.fixture
 def text_pool(env_dir, pool_factory, path):
-    source = env_dir(TEXT_ENV)
-
-    def make(n=2, **kwargs):
-        pool = pool_factory(source, n, **kwargs)
-        assert pool.fast_path == (path == "native")
-        return pool
-
-    return make
+    return pools_on_path(env_dir(TEXT_ENV), pool_factory, path)
 
 
 def log_of(lane: int, action: str) -> str:

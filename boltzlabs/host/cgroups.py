@@ -119,6 +119,8 @@ LEAF = "boltzlabs-procs"  # v2: where the worker and its process tree go to make
 NEEDED = ("memory", "pids")
 # v2 controllers enabled only for a pool that asks: cpu (RLPool(cpu_share=True)).
 ON_REQUEST = ("cpu",)
+# Every controller a pool may have a group of (PoolView finds each by its hierarchy).
+CONTROLLERS = ("memory", "pids", "freezer", "cpuacct", "cpu")
 # Where to read how to run the worker in a cgroup it may use (systemd, containers).
 HOST_DOC = "docs/host.md#cgroup-v2-and-systemd"
 
@@ -792,6 +794,11 @@ def cpus_allowed() -> int:
     return os.cpu_count() or 1
 
 
+def _group_name(key: Any) -> str:
+    """The cgroup of env `key` (an int) or of a pool part (its name), below the pool's."""
+    return f"env-{key}" if isinstance(key, int) else key
+
+
 def _v1_pool_group(home: Path | None, name: str, controller: str) -> tuple[Path | None, str]:
     """The pool's own group `name` in the v1 hierarchy of `controller` whose home is `home`
     (made now), and "", or None and why there is none."""
@@ -1034,9 +1041,7 @@ class CgroupPool:
         self._groups: dict[Any, Any] = {}
         self._frozen_group: dict[Any, Any] = {}  # key -> the group whose freezer holds it
         self._procs: dict[Any, list[str]] = {}  # key -> the cgroup.procs file of each group it joins
-        self._cpu_groups: dict[Any, Path] = {}  # key -> its cpuacct group (v1, counts_cpu only)
         self._cpu_files: dict[Any, str] = {}  # key -> the file that counts its CPU time (counts_cpu only)
-        self._share_groups: dict[Any, Path] = {}  # key -> its group in the v1 cpu hierarchy (cpu_path only)
 
     @property
     def version(self) -> str:
@@ -1045,13 +1050,23 @@ class CgroupPool:
     @property
     def paths(self) -> list[str]:
         """The pool's cgroup directories, one per hierarchy."""
-        paths = (self.path, self.pids_path, self.freezer_path, self.cpuacct_path, self.cpu_path)
-        return list(dict.fromkeys(str(p) for p in paths if p is not None))
+        return [str(p) for p in self._pools()]
+
+    def _pools(self) -> list[Path]:
+        """The pool's own group in each hierarchy (the cpu one is the cpuacct one where co-mounted)."""
+        pools = (self.path, self.pids_path, self.freezer_path, self.cpuacct_path, self.cpu_path)
+        return list(dict.fromkeys(p for p in pools if p is not None))
 
     @property
     def _own_cpu_group(self) -> bool:
         """Whether the envs join a v1 cpu group of their own (not the cpuacct one they join anyway)."""
         return self.cpu_path is not None and self.cpu_path != self.cpuacct_path
+
+    @property
+    def _cpu_pools(self) -> list[Path]:
+        """The pool's groups in the v1 cpuacct and cpu hierarchies, each env's group below each:
+        cpuacct for a cpu_budget, cpu for cpu_share (unless co-mounted with cpuacct: the same)."""
+        return [pool for pool in (self.cpuacct_path, self.cpu_path if self._own_cpu_group else None) if pool]
 
     @property
     def limits_pids(self) -> bool:
@@ -1079,15 +1094,13 @@ class CgroupPool:
             del self._groups[key]
             self._frozen_group.pop(key, None)
             self._procs.pop(key, None)
-            self._cpu_groups.pop(key, None)
             self._cpu_files.pop(key, None)
-            self._share_groups.pop(key, None)
         return ok
 
     def _made(self, key: Any) -> list[Path]:
         groups = self._groups.get(key)
         if groups is None:
-            name = f"env-{key}" if isinstance(key, int) else key
+            name = _group_name(key)
             memory = self.path / (name if self.per_env_memory or not isinstance(key, int) else SHARED)
             groups = [memory] + ([self.pids_path / name] if self.pids_path is not None else [])
             for group in groups:
@@ -1100,16 +1113,12 @@ class CgroupPool:
             if self.freezer_path is not None:  # last, so groups[-1] stays the pids group for the others
                 self._frozen_group[key] = self.freezer_path / name
                 _mkdir(self._frozen_group[key])
+            for pool in self._cpu_pools:
+                _mkdir(pool / name)
             if self.cpuacct_path is not None:
-                self._cpu_groups[key] = self.cpuacct_path / name
-                _mkdir(self._cpu_groups[key])
-                self._cpu_files[key] = str(self._cpu_groups[key] / self.backend.cpu_file)
+                self._cpu_files[key] = str(self.cpuacct_path / name / self.backend.cpu_file)
             elif self.counts_cpu:  # v2: the env's one group
                 self._cpu_files[key] = str(groups[0] / self.backend.cpu_file)
-            if self._own_cpu_group:
-                assert self.cpu_path is not None
-                self._share_groups[key] = self.cpu_path / name
-                _mkdir(self._share_groups[key])
             self._groups[key] = groups
             self._procs[key] = [os.path.join(group, "cgroup.procs") for group in self._joined(key)]
         return groups
@@ -1141,11 +1150,7 @@ class CgroupPool:
         groups = self._made(key)
         if self.freezer_path is not None:
             groups = groups + [self._frozen_group[key]]
-        if self.cpuacct_path is not None:
-            groups = groups + [self._cpu_groups[key]]
-        if self._own_cpu_group:
-            groups = groups + [self._share_groups[key]]
-        return groups
+        return groups + [pool / _group_name(key) for pool in self._cpu_pools]
 
     def freeze(self, index: int | str) -> None:
         """Start freezing env `index` (every task of it; or a pool part, by name); `frozen()` says when done."""
@@ -1259,11 +1264,7 @@ class CgroupPool:
         # gives up only once none went for CLOSE_STALL seconds (10,000 sandboxes take far
         # longer than 5 s to die).
         made = [group for key in self._groups for group in self._joined(key)]
-        made += [
-            path
-            for path in (self.path, self.pids_path, self.freezer_path, self.cpuacct_path, self.cpu_path)
-            if path is not None
-        ]
+        made += self._pools()
         ok = _rmdir_all(list(dict.fromkeys(made)), deadline, reap, CLOSE_STALL)
         self._groups.clear()
         self.release()  # False only when another pool still uses the room: not a failure of ours
@@ -1286,10 +1287,10 @@ class PoolView:
             point, fstype, options = next(m for m in mounts if str(path).startswith(m[0].rstrip("/") + "/"))
             if fstype == "cgroup2":
                 v2 = True
-                for name in ("memory", "pids", "freezer", "cpuacct", "cpu"):
+                for name in CONTROLLERS:
                     self.by_controller.setdefault(name, path)
             else:
-                for name in ("memory", "pids", "freezer", "cpuacct", "cpu"):
+                for name in CONTROLLERS:
                     if name in options:
                         self.by_controller[name] = path
         self.backend = _V2(None, make_room=False) if v2 else _V1(None)
@@ -1299,7 +1300,7 @@ class PoolView:
         """Env `key`'s cgroup in the hierarchy of `controller` (for the memory
         controller, the envs' shared one where env `key` has none of its own)."""
         pool = self.by_controller[controller]
-        own = pool / (f"env-{key}" if isinstance(key, int) else key)
+        own = pool / _group_name(key)
         if isinstance(key, int) and not own.exists() and (pool / SHARED).is_dir():
             return pool / SHARED
         return own

@@ -65,9 +65,8 @@ RESULT_BYTES = 64 << 10
 
 state = {"task": tasks.NAMES[0], "attempt": 0, "total": 1}
 
-# The server's own timer on each attempt's CPU clock (wait_child) sends it SIGUSR1 once the
-# attempt's process has used cpu_limit, whatever the attempt did to its own timer; the signal
-# wakes the watch through this pipe.
+# The server's timers on its attempt's processes' CPU clocks (Watch) send it SIGUSR1 once one of
+# them has used its part of the budget left; the signal wakes wait_child through this pipe.
 TIMER_R, TIMER_W = os.pipe()
 os.set_blocking(TIMER_R, False)
 os.set_blocking(TIMER_W, False)
