@@ -315,7 +315,7 @@ EXPECTED = {
     "memory_balloon": ("killed by SIGKILL", "OOM", "CPU limit"),  # zeroing pages costs CPU: whichever comes first
     "cpu_spin": ("CPU limit", "cpu_budget"),
     "timer_evasion": ("CPU limit", "cpu_budget"),
-    "workspace_fill": ("ran", "could not write"),
+    "workspace_fill": ("ran", "could not write", "CPU limit"),  # 16 MiB written costs CPU: whichever comes first
     # Its daemon writes while the attempt runs, and the env's CPU limit counts every process of the
     # lane: on a loaded node the attempt lasts longer in wall time, and the daemon's writes can tip it.
     "background_writer": ("ran", "CPU limit"),

@@ -389,13 +389,9 @@ def wait_child(pid, result_r, before):
                 limit = f"time limit: still running after {TIME_LIMIT:g} s (time_limit)"
                 break
     finally:
-        # The child and its process group; a member that called setsid() escapes this, so with
-        # reap="lane" every other process of the lane too, at once: a daemon the attempt started
-        # spins on another core until it is killed (step()'s kill_others() then makes sure).
-        kills = [lambda: signal.pidfd_send_signal(pidfd, signal.SIGKILL), lambda: os.killpg(pid, signal.SIGKILL)]
-        if REAP == "lane":
-            kills.append(lambda: os.kill(-1, signal.SIGKILL))
-        for kill in kills:
+        # The child and its process group; a member that called setsid() escapes this (step()
+        # counts it as a stray, and with reap="lane" kills it).
+        for kill in (lambda: signal.pidfd_send_signal(pidfd, signal.SIGKILL), lambda: os.killpg(pid, signal.SIGKILL)):
             try:
                 kill()
             except OSError:
