@@ -456,17 +456,26 @@ class ClusterPool(Pool):
         self._ready = [r for r in self._ready if r[0] not in set(lanes)]
         return obs, infos
 
-    def _send_lanes(self, actions: list, lanes: list, resets) -> None:
+    def _send_lanes(self, actions: list, lanes: list, resets, how=None) -> None:
         if self._flying[lanes].any():
             raise ValueError("send() to an env that is in flight or has a result not yet received")
         split = self._split(actions, lanes)
         local_resets = self._by_shard(resets or [])
+        seeds, options, scrub = how if how is not None else (None, None, False)
+        seed_of = {} if seeds is None else dict(zip(resets, seeds))
+
+        def send(shard, where, a, r):
+            # The node's pool takes its resets' seeds as reset() does: one per env of it (length n).
+            local = None
+            if seed_of and r:
+                local = [None] * shard.pool.n
+                for lane in resets:
+                    if lane in self._lane_shard and self._lane_shard[lane][0] is shard:
+                        local[self._lane_shard[lane][1]] = seed_of[lane]
+            return lambda pool: pool.send(a, where, r, seed=local, options=options, scrub=scrub)
+
         results = self._fan_out(
-            {
-                shard: (lambda pool, where=loc, a=vals, r=local_resets.get(shard): pool.send(a, where, r))
-                for shard, (loc, _, vals) in split.items()
-                if shard
-            }
+            {shard: send(shard, loc, vals, local_resets.get(shard)) for shard, (loc, _, vals) in split.items() if shard}
         )
         self._flying[lanes] = True
         for shard, (_, globals_, _) in split.items():

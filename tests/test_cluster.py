@@ -91,6 +91,12 @@ def test_lanes_spread_over_two_nodes_in_the_users_order(cluster):
         assert "step failed on purpose" in infos[3]["error"]
         obs = pool.reset(where=[3])
         assert obs[3]["t"] == 0
+        # Resets in flight, seeded and scrubbed, on both nodes: each node's lanes get their own seeds.
+        pool.send([1.0] * 6, resets=[1, 4], seed=[None, 21, None, None, 24, None], scrub=True)
+        env_ids, obs, rewards, dones, infos = pool.recv(6)
+        got = {i: (o, r, info) for i, o, r, info in zip(env_ids.tolist(), obs, rewards.tolist(), infos)}
+        assert (got[1][0]["seed"], got[4][0]["seed"]) == (21, 24) and got[1][1] == got[4][1] == 0.0
+        assert "scrubbed" in got[1][2] and "scrubbed" in got[4][2] and got[0][0]["t"] > 0
         report = pool.memory()
         assert len(report.per_env) == 6 and all(m > 0 for m in report.per_env)
         assert pool.envs_per_gb() > 0

@@ -37,7 +37,7 @@ LITTER = """
 
     def reset(seed=None, options=None):
         resets[0] += 1
-        return 0, census()
+        return 0, dict(census(), seed=seed, options=options)
 
     def daemon(body):
         if os.fork() == 0:
@@ -272,6 +272,100 @@ def test_the_gymnasium_adapter_scrubs_through_its_options(env_dir):
         assert clean(pool.reset_infos[0], "template") and "scrubbed" in pool.reset_infos[0]
         adapter.step(np.array([0, 0]))
         assert pool.reset_infos[1]["resets"] == 1  # lane 1 was not reset at all
+
+
+def test_send_scrubs_lanes_in_flight_seeded_while_the_others_step(pool_factory, env_dir, spawn):
+    """send(resets=, seed=, options=, scrub=True): the scrub is an async reset, received with the
+    steps sent beside it, not a reset() that blocks until its slowest lane is done."""
+    pool = pool_factory(env_dir(LITTER), 3)
+    pool.reset()
+    pool.step(["litter", "litter", "litter"])
+    pool.send(["ignored", "none", "none"], [0, 1, 2], resets=[0], seed=[7, None, None], options={"k": 1}, scrub=True)
+    ids, obs, rewards, dones, infos = pool.recv(3)
+    got = {i: (o, r, d, info) for i, o, r, d, info in zip(ids.tolist(), obs, rewards.tolist(), dones.tolist(), infos)}
+    o, r, d, info = got[0]
+    assert (o, r, d) == (0, 0.0, False) and clean(info, spawn), info
+    assert info["seed"] == 7 and info["options"] == {"k": 1}
+    assert info["scrubbed"]["processes"] >= 2 and info["scrubbed"]["entries"] >= 7, info
+    assert info["server"] == info["born"] and info["resets"] == 2  # the sandbox and its server kept
+    for i in (1, 2):  # stepped in the same send: what they made is still there
+        assert got[i][3]["entries"] >= 7 and len(got[i][3]["procs"]) > 2, got[i][3]
+    # An int seed gives env i seed + i, as reset() does; no scrub: the litter stays.
+    pool.send(["x", "x", "x"], resets=[1, 2], seed=100)
+    ids, obs, _, _, infos = pool.recv(3)
+    by_id = dict(zip(ids.tolist(), infos))
+    assert (by_id[1]["seed"], by_id[2]["seed"]) == (101, 102)
+    assert "scrubbed" not in by_id[1] and by_id[1]["entries"] >= 7
+
+
+def test_send_scrub_is_counted_from_outside_and_a_dead_lane_is_respawned(pool_factory, env_dir, spawn):
+    source = LITTER.replace(
+        "    serve(reset=reset, step=step)",
+        "    import boltzlabs.runtime.scrub as _scrub\n"
+        "    if os.environ.get('BOLTZLABS_ENV_INDEX') == '0':\n"
+        "        _scrub.scrub = lambda workspace, ipc=False: {'processes': 0}\n"
+        "    serve(reset=reset, step=step)",
+    )
+    pool = pool_factory(env_dir(source), 3)
+    if pool.memory().source == "pss":
+        pytest.skip("no cgroups here: the count from outside needs the lane's cgroup")
+    pool.reset()
+    pool.step(["litter", "litter", "litter"])
+    os.kill(pool.pids()[2], 9)
+    assert wait_until(lambda: pool.states()[2] == "dead", scaled(10))
+    pool.send(["x", "x", "x"], resets=[0, 1, 2], scrub=True)
+    with pytest.warns(RuntimeWarning, match="scrub reported done"):
+        ids, obs, _, dones, infos = pool.recv(3)
+    by_id = {i: (o, d, info) for i, o, d, info in zip(ids.tolist(), obs, dones.tolist(), infos)}
+    assert by_id[0][0] is None and by_id[0][1] and "scrub reported done" in by_id[0][2]["error"], by_id[0]
+    assert clean(by_id[1][2], spawn) and "scrubbed" in by_id[1][2]
+    assert clean(by_id[2][2], spawn) and "scrubbed" not in by_id[2][2]  # a new sandbox: nothing to scrub
+    pool.reset(where=[0])  # respawned: whole again
+    assert clean(pool.reset_infos[0], spawn)
+
+
+def test_send_scrub_in_sharded_and_grouped_pools_and_what_it_refuses(env_dir):
+    with RLPool(env_dir(LITTER), 4, workers=2, step_timeout=scaled(5)) as pool:
+        pool.reset()
+        pool.step(["litter"] * 4)
+        pool.send(["x"] * 4, resets=[1, 2], seed=[None, 11, 12, None], scrub=True)
+        ids, _, _, _, infos = pool.recv(4)
+        by_id = dict(zip(ids.tolist(), infos))
+        assert [clean(by_id[i], "template") for i in range(4)] == [False, True, True, False], by_id
+        assert (by_id[1]["seed"], by_id[2]["seed"]) == (11, 12)  # each shard its own lanes' seeds
+        with pytest.raises(TypeError, match="scrub must be True or False"):
+            pool.send(["x"], [0], resets=[0], scrub="yes")
+        with pytest.raises(TypeError, match="whole numbers"):
+            pool.send(["x"], [0], resets=[0], seed=[1.5, 0, 0, 0])
+        assert pool.states() == ["idle"] * 4  # nothing was sent
+    with RLPool(env_dir(LITTER), 4, envs_per_sandbox=2, step_timeout=scaled(5)) as pool:
+        pool.reset()
+        pool.step(["litter", "none", "litter", "none"])
+        with pytest.raises(ValueError, match="resets whole sandboxes"):
+            pool.send(["x", "none"], [0, 1], resets=[0], scrub=True)
+        pool.send(["x", "x", "none", "none"], resets=[0, 1], seed=20, scrub=True)
+        ids, _, _, _, infos = pool.recv(4)
+        by_id = dict(zip(ids.tolist(), infos))
+        assert clean(by_id[0], "template") and "scrubbed" in by_id[0] and by_id[1]["seed"] == 21, by_id
+        assert by_id[2]["entries"] >= 7  # the other sandbox stepped, untouched
+
+
+def test_the_worker_refuses_a_malformed_send_how(pool_factory, env_dir):
+    """What a remote client sends is checked in the worker: the reset part of a send()."""
+    pool = pool_factory(env_dir(LITTER), 2)
+    pool.reset()
+    for how, match in (
+        ("scrub", "how must be"),
+        ([None, None, "yes"], "scrub must be a bool"),
+        ([[1, 2], None, True], "one seed per reset env"),
+        ([[1.5], None, False], "whole numbers or None"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            pool._call("send", ["x"], [0], [0], how)
+    assert pool.states() == ["idle", "idle"]
+    pool.send(["x", "x"], resets=[0], seed=[3, None])
+    _, _, _, _, infos = pool.recv(2)
+    assert sorted(info.get("seed", -1) for info in infos) == [-1, 3]
 
 
 def test_bench_scrub_runs_and_checks_every_lane():

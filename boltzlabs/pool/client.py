@@ -760,8 +760,10 @@ class RLPool(Pool):
         """The seconds call `name` may take by what it asks (DEADLINE_MARGIN comes on top, and
         the worker's heartbeats move the deadline on while a longer call progresses)."""
         step = self.step_timeout
-        if name == "step" or name == "send":
+        if name == "step":
             return step + (self._start_timeout if args[-1] else 0.0)  # autoreset lanes respawn first
+        if name == "send":
+            return step + (self._start_timeout if args[2] else 0.0)
         if name == "reset":
             return step + self._start_timeout  # dead lanes (every one, when hard) respawn first
         if name == "recv":
@@ -966,8 +968,9 @@ class RLPool(Pool):
             self._slots.fill(range(self.n), obs, result.rewards, result.terminated, result.truncated, infos)
         return result
 
-    def _send_lanes(self, actions: list, lanes: list, resets) -> None:
-        self._call("send", actions, lanes, resets, diagnose=lambda: self._raise_unserializable(actions))
+    def _send_lanes(self, actions: list, lanes: list, resets, how=None) -> None:
+        args = (actions, lanes, resets) if how is None else (actions, lanes, resets, how)
+        self._call("send", *args, diagnose=lambda: self._raise_unserializable(actions))
 
     def _recv_lanes(self, batch_size, timeout) -> RecvResult:
         return self._received(self._call("recv", batch_size, timeout))

@@ -306,8 +306,10 @@ class GroupedPool(Pool):
                 "(the envs of one sandbox are stepped in one turn)"
             )
 
-    def _send_lanes(self, actions: list, lanes: list, resets) -> None:
+    def _send_lanes(self, actions: list, lanes: list, resets, how=None) -> None:
         k, reset_set = self.k, set(resets or ())
+        seeds, options, scrub = how if how is not None else (None, None, False)
+        seed_of = dict(zip(resets, seeds)) if seeds is not None else {}
         held = {entry[0] for entry in self._held}
         entries: dict[int, list] = {}
         for i, action in zip(lanes, actions):
@@ -317,9 +319,23 @@ class GroupedPool(Pool):
                 entries[g] = [None] * len(self.members(g))
             if i in held:
                 raise ValueError(f"send(): env {i} has a result not yet received; recv() it first")
-            entries[g][i % k] = [RESET, None, None] if i in reset_set else [STEPPED, action]
+            entries[g][i % k] = [RESET, seed_of.get(i), options] if i in reset_set else [STEPPED, action]
         groups = sorted(entries)
-        self.inner._send_lanes(_packed([entries[g] for g in groups], actions, lanes), groups, None)
+        # A scrub empties the sandbox every member shares, so it resets them all: a sandbox is scrubbed
+        # in flight only when every env of it is among the resets (its one turn is that reset).
+        scrubbed = [g for g in groups if scrub and any(e is not None and e[0] == RESET for e in entries[g])]
+        for g in scrubbed:
+            if not all(e is not None and e[0] == RESET for e in entries[g]):
+                raise ValueError(
+                    f"send(scrub=True) resets whole sandboxes, and {self._named(g)} has envs not among the "
+                    "resets: put every env of it in resets, or use reset(where=..., scrub=True)"
+                )
+        inner_how = None
+        if scrubbed:  # the sandbox's RESET carries its members' table as its seed (runtime/group.py)
+            inner_how = [[[[j, e[1], e[2]] for j, e in enumerate(entries[g])] for g in scrubbed], None, True]
+        self.inner._send_lanes(
+            _packed([entries[g] for g in groups], actions, lanes), groups, scrubbed or None, inner_how
+        )
         for g in groups:
             self._in_flight[g] = _kinds(entries[g])
 

@@ -155,8 +155,9 @@ class Pool(abc.ABC):
         """Step every lane with `actions` (n, checked); the lanes in `resets` are reset instead."""
 
     @abc.abstractmethod
-    def _send_lanes(self, actions: list, lanes: list, resets: list | None) -> None:
-        """Send `actions` (aligned with `lanes`, checked); the lanes in `resets` are reset instead."""
+    def _send_lanes(self, actions: list, lanes: list, resets: list | None, how: list | None = None) -> None:
+        """Send `actions` (aligned with `lanes`, checked); the lanes in `resets` are reset instead,
+        with `how`: [seeds (aligned with resets) or None, options, scrub], or None for neither."""
 
     @abc.abstractmethod
     def _recv_lanes(self, batch_size: int | None, timeout: float | None) -> RecvResult:
@@ -286,7 +287,7 @@ class Pool(abc.ABC):
         self._count_episodes(resets)
         return result
 
-    def send(self, actions, env_ids=None, resets=None) -> None:
+    def send(self, actions, env_ids=None, resets=None, *, seed=None, options=None, scrub: bool = False) -> None:
         """Hand `actions` to the envs `env_ids` (all when None) and return at once.
 
         `actions` is aligned with `env_ids` (a sequence or an array whose first
@@ -295,7 +296,11 @@ class Pool(abc.ABC):
         is in flight or has a result not yet received. A dead env, or a
         straggler still busy, gets a failure result at once (as in step()).
         The lanes in `resets` (a subset of env_ids) are reset instead of
-        stepped (next-step autoreset), as in step_full().
+        stepped (next-step autoreset), as in step_full(); recv() gives each its
+        reset's obs and info, reward 0, not done. `seed`, `options` and
+        `scrub` apply to those resets as reset() takes them (seed: an int gives
+        env i `seed + i`, a list one per env, length n): a scrub in flight,
+        without a blocking reset() that waits for its slowest lane.
         """
         self._check_open()
         lanes = list(range(self.n)) if env_ids is None else self._env_ids(env_ids)
@@ -305,11 +310,15 @@ class Pool(abc.ABC):
         resets = self._resets(resets)
         if resets and not set(resets) <= set(lanes):
             raise ValueError("send(resets=...) names an env that is not among env_ids")
+        if not isinstance(scrub, (bool, np.bool_)):
+            raise TypeError(f"send() scrub must be True or False, not {scrub!r}")
+        seeds = self._seeds(seed, resets) if resets else None
         if self._never_reset:
             self._refuse_unreset(lanes, resets, "send()")
-        self._send_lanes(actions, lanes, resets)
+        how = [seeds, options, bool(scrub)] if resets and (seeds or options is not None or scrub) else None
+        self._send_lanes(actions, lanes, resets, how)
         if resets:
-            self._begin_episodes(resets, None)
+            self._begin_episodes(resets, seeds)
             self._pending_resets.update(resets)
 
     def recv(self, batch_size=None, timeout=None):
@@ -345,9 +354,11 @@ class Pool(abc.ABC):
         lanes = result.env_ids.tolist()
         if result.truncated.any():
             failed = np.flatnonzero(result.truncated).tolist()
-            self._note_failures(
-                "step", [lanes[k] for k in failed], [result.obs[k] for k in failed], [result.infos[k] for k in failed]
-            )
+            for phase in ("step", "autoreset"):  # a lane sent as a reset failed at its reset
+                mine = [k for k in failed if (lanes[k] in self._pending_resets) == (phase == "autoreset")]
+                self._note_failures(
+                    phase, [lanes[k] for k in mine], [result.obs[k] for k in mine], [result.infos[k] for k in mine]
+                )
         # New arrays and list, not in-place writes: what earlier calls returned stays as it was.
         self._obs = list(self._obs)
         for i, o in zip(lanes, result.obs):

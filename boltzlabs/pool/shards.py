@@ -453,7 +453,7 @@ class Sharding(Pool):
         self.timing.stragglers = [lane for lane, info in zip(lanes, infos) if info.get("straggler")]
         return obs, infos
 
-    def _send_lanes(self, actions: list, lanes: list, resets) -> None:
+    def _send_lanes(self, actions: list, lanes: list, resets, how=None) -> None:
         self._refuse_outstanding(lanes, "send to")
         bounds = self._bounds
         by_lane = dict(zip(lanes, actions))
@@ -461,6 +461,10 @@ class Sharding(Pool):
         calls = {}
         for s, local in self._shard_of(lanes).items():
             calls[s] = ("send", [[by_lane[bounds[s] + i] for i in local], local, local_resets.get(s)])
+            if how is not None and s in local_resets:  # each shard its own resets' seeds, in their order
+                seed_of = dict(zip(resets, how[0])) if how[0] is not None else None
+                seeds = None if seed_of is None else [seed_of[bounds[s] + i] for i in local_resets[s]]
+                calls[s][1].append([seeds, how[1], how[2]])
         if self._gated:  # one shard's turn at a time: the others' sends wait for recv to release them
             for s in sorted(calls):
                 if self._turn is None or (self._turn == s and not self._held):

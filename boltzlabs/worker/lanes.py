@@ -155,6 +155,7 @@ class Lane:
         "done_at",
         "exit_code",
         "limit_hit",
+        "scrubbing",
     )
 
     def __init__(self, index: int, limits: wire.Limits):
@@ -178,6 +179,7 @@ class Lane:
         self.done_at = 0.0  # held for recv: when the result was ready (for queued_ms)
         self.exit_code: int | None = None  # its last process's, once dead (os.waitstatus_to_exitcode)
         self.limit_hit = ""  # the limit its last process died at, by its name in `limits` ('' if none)
+        self.scrubbing = False  # the request in flight is a scrub (its reply is counted: Lifecycle.scrub_left)
 
     def to(self, state: State) -> None:
         """Move to `state`, if the table declares the move; else LaneStateError."""

@@ -244,6 +244,7 @@ class Lifecycle:
         os.set_blocking(lane.logfd, False)
         lane.on("spawn")
         lane.seq = -1
+        lane.scrubbing = False
         lane.out = b""
         lane.reader = wire.FrameReader(self.config.hello_limits)
         self.budget.unhold(lane)
@@ -435,6 +436,16 @@ class Lifecycle:
         if result is None or result[0] not in (lane.expect, wire.FAILED):
             self.kill(lane, f"sent a malformed reply {describe(message)}")
             return
+        if lane.scrubbing:
+            lane.scrubbing = False
+            left = self.scrub_left(lane) if result[0] == wire.RESET_DONE else 0
+            if left:
+                self.kill(
+                    lane,
+                    f"its scrub reported done, yet {left} process(es) besides its server were still "
+                    "running (counted in its cgroup); killed: reset it to respawn",
+                )
+                return
         obs: Any = result[2] if result[0] != wire.FAILED else None  # a decoded value (msgpack: untyped)
         if type(obs) is msgpack.ExtType and obs.code == wire.SLOT_EXT:
             # (wire.decode lets a marker through only as the obs of a step or reset, and only with slots on.)
@@ -548,6 +559,15 @@ class Lifecycle:
         if op is not None and lane.index in op.waiting:
             op.waiting.discard(lane.index)
             op.results[lane.index] = None  # failure: see lane.cause
+
+    def scrub_left(self, lane: Lane) -> int:
+        """How many processes a lane whose scrub says it is done still holds besides its server
+        (and, in exec mode, bubblewrap's two), counted in its cgroup from outside: more than none,
+        and its server is no longer the env's (an action ran in it). Without cgroups, 0: the count
+        is the sandbox's own word."""
+        if self.cgroups is None:
+            return 0
+        return max(0, len(self.cgroups.procs(lane.index)) - self.spawner.processes_at_rest)
 
     def kill(self, lane: Lane, cause: str, limit: str = "") -> None:
         """Kill env's sandbox now, its whole tree; the spawner reaps it. `limit`: the limit it

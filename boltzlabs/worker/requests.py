@@ -340,13 +340,12 @@ class Requests:
             if scrubbing is None or lane.index in fresh:
                 self.reactor.write(lane, wire.encode([wire.RESET, seq, seed, options]))
             else:
+                lane.scrubbing = True  # its reply is counted from outside (Lifecycle.scrub_left)
                 self.reactor.write(lane, wire.encode([wire.RESET, seq, seed, options, scrubbing]))
         self._wait(op, time.monotonic() + self.config.step_timeout)
         lifecycle.end()
         for index in op.waiting:
             lifecycle.straggling(lifecycle.lanes[index])
-        if scrubbing is not None:
-            self._count_scrubbed([lane for lane in lanes if lane.index not in fresh], op)
         obs, infos = [], []
         for lane in lanes:
             if not lane.state.due:
@@ -366,28 +365,6 @@ class Requests:
             else:
                 infos.append({"error": f"could not be reset: {lane.cause}", "log": tail(lane.log)})
         return [indices, obs, infos]
-
-    def _count_scrubbed(self, lanes: list[Lane], op: Op) -> None:
-        """Each scrubbed lane's cgroup counted from outside: a sandbox whose scrub said it was done
-        but that still holds a process besides its server (and, in exec mode, bubblewrap's two) is
-        killed, named on its lane: its server is no longer the env's (an action ran in it).
-        Without cgroups the count is the sandbox's own word."""
-        lifecycle = self.lifecycle
-        if lifecycle.cgroups is None:
-            return
-        at_rest = lifecycle.spawner.processes_at_rest
-        for lane in lanes:
-            result = op.results.get(lane.index)
-            if not result or result[0] != wire.RESET_DONE:
-                continue
-            left = lifecycle.cgroups.procs(lane.index)
-            if len(left) > at_rest:
-                lifecycle.kill(
-                    lane,
-                    f"its scrub reported done, yet {len(left) - at_rest} process(es) besides its server were "
-                    "still running (counted in its cgroup); killed: reset it to respawn",
-                )
-                op.results[lane.index] = None
 
     def render(self, indices) -> list:
         """One frame per lane in `indices` (None for a lane that has none)."""

@@ -61,9 +61,11 @@ class Stepping:
         self.deadlines: collections.deque[tuple[float, int, int]] = collections.deque()
         lifecycle.deliver_to(self.take)
 
-    def send(self, actions: list, indices: list, resets=None) -> list:
+    def send(self, actions: list, indices: list, resets=None, how=None) -> list:
         """Hand actions to the lanes in `indices` (resets: lanes reset instead);
-        returns at once. Everything is checked before the first byte is written."""
+        returns at once. Everything is checked before the first byte is written.
+        `how`, for the resets: [seeds (one per lane of `resets`, in its order) or
+        None, options, scrub], as reset() takes them; None: unseeded, no options."""
         if not isinstance(indices, list) or len(set(indices)) != len(indices):
             raise ValueError("send() env_ids must be distinct env indices")
         lifecycle = self.lifecycle
@@ -74,13 +76,20 @@ class Stepping:
                 f"send() needs one action per env id ({len(indices)}); "
                 f"got {len(actions) if isinstance(actions, list) else type(actions).__name__}"
             )
-        resets = set(lifecycle.check_lanes(resets or []))
+        reset_list = lifecycle.check_lanes(resets or [])
+        resets = set(reset_list)
         if not resets <= set(indices):
             raise ValueError("send() can only autoreset lanes it sends to")
+        seeds, options, scrub = _reset_how(how, len(reset_list))
         self.pump()
         for index in indices:
             self.refuse_outstanding(index, "send to")
+        scrubbing = None
         if resets:
+            seed_of = dict(zip(reset_list, seeds or [None] * len(reset_list)))
+            if scrub:  # a lane respawned now has nothing to scrub; the others do (as reset())
+                scrubbing = {"ipc": "ipc" in lifecycle.confinement.kinds}
+                fresh = {i for i in resets if lanes[i].state is not IDLE}
             lifecycle.respawn([lanes[i] for i in sorted(resets)], hard=False)
         seq = lifecycle.next_seq()
         now = time.monotonic()
@@ -106,7 +115,11 @@ class Stepping:
             lane.to(IN_FLIGHT)
             self.flying.add(index)
             if index in resets:
-                body = pack([wire.RESET, seq, None, None])
+                if scrubbing is None or index in fresh:
+                    body = pack([wire.RESET, seq, seed_of[index], options])
+                else:
+                    lane.scrubbing = True  # its reply is counted from outside (Lifecycle.scrub_left)
+                    body = pack([wire.RESET, seq, seed_of[index], options, scrubbing])
                 lane.expect = wire.RESET_DONE
                 if freezing:
                     lifecycle.thaw(lane)  # resets are not gated
@@ -314,6 +327,24 @@ def outcome(result, cause: str, lane: Lane) -> tuple:
     if code == wire.RESET_DONE:  # an autoreset lane: reward 0, not done
         return (result[2], 0.0, False, False, result[3])
     return (None, 0.0, False, True, {"error": result[4] or result[3]})  # FAILED, with the traceback
+
+
+def _reset_how(how, count: int) -> tuple:
+    """send()'s `how` checked: (seeds or None, options, scrub). A remote client's word, so
+    nothing is taken on trust: seeds are whole numbers or None, one per reset lane."""
+    if how is None:
+        return None, None, False
+    if not isinstance(how, list) or len(how) != 3:
+        raise ValueError("send() how must be [seeds, options, scrub]")
+    seeds, options, scrub = how
+    if not isinstance(scrub, bool):
+        raise ValueError(f"send() scrub must be a bool, not {scrub!r}")
+    if seeds is not None:
+        if not isinstance(seeds, list) or len(seeds) != count:
+            raise ValueError("send() needs one seed per reset env")
+        if any(s is not None and (type(s) is not int and not isinstance(s, list)) for s in seeds):
+            raise ValueError("send() seeds must be whole numbers or None")
+    return seeds, options, scrub
 
 
 def _unavailable(lane: Lane) -> dict:
