@@ -46,6 +46,7 @@ REPO = Path(__file__).resolve().parents[2]
 HAS_SCRUB = "scrub" in inspect.signature(RLPool.reset).parameters
 HAS_CPU_BUDGET = "cpu_budget" in inspect.signature(RLPool.__init__).parameters
 HAS_CPU_SHARE = "cpu_share" in inspect.signature(RLPool.__init__).parameters
+HAS_SEND_SCRUB = "scrub" in inspect.signature(RLPool.send).parameters
 TASK = re.compile(r"# task: (\w+)")
 SECRET = re.compile(r"lane(\d+)-[0-9a-f]{12}")
 
@@ -60,6 +61,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None, help="recv() batch size (default n / 4)")
     p.add_argument("--groups", type=int, default=1, help="envs per sandbox, envs_per_sandbox=k (1)")
     p.add_argument("--reset", choices=("scrub", "hard", "soft"), default="scrub", help="between episodes (scrub)")
+    p.add_argument(
+        "--blocking-reset",
+        action="store_true",
+        help="reset between episodes with reset(), which waits for every lane it resets, not in flight with send()",
+    )
     p.add_argument("--seed", type=int, default=0)
     # The limits (docs/code-rl.md says why each).
     p.add_argument("--memory-limit", default="64M", help="memory_limit per sandbox (64M)")
@@ -189,6 +195,10 @@ def run_pass(pool, table: list, attack: bool, args, trainer: Trainer, lane_secre
     unit_of = [u for u, lanes in enumerate(units) for _ in lanes]
     seeds = [args.seed * 100_000 + lane * 100 for lane in range(n)]
     episode, attempt, done = [0] * n, [0] * n, [False] * n
+    # A scrub or soft reset goes out with send(resets=...) and comes back with recv(), beside the other
+    # lanes' steps; reset() would wait for the slowest lane it resets (a hard reset always does).
+    in_flight_reset = HAS_SEND_SCRUB and not args.blocking_reset and args.reset != "hard"
+    resetting: set = set()  # lanes whose reset was sent and not yet received
     records: dict = {}
     leaks: list = []
     honest_cpu: list = []  # each honest attempt's CPU seconds, its own process (the env's info["cpu"])
@@ -220,6 +230,13 @@ def run_pass(pool, table: list, attack: bool, args, trainer: Trainer, lane_secre
         stragglers += len(pool.timing.stragglers)
         landed = set()
         for i, o, r, d, info in zip(ids.tolist(), batch_obs, rewards.tolist(), dones.tolist(), infos):
+            if i in resetting:  # its reset's result: the episode's first observation
+                resetting.discard(i)
+                obs[i] = o
+                out[unit_of[i]].discard(i)
+                if not out[unit_of[i]]:
+                    landed.add(unit_of[i])
+                continue
             records[(i, episode[i], attempt[i])] = (r, cause(info), bool(info and info.get("strays")))
             if not (attack and table[i][episode[i]]) and isinstance((info or {}).get("cpu"), float):
                 honest_cpu.append(info["cpu"])
@@ -247,17 +264,24 @@ def run_pass(pool, table: list, attack: bool, args, trainer: Trainer, lane_secre
                 if episode[lanes[0]] >= episodes:
                     continue
                 to_reset += lanes
+                if in_flight_reset:
+                    continue  # its actions go once its reset is received
             to_send += [i for i in lanes if not done[i]]
-        if to_reset:  # one call for every sandbox of this batch whose episode ended
+        if to_reset and not in_flight_reset:  # one call for every sandbox of this batch whose episode ended
             t = time.perf_counter()
             reset_obs = pool.reset(where=to_reset, seed=seeds, **reset_kw)
             resets_s += time.perf_counter() - t
             for i in to_reset:
                 obs[i] = reset_obs[i]
-        if to_send:
-            pool.send([action(i, obs[i]) for i in to_send], env_ids=to_send)
-            waiting += len(to_send)
-            for i in to_send:
+        resets = to_reset if in_flight_reset else []
+        if to_send or resets:
+            actions = [action(i, obs[i]) for i in to_send] + [None] * len(resets)
+            pool.send(
+                actions, env_ids=to_send + resets, **({"resets": resets, "seed": seeds, **reset_kw} if resets else {})
+            )
+            waiting += len(to_send) + len(resets)
+            resetting.update(resets)
+            for i in to_send + resets:
                 out[unit_of[i]].add(i)
     elapsed = time.perf_counter() - began
     return {
