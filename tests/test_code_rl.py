@@ -137,6 +137,56 @@ def test_the_speed_variant_rewards_a_fast_right_answer_above_a_slow_one(code_rl,
     assert speed[3] == 0.0 and "speed" not in infos[3], infos  # a wrong answer is not timed
 
 
+def test_an_attempt_that_does_not_import_says_where_and_why_in_its_log(code_rl, tasks):
+    """harness.describe: the frames in solution.py and test_solution.py, each with its line, and
+    the message, for a syntax error, an exception at import and a missing function."""
+    args = code_rl.parse_args(["-n", "3"])
+    actions = [
+        "def add(a, b):\n    return a +\n",
+        "def helper():\n    raise ValueError('boom at import')\nhelper()\n",
+        "x = 1\n",
+    ]
+    with code_rl.make_pool(args, 3, params={"attempts": 1}) as pool:
+        pool.reset(seed=[seed_for(tasks, "add")] * 3)
+        obs, rewards, _, infos = pool.step(actions)
+    assert rewards.tolist() == [0.0, 0.0, 0.0] and all(info["outcome"] == "ran" for info in infos), infos
+    assert "ERROR importing the solution" in obs[0] and 'File "solution.py", line 2' in obs[0], obs[0]
+    assert "return a +" in obs[0] and "SyntaxError" in obs[0], obs[0]
+    assert 'File "solution.py", line 3, in <module>' in obs[1] and "line 2, in helper" in obs[1], obs[1]
+    assert "ValueError: boom at import" in obs[1], obs[1]
+    assert 'File "test_solution.py", line 2' in obs[2] and "from solution import add" in obs[2], obs[2]
+    assert "ImportError: cannot import name 'add'" in obs[2], obs[2]
+    assert "harness.py" not in "".join(obs), obs  # the harness's own frames are not the action's
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_the_driver_scrubs_between_episodes_in_flight_or_blocking(code_rl, blocking):
+    """run_pass resets a lane between its episodes with send(resets=..., scrub=True), beside the
+    other lanes' steps; --blocking-reset with reset(where=..., scrub=True). Either way every lane
+    plays its episodes and the attacked lanes' leftovers do not reach an honest episode."""
+    argv = ["-n", "6", "--hostile", "0.5", "--episodes", "3", "--attacks", "workspace_fill,background_writer"]
+    args = code_rl.parse_args(argv + (["--blocking-reset"] if blocking else []))
+    table = code_rl.plan(args.n, args.episodes, args.hostile, args.attacks, args.seed)
+    secrets = [f"lane{i}-{i:012x}" for i in range(args.n)]
+    trainer = code_rl.Trainer()
+    try:
+        passes = {}
+        for attack in (False, True):
+            with code_rl.make_pool(args, args.n, batch_size=2) as pool:
+                calls = []
+                reset = pool.reset
+                pool.reset = lambda *a, **k: calls.append(k) or reset(*a, **k)
+                passes[attack] = code_rl.run_pass(pool, table, attack, args, trainer, secrets)
+            scrubs = [k for k in calls if k.get("scrub")]
+            assert len(calls) == 1 + len(scrubs) and (bool(scrubs) == blocking), calls
+        checked, differing, _, _, bad = code_rl.honest_check(passes[False], passes[True], table, 1)
+        assert checked > 0 and differing == 0, bad
+        episodes = {(lane, e) for lane, e, _ in passes[True]["records"]}
+        assert episodes == {(lane, e) for lane in range(args.n) for e in range(args.episodes)}
+    finally:
+        trainer.close()
+
+
 def test_a_daemon_left_spinning_between_steps_is_killed_over_the_cpu_budget_on_its_lane(code_rl):
     if not code_rl.HAS_CPU_BUDGET:
         pytest.skip("this boltzlabs has no cpu_budget")
@@ -217,3 +267,18 @@ def test_bench_code_rl_attack_gives_a_median_over_pairs_and_checks_honest_reward
     out = run_benchmark("bench_code_rl_attack.py", "-n", "20", "--hostile", "0.5", "--repeat", "2", timeout=300)
     assert out.count("  pair ") == 2 and "throughput under attack: median" in out, out
     assert "honest episodes unlike the clean pass's: 0" in out, out
+    assert "in reset() 0.0 / 0.0 s" in out, out  # resets in flight: no blocking reset() between episodes
+    # The driver's blocking resets, for comparison: the same checks hold.
+    out = run_benchmark(
+        "bench_code_rl_attack.py",
+        "-n",
+        "20",
+        "--hostile",
+        "0.5",
+        "--repeat",
+        "1",
+        "--",
+        "--blocking-reset",
+        timeout=300,
+    )
+    assert out.count("  pair ") == 1 and "honest episodes unlike the clean pass's: 0" in out, out
