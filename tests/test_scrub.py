@@ -372,3 +372,17 @@ def test_bench_scrub_runs_and_checks_every_lane():
     """benchmarks/bench_scrub.py at a small n: it fails (exit status) when any lane is not clean."""
     out = run_benchmark("bench_scrub.py", "--n", "4", "--rounds", "1", "--files", "5")
     assert "median hard/scrub" in out and "one lane: scrub" in out, out
+
+
+def test_the_kill_loop_waits_for_a_starved_process_and_gives_up_only_on_uninterruptible_sleep():
+    """On a loaded node a killed process may wait seconds for a core to exit: the scrub waits
+    for it (the reset's deadline bounds the wait) and fails only when every process left is in
+    the kernel's uninterruptible sleep, which no signal ends. States as /proc gives them."""
+    from boltzlabs.runtime import scrub
+
+    assert not scrub._stuck({}) and not scrub._stuck({7: "R"}) and not scrub._stuck({7: "D", 8: "R"})
+    assert not scrub._stuck({7: "Z"}) and not scrub._stuck({7: "S"})
+    assert scrub._stuck({7: "D"}) and scrub._stuck({7: "D", 8: "D"})
+    me = os.getpid()
+    states = scrub._states()  # this process's namespace (the test's), without this process and pid 1
+    assert me not in states and 1 not in states and all(len(s) == 1 and s.isalpha() for s in states.values())

@@ -41,8 +41,11 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-# How long the kill loop may take before the scrub fails (a process in the kernel's
-# uninterruptible sleep cannot die until it wakes): the lane then needs a hard reset.
+# How long the kill loop waits while every process left is in the kernel's uninterruptible
+# sleep (it cannot die until it wakes) before the scrub fails: the lane then needs a hard reset.
+# A process that is runnable, or a zombie not yet reaped, is on its way out and is waited for:
+# it needs a core to exit, and on a loaded node (1000 busy sandboxes, each one share of the
+# CPU) it may wait seconds for one. The worker's deadline for the reset bounds the whole wait.
 KILL_SECONDS = 5.0
 # The sandbox's workspace: the cwd the set-up left when rlimits.run began, before any env code.
 workspace = ""
@@ -89,14 +92,38 @@ def _kill_others(deadline: float) -> int:
         except ProcessLookupError:
             return max(others, 0)
         _reap()
-        if time.monotonic() >= deadline:
-            left = [name for name in os.listdir("/proc") if name.isdigit() and int(name) not in (1, os.getpid())]
-            raise ScrubError(
-                f"{len(left)} process(es) of the sandbox did not die within {KILL_SECONDS:g} s of SIGKILL "
-                "(in the kernel's uninterruptible sleep); reset the env with hard=True"
-            )
+        now = time.monotonic()
+        if now >= deadline:
+            states = _states()
+            if not _stuck(states):
+                deadline = now + KILL_SECONDS  # still dying, waiting for a core: wait on
+            else:
+                raise ScrubError(
+                    f"{len(states)} process(es) of the sandbox did not die within {KILL_SECONDS:g} s of SIGKILL "
+                    "(in the kernel's uninterruptible sleep); reset the env with hard=True"
+                )
         time.sleep(pause)
         pause = min(pause * 2, 0.01)
+
+
+def _stuck(states: dict[int, str]) -> bool:
+    """Whether the processes left (_states()) cannot die now: every one in uninterruptible sleep.
+    A runnable one (R), one going to sleep or waking (S), a zombie (Z) are on their way out."""
+    return bool(states) and all(state == "D" for state in states.values())
+
+
+def _states() -> dict[int, str]:
+    """{pid: its state letter (R, S, D, Z, ...)} of every process of the pid namespace but this
+    one and pid 1."""
+    states = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) not in (1, os.getpid()):
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    states[int(name)] = f.read().rsplit(b")", 1)[1].split()[0].decode()
+            except (OSError, IndexError):
+                pass  # gone meanwhile
+    return states
 
 
 def _reap() -> None:
