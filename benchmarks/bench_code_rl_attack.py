@@ -1,6 +1,7 @@
 """The code RL driver's throughput under attack, as a median over repeated clean/attacked pairs.
 
-    python benchmarks/bench_code_rl_attack.py                 # 1000 lanes, 10% hostile, 5 pairs
+    python benchmarks/bench_code_rl_attack.py                 # 1000 lanes, 10% of the actions hostile, 5 pairs
+    python benchmarks/bench_code_rl_attack.py --hostile 0.1   # 10% of the episodes (13% of the actions)
     python benchmarks/bench_code_rl_attack.py -n 250 --repeat 3 -- --cpu-limit 0.05
 
 examples/code_rl/run.py runs one clean and one attacked pass and prints their ratio; on a
@@ -28,17 +29,22 @@ import run as driver  # examples/code_rl/run.py
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", type=int, default=1000)
-    p.add_argument("--hostile", type=float, default=0.1)
+    p.add_argument("--hostile", type=float, default=None, help="share of the episodes hostile")
+    p.add_argument("--hostile-actions", type=float, default=None, help="share of the actions hostile (0.1)")
     p.add_argument("--repeat", type=int, default=5, help="clean/attacked pairs (5)")
     p.add_argument("driver", nargs="*", help="arguments for examples/code_rl/run.py, after --")
     ours = p.parse_args(argv)
-    args = driver.parse_args(["-n", str(ours.n), "--hostile", str(ours.hostile), *ours.driver])
+    share = [] if ours.hostile is None else ["--hostile", str(ours.hostile)]
+    share += [] if ours.hostile_actions is None else ["--hostile-actions", str(ours.hostile_actions)]
+    args = driver.parse_args(["-n", str(ours.n), *share, *ours.driver])
     table = driver.plan(args.n, args.episodes, args.hostile, args.attacks, args.seed)
     secrets = [f"lane{i}-{i:012x}" for i in range(args.n)]
     trainer = driver.Trainer()
     ratios, differing = [], 0
     print(
-        f"{args.n} lanes, {args.hostile:.0%} of the episodes hostile ({len(args.attacks)} attacks), "
+        f"{args.n} lanes, {args.hostile:.1%} of the episodes hostile"
+        + ("" if args.hostile_actions is None else f" ({args.hostile_actions:.0%} of the actions)")
+        + f" ({len(args.attacks)} attacks), "
         f"cpu_limit {args.cpu_limit:g} s, cpu_share {args.cpu_share}, {ours.repeat} pairs"
     )
     try:
@@ -56,9 +62,12 @@ def main(argv=None) -> int:
             lanes = collections.Counter(
                 what for _, what, _ in passes[True]["records"].values() if what and "lane" in what
             )
+            steps = passes[True]["records"]
+            hostile = sum(1 for lane, e, _ in steps if table[lane][e] is not None) / max(1, len(steps))
             print(
                 f"  pair {pair + 1}: clean {rates[False]:.0f} env-steps/s, attacked {rates[True]:.0f}: "
-                f"{ratios[-1]:.0%}; honest episodes {checked}, {bad} unlike the clean pass's; in reset() "
+                f"{ratios[-1]:.0%} ({hostile:.1%} of its actions hostile); honest episodes {checked}, {bad} "
+                "unlike the clean pass's; in reset() "
                 f"{passes[False]['resets_s']:.1f} / {passes[True]['resets_s']:.1f} s; lanes failed in the attacked "
                 f"pass: {dict(lanes) or 'none'}"
             )

@@ -159,6 +159,18 @@ def test_an_attempt_that_does_not_import_says_where_and_why_in_its_log(code_rl, 
     assert "harness.py" not in "".join(obs), obs  # the harness's own frames are not the action's
 
 
+def test_the_driver_plans_its_hostile_share_of_the_actions_or_of_the_episodes(code_rl):
+    """The target is a share of the actions: a hostile episode runs both attempts, an honest one
+    1.5 on average (half the first attempts pass), so 10% of the actions is 7.7% of the episodes."""
+    args = code_rl.parse_args([])
+    assert args.hostile_actions == 0.1 and args.hostile == pytest.approx(0.15 / 1.95)
+    assert code_rl.parse_args(["--hostile", "0.1"]).hostile == 0.1
+    assert code_rl.parse_args(["--attempts", "1", "--hostile-actions", "0.1"]).hostile == pytest.approx(0.1)
+    for argv in (["--hostile", "0.1", "--hostile-actions", "0.1"], ["--hostile-actions", "1"]):
+        with pytest.raises(SystemExit):
+            code_rl.parse_args(argv)
+
+
 @pytest.mark.parametrize("blocking", [False, True])
 def test_the_driver_scrubs_between_episodes_in_flight_or_blocking(code_rl, blocking):
     """run_pass resets a lane between its episodes with send(resets=..., scrub=True), beside the

@@ -1,6 +1,6 @@
 """Code RL at scale: lanes whose actions are Python programs, a share of them hostile.
 
-    python examples/code_rl/run.py                       # 1000 lanes, 10% of the episodes hostile
+    python examples/code_rl/run.py                       # 1000 lanes, 10% of the actions hostile
     python examples/code_rl/run.py -n 64 --hostile 0.5  # a quick look
     python examples/code_rl/run.py --groups 4            # 4 envs per sandbox: what a hostile env does to its group
 
@@ -54,7 +54,14 @@ SECRET = re.compile(r"lane(\d+)-[0-9a-f]{12}")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-n", type=int, default=1000, help="lanes (envs) in each pool (default 1000)")
-    p.add_argument("--hostile", type=float, default=0.1, help="share of the episodes that are hostile (0.1)")
+    p.add_argument("--hostile", type=float, default=None, help="share of the episodes that are hostile")
+    p.add_argument(
+        "--hostile-actions",
+        type=float,
+        default=None,
+        help="share of the actions that are hostile (0.1 when neither this nor --hostile is given): a hostile "
+        "episode runs all its attempts, an honest one fewer (episode_share())",
+    )
     p.add_argument("--episodes", type=int, default=2, help="episodes per lane in each pass (2)")
     p.add_argument("--attempts", type=int, default=2, help="steps (attempts at the task) per episode (2)")
     p.add_argument("--attacks", default=",".join(solutions.ATTACKS), help="the attacks to use, comma-separated")
@@ -89,7 +96,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"unknown attacks {sorted(unknown)}; there are {sorted(solutions.ATTACKS)}")
     if args.batch is None:
         args.batch = max(1, args.n // 4)
+    if args.hostile is not None and args.hostile_actions is not None:
+        p.error("give --hostile (episodes) or --hostile-actions (actions), not both")
+    if args.hostile is None:
+        if args.hostile_actions is None:
+            args.hostile_actions = 0.1
+        if not 0 <= args.hostile_actions < 1:
+            p.error("--hostile-actions must be at least 0 and below 1")
+        args.hostile = episode_share(args.hostile_actions, args.attempts)
     return args
+
+
+def episode_share(actions: float, attempts: int) -> float:
+    """The share of episodes to make hostile for `actions` of the steps to be hostile: a hostile
+    episode runs every one of its `attempts` (no attack passes the tests), an honest one ends at
+    its first attempt when that passes (solutions.honest: half the first attempts do) and at its
+    second otherwise, the right answer."""
+    honest_steps = 1 + solutions.FIRST_ATTEMPT_FAILS * min(1, attempts - 1)
+    return actions * honest_steps / (attempts * (1 - actions) + actions * honest_steps)
 
 
 def reset_options(kind: str) -> dict:
@@ -431,11 +455,12 @@ def main(argv=None) -> int:
     lane_secrets = [f"lane{i}-{rng.getrandbits(48):012x}" for i in range(args.n)]
     table = plan(args.n, args.episodes, args.hostile, args.attacks, args.seed)
     hostile = sum(kind is not None for row in table for kind in row)
+    planned = "" if args.hostile_actions is None else f", planned for {args.hostile_actions:.0%} of the actions"
     trainer = Trainer()
     problems = []
     print(
         f"code RL: {args.n} lanes, {args.episodes} episodes of up to {args.attempts} attempts each; "
-        f"{hostile} of {args.n * args.episodes} episodes hostile ({', '.join(args.attacks)}); "
+        f"{hostile} of {args.n * args.episodes} episodes hostile{planned} ({', '.join(args.attacks)}); "
         f"envs_per_sandbox={args.groups}; between episodes: {reset_options(args.reset) or 'soft'}"
         + ("" if HAS_SCRUB or args.reset != "scrub" else " (this boltzlabs has no scrub: hard resets instead)")
     )
@@ -465,6 +490,11 @@ def main(argv=None) -> int:
             )
         clean, attacked = passes["clean"], passes["attacked"]
         ratio = (len(attacked["records"]) / attacked["elapsed"]) / (len(clean["records"]) / clean["elapsed"])
+        mine = sum(1 for lane, e, _ in attacked["records"] if table[lane][e] is not None)
+        print(
+            f"hostile actions: {mine} of the attacked pass's {len(attacked['records'])} "
+            f"({mine / max(1, len(attacked['records'])):.0%})"
+        )
         print(f"throughput under attack: {ratio:.0%} of the clean pass's")
         print_failures("attacked pass", [(attacked, True)], table)
         if any(what for _, what, _ in clean["records"].values()):

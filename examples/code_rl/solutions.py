@@ -50,6 +50,8 @@ PARTLY = {
 BROKEN = "def {name}(*args):\n    raise NotImplementedError('{name}')\n"
 
 VARIANTS = ("correct", "partly", "broken", "slow")
+# The share of honest first attempts that fail their tests (so the episode takes a second attempt).
+FIRST_ATTEMPT_FAILS = sum(v in ("partly", "broken") for v in VARIANTS) / len(VARIANTS)
 
 
 def honest(task: str, lane: int, episode: int, attempt: int, secret: str) -> str:
