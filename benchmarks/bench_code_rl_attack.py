@@ -63,7 +63,7 @@ def main(argv=None) -> int:
                 what for _, what, _ in passes[True]["records"].values() if what and "lane" in what
             )
             steps = passes[True]["records"]
-            hostile = sum(1 for lane, e, _ in steps if table[lane][e] is not None) / max(1, len(steps))
+            hostile = driver.hostile_steps(passes[True], table) / max(1, len(steps))
             print(
                 f"  pair {pair + 1}: clean {rates[False]:.0f} env-steps/s, attacked {rates[True]:.0f}: "
                 f"{ratios[-1]:.0%} ({hostile:.1%} of its actions hostile); honest episodes {checked}, {bad} "

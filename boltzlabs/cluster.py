@@ -462,17 +462,15 @@ class ClusterPool(Pool):
         split = self._split(actions, lanes)
         local_resets = self._by_shard(resets or [])
         seeds, options, scrub = how if how is not None else (None, None, False)
-        seed_of = {} if seeds is None else dict(zip(resets, seeds))
+        # Each node's pool takes its resets' seeds as reset() does: one per env of it (length n).
+        local_seeds: dict = {}
+        for lane, seed in zip(resets or [], seeds or []):
+            if lane in self._lane_shard:
+                shard, local = self._lane_shard[lane]
+                local_seeds.setdefault(shard, [None] * shard.pool.n)[local] = seed
 
         def send(shard, where, a, r):
-            # The node's pool takes its resets' seeds as reset() does: one per env of it (length n).
-            local = None
-            if seed_of and r:
-                local = [None] * shard.pool.n
-                for lane in resets:
-                    if lane in self._lane_shard and self._lane_shard[lane][0] is shard:
-                        local[self._lane_shard[lane][1]] = seed_of[lane]
-            return lambda pool: pool.send(a, where, r, seed=local, options=options, scrub=scrub)
+            return lambda pool: pool.send(a, where, r, seed=local_seeds.get(shard), options=options, scrub=scrub)
 
         results = self._fan_out(
             {shard: send(shard, loc, vals, local_resets.get(shard)) for shard, (loc, _, vals) in split.items() if shard}

@@ -174,16 +174,23 @@ def test_scrub_stops_a_fork_bomb_that_is_still_forking(pool_factory, env_dir, sp
     assert "error" not in infos[0] and "error" not in infos[1]
 
 
+def skipping_scrub(env: int | None = None) -> str:
+    """LITTER whose server (env `env`'s, or every env's) replaces its scrub with one that kills
+    nothing and says it is done, as an action that ran in the server's own process could."""
+    when = "True" if env is None else f"os.environ.get('BOLTZLABS_ENV_INDEX') == '{env}'"
+    return LITTER.replace(
+        "    serve(reset=reset, step=step)",
+        "    import boltzlabs.runtime.scrub as _scrub\n"
+        f"    if {when}:\n"
+        "        _scrub.scrub = lambda workspace, ipc=False: {'processes': 0}\n"
+        "    serve(reset=reset, step=step)",
+    )
+
+
 def test_a_server_that_skips_its_scrub_is_caught_from_outside(pool_factory, env_dir, spawn):
     """An action that ran in the server's own process can replace the scrub; the worker's count
     of the lane's cgroup still sees the processes left, kills the lane and says so."""
-    source = LITTER.replace(
-        "    serve(reset=reset, step=step)",
-        "    import boltzlabs.runtime.scrub as _scrub\n"
-        "    _scrub.scrub = lambda workspace, ipc=False: {'processes': 0}\n"
-        "    serve(reset=reset, step=step)",
-    )
-    pool = pool_factory(env_dir(source), 2)
+    pool = pool_factory(env_dir(skipping_scrub()), 2)
     if pool.memory().source == "pss":
         pytest.skip("no cgroups here: the count from outside needs the lane's cgroup")
     pool.reset()
@@ -299,14 +306,7 @@ def test_send_scrubs_lanes_in_flight_seeded_while_the_others_step(pool_factory, 
 
 
 def test_send_scrub_is_counted_from_outside_and_a_dead_lane_is_respawned(pool_factory, env_dir, spawn):
-    source = LITTER.replace(
-        "    serve(reset=reset, step=step)",
-        "    import boltzlabs.runtime.scrub as _scrub\n"
-        "    if os.environ.get('BOLTZLABS_ENV_INDEX') == '0':\n"
-        "        _scrub.scrub = lambda workspace, ipc=False: {'processes': 0}\n"
-        "    serve(reset=reset, step=step)",
-    )
-    pool = pool_factory(env_dir(source), 3)
+    pool = pool_factory(env_dir(skipping_scrub(env=0)), 3)
     if pool.memory().source == "pss":
         pytest.skip("no cgroups here: the count from outside needs the lane's cgroup")
     pool.reset()

@@ -458,11 +458,11 @@ class Sharding(Pool):
         bounds = self._bounds
         by_lane = dict(zip(lanes, actions))
         local_resets = self._shard_of(resets) if resets else {}
+        seed_of = dict(zip(resets, how[0])) if how is not None and how[0] is not None else None
         calls = {}
         for s, local in self._shard_of(lanes).items():
             calls[s] = ("send", [[by_lane[bounds[s] + i] for i in local], local, local_resets.get(s)])
             if how is not None and s in local_resets:  # each shard its own resets' seeds, in their order
-                seed_of = dict(zip(resets, how[0])) if how[0] is not None else None
                 seeds = None if seed_of is None else [seed_of[bounds[s] + i] for i in local_resets[s]]
                 calls[s][1].append([seeds, how[1], how[2]])
         if self._gated:  # one shard's turn at a time: the others' sends wait for recv to release them

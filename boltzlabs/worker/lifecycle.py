@@ -560,6 +560,19 @@ class Lifecycle:
             op.waiting.discard(lane.index)
             op.results[lane.index] = None  # failure: see lane.cause
 
+    def scrub_field(self, scrub: bool) -> dict | None:
+        """A RESET frame's scrub field for reset(scrub=) and send(scrub=), or None: the sandbox also
+        removes its SysV IPC objects where its IPC namespace is its own."""
+        return {"ipc": "ipc" in self.confinement.kinds} if scrub else None
+
+    def reset_frame(self, lane: Lane, seq: int, seed: Any, options: Any, scrubbing: dict | None) -> list:
+        """Lane's RESET message; with `scrubbing` (scrub_field(); None for a lane just respawned,
+        which has nothing to scrub) a scrub, whose reply is counted from outside (scrub_left)."""
+        if scrubbing is None:
+            return [wire.RESET, seq, seed, options]
+        lane.scrubbing = True
+        return [wire.RESET, seq, seed, options, scrubbing]
+
     def scrub_left(self, lane: Lane) -> int:
         """How many processes a lane whose scrub says it is done still holds besides its server
         (and, in exec mode, bubblewrap's two), counted in its cgroup from outside: more than none,

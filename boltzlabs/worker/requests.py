@@ -326,8 +326,7 @@ class Requests:
         seq = lifecycle.next_seq()
         op = Op(seq)
         lifecycle.begin(op)
-        # A scrub also removes the sandbox's SysV IPC objects where its IPC namespace is its own.
-        scrubbing = {"ipc": "ipc" in lifecycle.confinement.kinds} if scrub else None
+        scrubbing = lifecycle.scrub_field(scrub)
         for lane, seed in zip(lanes, seeds or [None] * len(lanes)):
             if lane.state is not IDLE:
                 continue
@@ -337,11 +336,8 @@ class Requests:
             op.waiting.add(lane.index)
             if lifecycle.freezing:
                 lifecycle.thaw(lane)
-            if scrubbing is None or lane.index in fresh:
-                self.reactor.write(lane, wire.encode([wire.RESET, seq, seed, options]))
-            else:
-                lane.scrubbing = True  # its reply is counted from outside (Lifecycle.scrub_left)
-                self.reactor.write(lane, wire.encode([wire.RESET, seq, seed, options, scrubbing]))
+            frame = lifecycle.reset_frame(lane, seq, seed, options, None if lane.index in fresh else scrubbing)
+            self.reactor.write(lane, wire.encode(frame))
         self._wait(op, time.monotonic() + self.config.step_timeout)
         lifecycle.end()
         for index in op.waiting:

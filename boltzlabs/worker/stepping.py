@@ -84,12 +84,10 @@ class Stepping:
         self.pump()
         for index in indices:
             self.refuse_outstanding(index, "send to")
-        scrubbing = None
+        scrubbing = lifecycle.scrub_field(scrub)
         if resets:
             seed_of = dict(zip(reset_list, seeds or [None] * len(reset_list)))
-            if scrub:  # a lane respawned now has nothing to scrub; the others do (as reset())
-                scrubbing = {"ipc": "ipc" in lifecycle.confinement.kinds}
-                fresh = {i for i in resets if lanes[i].state is not IDLE}
+            fresh = {i for i in resets if lanes[i].state is not IDLE}  # respawned now: nothing to scrub
             lifecycle.respawn([lanes[i] for i in sorted(resets)], hard=False)
         seq = lifecycle.next_seq()
         now = time.monotonic()
@@ -115,11 +113,9 @@ class Stepping:
             lane.to(IN_FLIGHT)
             self.flying.add(index)
             if index in resets:
-                if scrubbing is None or index in fresh:
-                    body = pack([wire.RESET, seq, seed_of[index], options])
-                else:
-                    lane.scrubbing = True  # its reply is counted from outside (Lifecycle.scrub_left)
-                    body = pack([wire.RESET, seq, seed_of[index], options, scrubbing])
+                body = pack(
+                    lifecycle.reset_frame(lane, seq, seed_of[index], options, None if index in fresh else scrubbing)
+                )
                 lane.expect = wire.RESET_DONE
                 if freezing:
                     lifecycle.thaw(lane)  # resets are not gated

@@ -254,25 +254,21 @@ def run_pass(pool, table: list, attack: bool, args, trainer: Trainer, lane_secre
         stragglers += len(pool.timing.stragglers)
         landed = set()
         for i, o, r, d, info in zip(ids.tolist(), batch_obs, rewards.tolist(), dones.tolist(), infos):
-            if i in resetting:  # its reset's result: the episode's first observation
-                resetting.discard(i)
-                obs[i] = o
-                out[unit_of[i]].discard(i)
-                if not out[unit_of[i]]:
-                    landed.add(unit_of[i])
-                continue
-            records[(i, episode[i], attempt[i])] = (r, cause(info), bool(info and info.get("strays")))
-            if not (attack and table[i][episode[i]]) and isinstance((info or {}).get("cpu"), float):
-                honest_cpu.append(info["cpu"])
-            for text in (o, str(info)):
-                owners = {int(m) for m in SECRET.findall(text or "")} - {i}
-                if text and trainer.secret in text:
-                    owners.add(-1)
-                # (who saw it, its episode and attempt, whose secret: a lane, or -1 the trainer's, same sandbox?)
-                leaks += [(i, episode[i], attempt[i], j, j >= 0 and unit_of[j] == unit_of[i]) for j in owners]
             obs[i] = o
-            attempt[i] += 1
-            done[i] = bool(d)
+            if i in resetting:  # its reset's result: the episode's first observation, not a step
+                resetting.discard(i)
+            else:
+                records[(i, episode[i], attempt[i])] = (r, cause(info), bool(info and info.get("strays")))
+                if not (attack and table[i][episode[i]]) and isinstance((info or {}).get("cpu"), float):
+                    honest_cpu.append(info["cpu"])
+                for text in (o, str(info)):
+                    owners = {int(m) for m in SECRET.findall(text or "")} - {i}
+                    if text and trainer.secret in text:
+                        owners.add(-1)
+                    # (who saw it, its episode and attempt, whose secret: a lane, or -1 the trainer's, same sandbox?)
+                    leaks += [(i, episode[i], attempt[i], j, j >= 0 and unit_of[j] == unit_of[i]) for j in owners]
+                attempt[i] += 1
+                done[i] = bool(d)
             out[unit_of[i]].discard(i)
             if not out[unit_of[i]]:  # a sandbox's envs may land over several recv() calls
                 landed.add(unit_of[i])
@@ -317,6 +313,11 @@ def run_pass(pool, table: list, attack: bool, args, trainer: Trainer, lane_secre
         "recv_s": recv_s,
         "honest_cpu": honest_cpu,
     }
+
+
+def hostile_steps(result: dict, table: list) -> int:
+    """How many of a pass's steps (run_pass()'s records) were of hostile episodes."""
+    return sum(1 for lane, e, _ in result["records"] if table[lane][e] is not None)
 
 
 def honest_check(clean: dict, attacked: dict, table: list, groups: int) -> tuple:
@@ -490,7 +491,7 @@ def main(argv=None) -> int:
             )
         clean, attacked = passes["clean"], passes["attacked"]
         ratio = (len(attacked["records"]) / attacked["elapsed"]) / (len(clean["records"]) / clean["elapsed"])
-        mine = sum(1 for lane, e, _ in attacked["records"] if table[lane][e] is not None)
+        mine = hostile_steps(attacked, table)
         print(
             f"hostile actions: {mine} of the attacked pass's {len(attacked['records'])} "
             f"({mine / max(1, len(attacked['records'])):.0%})"
