@@ -151,6 +151,7 @@ if os.fork() == 0:
             i += 1
             time.sleep(0.02)
     os._exit(0)
+os.wait()  # the daemon is on its own before this attempt ends (its process group is killed then)
 """,
     # The same daemon, spinning: CPU taken from every other lane until the scrub, unless the pool's
     # cpu_budget (or under serialize_measurement=True, the freezer) stops it first.
@@ -162,6 +163,7 @@ if os.fork() == 0:
         while True:
             pass
     os._exit(0)
+os.wait()  # the daemon is on its own before this attempt ends (its process group is killed then)
 """,
     # Every process it can see, their roots, cwds and environments; some other lanes' host pids.
     "proc_walk": """
