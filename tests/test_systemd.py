@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import secrets
 import signal
 import subprocess
@@ -78,9 +79,26 @@ def _stop(unit: str) -> None:
     subprocess.run(["systemctl", "reset-failed", unit], capture_output=True, timeout=scaled(60))
 
 
-def _run(placement: str, mode: str) -> dict:
-    if placement.startswith("user_") and not SESSION_USER:
+def _session_ready(placement: str) -> None:
+    """For a placement in a user's session: skip without the session's user, else wait for the
+    user's manager (ci/v2tests.sh makes it linger): a session opened while it starts or stops
+    finds its bus refusing, and the trainer never runs."""
+    if not placement.startswith("user_"):
+        return
+    if not SESSION_USER:
         pytest.skip("no BOLTZLABS_TEST_SESSION_USER: ci/v2tests.sh's systemd run makes one in the guest")
+
+    manager = f"user@{pwd.getpwnam(SESSION_USER).pw_uid}.service"
+
+    def active() -> bool:
+        state = subprocess.run(["systemctl", "is-active", manager], capture_output=True, text=True)
+        return state.stdout.strip() == "active"
+
+    assert wait_until(active, timeout=120), f"{manager} is not active: is {SESSION_USER} lingering?"
+
+
+def _run(placement: str, mode: str) -> dict:
+    _session_ready(placement)
     unit = _tag() + (".service" if placement.startswith("user_") else ".scope")
     try:
         out = subprocess.run(
@@ -162,8 +180,7 @@ def _alive(pid: int) -> bool:
     ids=["beside_another_tree", "user_session", "alone-with-worker-and-guardian"],
 )
 def test_nothing_is_left_after_the_trainer_is_killed(placement, killed):
-    if placement == "user_session" and not SESSION_USER:
-        pytest.skip("no BOLTZLABS_TEST_SESSION_USER: ci/v2tests.sh's systemd run makes one in the guest")
+    _session_ready(placement)
     unit = _tag() + (".service" if placement == "user_session" else ".scope")
     proc = subprocess.Popen(
         _placed(placement, "hold", unit), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT
