@@ -109,6 +109,19 @@ def exit_signal(code: int | None) -> int | None:
     return None
 
 
+def stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (SIGSTOP, ^Z, a debugger): the state in /proc/<pid>/stat,
+    after the command's closing parenthesis, is T or t. A stopped worker reads nothing: neither a
+    CLOSE from its client nor the end of the connection when the client dies."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    at = stat.rfind(b")") + 2
+    return stat[at : at + 1] in (b"T", b"t")
+
+
 def describe_exit(code: int) -> str:
     """How a process died, in words: "was killed by SIGKILL (signal 9)", "exited with code 3", or what
     one of abi's exit codes means. `code` is an exit code as subprocess.Popen.returncode and

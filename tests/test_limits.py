@@ -591,7 +591,9 @@ pool.step([{{"op": "daemons"}}] * 2)
 view = PoolView(pool._cgroup)
 print(json.dumps({{"worker": pool._proc.pid, "pids": sorted(view.procs(0) | view.procs(1)),
                   "cgroups": pool._cgroup}}), flush=True)
-if {who!r} == "client":
+if {who!r} == "stopped":  # a debugger's stop, a ^Z: the worker cannot see the client go
+    os.kill(pool._proc.pid, 19)
+if {who!r} in ("client", "stopped"):
     os.kill(os.getpid(), 9)
 os.kill(pool._proc.pid, 9)
 if {who!r} == "both":
@@ -611,6 +613,8 @@ import time; time.sleep(1)
         ("client", True),
         ("worker", True),
         ("both", True),
+        ("stopped", False),
+        ("stopped", True),
     ],
 )
 def test_no_sandbox_outlives_a_killed_client_or_worker(spawn, who, gated):

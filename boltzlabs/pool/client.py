@@ -61,6 +61,7 @@ from boltzlabs.errors import (
     WorkerSideError,
     describe_exit,
     exit_signal,
+    stopped,
 )
 from boltzlabs.pool.protocol import (
     Pool,
@@ -1172,7 +1173,7 @@ class _LocalLink:
                     pass
                 end = time.monotonic() + _CLOSE_WAIT
                 # A stopped worker (SIGSTOP, a debugger) never reads its CLOSE: it is killed at once.
-                while proc.poll() is None and time.monotonic() < end and not _stopped(proc.pid):
+                while proc.poll() is None and time.monotonic() < end and not stopped(proc.pid):
                     try:
                         proc.wait(timeout=min(0.25, max(0.0, end - time.monotonic())))
                     except subprocess.TimeoutExpired:
@@ -1254,18 +1255,6 @@ class _LocalLink:
             RuntimeWarning,
             stacklevel=2,
         )
-
-
-def _stopped(pid: int) -> bool:
-    """Whether process `pid` is stopped (SIGSTOP, a debugger): the state in /proc/<pid>/stat,
-    after the command's closing parenthesis, is T or t."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    at = stat.rfind(b")") + 2
-    return stat[at : at + 1] in (b"T", b"t")
 
 
 # The exception each ERROR category (errors.CATEGORIES) raises here; any other: WorkerError.

@@ -48,6 +48,7 @@ import collections
 import contextlib
 import os
 import resource
+import select
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -57,7 +58,7 @@ import msgpack
 
 from boltzlabs import abi, wire
 from boltzlabs.abi import PR_SET_NAME
-from boltzlabs.errors import ProtocolError, TemplateUnavailable, describe_status, exit_signal
+from boltzlabs.errors import ProtocolError, TemplateUnavailable, describe_status, exit_signal, stopped
 from boltzlabs.host.builder import SandboxSpec
 from boltzlabs.host.cgroups import CgroupPool, cpus_allowed
 from boltzlabs.worker.config import PoolConfig
@@ -747,10 +748,14 @@ def guard_cgroups(paths: list[str], release=None) -> int:
     then `release()` (CgroupPool.release: cgroup v2's room, where it is free).
     The client, which only kills the worker, waits for the guardian to end.
     A fork shares the worker's pages; it writes little (measured in
-    tests/test_protocol.py).
+    tests/test_protocol.py). It also watches the client (this worker's parent:
+    the trainer, or a remote worker's listener): once the client is gone, a
+    worker that is stopped (SIGSTOP, ^Z, a debugger) would never see it go and
+    would hold every sandbox for ever, so the guardian kills it.
     """
     from boltzlabs.host.cgroups import remove_pool_dir
 
+    worker, client = os.getpid(), os.getppid()
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -763,9 +768,7 @@ def guard_cgroups(paths: list[str], release=None) -> int:
             # here would hide the worker's death from the client.
             os.closerange(3, r)
             os.closerange(r + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
-            closed = False
-            while os.read(r, 1):
-                closed = True  # guard_closed(): the worker closed the pool itself
+            closed = _await_worker(r, worker, client)
             remove_pool_dir(paths)
             if release is not None and not closed:
                 release()  # after a clean close the worker did it; a new pool may have made its own since
@@ -776,6 +779,40 @@ def guard_cgroups(paths: list[str], release=None) -> int:
     return pid
 
 
+def _await_worker(r: int, worker: int, client: int) -> bool:
+    """The guardian's wait: read the worker's pipe until it ends (the worker has exited); whether
+    the worker said it closed the pool itself (guard_closed). Once the client has exited, the
+    worker is checked every STOPPED_CHECK seconds and killed if it is stopped: a running worker
+    sees its connection end and closes the pool itself."""
+    poller = select.poll()
+    poller.register(r, select.POLLIN)
+    try:
+        killer = os.pidfd_open(worker)
+    except OSError:  # the worker is gone already: its pipe has ended
+        killer = None
+    try:
+        poller.register(os.pidfd_open(client), select.POLLIN)  # readable once the client has exited
+        client_gone = False
+    except OSError:  # gone before we looked
+        client_gone = True
+    closed = False
+    while True:
+        for fd, _ in poller.poll(int(STOPPED_CHECK * 1000) if client_gone else -1):
+            if fd == r:
+                if not os.read(r, 1):
+                    return closed
+                closed = True  # guard_closed(): the worker closed the pool itself
+            else:
+                poller.unregister(fd)
+                client_gone = True
+        if client_gone and killer is not None and stopped(worker):
+            try:
+                signal.pidfd_send_signal(killer, signal.SIGKILL)  # the pidfd: never another process
+            except ProcessLookupError:
+                pass  # it exited meanwhile: its pipe ends
+
+
+STOPPED_CHECK = 0.5  # seconds between the guardian's looks at a worker whose client is gone
 GUARDIAN_NAME = b"boltzlabs-guard"  # 15 bytes: the kernel's comm holds at most 15
 
 
