@@ -10,6 +10,7 @@ inside one of the pool's, as another tool might) is named in close()'s warning.
 
 import os
 import signal
+import socket
 import warnings
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import psutil
 import pytest
 
 from boltzlabs import RLPool
+from boltzlabs.errors import WorkerError
 
 from conftest import COUNTER, has_ended
 
@@ -59,6 +61,24 @@ def test_close_of_a_stopped_worker_kills_it_and_leaves_nothing():
     pool = RLPool(COUNTER, 8, step_timeout=10)
     procs, groups = _tree(pool), _cgroups(pool)
     os.kill(pool._proc.pid, signal.SIGSTOP)
+    pool.close()
+    assert _left(procs, groups) == ([], [])
+
+
+@pytest.mark.timeout(300)
+def test_a_connection_that_ends_while_the_worker_lives_is_named_and_close_kills_the_worker():
+    """The trainer's end of the connection ended (here: shut down under it) while the worker,
+    stopped, cannot exit: the call raises WorkerError saying so, not subprocess's TimeoutExpired,
+    and close() leaves nothing."""
+    pool = RLPool(COUNTER, 4, step_timeout=10)
+    pool.reset(seed=0)
+    procs, groups = _tree(pool), _cgroups(pool)
+    os.kill(pool._proc.pid, signal.SIGSTOP)
+    pool._link.exit_wait = 0.5
+    pool._conn.shutdown(socket.SHUT_RDWR)
+    with pytest.raises(WorkerError, match=r"ended and the worker had not exited 0\.5 s later") as raised:
+        pool.step([1] * 4)
+    assert f"pid {pool._proc.pid}" in str(raised.value)
     pool.close()
     assert _left(procs, groups) == ([], [])
 

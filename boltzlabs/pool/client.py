@@ -1139,13 +1139,25 @@ class _LocalLink:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    exit_wait = 10.0  # seconds the worker has to exit after its connection ended, before died() says so
+
     def wait_dead(self) -> None:
-        self.proc.wait(timeout=10)
+        """The connection ended: give the worker time to exit, so died() can say how it went."""
+        try:
+            self.proc.wait(timeout=self.exit_wait)
+        except subprocess.TimeoutExpired:
+            pass  # still running: died() says so, and close() kills it
 
     def died(self) -> WorkerError:
         self.stderr.seek(0)
         tail = self.stderr.read()[-4000:].decode("utf-8", "replace")
         code = self.proc.poll()
+        if code is None:
+            return WorkerError(
+                f"the connection to the boltzlabs worker (pid {self.proc.pid}) ended and the worker had not exited "
+                f"{self.exit_wait:g} s later; the pool is gone: close() kills what is left of it, then create a "
+                f"new RLPool. Its output:\n{tail or '(none)'}"
+            )
         how, signum = describe_exit(code), exit_signal(code)
         fix = (
             "if nobody here sent it, the kernel's OOM killer may have (see `dmesg`): give the host more "
