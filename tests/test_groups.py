@@ -973,3 +973,48 @@ def test_trust_env_with_groups_is_refused():
 def test_envs_per_sandbox_groups_with_every_spelling_of_the_arguments(args, kwargs):
     with RLPool(*args, envs_per_sandbox=2, **kwargs) as pool:
         assert isinstance(pool, GroupedPool) and pool.sandboxes == 2 and grouped(pool.pids(), 2)
+
+
+def test_the_group_floor_benchmark_prints_each_implementation_and_where_a_step_goes():
+    """benchmarks/bench_group_floor.py, tiny (a smoke run): its three rows, in order, and where a
+    step of ours goes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_group_floor.py"
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--env",
+            "CartPole-v1",
+            "--n",
+            "5",
+            "--k",
+            "2",
+            "--rounds",
+            "1",
+            "--chunk",
+            "0.2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=scaled(180),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "env-steps/s" not in line]
+    assert [row.split("|")[1].strip() for row in rows] == ["sync", "floor", "boltzlabs k=2"], out.stdout
+    assert "A step of ours" in out.stdout and "The floor's step" in out.stdout, out.stdout
+
+
+def test_the_group_floor_benchmark_refuses_a_group_larger_than_the_pool():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_group_floor.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--n", "4", "--k", "8"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2 and "1 <= k <= n" in out.stderr, out.stderr
