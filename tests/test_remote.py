@@ -717,6 +717,22 @@ def test_malformed_handshakes_after_authentication_are_refused(worker, frames):
     assert all(m[0] != wire.READY for m in messages)
 
 
+@pytest.mark.parametrize("flag", ["cpu_share", "serialize_measurement", "warmup", "trust_env"])
+@pytest.mark.parametrize("value", ["yes", 1, 0, [True]])
+def test_a_remote_open_whose_yes_or_no_option_is_not_a_bool_is_refused_naming_it(worker, flag, value):
+    """A client that is not ours may send anything: a yes-or-no option of OPEN that is not true or
+    false is refused, named, before any sandbox starts (never read as one or the other)."""
+    peer = handshake(worker.port)
+    peer.send([wire.SOURCE, {"kind": "gym"}])
+    assert peer.receive()[0] == wire.ACCEPTED
+    peer.send([wire.OPEN, {"n": 1, "params": {"id": "CartPole-v1"}, flag: value}])
+    messages = wire.FrameReader(wire.Limits(1 << 20)).feed(closed_by_worker(peer.sock))
+    peer.sock.close()
+    errors = [m for m in messages if m[0] == wire.ERROR]
+    assert errors and f"OPEN's {flag} must be true or false, not {value!r}" in str(errors[0]), messages
+    assert all(m[0] != wire.READY for m in messages), messages
+
+
 def _ship(port: int, blob: bytes) -> list:
     """Ship `blob` as env code; the worker's messages until it refuses or accepts."""
     peer = handshake(port)

@@ -87,7 +87,7 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
         from boltzlabs.worker.ceilings import apply_ceilings
 
         request = apply_ceilings(request, remote["ceilings"], policy)
-        if request.get("trust_env") and not remote.get("allow_trust_env"):
+        if _flag(request, "trust_env", False) and not remote.get("allow_trust_env"):
             raise ValueError(
                 "this worker does not import a remote client's env code in its template: "
                 "trust_env=True is refused (its operator allows it with `boltzlabs worker "
@@ -111,14 +111,14 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
         workspace_size=request.get("workspace_size"),
         params=request.get("params") or {},
         spawn="template" if request.get("spawn", "template") == "template" else "exec",
-        warmup=bool(request.get("warmup", True)),
-        trust_env=request.get("trust_env") is True,
+        warmup=_flag(request, "warmup", True),
+        trust_env=_flag(request, "trust_env", False),
         preload=preload_names(request.get("preload"), request["source_dir"]),
         start_timeout=start_timeout,
         step_timeout=step_timeout,
-        gated=bool(request.get("serialize_measurement")),
+        gated=_flag(request, "serialize_measurement", False),
         cpu_budget=cpu_budget(request.get("cpu_budget")),
-        cpu_share=request.get("cpu_share") is True,
+        cpu_share=_flag(request, "cpu_share", False),
         limits=env_limits,
         memory_limit=env_limits.get("memory") or None,
         straggler_grace=env_limits.get("straggler_grace", float("inf")),
@@ -149,6 +149,17 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
         affinity=affinity.parse(request.get("affinity")),
         group=group,
     )
+
+
+def _flag(request: dict, name: str, default: bool) -> bool:
+    """OPEN's yes-or-no option `name`: true, false, or absent (None: `default`). Anything else is
+    refused, naming it: a remote client's "yes" or 0 is never read as either."""
+    value = request.get(name)
+    if value is None:
+        return default
+    if type(value) is not bool:
+        raise ValueError(f"OPEN's {name} must be true or false, not {value!r:.40}")
+    return value
 
 
 def _str_fix(asked: int, ceiling: int) -> str:
