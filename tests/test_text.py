@@ -260,7 +260,13 @@ def test_an_action_over_the_cap_is_refused_before_anything_is_sent(text_pool):
         pool.call("anything", "z" * (CAP + 1))
     with pytest.raises(ValueError, match="the value for env 1 holds a str"):
         pool.set_attr("anything", ["a", "z" * (CAP + 1), "c"])
-    assert steps_taken(pool) == [1, 1, 1]  # nothing was sent: no env stepped
+    # Reset options go to every env reset: refused as a whole, and the pool goes on (the env's own
+    # decoder would refuse them too, and each env asked would die of it).
+    with pytest.raises(ValueError, match=r"reset\(\): a reset option holds a str of [\d,]+ bytes"):
+        pool.reset(where=[1], options={"prompt": "z" * (CAP + 1)})
+    with pytest.raises(ValueError, match=r"send\(\): a reset option holds a str"):
+        pool.send(["a"], env_ids=[0], resets=[0], options={"prompt": ["z" * (CAP + 1)]})
+    assert steps_taken(pool) == [1, 1, 1]  # nothing was sent: no env stepped or reset
     obs, _, dones, infos = pool.step(["a" * CAP, "b", "c"])  # the cap itself goes (the reply: 2 bytes over)
     assert dones[0] and f"returned a str of {CAP + 2:,} bytes" in infos[0]["error"], infos[0]
     assert steps_taken(pool) == [3, 3, 3]

@@ -231,6 +231,8 @@ class Pool(abc.ABC):
             raise TypeError(f"reset() scrub must be True or False, not {scrub!r}")
         lanes = self._lanes(where)
         seeds = self._seeds(seed, lanes)
+        if options is not None and self.max_str_len is not None:
+            refuse_long_strs(None, [options], self.max_str_len, None, "reset()", "options")
         if not lanes:
             return list(self._obs)
         obs, infos = self._reset_lanes(lanes, seeds, bool(hard), options, bool(scrub) and not hard)
@@ -313,6 +315,8 @@ class Pool(abc.ABC):
         if not isinstance(scrub, (bool, np.bool_)):
             raise TypeError(f"send() scrub must be True or False, not {scrub!r}")
         seeds = self._seeds(seed, resets) if resets else None
+        if resets and options is not None and self.max_str_len is not None:
+            refuse_long_strs(None, [options], self.max_str_len, None, "send()", "options")
         if self._never_reset:
             self._refuse_unreset(lanes, resets, "send()")
         how = [seeds, options, bool(scrub)] if resets and (seeds or options is not None or scrub) else None

@@ -50,7 +50,7 @@ def refuse_long_strs(given, values: list, cap: int, envs=None, what: str = "step
         size = wire.long_str(value, cap)
         if size:
             env = position if envs is None else envs[position]
-            whose = f"the {kind} for env {env}" if kind != "arguments" else "an argument"
+            whose = {"arguments": "an argument", "options": "a reset option"}.get(kind, f"the {kind} for env {env}")
             raise ValueError(
                 f"{what}: {whose} holds a str of {size:,} bytes (UTF-8), over the pool's max_str_len of "
                 f"{cap:,} bytes, the longest a str may be each way between the trainer and an env; send "
