@@ -94,8 +94,8 @@ class Floor:
         for conn in self.conns:
             conn.send_bytes(b"s")
         parts = [np.frombuffer(conn.recv_bytes()).reshape(3, -1) for conn in self.conns]
-        _rewards, terminated, truncated = np.concatenate(parts, axis=1)
-        self.last = self.observations.copy(), _rewards, terminated.astype(bool), truncated.astype(bool)
+        rewards, terminated, truncated = np.concatenate(parts, axis=1)
+        self.last = self.observations.copy(), rewards, terminated.astype(bool), truncated.astype(bool)
 
     def close(self) -> None:
         for conn in self.conns:

@@ -21,6 +21,9 @@ Timeouts only catch hangs; no assertion is on a duration.
 import os
 import random
 import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import gymnasium as gym
 import msgpack
@@ -31,6 +34,8 @@ from boltzlabs import EnvError, EnvStartError, PoolClosedError, RLPool
 from boltzlabs.pool.groups import GroupedPool
 from conftest import PROBE, intervals, open_fds, overlaps, scaled, wait_until
 from framers import PATHS, use_path
+
+FLOOR = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_group_floor.py"  # the floor benchmark
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -978,15 +983,10 @@ def test_envs_per_sandbox_groups_with_every_spelling_of_the_arguments(args, kwar
 def test_the_group_floor_benchmark_prints_each_implementation_and_where_a_step_goes():
     """benchmarks/bench_group_floor.py, tiny (a smoke run): its three rows, in order, and where a
     step of ours goes."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_group_floor.py"
     out = subprocess.run(
         [
             sys.executable,
-            str(script),
+            str(FLOOR),
             "--env",
             "CartPole-v1",
             "--n",
@@ -1009,12 +1009,7 @@ def test_the_group_floor_benchmark_prints_each_implementation_and_where_a_step_g
 
 
 def test_the_group_floor_benchmark_refuses_a_group_larger_than_the_pool():
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_group_floor.py"
     out = subprocess.run(
-        [sys.executable, str(script), "--n", "4", "--k", "8"], capture_output=True, text=True, timeout=60
+        [sys.executable, str(FLOOR), "--n", "4", "--k", "8"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 2 and "1 <= k <= n" in out.stderr, out.stderr
