@@ -97,16 +97,26 @@ static size_t write_all(int fd, const unsigned char *data, size_t size)
 /* epoll_wait on epfd until something is ready or `deadline` (time.monotonic())
  * passes, the GIL released: the number of events, 0 at the deadline, or -1
  * with an exception set (an epoll error, or a signal handler that raised:
- * e.g. SIGTERM's). */
-static int wait_ready(int epfd, struct epoll_event *events, int max_events, double deadline)
+ * e.g. SIGTERM's). Once the deadline has passed, one look more that does not
+ * wait (`*looked`, once per step): the worker itself may not have run until
+ * past the deadline (a loaded node), and replies already in their pipes are
+ * read, not taken for stragglers; an env trickling bytes cannot extend the
+ * step past that one look (requests.py's _wait looks the same way). */
+static int wait_ready(int epfd, struct epoll_event *events, int max_events, double deadline, int *looked)
 {
     for (;;) {
         double left = deadline - monotonic_now();
-        if (!(left > 0)) /* NaN included: no (int) cast of it below */
-            return 0;
-        /* Round up: waking a little after the deadline, never before it. */
-        double ms = left * 1000.0 + 1.0;
-        int timeout = ms > 86400000.0 ? 86400000 : (int)ms;
+        int timeout;
+        if (!(left > 0)) { /* NaN included: no (int) cast of it below */
+            if (*looked)
+                return 0;
+            *looked = 1;
+            timeout = 0;
+        } else {
+            /* Round up: waking a little after the deadline, never before it. */
+            double ms = left * 1000.0 + 1.0;
+            timeout = ms > 86400000.0 ? 86400000 : (int)ms;
+        }
         int ready;
         Py_BEGIN_ALLOW_THREADS
         ready = epoll_wait(epfd, events, max_events, timeout);
@@ -1037,11 +1047,11 @@ static PyObject *step(PyObject *self, PyObject *args)
         goto done;
     }
     double fan_in_start = monotonic_now();
-    int rounds = 0;
+    int rounds = 0, looked = 0;
     while (waiting > 0) {
         if (rounds++ > 0 && waiting > NAP_MIN_WAITING && nap(fan_in_start, deadline) < 0)
             goto done;
-        int ready = wait_ready(epfd, events, max_events, deadline);
+        int ready = wait_ready(epfd, events, max_events, deadline, &looked);
         if (ready < 0)
             goto done;
         if (ready == 0) {

@@ -12,6 +12,7 @@ Real processes throughout; the only time bounds catch a hang.
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -132,6 +133,61 @@ def test_a_stopped_shard_ends_a_sharded_pool_with_a_worker_error(margin):
     for pid in pids:
         assert not psutil.pid_exists(pid) or has_ended(psutil.Process(pid)), pid
     assert not [p for p in cgroups if Path(p).exists()]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "how", [{}, {"serialize_measurement": True}, {"envs_per_sandbox": 2}], ids=["plain", "gated", "grouped"]
+)
+def test_replies_that_came_while_the_worker_itself_was_not_run_are_results_not_stragglers(how):
+    # The worker is stopped (as the scheduler of a loaded node may leave it unrun) after it sent
+    # the step and before the envs answer, and let go only past the step's deadline: the replies
+    # waiting in their pipes are taken by the worker's last look at the deadline, not reported as
+    # stragglers. Each env sleeps 1 s of the 2 s step_timeout (a group steps its two in turn).
+    timeout = scaled(2.0)
+    sleep = 1.0 / how.get("envs_per_sandbox", 1)
+    pool = RLPool(PROBE, 2, step_timeout=timeout, **how)
+    pid = getattr(pool, "inner", pool)._proc.pid
+    stopped = threading.Event()
+
+    def stop_then_go_on():
+        os.kill(pid, signal.SIGSTOP)
+        stopped.set()
+        time.sleep(timeout + 1.5)
+        os.kill(pid, signal.SIGCONT)
+
+    try:
+        pool.reset(seed=0)
+        timer = threading.Timer(0.3, stop_then_go_on)
+        timer.start()
+        obs, _, _, infos = pool.step([{"op": "sleep", "s": sleep}] * 2)
+        timer.join()
+        assert stopped.is_set()
+        assert pool.timing.stragglers == [], infos
+        assert [o["out"] for o in obs] == [{"slept": sleep}] * 2, infos
+        assert not any("error" in info for info in infos), infos
+    finally:
+        os.kill(pid, signal.SIGCONT)
+        pool.close()
+
+
+@pytest.mark.timeout(120)
+def test_an_env_trickling_its_reply_past_the_deadline_does_not_extend_the_step():
+    # The look at the deadline reads once: a reply that keeps coming, a byte every 20 ms, is cut
+    # off there, its lane a straggler, and the step returns with the other lane's result.
+    timeout = scaled(1.0)
+    pool = RLPool(PROBE, 2, step_timeout=timeout)
+    try:
+        pool.reset(seed=0)
+        started = time.monotonic()
+        _, rewards, done, infos = pool.step([{"op": "trickle", "bytes": 500, "every": 0.02}, 7])
+        took = time.monotonic() - started
+        assert pool.timing.stragglers == [0], infos
+        assert infos[0].get("straggler") is True and done[0], infos
+        assert rewards[1] == 7 and "error" not in infos[1], infos
+        assert took < timeout + scaled(2.0), took
+    finally:
+        pool.close()
 
 
 @pytest.mark.timeout(120)

@@ -58,21 +58,22 @@ class Requests:
         self.fastpath: Any = fastpath  # the native step (native.load()), None for pure Python
         self.packer: msgpack.Packer = packer  # the worker's one Packer: each lane's action frame
 
-    def _wait(self, op: Op, deadline: float) -> None:
+    def _wait(self, op: Op, deadline: float, index: int | None = None) -> None:
+        """Poll until every lane of `op` (only lane `index`, when given) has answered or the
+        deadline passes; then one look more that does not wait. The worker itself may not have
+        run until past the deadline (a loaded node): replies already in their pipes are read,
+        not taken for stragglers. One look only, so an env trickling bytes cannot extend the
+        step (native/fastpath.c's wait_ready looks the same way)."""
         poll = self.lifecycle.poll
-        while op.waiting:
-            now = time.monotonic()
-            if now >= deadline:
-                return
-            poll(deadline - now)
-
-    def _wait_one(self, op: Op, index: int, deadline: float) -> None:
-        poll = self.lifecycle.poll
-        while index in op.waiting:
-            now = time.monotonic()
-            if now >= deadline:
-                return
-            poll(deadline - now)
+        waiting = op.waiting
+        looked = False
+        while (index in waiting) if index is not None else waiting:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                if looked:
+                    return
+                looked, left = True, 0.0
+            poll(left)
 
     def step(self, actions: list, resets=None):
         """Step every env; the lanes in `resets` are reset (seed and options
@@ -141,7 +142,7 @@ class Requests:
                         continue
                     lifecycle.thaw(lane)  # its STEP is waiting in its channel: decoded in its own turn
                 write(lane, wire.encode([wire.GO, seq]))
-                self._wait_one(op, index, time.monotonic() + step_timeout)
+                self._wait(op, time.monotonic() + step_timeout, index)
                 lifecycle.thaw_template()  # the turn is over
                 if index in op.waiting:
                     # The gate promises one env's code at a time, so a holder

@@ -84,6 +84,13 @@ def ops(action):
         os.write(action.get("fd", 3), b"\xc1\xc1garbage that is not a frame" * 4)
         time.sleep(0.2)
         return {"garbage": True}
+    if op == "trickle":  # a frame's length, then its body a byte at a time, never all of it
+        fd = action.get("fd", 3)
+        os.write(fd, (1 << 16).to_bytes(4, "little"))
+        for _ in range(action["bytes"]):
+            os.write(fd, b"\x90")
+            time.sleep(action["every"])
+        return {"trickled": action["bytes"]}
     if op == "print":
         print("hello from step")
         sys.stdout.write("more stray output\n")
