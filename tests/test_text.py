@@ -383,10 +383,13 @@ def test_refuse_long_strs_names_the_env_and_passes_plain_batches():
     refuse_long_strs(np.zeros((3, 1000)), list(np.zeros((3, 1000))), 100)
     refuse_long_strs(None, ["a" * 25] * 3, 100)
     refuse_long_strs(None, [np.zeros(3), 1, np.ones((2, 2), np.uint8)], 100)  # numeric arrays: by their dtypes
+    refuse_long_strs(None, list(np.arange(3)) + [np.float32(1), np.bool_(True)], 100)  # numpy scalars (Discrete)
     with pytest.raises(ValueError, match="send\\(\\): the action for env 7 holds a str of 101 bytes"):
         refuse_long_strs(None, ["a", "b" * 101], 100, [3, 7], "send()")
     with pytest.raises(ValueError, match="the action for env 1 holds a str of 200 bytes"):
         refuse_long_strs(None, [np.zeros(3), np.array(["x" * 200])], 100)  # a str array among numeric ones
+    with pytest.raises(ValueError, match="the action for env 2 holds a str of 101 bytes"):
+        refuse_long_strs(None, [np.int64(1), np.float64(2), np.str_("c" * 101)], 100)  # numpy's str scalar
 
 
 def test_the_decoders_refusals_say_what_and_how_big():

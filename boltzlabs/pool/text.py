@@ -24,6 +24,7 @@ __all__ = ["refuse_long_strs", "text_note"]
 # Action types that hold no str: a batch of only these is passed at the cost of one set().
 _NO_STR = frozenset((int, float, bool, type(None), bytes))
 _NUMERIC = "biufcmM"  # the dtype kinds of arrays that hold no str
+_NUMERIC_SCALARS = (np.number, np.bool_, np.datetime64)  # numpy scalars that hold no str
 _dtype = operator.attrgetter("dtype")
 
 
@@ -39,6 +40,8 @@ def refuse_long_strs(given, values: list, cap: int, envs=None, what: str = "step
         return
     types = set(map(type, values))
     if types <= _NO_STR or (types == {str} and max(map(len, values)) <= cap >> 2):
+        return
+    if all(issubclass(kind, _NUMERIC_SCALARS) for kind in types):  # numpy scalars: a Discrete space's actions
         return
     if np.ndarray in types and types <= _NO_STR | {np.ndarray}:  # a list of numeric arrays: one set() of dtypes
         arrays = values if len(types) == 1 else [value for value in values if type(value) is np.ndarray]
