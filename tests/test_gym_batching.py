@@ -111,3 +111,23 @@ def test_rows_of_one_batch_are_found_only_when_they_are_exactly_its_rows():
     assert _rows_of_one_batch([batch[i, ::2] for i in range(4)]) is None  # strided views
     small = np.zeros((4, 3))
     assert _rows_of_one_batch([small[i] for i in range(4)]) is None  # small: stacked as before
+
+
+def test_rows_are_stacked_in_one_call_only_into_exactly_the_batch_gymnasium_makes():
+    from gymnasium import spaces
+    from gymnasium.vector.utils import concatenate, create_empty_array
+
+    from boltzlabs.gym import _stacked
+
+    space = spaces.Box(-1, 1, (3,), np.float32)
+    like = create_empty_array(space, n=4, fn=np.zeros)
+    rows = [np.full(3, i, np.float32) for i in range(4)]
+    stacked = _stacked(rows, like)
+    want = concatenate(space, rows, create_empty_array(space, n=4, fn=np.zeros))
+    assert stacked.dtype == want.dtype and stacked.shape == want.shape and stacked.tobytes() == want.tobytes()
+    assert all(not np.shares_memory(stacked, row) for row in rows)  # a new array: the caller may keep it
+    # Anything else goes to Gymnasium's concatenate, which casts (same_kind) or says what is wrong.
+    assert _stacked([row.astype(np.float64) for row in rows], like) is None  # another dtype
+    assert _stacked(rows[:3], like) is None  # a row short
+    assert _stacked(rows[:3] + [np.zeros(4, np.float32)], like) is None  # ragged
+    assert _stacked(rows[:3] + [None], like) is None  # not a number
