@@ -24,7 +24,6 @@ __all__ = ["refuse_long_strs", "text_note"]
 # Action types that hold no str: a batch of only these is passed at the cost of one set().
 _NO_STR = frozenset((int, float, bool, type(None), bytes))
 _NUMERIC = "biufcmM"  # the dtype kinds of arrays that hold no str
-_NUMERIC_SCALARS = (np.number, np.bool_, np.datetime64)  # numpy scalars that hold no str
 _dtype = operator.attrgetter("dtype")
 
 
@@ -41,8 +40,8 @@ def refuse_long_strs(given, values: list, cap: int, envs=None, what: str = "step
     types = set(map(type, values))
     if types <= _NO_STR or (types == {str} and max(map(len, values)) <= cap >> 2):
         return
-    if all(issubclass(kind, _NUMERIC_SCALARS) for kind in types):  # numpy scalars: a Discrete space's actions
-        return
+    if all(issubclass(kind, np.generic) and np.dtype(kind).kind in _NUMERIC for kind in types):
+        return  # numpy's numeric scalars, by their dtypes as arrays are: a Discrete space's actions
     if np.ndarray in types and types <= _NO_STR | {np.ndarray}:  # a list of numeric arrays: one set() of dtypes
         arrays = values if len(types) == 1 else [value for value in values if type(value) is np.ndarray]
         if all(dtype.kind in _NUMERIC for dtype in set(map(_dtype, arrays))):
