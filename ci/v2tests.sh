@@ -29,7 +29,7 @@
 #            delegated scope of its own. The guest starts only v2guest.service, so this run
 #            first starts what a node runs anyway: the system bus (dbus.socket) and logind,
 #            and makes the session's user (the guest's files are a throwaway overlay), who
-#            must reach the interpreter under /root, and whose manager lingers.
+#            must reach the interpreter under /root and the checkout, and whose manager lingers.
 # Usage: bash ci/v2tests.sh [root|service|systemd]... (default: root and service in a bash-init
 # guest, systemd in a systemd one). Exit status: the first failure.
 set -uo pipefail
@@ -111,6 +111,10 @@ for where in ${@:-root service}; do
       user=boltzlabs-trainee
       id "$user" >/dev/null 2>&1 || useradd --create-home --uid 4242 "$user" || exit 1
       chmod o+x /root  # the interpreter is under /root/.pyenv (0755 inside)
+      # The user runs this checkout's .venv: every directory above it lets the user through (a
+      # checkout made in a `mktemp -d` is under a 0700 one). The overlay's copy; the host's stays.
+      dir=$PWD
+      while [ "$dir" != / ]; do chmod o+x "$dir" || exit 1; dir=$(dirname "$dir"); done
       # The user's manager stays up between tests: without lingering it stops 10 s after a
       # test's session ends, and a session opened while it stops finds its bus refusing.
       loginctl enable-linger "$user" || exit 1
