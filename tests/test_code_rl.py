@@ -205,7 +205,7 @@ def test_a_daemon_left_spinning_between_steps_is_killed_over_the_cpu_budget_on_i
     solutions = code_rl.solutions
     # reap="group": the env leaves a setsid daemon running after the attempt; the pool's budget
     # counts the lane's cgroup from each step's send to the next, so the idle lane is killed.
-    # The daemon runs at the attempt's nice 19: beside a loaded node's other work it may get a few
+    # The daemon runs at the attempt's nice 19, SCHED_IDLE: beside a loaded node's other work it may get a few
     # percent of a core, so the budget is the least the driver allows and the wait is long.
     args = code_rl.parse_args(["-n", "3", "--reap", "group", "--cpu-budget", "0.1"])
     with code_rl.make_pool(args, 3) as pool:
@@ -251,8 +251,10 @@ def test_a_spin_that_waited_for_a_core_is_ended_at_its_cpu_limit_even_with_its_o
         _, _, _, infos = pool.step(spins + [BOUNDED_SPIN.format(cpu=0.6 * limit)] * (n - 2))
         for info in infos[:2]:
             assert info["outcome"].startswith("CPU limit: killed"), info
-            # A tick (4 ms at HZ=250) and the server's look past the limit, no more.
-            assert limit <= info["cpu"] <= limit * 1.5, info
+            # A tick (4 ms at HZ=250) and the server's wake-up past the limit: 1-11 ms on an idle
+            # or busy host here; once 55 ms in CI (five stages on two cores) before attempts ran
+            # SCHED_IDLE. The census alone, without the timers, let it run to 3-8 times the limit.
+            assert limit <= info["cpu"] <= limit * 2.5, info
         assert all(info["outcome"] == "ran" for info in infos[2:]), [info["outcome"] for info in infos[2:]]
 
 

@@ -95,7 +95,7 @@ while True:
     pass
 """,
     # The same loop, by code that tries to slip the limits first: ignores SIGXCPU, tries to raise
-    # its RLIMIT_CPU, deletes any CPU timer of its own, renices itself. The env's limits are the
+    # its RLIMIT_CPU, deletes any CPU timer of its own, renices itself and tries to leave SCHED_IDLE. The env's limits are the
     # server's, on the attempt's processes' CPU clocks, which it cannot reach.
     "timer_evasion": """
 import ctypes, os, resource, signal
@@ -111,6 +111,10 @@ try:
     os.nice(-20)
 except OSError as exc:
     print("nice:", exc)
+try:
+    os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+except OSError as exc:
+    print("sched_setscheduler:", exc)
 while True:
     pass
 """,

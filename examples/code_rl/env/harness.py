@@ -26,6 +26,12 @@ def confine(cpu_limit, mode):
         # processes (a fork bomb's 31) this attempt makes. Not for a timing (mode "speed"), where
         # the gate keeps the pool's other lanes off the cores.
         os.nice(19)
+        # SCHED_IDLE as well: the server, woken by its timer on this process's CPU clock, then
+        # preempts it at once where it runs, and a core running only idle-policy tasks counts
+        # as free when the kernel places the server's wake-up. With RLIMIT_NICE 0 a process at
+        # nice 19 cannot leave SCHED_IDLE again (sched(7)), nor can any process it starts.
+        resource.setrlimit(resource.RLIMIT_NICE, (0, 0))
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     # A backstop for the server's CPU watch (env.py): RLIMIT_CPU counts whole seconds and
     # cannot be raised again by the code (soft = hard); SIGXCPU at the limit, SIGKILL a second later.
     seconds = math.ceil(cpu_limit) + 1
