@@ -713,6 +713,71 @@ def test_sharded_and_grouped_gym_id_equals_sync_vector_env(pool_factory):
     assert [("group_reset" in pool.reset_infos[i]) for i in (3, 4, 5)] == [True, False, True]
 
 
+# Infos of numpy scalars (MuJoCo's, Box2D's), which a group sends as one array per key when every
+# member's info has the same keys and types (runtime/group.py's info_columns), and infos it sends
+# as they are: another type in one member (action 7), another key order (8), a Python float (9).
+INFO_ENV = """
+    import os
+
+    import numpy as np
+
+    from boltzlabs.env import serve
+
+    LANE = int(os.environ["BOLTZLABS_ENV_INDEX"])
+
+
+    def reset(seed, options=None):
+        return 0, {"seed": np.int64(seed or 0), "lane": np.uint8(LANE)}
+
+
+    def step(action):
+        info = {"x": np.float32(LANE + action / 4), "n": np.int64(-LANE), "ok": np.bool_(action % 2 == 0),
+                "z": np.complex64(LANE + 1j), "h": np.float16(action)}
+        if action == 7 and LANE == 1:
+            info["x"] = np.float64(info["x"])
+        if action == 8 and LANE == 1:
+            info = dict(reversed(info.items()))
+        if action == 9:
+            info["x"] = float(info["x"])
+        return LANE, 0.0, False, False, info
+
+
+    serve(reset=reset, step=step)
+"""
+
+
+def test_infos_of_numpy_scalars_come_as_each_env_sent_them(env_dir, pool_factory):
+    from boltzlabs.runtime.group import info_columns
+
+    source = env_dir(INFO_ENV)
+    one, grouped = pool_factory(source, 5), pool_factory(source, 5, envs_per_sandbox=3)
+    one.reset(seed=0)
+    grouped.reset(seed=0)
+    seen = []
+    for action in (0, 1, 7, 8, 9):
+        want, got = one.step([action] * 5)[3], grouped.step([action] * 5)[3]
+        for a, b in zip(want, got):
+            assert list(a) == list(b), (action, a, b)  # the keys in the env's order
+            assert [(type(v), v) for v in a.values()] == [(type(v), v) for v in b.values()], (action, a, b)
+        seen.append(info_columns(want[:3]) is not None)
+    assert seen == [True, True, False, False, False]
+    grouped.reset(seed=3)
+    assert [(i["seed"], type(i["seed"]), i["lane"], type(i["lane"])) for i in grouped.reset_infos] == [
+        (3 + i, np.int64, i, np.uint8) for i in range(5)
+    ]
+    columns = info_columns([{"a": np.float32(1), "b": np.bool_(True)}, {"a": np.float32(2), "b": np.bool_(False)}])
+    assert list(columns) == ["a", "b"] and columns["a"].dtype == np.float32 and columns["b"].tolist() == [True, False]
+    for infos in (
+        [None, {"a": np.float32(1)}],
+        [{"a": np.str_("s")}] * 2,
+        [{}, {}],
+        [{1: np.float32(1)}] * 2,
+        [{"a": np.datetime64(0, "s")}] * 2,
+        [{"x" * 300: np.float32(1)}] * 2,
+    ):
+        assert info_columns(infos) is None, infos
+
+
 # -- 6. hostile group replies -------------------------------------------------------------------
 
 # An env whose step or reset (action or options {"forge": op}) writes its own frame on fd 3, the
@@ -774,6 +839,16 @@ HOSTILE_GROUP = """
             errors[0] = ["step", 5, None]
         elif op == "not_asked":  # an asked member answered as not asked
             kinds[0] = -1
+        elif op.startswith("columns_"):  # info columns (runtime/group.py's info_columns), malformed
+            import numpy as np
+
+            infos = {
+                "columns_len": {"x": np.zeros(count + 1)},  # a value for a member the group has not
+                "columns_2d": {"x": np.zeros((count, 1))},
+                "columns_key": {7: np.zeros(count)},
+                "columns_list": {"x": [0.0] * count},  # not an array
+                "columns_empty": {},
+            }[op]
         # "all": every member answered as stepped (a lie when only some were asked)
         if op == "fake_failure":  # a failure as the worker reports one, with no group results
             failure = {"error": "missed the step deadline of 5 s", "straggler": True}
@@ -829,6 +904,10 @@ ATTACKS = {
     "deep": "nested deeper than 512 levels",
     "many": "more than 524288 objects",
     "fake_failure": "missed the step deadline of 5 s",
+    **{
+        f"columns_{what}": "its info columns are not one array of 2 numbers under each str key"
+        for what in ("len", "2d", "key", "list", "empty")
+    },
 }
 
 

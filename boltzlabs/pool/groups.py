@@ -150,6 +150,12 @@ class GroupedPool(Pool):
             if _stepped_whole(result.obs[g], result.infos[g], sent):
                 start, count = g * k, len(sent)
                 kinds, group_rewards, group_terminated, group_truncated, group_infos, _ = result.infos[g][GROUP_KEY]
+                if type(group_infos) is dict:
+                    group_infos = _from_columns(group_infos, count)
+                    if group_infos is None:  # _take names what is wrong with them
+                        for i, o, r, te, tr, info in self._take(g, result.obs[g], result.infos[g], sent):
+                            obs[i], rewards[i], terminated[i], truncated[i], infos[i] = o, r, te, tr, info
+                        continue
                 stop = start + count
                 rewards[start:stop] = group_rewards
                 terminated[start:stop] = group_terminated
@@ -178,6 +184,10 @@ class GroupedPool(Pool):
             # reply: either way it is respawned at its next reset, never trusted to go on.
             self._respawn.add(group)
         else:
+            if type(results) is list and len(results) == 6 and type(results[4]) is dict:
+                columns = _from_columns(results[4], count)
+                if columns is not None:
+                    results = [*results[:4], columns, results[5]]
             why = _check(results, obs, count, sent)
             if why:
                 why = f"sent an invalid group reply ({why}); it is respawned at its next reset"
@@ -490,6 +500,20 @@ _BOOL = frozenset((bool,))
 _INFO = frozenset((dict, type(None)))
 
 
+def _from_columns(columns: dict, count: int) -> list | None:
+    """Each member's info from a group's info columns (runtime/group.py's info_columns: {key:
+    array of one value per member}), each value the numpy scalar it was in the env; None unless
+    each key is a str and each column a 1-D array of `count` items (the wire's checks made it
+    numeric)."""
+    if not columns or not all(
+        type(key) is str and type(column) is np.ndarray and column.ndim == 1 and column.shape[0] == count
+        for key, column in columns.items()
+    ):
+        return None
+    keys = list(columns)
+    return [dict(zip(keys, row)) for row in zip(*columns.values())]
+
+
 def _stepped_whole(obs, info, sent: list) -> bool:
     """Whether a group's reply is the plain one to a step of all its envs: each env stepped, none
     failed, every field of the right type and count, obs rows for each (an array or a dict of
@@ -510,7 +534,7 @@ def _stepped_whole(obs, info, sent: list) -> bool:
         and _column(rewards, count, _NUMBERS)
         and _column(terminated, count, _BOOL)
         and _column(truncated, count, _BOOL)
-        and _column(infos, count, _INFO)
+        and (type(infos) is dict or _column(infos, count, _INFO))
         and type(errors) is list
         and errors.count(None) == count == len(errors)
     ):
@@ -553,6 +577,8 @@ def _check(results, obs, count: int, sent: list) -> str:
     with the kind it was sent, and no other member answers as stepped."""
     if type(results) is not list or len(results) != 6:
         return "its results are not the six lists a group sends"
+    if type(results[4]) is dict:  # columns _from_columns did not take
+        return f"its info columns are not one array of {count} numbers under each str key"
     if not all(type(part) is list and len(part) == count for part in results):
         return f"its results do not hold exactly {count} items each, one per env of the group"
     kinds, rewards, terminated, truncated, infos, errors = results

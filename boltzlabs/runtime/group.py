@@ -14,7 +14,9 @@ kind of table, `[[member, seed, options], ...]`. `results` is `[kinds,
 rewards, terminated, truncated, infos, errors]`, a list of one item per
 member each: kind -1 (not asked), 0 (stepped) or 1 (reset); an error is
 `[phase, message, traceback]` when that member raised, and only that member
-fails. obs is the slot marker (each member's obs in its row of the group's
+fails. `infos` comes as columns, `{key: array of one value per member}`,
+when every member's info holds numpy scalars under the same keys
+(info_columns). obs is the slot marker (each member's obs in its row of the group's
 slot, written in place) or a list of one obs per member (None where none).
 The trainer's half is boltzlabs/pool/groups.py, which checks all of it: a
 group's reply is the env's output, as untrusted as any.
@@ -124,6 +126,38 @@ def batched_spec(spec: Any, k: int) -> Any:
             return None
         return dict(spec, spaces=items)
     return None
+
+
+def info_columns(infos: list[Any]) -> Any:
+    """The members' infos as columns, {key: array of one value per member}, when every member
+    answered with an info of the same str keys in the same order, each key's values numpy
+    scalars of one numeric type (MuJoCo's, Box2D's infos): one array per key on the wire, not k
+    scalars, each of which the worker checks and the trainer decodes in a Python hook (measured:
+    150 us of a step of 32 HalfCheetahs in groups of 16). Else None: the list goes as it is."""
+    first = infos[0] if infos else None
+    np = sys.modules.get("numpy")
+    if type(first) is not dict or not first or np is None:
+        return None
+    keys = list(first)
+    if any(type(info) is not dict or list(info) != keys for info in infos):
+        return None  # a member not asked or failed (None), or another shape of info
+    columns = {}
+    for key in keys:
+        if type(key) is not str or len(key) > _MAX_COLUMN_KEY:
+            return None
+        values = [info[key] for info in infos]
+        kind = type(values[0])
+        if not issubclass(kind, np.generic) or set(map(type, values)) != {kind}:
+            return None
+        dtype = values[0].dtype
+        if (dtype.kind, dtype.itemsize) not in wire._NUMERIC:
+            return None
+        columns[key] = np.array(values, dtype)
+    return columns
+
+
+# A longer key sends the infos as a list, where a key over the pool's max_str_len fails its member alone.
+_MAX_COLUMN_KEY = 256
 
 
 def _rows(bound: Any, k: int) -> Any:
@@ -294,6 +328,14 @@ class Group:
         return self.encode(frame, obs, infos, errors, kinds)
 
     def encode(self, frame: list[Any], obs: list[Any], infos: list[Any], errors: list[Any], kinds: list[Any]) -> bytes:
+        results = frame[-1][GROUP_KEY]
+        columns = info_columns(infos)
+        if columns is not None:
+            results[4] = columns
+            data = wire.encode(frame)  # numeric arrays under short str keys: always encodable
+            if len(data) - wire.HEADER.size <= min(self.max_str, self.max_frame):
+                return data
+            results[4] = infos  # over a cap: member by member below, each failing alone
         try:
             data = wire.encode(frame)
         except (TypeError, ValueError, OverflowError):
