@@ -205,8 +205,9 @@ def test_a_daemon_left_spinning_between_steps_is_killed_over_the_cpu_budget_on_i
     solutions = code_rl.solutions
     # reap="group": the env leaves a setsid daemon running after the attempt; the pool's budget
     # counts the lane's cgroup from each step's send to the next, so the idle lane is killed.
-    # The daemon runs at the attempt's nice 19, SCHED_IDLE: beside a loaded node's other work it may get a few
-    # percent of a core, so the budget is the least the driver allows and the wait is long.
+    # The daemon runs at the attempt's nice 19, SCHED_IDLE: beside a loaded node's other work it
+    # may get a few percent of a core, so the budget is the least the driver allows and the wait
+    # is long.
     args = code_rl.parse_args(["-n", "3", "--reap", "group", "--cpu-budget", "0.1"])
     with code_rl.make_pool(args, 3) as pool:
         pool.reset(seed=[2, 2, 2])  # the task "add"

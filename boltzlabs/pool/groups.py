@@ -147,15 +147,10 @@ class GroupedPool(Pool):
             sent = _kinds(entries[g])
             # Hot path: a group whose every env stepped without error, checked with whole-list
             # operations, goes in by slices; anything else member by member (_take's full check).
-            if _stepped_whole(result.obs[g], result.infos[g], sent):
+            group_infos = _stepped_whole(result.obs[g], result.infos[g], sent)
+            if group_infos is not None:
                 start, count = g * k, len(sent)
-                kinds, group_rewards, group_terminated, group_truncated, group_infos, _ = result.infos[g][GROUP_KEY]
-                if type(group_infos) is dict:
-                    group_infos = _from_columns(group_infos, count)
-                    if group_infos is None:  # _take names what is wrong with them
-                        for i, o, r, te, tr, info in self._take(g, result.obs[g], result.infos[g], sent):
-                            obs[i], rewards[i], terminated[i], truncated[i], infos[i] = o, r, te, tr, info
-                        continue
+                _, group_rewards, group_terminated, group_truncated, _, _ = result.infos[g][GROUP_KEY]
                 stop = start + count
                 rewards[start:stop] = group_rewards
                 terminated[start:stop] = group_terminated
@@ -514,18 +509,21 @@ def _from_columns(columns: dict, count: int) -> list | None:
     return [dict(zip(keys, row)) for row in zip(*columns.values())]
 
 
-def _stepped_whole(obs, info, sent: list) -> bool:
-    """Whether a group's reply is the plain one to a step of all its envs: each env stepped, none
-    failed, every field of the right type and count, obs rows for each (an array or a dict of
-    arrays from the slot, or a list by the wire). What _check accepts, by whole-list operations;
-    False sends the reply through _take, which checks it member by member and names what is wrong."""
+def _stepped_whole(obs, info, sent: list) -> list | None:
+    """The members' infos (a list, from columns or as sent) when a group's reply is the plain one
+    to a step of all its envs: each env stepped, none failed, every field of the right type and
+    count, obs rows for each (an array or a dict of arrays from the slot, or a list by the wire).
+    What _check accepts, by whole-list operations; None sends the reply through _take, which
+    checks it member by member and names what is wrong."""
     count = len(sent)
     if type(info) is not dict or len(info) != 1:
-        return False
+        return None
     results = info.get(GROUP_KEY)
     if type(results) is not list or len(results) != 6:
-        return False
+        return None
     kinds, rewards, terminated, truncated, infos, errors = results
+    if type(infos) is dict:
+        infos = _from_columns(infos, count)
     if not (
         type(kinds) is list
         and kinds == sent
@@ -534,16 +532,18 @@ def _stepped_whole(obs, info, sent: list) -> bool:
         and _column(rewards, count, _NUMBERS)
         and _column(terminated, count, _BOOL)
         and _column(truncated, count, _BOOL)
-        and (type(infos) is dict or _column(infos, count, _INFO))
+        and _column(infos, count, _INFO)
         and type(errors) is list
         and errors.count(None) == count == len(errors)
     ):
-        return False
+        return None
     if isinstance(obs, np.ndarray):
-        return obs.ndim > 0 and obs.shape[0] >= count
-    if type(obs) is list:
-        return len(obs) == count
-    return type(obs) is dict and _rows(obs) >= count
+        whole = obs.ndim > 0 and obs.shape[0] >= count
+    elif type(obs) is list:
+        whole = len(obs) == count
+    else:
+        whole = type(obs) is dict and _rows(obs) >= count
+    return infos if whole else None
 
 
 def _column(values, count: int, types: frozenset) -> bool:

@@ -133,7 +133,8 @@ def info_columns(infos: list[Any]) -> Any:
     answered with an info of the same str keys in the same order, each key's values numpy
     scalars of one numeric type (MuJoCo's, Box2D's infos): one array per key on the wire, not k
     scalars, each of which the worker checks and the trainer decodes in a Python hook (measured:
-    150 us of a step of 32 HalfCheetahs in groups of 16). Else None: the list goes as it is."""
+    the trainer's decode of a step of 32 HalfCheetahs in groups of 16, 180 us against 27). Else
+    None: the list goes as it is."""
     first = infos[0] if infos else None
     np = sys.modules.get("numpy")
     if type(first) is not dict or not first or np is None:

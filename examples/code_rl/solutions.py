@@ -95,8 +95,9 @@ while True:
     pass
 """,
     # The same loop, by code that tries to slip the limits first: ignores SIGXCPU, tries to raise
-    # its RLIMIT_CPU, deletes any CPU timer of its own, renices itself and tries to leave SCHED_IDLE. The env's limits are the
-    # server's, on the attempt's processes' CPU clocks, which it cannot reach.
+    # its RLIMIT_CPU, deletes any CPU timer of its own, renices itself and tries to leave
+    # SCHED_IDLE. The env's limits are the server's, on the attempt's processes' CPU clocks, which
+    # it cannot reach.
     "timer_evasion": """
 import ctypes, os, resource, signal
 signal.signal(signal.SIGXCPU, signal.SIG_IGN)
