@@ -16,10 +16,12 @@ taking turns (`--rounds` rounds of `--chunk` seconds each):
 
 Then where a step of ours goes, medians over its steps, from the pool's own
 `timing`: the worker's part (`worker_ms`: fan-out, the groups' turns,
-gather), the transport (the `roundtrip_ms` of the call less the worker's
-part: two wake-ups and the reply's decoding) and the trainer's (the adapter's
-step less the call: batching actions and results). The floor's step pays
-only its groups' turns and one wake-up each way.
+gather; run in this process by a direct step, docs/native-step.md), the
+transport (the `roundtrip_ms` of the call less the worker's part: two
+wake-ups and the reply's decoding, 0 for a direct step) and the trainer's
+(the adapter's step less the call: batching actions and results, and a
+direct step's decoding). The floor's step pays only its groups' turns and
+one wake-up each way.
 
 Figures go to stdout; nothing is written. Run it alone on the machine.
 """

@@ -28,11 +28,12 @@ from pathlib import Path
 import gymnasium as gym
 import msgpack
 import numpy as np
+import psutil
 import pytest
 
 from boltzlabs import EnvError, EnvStartError, PoolClosedError, RLPool
 from boltzlabs.pool.groups import GroupedPool
-from conftest import PROBE, intervals, open_fds, overlaps, scaled, wait_until
+from conftest import PROBE, has_ended, intervals, open_fds, overlaps, scaled, wait_until
 from framers import PATHS, use_path
 
 FLOOR = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_group_floor.py"  # the floor benchmark
@@ -784,6 +785,8 @@ def test_infos_of_numpy_scalars_come_as_each_env_sent_them(env_dir, pool_factory
 # channel's write end, answering for its whole group, and has the runtime's own reply dropped.
 HOSTILE_GROUP = """
     import os
+    import threading
+    import time
 
     import msgpack
 
@@ -880,11 +883,20 @@ HOSTILE_GROUP = """
         return {"t": 0}, {}
 
 
+    def unasked():  # a frame nobody asked for, a moment after this turn's reply went
+        time.sleep(0.05)
+        body = wire.encode([wire.STEPPED, 10**9, {"t": -1}, 0.0, False, False, {}])
+        os.write(3, body)
+
+
     def step(action):
         state["t"] += 1
         if isinstance(action, dict):
             if action["op"] == "unencodable":
                 return object(), 0.0, False, False, {}
+            if action["op"] == "unasked":
+                threading.Thread(target=unasked).start()
+                return {"t": state["t"]}, 0.0, False, False, {}
             forge(**action)
             return {"t": state["t"]}, 0.0, False, False, {}
         return {"t": state["t"]}, float(action), False, False, {}
@@ -1020,6 +1032,203 @@ def test_a_members_obs_that_cannot_cross_the_wire_fails_that_env_only(hostile):
     assert obs[3] == {"t": 1} and pool.pids() == pids
     obs, rewards, dones, infos = pool.step([1, 2, 3, 4])
     assert_ok(obs, rewards, dones, infos, range(4), [1, 2, 3, 4])
+
+
+# -- 7. the direct step (docs/native-step.md#the-direct-step) ---------------------------------------
+
+needs_native = pytest.mark.skipif(os.environ.get("BOLTZLABS_PURE", "") not in ("", "0"), reason="the pure path")
+
+
+def lent(pool) -> bool:
+    """Whether the grouped pool's sandboxes are lent to this process now."""
+    return pool.inner._lent is not None
+
+
+@needs_native
+def test_a_local_grouped_pool_steps_its_sandboxes_itself_with_the_workers_results(pool_factory):
+    """The direct step gives what the worker's step gives: the same obs (through the slots), rewards,
+    flags and infos, autoresets included, for the same seeds and actions."""
+    direct = pool_factory("gym://CartPole-v1", 7, envs_per_sandbox=3)
+    relayed = pool_factory("gym://CartPole-v1", 7, envs_per_sandbox=3)
+    relayed.inner.direct = False
+    assert direct.inner.direct and direct.shared_memory
+    direct.reset(seed=5)
+    relayed.reset(seed=5)
+    rng = np.random.default_rng(0)
+    dones = np.zeros(7, bool)
+    ended = 0
+    for _ in range(60):
+        actions = rng.integers(0, 2, 7).tolist()
+        resets = np.flatnonzero(dones).tolist()  # next-step autoreset, as the adapter sends it
+        a, b = direct.step_full(actions, resets), relayed.step_full(actions, resets)
+        assert np.array_equal(np.stack(a.obs), np.stack(b.obs))
+        assert a.rewards.tolist() == b.rewards.tolist() and a.terminated.tolist() == b.terminated.tolist()
+        assert a.truncated.tolist() == b.truncated.tolist() and a.infos == b.infos
+        dones = a.terminated | a.truncated
+        ended += int(dones.sum())
+        assert lent(direct) and not lent(relayed)
+        assert direct.timing.worker_ms == direct.timing.roundtrip_ms  # no worker in between
+    assert ended >= 7  # CartPole's random episodes end within 60 steps: autoresets went both ways
+
+
+@needs_native
+def test_any_call_between_direct_steps_takes_the_sandboxes_back(probe_pool):
+    pool = probe_pool(5, envs_per_sandbox=2)
+    pool.reset(seed=0)
+    for call in (pool.pids, pool.states, pool.memory, lambda: pool.reset(where=[1], seed=3), pool.pids):
+        obs, rewards, dones, infos = pool.step([1, 2, 3, 4, 5])
+        assert_ok(obs, rewards, dones, infos, range(5), [1, 2, 3, 4, 5])
+        assert lent(pool)
+        call()
+        assert not lent(pool)
+    assert pool.states() == ["idle"] * 5
+
+
+@needs_native
+def test_a_group_killed_while_lent_fails_its_envs_with_the_cause(probe_pool):
+    """Killed between two direct steps, with nothing asked of the worker since: the next step's
+    write or read finds it gone, the worker says why, and only its envs fail."""
+    pool = probe_pool(5, envs_per_sandbox=2)
+    pool.reset(seed=0)
+    pids = pool.pids()
+    pool.step([1, 2, 3, 4, 5])
+    assert lent(pool)
+    sandbox = psutil.Process(pids[2])
+    tree = [sandbox, *sandbox.children(recursive=True)]
+    os.kill(pids[2], signal.SIGKILL)
+    assert wait_until(lambda: all(has_ended(process) for process in tree))  # its process follows its bwrap
+    obs, rewards, dones, infos = pool.step([1, 2, 3, 4, 5])
+    assert_group_failed(obs, rewards, dones, infos, [2, 3], "killed by SIGKILL", named(1, 2, 3))
+    assert_ok(obs, rewards, dones, infos, [0, 1, 4], [1, 2, 0, 0, 5])
+    pool.reset(where=[2, 3], seed=0)
+    obs, rewards, dones, infos = pool.step([1, 2, 3, 4, 5])
+    assert_ok(obs, rewards, dones, infos, range(5), [1, 2, 3, 4, 5])
+    assert lent(pool)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_frame_nobody_asked_for_fails_its_group_only(hostile, direct):
+    """A group that writes between two steps (lent to the trainer or read by the worker) is killed
+    for it at the latest by the next step, which fails its envs and no other; it comes back at reset."""
+    pool = hostile()
+    pool.inner.direct = direct and pool.fast_path
+    pool.reset(seed=0)
+    pids = pool.pids()
+    obs, rewards, dones, infos = pool.step([1, 2, {"op": "unasked"}, 4, 5, 6])
+    assert_ok(obs, rewards, dones, infos, range(6), [1, 2, 0, 4, 5, 6])
+    wait_until(lambda: False, timeout=0.3)  # the unasked frame is written meanwhile
+    obs, rewards, dones, infos = pool.step([1, 2, 3, 4, 5, 6])
+    assert_group_failed(obs, rewards, dones, infos, [2, 3], "(a protocol violation) and was killed", named(1, 2, 3))
+    assert_ok(obs, rewards, dones, infos, [0, 1, 4, 5], [1, 2, 0, 0, 5, 6])
+    assert_group_comes_back(pool, [2, 3], pids)
+
+
+@needs_native
+def test_a_straggler_of_a_direct_step_is_killed_after_its_grace(probe_pool):
+    pool = probe_pool(4, envs_per_sandbox=2, step_timeout=scaled(1.0))
+    pool.reset(seed=0)
+    pool.step([1, 2, 3, 4])
+    assert lent(pool)
+    obs, rewards, dones, infos = pool.step([1, 2, {"op": "sleep", "s": 60}, 4])
+    assert_group_failed(obs, rewards, dones, infos, [2, 3], "missed the step deadline", named(1, 2, 3))
+    assert infos[2]["straggler"] and pool.timing.stragglers == [2, 3]
+    assert_ok(obs, rewards, dones, infos, [0, 1], [1, 2])
+    assert pool.states()[2] == "straggler"
+    assert wait_until(lambda: pool.states()[2] == "dead", timeout=30)  # straggler_grace, then killed
+
+
+def test_a_gated_pool_is_never_lent(probe_pool):
+    pool = probe_pool(4, envs_per_sandbox=2, serialize_measurement=True)
+    pool.reset(seed=0)
+    for _ in range(3):
+        obs, rewards, dones, infos = pool.step([1, 2, 3, 4])
+        assert_ok(obs, rewards, dones, infos, range(4), [1, 2, 3, 4])
+    assert not lent(pool) and not pool.inner.direct  # refused once, for good
+
+
+@needs_native
+def test_an_interrupted_direct_step_closes_the_pool_and_leaves_nothing(probe_pool):
+    pool = probe_pool(4, envs_per_sandbox=2, step_timeout=scaled(30))
+    pool.reset(seed=0)
+    pool.step([1, 2, 3, 4])
+    pids = pool.pids()
+    pool.step([1, 2, 3, 4])
+    assert lent(pool)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(KeyboardInterrupt):
+            pool.step([1, 2, {"op": "sleep", "s": 60}, 4])
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert not lent(pool)
+    with pytest.raises(PoolClosedError):
+        pool.step([1, 2, 3, 4])
+    pool.close()
+    assert wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") for pid in set(pids)))
+
+
+def test_direct_rest_from_a_client_without_a_lending_is_refused(probe_pool):
+    """The worker checks what a client sends of a direct step: no lending, no lane of its own."""
+    pool = probe_pool(4, envs_per_sandbox=2)
+    pool.reset(seed=0)
+    pool.inner.direct = False
+    for args in ([5, 1.0, []], [1, 1.0, [[0, 2, b"x"]]], ["x", 1.0, []], [1, 1.0, [[9, 0, None]]], [1, 1.0, "x"]):
+        with pytest.raises(ValueError, match="direct_rest"):
+            pool.inner._call("direct_rest", *args)
+    obs, rewards, dones, infos = pool.step([1, 2, 3, 4])
+    assert_ok(obs, rewards, dones, infos, range(4), [1, 2, 3, 4])
+
+
+ACTION_ENV = """
+    from boltzlabs.env import serve
+
+
+    def reset(seed, options=None):
+        return 0, {}
+
+
+    def step(action):
+        seen = {"type": type(action).__name__, "dtype": str(getattr(action, "dtype", "")),
+                "shape": list(getattr(action, "shape", ())), "writeable": bool(getattr(getattr(action, "flags", None), "writeable", False)),
+                "value": action.tolist() if hasattr(action, "tolist") else action}
+        return 0, 0.0, False, False, seen
+
+
+    serve(reset=reset, step=step)
+"""
+
+
+@pytest.mark.parametrize(
+    "actions",
+    [
+        [np.arange(6, dtype=np.float32).reshape(2, 3) + i for i in range(5)],  # rows of one array per sandbox
+        [np.array([i, -i], dtype=np.int8) for i in range(5)],
+        [np.array([True, False])] * 5,
+        [np.float64(i) for i in range(5)],  # numpy scalars: an entry each
+        [np.array(i) for i in range(5)],  # 0-d arrays: an entry each
+        [np.zeros(2), np.zeros(3), np.zeros(2), np.zeros(2), np.zeros(2)],  # shapes differ: an entry each
+        [np.zeros(2), np.zeros(2, np.float32), np.zeros(2), np.zeros(2), np.zeros(2)],  # dtypes differ
+    ],
+    ids=["float32_2d", "int8", "bool", "scalars", "0d", "shapes", "dtypes"],
+)
+def test_each_member_gets_its_action_as_a_sandbox_of_its_own_would(env_dir, pool_factory, actions):
+    """However a group's actions travel (one array of rows when they are arrays of one shape and
+    dtype, an entry each otherwise), each env gets what it gets with envs_per_sandbox=1: the same
+    type, dtype, shape, value, read-only."""
+    source = env_dir(ACTION_ENV)
+    grouped, alone = pool_factory(source, 5, envs_per_sandbox=3), pool_factory(source, 5)
+    grouped.reset(seed=0)
+    alone.reset(seed=0)
+    want = alone.step(actions)[3]
+    got = grouped.step(actions)[3]
+    assert got == want
+    assert [info["value"] for info in got] == [a.tolist() for a in actions]
 
 
 # -- the options ---------------------------------------------------------------------------------

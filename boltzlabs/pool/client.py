@@ -34,7 +34,7 @@ import tempfile
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -110,12 +110,61 @@ def _frame_buffer(size: int):
     return np.empty(size, np.uint8)
 
 
+# A REPLY's result as a message wire.decode takes: [REPLY, result] (a two-item array and its code).
+_REPLY_OF_TWO = b"\x92" + bytes([wire.REPLY])
+
+
+class _Lent:
+    """The lanes a worker lent its client for direct steps (RLPool._step_direct): each lane's
+    channel (our copies of its read and write end), an epoll of the read ends, and what the
+    worker's own step would use: its caps of a reply, byte budget, step_timeout, sequence numbers."""
+
+    def __init__(self, fastpath: Any, info: dict, fds: list[int], n: int) -> None:
+        self.fastpath = fastpath
+        self.chans: list[int] = fds[0::2]
+        self.wchans: list[int] = fds[1::2]
+        self.caps: tuple = tuple(info["caps"])
+        self.room: int = info["room"]
+        self.step_timeout: float = info["step_timeout"]
+        self.next: int = info["seq"]
+        self.end: int = info["seq"] + info["seqs"]
+        self.no_resets = bytes(n)
+        self.epoll = select.epoll()
+        for chan in self.chans:
+            self.epoll.register(chan, select.EPOLLIN)
+
+    @staticmethod
+    def valid(info: Any, fds: list[int], n: int) -> bool:
+        """Whether a "lend" REPLY's `info` and fds describe a lending of n lanes."""
+        return (
+            type(info) is dict
+            and len(fds) == 2 * n
+            and type(info.get("seq")) is int
+            and type(info.get("seqs")) is int
+            and info["seq"] > 0
+            and info["seqs"] > 0
+            and type(info.get("caps")) is list
+            and len(info["caps"]) == 9
+            and all(type(cap) is int and cap >= 0 for cap in info["caps"])
+            and type(info.get("room")) is int
+            and type(info.get("step_timeout")) is float
+            and info["step_timeout"] > 0
+        )
+
+    def close(self) -> None:
+        self.epoll.close()
+        for fd in (*self.chans, *self.wchans):
+            os.close(fd)
+
+
 @dataclass
 class Timing:
     """Timing of the latest call (`step()`, `reset()`, `send()`, `recv()`, ...).
 
     worker_ms: the call as measured on the worker (fan-out, env code,
-    gather); roundtrip_ms: this process's wall clock around the whole call;
+    gather; for a grouped pool's direct step, which runs the worker's step
+    here, that step: equal to roundtrip_ms); roundtrip_ms: this process's
+    wall clock around the whole call;
     stragglers: lanes that missed their deadline in that call (for recv(),
     the received lanes that did).
 
@@ -601,6 +650,11 @@ class RLPool(Pool):
         self.channel: str = ready.get("channel", "socketpair")
         # Each env's observation slot (pool/slots.py), when the worker made them: None otherwise.
         self._slots: slots.Slots | None = None
+        # The direct step (docs/native-step.md#the-direct-step): whether this pool steps its lanes
+        # itself when the worker lends them (set by a grouped pool), and the lending it holds.
+        self.direct: bool = False
+        self._lent: _Lent | None = None
+        self._lend_refused: bool = False  # asked again only after a reset
         if ready.get("slots"):
             try:
                 self._slots = self._map_slots(ready["slots"])
@@ -668,23 +722,26 @@ class RLPool(Pool):
                     "ERROR): it does not speak this client's protocol; run the same boltzlabs version on both sides"
                 )
 
+    def _call_for_fds(self, name: str, args: list) -> tuple:
+        """A call whose REPLY brings fds by SCM_RIGHTS ("slots", "lend"): (the REPLY or ERROR
+        message, the fds in order), which the caller checks and owns."""
+        self._seq += 1
+        frame = wire.encode([wire.CALL, self._seq, name, args])
+        self._expect(name, 0.0)
+        try:
+            return slots.receive(self._conn, frame, self._reader, lambda: self._link.alive() and not self._overdue())
+        except (OSError, EOFError):
+            if self._link.alive() and self._overdue():
+                raise self._stuck() from None
+            self._link.wait_dead()
+            raise self._worker_died() from None
+
     def _map_slots(self, layout: dict):
         """Every lane's memfd from the worker ("slots" calls, PER_CALL at a time), mapped read-only."""
         mapped = slots.Slots(layout, self.n)
         try:
             for start in range(0, self.n, slots.PER_CALL):
-                self._seq += 1
-                frame = wire.encode([wire.CALL, self._seq, "slots", [start, slots.PER_CALL]])
-                self._expect("slots", 0.0)
-                try:
-                    message, fds = slots.receive(
-                        self._conn, frame, self._reader, lambda: self._link.alive() and not self._overdue()
-                    )
-                except (OSError, EOFError):
-                    if self._link.alive() and self._overdue():
-                        raise self._stuck() from None
-                    self._link.wait_dead()
-                    raise self._worker_died() from None
+                message, fds = self._call_for_fds("slots", [start, slots.PER_CALL])
                 lanes = message[3] if message[0] == wire.REPLY and message[1] == self._seq else None
                 if type(lanes) is not list or len(lanes) != len(fds):
                     for fd in fds:
@@ -770,7 +827,7 @@ class RLPool(Pool):
         if name == "recv":
             timeout = args[1]
             return step if timeout is None else min(float(timeout), step)
-        if name == "render" or name == "attr":
+        if name == "render" or name == "attr" or name == "direct_rest":
             return step
         if name == "shutdown":
             return _CLOSE_BUDGET
@@ -838,6 +895,8 @@ class RLPool(Pool):
 
     def _send_frame(self, frame: bytes, name: str, budget: float) -> int:
         """Send a CALL _frame made (call `name`, asking for `budget` seconds: _budget); its sequence number."""
+        if self._lent is not None:  # any call takes lent lanes back: our copies are closed first
+            self._unlend()
         self._seq += 1
         # Hot path: the deadline is a sum; it is read only after a second of silence (_read).
         self._started = now = time.perf_counter()
@@ -903,6 +962,7 @@ class RLPool(Pool):
 
     def _shutdown(self) -> None:
         self._closed = True
+        self._unlend()
         self._finalizer()
 
     def shutdown(self, reason: str = "owner shutdown") -> bool:
@@ -926,6 +986,8 @@ class RLPool(Pool):
         """Stop every env and the worker; remove every cgroup. Idempotent.
         Warns once with a sum of the envs' failures, if there were any."""
         self._closed = True
+        if getattr(self, "_lent", None) is not None:
+            self._unlend()
         if hasattr(self, "_finalizer"):
             self._finalizer()
         self._failure_summary()
@@ -951,7 +1013,105 @@ class RLPool(Pool):
             raise PoolClosedError("this RLPool is closed; create a new one")
 
     def _step_lanes(self, actions: list, resets) -> StepResult:
+        if self.direct and not resets and not self._lend_refused:
+            reply = self._step_direct(actions)
+            if reply is not None:
+                return self._stepped(reply)
         return self._stepped(self._call("step", actions, resets, diagnose=lambda: self._raise_unserializable(actions)))
+
+    # -- the direct step (docs/native-step.md#the-direct-step) ---------------------------------
+
+    def _step_direct(self, actions: list):
+        """THE HOT PATH of a grouped pool: the step the worker's _fastpath.step() runs, run here
+        on the lanes the worker lent (their channels), so a step crosses no process but the
+        sandboxes': the same frames, the same C check of each reply, the same REPLY bytes. The
+        lanes C did not finish go to the worker (direct_rest), which handles them as in its own
+        step. None when there is no lending (refused: asked again after a reset) or C would not
+        split the actions (nothing was written): the worker steps the batch."""
+        lent = self._lent if self._lent is not None else self._lend()
+        if lent is None:
+            return None
+        if lent.next >= lent.end:  # the lending's sequence numbers are used up: ask for more
+            self._unlend()
+            return None
+        try:
+            packed = wire.pack(actions)
+        except (TypeError, ValueError, OverflowError):
+            return None
+        seq = lent.next
+        started = time.perf_counter()
+        deadline = time.monotonic() + lent.step_timeout
+        try:
+            batch = lent.fastpath.step(
+                lent.epoll.fileno(),
+                lent.chans,
+                lent.wchans,
+                packed,
+                seq,
+                lent.no_resets,
+                deadline,
+                lent.caps,
+                lent.room,
+            )
+            if batch is None:
+                return None
+            lent.next += 1
+            overrides: dict = {}
+            stragglers: list = []
+            if batch.rest:
+                rest = [[index, kind, value] for index, kind, value in batch.rest]
+                done, stragglers = self._call("direct_rest", seq, deadline, rest)  # _send_frame unlends
+                for index, *override in done:
+                    overrides[index] = tuple(override)
+            raw = batch.compose(overrides, wire.pack(stragglers))
+        except (ValueError, TypeError, SandboxUnavailable, WorkerError):
+            raise
+        except BaseException:
+            # Interrupted half way (Ctrl-C): replies may be on their way to lanes the worker takes
+            # back; end the pool, as an interrupted call does (_reply).
+            self._shutdown()
+            raise
+        self.timing.roundtrip_ms = self.timing.worker_ms = (time.perf_counter() - started) * 1000.0
+        self.timing.wait_ms = self.timing.queued_ms = 0.0
+        message = wire.decode(_REPLY_OF_TWO + raw, self._reader.limits)
+        return message[1]
+
+    def _lend(self):
+        """Ask the worker to lend its lanes (a "lend" call: their channels come attached); the
+        _Lent, or None when it will not (remote, gated, a lane not idle, ...: asked again after
+        the next reset)."""
+        from boltzlabs.worker import native
+
+        fastpath, _ = native.load()
+        if fastpath is None or not self.fast_path or self._link.kind != "local":
+            self.direct = False
+            return None
+        self._check_open()
+        message, fds = self._call_for_fds("lend", [])
+        for fd in fds:
+            os.set_inheritable(fd, False)
+        info = message[3] if message[0] == wire.REPLY and message[1] == self._seq and len(message) == 4 else None
+        if message[0] == wire.ERROR and not fds:  # a worker that does not lend: stepped through it
+            self.direct = False
+            return None
+        if type(info) is dict and "refused" in info and not fds:
+            if info.get("lasting") is True:
+                self.direct = False  # this pool never lends (gated, a cpu_budget, ...): not asked again
+            else:
+                self._lend_refused = True  # a lane not idle: asked again after the next reset
+            return None
+        if not _Lent.valid(info, fds, self.n):
+            for fd in fds:
+                os.close(fd)
+            raise self._broken(f"lent {len(fds)} fds with {message!r:.200}")
+        self._lent = _Lent(fastpath, info, fds, self.n)
+        return self._lent
+
+    def _unlend(self) -> None:
+        """Close our copies of the lent channels (before any call: the worker takes them back)."""
+        lent, self._lent = getattr(self, "_lent", None), None
+        if lent is not None:
+            lent.close()
 
     def _stepped(self, reply) -> StepResult:
         """A step's reply as a StepResult (a sharded pool turns each shard's reply so, as it lands)."""
@@ -992,6 +1152,7 @@ class RLPool(Pool):
         return result
 
     def _reset_lanes(self, lanes: list, seeds, hard: bool, options, scrub: bool = False) -> tuple:
+        self._lend_refused = False  # a reset may leave every lane idle: a lending may be asked again
         return self._was_reset(lanes, self._call("reset", lanes, seeds, hard, options, scrub))
 
     def _was_reset(self, lanes: list, reply) -> tuple:

@@ -103,6 +103,10 @@ class GroupedPool(Pool):
         )
         self.timing = inner.timing
         self.max_str_len = inner.max_str_len  # each env's str cap is its sandbox's
+        if hasattr(inner, "direct"):
+            # A local pool of sandboxes steps them itself while its worker lends their channels
+            # (docs/native-step.md#the-direct-step): one hop each way instead of two.
+            inner.direct = True
         # group -> the kind sent to each member (NOT_ASKED: not sent), until the group's result is taken
         self._in_flight: dict[int, list[int]] = {}
         self._held: list[tuple] = []  # (env, obs, reward, terminated, truncated, info): finished, not yet received
@@ -136,7 +140,8 @@ class GroupedPool(Pool):
         entries: list[list] = [[None] * len(self.members(g)) for g in range(self.sandboxes)]
         for i, action in enumerate(actions):
             entries[i // k][i % k] = [RESET, None, None] if i in reset_set else [STEPPED, action]
-        result = self.inner._step_lanes(_packed(entries, actions, range(len(actions))), None)
+        packed = None if reset_set else _packed_rows(actions, k)
+        result = self.inner._step_lanes(packed or _packed(entries, actions, range(len(actions))), None)
         n = self.n
         obs: list = [None] * n
         rewards = np.zeros(n, np.float64)
@@ -564,6 +569,28 @@ def _packed(entries: list, actions: list, envs) -> list:
     except (TypeError, ValueError, OverflowError):
         raise_unserializable(actions, envs)
         raise
+
+
+def _packed_rows(actions: list, k: int) -> list | None:
+    """Each group's actions as one array, a row per member (runtime/group.py gives each member its
+    row), when every action is a numpy array of one shape and one numeric dtype (a Box's): one
+    array to pack and decode per group, not k. None otherwise (_packed: an entry per member)."""
+    first = actions[0] if actions else None
+    if type(first) is not np.ndarray or first.ndim == 0 or first.dtype.kind not in "biuf":
+        return None
+    shape, dtype = first.shape, first.dtype
+    for action in actions:
+        if (
+            type(action) is not np.ndarray
+            or action.shape != shape
+            or (action.dtype is not dtype and action.dtype != dtype)
+        ):
+            return None
+    rows = np.array(actions)  # the same dtype and shape, checked above: np.stack's result, faster
+    try:
+        return [wire.pack([wire.STEP, rows[g : g + k]]) for g in range(0, len(actions), k)]
+    except (TypeError, ValueError, OverflowError):
+        return None
 
 
 def _kinds(entries: list) -> list[int]:

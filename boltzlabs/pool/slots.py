@@ -156,8 +156,9 @@ def _count(shape) -> int:
 
 
 def receive(conn: socket.socket, frame: bytes, reader: wire.FrameReader, alive) -> tuple:
-    """Send a "slots" CALL and read its REPLY with the memfds that come with it:
-    (the REPLY message, the fds in order). `alive()` says whether the worker lives."""
+    """Send a CALL whose REPLY brings fds ("slots": the memfds; "lend": the lanes' channels) and
+    read that REPLY with them: (the REPLY message, the fds in order). `alive()` says whether the
+    worker lives."""
     conn.sendall(frame)
     fds: list = []
     space = socket.CMSG_SPACE(4 * PER_CALL)

@@ -340,6 +340,10 @@ class Lifecycle:
 
     # -- reading an env ---------------------------------------------------------------
 
+    def watch(self, lane: Lane) -> None:
+        """Read lane's channel as it becomes readable (requests.unlend: a lent channel back)."""
+        self.reactor.watch_channel(lane, self._read_channel)
+
     def _read_channel(self, lane: Lane) -> None:
         data = read_fd(lane.chan)
         if data is None:

@@ -57,6 +57,8 @@ class Requests:
         self.config: PoolConfig = config  # step_timeout, gated, env_limits
         self.fastpath: Any = fastpath  # the native step (native.load()), None for pure Python
         self.packer: msgpack.Packer = packer  # the worker's one Packer: each lane's action frame
+        self.lent: bool = False  # the lanes' channels are the client's until its next call (lend)
+        self.lent_seqs: range = range(0)  # the sequence numbers of the last lending (direct_rest's)
 
     def _wait(self, op: Op, deadline: float, index: int | None = None) -> None:
         """Poll until every lane of `op` (only lane `index`, when given) has answered or the
@@ -273,13 +275,36 @@ class Requests:
         if batch is None:
             return None  # C would not split the actions; nothing was written
         budget.add(batch.held)  # the replies C holds count against the pool's budget until the REPLY
-        rest = batch.rest
+        not_sent = [index for index, fd in enumerate(chans) if fd < 0]
+        overrides: dict[int, tuple] = {}
+
+        def put(i: int, lane_obs, reward, lane_terminated, lane_truncated, info) -> None:
+            overrides[i] = (wire.pack(lane_obs), reward, lane_terminated, lane_truncated, wire.pack(info))
+
+        stragglers = self._finish(op, batch.rest, resets, deadline, not_sent, put)
+        budget.free(batch.held)
+        return wire.Raw(batch.compose(overrides, wire.pack(stragglers)))
+
+    def _finish(self, op: Op, rest, resets: set, deadline: float, not_sent: list, put: Callable[..., None]) -> list:
+        """The lanes a native step did not complete (`rest`, _fastpath.step's: [lane, kind, value])
+        handled as the pure path would (BUSY, what C read fed to Lifecycle.take, _wait until the
+        deadline, stragglers), then `put` (see _gather) for each of them and each lane of
+        `not_sent`; the stragglers. op ends here (it began before the request was written)."""
+        lifecycle = self.lifecycle
+        lanes = lifecycle.lanes
+        fastpath = self.fastpath
+        immediate = {index: _not_sent(lanes[index]) for index in not_sent}
         for index, kind, value in rest:
             lane = lanes[index]
-            lane.seq = seq
+            if lane.state is not IDLE:  # lent (direct_rest), it died meanwhile: its cause says how
+                immediate[index] = _not_sent(lane)
+                continue
+            lane.seq = op.seq
             lane.expect = wire.RESET_DONE if index in resets else wire.STEPPED
             lane.to(BUSY)
             op.waiting.add(index)
+            if lane.chan < 0:
+                continue
             if kind == fastpath.UNUSUAL:  # not a reply C vouches for: Python decodes it and names what is wrong
                 lifecycle.take(lane, value)
             elif kind == fastpath.EOF:
@@ -294,18 +319,110 @@ class Requests:
             for index in op.waiting:
                 lifecycle.straggling(lanes[index])
         lifecycle.end()
-        overrides: dict[int, tuple] = {}
-        if batch.done < len(lanes):
-            pack = wire.pack
-            not_sent = [index for index, fd in enumerate(chans) if fd < 0]
-            immediate = {index: _not_sent(lanes[index]) for index in not_sent}
+        if not_sent or rest:
+            self._gather(op, not_sent + [item[0] for item in rest], stragglers, immediate, put)
+        return stragglers
 
-            def put(i: int, lane_obs, reward, lane_terminated, lane_truncated, info) -> None:
-                overrides[i] = (pack(lane_obs), reward, lane_terminated, lane_truncated, pack(info))
+    # -- the direct step (docs/native-step.md#the-direct-step) -----------------------------------
 
-            self._gather(op, not_sent + [index for index, _, _ in rest], stragglers, immediate, put)
-        budget.free(batch.held)
-        return wire.Raw(batch.compose(overrides, wire.pack(stragglers)))
+    def lendable(self) -> tuple[str, bool]:
+        """('', _) when this pool's lanes may be lent to its client for direct steps, else (why not,
+        whether that lasts as long as the pool: else a reset may change it)."""
+        lifecycle = self.lifecycle
+        if self.fastpath is None:
+            return "the worker runs the pure-Python step path", True
+        if self.config.gated or lifecycle.meter is not None or lifecycle.freezing:
+            return "the pool is gated (serialize_measurement), has a cpu_budget or freezes its envs", True
+        if len(lifecycle.lanes) > LEND_MAX:
+            return f"the pool has more than {LEND_MAX} sandboxes", True
+        for lane in lifecycle.lanes:
+            if lane.state is not IDLE or lane.chan < 0 or lane.wchan < 0 or lane.out or lane.reader.pending:
+                return f"lane {lane.index} is {lane.state.shown}, not idle", False
+        return "", False
+
+    def lend(self) -> tuple[dict, list[int]]:
+        """Lend every lane's channel to the client, which then steps the pool itself with the same C
+        step (_fastpath.step) until its next call: (what it needs, the fds to attach: each lane's
+        read and write end). The worker stops reading the channels until then (unlend) and keeps
+        everything else: deaths, logs, cgroups, kills. Sequence numbers seq .. seq + seqs - 1 are
+        the client's. When the pool cannot lend (lendable()): ({"refused": why, "lasting": bool}, [])."""
+        why, lasting = self.lendable()
+        if why:
+            return {"refused": why, "lasting": lasting}, []
+        lifecycle = self.lifecycle
+        base = lifecycle.next_seq()
+        lifecycle.seq += LENT_SEQS
+        self.lent_seqs = range(base, base + LENT_SEQS)
+        fds: list[int] = []
+        for lane in lifecycle.lanes:
+            self.reactor.unwatch(lane.chan)
+            fds += (lane.chan, lane.wchan)
+        self.lent = True
+        info = {
+            "seq": base,
+            "seqs": LENT_SEQS,
+            "caps": list(native.caps(self.config.env_limits)),
+            "room": int(self.budget.room()),
+            "step_timeout": float(self.config.step_timeout),
+        }
+        return info, fds
+
+    def unlend(self) -> None:
+        """The lanes back from the client (at its next call): their channels are read again, and
+        whatever an env wrote since its last reply is handled as any unasked frame is (killed)."""
+        for lane in self.lifecycle.lanes:
+            if lane.chan >= 0:
+                self.lifecycle.watch(lane)
+        self.lent = False
+
+    def direct_rest(self, seq, deadline, rest) -> list:
+        """The lanes a direct step of the client could not finish in C: `rest` as _fastpath.step
+        gave it ([lane, kind, the bytes read / the unsent part of the frame / None]) for request
+        `seq` (one of the lent ones), until `deadline` (time.monotonic() of this host). Each is
+        handled exactly as _step_native handles its own rest (lifecycle.take, the deadline,
+        stragglers, deaths); the result is [[lane, obs bytes, reward, terminated, truncated, info
+        bytes], ...] for Batch.compose, and the stragglers."""
+        lifecycle = self.lifecycle
+        lanes = lifecycle.lanes
+        fastpath = self.fastpath
+        n = len(lanes)
+        kinds = (
+            set()
+            if fastpath is None
+            else {
+                (fastpath.PENDING, type(None)),
+                (fastpath.UNUSUAL, bytes),
+                (fastpath.EOF, bytes),
+                (fastpath.SHORT_WRITE_KIND, bytes),
+            }
+        )
+        if (
+            fastpath is None
+            or type(seq) is not int
+            or seq not in self.lent_seqs
+            or type(deadline) is not float
+            or type(rest) is not list
+            or len(rest) > n
+            or not all(
+                type(item) is list
+                and len(item) == 3
+                and type(item[0]) is int
+                and 0 <= item[0] < n
+                and (item[1], type(item[2])) in kinds
+                for item in rest
+            )
+            or len({item[0] for item in rest}) != len(rest)
+        ):
+            raise ValueError("direct_rest(seq, deadline, [[lane, kind, bytes or None], ...]) as a direct step makes it")
+        op = Op(seq)
+        lifecycle.begin(op)
+        overrides: list = []
+
+        def put(i: int, lane_obs, reward, lane_terminated, lane_truncated, info) -> None:
+            overrides.append([i, wire.pack(lane_obs), reward, lane_terminated, lane_truncated, wire.pack(info)])
+
+        stragglers = self._finish(op, [tuple(item) for item in rest], set(), deadline, [], put)
+        return [overrides, stragglers]
 
     def reset(self, indices, seeds, hard: bool, options=None, scrub: bool = False) -> list:
         """Reset the lanes in `indices` (respawned first when hard, dead or
@@ -500,6 +617,12 @@ def _pss_tree(pid: int) -> int:
         return total
     except psutil.NoSuchProcess:
         return 0
+
+
+# Lanes a client may hold at once (two fds each: one SCM_RIGHTS message carries at most 253).
+LEND_MAX = 64
+# Sequence numbers a lending leaves to the client: more than a pool steps in its life.
+LENT_SEQS = 1 << 40
 
 
 def _not_sent(lane: Lane) -> str:

@@ -401,6 +401,7 @@ class Worker:
             "send": stepping.send,
             "recv": stepping.recv,
             "lane_states": stepping.lane_states,
+            "direct_rest": requests.direct_rest,
             "shutdown": self.shutdown,
         }
         while True:
@@ -410,8 +411,13 @@ class Worker:
                 continue
             _, seq, name, args = message
             started = time.perf_counter()
+            if requests.lent:  # any call takes lent lanes back: the client closed its copies before sending it
+                requests.unlend()
             if name == "slots" and isinstance(args, list):  # the memfds go with the REPLY's bytes (SCM_RIGHTS)
                 self._send_slots(seq, args)
+                continue
+            if name == "lend" and args == []:  # the lanes' channels go with the REPLY's bytes (SCM_RIGHTS)
+                self._lend(seq)
                 continue
             if name not in calls or not isinstance(args, list):
                 self._send([wire.ERROR, seq, PROTOCOL, f"no call {describe(name)} with those arguments", {}])
@@ -426,6 +432,21 @@ class Worker:
             reactor.end_call()
             worker_ms = (time.perf_counter() - started) * 1000.0
             self._send([wire.REPLY, seq, worker_ms, result])
+
+    def _lend(self, seq) -> None:
+        """The client's "lend" call, local pools only (docs/native-step.md#the-direct-step): REPLY
+        [what it needs], each lane's channel (its read and write end) attached in lane order."""
+        assert self.requests is not None
+        if self.remote is not None or self.reactor.conn.family != socket.AF_UNIX:
+            self._send([wire.REPLY, seq, 0.0, {"refused": "a remote pool's lanes cannot be lent", "lasting": True}])
+            return
+        info, fds = self.requests.lend()
+        frame = wire.encode([wire.REPLY, seq, 0.0, info])
+        attached = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
+        conn = self.reactor.conn
+        sent = conn.sendmsg([frame], attached if fds else [])
+        if sent < len(frame):
+            conn.sendall(frame[sent:])
 
     def _send_slots(self, seq, args) -> None:
         """The client's "slots"(start, count) call, local pools only: REPLY [lanes], the list of lanes
