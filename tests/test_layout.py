@@ -71,6 +71,12 @@ EXCEPTIONS = {
         "boltzlabs.cli.doctor",
     ): "`boltzlabs doctor --cluster` (cli) fans cli.doctor's checks out to every Ray node through "
     "cluster.doctor: a cycle between two adapters, no layer crossed",
+    (
+        "boltzlabs.pool.client",
+        "boltzlabs.worker.native",
+    ): "a local grouped pool's direct step (docs/native-step.md#the-direct-step) runs the worker's C step "
+    "(_fastpath) in the trainer, on channels the worker lends it: loaded as the worker loads it "
+    "(BOLTZLABS_PURE honoured), and only for a local pool, whose worker runs from this installation",
 }
 
 

@@ -447,6 +447,8 @@ class RLPool(Pool):
     pool's UUIDv7, `env_contract` the env's handshake. `fast_path` says
     whether the worker steps through the native path (boltzlabs.worker._fastpath)
     or the pure-Python one (no extension built, BOLTZLABS_PURE=1, or a cpu_budget);
+    `direct` whether this process steps the lanes itself, on channels the
+    worker lends it (a local grouped pool's sandboxes, docs/native-step.md);
     `channel` whether each env talks to it over two pipes ("pipes") or, when
     the worker's open-file limit cannot hold 4 fds per env, a socketpair
     ("socketpair", 3 fds per env; BOLTZLABS_CHANNEL=socketpair forces it).

@@ -172,6 +172,12 @@ class Lifecycle:
         self.seq += 1
         return self.seq
 
+    def reserve_seqs(self, count: int) -> range:
+        """`count` fresh sequence numbers at once, for a client that steps lent lanes (requests.lend)."""
+        first = self.seq + 1
+        self.seq += count
+        return range(first, first + count)
+
     def check_lanes(self, indices) -> list:
         """`indices` checked (every lane for None), or ValueError."""
         n = len(self.lanes)

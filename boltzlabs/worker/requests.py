@@ -350,16 +350,14 @@ class Requests:
         if why:
             return {"refused": why, "lasting": lasting}, []
         lifecycle = self.lifecycle
-        base = lifecycle.next_seq()
-        lifecycle.seq += LENT_SEQS
-        self.lent_seqs = range(base, base + LENT_SEQS)
+        self.lent_seqs = lifecycle.reserve_seqs(LENT_SEQS)
         fds: list[int] = []
         for lane in lifecycle.lanes:
             self.reactor.unwatch(lane.chan)
             fds += (lane.chan, lane.wchan)
         self.lent = True
         info = {
-            "seq": base,
+            "seq": self.lent_seqs.start,
             "seqs": LENT_SEQS,
             "caps": list(native.caps(self.config.env_limits)),
             "room": int(self.budget.room()),
