@@ -423,7 +423,9 @@ class BoltzLabsVecEnv(VectorEnv):
                     self._lane_obs(i, obs[i])
             else:
                 self._env_obs[:] = obs
-            batched = _batch_infos(env_infos, n)
+            batched = pool.batched_infos(env_infos)
+            if batched is None:
+                batched = _batch_infos(env_infos, n)
             if batched is not None:
                 infos = batched
             else:

@@ -1034,6 +1034,63 @@ def test_a_members_obs_that_cannot_cross_the_wire_fails_that_env_only(hostile):
     assert_ok(obs, rewards, dones, infos, range(4), [1, 2, 3, 4])
 
 
+# An env whose infos are numpy numbers (as MuJoCo's are), and by its action other shapes of info:
+# another dtype in one env (7), another key order (8), a Python float (9), a numpy bool (10).
+COLUMNS_ENV = """
+    import os
+
+    import gymnasium as gym
+    import numpy as np
+
+    from boltzlabs.env import serve
+
+    LANE = int(os.environ["BOLTZLABS_ENV_INDEX"])
+
+
+    def reset(seed, options=None):
+        return np.zeros(2, np.float32), {}
+
+
+    def step(action):
+        info = {"x": np.float32(LANE + action / 4), "n": np.int64(-LANE), "z": np.complex64(LANE + 1j)}
+        if action == 7 and LANE == 4:
+            info["x"] = np.float64(info["x"])
+        if action == 8 and LANE == 4:
+            info = dict(reversed(info.items()))
+        if action == 9:
+            info["x"] = float(info["x"])
+        if action == 10:
+            info["ok"] = np.bool_(LANE % 2)
+        return np.full(2, LANE, np.float32), 0.0, False, False, info
+
+
+    serve(reset=reset, step=step, observation_space=gym.spaces.Box(-1e3, 1e3, (2,), np.float32),
+          action_space=gym.spaces.Discrete(11))
+"""
+
+
+def test_the_adapter_batches_a_grouped_pools_info_columns_as_it_batches_each_envs_info(env_dir, pool_factory):
+    """BoltzLabsVecEnv's infos from a grouped pool (batched from its sandboxes' info columns when
+    they allow it) equal those over a sandbox per env: keys, order, dtypes, values and masks."""
+    from boltzlabs.gym import BoltzLabsVecEnv
+
+    source = env_dir(COLUMNS_ENV)
+    grouped = pool_factory(source, 7, envs_per_sandbox=3)
+    vecs = [BoltzLabsVecEnv(grouped), BoltzLabsVecEnv(pool_factory(source, 7))]
+    for vec in vecs:
+        vec.reset(seed=0)
+    took = []
+    for action in (1, 7, 2, 8, 3, 9, 10, 4):
+        got, want = (vec.step(np.full(7, action))[4] for vec in vecs)
+        took.append(grouped._columns is not None and grouped.batched_infos(grouped._columns[0]) is not None)
+        assert list(got) == list(want), action
+        for key in want:
+            assert type(got[key]) is type(want[key]) and got[key].dtype == want[key].dtype, (action, key)
+            if key not in ("episode_ids", "_episode_ids"):  # each pool's own ids
+                assert got[key].tolist() == want[key].tolist(), (action, key)
+    assert took == [True, False, True, False, True, False, False, True]  # the shortcut, where it applies
+
+
 # -- 7. the direct step (docs/native-step.md#the-direct-step) ---------------------------------------
 
 needs_native = pytest.mark.skipif(os.environ.get("BOLTZLABS_PURE", "") not in ("", "0"), reason="the pure path")

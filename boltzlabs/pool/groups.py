@@ -111,6 +111,7 @@ class GroupedPool(Pool):
         self._in_flight: dict[int, list[int]] = {}
         self._held: list[tuple] = []  # (env, obs, reward, terminated, truncated, info): finished, not yet received
         self._respawn: set[int] = set()  # groups that sent an invalid reply: respawned at their next reset
+        self._columns: tuple | None = None  # (the last step's infos, each group's info columns) or None
 
     # -- what the inner pool says of itself -------------------------------------------
 
@@ -137,25 +138,34 @@ class GroupedPool(Pool):
     def _step_lanes(self, actions: list, resets) -> StepResult:
         self._refuse_async("step() cannot run")
         k, reset_set = self.k, set(resets or ())
-        entries: list[list] = [[None] * len(self.members(g)) for g in range(self.sandboxes)]
-        for i, action in enumerate(actions):
-            entries[i // k][i % k] = [RESET, None, None] if i in reset_set else [STEPPED, action]
         packed = None if reset_set else _packed_rows(actions, k)
-        result = self.inner._step_lanes(packed or _packed(entries, actions, range(len(actions))), None)
+        kinds: list[list[int]]
+        if packed is None:
+            entries: list[list] = [[None] * len(self.members(g)) for g in range(self.sandboxes)]
+            for i, action in enumerate(actions):
+                entries[i // k][i % k] = [RESET, None, None] if i in reset_set else [STEPPED, action]
+            packed = _packed(entries, actions, range(len(actions)))
+            kinds = [_kinds(group) for group in entries]
+        else:  # every env steps
+            kinds = [[STEPPED] * len(self.members(g)) for g in range(self.sandboxes)]
+        result = self.inner._step_lanes(packed, None)
         n = self.n
         obs: list = [None] * n
         rewards = np.zeros(n, np.float64)
         terminated = np.zeros(n, np.bool_)
         truncated = np.zeros(n, np.bool_)
         infos: list = [None] * n
+        columns: list | None = []  # each group's info columns, while every group's came so
         for g in range(self.sandboxes):
-            sent = _kinds(entries[g])
+            sent = kinds[g]
             # Hot path: a group whose every env stepped without error, checked with whole-list
             # operations, goes in by slices; anything else member by member (_take's full check).
             group_infos = _stepped_whole(result.obs[g], result.infos[g], sent)
             if group_infos is not None:
                 start, count = g * k, len(sent)
-                _, group_rewards, group_terminated, group_truncated, _, _ = result.infos[g][GROUP_KEY]
+                _, group_rewards, group_terminated, group_truncated, group_columns, _ = result.infos[g][GROUP_KEY]
+                if columns is not None:
+                    columns = columns + [group_columns] if type(group_columns) is dict else None
                 stop = start + count
                 rewards[start:stop] = group_rewards
                 terminated[start:stop] = group_terminated
@@ -164,8 +174,10 @@ class GroupedPool(Pool):
                 obs[start:stop] = list(group_obs[:count]) if type(group_obs) is not dict else _rows_of(group_obs, count)
                 infos[start:stop] = group_infos if None not in group_infos else [x or {} for x in group_infos]
                 continue
+            columns = None
             for i, o, r, te, tr, info in self._take(g, result.obs[g], result.infos[g], sent):
                 obs[i], rewards[i], terminated[i], truncated[i], infos[i] = o, r, te, tr, info
+        self._columns = (infos, columns) if columns else None
         self._stragglers([i for g in self.inner.timing.stragglers for i in self.members(g)])
         return StepResult(obs, rewards, terminated, truncated, infos)
 
@@ -223,6 +235,31 @@ class GroupedPool(Pool):
                 )
             else:
                 yield envs.start + j, _row(obs, j), 0.0, False, False, member_infos[j] or {}
+
+    def batched_infos(self, infos: list):
+        """The vector infos of the last step from its groups' info columns (runtime/group.py's
+        info_columns), when `infos` are that step's and every group sent columns of the same keys
+        in the same order, each of one numeric dtype: what gym.py's _batch_infos makes of the n
+        dicts, without making it again. None otherwise (_batch_infos decides, as for any pool)."""
+        held = self._columns
+        if held is None or held[0] is not infos:
+            return None
+        groups = held[1]
+        keys = list(groups[0])
+        out = {}
+        for key in keys:
+            if key == "final_obs":
+                return None
+            parts = [group.get(key) for group in groups]
+            dtype = parts[0].dtype
+            # _batch_infos batches numbers (np.number's types) and leaves numpy bools to _add_info
+            if dtype.kind not in "iufc" or any(
+                list(group) != keys or part.dtype != dtype for group, part in zip(groups, parts)
+            ):
+                return None
+            out[key] = np.concatenate(parts)
+            out[f"_{key}"] = np.ones(self.n, dtype=np.bool_)
+        return out
 
     def _stragglers(self, envs: list) -> None:
         """timing.stragglers in envs: those of this call's results whose group missed its deadline.

@@ -176,6 +176,12 @@ class Pool(abc.ABC):
         """op "call", "get" or "set" of the env attribute `name` in the lanes
         `env_ids` (None: all); one result per lane, in lane order."""
 
+    def batched_infos(self, infos: list):
+        """Gymnasium's vector infos of the step whose `infos` these are, when the pool holds them
+        batched already (a grouped pool's info columns: pool/groups.py), else None. The adapter's
+        shortcut past batching n dicts again (gym.py's _batch_infos, whose result it equals)."""
+        return None
+
     @abc.abstractmethod
     def memory(self):
         """Each env's memory in bytes and what the pool shares (a MemoryReport)."""
