@@ -988,8 +988,7 @@ class RLPool(Pool):
         """Stop every env and the worker; remove every cgroup. Idempotent.
         Warns once with a sum of the envs' failures, if there were any."""
         self._closed = True
-        if getattr(self, "_lent", None) is not None:
-            self._unlend()
+        self._unlend()
         if hasattr(self, "_finalizer"):
             self._finalizer()
         self._failure_summary()

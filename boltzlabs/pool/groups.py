@@ -164,8 +164,10 @@ class GroupedPool(Pool):
             if group_infos is not None:
                 start, count = g * k, len(sent)
                 _, group_rewards, group_terminated, group_truncated, group_columns, _ = result.infos[g][GROUP_KEY]
-                if columns is not None:
-                    columns = columns + [group_columns] if type(group_columns) is dict else None
+                if columns is not None and type(group_columns) is dict:
+                    columns.append(group_columns)
+                else:
+                    columns = None
                 stop = start + count
                 rewards[start:stop] = group_rewards
                 terminated[start:stop] = group_terminated

@@ -419,7 +419,7 @@ class Requests:
         def put(i: int, lane_obs, reward, lane_terminated, lane_truncated, info) -> None:
             overrides.append([i, wire.pack(lane_obs), reward, lane_terminated, lane_truncated, wire.pack(info)])
 
-        stragglers = self._finish(op, [tuple(item) for item in rest], set(), deadline, [], put)
+        stragglers = self._finish(op, rest, set(), deadline, [], put)
         return [overrides, stragglers]
 
     def reset(self, indices, seeds, hard: bool, options=None, scrub: bool = False) -> list:

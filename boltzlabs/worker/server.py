@@ -441,7 +441,10 @@ class Worker:
             self._send([wire.REPLY, seq, 0.0, {"refused": "a remote pool's lanes cannot be lent", "lasting": True}])
             return
         info, fds = self.requests.lend()
-        frame = wire.encode([wire.REPLY, seq, 0.0, info])
+        self._send_with_fds(wire.encode([wire.REPLY, seq, 0.0, info]), fds)
+
+    def _send_with_fds(self, frame: bytes, fds: list[int]) -> None:
+        """One frame to the client with `fds` attached to its first bytes (SCM_RIGHTS), if any."""
         attached = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
         conn = self.reactor.conn
         sent = conn.sendmsg([frame], attached if fds else [])
@@ -462,12 +465,7 @@ class Worker:
         start, count = args
         fds = self.slots.batch(start, count)
         lanes = [start + k for k, fd in enumerate(fds) if fd >= 0]
-        frame = wire.encode([wire.REPLY, seq, 0.0, lanes])
-        attached = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd for fd in fds if fd >= 0]).tobytes())]
-        conn = self.reactor.conn
-        sent = conn.sendmsg([frame], attached if lanes else [])
-        if sent < len(frame):
-            conn.sendall(frame[sent:])
+        self._send_with_fds(wire.encode([wire.REPLY, seq, 0.0, lanes]), [fd for fd in fds if fd >= 0])
 
 
 def _terminate(signum, frame):
