@@ -186,6 +186,12 @@ class BoltzLabsVecEnv(VectorEnv):
         self._restore = graph_restorer(self.single_observation_space)
         self._env_obs = [None] * self.num_envs
         self._box = type(self.single_observation_space) is gymnasium.spaces.Box  # rows stacked in one call
+        # Spaces whose batch Gymnasium's iterate() splits into its rows (list(actions)), as the pool does.
+        self._array_actions = type(self.action_space) in (
+            gymnasium.spaces.Box,
+            gymnasium.spaces.MultiBinary,
+            gymnasium.spaces.MultiDiscrete,
+        )
         self._all_reset = False  # every lane has an observation: step() may run
         self._autoreset = np.zeros(self.num_envs, dtype=np.bool_)
         self._shadowed: set = set()
@@ -322,7 +328,10 @@ class BoltzLabsVecEnv(VectorEnv):
 
     def step(self, actions):
         items, resets = self._prepare(actions)
-        return self._stepped(*self.pool.step_full(items, resets))
+        # Infos left in a grouped pool's columns until _stepped asks batched_infos (SAME_STEP reads each env's).
+        return self._stepped(
+            *self.pool.step_full(items, resets, lazy_infos=self.autoreset_mode != AutoresetMode.SAME_STEP)
+        )
 
     def step_async(self, actions) -> None:
         """Send every env its action and return at once (the first half of
@@ -374,7 +383,10 @@ class BoltzLabsVecEnv(VectorEnv):
                 f"{'have' if len(lanes) > 1 else 'has'} not been reset (as in "
                 "SyncVectorEnv, whose envs raise this)"
             )
-        items = list(iterate(self.action_space, actions))
+        if self._array_actions and type(actions) is np.ndarray and actions.ndim > 1:
+            items = actions  # iterate's rows, which the pool takes from the array itself
+        else:
+            items = list(iterate(self.action_space, actions))
         if len(items) != n:
             raise ValueError(f"step() needs {n} actions, one per env; got {len(items)}")
         resets = None
@@ -397,6 +409,7 @@ class BoltzLabsVecEnv(VectorEnv):
             finished = pool.finished_episodes
         rewards, terminated, truncated = rewards.copy(), terminated.copy(), truncated.copy()
         infos: dict = {}
+        whole = None  # the pool's array of this step's obs rows (batched_obs)
         if mode == AutoresetMode.SAME_STEP:
             done = np.flatnonzero(terminated | truncated).tolist()
             if done:
@@ -418,7 +431,8 @@ class BoltzLabsVecEnv(VectorEnv):
         else:
             # Hot path: one obs and info per lane, batched below; infos of the
             # same keys and value types batched a key at a time.
-            if any(o is None for o in obs):
+            whole = pool.batched_obs(obs)
+            if whole is None and any(o is None for o in obs):
                 for i in range(n):
                     self._lane_obs(i, obs[i])
             else:
@@ -433,7 +447,7 @@ class BoltzLabsVecEnv(VectorEnv):
                     infos = self._add_info(infos, env_infos[i], i)
         self._autoreset = terminated | truncated
         self._add_runtime_info(infos, completed=finished)
-        return self._batch(), rewards, terminated, truncated, infos
+        return self._batch(whole), rewards, terminated, truncated, infos
 
     def render(self):
         """One frame per env, as SyncVectorEnv.render() (None for each when render_mode is None)."""
@@ -475,7 +489,14 @@ class BoltzLabsVecEnv(VectorEnv):
         if obs is not None:
             self._env_obs[i] = obs
 
-    def _batch(self):
+    def _batch(self, whole=None):
+        """The batch of every lane's latest obs; `whole`: the pool's array of this step's obs
+        rows, every lane's (Pool.batched_obs), or None."""
+        if whole is not None and whole.dtype == self._observations.dtype and whole.shape == self._observations.shape:
+            if self.copy:
+                return whole.copy()
+            self._observations[...] = whole
+            return self._observations
         missing = [i for i, o in enumerate(self._env_obs) if o is None]
         if missing:
             raise EnvError(f"env {missing[0]} has no observation yet; reset it first", env_index=missing[0])

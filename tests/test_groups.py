@@ -1091,6 +1091,79 @@ def test_the_adapter_batches_a_grouped_pools_info_columns_as_it_batches_each_env
     assert took == [True, False, True, False, True, False, False, True]  # the shortcut, where it applies
 
 
+ROWS_ENV = """
+    import os
+
+    import gymnasium as gym
+    import numpy as np
+
+    from boltzlabs.env import serve
+
+    LANE = int(os.environ["BOLTZLABS_ENV_INDEX"])
+
+
+    def reset(seed, options=None):
+        return np.full(3, -LANE, np.float32), {"lane": LANE}
+
+
+    def step(action):
+        obs = (np.asarray(action, np.float32) * 2 + LANE).astype(np.float32)
+        return obs, float(LANE), bool(action[0] > 9), False, {"x": np.float64(LANE), "y": np.float32(action[1])}
+
+
+    serve(reset=reset, step=step, observation_space=gym.spaces.Box(-1e6, 1e6, (3,), np.float32),
+          action_space=gym.spaces.Box(-1e6, 1e6, (3,), np.float32))
+"""
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_the_adapter_steps_a_grouped_pool_with_one_array_each_way(env_dir, pool_factory, copy):
+    """A Box's batch of actions goes to a grouped pool as the one array it is, and the obs come back
+    as the one array of the groups' slots (Pool.batched_obs), its infos as their columns
+    (step_full(lazy_infos=True)): what the adapter returns equals what it returns over a sandbox per
+    env, a group smaller than the others included, and is the caller's own (copy=True) or the
+    adapter's one buffer (copy=False), never the pool's."""
+    from boltzlabs.gym import BoltzLabsVecEnv
+
+    source = env_dir(ROWS_ENV)
+    grouped = pool_factory(source, 7, envs_per_sandbox=3)
+    vecs = [BoltzLabsVecEnv(grouped, copy=copy), BoltzLabsVecEnv(pool_factory(source, 7), copy=copy)]
+    for vec in vecs:
+        vec.reset(seed=0)
+    rng = np.random.default_rng(1)
+    batched = []
+    for step in range(6):
+        actions = rng.uniform(-5, 5, (7, 3)).astype(np.float32)
+        if step == 2:
+            actions[4, 0] = 20.0  # env 4 terminates: the next step resets it (no shortcuts then)
+        if step == 4:
+            actions = np.asfortranarray(actions.astype(np.float64))  # another dtype, not C-contiguous
+        (obs, rewards, terminated, truncated, infos), want = (vec.step(actions) for vec in vecs)
+        batched.append(grouped._batch is not None)  # the step gave batched_obs its array
+        assert np.array_equal(obs, want[0]) and obs.dtype == want[0].dtype and obs.shape == (7, 3), step
+        assert rewards.tolist() == want[1].tolist() and terminated.tolist() == want[2].tolist(), step
+        assert list(infos) == list(want[4]), step
+        for key in want[4]:
+            if key not in ("episode_ids", "_episode_ids", "episode_record"):
+                assert infos[key].dtype == want[4][key].dtype and infos[key].tolist() == want[4][key].tolist()
+        if step != 3:  # env 4 reset on step 3: its obs is the reset's
+            assert np.array_equal(obs, (actions.astype(np.float32) * 2 + np.arange(7)[:, None]).astype(np.float32))
+        assert obs.flags.writeable
+        before = np.stack(grouped.observations).copy()
+        obs[...] = 123.0  # the caller's to change: the pool's obs are not
+        assert np.array_equal(np.stack(grouped.observations), before)
+        if not copy:
+            assert obs is vecs[0]._observations
+    assert batched == [True, True, True, False, True, True]  # the step that reset env 4 went row by row
+    # Its pool stepped directly: each env's info is its dict, made from the columns.
+    result = grouped.step_full(np.zeros((7, 3), np.float32))
+    assert result.infos == [{"x": float(i), "y": 0.0} for i in range(7)]
+    lazy = grouped.step_full(np.zeros((7, 3), np.float32), lazy_infos=True)
+    assert lazy.infos == [None] * 7  # left in the columns: the adapter batches them
+    assert grouped.batched_infos(lazy.infos)["x"].tolist() == list(range(7))
+    assert lazy.infos == [None] * 7
+
+
 # -- 7. the direct step (docs/native-step.md#the-direct-step) ---------------------------------------
 
 needs_native = pytest.mark.skipif(os.environ.get("BOLTZLABS_PURE", "") not in ("", "0"), reason="the pure path")
@@ -1271,8 +1344,12 @@ ACTION_ENV = """
         [np.array(i) for i in range(5)],  # 0-d arrays: an entry each
         [np.zeros(2), np.zeros(3), np.zeros(2), np.zeros(2), np.zeros(2)],  # shapes differ: an entry each
         [np.zeros(2), np.zeros(2, np.float32), np.zeros(2), np.zeros(2), np.zeros(2)],  # dtypes differ
+        np.arange(30, dtype=np.float32).reshape(5, 2, 3),  # one array: its slices are packed as they are
+        np.arange(60.0).reshape(5, 12)[:, ::3],  # one array, not contiguous
+        np.arange(10, dtype=">i4").reshape(5, 2),  # one array, big-endian
+        np.array([[True, False]] * 5),
     ],
-    ids=["float32_2d", "int8", "bool", "scalars", "0d", "shapes", "dtypes"],
+    ids=["float32_2d", "int8", "bool", "scalars", "0d", "shapes", "dtypes", "array", "strided", "big_endian", "bools"],
 )
 def test_each_member_gets_its_action_as_a_sandbox_of_its_own_would(env_dir, pool_factory, actions):
     """However a group's actions travel (one array of rows when they are arrays of one shape and

@@ -111,7 +111,10 @@ class GroupedPool(Pool):
         self._in_flight: dict[int, list[int]] = {}
         self._held: list[tuple] = []  # (env, obs, reward, terminated, truncated, info): finished, not yet received
         self._respawn: set[int] = set()  # groups that sent an invalid reply: respawned at their next reset
-        self._columns: tuple | None = None  # (the last step's infos, each group's info columns) or None
+        # (the last step's infos, each group's info columns, the groups' whose member infos are not
+        # made yet) while every group sent columns; else None (batched_infos)
+        self._columns: tuple | None = None
+        self._batch: tuple | None = None  # (the last step's obs, their one array) or None (batched_obs)
 
     # -- what the inner pool says of itself -------------------------------------------
 
@@ -138,7 +141,7 @@ class GroupedPool(Pool):
     def _step_lanes(self, actions: list, resets) -> StepResult:
         self._refuse_async("step() cannot run")
         k, reset_set = self.k, set(resets or ())
-        packed = None if reset_set else _packed_rows(actions, k)
+        packed = None if reset_set else _packed_rows(actions, k, self._action_rows)
         kinds: list[list[int]]
         if packed is None:
             entries: list[list] = [[None] * len(self.members(g)) for g in range(self.sandboxes)]
@@ -156,6 +159,8 @@ class GroupedPool(Pool):
         truncated = np.zeros(n, np.bool_)
         infos: list = [None] * n
         columns: list | None = []  # each group's info columns, while every group's came so
+        unmade: list = []  # (first env, info columns) of the groups whose members' infos are not made yet
+        whole = 0  # groups that went in by slices
         for g in range(self.sandboxes):
             sent = kinds[g]
             # Hot path: a group whose every env stepped without error, checked with whole-list
@@ -163,6 +168,7 @@ class GroupedPool(Pool):
             group_infos = _stepped_whole(result.obs[g], result.infos[g], sent)
             if group_infos is not None:
                 start, count = g * k, len(sent)
+                whole += 1
                 _, group_rewards, group_terminated, group_truncated, group_columns, _ = result.infos[g][GROUP_KEY]
                 if columns is not None and type(group_columns) is dict:
                     columns.append(group_columns)
@@ -174,12 +180,18 @@ class GroupedPool(Pool):
                 truncated[start:stop] = group_truncated
                 group_obs = result.obs[g]
                 obs[start:stop] = list(group_obs[:count]) if type(group_obs) is not dict else _rows_of(group_obs, count)
-                infos[start:stop] = group_infos if None not in group_infos else [x or {} for x in group_infos]
+                if type(group_infos) is dict:  # columns, checked: each member's dict made below or when asked
+                    unmade.append((start, group_infos))
+                else:
+                    infos[start:stop] = group_infos if None not in group_infos else [x or {} for x in group_infos]
                 continue
             columns = None
             for i, o, r, te, tr, info in self._take(g, result.obs[g], result.infos[g], sent):
                 obs[i], rewards[i], terminated[i], truncated[i], infos[i] = o, r, te, tr, info
-        self._columns = (infos, columns) if columns else None
+        self._columns = (infos, columns, unmade) if columns else None
+        if not (columns and self._lazy_infos):  # step_full(lazy_infos=True): made when batched_infos cannot
+            _make_infos(infos, unmade)
+        self._batch = (obs, _one_batch(result.obs, n, k)) if whole == self.sandboxes else None
         self._stragglers([i for g in self.inner.timing.stragglers for i in self.members(g)])
         return StepResult(obs, rewards, terminated, truncated, infos)
 
@@ -246,22 +258,18 @@ class GroupedPool(Pool):
         held = self._columns
         if held is None or held[0] is not infos:
             return None
-        groups = held[1]
-        keys = list(groups[0])
-        out = {}
-        for key in keys:
-            if key == "final_obs":
-                return None
-            parts = [group.get(key) for group in groups]
-            dtype = parts[0].dtype
-            # _batch_infos batches numbers (np.number's types) and leaves numpy bools to _add_info
-            if dtype.kind not in "iufc" or any(
-                list(group) != keys or part.dtype != dtype for group, part in zip(groups, parts)
-            ):
-                return None
-            out[key] = np.concatenate(parts)
-            out[f"_{key}"] = np.ones(self.n, dtype=np.bool_)
+        out = _batched_columns(held[1], self.n)
+        if out is None:  # the members' infos, for the caller to batch: made now if they were left
+            _make_infos(infos, held[2])
+            self._columns = None
         return out
+
+    def batched_obs(self, obs: list):
+        """The (n, ...) read-only array whose rows are `obs`, when `obs` are the last step's and
+        came whole from the groups' slots (a Box space): the batch the slots were copied into,
+        which a vector env returns (a copy of) without stacking the rows again. None otherwise."""
+        held = self._batch
+        return held[1] if held is not None and held[0] is obs else None
 
     def _stragglers(self, envs: list) -> None:
         """timing.stragglers in envs: those of this call's results whose group missed its deadline.
@@ -539,26 +547,86 @@ _BOOL = frozenset((bool,))
 _INFO = frozenset((dict, type(None)))
 
 
-def _from_columns(columns: dict, count: int) -> list | None:
-    """Each member's info from a group's info columns (runtime/group.py's info_columns: {key:
-    array of one value per member}), each value the numpy scalar it was in the env; None unless
-    each key is a str and each column a 1-D array of `count` items (the wire's checks made it
-    numeric)."""
-    if not columns or not all(
+def _columns_of(columns: dict, count: int) -> bool:
+    """Whether a group's info columns (runtime/group.py's info_columns: {key: array of one value
+    per member}) are `count` members': each key a str and each column a 1-D array of `count`
+    items (the wire's checks made it numeric)."""
+    return bool(columns) and all(
         type(key) is str and type(column) is np.ndarray and column.ndim == 1 and column.shape[0] == count
         for key, column in columns.items()
-    ):
+    )
+
+
+def _from_columns(columns: dict, count: int) -> list | None:
+    """Each member's info from a group's info columns, each value the numpy scalar it was in the
+    env; None unless _columns_of says they are `count` members'."""
+    if not _columns_of(columns, count):
         return None
     keys = list(columns)
     return [dict(zip(keys, row)) for row in zip(*columns.values())]
 
 
-def _stepped_whole(obs, info, sent: list) -> list | None:
-    """The members' infos (a list, from columns or as sent) when a group's reply is the plain one
-    to a step of all its envs: each env stepped, none failed, every field of the right type and
-    count, obs rows for each (an array or a dict of arrays from the slot, or a list by the wire).
-    What _check accepts, by whole-list operations; None sends the reply through _take, which
-    checks it member by member and names what is wrong."""
+def _make_infos(infos: list, unmade: list) -> None:
+    """Fill in `infos` the members' dicts of each (first env, checked info columns) in `unmade`."""
+    for start, columns in unmade:
+        keys = list(columns)
+        made = [dict(zip(keys, row)) for row in zip(*columns.values())]
+        infos[start : start + len(made)] = made
+    unmade.clear()
+
+
+def _batched_columns(groups: list, n: int) -> dict | None:
+    """Gymnasium's vector infos of n envs from their groups' info columns, as gym.py's
+    _batch_infos makes them of the n dicts: when every group sent the same keys in the same
+    order, each key's columns of one numeric dtype. None otherwise."""
+    keys = list(groups[0])
+    if "final_obs" in keys or any(list(group) != keys for group in groups):
+        return None
+    masks = np.ones((len(keys), n), dtype=np.bool_)  # each key's mask a row of it: one allocation
+    out = {}
+    for key, mask in zip(keys, masks):
+        parts = [group[key] for group in groups]
+        dtype = parts[0].dtype
+        # _batch_infos batches numbers (np.number's types) and leaves numpy bools to _add_info
+        if dtype.kind not in "iufc" or any(part.dtype != dtype for part in parts):
+            return None
+        out[key] = np.concatenate(parts)
+        out[f"_{key}"] = mask
+    return out
+
+
+def _one_batch(group_obs: list, n: int, k: int):
+    """The (n, ...) array whose rows are, in order, the first members' rows of each group's obs,
+    when those are the rows of one slot batch (pool/slots.py's fill: a (groups, k, ...) array,
+    group g's obs its item g); else None. A view: no copy."""
+    first = group_obs[0]
+    if type(first) is not np.ndarray or first.ndim < 1 or first.shape[0] != k:
+        return None
+    batch = first.base
+    groups = len(group_obs)
+    if type(batch) is not np.ndarray or batch.shape != (groups, *first.shape) or not batch.flags.c_contiguous:
+        return None
+    start, stride = batch.ctypes.data, batch.strides[0]
+    shape, strides = first.shape, batch.strides[1:]
+    for g, obs in enumerate(group_obs):
+        if (
+            type(obs) is not np.ndarray
+            or obs.base is not batch
+            or obs.ctypes.data != start + g * stride
+            or obs.shape != shape
+            or obs.strides != strides
+        ):
+            return None
+    return batch.reshape(groups * k, *first.shape[1:])[:n]
+
+
+def _stepped_whole(obs, info, sent: list) -> list | dict | None:
+    """The members' infos (a list as sent, or the info columns, checked: _from_columns makes
+    each member's dict of them) when a group's reply is the plain one to a step of all its envs:
+    each env stepped, none failed, every field of the right type and count, obs rows for each (an
+    array or a dict of arrays from the slot, or a list by the wire). What _check accepts, by
+    whole-list operations; None sends the reply through _take, which checks it member by member
+    and names what is wrong."""
     count = len(sent)
     if type(info) is not dict or len(info) != 1:
         return None
@@ -566,8 +634,11 @@ def _stepped_whole(obs, info, sent: list) -> list | None:
     if type(results) is not list or len(results) != 6:
         return None
     kinds, rewards, terminated, truncated, infos, errors = results
+    columns = None
     if type(infos) is dict:
-        infos = _from_columns(infos, count)
+        if not _columns_of(infos, count):
+            return None
+        columns, infos = infos, [None] * count
     if not (
         type(kinds) is list
         and kinds == sent
@@ -587,7 +658,9 @@ def _stepped_whole(obs, info, sent: list) -> list | None:
         whole = len(obs) == count
     else:
         whole = type(obs) is dict and _rows(obs) >= count
-    return infos if whole else None
+    if not whole:
+        return None
+    return columns if columns is not None else infos
 
 
 def _column(values, count: int, types: frozenset) -> bool:
@@ -610,22 +683,27 @@ def _packed(entries: list, actions: list, envs) -> list:
         raise
 
 
-def _packed_rows(actions: list, k: int) -> list | None:
+def _packed_rows(actions: list, k: int, given: np.ndarray | None = None) -> list | None:
     """Each group's actions as one array, a row per member (runtime/group.py gives each member its
     row), when every action is a numpy array of one shape and one numeric dtype (a Box's): one
-    array to pack and decode per group, not k. None otherwise (_packed: an entry per member)."""
+    array to pack and decode per group, not k. `given`: the (n, ...) array whose rows `actions`
+    are, when they came so (Pool._action_rows): its slices are packed as they are. None otherwise
+    (_packed: an entry per member)."""
     first = actions[0] if actions else None
     if type(first) is not np.ndarray or first.ndim == 0 or first.dtype.kind not in "biuf":
         return None
-    shape, dtype = first.shape, first.dtype
-    for action in actions:
-        if (
-            type(action) is not np.ndarray
-            or action.shape != shape
-            or (action.dtype is not dtype and action.dtype != dtype)
-        ):
-            return None
-    rows = np.array(actions)  # the same dtype and shape, checked above: np.stack's result, faster
+    if given is not None:
+        rows = given  # actions is list(given): its rows, of one shape and dtype
+    else:
+        shape, dtype = first.shape, first.dtype
+        for action in actions:
+            if (
+                type(action) is not np.ndarray
+                or action.shape != shape
+                or (action.dtype is not dtype and action.dtype != dtype)
+            ):
+                return None
+        rows = np.array(actions)  # the same dtype and shape, checked above: np.stack's result, faster
     try:
         return [wire.pack([wire.STEP, rows[g : g + k]]) for g in range(0, len(actions), k)]
     except (TypeError, ValueError, OverflowError):

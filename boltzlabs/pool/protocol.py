@@ -133,6 +133,10 @@ class Pool(abc.ABC):
         self._episode_open = np.zeros(n, dtype=np.bool_)
         self._pending_resets: set = set()  # lanes sent as autoresets, not yet received
         self._never_reset: set = set(range(n))  # lanes no reset has reached: step() refuses them
+        # The step's actions as the one array they came in (an (n, ...) array), else None: a
+        # grouped pool packs its slices instead of its rows (pool/groups.py _packed_rows).
+        self._action_rows: np.ndarray | None = None
+        self._lazy_infos = False  # step_full(lazy_infos=True), while it steps
         # Failures by kind ("step raised", "reset died", ...): [count, first lane, first error]; the
         # first of each kind is warned about, and close() sums them up (_failure_summary).
         self._failures: dict = {}
@@ -179,7 +183,15 @@ class Pool(abc.ABC):
     def batched_infos(self, infos: list):
         """Gymnasium's vector infos of the step whose `infos` these are, when the pool holds them
         batched already (a grouped pool's info columns: pool/groups.py), else None. The adapter's
-        shortcut past batching n dicts again (gym.py's _batch_infos, whose result it equals)."""
+        shortcut past batching n dicts again (gym.py's _batch_infos, whose result it equals).
+        When it returns None, every entry of `infos` is its env's info (a grouped pool stepped
+        by the adapter leaves a group's entries None until then)."""
+        return None
+
+    def batched_obs(self, obs: list):
+        """The (n, ...) read-only array whose rows are `obs`, when `obs` are the latest step's and
+        the pool holds them so (a grouped pool's slot batch: pool/groups.py), else None. The
+        adapter's shortcut past stacking n rows again."""
         return None
 
     @abc.abstractmethod
@@ -270,12 +282,16 @@ class Pool(abc.ABC):
         obs, rewards, terminated, truncated, infos = self.step_full(actions)
         return obs, rewards.astype(np.float32), terminated | truncated, infos
 
-    def step_full(self, actions, resets=None) -> StepResult:
+    def step_full(self, actions, resets=None, *, lazy_infos: bool = False) -> StepResult:
         """step(), with terminated and truncated apart and float64 rewards.
 
         The lanes in `resets` (env indices) are reset instead of stepped, in
         the same request, their action ignored (next-step autoreset: their
         obs is the reset's, their episode begins, unseeded).
+        `lazy_infos=True` is for a caller that wants Gymnasium's vector infos
+        (the adapter): a pool that holds them batched may leave those lanes'
+        entries of `infos` None until `batched_infos(infos)` is asked, which
+        fills them in when it returns None.
         """
         self._check_open()
         given, actions = actions, self._actions(actions, self.n, "step()")
@@ -284,7 +300,12 @@ class Pool(abc.ABC):
         resets = self._resets(resets)
         if self._never_reset:
             self._refuse_unreset(range(self.n), resets, "step()")
-        result = self._step_lanes(actions, resets)
+        self._action_rows = given if type(given) is np.ndarray and given.ndim > 1 else None
+        self._lazy_infos = lazy_infos is True
+        try:
+            result = self._step_lanes(actions, resets)
+        finally:
+            self._action_rows, self._lazy_infos = None, False
         # Hot path: the kind's arrays are fresh; kept, not copied again. Failed lanes are truncated:
         # only those are looked at for the failure warnings.
         self._obs, self.rewards = result.obs, result.rewards
@@ -594,17 +615,22 @@ class Pool(abc.ABC):
     def _count_episodes(self, resets, lanes=None) -> None:
         """Episode bookkeeping after a step (of `lanes` only, when given):
         lengths, returns, finished episodes."""
-        stepped = self._episode_open.copy()
+        # Hot path (every lane stepped): whole-array operations, no copy of the open mask.
+        stepped = self._episode_open
         if lanes is not None:
             received = np.zeros(self.n, dtype=np.bool_)
             received[lanes] = True
-            stepped &= received
+            stepped = stepped & received
         if resets:
+            stepped = stepped.copy() if lanes is None else stepped
             stepped[resets] = False
             self._begin_episodes(resets, None)
-        self._episode_lengths[stepped] += 1
-        self._episode_returns[stepped] += self.rewards[stepped]
+        np.add(self._episode_lengths, 1, out=self._episode_lengths, where=stepped)
+        np.add(self._episode_returns, self.rewards, out=self._episode_returns, where=stepped)
         ended = stepped & (self.terminated | self.truncated)
+        if not ended.any():
+            self.finished_episodes = []
+            return
         self._episode_open[ended] = False
         self.finished_episodes = [
             {
