@@ -1340,7 +1340,10 @@ ACTION_ENV = """
         [np.arange(6, dtype=np.float32).reshape(2, 3) + i for i in range(5)],  # rows of one array per sandbox
         [np.array([i, -i], dtype=np.int8) for i in range(5)],
         [np.array([True, False])] * 5,
-        [np.float64(i) for i in range(5)],  # numpy scalars: an entry each
+        [np.float64(i) for i in range(5)],  # numpy scalars of one type (a Discrete's): one array
+        [np.int64(i) for i in range(4)] + [np.int32(4)],  # numpy scalars of two types: an entry each
+        [np.bool_(i % 2) for i in range(5)],
+        list(range(5)),  # Python ints: an entry each
         [np.array(i) for i in range(5)],  # 0-d arrays: an entry each
         [np.zeros(2), np.zeros(3), np.zeros(2), np.zeros(2), np.zeros(2)],  # shapes differ: an entry each
         [np.zeros(2), np.zeros(2, np.float32), np.zeros(2), np.zeros(2), np.zeros(2)],  # dtypes differ
@@ -1349,7 +1352,7 @@ ACTION_ENV = """
         np.arange(10, dtype=">i4").reshape(5, 2),  # one array, big-endian
         np.array([[True, False]] * 5),
     ],
-    ids=["float32_2d", "int8", "bool", "scalars", "0d", "shapes", "dtypes", "array", "strided", "big_endian", "bools"],
+    ids=["float32_2d", "int8", "bool", "scalars", "mixed_scalars", "bool_scalars", "ints", "0d", "shapes", "dtypes", "array", "strided", "big_endian", "bools"],
 )
 def test_each_member_gets_its_action_as_a_sandbox_of_its_own_would(env_dir, pool_factory, actions):
     """However a group's actions travel (one array of rows when they are arrays of one shape and
@@ -1362,7 +1365,7 @@ def test_each_member_gets_its_action_as_a_sandbox_of_its_own_would(env_dir, pool
     want = alone.step(actions)[3]
     got = grouped.step(actions)[3]
     assert got == want
-    assert [info["value"] for info in got] == [a.tolist() for a in actions]
+    assert [info["value"] for info in got] == [a.tolist() if hasattr(a, "tolist") else a for a in actions]
 
 
 # -- the options ---------------------------------------------------------------------------------

@@ -685,14 +685,25 @@ def _packed(entries: list, actions: list, envs) -> list:
 
 def _packed_rows(actions: list, k: int, given: np.ndarray | None = None) -> list | None:
     """Each group's actions as one array, a row per member (runtime/group.py gives each member its
-    row), when every action is a numpy array of one shape and one numeric dtype (a Box's): one
-    array to pack and decode per group, not k. `given`: the (n, ...) array whose rows `actions`
-    are, when they came so (Pool._action_rows): its slices are packed as they are. None otherwise
-    (_packed: an entry per member)."""
+    row), when every action is a numpy array of one shape and one numeric dtype (a Box's), or
+    a numpy scalar of one type (a Discrete's, from the adapter): one array to pack and decode
+    per group, not k. `given`: the (n, ...) array whose rows `actions` are, when they came so
+    (Pool._action_rows): its slices are packed as they are. None otherwise (_packed: an entry
+    per member)."""
     first = actions[0] if actions else None
-    if type(first) is not np.ndarray or first.ndim == 0 or first.dtype.kind not in "biuf":
+    kind = type(first)
+    if kind is not np.ndarray:
+        if not issubclass(kind, np.generic) or first.dtype.kind not in "biuf":
+            return None
+        for action in actions:
+            if type(action) is not kind:
+                return None
+        rows = np.array(actions)  # a 1-D array of their one dtype; each member gets its item back
+        if rows.dtype != first.dtype:
+            return None
+    elif first.ndim == 0 or first.dtype.kind not in "biuf":
         return None
-    if given is not None:
+    elif given is not None:
         rows = given  # actions is list(given): its rows, of one shape and dtype
     else:
         shape, dtype = first.shape, first.dtype

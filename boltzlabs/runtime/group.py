@@ -279,9 +279,10 @@ class Group:
             except ProtocolError as exc:
                 _serve.refuse_request(exc)
             entries = message[1] if len(message) == 2 and message[0] == wire.STEP else None
-            if getattr(entries, "ndim", 0) >= 2 and entries.shape[0] == count:
-                # Every member steps, its action a row of one array (pool/groups.py's _packed): each
-                # gets its row, a read-only array of its own shape and dtype, as one by one.
+            if getattr(entries, "ndim", 0) >= 1 and entries.shape[0] == count:
+                # Every member steps, its action a row of one array (pool/groups.py's _packed_rows):
+                # each gets its row, a read-only array of its own shape and dtype (of a 1-D array,
+                # the numpy scalar of its dtype), as one by one.
                 entries = [[STEPPED, row] for row in entries]
         if type(entries) is not list or len(entries) != count:
             raise ProtocolError(
