@@ -1139,7 +1139,9 @@ def test_the_adapter_steps_a_grouped_pool_with_one_array_each_way(env_dir, pool_
         if step == 4:
             actions = np.asfortranarray(actions.astype(np.float64))  # another dtype, not C-contiguous
         (obs, rewards, terminated, truncated, infos), want = (vec.step(actions) for vec in vecs)
-        batched.append(grouped._batch is not None)  # the step gave batched_obs its array
+        batched.append(grouped._obs_batch is not None)  # the step gave batched_obs its array
+        plain = vecs[1].pool
+        assert plain.batched_obs(plain._obs) is not None, step  # k = 1: its slot batch, autoresets included
         assert np.array_equal(obs, want[0]) and obs.dtype == want[0].dtype and obs.shape == (7, 3), step
         assert rewards.tolist() == want[1].tolist() and terminated.tolist() == want[2].tolist(), step
         assert list(infos) == list(want[4]), step
@@ -1352,7 +1354,22 @@ ACTION_ENV = """
         np.arange(10, dtype=">i4").reshape(5, 2),  # one array, big-endian
         np.array([[True, False]] * 5),
     ],
-    ids=["float32_2d", "int8", "bool", "scalars", "mixed_scalars", "bool_scalars", "ints", "0d", "shapes", "dtypes", "array", "strided", "big_endian", "bools"],
+    ids=[
+        "float32_2d",
+        "int8",
+        "bool",
+        "scalars",
+        "mixed_scalars",
+        "bool_scalars",
+        "ints",
+        "0d",
+        "shapes",
+        "dtypes",
+        "array",
+        "strided",
+        "big_endian",
+        "bools",
+    ],
 )
 def test_each_member_gets_its_action_as_a_sandbox_of_its_own_would(env_dir, pool_factory, actions):
     """However a group's actions travel (one array of rows when they are arrays of one shape and

@@ -104,10 +104,13 @@ def test_the_trainer_copies_the_slot_once_after_the_reply(pool_factory):
 def test_a_slot_inconsistent_with_its_header_fails_its_lane_only(pool_factory):
     pool = pool_factory(SLOT_ENV, 3)
     pool.reset(seed=0)
+    result = pool.step_full([1, 1, 1])
+    assert pool.batched_obs(result.obs) is not None  # every obs its slot's row: the batch is offered
     obs, rewards, dones, infos = pool.step([1, {"op": "header", "seq": 12345}, 1])
     assert obs[1] is None and dones[1] and rewards[1] == 0.0
     assert "does not match its reply" in infos[1]["error"] and "seq 12345" in infos[1]["error"]
     assert obs[0] is not None and obs[2] is not None and not dones[[0, 2]].any()
+    assert pool.batched_obs(pool._obs) is None  # a lane failed: no batch holds every lane's obs
     assert pool.states() == ["idle"] * 3
     pool.reset(where=[1])
     assert pool.step([1, 1, 1])[0][1] is not None

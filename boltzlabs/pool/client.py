@@ -1126,9 +1126,21 @@ class RLPool(Pool):
             np.frombuffer(truncated, dtype=np.bool_).copy(),
             infos,
         )
+        batch = None
         if self._slots is not None:  # the obs some lanes left in their slots, copied once into one batch
-            self._slots.fill(range(self.n), obs, result.rewards, result.terminated, result.truncated, infos)
+            batch = self._slots.fill(range(self.n), obs, result.rewards, result.terminated, result.truncated, infos)
+        self._obs_batch = None if batch is None else (obs, batch)
         return result
+
+    # (the latest step's obs, their slot batch) or None: batched_obs. None for a sharded pool,
+    # whose shards' batches are theirs.
+    _obs_batch: tuple | None = None
+
+    def batched_obs(self, obs: list):
+        """The (n, ...) read-only array whose rows are `obs`, when `obs` are the latest step's and
+        each came from its slot (a Box space): the one batch the slots were copied into."""
+        held = self._obs_batch
+        return held[1] if held is not None and held[0] is obs else None
 
     def _send_lanes(self, actions: list, lanes: list, resets, how=None) -> None:
         args = (actions, lanes, resets) if how is None else (actions, lanes, resets, how)

@@ -88,6 +88,7 @@ class GroupedPool(Pool):
                 log=exc.log,
             ) from exc
         self._init_lanes(n)
+        self._all_stepped = [[STEPPED] * len(self.members(g)) for g in range(self.sandboxes)]  # kinds: read only
         inner = self.inner
         self.source = inner.source
         self.batch_size = batch_size
@@ -114,7 +115,7 @@ class GroupedPool(Pool):
         # (the last step's infos, each group's info columns, the groups' whose member infos are not
         # made yet) while every group sent columns; else None (batched_infos)
         self._columns: tuple | None = None
-        self._batch: tuple | None = None  # (the last step's obs, their one array) or None (batched_obs)
+        self._obs_batch: tuple | None = None  # (the last step's obs, their one array) or None (batched_obs)
 
     # -- what the inner pool says of itself -------------------------------------------
 
@@ -150,13 +151,14 @@ class GroupedPool(Pool):
             packed = _packed(entries, actions, range(len(actions)))
             kinds = [_kinds(group) for group in entries]
         else:  # every env steps
-            kinds = [[STEPPED] * len(self.members(g)) for g in range(self.sandboxes)]
+            kinds = self._all_stepped
         result = self.inner._step_lanes(packed, None)
         n = self.n
         obs: list = [None] * n
-        rewards = np.zeros(n, np.float64)
-        terminated = np.zeros(n, np.bool_)
-        truncated = np.zeros(n, np.bool_)
+        # Lists while the groups' replies go in (by slices), arrays at the end: one conversion each.
+        rewards: list = [0.0] * n
+        terminated: list = [False] * n
+        truncated: list = [False] * n
         infos: list = [None] * n
         columns: list | None = []  # each group's info columns, while every group's came so
         unmade: list = []  # (first env, info columns) of the groups whose members' infos are not made yet
@@ -191,9 +193,16 @@ class GroupedPool(Pool):
         self._columns = (infos, columns, unmade) if columns else None
         if not (columns and self._lazy_infos):  # step_full(lazy_infos=True): made when batched_infos cannot
             _make_infos(infos, unmade)
-        self._batch = (obs, _one_batch(result.obs, n, k)) if whole == self.sandboxes else None
+        self._obs_batch = None
+        if whole == self.sandboxes:
+            # The groups' slot batch, a (groups, k, ...) array: its first n rows are the envs' obs.
+            batch = self.inner.batched_obs(result.obs)
+            if batch is not None and batch.ndim >= 2 and batch.shape[:2] == (self.sandboxes, k):
+                self._obs_batch = (obs, batch.reshape(self.sandboxes * k, *batch.shape[2:])[:n])
         self._stragglers([i for g in self.inner.timing.stragglers for i in self.members(g)])
-        return StepResult(obs, rewards, terminated, truncated, infos)
+        return StepResult(
+            obs, np.array(rewards, np.float64), np.array(terminated, np.bool_), np.array(truncated, np.bool_), infos
+        )
 
     def _take(self, group: int, obs, info, sent: list):
         """Each member's (env, obs, reward, terminated, truncated, info) from group's reply (its
@@ -268,7 +277,7 @@ class GroupedPool(Pool):
         """The (n, ...) read-only array whose rows are `obs`, when `obs` are the last step's and
         came whole from the groups' slots (a Box space): the batch the slots were copied into,
         which a vector env returns (a copy of) without stacking the rows again. None otherwise."""
-        held = self._batch
+        held = self._obs_batch
         return held[1] if held is not None and held[0] is obs else None
 
     def _stragglers(self, envs: list) -> None:
@@ -542,6 +551,7 @@ def _rows(obs) -> int:
     return -1
 
 
+_INT = frozenset((int,))
 _NUMBERS = frozenset((int, float))
 _BOOL = frozenset((bool,))
 _INFO = frozenset((dict, type(None)))
@@ -595,31 +605,6 @@ def _batched_columns(groups: list, n: int) -> dict | None:
     return out
 
 
-def _one_batch(group_obs: list, n: int, k: int):
-    """The (n, ...) array whose rows are, in order, the first members' rows of each group's obs,
-    when those are the rows of one slot batch (pool/slots.py's fill: a (groups, k, ...) array,
-    group g's obs its item g); else None. A view: no copy."""
-    first = group_obs[0]
-    if type(first) is not np.ndarray or first.ndim < 1 or first.shape[0] != k:
-        return None
-    batch = first.base
-    groups = len(group_obs)
-    if type(batch) is not np.ndarray or batch.shape != (groups, *first.shape) or not batch.flags.c_contiguous:
-        return None
-    start, stride = batch.ctypes.data, batch.strides[0]
-    shape, strides = first.shape, batch.strides[1:]
-    for g, obs in enumerate(group_obs):
-        if (
-            type(obs) is not np.ndarray
-            or obs.base is not batch
-            or obs.ctypes.data != start + g * stride
-            or obs.shape != shape
-            or obs.strides != strides
-        ):
-            return None
-    return batch.reshape(groups * k, *first.shape[1:])[:n]
-
-
 def _stepped_whole(obs, info, sent: list) -> list | dict | None:
     """The members' infos (a list as sent, or the info columns, checked: _from_columns makes
     each member's dict of them) when a group's reply is the plain one to a step of all its envs:
@@ -643,7 +628,7 @@ def _stepped_whole(obs, info, sent: list) -> list | dict | None:
         type(kinds) is list
         and kinds == sent
         and sent.count(STEPPED) == count
-        and all(type(kind) is int for kind in kinds)
+        and _column(kinds, count, _INT)
         and _column(rewards, count, _NUMBERS)
         and _column(terminated, count, _BOOL)
         and _column(truncated, count, _BOOL)
@@ -690,7 +675,9 @@ def _packed_rows(actions: list, k: int, given: np.ndarray | None = None) -> list
     per group, not k. `given`: the (n, ...) array whose rows `actions` are, when they came so
     (Pool._action_rows): its slices are packed as they are. None otherwise (_packed: an entry
     per member)."""
-    first = actions[0] if actions else None
+    if not actions:
+        return None
+    first = actions[0]
     kind = type(first)
     if kind is not np.ndarray:
         if not issubclass(kind, np.generic) or first.dtype.kind not in "biuf":

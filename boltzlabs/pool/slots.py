@@ -63,13 +63,14 @@ class Slots:
             for _, dtype, shape, offset in self.leaves
         ]
 
-    def fill(self, lanes, obs: list, rewards, terminated, truncated, infos: list) -> None:
+    def fill(self, lanes, obs: list, rewards, terminated, truncated, infos: list):
         """Replace each wire.Slot in obs (aligned with `lanes`) by its lane's slot, copied
         once into one batch per leaf; a slot inconsistent with its marker fails its lane.
+        Returns that batch when the space is a Box and every obs is now its row, else None.
         Hot path: the batch is allocated once per call."""
         marked = [k for k, value in enumerate(obs) if type(value) is wire.Slot]
         if not marked:
-            return
+            return None
         batches = [np.empty((len(obs), *shape), dtype) for _, dtype, shape, _ in self.leaves]
         header, unpack = wire.SLOT_HEADER.size, wire.SLOT_HEADER.unpack
         for k in marked:
@@ -106,9 +107,13 @@ class Slots:
                 batch[k] = view  # the one copy, after the reply came
         for batch in batches:
             batch.flags.writeable = False  # as an obs from the wire: a read-only array
+        whole = self.box and len(marked) == len(obs)
         for k in marked:
             if type(obs[k]) is wire.Slot:
                 obs[k] = batches[0][k] if self.box else self._assemble([batch[k] for batch in batches])
+            else:  # failed: None
+                whole = False
+        return batches[0] if whole else None
 
     def _assemble(self, rows: list):
         """A Dict or Tuple obs from its leaves' rows, in the space's order."""
