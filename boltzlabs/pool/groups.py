@@ -572,6 +572,11 @@ def _from_columns(columns: dict, count: int) -> list | None:
     env; None unless _columns_of says they are `count` members'."""
     if not _columns_of(columns, count):
         return None
+    return _member_dicts(columns)
+
+
+def _member_dicts(columns: dict) -> list:
+    """Each member's info of columns _columns_of accepted: {key: its item}, in the columns' order."""
     keys = list(columns)
     return [dict(zip(keys, row)) for row in zip(*columns.values())]
 
@@ -579,8 +584,7 @@ def _from_columns(columns: dict, count: int) -> list | None:
 def _make_infos(infos: list, unmade: list) -> None:
     """Fill in `infos` the members' dicts of each (first env, checked info columns) in `unmade`."""
     for start, columns in unmade:
-        keys = list(columns)
-        made = [dict(zip(keys, row)) for row in zip(*columns.values())]
+        made = _member_dicts(columns)
         infos[start : start + len(made)] = made
     unmade.clear()
 
@@ -606,7 +610,7 @@ def _batched_columns(groups: list, n: int) -> dict | None:
 
 
 def _stepped_whole(obs, info, sent: list) -> list | dict | None:
-    """The members' infos (a list as sent, or the info columns, checked: _from_columns makes
+    """The members' infos (a list as sent, or the info columns, checked: _make_infos makes
     each member's dict of them) when a group's reply is the plain one to a step of all its envs:
     each env stepped, none failed, every field of the right type and count, obs rows for each (an
     array or a dict of arrays from the slot, or a list by the wire). What _check accepts, by
