@@ -1385,6 +1385,96 @@ def test_each_member_gets_its_action_as_a_sandbox_of_its_own_would(env_dir, pool
     assert [info["value"] for info in got] == [a.tolist() if hasattr(a, "tolist") else a for a in actions]
 
 
+@pytest.mark.parametrize("resets", [[1], [0, 2, 4], [0, 1, 2, 3, 4]], ids=["one", "some", "all"])
+def test_a_step_with_resets_sends_its_rows_whole_and_each_env_gets_what_alone_it_would(
+    env_dir, pool_factory, monkeypatch, resets
+):
+    """step_full(rows, resets=...) (next-step autoreset, the adapter's) sends each group its rows and
+    the members it resets, not an entry per member; every env gets what it gets with
+    envs_per_sandbox=1: a reset's obs, info, reward 0 and no ending, or its step's."""
+    from boltzlabs.pool import groups
+
+    source = env_dir(ACTION_ENV)
+    grouped, alone = pool_factory(source, 5, envs_per_sandbox=3), pool_factory(source, 5)
+    grouped.reset(seed=0)
+    alone.reset(seed=0)
+    actions = np.arange(10, dtype=np.float32).reshape(5, 2)
+    want = alone.step_full(actions, resets=resets)
+
+    def entries(*args):
+        raise AssertionError("a step of rows with resets went an entry per member")
+
+    monkeypatch.setattr(groups, "_packed", entries)
+    got = grouped.step_full(actions, resets=resets)
+    assert got.infos == want.infos
+    assert [info == {} for info in got.infos] == [i in resets for i in range(5)]
+    assert got.obs == want.obs
+    for name in ("rewards", "terminated", "truncated"):
+        assert getattr(got, name).tolist() == getattr(want, name).tolist()
+
+
+FORGE_RESET_ENV = """
+    from boltzlabs.env import serve
+    from boltzlabs.runtime import group
+
+    if not getattr(group.Group, "forging", False):  # env.py runs once per member: wrap once
+        _encode = group.Group.encode
+
+        def encode(self, frame, obs, infos, errors, kinds):
+            op, group.op = getattr(group, "op", None), None
+            results = frame[-1][group.GROUP_KEY]
+            if op == "reward":  # every member, the one reset too, says reward 5 and terminated
+                results[1], results[2] = [5.0] * len(kinds), [True] * len(kinds)
+            elif op == "kinds":  # the member reset answers as stepped
+                results[0] = [0] * len(kinds)
+            return _encode(self, frame, obs, infos, errors, kinds)
+
+        group.Group.encode = encode
+        group.Group.forging = True
+
+
+    def reset(seed, options=None):
+        return 0, {"reset": 1}
+
+
+    def step(action):
+        group.op = {1: "reward", 2: "kinds"}.get(int(action[0]), getattr(group, "op", None))
+        return 1, 0.0, False, False, {}
+
+
+    serve(reset=reset, step=step)
+"""
+
+
+def test_a_group_gives_an_env_it_resets_no_reward_no_ending_and_no_other_kind(env_dir, pool_factory):
+    """A reset's reward and endings are the pool's (0, not done), whatever the group says of them;
+    a group that answers a reset as a step fails, its own envs only."""
+    pool = pool_factory(env_dir(FORGE_RESET_ENV), 4, envs_per_sandbox=2)
+    pool.reset(seed=0)
+    actions = np.zeros((4, 1), np.float32)
+    actions[0] = 1
+    result = pool.step_full(actions, resets=[1])
+    assert result.rewards.tolist() == [5.0, 0.0, 0.0, 0.0]
+    assert result.terminated.tolist() == [True, False, False, False]
+    assert result.infos == [{}, {"reset": 1}, {}, {}]
+    actions[0] = 2
+    result = pool.step_full(actions, resets=[1])
+    for i in (0, 1):
+        assert "member 1 was sent kind 1 and answered kind 0" in result.infos[i]["error"], result.infos[i]
+        assert result.truncated[i] and result.obs[i] is None
+    assert result.infos[2:] == [{}, {}] and result.obs[2:] == [1, 1]
+
+
+@pytest.mark.parametrize("members", [[1, 0], [0, 0], [2], ["0"], [True], [-1], 1, [0, 1, 1]])
+def test_a_group_refuses_a_malformed_list_of_members_to_reset(members):
+    from boltzlabs.errors import ProtocolError
+    from boltzlabs.runtime.group import _listed
+
+    assert _listed([0, 1], 2) == [0, 1]
+    with pytest.raises(ProtocolError, match="as the members to reset"):
+        _listed(members, 2)
+
+
 # -- the options ---------------------------------------------------------------------------------
 
 

@@ -142,7 +142,7 @@ class GroupedPool(Pool):
     def _step_lanes(self, actions: list, resets) -> StepResult:
         self._refuse_async("step() cannot run")
         k, reset_set = self.k, set(resets or ())
-        packed = None if reset_set else _packed_rows(actions, k, self._action_rows)
+        packed = _packed_rows(actions, k, self._action_rows, reset_set)
         kinds: list[list[int]]
         if packed is None:
             entries: list[list] = [[None] * len(self.members(g)) for g in range(self.sandboxes)]
@@ -150,6 +150,10 @@ class GroupedPool(Pool):
                 entries[i // k][i % k] = [RESET, None, None] if i in reset_set else [STEPPED, action]
             packed = _packed(entries, actions, range(len(actions)))
             kinds = [_kinds(group) for group in entries]
+        elif reset_set:  # rows, and the envs in reset_set reset instead
+            kinds = [list(sent) for sent in self._all_stepped]
+            for i in reset_set:
+                kinds[i // k][i % k] = RESET
         else:  # every env steps
             kinds = self._all_stepped
         result = self.inner._step_lanes(packed, None)
@@ -180,6 +184,10 @@ class GroupedPool(Pool):
                 rewards[start:stop] = group_rewards
                 terminated[start:stop] = group_terminated
                 truncated[start:stop] = group_truncated
+                if sent is not self._all_stepped[g]:  # a reset's reward and flags: ours, whatever it sent
+                    for j, kind in enumerate(sent):
+                        if kind == RESET:
+                            rewards[start + j], terminated[start + j], truncated[start + j] = 0.0, False, False
                 group_obs = result.obs[g]
                 obs[start:stop] = list(group_obs[:count]) if type(group_obs) is not dict else _rows_of(group_obs, count)
                 if type(group_infos) is dict:  # columns, checked: each member's dict made below or when asked
@@ -611,8 +619,8 @@ def _batched_columns(groups: list, n: int) -> dict | None:
 
 def _stepped_whole(obs, info, sent: list) -> list | dict | None:
     """The members' infos (a list as sent, or the info columns, checked: _make_infos makes
-    each member's dict of them) when a group's reply is the plain one to a step of all its envs:
-    each env stepped, none failed, every field of the right type and count, obs rows for each (an
+    each member's dict of them) when a group's reply is the plain one to a turn of all its envs:
+    each env stepped or reset as sent, none failed, every field of the right type and count, obs rows for each (an
     array or a dict of arrays from the slot, or a list by the wire). What _check accepts, by
     whole-list operations; None sends the reply through _take, which checks it member by member
     and names what is wrong."""
@@ -631,7 +639,7 @@ def _stepped_whole(obs, info, sent: list) -> list | dict | None:
     if not (
         type(kinds) is list
         and kinds == sent
-        and sent.count(STEPPED) == count
+        and NOT_ASKED not in sent
         and _column(kinds, count, _INT)
         and _column(rewards, count, _NUMBERS)
         and _column(terminated, count, _BOOL)
@@ -672,13 +680,16 @@ def _packed(entries: list, actions: list, envs) -> list:
         raise
 
 
-def _packed_rows(actions: list, k: int, given: np.ndarray | None = None) -> list | None:
+def _packed_rows(
+    actions: list, k: int, given: np.ndarray | None = None, resets: set | frozenset = frozenset()
+) -> list | None:
     """Each group's actions as one array, a row per member (runtime/group.py gives each member its
     row), when every action is a numpy array of one shape and one numeric dtype (a Box's), or
     a numpy scalar of one type (a Discrete's, from the adapter): one array to pack and decode
     per group, not k. `given`: the (n, ...) array whose rows `actions` are, when they came so
-    (Pool._action_rows): its slices are packed as they are. None otherwise (_packed: an entry
-    per member)."""
+    (Pool._action_rows): its slices are packed as they are. The envs in `resets` are reset
+    instead (their row unused): each group's list of them goes third. None otherwise (_packed:
+    an entry per member)."""
     if not actions:
         return None
     first = actions[0]
@@ -707,7 +718,15 @@ def _packed_rows(actions: list, k: int, given: np.ndarray | None = None) -> list
                 return None
         rows = np.array(actions)  # the same dtype and shape, checked above: np.stack's result, faster
     try:
-        return [wire.pack([wire.STEP, rows[g : g + k]]) for g in range(0, len(actions), k)]
+        if not resets:
+            return [wire.pack([wire.STEP, rows[g : g + k]]) for g in range(0, len(actions), k)]
+        listed: list[list[int]] = [[] for _ in range(0, len(actions), k)]
+        for i in sorted(resets):
+            listed[i // k].append(i % k)
+        return [
+            wire.pack([wire.STEP, rows[g : g + k], listed[g // k]] if listed[g // k] else [wire.STEP, rows[g : g + k]])
+            for g in range(0, len(actions), k)
+        ]
     except (TypeError, ValueError, OverflowError):
         return None
 

@@ -9,7 +9,9 @@ To the worker a group is one env: one lane, one sandbox, one channel, one
 slot, one cgroup, the same state machine. What it carries is the group's:
 `entries` holds one item per member, `None` (not asked this turn), `[0,
 action]` (step) or `[1, seed, options]` (reset), and comes packed (the bin of
-`[STEP, entries]`, which the worker passes on undecoded); a RESET's seed is the same
+`[STEP, entries]`, which the worker passes on undecoded; or `[STEP, rows]`, one
+array with a row per member's action, and `[STEP, rows, [member, ...]]` when those
+members are reset instead, unseeded, as next-step autoreset asks); a RESET's seed is the same
 kind of table, `[[member, seed, options], ...]`. `results` is `[kinds,
 rewards, terminated, truncated, infos, errors]`, a list of one item per
 member each: kind -1 (not asked), 0 (stepped) or 1 (reset); an error is
@@ -278,12 +280,17 @@ class Group:
                 message = wire.decode(entries, self.from_worker)
             except ProtocolError as exc:
                 _serve.refuse_request(exc)
-            entries = message[1] if len(message) == 2 and message[0] == wire.STEP else None
+            entries = message[1] if len(message) in (2, 3) and message[0] == wire.STEP else None
             if getattr(entries, "ndim", 0) >= 1 and entries.shape[0] == count:
                 # Every member steps, its action a row of one array (pool/groups.py's _packed_rows):
                 # each gets its row, a read-only array of its own shape and dtype (of a 1-D array,
-                # the numpy scalar of its dtype), as one by one.
+                # the numpy scalar of its dtype), as one by one. The members listed third are
+                # reset instead, unseeded (next-step autoreset), their row unused.
                 entries = [[STEPPED, row] for row in entries]
+                for j in _listed(message[2] if len(message) == 3 else [], count):
+                    entries[j] = [RESET, None, None]
+            elif len(message) == 3:
+                entries = None
         if type(entries) is not list or len(entries) != count:
             raise ProtocolError(
                 f"a group of {count} envs got {len(entries) if type(entries) is list else entries!r:.40} entries"
@@ -477,6 +484,18 @@ class Group:
         except (TypeError, ValueError, OverflowError) as exc:
             message = f"{type(exc).__name__}: {phase}() returned a value that cannot cross the wire ({exc})"
             return wire.encode(_serve._failure(seq, phase, ValueError(message), self.max_str))
+
+
+def _listed(members: Any, count: int) -> list[int]:
+    """The members a rows STEP resets: distinct ints in range(count), ascending; ProtocolError else."""
+    if type(members) is not list or len(members) > count:
+        raise ProtocolError(f"a group of {count} envs got {members!r:.40} as the members to reset")
+    last = -1
+    for j in members:
+        if type(j) is not int or not last < j < count:
+            raise ProtocolError(f"a group of {count} envs got {members!r:.40} as the members to reset")
+        last = j
+    return members
 
 
 def _none() -> None:
