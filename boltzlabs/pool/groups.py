@@ -631,11 +631,9 @@ def _stepped_whole(obs, info, sent: list) -> list | dict | None:
     if type(results) is not list or len(results) != 6:
         return None
     kinds, rewards, terminated, truncated, infos, errors = results
-    columns = None
-    if type(infos) is dict:
-        if not _columns_of(infos, count):
-            return None
-        columns, infos = infos, [None] * count
+    columns = infos if type(infos) is dict else None
+    if columns is not None and not _columns_of(columns, count):
+        return None
     if not (
         type(kinds) is list
         and kinds == sent
@@ -644,7 +642,7 @@ def _stepped_whole(obs, info, sent: list) -> list | dict | None:
         and _column(rewards, count, _NUMBERS)
         and _column(terminated, count, _BOOL)
         and _column(truncated, count, _BOOL)
-        and _column(infos, count, _INFO)
+        and (columns is not None or _column(infos, count, _INFO))
         and type(errors) is list
         and errors.count(None) == count == len(errors)
     ):
@@ -657,7 +655,7 @@ def _stepped_whole(obs, info, sent: list) -> list | dict | None:
         whole = type(obs) is dict and _rows(obs) >= count
     if not whole:
         return None
-    return columns if columns is not None else infos
+    return infos
 
 
 def _column(values, count: int, types: frozenset) -> bool:
