@@ -12,6 +12,14 @@ taking turns (`--rounds` rounds of `--chunk` seconds each):
   memory, one pipe message per group per step (rewards and done flags in it),
   autoreset in the same step. What grouping gives before anything of ours
   (the prototype docs/performance.md names);
+- lean k=K: our sandboxes and our direct C step (the same fan-out, the same
+  check of each reply in C, the same frames and slots) with the least Python
+  around them: the decode, whether each group answered every env as asked with
+  no error, its slot's sequence number, the obs rows copied into one batch,
+  rewards and flags as arrays. None of the adapter, the pool's input checks,
+  episode bookkeeping, infos or per-env obs: what our layers cost is
+  boltzlabs' step less this one (a measurement, not a product path; left out
+  where the C step is not built);
 - boltzlabs k=K: BoltzLabsVecEnv over RLPool(env, n, envs_per_sandbox=k).
 
 Then where a step of ours goes, medians over its steps, from the pool's own
@@ -130,6 +138,83 @@ class Sync:
         self.vec.close()
 
 
+class Lean:
+    """Our groups stepped by the direct C step with the least Python around it (the docstring above)."""
+
+    def __init__(self, env_id: str, n: int, k: int) -> None:
+        self.name = f"lean k={k}"
+        self.pool = RLPool(f"gym://{env_id}", n, envs_per_sandbox=k, progress=False)
+        self.pool.reset(seed=0)
+        self.inner = self.pool.inner
+        self.counts = [len(self.pool.members(g)) for g in range(self.pool.sandboxes)]
+        self.k, self.n = k, n
+        self.autoreset = np.zeros(n, dtype=np.bool_)
+        if self.inner._lend() is None:
+            self.pool.close()
+            raise RuntimeError("no direct step here (the C step is not built)")
+
+    def step(self, actions) -> None:
+        from boltzlabs import wire
+        from boltzlabs.pool import client, groups
+
+        inner, k = self.inner, self.k
+        lent = inner._lent
+        if lent.next >= lent.end:  # the lending's sequence numbers are used up
+            inner._unlend()
+            lent = inner._lend()
+        resets = np.flatnonzero(self.autoreset).tolist()
+        listed: list = [[] for _ in self.counts]
+        for i in resets:
+            listed[i // k].append(i % k)
+        packed = wire.pack(
+            [
+                wire.pack([wire.STEP, actions[g * k : g * k + count]] + ([listed[g]] if listed[g] else []))
+                for g, count in enumerate(self.counts)
+            ]
+        )
+        batch = lent.fastpath.step(
+            lent.epoll.fileno(),
+            lent.chans,
+            lent.wchans,
+            packed,
+            lent.next,
+            lent.no_resets,
+            time.monotonic() + lent.step_timeout,
+            lent.caps,
+            lent.room,
+        )
+        lent.next += 1
+        if batch is None or batch.rest:
+            raise RuntimeError("a group did not answer the direct step plainly")
+        obs, _, _, _, infos, _ = wire.decode(
+            client._REPLY_OF_TWO + batch.compose({}, wire.pack([])), inner._reader.limits
+        )[1]
+        slots = inner._slots
+        _, dtype, shape, _ = slots.leaves[0]
+        out = np.empty((self.n, *shape[1:]), dtype)
+        rewards: list = []
+        terminated: list = []
+        truncated: list = []
+        for g, count in enumerate(self.counts):
+            if wire.SLOT_HEADER.unpack(slots.maps[g][: wire.SLOT_HEADER.size])[2] != obs[g].seq:
+                raise RuntimeError(f"group {g}'s slot is not of this step")
+            out[g * k : g * k + count] = slots.views[g][0][:count]
+            kinds, group_rewards, group_terminated, group_truncated, _, errors = infos[g][groups.GROUP_KEY]
+            sent = [groups.RESET if j in listed[g] else groups.STEPPED for j in range(count)]
+            if kinds != sent or errors.count(None) != count:
+                raise RuntimeError(f"group {g} did not answer every env as asked: {errors}")
+            rewards += group_rewards
+            terminated += group_terminated
+            truncated += group_truncated
+        ends = np.array(terminated, dtype=np.bool_) | np.array(truncated, dtype=np.bool_)
+        ends[resets] = False
+        self.autoreset = ends
+        self.last = out, np.array(rewards), ends
+
+    def close(self) -> None:
+        self.pool.close()
+
+
 class Ours:
     def __init__(self, env_id: str, n: int, k: int) -> None:
         self.name = f"boltzlabs k={k}"
@@ -160,8 +245,11 @@ def main(argv=None) -> int:
         parser.error("needs n >= 1, 1 <= k <= n, rounds >= 1 and chunk > 0")
     impls: list = []
     try:
-        for make in (Sync, Floor, Ours):
-            impls.append(make(args.env, args.n, args.k))
+        for make in (Sync, Floor, Lean, Ours):
+            try:
+                impls.append(make(args.env, args.n, args.k))
+            except RuntimeError as exc:  # Lean, where there is no direct step
+                print(f"{make.__name__}: left out ({exc})", file=sys.stderr)
         space = impls[0].vec.action_space
         space.seed(0)
         bank = [space.sample() for _ in range(BANK)]
@@ -190,6 +278,12 @@ def main(argv=None) -> int:
         f"{step - roundtrip:,.0f} us (the adapter and the grouped pool around the call). The floor's step: "
         f"{args.n / statistics.median(rates['floor']) * 1e6:,.0f} us."
     )
+    lean = [name for name in rates if name.startswith("lean")]
+    if lean:
+        print(
+            f"The lean step: {args.n / statistics.median(rates[lean[0]]) * 1e6:,.0f} us (our sandboxes and C step, "
+            "the least Python around them)."
+        )
     return 0
 
 

@@ -1513,8 +1513,12 @@ def test_envs_per_sandbox_groups_with_every_spelling_of_the_arguments(args, kwar
 
 
 def test_the_group_floor_benchmark_prints_each_implementation_and_where_a_step_goes():
-    """benchmarks/bench_group_floor.py, tiny (a smoke run): its three rows, in order, and where a
-    step of ours goes."""
+    """benchmarks/bench_group_floor.py, tiny (a smoke run, autoresets and a smaller last group
+    included): its rows, in order, and where a step of ours goes; the lean step where the direct C
+    step is built, said to be left out where it is not."""
+    from boltzlabs.worker import native
+
+    lean = ["lean k=2"] if native.load()[0] is not None else []
     out = subprocess.run(
         [
             sys.executable,
@@ -1536,8 +1540,12 @@ def test_the_group_floor_benchmark_prints_each_implementation_and_where_a_step_g
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "env-steps/s" not in line]
-    assert [row.split("|")[1].strip() for row in rows] == ["sync", "floor", "boltzlabs k=2"], out.stdout
+    assert [row.split("|")[1].strip() for row in rows] == ["sync", "floor", *lean, "boltzlabs k=2"], out.stdout
     assert "A step of ours" in out.stdout and "The floor's step" in out.stdout, out.stdout
+    if lean:
+        assert "The lean step" in out.stdout, out.stdout
+    else:
+        assert "Lean: left out (no direct step here" in out.stderr, out.stderr
 
 
 def test_the_group_floor_benchmark_refuses_a_group_larger_than_the_pool():
