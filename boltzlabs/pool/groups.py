@@ -141,21 +141,19 @@ class GroupedPool(Pool):
 
     def _step_lanes(self, actions: list, resets) -> StepResult:
         self._refuse_async("step() cannot run")
-        k, reset_set = self.k, set(resets or ())
-        packed = _packed_rows(actions, k, self._action_rows, reset_set)
-        kinds: list[list[int]]
-        if packed is None:
-            entries: list[list] = [[None] * len(self.members(g)) for g in range(self.sandboxes)]
-            for i, action in enumerate(actions):
-                entries[i // k][i % k] = [RESET, None, None] if i in reset_set else [STEPPED, action]
-            packed = _packed(entries, actions, range(len(actions)))
-            kinds = [_kinds(group) for group in entries]
-        elif reset_set:  # rows, and the envs in reset_set reset instead
-            kinds = [list(sent) for sent in self._all_stepped]
-            for i in reset_set:
+        k = self.k
+        kinds: list[list[int]] = self._all_stepped  # the kind sent to each member: every env steps
+        if resets:  # but these reset instead
+            kinds = [list(sent) for sent in kinds]
+            for i in resets:
                 kinds[i // k][i % k] = RESET
-        else:  # every env steps
-            kinds = self._all_stepped
+        packed = _packed_rows(actions, k, self._action_rows, kinds if resets else None)
+        if packed is None:
+            entries = [
+                [[RESET, None, None] if kind == RESET else [STEPPED, actions[g * k + j]] for j, kind in enumerate(sent)]
+                for g, sent in enumerate(kinds)
+            ]
+            packed = _packed(entries, actions, range(len(actions)))
         result = self.inner._step_lanes(packed, None)
         n = self.n
         obs: list = [None] * n
@@ -678,16 +676,14 @@ def _packed(entries: list, actions: list, envs) -> list:
         raise
 
 
-def _packed_rows(
-    actions: list, k: int, given: np.ndarray | None = None, resets: set | frozenset = frozenset()
-) -> list | None:
+def _packed_rows(actions: list, k: int, given: np.ndarray | None = None, kinds: list | None = None) -> list | None:
     """Each group's actions as one array, a row per member (runtime/group.py gives each member its
     row), when every action is a numpy array of one shape and one numeric dtype (a Box's), or
     a numpy scalar of one type (a Discrete's, from the adapter): one array to pack and decode
     per group, not k. `given`: the (n, ...) array whose rows `actions` are, when they came so
-    (Pool._action_rows): its slices are packed as they are. The envs in `resets` are reset
-    instead (their row unused): each group's list of them goes third. None otherwise (_packed:
-    an entry per member)."""
+    (Pool._action_rows): its slices are packed as they are. `kinds`: the kind sent to each
+    member of each group, when some reset instead (their row unused): each group's list of
+    them goes third. None otherwise (_packed: an entry per member)."""
     if not actions:
         return None
     first = actions[0]
@@ -715,16 +711,13 @@ def _packed_rows(
             ):
                 return None
         rows = np.array(actions)  # the same dtype and shape, checked above: np.stack's result, faster
+    messages = [[wire.STEP, rows[g : g + k]] for g in range(0, len(actions), k)]
+    for message, sent in zip(messages, kinds or ()):
+        reset = [j for j, kind in enumerate(sent) if kind == RESET]
+        if reset:
+            message.append(reset)
     try:
-        if not resets:
-            return [wire.pack([wire.STEP, rows[g : g + k]]) for g in range(0, len(actions), k)]
-        listed: list[list[int]] = [[] for _ in range(0, len(actions), k)]
-        for i in sorted(resets):
-            listed[i // k].append(i % k)
-        return [
-            wire.pack([wire.STEP, rows[g : g + k], listed[g // k]] if listed[g // k] else [wire.STEP, rows[g : g + k]])
-            for g in range(0, len(actions), k)
-        ]
+        return [wire.pack(message) for message in messages]
     except (TypeError, ValueError, OverflowError):
         return None
 
