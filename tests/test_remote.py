@@ -333,7 +333,6 @@ def test_env_dir_over_the_code_cap_is_refused(tmp_path, env_dir):
     ],
 )
 def test_a_remote_client_cannot_pass_the_workers_ceilings(worker, kwargs, asked, ceiling, flag):
-    started = time.monotonic()
     spawned = []  # every process below the listener while the refused pool was being opened
     watching = threading.Event()
 
@@ -353,7 +352,6 @@ def test_a_remote_client_cannot_pass_the_workers_ceilings(worker, kwargs, asked,
     assert "bwrap" not in spawned and "setpriv" not in spawned, spawned  # refused before any sandbox started
     text = str(refused.value)
     assert asked in text and f"ceiling of {ceiling}" in text and flag in text, text
-    assert time.monotonic() - started < 5  # refused before any sandbox started
     assert "env 0" not in text
 
 
