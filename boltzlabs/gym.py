@@ -391,7 +391,7 @@ class BoltzLabsVecEnv(VectorEnv):
             raise ValueError(f"step() needs {n} actions, one per env; got {len(items)}")
         resets = None
         if mode == AutoresetMode.NEXT_STEP:
-            resets = np.flatnonzero(self._autoreset).tolist()
+            resets = np.flatnonzero(self._autoreset).tolist() if np.count_nonzero(self._autoreset) else None
         elif mode == AutoresetMode.DISABLED and self._autoreset.any():
             lanes = np.flatnonzero(self._autoreset).tolist()
             raise ValueError(
@@ -689,6 +689,8 @@ def _batch_infos(infos: list, n: int) -> dict | None:
     first = infos[0]
     if type(first) is not dict:
         return None
+    if not first and not any(infos):  # every info empty (LunarLander's, CartPole's): no key to batch
+        return {} if infos.count({}) == len(infos) else None
     keys = tuple(first)
     for info in infos:
         if type(info) is not dict or len(info) != len(keys) or tuple(info) != keys:

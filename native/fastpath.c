@@ -484,6 +484,50 @@ static int read_uint(const unsigned char *buf, size_t *pos, size_t end, uint64_t
     return 1;
 }
 
+/* A msgpack number at buf[*pos] (float 32 or 64, or an int of any width), as Python's float()
+ * of its decoding gives it: 1 and *value, or 0 (anything else, a bool included). */
+static int read_number(const unsigned char *buf, size_t *pos_io, size_t end, double *value)
+{
+    size_t pos = *pos_io;
+    uint64_t v;
+    if (pos >= end)
+        return 0;
+    unsigned b = buf[pos];
+    if (b == 0xca) {
+        if (end - pos < 5)
+            return 0;
+        uint32_t bits = (uint32_t)big_endian(buf + pos + 1, 4);
+        float f;
+        memcpy(&f, &bits, 4);
+        *value = (double)f;
+        pos += 5;
+    } else if (b == 0xcb) {
+        if (end - pos < 9)
+            return 0;
+        uint64_t bits = big_endian(buf + pos + 1, 8);
+        memcpy(value, &bits, 8);
+        pos += 9;
+    } else if (b <= 0x7f || (b >= 0xcc && b <= 0xcf)) {
+        if (!read_uint(buf, &pos, end, &v))
+            return 0;
+        *value = (double)v; /* rounded to nearest, as float(int) */
+    } else if (b >= 0xe0) {
+        *value = (double)(int8_t)b;
+        pos++;
+    } else if (b >= 0xd0 && b <= 0xd3) {
+        int width = 1 << (b - 0xd0);
+        if (end - pos - 1 < (size_t)width)
+            return 0;
+        v = big_endian(buf + pos + 1, width);
+        int64_t s = width == 1 ? (int8_t)v : width == 2 ? (int16_t)v : width == 4 ? (int32_t)v : (int64_t)v;
+        *value = (double)s;
+        pos += 1 + width;
+    } else
+        return 0;
+    *pos_io = pos;
+    return 1;
+}
+
 /* What vouch() found in one reply: where obs and info lie, and the scalars. */
 typedef struct {
     size_t obs, obs_len, info, info_len; /* offsets into the bytes read */
@@ -534,39 +578,7 @@ static int vouch(const unsigned char *buf, size_t got, const Caps *caps, int res
     lane->reward = 0.0;
     lane->terminated = lane->truncated = 0;
     if (!reset) {
-        if (pos >= end)
-            return 0;
-        b = buf[pos];
-        if (b == 0xca) {
-            if (end - pos < 5)
-                return 0;
-            uint32_t bits = (uint32_t)big_endian(buf + pos + 1, 4);
-            float f;
-            memcpy(&f, &bits, 4);
-            lane->reward = (double)f;
-            pos += 5;
-        } else if (b == 0xcb) {
-            if (end - pos < 9)
-                return 0;
-            uint64_t bits = big_endian(buf + pos + 1, 8);
-            memcpy(&lane->reward, &bits, 8);
-            pos += 9;
-        } else if (b <= 0x7f || (b >= 0xcc && b <= 0xcf)) {
-            if (!read_uint(buf, &pos, end, &value))
-                return 0;
-            lane->reward = (double)value; /* rounded to nearest, as float(int) */
-        } else if (b >= 0xe0) {
-            lane->reward = (double)(int8_t)b;
-            pos++;
-        } else if (b >= 0xd0 && b <= 0xd3) {
-            int width = 1 << (b - 0xd0);
-            if (end - pos - 1 < (size_t)width)
-                return 0;
-            uint64_t v = big_endian(buf + pos + 1, width);
-            int64_t s = width == 1 ? (int8_t)v : width == 2 ? (int16_t)v : width == 4 ? (int32_t)v : (int64_t)v;
-            lane->reward = (double)s;
-            pos += 1 + width;
-        } else
+        if (!read_number(buf, &pos, end, &lane->reward))
             return 0;
         if (end - pos < 2 || (buf[pos] & 0xfe) != 0xc2 || (buf[pos + 1] & 0xfe) != 0xc2)
             return 0;
@@ -584,6 +596,99 @@ static int vouch(const unsigned char *buf, size_t got, const Caps *caps, int res
         return 0;
     lane->info_len = pos - lane->info;
     return pos == end; /* msgpack.unpackb: no extra data */
+}
+
+/* --- A group's reply, read whole (runtime/group.py, pool/groups.py) ------------------------
+ *
+ * A sandbox of k envs answers a step with one reply whose info is {GROUP_KEY: [kinds, rewards,
+ * terminated, truncated, infos, errors]}, a list of one item per member each. group_whole()
+ * reads the plain reply to a turn of all its members straight into the trainer's arrays: only
+ * when it is exactly what pool/groups.py's _stepped_whole accepts (each member answered as
+ * sent, rewards numbers, flags bools, no error) and its obs is in the group's slot. Anything
+ * else, however valid, is left to Python (the caller decodes the reply as ever): C never
+ * accepts what Python would refuse, nor reads it otherwise. */
+
+#define GROUP_KEY "boltzlabs.group"
+#define GROUP_KEY_LEN 15
+
+/* An array header at buf[*pos] of exactly `count` items: 1, or 0. */
+static int array_of(const unsigned char *buf, size_t *pos, size_t end, uint64_t count)
+{
+    uint64_t n;
+    if (*pos >= end)
+        return 0;
+    unsigned b = buf[(*pos)++];
+    if (b >= 0x90 && b <= 0x9f)
+        n = b & 0x0f;
+    else if (b != 0xdc && b != 0xdd)
+        return 0;
+    else if (!take_len(buf, pos, end, 2 << (b - 0xdc), &n))
+        return 0;
+    return n == count;
+}
+
+/* Whether lane's vouched reply in buf is a group's whole answer to `sent` (count members,
+ * each STEPPED 0 or RESET 1). If so: each member's reward and flags in rewards, terminated,
+ * truncated (a reset member's 0.0, False, False, as the trainer gives it), and *infos_len 0
+ * when every member's info is empty ({} or nil), else *infos_at and *infos_len span the infos
+ * item for Python to decode and check (info columns, or a list of dicts). */
+static int group_whole(const unsigned char *buf, const Lane *lane, const unsigned char *sent, size_t count,
+                       double *rewards, unsigned char *terminated, unsigned char *truncated, size_t *infos_at,
+                       size_t *infos_len)
+{
+    if (lane->obs_len != 10 || buf[lane->obs] != 0xd7 || buf[lane->obs + 1] != SLOT_EXT)
+        return 0; /* the obs by the wire: Python's */
+    size_t pos = lane->info, end = lane->info + lane->info_len;
+    if (end - pos < 2 + GROUP_KEY_LEN || buf[pos] != 0x81 || buf[pos + 1] != (0xa0 | GROUP_KEY_LEN) ||
+        memcmp(buf + pos + 2, GROUP_KEY, GROUP_KEY_LEN) != 0)
+        return 0;
+    pos += 2 + GROUP_KEY_LEN;
+    if (pos >= end || buf[pos++] != 0x96) /* [kinds, rewards, terminated, truncated, infos, errors] */
+        return 0;
+    if (!array_of(buf, &pos, end, count))
+        return 0;
+    for (size_t j = 0; j < count; j++) /* kinds: each as sent (0 or 1, a positive fixint) */
+        if (pos >= end || sent[j] > 1 || buf[pos++] != sent[j])
+            return 0;
+    if (!array_of(buf, &pos, end, count))
+        return 0;
+    for (size_t j = 0; j < count; j++)
+        if (!read_number(buf, &pos, end, &rewards[j]))
+            return 0;
+    unsigned char *flags[2] = {terminated, truncated};
+    for (int f = 0; f < 2; f++) {
+        if (!array_of(buf, &pos, end, count) || end - pos < count)
+            return 0;
+        for (size_t j = 0; j < count; j++, pos++) {
+            if ((buf[pos] & 0xfe) != 0xc2)
+                return 0;
+            flags[f][j] = buf[pos] & 1;
+        }
+    }
+    /* infos: every one {} or nil (nothing to decode), or anything else, spanned for Python */
+    size_t at = pos, p = pos;
+    int empty = array_of(buf, &p, end, count) && end - p >= count;
+    for (size_t j = 0; j < count && empty; j++)
+        empty = buf[p + j] == 0x80 || buf[p + j] == 0xc0;
+    if (empty) {
+        pos = p + count;
+        *infos_len = 0;
+    } else {
+        uint64_t objects = 0; /* vouch() walked these bytes under the caps: a structural walk */
+        if (!walk(buf, &pos, end, 1, NULL, &objects))
+            return 0;
+        *infos_at = at;
+        *infos_len = pos - at;
+    }
+    if (!array_of(buf, &pos, end, count) || end - pos != count)
+        return 0;
+    for (size_t j = 0; j < count; j++, pos++) /* errors: none */
+        if (buf[pos] != 0xc0)
+            return 0;
+    for (size_t j = 0; j < count; j++)
+        if (sent[j] == 1)
+            rewards[j] = 0.0, terminated[j] = truncated[j] = 0;
+    return 1;
 }
 
 static int parse_caps(PyObject *obj, Caps *caps)
@@ -773,8 +878,84 @@ out:
     return result;
 }
 
+/* A writable buffer of exactly `size` bytes (a C-contiguous numpy array), or 0 with TypeError. */
+static int out_buffer(PyObject *obj, Py_buffer *view, size_t size, const char *name)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+        return 0;
+    if ((size_t)view->len != size) {
+        PyErr_Format(PyExc_ValueError, "groups: %s holds %zd bytes, not %zu", name, view->len, size);
+        PyBuffer_Release(view);
+        return 0;
+    }
+    return 1;
+}
+
+PyDoc_STRVAR(groups_doc,
+"groups(sent, k, rewards, terminated, truncated) -> list or None\n\n"
+"A grouped pool's step read whole: when every lane completed and each is its\n"
+"group's plain answer to `sent` (bytes, the kind sent to each env: 0 stepped,\n"
+"1 reset; lane g holds envs g*k up to k of them), its obs in its slot, each\n"
+"env's reward and flags go into rewards (float64), terminated and truncated\n"
+"(bool) at its index (a reset env's 0.0, False, False), and the result is one\n"
+"item per lane: None where every member's info is empty, else the msgpack\n"
+"bytes of its infos item, for Python to decode and check. None, with the\n"
+"arrays' contents undefined, when any lane is otherwise: compose() as ever.");
+
+static PyObject *batch_groups(Batch *self, PyObject *args)
+{
+    Py_buffer sent;
+    Py_ssize_t k;
+    PyObject *objs[3], *result = NULL;
+    Py_buffer views[3];
+    int held = 0;
+    if (!PyArg_ParseTuple(args, "y*nOOO:groups", &sent, &k, &objs[0], &objs[1], &objs[2]))
+        return NULL;
+    size_t envs = (size_t)sent.len;
+    if (k < 1 || self->n < 1 || (size_t)(self->n - 1) * (size_t)k >= envs || (size_t)self->n * (size_t)k < envs) {
+        PyErr_Format(PyExc_ValueError, "groups: %zd lanes of k = %zd do not hold %zu envs", self->n, k, envs);
+        goto out;
+    }
+    const size_t sizes[3] = {8 * envs, envs, envs};
+    const char *names[3] = {"rewards", "terminated", "truncated"};
+    for (; held < 3; held++)
+        if (!out_buffer(objs[held], &views[held], sizes[held], names[held]))
+            goto out;
+    result = PyList_New(self->n);
+    if (result == NULL)
+        goto out;
+    double *rewards = (double *)views[0].buf;
+    for (Py_ssize_t g = 0; g < self->n; g++) {
+        size_t first = (size_t)g * (size_t)k, count = envs - first < (size_t)k ? envs - first : (size_t)k;
+        size_t at = 0, len = 0;
+        const Lane *lane = &self->lanes[g];
+        if (lane->state != LANE_DONE ||
+            !group_whole(self->buf, lane, (const unsigned char *)sent.buf + first, count, rewards + first,
+                         (unsigned char *)views[1].buf + first, (unsigned char *)views[2].buf + first, &at, &len)) {
+            Py_CLEAR(result);
+            result = Py_None;
+            Py_INCREF(result);
+            goto out;
+        }
+        PyObject *item = len ? PyBytes_FromStringAndSize((const char *)self->buf + at, (Py_ssize_t)len) : Py_None;
+        if (item == NULL) {
+            Py_CLEAR(result);
+            goto out;
+        }
+        if (!len)
+            Py_INCREF(item);
+        PyList_SET_ITEM(result, g, item);
+    }
+out:
+    while (held > 0)
+        PyBuffer_Release(&views[--held]);
+    PyBuffer_Release(&sent);
+    return result;
+}
+
 static PyMethodDef batch_methods[] = {
     {"compose", (PyCFunction)batch_compose, METH_VARARGS, compose_doc},
+    {"groups", (PyCFunction)batch_groups, METH_VARARGS, groups_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1213,6 +1394,65 @@ out:
     return ret;
 }
 
+PyDoc_STRVAR(group_reply_doc,
+"group_reply(data, seq, caps, sent) -> (rewards, terminated, truncated, infos) or None\n\n"
+"vouch() of one STEPPED reply, then what Batch.groups() reads of it as the\n"
+"reply of a group of len(sent) envs: lists of each member's reward and flags,\n"
+"and the infos item's msgpack bytes (None: every info empty); None where\n"
+"groups() leaves it to Python. For tests and fuzzing.");
+
+static PyObject *py_group_reply(PyObject *self, PyObject *args)
+{
+    Py_buffer view, sent;
+    unsigned long long seq;
+    PyObject *caps_obj, *ret = NULL;
+    Caps caps;
+    Lane lane;
+    if (!PyArg_ParseTuple(args, "y*KO!y*:group_reply", &view, &seq, &PyTuple_Type, &caps_obj, &sent))
+        return NULL;
+    size_t count = (size_t)sent.len;
+    /* Copies of exactly the bytes given, and arrays of exactly count: ASan sees any access past them. */
+    unsigned char *copy = PyMem_Malloc(view.len ? (size_t)view.len : 1);
+    double *rewards = PyMem_Malloc(count ? count * sizeof(double) : 1);
+    unsigned char *flags = PyMem_Malloc(count ? 2 * count : 1);
+    if (copy == NULL || rewards == NULL || flags == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    if (!parse_caps(caps_obj, &caps))
+        goto out;
+    memcpy(copy, view.buf, (size_t)view.len);
+    size_t at = 0, len = 0;
+    if (!vouch(copy, (size_t)view.len, &caps, 0, seq, &lane) ||
+        !group_whole(copy, &lane, (const unsigned char *)sent.buf, count, rewards, flags, flags + count, &at, &len)) {
+        ret = Py_None;
+        Py_INCREF(ret);
+        goto out;
+    }
+    PyObject *r = PyList_New((Py_ssize_t)count), *te = PyList_New((Py_ssize_t)count),
+             *tr = PyList_New((Py_ssize_t)count);
+    for (size_t j = 0; r && te && tr && j < count; j++) {
+        PyList_SET_ITEM(r, j, PyFloat_FromDouble(rewards[j]));
+        PyList_SET_ITEM(te, j, PyBool_FromLong(flags[j]));
+        PyList_SET_ITEM(tr, j, PyBool_FromLong(flags[count + j]));
+    }
+    if (r && te && tr)
+        ret = len ? Py_BuildValue("(NNNy#)", r, te, tr, (const char *)copy + at, (Py_ssize_t)len)
+                  : Py_BuildValue("(NNNO)", r, te, tr, Py_None);
+    else {
+        Py_XDECREF(r);
+        Py_XDECREF(te);
+        Py_XDECREF(tr);
+    }
+out:
+    PyMem_Free(copy);
+    PyMem_Free(rewards);
+    PyMem_Free(flags);
+    PyBuffer_Release(&view);
+    PyBuffer_Release(&sent);
+    return ret;
+}
+
 PyDoc_STRVAR(keep_heap_doc,
 "keep_heap() -> bool\n\n"
 "Ask glibc's malloc to serve blocks under 32 MiB from the heap and to keep up\n"
@@ -1238,6 +1478,7 @@ static PyMethodDef methods[] = {
     {"step", step, METH_VARARGS, step_doc},
     {"keep_heap", keep_heap, METH_NOARGS, keep_heap_doc},
     {"vouch", py_vouch, METH_VARARGS, vouch_doc},
+    {"group_reply", py_group_reply, METH_VARARGS, group_reply_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1177,6 +1177,53 @@ def lent(pool) -> bool:
 
 
 @needs_native
+def test_a_direct_step_reads_each_groups_reply_whole_in_c_as_python_reads_it(env_dir, pool_factory):
+    """The hot path of a grouped step (GroupedPool._read_whole: Batch.groups reads every group's
+    plain reply into the arrays, the slots give the obs) gives exactly what decoding each reply
+    and checking it group by group gives: every step of it, autoresets and info columns included."""
+    source = env_dir(ROWS_ENV)
+    fast, slow = pool_factory(source, 7, envs_per_sandbox=3), pool_factory(source, 7, envs_per_sandbox=3)
+    read = []
+    whole = fast._read_whole
+
+    def counted(*args):
+        step = whole(*args)
+        read.append(step is not None)
+        return step
+
+    fast._read_whole = counted
+    slow._read_whole = lambda *args: None  # every reply decoded, as without C
+    for pool in (fast, slow):
+        pool.reset(seed=0)
+    rng = np.random.default_rng(2)
+    resets = None
+    left = []  # the steps whose infos were left in the columns
+    for step in range(8):
+        actions = rng.uniform(-5, 5, (7, 3)).astype(np.float32)
+        if step in (2, 5):
+            actions[[1, 6], 0] = 20.0  # envs 1 and 6 terminate: the next step resets them
+        lazy = step % 2 == 1
+        got, want = (pool.step_full(actions, resets, lazy_infos=lazy) for pool in (fast, slow))
+        assert [o.tolist() for o in got.obs] == [o.tolist() for o in want.obs], step
+        assert all(type(o) is np.ndarray and not o.flags.writeable for o in got.obs)
+        for mine, theirs in zip(got[1:4], want[1:4]):
+            assert mine.dtype == theirs.dtype and mine.tolist() == theirs.tolist(), step
+        assert got.infos == want.infos, step
+        if got.infos == [None] * 7:  # lazy: left in the groups' columns, batched when asked
+            left.append(step)
+            for key, value in slow.batched_infos(want.infos).items():
+                assert fast.batched_infos(got.infos)[key].tolist() == value.tolist()
+        elif step not in (3, 6):  # each env's dict made of the columns (a step with resets sends dicts)
+            assert got.infos[0] == {"x": 0.0, "y": float(actions[0, 1])}
+        assert np.array_equal(fast.batched_obs(got.obs), slow.batched_obs(want.obs))
+        assert fast.finished_episodes == [] or [e["length"] for e in fast.finished_episodes] == [
+            e["length"] for e in slow.finished_episodes
+        ]
+        resets = np.flatnonzero(got.terminated).tolist() or None
+    assert read == [True] * 8 and left == [1, 5, 7]
+
+
+@needs_native
 def test_a_local_grouped_pool_steps_its_sandboxes_itself_with_the_workers_results(pool_factory):
     """The direct step gives what the worker's step gives: the same obs (through the slots), rewards,
     flags and infos, autoresets included, for the same seeds and actions."""
@@ -1463,6 +1510,58 @@ def test_a_group_gives_an_env_it_resets_no_reward_no_ending_and_no_other_kind(en
         assert "member 1 was sent kind 1 and answered kind 0" in result.infos[i]["error"], result.infos[i]
         assert result.truncated[i] and result.obs[i] is None
     assert result.infos[2:] == [{}, {}] and result.obs[2:] == [1, 1]
+
+
+class _Returns(tuple):
+    """A tuple of another type: the step's return takes the checked path."""
+
+
+@pytest.mark.parametrize(
+    "returned, expected",
+    [
+        ((np.zeros(2), 1.5, False, True, {"a": 1}), (1.5, False, True, {"a": 1}, None)),
+        ((np.zeros(2), np.float32(2.0), np.bool_(True), 0, {}), (2.0, True, False, {}, None)),
+        ((np.zeros(2), 3, 1, {}), (3.0, True, False, {}, None)),  # the 4-tuple: done, never truncated
+        ((np.zeros(2), 1.0, False, False, None), (1.0, False, False, {}, None)),  # no info: {}
+        (_Returns((np.zeros(2), 4.0, False, False, {})), (4.0, False, False, {}, None)),
+        ((np.zeros(2), "much", False, False, {}), "ValueError: could not convert string to float"),
+        ((np.zeros(2), 1.0, False, False, [1]), "TypeError: step() returned info of type list; expected a dict"),
+        ((np.zeros(2), 1.0, False), "TypeError: step() returned tuple of length 3"),
+        ([np.zeros(2), 1.0, False, False, {}], "TypeError: step() returned list"),
+    ],
+)
+def test_a_members_step_return_is_taken_or_fails_that_member_alone(returned, expected):
+    """Whatever one member's step returns, the group's turn takes it as serve() does for an env
+    of its own (reward a float, flags bools, info a dict) or fails that member alone."""
+    from boltzlabs import wire
+    from boltzlabs.runtime.group import GROUP_KEY, RESET, STEPPED, Group
+
+    def member(result):
+        return {
+            "step": lambda action: result,
+            "reset": lambda seed, options: (np.zeros(2), {}),
+            "observation_space": None,
+            "action_space": None,
+        }
+
+    plain = (np.ones(2), 0.5, False, False, {})
+    group = Group([member(plain), member(returned), member(plain)], 3, 0)
+
+    class Channel:
+        space = None
+
+    group.turn(Channel, 1, [[RESET, None, None]] * 3, wire.RESET_DONE)
+    data = group.turn(Channel, 2, [[STEPPED, 0]] * 3, wire.STEPPED)
+    frame = wire.decode(data[wire.HEADER.size :], wire.Limits(1 << 20))
+    kinds, rewards, terminated, truncated, infos, errors = frame[6][GROUP_KEY]
+    assert kinds == [STEPPED] * 3
+    for j in (0, 2):  # the others stepped as ever
+        assert (rewards[j], terminated[j], truncated[j], infos[j], errors[j]) == (0.5, False, False, {}, None)
+    if isinstance(expected, tuple):
+        got = (rewards[1], terminated[1], truncated[1], infos[1], errors[1])
+        assert got == expected and [type(x) for x in got[:3]] == [float, bool, bool]
+    else:
+        assert errors[1][0] == "step" and errors[1][1].startswith(expected), errors[1]
 
 
 @pytest.mark.parametrize("members", [[1, 0], [0, 0], [2], ["0"], [True], [-1], 1, [0, 1, 1]])

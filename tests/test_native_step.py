@@ -118,6 +118,12 @@ values = st.recursive(
 )
 rewards = st.floats() | st.integers(-(2**63), 2**64 - 1) | st.floats(width=32).map(np.float32).map(float)
 infos = st.dictionaries(keys, values, max_size=4)
+# Edits of a frame (mutated()): (offset, byte, how), one to four of them.
+EDITS = st.lists(
+    st.tuples(st.integers(0, 1 << 16), st.integers(0, 255), st.sampled_from(["flip", "insert", "delete", "cut"])),
+    min_size=1,
+    max_size=4,
+)
 
 
 class Packed(bytes):
@@ -174,15 +180,20 @@ def test_valid_replies_are_vouched_for_and_reach_the_client_unchanged(obs, rewar
     values,
     rewards,
     infos,
-    st.lists(
-        st.tuples(st.integers(0, 1 << 16), st.integers(0, 255), st.sampled_from(["flip", "insert", "delete", "cut"])),
-        min_size=1,
-        max_size=4,
-    ),
+    EDITS,
     st.booleans(),
 )
 def test_mutated_replies_are_vouched_for_only_when_python_accepts(obs, reward, info, edits, fix_prefix):
-    data = bytearray(stepped(obs, reward, False, True, info))
+    data = mutated(stepped(obs, reward, False, True, info), edits, fix_prefix)
+    if data:
+        check_vouch(data)
+        check_vouch(data, reset=True)
+
+
+def mutated(frame: bytes, edits: list, fix_prefix: bool) -> bytes:
+    """`frame` with each (offset, byte, how) edit made; its length prefix made right again if
+    `fix_prefix`. b'' when the edits leave nothing."""
+    data = bytearray(frame)
     for at, byte, how in edits:
         at %= len(data)
         if how == "flip":
@@ -194,11 +205,10 @@ def test_mutated_replies_are_vouched_for_only_when_python_accepts(obs, reward, i
         else:
             del data[at:]
         if not data:
-            return
+            return b""
     if fix_prefix and len(data) >= 4:
         data[:4] = wire.HEADER.pack(len(data) - 4)
-    check_vouch(bytes(data))
-    check_vouch(bytes(data), reset=True)
+    return bytes(data)
 
 
 # --- every cap at its limit and one past it: both sides agree --------------------------------
@@ -802,3 +812,181 @@ def test_the_walker_vouches_for_a_slot_marker_only_as_the_obs():
         assert python_reply(frame, False, SEQ, slots) is None
     for cut in range(len(honest)):  # a marker cut short anywhere
         assert check_vouch(honest[:cut], limits=slots) == (False, False)
+
+
+# --- a group's reply read whole (Batch.groups, GroupedPool._read_whole) ---------------------------
+#
+# C reads a group's reply straight into the trainer's arrays only when pool/groups.py's
+# _stepped_whole would take it whole (and its obs is in the slot): then both give the same
+# rewards, flags and infos. C may leave to Python what Python takes (an unusual but valid
+# encoding); it never takes what Python refuses, nor reads it otherwise.
+
+SLOTS = wire.Limits(16 << 20, 4 << 20, 16 << 20, 1 << 20, 1 << 18, arrays="check", max_depth=512, max_objects=1 << 19)
+SLOTS.slot_marks[0] = 0  # the pool has slots (worker/slots.py turns this on)
+
+
+def group_frame(kinds, rewards, terminated, truncated, infos, errors, obs=None) -> bytes:
+    results = [kinds, rewards, terminated, truncated, infos, errors]
+    obs = _marker(SEQ) if obs is None else obs
+    return wire.encode([wire.STEPPED, SEQ, obs, 0.0, False, False, {"boltzlabs.group": results}])
+
+
+def check_group(data: bytes, sent: list) -> tuple:
+    """C reads it whole => Python's _stepped_whole takes it whole, with the same values.
+    Returns (C's verdict, Python's)."""
+    from boltzlabs.pool.groups import _ONE_VALUE, RESET, _infos_whole, _stepped_whole
+
+    got = fp.group_reply(data, SEQ, caps(SLOTS), bytes(sent))
+    if got is not None and got[3] is not None:  # the infos C spanned: decoded and checked as _read_whole does
+        if not _infos_whole(wire.decode(_ONE_VALUE + got[3], CLIENT)[1], len(sent)):
+            got = None
+    want = python_reply(data, False, SEQ, SLOTS)
+    whole = None
+    if want is not None:
+        info = client(wire.pack(want[6]))  # as the client decodes it
+        rows = np.zeros((len(sent), 1)) if type(want[2]) is msgpack.ExtType else client(wire.pack(want[2]))
+        whole = _stepped_whole(rows, info, sent)
+    if got is not None:
+        assert whole is not None, f"C read a group reply whole that Python does not: {data[:300]!r}"
+        assert type(want[2]) is msgpack.ExtType  # only a slot's obs
+        _, rewards, terminated, truncated, _, _ = info["boltzlabs.group"]
+        for j, kind in enumerate(sent):
+            if kind == RESET:  # the trainer's own, whatever the group sent
+                rewards[j], terminated[j], truncated[j] = 0.0, False, False
+        c_rewards, c_terminated, c_truncated, span = got
+        assert [struct.pack("<d", r) for r in c_rewards] == [struct.pack("<d", float(r)) for r in rewards] or any(
+            math.isnan(r) for r in c_rewards
+        )
+        assert (c_terminated, c_truncated) == (terminated, truncated)
+        if span is None:
+            assert type(whole) is list and all(x in ({}, None) for x in whole), whole
+        else:
+            assert same(client(span), whole)
+    return got is not None, whole is not None
+
+
+group_infos = st.one_of(
+    st.just("empty"),
+    st.just("none"),
+    st.lists(st.one_of(st.none(), infos), min_size=1, max_size=3),  # cycled over the members
+    st.dictionaries(st.text(max_size=4), st.sampled_from(["<f8", "<f4", "<i8", "|b1"]), min_size=1, max_size=3),
+)
+
+
+def _infos_for(kind, count: int):
+    if kind == "empty":
+        return [{} for _ in range(count)]
+    if kind == "none":
+        return [None] * count
+    if type(kind) is list:
+        return [kind[j % len(kind)] for j in range(count)]
+    return {key: np.arange(count).astype(dtype) for key, dtype in kind.items()}  # info columns
+
+
+@pytest.mark.timeout(900)
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    st.lists(st.sampled_from([0, 1]), min_size=1, max_size=20),
+    st.lists(rewards, min_size=1, max_size=3),
+    st.lists(st.booleans(), min_size=2, max_size=2),
+    group_infos,
+)
+def test_a_groups_plain_reply_is_read_whole_as_python_reads_it(sent, reward_cycle, flags, infos_kind):
+    count = len(sent)
+    data = group_frame(
+        list(sent),
+        [reward_cycle[j % len(reward_cycle)] for j in range(count)],
+        [flags[0]] * count,
+        [flags[1]] * count,
+        _infos_for(infos_kind, count),
+        [None] * count,
+    )
+    assert check_group(data, sent) == (True, True)  # what runtime/group.py sends: read whole in C
+
+
+def _plain(count: int) -> dict:
+    return dict(
+        kinds=[0] * count,
+        rewards=[1.5] * count,
+        terminated=[False] * count,
+        truncated=[False] * count,
+        infos=[{}] * count,
+        errors=[None] * count,
+    )
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(kinds=[1, 0, 0]),  # answered as reset where it was stepped
+        dict(kinds=[0, 0]),  # one member short
+        dict(kinds=[0, 0, 0, 0]),
+        dict(kinds=[0, 0, -1]),
+        dict(kinds=[0, 0, 2]),
+        dict(kinds=[0, 0, True]),
+        dict(kinds=(0, 0, 0)),  # a tuple (its own ext), not a list
+        dict(rewards=[1.5, True, 1.5]),  # a bool is not a number here
+        dict(rewards=[1.5, None, 1.5]),
+        dict(rewards=[1.5, "1", 1.5]),
+        dict(rewards=[1.5, np.float32(1), 1.5]),  # a numpy scalar
+        dict(rewards=[1.5, 1.5]),
+        dict(terminated=[False, 0, False]),
+        dict(truncated=[False, False, None]),
+        dict(truncated=[False, False]),
+        dict(infos=[{}, {}, []]),
+        dict(infos=[{}, {}]),
+        dict(infos={"x": np.zeros(2)}),  # columns of the wrong length
+        dict(infos={"x": np.zeros((3, 1))}),
+        dict(infos={"x": [1, 2, 3]}),
+        dict(infos={}),
+        dict(infos=7),
+        dict(errors=[None, ["step", "ValueError: no", ""], None]),
+        dict(errors=[None, None]),
+        dict(errors=None),
+        dict(obs=np.zeros((3, 2))),  # the obs by the wire, not in the slot: Python's
+    ],
+)
+def test_a_group_reply_that_is_not_plain_is_left_to_python(change):
+    fields = _plain(3)
+    fields.update(change)
+    obs = fields.pop("obs", None)
+    data = group_frame(*fields.values(), obs=obs)
+    c, python = check_group(data, [0, 0, 0])
+    assert not c, change
+
+
+def test_a_group_reply_wrapped_otherwise_is_left_to_python():
+    plain = [[0], [1.5], [False], [False], [{}], [None]]
+    for info in (
+        {"boltzlabs.group": plain, "x": 1},  # a second key
+        {b"boltzlabs.group": plain},  # the key as bytes
+        {"boltzlabs.grouq": plain},
+        {"boltzlabs.group": plain[:5]},
+        {"boltzlabs.group": tuple(plain)},
+    ):
+        data = wire.encode([wire.STEPPED, SEQ, _marker(SEQ), 0.0, False, False, info])
+        assert check_group(data, [0])[0] is False, info
+    # A reply to another request, or a reset's: never read as this step's.
+    data = wire.encode([wire.STEPPED, SEQ + 1, _marker(SEQ + 1), 0.0, False, False, {"boltzlabs.group": plain}])
+    assert fp.group_reply(data, SEQ, caps(SLOTS), bytes(1)) is None
+    reset = wire.encode([wire.RESET_DONE, SEQ, _marker(SEQ), {"boltzlabs.group": plain}])
+    assert fp.group_reply(reset, SEQ, caps(SLOTS), bytes(1)) is None
+
+
+@pytest.mark.timeout(900)
+@settings(max_examples=600, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    st.lists(st.sampled_from([0, 1]), min_size=1, max_size=18),
+    group_infos,
+    EDITS,
+    st.booleans(),
+)
+def test_mutated_group_replies_are_read_whole_only_when_python_takes_them(sent, infos_kind, edits, fix_prefix):
+    count = len(sent)
+    frame = group_frame(
+        list(sent), [0.5] * count, [False] * count, [True] * count, _infos_for(infos_kind, count), [None] * count
+    )
+    data = mutated(frame, edits, fix_prefix)
+    if data:
+        check_group(data, sent)
+        check_group(data, [1 - kind for kind in sent])  # the same bytes against other kinds sent

@@ -1013,16 +1013,20 @@ class RLPool(Pool):
                 raise PoolClosedError(f"this RLPool was shut down ({self._closed_reason}); create a new one")
             raise PoolClosedError("this RLPool is closed; create a new one")
 
-    def _step_lanes(self, actions: list, resets) -> StepResult:
+    def _step_lanes(self, actions: list, resets, whole=None) -> StepResult:
+        """`whole(batch, seq)`: a grouped pool's reader of a direct step's Batch read whole
+        (GroupedPool._read_whole); the StepResult it returns, when not None, is this step's."""
         if self.direct and not resets and not self._lend_refused:
-            reply = self._step_direct(actions)
+            reply = self._step_direct(actions, whole)
+            if type(reply) is StepResult:
+                return reply
             if reply is not None:
                 return self._stepped(reply)
         return self._stepped(self._call("step", actions, resets, diagnose=lambda: self._raise_unserializable(actions)))
 
     # -- the direct step (docs/native-step.md#the-direct-step) ---------------------------------
 
-    def _step_direct(self, actions: list):
+    def _step_direct(self, actions: list, whole=None):
         """THE HOT PATH of a grouped pool: the step the worker's _fastpath.step() runs, run here
         on the lanes the worker lent (their channels), so a step crosses no process but the
         sandboxes': the same frames, the same C check of each reply, the same REPLY bytes. The
@@ -1057,6 +1061,11 @@ class RLPool(Pool):
             if batch is None:
                 return None
             lent.next += 1
+            if whole is not None and not batch.rest:
+                self._direct_timing(started)
+                step = whole(batch, seq)
+                if step is not None:
+                    return step
             overrides: dict = {}
             stragglers: list = []
             if batch.rest:
@@ -1072,10 +1081,16 @@ class RLPool(Pool):
             # back; end the pool, as an interrupted call does (_reply).
             self._shutdown()
             raise
-        self.timing.roundtrip_ms = self.timing.worker_ms = (time.perf_counter() - started) * 1000.0
-        self.timing.wait_ms = self.timing.queued_ms = 0.0
+        self._direct_timing(started)
         message = wire.decode(_REPLY_OF_TWO + raw, self._reader.limits)
         return message[1]
+
+    def _direct_timing(self, started: float) -> None:
+        """A direct step's timing: the whole call is the worker's part; nothing waited or queued."""
+        timing = self.timing
+        timing.roundtrip_ms = timing.worker_ms = (time.perf_counter() - started) * 1000.0
+        timing.wait_ms = timing.queued_ms = 0.0
+        timing.stragglers = []
 
     def _lend(self):
         """Ask the worker to lend its lanes (a "lend" call: their channels come attached); the

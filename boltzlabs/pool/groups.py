@@ -35,6 +35,9 @@ from boltzlabs import wire
 from boltzlabs.errors import EnvStartError
 from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, attr_error, raise_unserializable
 
+# One msgpack value as a message wire.decode takes: [REPLY, value] (a two-item array and its code).
+_ONE_VALUE = b"\x92" + bytes([wire.REPLY])
+
 # runtime/group.py's, repeated: the trainer imports nothing of the sandbox's modules.
 GROUP_KEY = "boltzlabs.group"
 NOT_ASKED, STEPPED, RESET = -1, 0, 1
@@ -89,6 +92,7 @@ class GroupedPool(Pool):
             ) from exc
         self._init_lanes(n)
         self._all_stepped = [[STEPPED] * len(self.members(g)) for g in range(self.sandboxes)]  # kinds: read only
+        self._sent_stepped = bytes([STEPPED] * n)  # the same, one byte per env, as Batch.groups takes it
         inner = self.inner
         self.source = inner.source
         self.batch_size = batch_size
@@ -154,7 +158,20 @@ class GroupedPool(Pool):
                 for g, sent in enumerate(kinds)
             ]
             packed = _packed(entries, actions, range(len(actions)))
-        result = self.inner._step_lanes(packed, None)
+        taken: list = []
+        if getattr(self.inner, "direct", False):  # a local pool that may step its sandboxes itself
+
+            def read_whole(batch, seq: int):
+                step = self._read_whole(batch, seq, kinds, resets)
+                if step is not None:
+                    taken.append(step)
+                return step
+
+            result = self.inner._step_lanes(packed, None, read_whole)
+            if taken:
+                return taken[0]
+        else:
+            result = self.inner._step_lanes(packed, None)
         n = self.n
         obs: list = [None] * n
         # Lists while the groups' replies go in (by slices), arrays at the end: one conversion each.
@@ -173,11 +190,7 @@ class GroupedPool(Pool):
             if group_infos is not None:
                 start, count = g * k, len(sent)
                 whole += 1
-                _, group_rewards, group_terminated, group_truncated, group_columns, _ = result.infos[g][GROUP_KEY]
-                if columns is not None and type(group_columns) is dict:
-                    columns.append(group_columns)
-                else:
-                    columns = None
+                _, group_rewards, group_terminated, group_truncated, _, _ = result.infos[g][GROUP_KEY]
                 stop = start + count
                 rewards[start:stop] = group_rewards
                 terminated[start:stop] = group_terminated
@@ -188,27 +201,86 @@ class GroupedPool(Pool):
                             rewards[start + j], terminated[start + j], truncated[start + j] = 0.0, False, False
                 group_obs = result.obs[g]
                 obs[start:stop] = list(group_obs[:count]) if type(group_obs) is not dict else _rows_of(group_obs, count)
-                if type(group_infos) is dict:  # columns, checked: each member's dict made below or when asked
-                    unmade.append((start, group_infos))
-                else:
-                    infos[start:stop] = group_infos if None not in group_infos else [x or {} for x in group_infos]
+                columns = _put_infos(infos, start, group_infos, columns, unmade)
                 continue
             columns = None
             for i, o, r, te, tr, info in self._take(g, result.obs[g], result.infos[g], sent):
                 obs[i], rewards[i], terminated[i], truncated[i], infos[i] = o, r, te, tr, info
+        batch = None
+        if whole == self.sandboxes:
+            # The groups' slot batch, a (groups, k, ...) array: its first n rows are the envs' obs.
+            batch = self.inner.batched_obs(result.obs)
+            if batch is not None and (batch.ndim < 2 or batch.shape[:2] != (self.sandboxes, k)):
+                batch = None
+        return self._stepped(
+            obs,
+            np.array(rewards, np.float64),
+            np.array(terminated, np.bool_),
+            np.array(truncated, np.bool_),
+            infos,
+            columns,
+            unmade,
+            batch,
+        )
+
+    def _read_whole(self, batch, seq: int, kinds: list, resets) -> StepResult | None:
+        """THE HOT PATH of a grouped step: the direct step's Batch (native/fastpath.c) read whole
+        in C (Batch.groups: each env's reward and flags into the arrays, with the checks
+        _stepped_whole makes), the obs rows copied from the slots once, the infos decoded only
+        where some member's is not empty. None, with nothing changed, when any group answered
+        otherwise or its obs is not in its slot: the reply is then decoded and checked group by
+        group (_step_lanes), as where there is no C."""
+        slots = self.inner._slots
+        if slots is None:
+            return None
+        n, k, count = self.n, self.k, self.sandboxes
+        sent: bytes | bytearray
+        if resets:
+            sent = bytearray(n)
+            for i in resets:
+                sent[i] = RESET
+        else:
+            sent = self._sent_stepped
+        rewards = np.empty(n, np.float64)
+        terminated = np.empty(n, np.bool_)
+        truncated = np.empty(n, np.bool_)
+        spans = batch.groups(sent, k, rewards, terminated, truncated)
+        if spans is None:
+            return None
+        rows = slots.rows(count, seq)
+        if rows is None or rows.ndim < 2 or rows.shape[:2] != (count, k):
+            return None
+        infos: list = [None] * n
+        columns: list | None = []
+        unmade: list = []
+        limits = self.inner._reader.limits
+        for g, span in enumerate(spans):
+            start = g * k
+            size = len(kinds[g])
+            if span is None:  # every member's info empty
+                infos[start : start + size] = [{} for _ in range(size)]
+                columns = None
+                continue
+            group_infos = wire.decode(_ONE_VALUE + span, limits)[1]
+            if not _infos_whole(group_infos, size):
+                return None
+            columns = _put_infos(infos, start, group_infos, columns, unmade)
+        obs = list(rows.reshape(count * k, *rows.shape[2:])[:n])
+        return self._stepped(obs, rewards, terminated, truncated, infos, columns, unmade, rows)
+
+    def _stepped(self, obs, rewards, terminated, truncated, infos, columns, unmade, batch) -> StepResult:
+        """A step's results, every group's in: the infos made now unless the caller asked for them
+        lazily and every group sent columns; `batch`: the groups' (groups, k, ...) slot batch when
+        every obs is a row of it (batched_obs), else None."""
         self._columns = (infos, columns, unmade) if columns else None
         if not (columns and self._lazy_infos):  # step_full(lazy_infos=True): made when batched_infos cannot
             _make_infos(infos, unmade)
         self._obs_batch = None
-        if whole == self.sandboxes:
-            # The groups' slot batch, a (groups, k, ...) array: its first n rows are the envs' obs.
-            batch = self.inner.batched_obs(result.obs)
-            if batch is not None and batch.ndim >= 2 and batch.shape[:2] == (self.sandboxes, k):
-                self._obs_batch = (obs, batch.reshape(self.sandboxes * k, *batch.shape[2:])[:n])
-        self._stragglers([i for g in self.inner.timing.stragglers for i in self.members(g)])
-        return StepResult(
-            obs, np.array(rewards, np.float64), np.array(terminated, np.bool_), np.array(truncated, np.bool_), infos
-        )
+        if batch is not None:
+            self._obs_batch = (obs, batch.reshape(self.sandboxes * self.k, *batch.shape[2:])[: self.n])
+        stragglers = self.inner.timing.stragglers
+        self._stragglers([i for g in stragglers for i in self.members(g)] if stragglers else [])
+        return StepResult(obs, rewards, terminated, truncated, infos)
 
     def _take(self, group: int, obs, info, sent: list):
         """Each member's (env, obs, reward, terminated, truncated, info) from group's reply (its
@@ -629,9 +701,6 @@ def _stepped_whole(obs, info, sent: list) -> list | dict | None:
     if type(results) is not list or len(results) != 6:
         return None
     kinds, rewards, terminated, truncated, infos, errors = results
-    columns = infos if type(infos) is dict else None
-    if columns is not None and not _columns_of(columns, count):
-        return None
     if not (
         type(kinds) is list
         and kinds == sent
@@ -640,7 +709,7 @@ def _stepped_whole(obs, info, sent: list) -> list | dict | None:
         and _column(rewards, count, _NUMBERS)
         and _column(terminated, count, _BOOL)
         and _column(truncated, count, _BOOL)
-        and (columns is not None or _column(infos, count, _INFO))
+        and _infos_whole(infos, count)
         and type(errors) is list
         and errors.count(None) == count == len(errors)
     ):
@@ -654,6 +723,25 @@ def _stepped_whole(obs, info, sent: list) -> list | dict | None:
     if not whole:
         return None
     return infos
+
+
+def _infos_whole(infos, count: int) -> bool:
+    """Whether a group's infos item is `count` members' (a dict or None each), or info columns
+    _columns_of accepts."""
+    return _columns_of(infos, count) if type(infos) is dict else _column(infos, count, _INFO)
+
+
+def _put_infos(infos: list, start: int, group_infos, columns: list | None, unmade: list) -> list | None:
+    """A whole group's infos (checked: _infos_whole) in `infos` from `start`: its columns left in
+    `unmade` for _make_infos, or each member's dict ({} for None). The columns of the groups so
+    far, with this one's, while every group sent columns; else None."""
+    if type(group_infos) is dict:
+        unmade.append((start, group_infos))
+        if columns is not None:
+            columns.append(group_infos)
+        return columns
+    infos[start : start + len(group_infos)] = group_infos if None not in group_infos else [x or {} for x in group_infos]
+    return None
 
 
 def _column(values, count: int, types: frozenset) -> bool:
@@ -691,9 +779,8 @@ def _packed_rows(actions: list, k: int, given: np.ndarray | None = None, kinds: 
     if kind is not np.ndarray:
         if not issubclass(kind, np.generic) or first.dtype.kind not in "biuf":
             return None
-        for action in actions:
-            if type(action) is not kind:
-                return None
+        if set(map(type, actions)) != {kind}:
+            return None
         rows = np.array(actions)  # a 1-D array of their one dtype; each member gets its item back
         if rows.dtype != first.dtype:
             return None

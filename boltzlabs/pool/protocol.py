@@ -24,6 +24,8 @@ from boltzlabs import wire
 from boltzlabs.pool.ids import uuid7
 from boltzlabs.pool.text import refuse_long_strs
 
+_INT = frozenset((int,))  # an env index's one type (_resets' fast check)
+
 __all__ = ["Pool", "StepResult", "RecvResult"]
 
 
@@ -310,7 +312,7 @@ class Pool(abc.ABC):
         # only those are looked at for the failure warnings.
         self._obs, self.rewards = result.obs, result.rewards
         self.terminated, self.truncated = result.terminated, result.truncated
-        if result.truncated.any():
+        if np.count_nonzero(result.truncated):
             failed = np.flatnonzero(result.truncated).tolist()
             self._note_failures("step", failed, [result.obs[i] for i in failed], [result.infos[i] for i in failed])
         self._count_episodes(resets)
@@ -540,6 +542,9 @@ class Pool(abc.ABC):
     def _resets(self, resets) -> list | None:
         if resets is None or len(resets) == 0:
             return None
+        if type(resets) is list and set(map(type, resets)) == _INT and 0 <= min(resets) and max(resets) < self.n:
+            if len(set(resets)) == len(resets):  # the adapter's list of lanes: each an index, once
+                return resets
         return self._env_ids(resets)
 
     @staticmethod
@@ -625,10 +630,10 @@ class Pool(abc.ABC):
             stepped = stepped.copy() if lanes is None else stepped
             stepped[resets] = False
             self._begin_episodes(resets, None)
-        np.add(self._episode_lengths, 1, out=self._episode_lengths, where=stepped)
+        np.add(self._episode_lengths, stepped, out=self._episode_lengths)  # + 1 where stepped
         np.add(self._episode_returns, self.rewards, out=self._episode_returns, where=stepped)
         ended = stepped & (self.terminated | self.truncated)
-        if not ended.any():
+        if not np.count_nonzero(ended):
             self.finished_episodes = []
             return
         self._episode_open[ended] = False

@@ -393,7 +393,8 @@ class Sharding(Pool):
                 "been received; recv it first"
             )
 
-    def _step_lanes(self, actions: list, resets) -> StepResult:
+    def _step_lanes(self, actions: list, resets, whole=None) -> StepResult:
+        # `whole`: RLPool's reader of a direct step, which a sharded pool never takes (no lending).
         self._refuse_async("step()")
         n, bounds, shards = self.n, self._bounds, self._shards
         # Hot path: one array of each, filled shard by shard as the replies land.

@@ -313,8 +313,14 @@ class Group:
             kind = kinds[j] = entry[0]
             try:
                 if kind == STEPPED:
-                    reply = _serve._step_reply(seq, member["step"](entry[1]))
-                    obs[j], rewards[j], terminated[j], truncated[j], infos[j] = reply[2:]
+                    result = member["step"](entry[1])
+                    if type(result) is tuple and len(result) == 5 and type(result[4]) is dict:
+                        # Gymnasium's 5-tuple, as _step_reply takes it, without the reply list it builds.
+                        obs[j], reward, ended, cut, infos[j] = result
+                        rewards[j], terminated[j], truncated[j] = float(reward), bool(ended), bool(cut)
+                    else:
+                        reply = _serve._step_reply(seq, result)
+                        obs[j], rewards[j], terminated[j], truncated[j], infos[j] = reply[2:]
                 else:
                     if isinstance(scrubbed, Exception):
                         raise scrubbed
