@@ -1116,6 +1116,70 @@ ROWS_ENV = """
 """
 
 
+OFF_SPEC_ENV = """
+    import os
+
+    import gymnasium as gym
+    import numpy as np
+
+    from boltzlabs.env import serve
+
+    LANE = int(os.environ["BOLTZLABS_ENV_INDEX"])
+
+
+    class Sub(np.ndarray):
+        pass
+
+
+    def obs_for(how):
+        plain = np.full(3, LANE, np.float32)
+        return {
+            0: plain,
+            1: plain.astype(np.float64),  # another dtype
+            2: np.zeros(4, np.float32),  # another shape
+            3: plain.tolist(),  # not an array
+            4: plain.view(Sub),  # a subclass (which no wire carries)
+            5: np.float32(LANE),  # a numpy scalar
+        }[how]
+
+
+    def reset(seed, options=None):
+        return obs_for(0), {}
+
+
+    def step(action):
+        return obs_for(int(action)), 1.0, False, False, {}
+
+
+    serve(reset=reset, step=step, observation_space=gym.spaces.Box(-1e6, 1e6, (3,), np.float32))
+"""
+
+
+@pytest.mark.parametrize("how", [1, 2, 3, 4, 5])
+def test_an_obs_off_the_space_sends_its_groups_obs_by_the_wire_each_as_the_env_returned_it(env_dir, pool_factory, how):
+    """The group's slot holds only arrays of the member's exact shape and dtype: one member's obs
+    of another dtype, shape or type sends every obs of its group by the wire, where each env's
+    comes as its sandbox alone gives it (and the next plain step is in the slot again)."""
+    source = env_dir(OFF_SPEC_ENV)
+    grouped, alone = pool_factory(source, 5, envs_per_sandbox=3), pool_factory(source, 5)
+    for pool in (grouped, alone):
+        pool.reset(seed=0)
+    actions = [0, how, 0, 0, 0]
+    got, want = (pool.step_full(actions) for pool in (grouped, alone))
+    failed = [1] if how == 4 else []  # a subclass cannot cross the wire: that env fails, in either pool
+    assert np.flatnonzero(got.truncated).tolist() == np.flatnonzero(want.truncated).tolist() == failed
+    for i in failed:
+        assert "cannot cross the wire" in got.infos[i]["error"] and "cannot" in want.infos[i]["error"]
+    for mine, theirs in zip(got.obs, want.obs):
+        assert type(mine) is type(theirs) and np.asarray(mine).tolist() == np.asarray(theirs).tolist()
+        if isinstance(mine, np.ndarray):
+            assert mine.dtype == theirs.dtype and mine.shape == theirs.shape
+    assert grouped.batched_obs(got.obs) is None  # group 0 by the wire: no one batch this step
+    plain = grouped.step_full([0] * 5)
+    assert grouped.batched_obs(plain.obs) is not None  # back in the slots
+    assert [o.tolist() for o in plain.obs] == [[float(i)] * 3 for i in range(5)]
+
+
 @pytest.mark.parametrize("copy", [True, False])
 def test_the_adapter_steps_a_grouped_pool_with_one_array_each_way(env_dir, pool_factory, copy):
     """A Box's batch of actions goes to a grouped pool as the one array it is, and the obs come back

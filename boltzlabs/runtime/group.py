@@ -441,17 +441,25 @@ class Group:
         spec = self.member_obs
         if spec is None:
             return None
-        writes = []
-        for j, value in enumerate(obs):
-            if kinds[j] == NOT_ASKED or errors[j] is not None:
-                continue
-            for path, dtype, shape, view in views:
-                leaf = _serve._leaf(value, path, spec)
-                if leaf is None or leaf.shape != shape[1:] or leaf.dtype != dtype:
+        if spec["type"] == "Box":  # the hot path: one array per member, its row of the one view
+            _, dtype, shape, view = views[0]
+            ndarray = type(view)
+            writes = [(view, j, obs[j]) for j, kind in enumerate(kinds) if kind != NOT_ASKED and errors[j] is None]
+            for _, _, value in writes:
+                if type(value) is not ndarray or value.shape != shape[1:] or value.dtype != dtype:
                     return None
-                writes.append((view, j, leaf))
-            if spec is not None and spec["type"] != "Box" and not _serve._same_keys(value, spec):
-                return None
+        else:
+            writes = []
+            for j, value in enumerate(obs):
+                if kinds[j] == NOT_ASKED or errors[j] is not None:
+                    continue
+                for path, dtype, shape, view in views:
+                    leaf = _serve._leaf(value, path, spec)
+                    if leaf is None or leaf.shape != shape[1:] or leaf.dtype != dtype:
+                        return None
+                    writes.append((view, j, leaf))
+                if not _serve._same_keys(value, spec):  # its keys and items as the spec's
+                    return None
         for view, j, leaf in writes:
             view[j] = leaf
         wire.SLOT_SEQ.pack_into(slot.mapping, 8, seq)
