@@ -11,12 +11,15 @@ import re
 import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from boltzlabs import RLPool
+from boltzlabs.pool.ids import uuid7, uuid7s
 from boltzlabs.errors import PoolClosedError, WorkerError, WorkerSideError
 from boltzlabs.pool.protocol import Pool, StepResult
 
@@ -414,3 +417,14 @@ def test_a_killed_workers_cgroups_are_removed_by_its_guardian_without_the_client
         assert has_ended(guardian), guardian
     finally:
         pool.close()
+
+
+def test_episode_ids_are_uuid7s_of_this_millisecond_and_distinct_in_a_batch():
+    before = time.time_ns() // 1_000_000
+    ids = uuid7s(64) + [uuid7()]
+    after = time.time_ns() // 1_000_000
+    assert len(set(ids)) == 65 and uuid7s(0) == []
+    for text in ids:
+        value = uuid.UUID(text)
+        assert str(value) == text and value.version == 7 and value.variant == uuid.RFC_4122
+        assert before <= value.int >> 80 <= after  # its first 48 bits: Unix time in ms

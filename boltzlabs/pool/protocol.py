@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from boltzlabs import wire
-from boltzlabs.pool.ids import uuid7
+from boltzlabs.pool.ids import uuid7, uuid7s
 from boltzlabs.pool.text import refuse_long_strs
 
 _INT = frozenset((int,))  # an env index's one type (_resets' fast check)
@@ -651,8 +651,8 @@ class Pool(abc.ABC):
 
     def _begin_episodes(self, lanes, seeds) -> None:
         self.episode_ids = list(self.episode_ids)
-        for k, i in enumerate(lanes):
-            self.episode_ids[i] = uuid7()
+        for k, (i, new) in enumerate(zip(lanes, uuid7s(len(lanes)))):
+            self.episode_ids[i] = new
             self._episode_seeds[i] = None if seeds is None else seeds[k]
         self._episode_lengths[lanes] = 0
         self._episode_returns[lanes] = 0.0
