@@ -385,6 +385,8 @@ class BoltzLabsVecEnv(VectorEnv):
             )
         if self._array_actions and type(actions) is np.ndarray and actions.ndim > 1:
             items = actions  # iterate's rows, which the pool takes from the array itself
+        elif self._array_actions and type(actions) is np.ndarray:
+            items = list(actions)  # iterate's items (numpy scalars: a Discrete's), without its dispatch
         else:
             items = list(iterate(self.action_space, actions))
         if len(items) != n:

@@ -124,12 +124,12 @@ class Slots:
             return None
         _, dtype, shape, _ = self.leaves[0]
         batch = np.empty((lanes, *shape), dtype)
-        header, unpack = wire.SLOT_HEADER.size, wire.SLOT_HEADER.unpack
+        unpack = wire.SLOT_HEADER.unpack_from
         for lane in range(lanes):
             mapping = self.maps[lane]
             if mapping is None:
                 return None
-            magic, version, got, size = unpack(mapping[:header])
+            magic, version, got, size = unpack(mapping)
             if not self._holds(magic, version, size) or got != seq:
                 return None
             batch[lane] = self.views[lane][0]
