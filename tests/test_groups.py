@@ -1287,6 +1287,99 @@ def test_a_direct_step_reads_each_groups_reply_whole_in_c_as_python_reads_it(env
     assert read == [True] * 8 and left == [1, 5, 7]
 
 
+# A group with a slot (a Box space) whose turn may forge its plain-looking reply: what the trainer
+# reads in C (Batch.groups) must fail the group as decoding it does.
+FORGE_SLOT_ENV = """
+    import os
+
+    import gymnasium as gym
+    import msgpack
+    import numpy as np
+
+    from boltzlabs import wire
+    from boltzlabs.env import serve
+    from boltzlabs.runtime import group
+
+    if not getattr(group.Group, "forging", False):  # env.py runs once per member: wrap once
+        _turn, _put = group.Group.turn, group.Group.put
+
+        def turn(self, channel, seq, entries, code, *rest):
+            out = _turn(self, channel, seq, entries, code, *rest)
+            op, group.op = getattr(group, "op", None), None
+            if op is None:
+                return out
+            forge(op, seq, len(self.members))  # after put(): the slot is this turn's, or left stale
+            return b""
+
+        def put(self, *args):
+            if getattr(group, "op", None) == "stale":  # this turn's obs never reach the slot
+                return None
+            return _put(self, *args)
+
+        group.Group.turn, group.Group.put = turn, put
+        group.Group.forging = True
+
+
+    def forge(op, seq, count):
+        kinds, rewards, flags = [0] * count, [1.0] * count, [False] * count
+        if op == "kinds":
+            kinds[-1] = 1  # an env stepped answers as reset
+        elif op == "int_flags":
+            flags = [0] * count
+        marker = msgpack.ExtType(wire.SLOT_EXT, (seq - (op == "other_seq")).to_bytes(8, "little"))
+        results = [kinds, rewards, flags, list(flags), [{}] * count, [None] * count]
+        # "stale": a plain reply, but the slot still holds the last turn's obs (put() did not run)
+        body = wire.encode([wire.STEPPED, seq, marker, 0.0, False, False, {group.GROUP_KEY: results}])
+        view = memoryview(body)
+        while view:
+            view = view[os.write(3, view):]
+
+
+    def reset(seed, options=None):
+        return np.zeros(3, np.float32), {}
+
+
+    def step(action):
+        if action[0] > 0:
+            group.op = ["stale", "kinds", "int_flags", "other_seq"][int(action[0]) - 1]
+        return np.full(3, action[1], np.float32), 1.0, False, False, {}
+
+
+    serve(reset=reset, step=step, observation_space=gym.spaces.Box(-1e6, 1e6, (3,), np.float32),
+          action_space=gym.spaces.Box(-1e6, 1e6, (2,), np.float32))
+"""
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "attack, said",
+    [
+        (1, "its observation in shared memory does not match its reply"),
+        (2, "member 1 was sent kind 0 and answered kind 1"),
+        (3, "member 0's reward or done flags are not a number and bools"),
+        (4, "for request 2 while the reply to request 3 was due (a protocol violation)"),
+    ],
+    ids=["stale_slot", "kinds", "int_flags", "other_seq"],
+)
+def test_a_forged_plain_reply_with_a_slot_fails_its_own_group_only(env_dir, pool_factory, attack, said):
+    """A group with a slot that forges the plain reply the trainer reads in C (a stale slot, a
+    kind not sent, ints for bools, a marker of another step) fails its own envs, each saying
+    why and naming its sandbox, as the decoded path says it; the other group steps whole."""
+    pool = pool_factory(env_dir(FORGE_SLOT_ENV), 4, envs_per_sandbox=2, warmup=False)  # no forging probe
+    pool.reset(seed=0)
+    pool.step_full(np.zeros((4, 2), np.float32))  # every slot holds a first obs
+    actions = np.array([[0, 5], [0, 6], [attack, 7], [0, 8]], np.float32)
+    result = pool.step_full(actions)
+    assert np.flatnonzero(result.truncated).tolist() == [2, 3], result.infos
+    for i in (2, 3):
+        assert result.obs[i] is None and result.rewards[i] == 0.0
+        assert said in result.infos[i]["error"] and named(1, 2, 3) in result.infos[i]["error"], result.infos[i]
+    assert [result.obs[i].tolist() for i in (0, 1)] == [[5.0] * 3, [6.0] * 3]
+    pool.reset(where=[2], seed=0)  # the group comes back, whole
+    again = pool.step_full(np.array([[0, 1], [0, 2], [0, 3], [0, 4]], np.float32))
+    assert not again.truncated.any() and [o.tolist()[0] for o in again.obs] == [1.0, 2.0, 3.0, 4.0]
+
+
 @needs_native
 def test_a_local_grouped_pool_steps_its_sandboxes_itself_with_the_workers_results(pool_factory):
     """The direct step gives what the worker's step gives: the same obs (through the slots), rewards,
