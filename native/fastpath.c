@@ -244,6 +244,20 @@ static inline int take_len(const unsigned char *buf, size_t *pos, size_t limit, 
     return 1;
 }
 
+/* A msgpack array header at buf[*pos] (fixarray, array 16 or array 32), before `end`: 1 and
+ * its item count in *n, *pos moved past it; or 0. */
+static int array_head(const unsigned char *buf, size_t *pos, size_t end, uint64_t *n)
+{
+    if (*pos >= end)
+        return 0;
+    unsigned b = buf[(*pos)++];
+    if (b >= 0x90 && b <= 0x9f) {
+        *n = b & 0x0f;
+        return 1;
+    }
+    return (b == 0xdc || b == 0xdd) && take_len(buf, pos, end, 2 << (b - 0xdc), n);
+}
+
 /* Python's strict UTF-8 decoder: no overlong forms, no surrogates, nothing past U+10FFFF. */
 static int utf8_ok(const unsigned char *s, uint64_t n)
 {
@@ -549,10 +563,8 @@ static int vouch(const unsigned char *buf, size_t got, const Caps *caps, int res
         return 0;
     size_t pos = 4, end = got;
     uint64_t n, value, objects;
-    unsigned b = buf[pos++];
-    if (b >= 0x90 && b <= 0x9f)
-        n = b & 0x0f;
-    else if ((b != 0xdc && b != 0xdd) || !take_len(buf, &pos, end, 2 << (b - 0xdc), &n))
+    unsigned b;
+    if (!array_head(buf, &pos, end, &n))
         return 0;
     if (n != (reset ? 4u : 7u) || n > caps->max_array || caps->max_depth < 1)
         return 0;
@@ -615,16 +627,7 @@ static int vouch(const unsigned char *buf, size_t got, const Caps *caps, int res
 static int array_of(const unsigned char *buf, size_t *pos, size_t end, uint64_t count)
 {
     uint64_t n;
-    if (*pos >= end)
-        return 0;
-    unsigned b = buf[(*pos)++];
-    if (b >= 0x90 && b <= 0x9f)
-        n = b & 0x0f;
-    else if (b != 0xdc && b != 0xdd)
-        return 0;
-    else if (!take_len(buf, pos, end, 2 << (b - 0xdc), &n))
-        return 0;
-    return n == count;
+    return array_head(buf, pos, end, &n) && n == count;
 }
 
 /* Whether lane's vouched reply in buf is a group's whole answer to `sent` (count members,
@@ -1115,18 +1118,7 @@ static PyObject *step(PyObject *self, PyObject *args)
         const unsigned char *a = actions.buf;
         size_t pos = 0, end = (size_t)actions.len;
         uint64_t count = 0, none = 0;
-        if (end < 1)
-            goto refuse;
-        unsigned b = a[pos++];
-        if (b >= 0x90 && b <= 0x9f)
-            count = b & 0x0f;
-        else if ((b == 0xdc && end >= 3) || (b == 0xdd && end >= 5)) {
-            int width = b == 0xdc ? 2 : 4;
-            count = big_endian(a + pos, width);
-            pos += width;
-        } else
-            goto refuse;
-        if (count != (uint64_t)n)
+        if (!array_head(a, &pos, end, &count) || count != (uint64_t)n)
             goto refuse;
         for (Py_ssize_t i = 0; i < n; i++) {
             act[2 * i] = pos;
