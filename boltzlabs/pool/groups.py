@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from boltzlabs import wire
-from boltzlabs.errors import EnvStartError
+from boltzlabs.errors import EnvStartError, ProtocolError
 from boltzlabs.pool.protocol import Pool, RecvResult, StepResult, attr_error, raise_unserializable
 
 # One msgpack value as a message wire.decode takes: [REPLY, value] (a two-item array and its code).
@@ -254,8 +254,6 @@ class GroupedPool(Pool):
         columns: list | None = []
         unmade: list = []
         limits = self.inner._reader.limits
-        if spans.count(None) == count:  # every env's info empty (LunarLander's, CartPole's)
-            spans, infos, columns = [], [{} for _ in range(n)], None
         for g, span in enumerate(spans):
             start = g * k
             size = len(kinds[g])
@@ -263,7 +261,10 @@ class GroupedPool(Pool):
                 infos[start : start + size] = [{} for _ in range(size)]
                 columns = None
                 continue
-            group_infos = wire.decode(_ONE_VALUE + span, limits)[1]
+            try:
+                group_infos = wire.decode(_ONE_VALUE + span, limits)[1]
+            except ProtocolError:  # the decoded path meets it too, and says so as ever
+                return None
             if not _infos_whole(group_infos, size):
                 return None
             columns = _put_infos(infos, start, group_infos, columns, unmade)
