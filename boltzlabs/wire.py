@@ -183,6 +183,17 @@ def _array_ext(array: Any, code: int = ARRAY_EXT) -> Any:
     return msgpack.ExtType(code, b"".join((head, raw)))
 
 
+class CheckedArray(msgpack.ExtType):  # type: ignore[misc]  # msgpack ships no types
+    """An ARRAY_EXT whose header the worker checked ("check" mode), passed on as it came.
+
+    Unhashable, like the ndarray the trainer decodes it into: a dict an env keys by an array (or
+    by a tuple holding one) is refused by the worker's decode, on that env's lane, and never
+    reaches the trainer, whose own decode would refuse the whole frame it arrives in."""
+
+    __slots__ = ()
+    __hash__ = None  # type: ignore[assignment]
+
+
 def check_array_header(data: bytes, max_bytes: int = _MAX_ARRAY_BYTES) -> Any:
     """(dtype str, shape, offset of the raw bytes) of an ARRAY_EXT payload.
 
@@ -271,6 +282,8 @@ def _default(obj: Any) -> Any:
         tolist = getattr(obj, "tolist", None)
         if tolist is not None:
             return tolist()  # np.str_ and friends become Python values; odd arrays nested lists
+    if cls is CheckedArray:
+        return msgpack.ExtType(ARRAY_EXT, obj.data)
     if isinstance(obj, tuple):
         return msgpack.ExtType(TUPLE_EXT, _pack_items(obj))
     if isinstance(obj, int):
@@ -485,8 +498,9 @@ class Limits:
 
     `arrays` says what happens to extension values: "decode" (client, env:
     read-only numpy arrays, numpy scalars, tuples), "check" (worker, from an
-    env: validate array and scalar headers and keep their ExtType, decode
-    tuples under these same caps; any other extension is malformed) or
+    env: validate array and scalar headers and keep their ExtType, an array's
+    as a `CheckedArray`, decode tuples under these same caps; any other
+    extension is malformed) or
     "pass" (worker, from the client: keep every ExtType as is).
 
     Objects are what make a frame cost more memory than its bytes: an empty
@@ -615,7 +629,7 @@ def _ext_hook(mode: str, inner: list[Any], marks: list[Any]) -> Any:
         def hook(code: int, data: bytes) -> Any:
             if code == ARRAY_EXT:
                 check_array_header(data)
-                return msgpack.ExtType(code, data)
+                return CheckedArray(code, data)
             if code == TUPLE_EXT:
                 return items_of(data)
             if code == SCALAR_EXT:
@@ -647,7 +661,7 @@ def _ext_hook(mode: str, inner: list[Any], marks: list[Any]) -> Any:
     if _native is not None:
         # Arrays and numpy scalars in C; a tuple, any other code and any header C
         # refuses go to the Python hook above (its caps, its error messages).
-        return _native.Hook(check_only, hook)
+        return _native.Hook(check_only, hook, CheckedArray)
     return hook
 
 
@@ -696,6 +710,11 @@ def _refusal(exc: BaseException, limits: Limits) -> str:
             what, unit = _LENGTHS[name]
             fix = limits.str_fix if name == "max_str_len" else ""
             return f"frame holds {what} {int(size):,} {unit}, over its cap of {int(cap):,} (limits.{name}){fix}"
+    if type(exc) is TypeError and text.startswith("unhashable type"):
+        return (
+            "malformed frame: a dict key that is a list, a dict or an array, or a tuple holding one "
+            "(keys must be hashable: str, numbers, bytes, None, or tuples of those)"
+        )
     if isinstance(exc, UnicodeDecodeError):
         return (
             f"malformed frame: a str that is not valid UTF-8 ({exc.reason} at byte {exc.start} of a "

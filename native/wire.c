@@ -330,8 +330,9 @@ static int emit(PyObject *obj, int depth, int tuples, W *w)
         }
         return seen == n ? OK : UNSUPPORTED;
     }
-    if ((PyObject *)type == ext_type_class && PyTuple_GET_SIZE(obj) == 2) {
-        /* msgpack.ExtType(code, data) (the worker re-packs what it checked) */
+    if (((PyObject *)type == ext_type_class || (PyTuple_Check(obj) && PyType_IsSubtype(type, (PyTypeObject *)ext_type_class)))
+        && PyTuple_GET_SIZE(obj) == 2) {
+        /* msgpack.ExtType(code, data), or wire.CheckedArray (the worker re-packs what it checked) */
         PyObject *code = PyTuple_GET_ITEM(obj, 0), *data = PyTuple_GET_ITEM(obj, 1);
         if (!PyLong_CheckExact(code) || !PyBytes_CheckExact(data))
             return UNSUPPORTED;
@@ -420,6 +421,7 @@ typedef struct {
     PyObject_HEAD
     int check;
     PyObject *fallback, *frombuffer, *dtype_class, *dtypes, *scalars;
+    PyObject *checked; /* check: what an array becomes (wire.CheckedArray), else NULL: an ExtType */
 } Hook;
 
 static void hook_dealloc(Hook *self)
@@ -429,21 +431,29 @@ static void hook_dealloc(Hook *self)
     Py_XDECREF(self->dtype_class);
     Py_XDECREF(self->dtypes);
     Py_XDECREF(self->scalars);
+    Py_XDECREF(self->checked);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyObject *hook_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
     int check;
-    PyObject *fallback;
-    if (!PyArg_ParseTuple(args, "pO:Hook", &check, &fallback))
+    PyObject *fallback, *checked = NULL;
+    if (!PyArg_ParseTuple(args, "pO|O:Hook", &check, &fallback, &checked))
         return NULL;
+    if (checked != NULL && (!PyType_Check(checked) || !PyType_IsSubtype((PyTypeObject *)checked,
+                                                                         (PyTypeObject *)ext_type_class))) {
+        PyErr_SetString(PyExc_TypeError, "Hook: checked must be a subclass of msgpack.ExtType");
+        return NULL;
+    }
     Hook *self = (Hook *)type->tp_alloc(type, 0);
     if (self == NULL)
         return NULL;
     self->check = check;
     Py_INCREF(fallback);
     self->fallback = fallback;
+    Py_XINCREF(checked);
+    self->checked = checked;
     self->dtypes = PyDict_New();
     self->scalars = PyDict_New();
     if (self->dtypes == NULL || self->scalars == NULL) {
@@ -568,8 +578,10 @@ static PyObject *hook_call(Hook *self, PyObject *args, PyObject *kwargs)
     const unsigned char *d = (const unsigned char *)PyBytes_AS_STRING(data);
     if (!array_header_ok_out(d, (uint64_t)PyBytes_GET_SIZE(data), code == SCALAR_EXT, &h))
         return PyObject_CallFunctionObjArgs(self->fallback, PyTuple_GET_ITEM(args, 0), data, NULL);
-    if (self->check) /* the worker: the header is checked, the bytes passed on untouched */
-        return PyObject_CallFunctionObjArgs(ext_type_class, PyTuple_GET_ITEM(args, 0), data, NULL);
+    if (self->check) { /* the worker: the header is checked, the bytes passed on untouched */
+        PyObject *made = code == ARRAY_EXT && self->checked != NULL ? self->checked : ext_type_class;
+        return PyObject_CallFunctionObjArgs(made, PyTuple_GET_ITEM(args, 0), data, NULL);
+    }
     PyObject *dtype = dtype_for(self, &h);
     if (dtype == NULL)
         return NULL;
@@ -619,8 +631,9 @@ static PyTypeObject HookType = {
     .tp_dealloc = (destructor)hook_dealloc,
     .tp_call = (ternaryfunc)hook_call,
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Hook(check, fallback): msgpack's ext_hook for wire.Limits (arrays and numpy scalars in C; "
-              "everything else, and any header C refuses, by fallback(code, data)).",
+    .tp_doc = "Hook(check, fallback, checked=None): msgpack's ext_hook for wire.Limits (arrays and numpy "
+              "scalars in C; everything else, and any header C refuses, by fallback(code, data)); check: an "
+              "array comes back as checked(code, data), an ExtType subclass, or an ExtType.",
     .tp_new = hook_new,
 };
 

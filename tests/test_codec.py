@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from boltzlabs import wire
+from boltzlabs.errors import ProtocolError
 
 native = pytest.importorskip("boltzlabs._wire")
 
@@ -274,7 +275,7 @@ def test_the_hook_returns_what_the_python_hook_returns_or_raises_alike(item, che
             payload[cut:cut] = data.draw(st.binary(max_size=4))
     code = data.draw(st.sampled_from([code, code, wire.ARRAY_EXT, wire.SCALAR_EXT, wire.TUPLE_EXT, 7]))
     payload = bytes(payload)
-    python, c = python_hook(check), native.Hook(check, python_hook(check))
+    python, c = python_hook(check), native.Hook(check, python_hook(check), wire.CheckedArray)
     try:
         want = python(code, payload)
     except Exception as exc:
@@ -303,9 +304,13 @@ def test_a_decoded_array_is_a_read_only_view_of_the_frame():
 
 
 def test_the_check_hook_passes_headers_it_accepts_and_python_names_the_rest():
-    hook = native.Hook(True, python_hook(True))
+    hook = native.Hook(True, python_hook(True), wire.CheckedArray)
     good = wire._array_ext(np.zeros((2, 2), np.uint8)).data
-    assert hook(wire.ARRAY_EXT, good) == msgpack.ExtType(wire.ARRAY_EXT, good)
+    checked = hook(wire.ARRAY_EXT, good)
+    assert type(checked) is wire.CheckedArray and checked == msgpack.ExtType(wire.ARRAY_EXT, good)
+    assert native.Hook(True, python_hook(True))(wire.ARRAY_EXT, good) == msgpack.ExtType(wire.ARRAY_EXT, good)
+    with pytest.raises(TypeError, match="subclass of msgpack.ExtType"):
+        native.Hook(True, python_hook(True), tuple)
     bad = good[:2] + b"<f8:2,2" + good[9:]
     with pytest.raises(ValueError, match="does not match"):
         hook(wire.ARRAY_EXT, bad)
@@ -332,3 +337,22 @@ def test_a_slot_marker_is_the_python_hooks_in_both_modes():
         hook(wire.SLOT_EXT, marker[:7])
     slot = wire.Limits(1 << 20).kwargs["ext_hook"](wire.SLOT_EXT, marker)  # the client's
     assert type(slot) is wire.Slot and slot.seq == 5
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["native", "pure"])
+def test_a_checked_array_is_passed_on_as_it_came_and_is_no_dict_key(monkeypatch, pure):
+    """The worker's decode of an env's frame keeps an array as a CheckedArray: re-encoded, the
+    same bytes; as a dict key (or in a tuple that is one), refused there, as the trainer's decode
+    (an unhashable ndarray) would refuse the whole frame it came in."""
+    if pure:
+        monkeypatch.setattr(wire, "_native", None)
+    check = wire.Limits(1 << 20, arrays="check")
+    array = wire.pack(np.arange(3.0))
+    value = wire.decode(b"\x92\x01\x81\xa1x" + array, check)
+    assert type(value[1]["x"]) is wire.CheckedArray
+    assert wire.encode(value) == wire.encode([1, {"x": np.arange(3.0)}])
+    assert python_frame(value) == wire.encode(value)
+    for key in (array, wire.pack((np.arange(3.0), 1)), b"\x91\x01", b"\x80"):
+        for limits in (check, wire.Limits(1 << 20, arrays="check", max_objects=100), wire.Limits(1 << 20)):
+            with pytest.raises(ProtocolError, match="a dict key that is a list, a dict or an array"):
+                wire.decode(b"\x92\x01\x81" + key + b"\x01", limits)

@@ -857,13 +857,18 @@ HOSTILE_GROUP = """
             failure = {"error": "missed the step deadline of 5 s", "straggler": True}
             put(wire.encode([code, seq, None, 0.0, False, True, failure] if code == wire.STEPPED else [code, seq, None, failure])[4:])
             return
-        if op in ("deep", "many"):  # raw msgpack: a member's info nested too deep, or too many objects
+        if op in ("deep", "many", "array_key"):  # raw msgpack: a member's info nested too deep, too many
+            # objects, or keyed by an array
             if op == "deep":
-                info = b"\\x91" * depth + b"\\xc0"
+                info = b"\\x81\\xa1x" + b"\\x91" * depth + b"\\xc0"
+            elif op == "many":
+                info = b"\\x81\\xa1x" + b"\\xdd" + many.to_bytes(4, "big") + b"\\x90" * many
             else:
-                info = b"\\xdd" + many.to_bytes(4, "big") + b"\\x90" * many
+                import numpy as np
+
+                info = b"\\x81" + wire.pack(np.zeros(2)) + b"\\x01"
             results = (b"\\x96" + b"".join(msgpack.packb(x) for x in (kinds, rewards, term, trunc))
-                       + b"\\x92\\x81\\xa1x" + info + b"\\x80" + msgpack.packb(errors))
+                       + b"\\x92" + info + b"\\x80" + msgpack.packb(errors))
             head = [code, seq, obs] + ([0.0, False, False] if code == wire.STEPPED else [])
             body = bytes([0x90 + len(head) + 1]) + b"".join(msgpack.packb(x) for x in head)
             put(body + b"\\x81" + msgpack.packb(KEY) + results)
@@ -915,6 +920,7 @@ ATTACKS = {
     "not_asked": "member 0 was asked and not answered",
     "deep": "nested deeper than 512 levels",
     "many": "more than 524288 objects",
+    "array_key": "a dict key that is a list, a dict or an array",
     "fake_failure": "missed the step deadline of 5 s",
     **{
         f"columns_{what}": "its info columns are not one array of 2 numbers under each str key"

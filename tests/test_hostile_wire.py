@@ -22,6 +22,7 @@ HOSTILE = """
     import time
 
     import msgpack
+    import numpy
 
     from boltzlabs.runtime import serve as runtime
     from boltzlabs import wire
@@ -62,9 +63,19 @@ HOSTILE = """
         return msgpack.packb(msgpack.ExtType(wire.SCALAR_EXT, struct.pack("<H", len(text) + pad) + text
                                              + b" " * pad + raw))
 
+    def good_array():
+        return wire.pack(numpy.zeros(2))
+
     def attack(seq, action):
         op = action["op"]
-        if op == "deep_tuple":
+        if op == "array_key":  # obs {<array>: 1}: an array ext as a dict key
+            put(stepped(seq, b"\\x81" + good_array() + b"\\x01"))
+        elif op == "tuple_array_key":  # obs {(<array>, 1): 1}
+            put(stepped(seq, b"\\x81" + tuple_ext(b"\\x92" + good_array() + b"\\x01") + b"\\x01"))
+        elif op == "info_array_key":  # info {"ok": 1, <array>: 2}
+            put(b"\\x97" + msgpack.packb(wire.STEPPED) + msgpack.packb(seq) + b"\\xc0" + msgpack.packb(0.0)
+                + b"\\xc2\\xc2\\x82\\xa2ok\\x01" + good_array() + b"\\x02")
+        elif op == "deep_tuple":
             put(stepped(seq, deep_tuple(action["depth"])))
         elif op == "wide_tuple":  # one tuple of 1,000,000 empty lists: 1 MB on the wire
             put(stepped(seq, tuple_ext(array32(1_000_000, b"\\x90"))))
@@ -224,6 +235,9 @@ def test_array_header_with_absurd_shape_fails_its_lane(hostile_pool, shape):
         ({"op": "bad_scalar", "text": "<f4:", "bytes": 3}, "does not match"),
         ({"op": "bad_scalar", "text": "<O8:", "bytes": 8}, "unsupported dtype"),
         ({"op": "bad_scalar", "text": "<f8:" + "0," * 40 + "0", "bytes": 0}, "bad shape"),
+        ({"op": "array_key"}, "a dict key that is a list, a dict or an array"),
+        ({"op": "tuple_array_key"}, "a dict key that is a list, a dict or an array"),
+        ({"op": "info_array_key"}, "a dict key that is a list, a dict or an array"),
     ],
     ids=[
         "deep-40",
@@ -235,6 +249,9 @@ def test_array_header_with_absurd_shape_fails_its_lane(hostile_pool, shape):
         "scalar-short",
         "scalar-object",
         "scalar-ndim",
+        "array-key",
+        "tuple-array-key",
+        "info-array-key",
     ],
 )
 def test_hostile_tuple_and_scalar_exts_fail_their_lane(hostile_pool, attack, words):
