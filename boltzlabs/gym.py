@@ -330,7 +330,9 @@ class BoltzLabsVecEnv(VectorEnv):
         items, resets = self._prepare(actions)
         # Infos left in a grouped pool's columns until _stepped asks batched_infos (SAME_STEP reads each env's).
         return self._stepped(
-            *self.pool.step_full(items, resets, lazy_infos=self.autoreset_mode != AutoresetMode.SAME_STEP)
+            *self.pool.step_full(
+                items, resets, lazy_infos=self.autoreset_mode != AutoresetMode.SAME_STEP, array_items=True
+            )
         )
 
     def step_async(self, actions) -> None:
@@ -383,10 +385,10 @@ class BoltzLabsVecEnv(VectorEnv):
                 f"{'have' if len(lanes) > 1 else 'has'} not been reset (as in "
                 "SyncVectorEnv, whose envs raise this)"
             )
-        if self._array_actions and type(actions) is np.ndarray and actions.ndim > 1:
-            items = actions  # iterate's rows, which the pool takes from the array itself
-        elif self._array_actions and type(actions) is np.ndarray:
-            items = list(actions)  # iterate's items (numpy scalars: a Discrete's), without its dispatch
+        if self._array_actions and type(actions) is np.ndarray and actions.ndim > 0:
+            # iterate's rows or items (numpy scalars: a Discrete's), which the pool takes from the
+            # array itself (step_full(array_items=True))
+            items = actions
         else:
             items = list(iterate(self.action_space, actions))
         if len(items) != n:

@@ -772,14 +772,17 @@ def _packed_rows(actions: list, k: int, given: np.ndarray | None = None, kinds: 
     row), when every action is a numpy array of one shape and one numeric dtype (a Box's), or
     a numpy scalar of one type (a Discrete's, from the adapter): one array to pack and decode
     per group, not k. `given`: the (n, ...) array whose rows `actions` are, when they came so
-    (Pool._action_rows): its slices are packed as they are. `kinds`: the kind sent to each
+    (Pool._action_rows; its items, a 1-d array's, under step_full(array_items=True)): its slices
+    are packed as they are. `kinds`: the kind sent to each
     member of each group, when some reset instead (their row unused): each group's list of
     them goes third. None otherwise (_packed: an entry per member)."""
     if not actions:
         return None
     first = actions[0]
     kind = type(first)
-    if kind is not np.ndarray:
+    if given is not None and given.dtype.kind in "biuf":
+        rows = given  # actions is list(given): its rows, or its items, of one shape and dtype
+    elif kind is not np.ndarray:
         if not issubclass(kind, np.generic) or first.dtype.kind not in "biuf":
             return None
         if set(map(type, actions)) != {kind}:
@@ -789,8 +792,6 @@ def _packed_rows(actions: list, k: int, given: np.ndarray | None = None, kinds: 
             return None
     elif first.ndim == 0 or first.dtype.kind not in "biuf":
         return None
-    elif given is not None:
-        rows = given  # actions is list(given): its rows, of one shape and dtype
     else:
         shape, dtype = first.shape, first.dtype
         for action in actions:

@@ -284,7 +284,7 @@ class Pool(abc.ABC):
         obs, rewards, terminated, truncated, infos = self.step_full(actions)
         return obs, rewards.astype(np.float32), terminated | truncated, infos
 
-    def step_full(self, actions, resets=None, *, lazy_infos: bool = False) -> StepResult:
+    def step_full(self, actions, resets=None, *, lazy_infos: bool = False, array_items: bool = False) -> StepResult:
         """step(), with terminated and truncated apart and float64 rewards.
 
         The lanes in `resets` (env indices) are reset instead of stepped, in
@@ -294,15 +294,17 @@ class Pool(abc.ABC):
         (the adapter): a pool that holds them batched may leave those lanes'
         entries of `infos` None until `batched_infos(infos)` is asked, which
         fills them in when it returns None.
+        `array_items=True`: a 1-d array of actions gives each env its item as a numpy scalar
+        (Gymnasium's `iterate` of a Discrete batch), not a Python scalar.
         """
         self._check_open()
-        given, actions = actions, self._actions(actions, self.n, "step()")
+        given, actions = actions, self._actions(actions, self.n, "step()", array_items is True)
         if self.max_str_len is not None:
             refuse_long_strs(given, actions, self.max_str_len, None, "step()")
         resets = self._resets(resets)
         if self._never_reset:
             self._refuse_unreset(range(self.n), resets, "step()")
-        self._action_rows = given if type(given) is np.ndarray and given.ndim > 1 else None
+        self._action_rows = given if type(given) is np.ndarray and (given.ndim > 1 or array_items is True) else None
         self._lazy_infos = lazy_infos is True
         try:
             result = self._step_lanes(actions, resets)
@@ -548,14 +550,14 @@ class Pool(abc.ABC):
         return self._env_ids(resets)
 
     @staticmethod
-    def _actions(actions, count: int, what: str) -> list:
+    def _actions(actions, count: int, what: str, array_items: bool = False) -> list:
         if isinstance(actions, np.ndarray):
             if actions.ndim == 0 or actions.shape[0] != count:
                 raise ValueError(
                     f"{what} needs {count} actions (an array whose first dimension is {count}); "
                     f"got an array of shape {actions.shape}"
                 )
-            return actions.tolist() if actions.ndim == 1 else list(actions)
+            return actions.tolist() if actions.ndim == 1 and not array_items else list(actions)
         try:
             got = len(actions)
         except TypeError:
