@@ -1815,3 +1815,26 @@ def test_the_group_floor_benchmark_refuses_a_group_larger_than_the_pool():
         [sys.executable, str(FLOOR), "--n", "4", "--k", "8"], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 2 and "1 <= k <= n" in out.stderr, out.stderr
+
+
+TYPE_OF_ACTION = """
+from boltzlabs.env import serve
+
+
+def step(action):
+    return type(action).__module__ + "." + type(action).__name__, 0.0, False, {}
+
+
+serve(reset=lambda seed: "", step=step)
+"""
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_1d_array_of_actions_gives_python_scalars_or_with_array_items_numpy_scalars(env_dir, pool_factory, k):
+    """step_full(array_items=True) (the adapter's): each env its item of a 1-d batch as the numpy
+    scalar Gymnasium's iterate gives; by default a Python scalar, as step() documents."""
+    pool = pool_factory(env_dir(TYPE_OF_ACTION), 3, envs_per_sandbox=k)
+    pool.reset(seed=0)
+    assert pool.step_full(np.arange(3))[0] == ["builtins.int"] * 3
+    assert pool.step_full(np.arange(3), array_items=True)[0] == ["numpy.int64"] * 3
+    assert pool.step_full(np.linspace(0, 1, 3, dtype=np.float32), array_items=True)[0] == ["numpy.float32"] * 3
