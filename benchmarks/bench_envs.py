@@ -40,7 +40,9 @@ pool without isolation reaches.
 --envs-per-sandbox K [K ...] adds, for each K > 1, BoltzLabsVecEnv over
 RLPool(source, n, envs_per_sandbox=K) ("boltzlabs k=K": ceil(n / K) sandboxes
 of K envs each, docs/groups.md), open and taking turns with the others (a K
-past n is n; K = 1 is "boltzlabs" itself). A second table gives each of ours
+past n is n; K = 1 is "boltzlabs" itself); with --pin-sandboxes, each of them
+twice, the second with RLPool(pin_sandboxes=True) ("boltzlabs k=K pinned": each
+sandbox on one CPU, in turn). A second table gives each of ours
 against AsyncVectorEnv, SyncVectorEnv, EnvPool and the limit: the cores this
 process may use x SyncVectorEnv's rate, every core stepping envs and doing
 nothing else.
@@ -106,16 +108,20 @@ IMPLEMENTATIONS = ("boltzlabs", "rlpool", "async", "sync", "envpool")
 OURS = ("boltzlabs", "rlpool")  # and "boltzlabs k=K" for each --envs-per-sandbox K > 1
 
 
-def grouped(k: int) -> str:
-    """The name of BoltzLabsVecEnv over RLPool(envs_per_sandbox=k)."""
-    return f"boltzlabs k={k}"
+def grouped(k: int, pinned: bool = False) -> str:
+    """The name of BoltzLabsVecEnv over RLPool(envs_per_sandbox=k), with pin_sandboxes=pinned."""
+    return f"boltzlabs k={k}" + (" pinned" if pinned else "")
 
 
 def names_of(rows: list) -> list:
     """Every implementation of the rows, the fixed ones first, then the grouped ones by k."""
     found = {name for row in rows for name in row["results"]}
-    ks = sorted(int(name.split("=")[1]) for name in found if name.startswith("boltzlabs k="))
-    return [name for name in IMPLEMENTATIONS if name in found] + [grouped(k) for k in ks]
+    ks = sorted(
+        (int(name.split("=")[1].split()[0]), name.endswith(" pinned"))
+        for name in found
+        if name.startswith("boltzlabs k=")
+    )
+    return [name for name in IMPLEMENTATIONS if name in found] + [grouped(k, pinned) for k, pinned in ks]
 
 
 def ours(name: str) -> bool:
@@ -180,12 +186,15 @@ class Impl:
 
 class Ours(Impl):
     """BoltzLabsVecEnv over an RLPool (name "boltzlabs"), or the RLPool itself ("rlpool"); with
-    k > 1, BoltzLabsVecEnv over RLPool(envs_per_sandbox=k) ("boltzlabs k=K")."""
+    k > 1, BoltzLabsVecEnv over RLPool(envs_per_sandbox=k) ("boltzlabs k=K"), with
+    pin_sandboxes=True when pinned ("boltzlabs k=K pinned")."""
 
-    def __init__(self, n, bank, source, adapter: bool, k: int = 1):
+    def __init__(self, n, bank, source, adapter: bool, k: int = 1, pinned: bool = False):
         super().__init__(n, bank)
-        self.name = grouped(k) if k > 1 else "boltzlabs" if adapter else "rlpool"
-        options = {"envs_per_sandbox": k} if k > 1 else {}
+        self.name = grouped(k, pinned) if k > 1 else "boltzlabs" if adapter else "rlpool"
+        options: dict = {"envs_per_sandbox": k} if k > 1 else {}
+        if pinned:
+            options["pin_sandboxes"] = True
         started = time.perf_counter()
         self.pool = RLPool(source, n, progress=False, **options)
         self.startup = time.perf_counter() - started
@@ -303,7 +312,7 @@ def in_process(make, bank: list, steps: int) -> float:
     return 1e6 * seconds / steps
 
 
-def bench(env: str, n: int, rounds: int, chunk_s: float, only, ks=()) -> dict:
+def bench(env: str, n: int, rounds: int, chunk_s: float, only, ks=(), pinned: bool = False) -> dict:
     source, make, envpool_spec = ENVS[env]
     probe = make()
     bank = action_bank(probe.action_space, n)
@@ -322,8 +331,9 @@ def bench(env: str, n: int, rounds: int, chunk_s: float, only, ks=()) -> dict:
                 log(f"[{env} n={n}] starting {'BoltzLabsVecEnv' if adapter else 'RLPool'}")
                 impls.append(Ours(n, bank, source, adapter))
         for k in dict.fromkeys(min(k, n) for k in ks if k > 1):
-            log(f"[{env} n={n}] starting BoltzLabsVecEnv over RLPool(envs_per_sandbox={k})")
-            impls.append(Ours(n, bank, source, True, k))
+            for pin in (False, True) if pinned else (False,):
+                log(f"[{env} n={n}] starting BoltzLabsVecEnv over RLPool(envs_per_sandbox={k}, pin_sandboxes={pin})")
+                impls.append(Ours(n, bank, source, True, k, pin))
         if "envpool" in only and envpool_spec is not None:
             impls.append(EnvPool(n, bank, *envpool_spec))
         for impl in impls:
@@ -453,12 +463,19 @@ def main(argv=None) -> int:
         metavar="K",
         help="also BoltzLabsVecEnv over RLPool(envs_per_sandbox=K) for each K > 1 (docs/groups.md)",
     )
+    parser.add_argument(
+        "--pin-sandboxes",
+        action="store_true",
+        help="each grouped pool twice: as the kernel places its sandboxes, and with RLPool(pin_sandboxes=True)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
     started = time.perf_counter()
     rows = [
-        bench(env, n, args.rounds, args.chunk, args.only, args.envs_per_sandbox) for env in args.envs for n in args.n
+        bench(env, n, args.rounds, args.chunk, args.only, args.envs_per_sandbox, args.pin_sandboxes)
+        for env in args.envs
+        for n in args.n
     ]
     total = time.perf_counter() - started
     load_after = os.getloadavg()

@@ -28,6 +28,7 @@ def _tree(pid: int) -> dict:
 
 
 def _workers(pool) -> list:
+    pool = getattr(pool, "inner", pool)  # a grouped pool's: its pool of sandboxes
     shards = getattr(pool, "_shards", None) or [pool]
     return [shard._proc.pid for shard in shards]
 
@@ -91,6 +92,10 @@ def test_slices_are_equal_and_cover_the_cpus_once_or_each_is_all_of_them():
         {"cpus": ["0"], "shard": 0, "of": 1},
         {"cpus": "0-3", "shard": 0, "of": 1},
         {"cpus": [0] * ((1 << 13) + 1), "shard": 0, "of": 1},
+        {"cpus": None, "shard": 0, "of": 1, "spread": 1},
+        {"cpus": None, "shard": 0, "of": 1, "spread": "yes"},
+        {"cpus": None, "shard": 0, "of": 1, "spread": None},
+        {"cpus": None, "shard": 0, "spread": True},
     ],
 )
 def test_a_hostile_affinity_request_is_refused(asked):
@@ -101,6 +106,8 @@ def test_a_hostile_affinity_request_is_refused(asked):
 def test_a_request_is_parsed_to_sorted_distinct_cpus():
     assert affinity.parse(None) is None
     assert affinity.parse({"cpus": [3, 1, 3], "shard": 1, "of": 2}) == affinity.Affinity((1, 3), 1, 2)
+    assert affinity.parse({"cpus": None, "shard": 0, "of": 1, "spread": True}) == affinity.Affinity(None, 0, 1, True)
+    assert affinity.parse({"cpus": None, "shard": 0, "of": 1, "spread": False}).spread is False
 
 
 @pytest.mark.parametrize(
@@ -175,6 +182,71 @@ def test_a_pool_is_pinned_only_where_asked():
         assert _env_views(pool) == [two] * 3
 
 
+def _pinned(pid: int) -> set:
+    """The CPUs of every thread of process pid."""
+    return {tuple(sorted(os.sched_getaffinity(int(task)))) for task in os.listdir(f"/proc/{pid}/task")}
+
+
+@needs_two
+@pytest.mark.parametrize("spawn", ["template", "exec"])
+def test_pin_sandboxes_puts_each_sandbox_on_one_cpu_in_turn_respawns_included(spawn):
+    """A grouped pool of 3 sandboxes (2 + 2 + 1 envs): sandbox g on CPUS[g mod C], every thread
+    of it, as the kernel and its envs say; the worker and the template are not narrowed; a
+    sandbox respawned after a hard reset or a crash is pinned again."""
+    want = [[CPUS[g % len(CPUS)]] for g in range(3)]
+    lanes = [want[0]] * 2 + [want[1]] * 2 + [want[2]]
+    with RLPool(PROBE, 5, envs_per_sandbox=2, pin_sandboxes=True, step_timeout=10, spawn=spawn) as pool:
+        pool.reset(seed=0)
+        worker = _workers(pool)[0]
+        assert sorted(os.sched_getaffinity(worker)) == CPUS and pool.affinity == [None]
+
+        def check():
+            pids = pool.pids()  # exec: each sandbox's bwrap, whose last descendant is the env's process
+            envs = [
+                pid if spawn == "template" else psutil.Process(pid).children(recursive=True)[-1].pid for pid in pids
+            ]
+            for g, pid in enumerate(sorted(set(envs), key=envs.index)):
+                assert _pinned(pid) == {tuple(want[g])}, (g, pid)
+            assert _env_views(pool) == lanes
+
+        check()
+        before = set(pool.pids())
+        pool.reset(seed=1, hard=True)
+        assert not before & set(pool.pids())
+        check()
+        _, _, dones, infos = pool.step([1.0, 1.0, {"op": "exit"}, 1.0, 1.0])
+        assert dones[2] and dones[3] and "exit" in infos[2]["error"]
+        pool.reset(where=[2])  # its group's respawn
+        check()
+    assert sorted(os.sched_getaffinity(0)) == CPUS  # the trainer's own is left as it was
+
+
+@needs_two
+def test_pin_sandboxes_spreads_within_each_shards_slice_and_within_cpus():
+    slices = [affinity.slice_of(CPUS, s, 2) for s in range(2)]
+    with RLPool(PROBE, 6, workers=2, pin_sandboxes=True) as pool:  # 3 envs per shard
+        pool.reset(seed=0)
+        assert _env_views(pool) == [[s[i % len(s)]] for s in slices for i in range(3)]
+    last = CPUS[-1:]
+    with RLPool(PROBE, 4, envs_per_sandbox=2, cpus=last, pin_sandboxes=True) as pool:
+        pool.reset(seed=0)
+        assert pool.affinity == [last] and _env_views(pool) == [last] * 4
+    with RLPool(PROBE, 2) as pool:  # not asked: the kernel places each sandbox
+        pool.reset(seed=0)
+        assert _env_views(pool) == [CPUS] * 2
+
+
+@pytest.mark.parametrize(
+    "pin, cpus, error", [("yes", None, TypeError), (1, None, TypeError), (True, False, ValueError)]
+)
+def test_a_bad_pin_sandboxes_is_refused_before_anything_starts(pin, cpus, error):
+    before = _descendants()
+    for workers in (1, 2):
+        with pytest.raises(error, match="pin_sandboxes"):
+            RLPool(COUNTER, 2, workers=workers, cpus=cpus, pin_sandboxes=pin)
+    assert _descendants() <= before
+
+
 def test_a_cpu_the_worker_may_not_use_is_refused_naming_it_and_nothing_is_left():
     before = _descendants()
     missing = max(CPUS) + 1
@@ -209,6 +281,9 @@ def test_a_remote_pool_pins_each_shard_within_the_remote_workers_cpus(tmp_path):
             assert pool.affinity == slices
             pool.reset(seed=0)
             assert _env_views(pool) == [slices[0]] * 2 + [slices[1]] * 2
+        with listener.pool(PROBE, 4, envs_per_sandbox=2, pin_sandboxes=True) as pool:  # one remote worker
+            pool.reset(seed=0)
+            assert _env_views(pool) == [[CPUS[0]]] * 2 + [[CPUS[1]]] * 2
         # A client that lies about its shard: the worker refuses it, and says why.
         with pytest.raises(ValueError, match="affinity: shard"):
             listener.pool(COUNTER, 2, _shard=(3, 2))

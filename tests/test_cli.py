@@ -212,6 +212,17 @@ def test_bench_per_envs_per_sandbox_json_of_an_env_directory():
         assert r["envs_per_gb"] > 0 and r["vs_async"] is None
 
 
+def test_bench_pin_sandboxes_makes_each_pool_so_and_says_it():
+    code, out, err = boltzlabs(
+        "bench", COUNTER, "-n", "4", "--envs-per-sandbox", "2", "--steps", "6", "--rounds", "1", "--pin-sandboxes"
+    )
+    assert code == 0, out + err
+    assert "pools made with pin_sandboxes=True: each sandbox on one CPU, in turn" in out
+    code, out, err = boltzlabs("bench", COUNTER, "-n", "2", "--steps", "6", "--pin-sandboxes", "--json")
+    assert code == 0, out + err
+    assert json.loads(out)["results"][0]["failed_steps"] == 0
+
+
 # -- doctor ------------------------------------------------------------------------------------
 
 

@@ -188,6 +188,10 @@ out["memory_source"] = pool.memory().source
 out["uids"] = sorted({psutil.Process(p.pid).uids().real for p in psutil.Process().children(recursive=True)})
 out["me"] = os.getuid()
 pool.close()
+with RLPool(probe, 2, spawn=spawn, step_timeout=20, tag=tag, pin_sandboxes=True) as pinned:  # its own sandboxes
+    pinned.reset(seed=0)
+    out["pinned"] = [o["out"] for o in pinned.step([{"op": "cpus"}] * 2)[0]]
+out["cpus"] = sorted(os.sched_getaffinity(0))
 out["left"] = [p.pid for p in psutil.Process().children(recursive=True)]
 print(json.dumps(out))
 """
@@ -233,6 +237,8 @@ def test_a_pool_started_by_an_ordinary_user_works(spawn, tmp_path):
     assert [i["uid"] for i in out["identity"]] == [IDENTITY["uid"]] * 2
     assert "PSS" in out["memory_source"]  # an ordinary user has no writable memory cgroup here
     assert out["left"] == []
+    cpus = out["cpus"]  # pin_sandboxes: an ordinary user's worker pins its own sandboxes
+    assert out["pinned"] == [[cpus[0]], [cpus[1 % len(cpus)]]]
     leftovers = [p.pid for p in psutil.process_iter(["cmdline"]) if tag in " ".join(p.info["cmdline"] or [])]
     assert leftovers == []
 

@@ -303,6 +303,11 @@ envs/GiB and the ratio to AsyncVectorEnv per k (docs/groups.md).""",
         help="with --envs-per-sandbox: the timed steps of each side cut into R chunks, the sides "
         "taking turns chunk by chunk; figures are medians over them (default 5)",
     )
+    parser.add_argument(
+        "--pin-sandboxes",
+        action="store_true",
+        help="make each pool with RLPool(pin_sandboxes=True): each sandbox on one CPU, in turn",
+    )
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON only, no table")
     parser.add_argument(
         "--plot",
@@ -331,7 +336,16 @@ def _run_bench(args) -> int:
         args,
         len(args.ns),
         lambda n, bar: [
-            measure(args.source, n, args.steps, spawn=args.spawn, actions=args.actions, params=params, bar=bar)
+            measure(
+                args.source,
+                n,
+                args.steps,
+                spawn=args.spawn,
+                actions=args.actions,
+                params=params,
+                bar=bar,
+                pin_sandboxes=args.pin_sandboxes,
+            )
         ],
     )
     if results is None:
@@ -369,6 +383,7 @@ def _run_bench_groups(args) -> int:
             actions=args.actions,
             params=params,
             bar=bar,
+            pin_sandboxes=args.pin_sandboxes,
         ),
     )
     if results is None:
@@ -452,6 +467,8 @@ def _groups_table(results: list, args, with_async: bool) -> str:
         "k: envs per sandbox (async: Gymnasium's AsyncVectorEnv, a process per env); env-steps/s and CPU "
         f"(this process and the side's processes): medians of {rounds} round(s) taken in turns"
     )
+    if args.pin_sandboxes:
+        lines.append("pools made with pin_sandboxes=True: each sandbox on one CPU, in turn")
     if not with_async:
         lines.append(f"AsyncVectorEnv: not run ({args.source} is an env directory; a Gymnasium id has one)")
     asked = sorted({k for k in args.envs_per_sandbox if any(k > n for n in args.ns)})

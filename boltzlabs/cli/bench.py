@@ -66,7 +66,17 @@ def action_batches(pool, actions, seed: int = 0) -> list:
     return [[0] * n]
 
 
-def measure(source, n: int, steps: int, *, spawn: str = "template", actions=None, params=None, bar=None) -> dict:
+def measure(
+    source,
+    n: int,
+    steps: int,
+    *,
+    spawn: str = "template",
+    actions=None,
+    params=None,
+    bar=None,
+    pin_sandboxes: bool = False,
+) -> dict:
     """Start a pool of n envs, step it `steps` times, and return its figures.
 
     `bar`: a tqdm bar (or None) advanced once per timed step. Lanes that
@@ -76,7 +86,7 @@ def measure(source, n: int, steps: int, *, spawn: str = "template", actions=None
     from boltzlabs import RLPool
 
     started = time.perf_counter()
-    pool = RLPool(source, n, spawn=spawn, params=params)
+    pool = RLPool(source, n, spawn=spawn, params=params, pin_sandboxes=pin_sandboxes)
     start_s = time.perf_counter() - started
     try:
         batches = action_batches(pool, actions)
@@ -339,6 +349,7 @@ def compare(
     actions=None,
     params=None,
     bar=None,
+    pin_sandboxes: bool = False,
 ) -> list:
     """A pool of n envs for each k of `ks` (RLPool(source, n, envs_per_sandbox=k); k = 1 a sandbox
     per env) and, when the source is a Gymnasium id or env_fns, Gymnasium's AsyncVectorEnv over the
@@ -371,7 +382,15 @@ def compare(
         for k in group_sizes(ks, n):
             before = {p.pid for p in me.children()}
             started = time.perf_counter()
-            pool = RLPool(source, n, spawn=spawn, envs_per_sandbox=k, progress=False, **(params or {}))
+            pool = RLPool(
+                source,
+                n,
+                spawn=spawn,
+                envs_per_sandbox=k,
+                progress=False,
+                pin_sandboxes=pin_sandboxes,
+                **(params or {}),
+            )
             start_s = time.perf_counter() - started
             # The pool's processes: what this process started for it (its worker, and below it every sandbox).
             roots = [p for p in me.children() if p.pid not in before]

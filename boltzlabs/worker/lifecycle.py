@@ -61,6 +61,7 @@ from boltzlabs.abi import PR_SET_NAME
 from boltzlabs.errors import ProtocolError, TemplateUnavailable, describe_status, exit_signal, stopped
 from boltzlabs.host.builder import SandboxSpec
 from boltzlabs.host.cgroups import CgroupPool, cpus_allowed
+from boltzlabs.worker import affinity
 from boltzlabs.worker.config import PoolConfig
 from boltzlabs.worker.confinement import Confinement
 from boltzlabs.worker.cpu_budget import CpuMeter
@@ -102,6 +103,10 @@ class Lifecycle:
         self.cgroups: CgroupPool | None = cgroups  # each lane's cgroup (and the template's), None without
         self.slots: Slots | None = slots  # the observation slots, sealed at each lane's HELLO; None without
         self.lanes: list[Lane] = [Lane(i, config.env_limits) for i in range(config.n)]
+        # RLPool(pin_sandboxes=True): the CPUs this worker runs on (its slice, pinned by server.py
+        # before this), lane i's sandbox on the (i mod len)-th at its handshake (affinity.py).
+        spread = config.affinity is not None and config.affinity.spread
+        self.sandbox_cpus: list[int] | None = sorted(os.sched_getaffinity(0)) if spread else None
         # What the kernel must say of every lane's process (and the probe's) before its first request.
         account = spec.account
         assert account is not None, "the worker's sandboxes always run as its host account (server.py)"
@@ -335,6 +340,25 @@ class Lifecycle:
         if respawn:
             self.start(respawn)
 
+    def _place(self, lane: Lane) -> str:
+        """RLPool(pin_sandboxes=True): pin env's process to its CPU (affinity.place); '' or why not."""
+        cpus = self.sandbox_cpus
+        assert cpus, "placed only with pin_sandboxes"
+        cpu = cpus[lane.index % len(cpus)]
+        pid, pidfd, owned = self.spawner.process(lane)
+        try:
+            if pid > 0:
+                affinity.place(pid, cpu)
+        except OSError as exc:
+            return (
+                f"could not be pinned to CPU {cpu} (RLPool(pin_sandboxes=True)) and was killed: "
+                f"sched_setaffinity: {exc.strerror or exc}; make the pool without pin_sandboxes"
+            )
+        finally:
+            if owned:
+                os.close(pidfd)
+        return ""
+
     def _confinement_problem(self, lane: Lane) -> str:
         """What the kernel says is wrong with env's confinement (confinement.py), or ''."""
         pid, pidfd, owned = self.spawner.process(lane)
@@ -421,6 +445,11 @@ class Lifecycle:
                         f"by the worker) and was killed: {problem}",
                     )
                     return
+                if self.sandbox_cpus:
+                    problem = self._place(lane)
+                    if problem:
+                        self.kill(lane, problem)
+                        return
                 lane.on("hello")
                 lane.reader.limits = self.config.env_limits
                 if lane.index == 0 and self.hello is None:  # only lane 0's is ever read: keep no other
