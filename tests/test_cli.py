@@ -212,12 +212,35 @@ def test_bench_per_envs_per_sandbox_json_of_an_env_directory():
         assert r["envs_per_gb"] > 0 and r["vs_async"] is None
 
 
-def test_bench_pin_sandboxes_makes_each_pool_so_and_says_it():
+def test_bench_pin_sandboxes_measures_each_k_placed_and_pinned_and_says_it():
     code, out, err = boltzlabs(
-        "bench", COUNTER, "-n", "4", "--envs-per-sandbox", "2", "--steps", "6", "--rounds", "1", "--pin-sandboxes"
+        "bench", COUNTER, "-n", "4", "--envs-per-sandbox", "1,2", "--steps", "6", "--rounds", "2", "--pin-sandboxes"
     )
     assert code == 0, out + err
-    assert "pools made with pin_sandboxes=True: each sandbox on one CPU, in turn" in out
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines()[2:6]]
+    assert [row[:3] for row in rows] == [
+        ["4", "1", "4"],
+        ["4", "1 pinned", "4"],
+        ["4", "2", "2"],
+        ["4", "2 pinned", "2"],
+    ]
+    assert "k pinned: the same pool made with pin_sandboxes=True" in out
+    code, out, err = boltzlabs(
+        "bench",
+        COUNTER,
+        "-n",
+        "4",
+        "--envs-per-sandbox",
+        "2",
+        "--steps",
+        "6",
+        "--rounds",
+        "1",
+        "--pin-sandboxes",
+        "--json",
+    )
+    assert code == 0, out + err
+    assert [(r["k"], r["pinned"]) for r in json.loads(out)["results"]] == [(2, False), (2, True)]
     code, out, err = boltzlabs("bench", COUNTER, "-n", "2", "--steps", "6", "--pin-sandboxes", "--json")
     assert code == 0, out + err
     assert json.loads(out)["results"][0]["failed_steps"] == 0

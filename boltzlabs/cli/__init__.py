@@ -306,7 +306,8 @@ envs/GiB and the ratio to AsyncVectorEnv per k (docs/groups.md).""",
     parser.add_argument(
         "--pin-sandboxes",
         action="store_true",
-        help="make each pool with RLPool(pin_sandboxes=True): each sandbox on one CPU, in turn",
+        help="make each pool with RLPool(pin_sandboxes=True): each sandbox on one CPU, in turn; with "
+        "--envs-per-sandbox, each k twice, placed by the kernel and pinned, taking turns",
     )
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON only, no table")
     parser.add_argument(
@@ -366,10 +367,10 @@ def _run_bench_groups(args) -> int:
     if args.plot:
         raise UsageError("--plot draws figures against n: leave it out with --envs-per-sandbox")
     params = _resolve(args)
-    from boltzlabs.cli.bench import compare, group_sizes, twin
+    from boltzlabs.cli.bench import compare, pool_sides, twin
 
     with_async = twin(args.source, params, 1) is not None
-    sides = sum(len(group_sizes(args.envs_per_sandbox, n)) + with_async for n in args.ns)
+    sides = sum(len(pool_sides(args.envs_per_sandbox, n, args.pin_sandboxes)) + with_async for n in args.ns)
     results = _bench_each_n(
         args,
         sides,
@@ -459,6 +460,9 @@ _GROUP_COLUMNS = (
 def _groups_table(results: list, args, with_async: bool) -> str:
     rows = [[label for label, _, _ in _GROUP_COLUMNS]]
     rows += [["-" if r[key] is None else fmt.format(r[key]) for _, key, fmt in _GROUP_COLUMNS] for r in results]
+    for row, r in zip(rows[1:], results):
+        if r.get("pinned"):
+            row[1] += " pinned"
     lines = _markdown(rows)
     sources = sorted({r["memory_source"] for r in results if r["memory_source"]})
     rounds = max(r["rounds"] for r in results)
@@ -468,7 +472,10 @@ def _groups_table(results: list, args, with_async: bool) -> str:
         f"(this process and the side's processes): medians of {rounds} round(s) taken in turns"
     )
     if args.pin_sandboxes:
-        lines.append("pools made with pin_sandboxes=True: each sandbox on one CPU, in turn")
+        lines.append(
+            "k pinned: the same pool made with pin_sandboxes=True (each sandbox on one CPU, in turn), "
+            "beside the pool whose sandboxes the kernel places"
+        )
     if not with_async:
         lines.append(f"AsyncVectorEnv: not run ({args.source} is an env directory; a Gymnasium id has one)")
     asked = sorted({k for k in args.envs_per_sandbox if any(k > n for n in args.ns)})

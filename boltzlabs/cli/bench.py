@@ -203,8 +203,9 @@ class _Side:
     stepped in chunks; the CPU of its processes (`roots` and everything below them) and of
     this process is read around each chunk."""
 
-    def __init__(self, k, sandboxes, roots: list, start_s: float) -> None:
+    def __init__(self, k, sandboxes, roots: list, start_s: float, pinned: bool = False) -> None:
         self.k, self.sandboxes, self.roots, self.start_s = k, sandboxes, roots, start_s
+        self.pinned = pinned  # a pool made with pin_sandboxes=True
         self.rounds: list = []  # (seconds, steps, CPU seconds of this process, of the side's processes)
         self.failed, self.first_error = 0, None
 
@@ -251,6 +252,7 @@ class _Side:
         return {
             "n": n,
             "k": self.k,
+            "pinned": self.pinned,
             "sandboxes": self.sandboxes,
             "steps": sum(steps for _, steps, _, _ in self.rounds),
             "rounds": len(self.rounds),
@@ -268,9 +270,9 @@ class _PoolSide(_Side):
     """RLPool(source, n, envs_per_sandbox=k), stepped with step_full: the envs done at the previous
     step are reset in the same request (next-step autoreset, as AsyncVectorEnv's default)."""
 
-    def __init__(self, pool, roots: list, start_s: float, batches: list) -> None:
+    def __init__(self, pool, roots: list, start_s: float, batches: list, pinned: bool = False) -> None:
         k = getattr(pool, "envs_per_sandbox", 1)
-        super().__init__(k, getattr(pool, "sandboxes", pool.n), roots, start_s)
+        super().__init__(k, getattr(pool, "sandboxes", pool.n), roots, start_s, pinned)
         self.pool, self.batches, self.t, self.resets = pool, batches, 0, None
 
     def step(self) -> None:
@@ -338,6 +340,12 @@ def group_sizes(ks, n: int) -> list:
     return list(dict.fromkeys(min(int(k), n) for k in ks))
 
 
+def pool_sides(ks, n: int, pin_sandboxes: bool = False) -> list:
+    """The pools compare() makes at n: (k, pinned) for each k of group_sizes, and with
+    pin_sandboxes each k twice, as the kernel places its sandboxes and pinned, in turn."""
+    return [(k, pinned) for k in group_sizes(ks, n) for pinned in ((False, True) if pin_sandboxes else (False,))]
+
+
 def compare(
     source,
     n: int,
@@ -355,6 +363,8 @@ def compare(
     per env) and, when the source is a Gymnasium id or env_fns, Gymnasium's AsyncVectorEnv over the
     same envs: all open at once, warmed up, then `steps` timed steps each, cut into `rounds`
     chunks that take turns (the order rotating), so a burst of other work hits every side alike.
+    With pin_sandboxes, each k twice: as the kernel places its sandboxes, then with
+    RLPool(pin_sandboxes=True) ("pinned": true in its dict).
 
     One dict per side, the pools in k order then AsyncVectorEnv (k "async"): env-steps/s and CPU
     microseconds per env-step (this process plus the side's processes, from the scheduler's
@@ -379,7 +389,7 @@ def compare(
             envs = AsyncVectorEnv(fns)
             async_fns = (envs, time.perf_counter() - started)
         batches = None
-        for k in group_sizes(ks, n):
+        for k, pinned in pool_sides(ks, n, pin_sandboxes):
             before = {p.pid for p in me.children()}
             started = time.perf_counter()
             pool = RLPool(
@@ -388,7 +398,7 @@ def compare(
                 spawn=spawn,
                 envs_per_sandbox=k,
                 progress=False,
-                pin_sandboxes=pin_sandboxes,
+                pin_sandboxes=pinned,
                 **(params or {}),
             )
             start_s = time.perf_counter() - started
@@ -396,7 +406,7 @@ def compare(
             roots = [p for p in me.children() if p.pid not in before]
             if batches is None:
                 batches = action_batches(pool, actions)
-            sides.append(_PoolSide(pool, roots, start_s, batches))
+            sides.append(_PoolSide(pool, roots, start_s, batches, pinned))
         if async_fns is not None:
             envs, start_s = async_fns
             sides.append(_AsyncSide(envs, _async_batches(envs, batches or [[0] * n]), start_s))
