@@ -105,27 +105,28 @@ def pin(affinity: Affinity | None) -> list[int] | None:
     cpus = slice_of(base, affinity.shard, affinity.of)
     if cpus == allowed:
         return None
-    # sched_setaffinity(0) sets the calling thread's only: each of the worker's threads is pinned
-    # (a thread started later inherits its creator's), so whichever thread forks, its child is.
-    for task in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(task), cpus)
-        except ProcessLookupError:  # a thread that has just ended
-            pass
+    # sched_setaffinity(0) sets the calling thread's only: each of the worker's threads is pinned,
+    # so whichever thread forks, its child is.
+    _pin_threads("self", cpus)
     return sorted(os.sched_getaffinity(0))
 
 
 def place(pid: int, cpu: int) -> None:
-    """Pin every thread of process `pid` (a sandbox's env process, at its handshake) to `cpu`;
-    a thread it starts later inherits its creator's. A process or thread that has just ended
-    is left (its death is reported on its lane); OSError for any other failure."""
+    """Pin every thread of process `pid` (a sandbox's env process, at its handshake) to `cpu`.
+    A process that has just ended is left (its death is reported on its lane); OSError for any
+    other failure."""
     try:
-        tasks = os.listdir(f"/proc/{pid}/task")
+        _pin_threads(str(pid), (cpu,))
     except FileNotFoundError:
-        return
-    for task in tasks:
+        pass
+
+
+def _pin_threads(process: str, cpus) -> None:
+    """sched_setaffinity of every thread of /proc/`process` ("self", or a pid); a thread started
+    later inherits its creator's, and one that has just ended is skipped."""
+    for task in os.listdir(f"/proc/{process}/task"):
         try:
-            os.sched_setaffinity(int(task), (cpu,))
+            os.sched_setaffinity(int(task), cpus)
         except ProcessLookupError:
             pass
 

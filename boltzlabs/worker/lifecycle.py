@@ -340,30 +340,29 @@ class Lifecycle:
         if respawn:
             self.start(respawn)
 
-    def _place(self, lane: Lane) -> str:
-        """RLPool(pin_sandboxes=True): pin env's process to its CPU (affinity.place); '' or why not."""
-        cpus = self.sandbox_cpus
-        assert cpus, "placed only with pin_sandboxes"
-        cpu = cpus[lane.index % len(cpus)]
+    def _vet(self, lane: Lane) -> str:
+        """At env's handshake, with one look at its process: why it is killed, or ''. What the
+        kernel says is wrong with its confinement (confinement.py); with RLPool(pin_sandboxes=True),
+        it is then pinned to its CPU (affinity.place), or killed when it cannot be."""
         pid, pidfd, owned = self.spawner.process(lane)
         try:
-            if pid > 0:
-                affinity.place(pid, cpu)
-        except OSError as exc:
-            return (
-                f"could not be pinned to CPU {cpu} (RLPool(pin_sandboxes=True)) and was killed: "
-                f"sched_setaffinity: {exc.strerror or exc}; make the pool without pin_sandboxes"
-            )
-        finally:
-            if owned:
-                os.close(pidfd)
-        return ""
-
-    def _confinement_problem(self, lane: Lane) -> str:
-        """What the kernel says is wrong with env's confinement (confinement.py), or ''."""
-        pid, pidfd, owned = self.spawner.process(lane)
-        try:
-            return self.confinement.check(lane.index, pid, pidfd)
+            problem = self.confinement.check(lane.index, pid, pidfd)
+            if problem:
+                return (
+                    f"failed the confinement check (what the kernel says of its process, read "
+                    f"by the worker) and was killed: {problem}"
+                )
+            cpus = self.sandbox_cpus
+            if cpus and pid > 0:
+                cpu = cpus[lane.index % len(cpus)]
+                try:
+                    affinity.place(pid, cpu)
+                except OSError as exc:
+                    return (
+                        f"could not be pinned to CPU {cpu} (RLPool(pin_sandboxes=True)) and was killed: "
+                        f"sched_setaffinity: {exc.strerror or exc}; make the pool without pin_sandboxes"
+                    )
+            return ""
         finally:
             if owned:
                 os.close(pidfd)
@@ -437,19 +436,10 @@ class Lifecycle:
         code = message[0]
         if lane.state is STARTING:
             if code == wire.HELLO and len(message) == 3 and message[1] == wire.PROTOCOL_VERSION:
-                problem = self._confinement_problem(lane)
+                problem = self._vet(lane)
                 if problem:
-                    self.kill(
-                        lane,
-                        f"failed the confinement check (what the kernel says of its process, read "
-                        f"by the worker) and was killed: {problem}",
-                    )
+                    self.kill(lane, problem)
                     return
-                if self.sandbox_cpus:
-                    problem = self._place(lane)
-                    if problem:
-                        self.kill(lane, problem)
-                        return
                 lane.on("hello")
                 lane.reader.limits = self.config.env_limits
                 if lane.index == 0 and self.hello is None:  # only lane 0's is ever read: keep no other
