@@ -42,7 +42,9 @@ RLPool(source, n, envs_per_sandbox=K) ("boltzlabs k=K": ceil(n / K) sandboxes
 of K envs each, docs/groups.md), open and taking turns with the others (a K
 past n is n; K = 1 is "boltzlabs" itself); with --pin-sandboxes, each of them
 twice, the second with RLPool(pin_sandboxes=True) ("boltzlabs k=K pinned": each
-sandbox on one CPU, in turn). A second table gives each of ours
+sandbox on one CPU, in turn); with --eager-reset, once more with
+RLPool(eager_reset=True) (and pinned with --pin-sandboxes: "boltzlabs k=K pinned
+eager"; an ended episode's env resets while the trainer works). A second table gives each of ours
 against AsyncVectorEnv, SyncVectorEnv, EnvPool and the limit: the cores this
 process may use x SyncVectorEnv's rate, every core stepping envs and doing
 nothing else.
@@ -108,20 +110,26 @@ IMPLEMENTATIONS = ("boltzlabs", "rlpool", "async", "sync", "envpool")
 OURS = ("boltzlabs", "rlpool")  # and "boltzlabs k=K" for each --envs-per-sandbox K > 1
 
 
-def grouped(k: int, pinned: bool = False) -> str:
-    """The name of BoltzLabsVecEnv over RLPool(envs_per_sandbox=k), with pin_sandboxes=pinned."""
-    return f"boltzlabs k={k}" + (" pinned" if pinned else "")
+VARIANTS = ("", " pinned", " eager", " pinned eager")  # a grouped pool's name ends in one of these
+
+
+def grouped(k: int, pinned: bool = False, eager: bool = False) -> str:
+    """The name of BoltzLabsVecEnv over RLPool(envs_per_sandbox=k), with pin_sandboxes=pinned and
+    eager_reset=eager."""
+    return f"boltzlabs k={k}" + (" pinned" if pinned else "") + (" eager" if eager else "")
 
 
 def names_of(rows: list) -> list:
     """Every implementation of the rows, the fixed ones first, then the grouped ones by k."""
     found = {name for row in rows for name in row["results"]}
-    ks = sorted(
-        (int(name.split("=")[1].split()[0]), name.endswith(" pinned"))
-        for name in found
-        if name.startswith("boltzlabs k=")
-    )
-    return [name for name in IMPLEMENTATIONS if name in found] + [grouped(k, pinned) for k, pinned in ks]
+    ks = []
+    for name in found:
+        if name.startswith("boltzlabs k="):
+            k, _, variant = name.removeprefix("boltzlabs k=").partition(" ")
+            ks.append((int(k), VARIANTS.index(f" {variant}" if variant else "")))
+    return [name for name in IMPLEMENTATIONS if name in found] + [
+        f"boltzlabs k={k}{VARIANTS[v]}" for k, v in sorted(ks)
+    ]
 
 
 def ours(name: str) -> bool:
@@ -187,14 +195,16 @@ class Impl:
 class Ours(Impl):
     """BoltzLabsVecEnv over an RLPool (name "boltzlabs"), or the RLPool itself ("rlpool"); with
     k > 1, BoltzLabsVecEnv over RLPool(envs_per_sandbox=k) ("boltzlabs k=K"), with
-    pin_sandboxes=True when pinned ("boltzlabs k=K pinned")."""
+    pin_sandboxes=True when pinned ("boltzlabs k=K pinned") and eager_reset=True when eager."""
 
-    def __init__(self, n, bank, source, adapter: bool, k: int = 1, pinned: bool = False):
+    def __init__(self, n, bank, source, adapter: bool, k: int = 1, pinned: bool = False, eager: bool = False):
         super().__init__(n, bank)
-        self.name = grouped(k, pinned) if k > 1 else "boltzlabs" if adapter else "rlpool"
+        self.name = grouped(k, pinned, eager) if k > 1 else "boltzlabs" if adapter else "rlpool"
         options: dict = {"envs_per_sandbox": k} if k > 1 else {}
         if pinned:
             options["pin_sandboxes"] = True
+        if eager:
+            options["eager_reset"] = True
         started = time.perf_counter()
         self.pool = RLPool(source, n, progress=False, **options)
         self.startup = time.perf_counter() - started
@@ -312,7 +322,9 @@ def in_process(make, bank: list, steps: int) -> float:
     return 1e6 * seconds / steps
 
 
-def bench(env: str, n: int, rounds: int, chunk_s: float, only, ks=(), pinned: bool = False) -> dict:
+def bench(
+    env: str, n: int, rounds: int, chunk_s: float, only, ks=(), pinned: bool = False, eager: bool = False
+) -> dict:
     source, make, envpool_spec = ENVS[env]
     probe = make()
     bank = action_bank(probe.action_space, n)
@@ -331,9 +343,13 @@ def bench(env: str, n: int, rounds: int, chunk_s: float, only, ks=(), pinned: bo
                 log(f"[{env} n={n}] starting {'BoltzLabsVecEnv' if adapter else 'RLPool'}")
                 impls.append(Ours(n, bank, source, adapter))
         for k in dict.fromkeys(min(k, n) for k in ks if k > 1):
-            for pin in (False, True) if pinned else (False,):
-                log(f"[{env} n={n}] starting BoltzLabsVecEnv over RLPool(envs_per_sandbox={k}, pin_sandboxes={pin})")
-                impls.append(Ours(n, bank, source, True, k, pin))
+            variants = [(False, False)] + [(True, False)] * pinned + [(pinned, True)] * eager
+            for pin, early in variants:
+                log(
+                    f"[{env} n={n}] starting BoltzLabsVecEnv over "
+                    f"RLPool(envs_per_sandbox={k}, pin_sandboxes={pin}, eager_reset={early})"
+                )
+                impls.append(Ours(n, bank, source, True, k, pin, early))
         if "envpool" in only and envpool_spec is not None:
             impls.append(EnvPool(n, bank, *envpool_spec))
         for impl in impls:
@@ -468,12 +484,17 @@ def main(argv=None) -> int:
         action="store_true",
         help="each grouped pool twice: as the kernel places its sandboxes, and with RLPool(pin_sandboxes=True)",
     )
+    parser.add_argument(
+        "--eager-reset",
+        action="store_true",
+        help="each grouped pool once more with RLPool(eager_reset=True) (pinned too with --pin-sandboxes)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
     started = time.perf_counter()
     rows = [
-        bench(env, n, args.rounds, args.chunk, args.only, args.envs_per_sandbox, args.pin_sandboxes)
+        bench(env, n, args.rounds, args.chunk, args.only, args.envs_per_sandbox, args.pin_sandboxes, args.eager_reset)
         for env in args.envs
         for n in args.n
     ]

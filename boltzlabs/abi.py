@@ -37,6 +37,8 @@ GROUP_VARIABLE = "BOLTZLABS_GROUP"  # RLPool(envs_per_sandbox=k): "k,envs,max_fr
 # The pool's max_str_len in bytes: the longest str an env's decoder takes in a request, and its
 # serve() sends in a reply (runtime/serve.py); unset: only the frame caps apply.
 MAX_STR_VARIABLE = "BOLTZLABS_MAX_STR_LEN"
+# "1": RLPool(eager_reset=True), an env whose episode ended resets while the trainer works (runtime/serve.py)
+EAGER_RESET_VARIABLE = "BOLTZLABS_EAGER_RESET"
 
 # --- exit codes of a sandboxed process ---------------------------------------
 # The worker's description of a lane's death names each (describe_exit). Not 0,

@@ -36,7 +36,7 @@ class SandboxSpec:
 
     `SandboxSpec(policy, source_dir, workspace_size=None, params=None,
     account=None, limits=None, *, env_fns=None, import_roots=(),
-    expose=(), env_vars=None, group=None, max_str_len=None)` compiles the plan (plan.compile_plan: None takes the
+    expose=(), env_vars=None, group=None, max_str_len=None, eager_reset=False)` compiles the plan (plan.compile_plan: None takes the
     policy's default workspace size and env limits). The argv is
     built once per pool; per-env parts (the channel fd number, the env
     index) are appended by `argv()`. `account`: who bwrap runs as on the
@@ -59,6 +59,7 @@ class SandboxSpec:
         env_vars: dict[str, Any] | None = None,
         group: tuple[int, ...] | None = None,
         max_str_len: int | None = None,
+        eager_reset: bool = False,
     ) -> None:
         self.account = account
         # RLPool(source, n, **params), read in the env by boltzlabs.env.params().
@@ -67,6 +68,7 @@ class SandboxSpec:
         self.group_text = ",".join(map(str, group)) if group else ""
         # The pool's max_str_len: what each env's decoder and serve() hold a str to (runtime/serve.py).
         self.max_str_text = str(max_str_len) if max_str_len else ""
+        self.eager_reset = eager_reset  # RLPool(eager_reset=True): runtime/serve.py's Eager
         self.source_dir = Path(source_dir).resolve()
         if account is not None:
             account.check_readable(str(self.source_dir), "the env directory", 5)
@@ -146,6 +148,8 @@ class SandboxSpec:
             args += ["--setenv", abi.GROUP_VARIABLE, self.group_text]
         if self.max_str_text:
             args += ["--setenv", abi.MAX_STR_VARIABLE, self.max_str_text]
+        if self.eager_reset:
+            args += ["--setenv", abi.EAGER_RESET_VARIABLE, "1"]
         return args
 
     def hand_over(self, argv: list[str]) -> tuple[list[str], dict[int, bytes]]:

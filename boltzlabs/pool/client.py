@@ -413,6 +413,16 @@ class RLPool(Pool):
         1.02x-1.17x with 2 sandboxes on 2 cores). False (default): the kernel places them. Not a
         default, since pools that share a node would all start at the same
         first CPUs: give each its own cpus= then.
+      eager_reset: True resets an env whose step ended its episode as soon
+        as that step's results are sent, unseeded, while the trainer works and
+        the sandbox would wait; the next autoreset (a reset with no seed, no
+        options, no scrub: the Gymnasium adapter's, or reset(where=...)) takes
+        its result, and a reset no longer holds up the batch (LunarLander-v3,
+        n = 32, k = 16: 1.1x, docs/performance.md). Same results; what
+        differs: until that autoreset, render() and get_attr of that env see
+        the new episode, and a seeded reset, a call/set_attr or a step of it
+        first means one more reset of it. Refused with serialize_measurement.
+        False (default): each reset runs when it is asked for.
       envs_per_sandbox: k envs in each sandbox, ceil(n / k) sandboxes (the
         last holds the rest; a k above n is n), each one lane of an ordinary
         pool stepped in one turn: one frame in and one out per sandbox. None
@@ -521,6 +531,7 @@ class RLPool(Pool):
         workers=None,
         cpus=None,
         pin_sandboxes: bool = False,
+        eager_reset: bool = False,
         envs_per_sandbox=None,
         vectorization_mode=None,
         _group: list | None = None,
@@ -544,6 +555,11 @@ class RLPool(Pool):
             raise ValueError(
                 "pin_sandboxes=True pins each sandbox to one CPU, and cpus=False pins nothing: give "
                 "cpus=None (the CPUs the worker may use) or the CPUs to spread the sandboxes over"
+            )
+        if _flag("eager_reset", eager_reset) and serialize_measurement:
+            raise ValueError(
+                "eager_reset=True runs an env's reset outside its turn, and serialize_measurement=True lets "
+                "one env's code run at a time, in turn: ask for one of them"
             )
         # A grouped pool's lanes are sandboxes (pool/groups.py): _group is [k, envs], and the source
         # (env_fns) holds an env per env, not per lane. envs_per_sandbox of 1 is this pool.
@@ -591,6 +607,7 @@ class RLPool(Pool):
             "expose": imports.exposed(expose, import_roots, remote=worker is not None),
             "env_vars": env_vars,
             "group": _group,
+            "eager_reset": eager_reset,
             # A local worker can hand us each env's observation slot (pool/slots.py): asked for unless
             # BOLTZLABS_NO_SHM=1; it gives them when the env's space has a fixed shape.
             "shared_memory": worker is None and slots.wanted(),

@@ -188,6 +188,8 @@ class Group:
         self.member_act = to_spec(lead["action_space"]) if lead["action_space"] is not None else None
         self.slot: Any = None
         self.views: Any = None
+        self.ended: list[int] = []  # the members whose episode the last turn ended (eager_reset)
+        self.eager: Any = None  # RLPool(eager_reset=True): the channel's _serve.Eager
 
     def hello(self) -> dict[str, Any]:
         lead = self.members[0]
@@ -213,6 +215,7 @@ class Group:
         return info
 
     def serve(self, channel: Any) -> None:
+        self.eager = channel.eager
         info = self.hello()
         channel.write(wire.encode([wire.HELLO, wire.PROTOCOL_VERSION, info]))
         if info.get("observation_space") is not None:
@@ -229,6 +232,9 @@ class Group:
                         while receive()[:2] != [wire.GO, seq]:
                             pass
                     channel.write(self.turn(channel, seq, entries, wire.STEPPED))
+                    if self.eager is not None:  # RLPool(eager_reset=True): reset now, while the trainer works
+                        for j in self.ended:
+                            self.eager.run(j, self.members[j]["reset"])
                 elif code == wire.RESET:
                     seq, table, options = message[1:4]
                     entries = self.reset_entries(table, options)
@@ -305,6 +311,7 @@ class Group:
         infos: list[Any] = [None] * count
         errors: list[Any] = [None] * count
         obs: list[Any] = [None] * count
+        eager = self.eager
         for j in range(count):
             entry = entries[j]
             if entry is None:
@@ -313,6 +320,8 @@ class Group:
             kind = kinds[j] = entry[0]
             try:
                 if kind == STEPPED:
+                    if eager is not None and eager.ready:
+                        eager.ready.pop(j, None)  # stepped instead: what an eager reset returned is stale
                     result = member["step"](entry[1])
                     if type(result) is tuple and len(result) == 5 and type(result[4]) is dict:
                         # Gymnasium's 5-tuple, as _step_reply takes it, without the reply list it builds.
@@ -324,13 +333,22 @@ class Group:
                 else:
                     if isinstance(scrubbed, Exception):
                         raise scrubbed
-                    reply = _serve._reset_reply(seq, member["reset"](entry[1], entry[2]))
+                    if scrubbed is not None or eager is None:
+                        reply = _serve._reset_reply(seq, member["reset"](entry[1], entry[2]))
+                    else:
+                        reply = _serve._reset_reply(seq, eager.take(j, member["reset"], entry[1], entry[2]))
                     obs[j], infos[j] = reply[2], reply[3]
                     if scrubbed is not None:
                         infos[j] = dict(infos[j], scrubbed=scrubbed)
             except Exception as exc:  # that member's bug: it alone fails
                 errors[j] = _serve._failure(seq, "step" if kind == STEPPED else "reset", exc, self.max_str)[2:]
         results = [kinds, rewards, terminated, truncated, infos, errors]
+        if eager is not None:
+            if scrubbed is not None:
+                eager.ready.clear()
+            self.ended = [
+                j for j in range(count) if kinds[j] == STEPPED and errors[j] is None and (terminated[j] or truncated[j])
+            ]
         marker = self.put(channel, obs, kinds, errors, seq)
         if code == wire.STEPPED:
             frame: list[Any] = [
@@ -486,6 +504,8 @@ class Group:
             if type(item) is not list or len(item) != 2 or type(item[0]) is not int or not 0 <= item[0] < count:
                 raise ProtocolError(f"malformed group attr table item {item!r:.80}")
             j, member_args = item
+            if op != "get" and self.eager is not None:
+                self.eager.ready.pop(j, None)  # a call or set may change what its next reset makes: made then
             try:
                 out.append([j, True, self.members[j]["attributes"].run(op, name, member_args, kwargs)])
             except Exception as exc:

@@ -90,6 +90,7 @@ class _Channel:
         self.wait = _readable_waiter(rfd)
         self.slot: Any = None
         self.space: Any = None  # the declared observation space's spec, for the slot
+        self.eager = Eager() if os.environ.get(abi.EAGER_RESET_VARIABLE) == "1" else None
 
     def write(self, data: bytes) -> None:
         # Hot path: a reply goes out in one write; a short one (a big
@@ -343,6 +344,32 @@ def reset_caller(reset: Any) -> Any:
     return lambda seed, options: reset(seed, options=options) if options else reset(seed)
 
 
+class Eager:
+    """RLPool(eager_reset=True): an env whose step ended its episode is reset, unseeded, as soon as
+    that step's reply is sent, while the trainer works and the sandbox would wait; the next reset
+    that asks for no seed, no options and no scrub (the pool's autoreset) takes what that reset
+    returned or raised. Any other request of that env finds it reset already (docs/groups.md)."""
+
+    def __init__(self) -> None:
+        self.ready: dict[int, tuple[bool, Any]] = {}  # member -> (returned, its result or exception)
+
+    def run(self, member: int, reset: Any) -> None:
+        try:
+            self.ready[member] = (True, reset(None, None))
+        except Exception as exc:  # the env's bug: raised again to the reset that takes it
+            self.ready[member] = (False, exc)
+
+    def take(self, member: int, reset: Any, seed: Any, options: Any) -> Any:
+        """What reset(seed, options) of `member` gives: the eager reset's, when there is one and
+        the request is the one it stands for, else a call now."""
+        done = self.ready.pop(member, None)
+        if done is None or seed is not None or options is not None:
+            return reset(seed, options)
+        if not done[0]:
+            raise done[1]
+        return done[1]
+
+
 def scrubbed(reset: Any, what: Any) -> Any:
     """`reset(seed, options)` after a scrub (runtime/scrub.py) of this sandbox; its info says what
     the scrub removed (info["scrubbed"]). `what`: the RESET frame's scrub field, {"ipc": bool}
@@ -466,9 +493,10 @@ WRAPPER_CLASSES = "boltzlabs_wrapper_classes"
 _ATTR_PHASES = {"call": "call", "get": "get_attr", "set": "set_attr"}
 
 
-def _reply(channel: _Channel, seq: Any, phase: str, build: Any, call: Any, *args: Any) -> None:
+def _reply(channel: _Channel, seq: Any, phase: str, build: Any, call: Any, *args: Any) -> Any:
     """Answer request `seq` with build(seq, call(*args)), or FAILED with what it raised.
-    A step's or reset's obs goes into the env's slot when it has one and the obs fits."""
+    A step's or reset's obs goes into the env's slot when it has one and the obs fits.
+    Returns the reply sent, None when a failure was sent instead."""
     try:
         reply = build(seq, call(*args))
         slot = channel.slot
@@ -500,7 +528,9 @@ def _reply(channel: _Channel, seq: Any, phase: str, build: Any, call: Any, *args
                 data = wire.encode(_failure(seq, phase, ValueError(too_long), channel.max_str))
     except Exception as exc:  # the env's bug: report it, keep serving
         data = wire.encode(_failure(seq, phase, exc, channel.max_str))
+        reply = None
     channel.write(data)
+    return reply
 
 
 def long_reply(value: Any, cap: int, phase: str) -> str:
@@ -771,11 +801,22 @@ def _serve_loop(channel: _Channel, reset: Any, step: Any, render: Any, info: dic
                     # serialize_measurement: decoded already, now wait for our turn.
                     while receive()[:2] != [wire.GO, seq]:
                         pass
-                _reply(channel, seq, "step", _step_reply, step, action)
+                eager = channel.eager
+                if eager is None:
+                    _reply(channel, seq, "step", _step_reply, step, action)
+                    continue
+                eager.ready.clear()  # stepped instead: what an eager reset returned is stale
+                reply = _reply(channel, seq, "step", _step_reply, step, action)
+                if type(reply) is list and len(reply) == 7 and (reply[4] is True or reply[5] is True):
+                    eager.run(0, reset)  # its episode ended: reset now, while the trainer works
             elif code == wire.RESET:
                 seq, seed, options = message[1:4]
                 if len(message) > 4 and message[4]:  # reset(scrub=True): the sandbox scrubbed first
+                    if channel.eager is not None:
+                        channel.eager.ready.clear()
                     _reply(channel, seq, "reset", _reset_reply, scrubbed(reset, message[4]), seed, options)
+                elif channel.eager is not None:
+                    _reply(channel, seq, "reset", _reset_reply, channel.eager.take, 0, reset, seed, options)
                 else:
                     _reply(channel, seq, "reset", _reset_reply, reset, seed, options)
             elif code == wire.RENDER:
@@ -783,6 +824,8 @@ def _serve_loop(channel: _Channel, reset: Any, step: Any, render: Any, info: dic
                 _reply(channel, seq, "render", _render_reply, render if render is not None else lambda: None)
             elif code == wire.ATTR:
                 _, seq, op, name, args, kwargs = message
+                if op != "get" and channel.eager is not None:
+                    channel.eager.ready.clear()  # a call or set may change what its next reset makes: made then
                 _reply(channel, seq, _ATTR_PHASES[op], _attr_reply, _ATTRIBUTES.run, op, name, args, kwargs)
             else:
                 raise ProtocolError(f"unexpected message code {code}")

@@ -63,6 +63,9 @@ class PoolConfig:
     # RLPool(envs_per_sandbox=k): (k, envs), each of the n lanes a sandbox of k envs (the last
     # of envs - (n - 1) * k); None: an env per sandbox (runtime/group.py, pool/groups.py).
     group: tuple[int, int] | None = None
+    # RLPool(eager_reset=True): an env (a group's member) whose episode ended resets as soon as
+    # its step's reply is sent (runtime/serve.py's Eager); never with serialize_measurement.
+    eager_reset: bool = False
 
 
 def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
@@ -99,6 +102,13 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
     step_timeout = float(request.get("step_timeout") or limits.step_timeout)
     env_limits = policy.env_limits(request.get("limits"), request.get("memory_limit"))
     group = _group(request.get("group"), request["n"])
+    gated = _flag(request, "serialize_measurement", False)
+    eager_reset = _flag(request, "eager_reset", False)
+    if eager_reset and gated:
+        raise ValueError(
+            "eager_reset=True runs an env's reset outside its turn, and serialize_measurement=True lets "
+            "one env's code run at a time, in turn: ask for one of them"
+        )
     if remote and group and group[1] > remote["max_envs"]:
         # Its cap counts envs, however many share a sandbox.
         raise ValueError(
@@ -116,7 +126,7 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
         preload=preload_names(request.get("preload"), request["source_dir"]),
         start_timeout=start_timeout,
         step_timeout=step_timeout,
-        gated=_flag(request, "serialize_measurement", False),
+        gated=gated,
         cpu_budget=cpu_budget(request.get("cpu_budget")),
         cpu_share=_flag(request, "cpu_share", False),
         limits=env_limits,
@@ -148,6 +158,7 @@ def parse_open(request, remote: dict | None, policy: Policy) -> PoolConfig:
         env_vars=request.get("env_vars"),
         affinity=affinity.parse(request.get("affinity")),
         group=group,
+        eager_reset=eager_reset,
     )
 
 

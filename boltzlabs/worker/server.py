@@ -152,6 +152,7 @@ class Worker:
             env_vars=config.env_vars,
             group=config.group and (*config.group, config.env_limits.max_frame),
             max_str_len=config.max_str_len,
+            eager_reset=config.eager_reset,
         )
         n = config.n
         limits = config.limits
