@@ -43,6 +43,7 @@
 #include <errno.h>
 #include <stdint.h>
 #include <string.h>
+#include <poll.h>
 #include <sys/epoll.h>
 #include <time.h>
 #include <unistd.h>
@@ -123,6 +124,35 @@ static int wait_ready(int epfd, struct epoll_event *events, int max_events, doub
         Py_END_ALLOW_THREADS
         if (ready > 0)
             return ready;
+        if (ready < 0 && errno != EINTR) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+        if (ready < 0 && PyErr_CheckSignals() < 0)
+            return -1;
+    }
+}
+
+/* poll one lane's read end until it is readable or `deadline` passes, the GIL released: 1, 0
+ * at the deadline, or -1 with an exception set (as wait_ready). The lent step's wait in lane
+ * order (step()'s `ordered`): a trainer that waits only for the first lane still out is woken
+ * by that lane alone, not by each group that answers while another still runs on the core it
+ * shares with the trainer (measured: LunarLander, 2 groups of 16 on 2 cores, 1.03x). */
+static int wait_lane(int fd, double deadline)
+{
+    for (;;) {
+        double left = deadline - monotonic_now();
+        if (!(left > 0))
+            return 0;
+        double ms = left * 1000.0 + 1.0;
+        int timeout = ms > 86400000.0 ? 86400000 : (int)ms;
+        struct pollfd pfd = {fd, POLLIN, 0};
+        int ready;
+        Py_BEGIN_ALLOW_THREADS
+        ready = poll(&pfd, 1, timeout);
+        Py_END_ALLOW_THREADS
+        if (ready > 0)
+            return 1;
         if (ready < 0 && errno != EINTR) {
             PyErr_SetFromErrno(PyExc_OSError);
             return -1;
@@ -1049,7 +1079,7 @@ static unsigned char *put_uint(unsigned char *p, uint64_t v) /* msgpack's minima
 }
 
 PyDoc_STRVAR(step_doc,
-"step(epfd, rfds, wfds, actions, seq, resets, deadline, caps, budget) -> Batch or None\n\n"
+"step(epfd, rfds, wfds, actions, seq, resets, deadline, caps, budget, ordered=False) -> Batch or None\n\n"
 "The synchronous step of an ungated pool in one call. actions: one msgpack\n"
 "array of n actions (the worker's packer's). For every lane with rfds[i] >= 0:\n"
 "write [STEP, seq, actions[i], False] (or [RESET, seq, None, None] where\n"
@@ -1060,7 +1090,9 @@ PyDoc_STRVAR(step_doc,
 "lane is in Batch.rest. caps: (max_frame,\n"
 "max_str_len, max_bin_len, max_array_len, max_map_len, max_ext_len, max_depth,\n"
 "max_objects) of the env limits. None, with nothing written, when actions is\n"
-"not an array of n values walk() can split.");
+"not an array of n values walk() can split. ordered: until the deadline, wait\n"
+"on the first lane still out alone (poll), not on epfd: for an epfd that\n"
+"holds only the lanes (a lent step; no foreign fd is seen before the deadline).");
 
 static PyObject *step(PyObject *self, PyObject *args)
 {
@@ -1070,9 +1102,11 @@ static PyObject *step(PyObject *self, PyObject *args)
     unsigned long long seq;
     double deadline;
     long long budget;
+    int ordered = 0; /* wait for the lanes in order, each alone (wait_lane): the lent step's */
     Caps caps;
-    if (!PyArg_ParseTuple(args, "iO!O!y*Ky*dO!L:step", &epfd, &PyList_Type, &rfds_obj, &PyList_Type, &wfds_obj,
-                          &actions, &seq, &resets, &deadline, &PyTuple_Type, &caps_obj, &budget))
+    if (!PyArg_ParseTuple(args, "iO!O!y*Ky*dO!L|p:step", &epfd, &PyList_Type, &rfds_obj, &PyList_Type,
+                          &wfds_obj, &actions, &seq, &resets, &deadline, &PyTuple_Type, &caps_obj, &budget,
+                          &ordered))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(rfds_obj);
     Batch *batch = NULL;
@@ -1222,9 +1256,22 @@ static PyObject *step(PyObject *self, PyObject *args)
     double fan_in_start = monotonic_now();
     int rounds = 0, looked = 0;
     while (waiting > 0) {
-        if (rounds++ > 0 && waiting > NAP_MIN_WAITING && nap(fan_in_start, deadline) < 0)
+        int ready = 0;
+        if (ordered && !looked) {
+            Py_ssize_t first = 0; /* the first lane still out: its fd still maps to it */
+            while (first < n && !(rfds[first] >= 0 && rfds[first] <= max_fd && lane_of[rfds[first]] == (int)first))
+                first++;
+            ready = first < n ? wait_lane(rfds[first], deadline) : 0;
+            if (ready < 0)
+                goto done;
+            if (ready > 0) {
+                events[0].data.fd = rfds[first];
+                events[0].events = EPOLLIN;
+            }
+        } else if (rounds++ > 0 && waiting > NAP_MIN_WAITING && nap(fan_in_start, deadline) < 0)
             goto done;
-        int ready = wait_ready(epfd, events, max_events, deadline, &looked);
+        if (ready == 0) /* past the deadline in order: wait_ready's one look at every lane */
+            ready = wait_ready(epfd, events, max_events, deadline, &looked);
         if (ready < 0)
             goto done;
         if (ready == 0) {

@@ -131,9 +131,12 @@ class Lanes:
     def env(self, i: int) -> socket.socket:
         return self.pairs[i][1]
 
-    def step(self, actions=None, seq=SEQ, resets=None, timeout=2.0, budget=1 << 30, limits=ENV, fds=None):
+    def step(
+        self, actions=None, seq=SEQ, resets=None, timeout=2.0, budget=1 << 30, limits=ENV, fds=None, ordered=False
+    ):
         """_fastpath.step() over these lanes (`fds`: each lane's fd, -1 for a
-        lane not in the call): actions default to 0, resets to none."""
+        lane not in the call): actions default to 0, resets to none; `ordered`: the
+        lent step's wait, lane by lane."""
         n = len(self.pairs)
         fds = self.fds if fds is None else fds
         return fp.step(
@@ -146,6 +149,7 @@ class Lanes:
             time.monotonic() + timeout,
             caps_of(limits),
             budget,
+            ordered,
         )
 
     def close(self):

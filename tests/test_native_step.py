@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import socket
 import struct
+import threading
 import time
 
 import msgpack
@@ -27,6 +28,7 @@ from boltzlabs.errors import ProtocolError
 from boltzlabs import wire
 from boltzlabs.worker.native import caps
 from boltzlabs.worker.reactor import check_reply
+from conftest import scaled
 from framers import ENV, SEQ, WORKER_PACK, Lanes, same
 
 try:
@@ -506,7 +508,8 @@ def test_actions_it_cannot_split_write_nothing(channels):
             env.recv(1)
 
 
-def test_lanes_answer_done_or_handed_back_and_compose_matches_the_pure_reply(channels):
+@pytest.mark.parametrize("ordered", [False, True], ids=["epoll", "ordered"])
+def test_lanes_answer_done_or_handed_back_and_compose_matches_the_pure_reply(channels, ordered):
     n = 6
     ch = channels(n)
     replies = {
@@ -518,7 +521,7 @@ def test_lanes_answer_done_or_handed_back_and_compose_matches_the_pure_reply(cha
     }  # 5 sends nothing: pending
     for i, data in replies.items():
         ch.env(i).sendall(data)
-    batch = ch.step([i for i in range(n)], resets=bytes([0, 1, 0, 0, 0, 0]), timeout=0.5)
+    batch = ch.step([i for i in range(n)], resets=bytes([0, 1, 0, 0, 0, 0]), timeout=0.5, ordered=ordered)
     assert batch.why == fp.TIMEOUT and batch.done == 3
     assert batch.held == sum(len(replies[i]) for i in (0, 1, 2))
     rest = {i: (kind, value) for i, kind, value in batch.rest}
@@ -539,29 +542,98 @@ def test_lanes_answer_done_or_handed_back_and_compose_matches_the_pure_reply(cha
         batch.compose({**overrides, 3: ("not bytes", 0.0, False, False, b"\x80")}, wire.pack([]))
 
 
-def test_eof_short_write_and_budget_are_handed_back(channels):
+@pytest.mark.parametrize("ordered", [False, True], ids=["epoll", "ordered"])
+def test_eof_short_write_and_budget_are_handed_back(channels, ordered):
     ch = channels(3)
     ch.env(0).close()
     ch.env(1).sendall(stepped(1, 1.0, False, False, {}))
-    batch = ch.step([0, 1, 2], timeout=0.3, budget=0)  # lane 1's read passes a budget of 0
+    batch = ch.step([0, 1, 2], timeout=0.3, budget=0, ordered=ordered)  # lane 1's read passes a budget of 0
     rest = {i: kind for i, kind, _ in batch.rest}
     assert batch.done == 0 and rest[1] == fp.UNUSUAL and rest.get(0) in (fp.EOF, fp.PENDING)
     ch2 = channels(2)
     ch2.pairs[0][0].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     big = b"x" * (1 << 22)
-    batch = ch2.step([big, 1], timeout=1)
+    batch = ch2.step([big, 1], timeout=1, ordered=ordered)
     assert batch.why == fp.SHORT_WRITE
     rest = {i: (kind, value) for i, kind, value in batch.rest}
     assert rest[0][0] == fp.SHORT_WRITE_KIND and big.endswith(rest[0][1][:-1]) and rest[1] == (fp.PENDING, None)
 
 
-def test_a_lane_read_once_then_ready_again_is_not_read_twice(channels):
+@pytest.mark.parametrize("ordered", [False, True], ids=["epoll", "ordered"])
+def test_a_lane_read_once_then_ready_again_is_not_read_twice(channels, ordered):
     ch = channels(2)
     ch.env(0).sendall(stepped(1, 1.0, False, False, {}))
     ch.env(0).sendall(b"more")  # may land in the same read (then the read is not one frame) or stay queued
-    batch = ch.step([0, 1], timeout=0.3)
+    batch = ch.step([0, 1], timeout=0.3, ordered=ordered)
     lanes = [i for i, _, _ in batch.rest]
     assert lanes.count(0) <= 1 and batch.done + len(lanes) == 2
+
+
+def _answer_later(env, data: bytes, delay: float) -> threading.Thread:
+    """A thread that sends `data` (a reply, or a part of one) on env after `delay` seconds."""
+
+    def send():
+        time.sleep(delay)
+        env.sendall(data)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_ordered_reads_every_lane_whatever_order_they_answer_in(channels):
+    # The lent step waits on the first lane still out alone: lanes that answer before it are
+    # read once it has, in one step, whatever the order.
+    ch = channels(3)
+    reply = stepped(1, 1.0, False, False, {})
+    ch.env(2).sendall(reply)
+    threads = [_answer_later(ch.env(1), reply, 0.05), _answer_later(ch.env(0), reply, 0.2)]
+    batch = ch.step([0, 1, 2], timeout=scaled(10.0), ordered=True)
+    for thread in threads:
+        thread.join()
+    assert batch.why == fp.DONE and batch.done == 3 and not batch.rest
+
+
+def test_ordered_takes_at_the_deadline_what_the_lanes_after_a_silent_one_sent(channels):
+    # Lane 0 never answers; the step waits on it until the deadline, then looks once at every
+    # lane: lane 1's reply, there since the start, is read, not taken for a straggler's.
+    ch = channels(3)
+    ch.env(1).sendall(stepped(1, 1.0, False, False, {}))
+    batch = ch.step([0, 1, 2], timeout=0.3, ordered=True)
+    rest = {i: kind for i, kind, _ in batch.rest}
+    assert batch.why == fp.TIMEOUT and batch.done == 1 and rest == {0: fp.PENDING, 2: fp.PENDING}
+
+
+def test_ordered_a_lane_trickling_its_frame_cannot_hold_the_step_past_its_deadline(channels):
+    # Lane 0 sends the start of a frame, then the rest a byte at a time, never whole: every byte
+    # wakes the wait on it, and still the step ends at its deadline, lane 0's part handed back.
+    ch = channels(2)
+    frame = stepped(list(range(2000)), 1.0, False, False, {})
+    ch.env(1).sendall(stepped(1, 1.0, False, False, {}))
+    stop = threading.Event()
+
+    ch.env(0).sendall(frame[:100])  # its header and a first part: the rest is awaited, whole
+
+    def trickle():
+        for byte in frame[100:-1]:
+            if stop.is_set():
+                return
+            try:
+                ch.env(0).sendall(bytes([byte]))
+            except OSError:
+                return
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    started = time.monotonic()
+    batch = ch.step([0, 1], timeout=0.5, ordered=True)
+    took = time.monotonic() - started
+    stop.set()
+    thread.join()
+    rest = {i: kind for i, kind, _ in batch.rest}
+    assert batch.why == fp.TIMEOUT and batch.done == 1 and rest[0] in (fp.UNUSUAL, fp.PENDING)
+    assert took < scaled(10.0)  # a hang, not a duration: the deadline held
 
 
 # --- real pools: the native path against BOLTZLABS_PURE=1 ----------------------------------------

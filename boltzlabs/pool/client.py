@@ -1089,6 +1089,7 @@ class RLPool(Pool):
                 deadline,
                 lent.caps,
                 lent.room,
+                True,  # ordered: woken by the first group still out, not by each that answers
             )
             if batch is None:
                 return None
