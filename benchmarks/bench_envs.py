@@ -44,7 +44,9 @@ past n is n; K = 1 is "boltzlabs" itself); with --pin-sandboxes, each of them
 twice, the second with RLPool(pin_sandboxes=True) ("boltzlabs k=K pinned": each
 sandbox on one CPU, in turn); with --eager-reset, once more with
 RLPool(eager_reset=True) (and pinned with --pin-sandboxes: "boltzlabs k=K pinned
-eager"; an ended episode's env resets while the trainer works). A second table gives each of ours
+eager"; an ended episode's env resets while the trainer works). --pin-trainer
+steps every implementation from this thread pinned to the first CPU, once all
+have started (os.sched_setaffinity(0, {cpu}), as a trainer may). A second table gives each of ours
 against AsyncVectorEnv, SyncVectorEnv, EnvPool and the limit: the cores this
 process may use x SyncVectorEnv's rate, every core stepping envs and doing
 nothing else.
@@ -323,7 +325,15 @@ def in_process(make, bank: list, steps: int) -> float:
 
 
 def bench(
-    env: str, n: int, rounds: int, chunk_s: float, only, ks=(), pinned: bool = False, eager: bool = False
+    env: str,
+    n: int,
+    rounds: int,
+    chunk_s: float,
+    only,
+    ks=(),
+    pinned: bool = False,
+    eager: bool = False,
+    pin_trainer: bool = False,
 ) -> dict:
     source, make, envpool_spec = ENVS[env]
     probe = make()
@@ -331,6 +341,7 @@ def bench(
     probe.close()
     gc.collect()
     impls = []
+    allowed = os.sched_getaffinity(0)
     try:
         # Forked workers first: they must not inherit the pools' sockets.
         if "async" in only:
@@ -359,6 +370,10 @@ def bench(
             if isinstance(impl, Ours):
                 worker = psutil.Process(impl.worker_pid)
                 impl.groups = ours_groups([worker] + worker.children(recursive=True), impl.sandboxes_pool)
+        if pin_trainer:
+            # This thread (every implementation's trainer) on the first CPU, once every process
+            # has started with all of them: what a user does with os.sched_setaffinity(0, {cpu}).
+            os.sched_setaffinity(0, {min(allowed)})
         for impl in impls:
             impl.warm(20)
         # Steps per chunk, per implementation: about chunk_s seconds each.
@@ -379,6 +394,7 @@ def bench(
                 impl.timed(steps[impl.name])
         figures = {impl.name: impl.figures() for impl in impls}
     finally:
+        os.sched_setaffinity(0, allowed)
         for impl in impls:
             impl.close()
     for fig in figures.values():
@@ -489,12 +505,27 @@ def main(argv=None) -> int:
         action="store_true",
         help="each grouped pool once more with RLPool(eager_reset=True) (pinned too with --pin-sandboxes)",
     )
+    parser.add_argument(
+        "--pin-trainer",
+        action="store_true",
+        help="step every implementation from a thread pinned to the first CPU (once all have started)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
     started = time.perf_counter()
     rows = [
-        bench(env, n, args.rounds, args.chunk, args.only, args.envs_per_sandbox, args.pin_sandboxes, args.eager_reset)
+        bench(
+            env,
+            n,
+            args.rounds,
+            args.chunk,
+            args.only,
+            args.envs_per_sandbox,
+            args.pin_sandboxes,
+            args.eager_reset,
+            args.pin_trainer,
+        )
         for env in args.envs
         for n in args.n
     ]

@@ -417,8 +417,9 @@ class RLPool(Pool):
         as that step's results are sent, unseeded, while the trainer works and
         the sandbox would wait; the next autoreset (a reset with no seed, no
         options, no scrub: the Gymnasium adapter's, or reset(where=...)) takes
-        its result, and a reset no longer holds up the batch (LunarLander-v3,
-        n = 32, k = 16: 1.1x, docs/performance.md). Same results; what
+        its result, and a reset holds up the batch less (LunarLander-v3,
+        n = 32, k = 16, pinned: 1.04x-1.06x in the same-run table,
+        docs/performance.md). Same results; what
         differs: until that autoreset, render() and get_attr of that env see
         the new episode, and a seeded reset, a call/set_attr or a step of it
         first means one more reset of it. Refused with serialize_measurement.
