@@ -212,13 +212,17 @@ def test_bench_per_envs_per_sandbox_json_of_an_env_directory():
         assert r["envs_per_gb"] > 0 and r["vs_async"] is None
 
 
-def test_bench_pin_sandboxes_measures_each_k_placed_and_pinned_and_says_it():
-    code, out, err = boltzlabs(
-        "bench", COUNTER, "-n", "4", "--envs-per-sandbox", "1,2", "--steps", "6", "--rounds", "2", "--pin-sandboxes"
-    )
+def bench_rows(source, *options, rows: int = 4):
+    """`boltzlabs bench source -n 4 ...options`'s output and its first rows' n, k and sandboxes."""
+    code, out, err = boltzlabs("bench", source, "-n", "4", *options)
     assert code == 0, out + err
-    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines()[2:6]]
-    assert [row[:3] for row in rows] == [
+    table = [[cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines()[2 : 2 + rows]]
+    return out, [row[:3] for row in table]
+
+
+def test_bench_pin_sandboxes_measures_each_k_placed_and_pinned_and_says_it():
+    out, rows = bench_rows(COUNTER, "--envs-per-sandbox", "1,2", "--steps", "6", "--rounds", "2", "--pin-sandboxes")
+    assert rows == [
         ["4", "1", "4"],
         ["4", "1 pinned", "4"],
         ["4", "2", "2"],
@@ -242,6 +246,49 @@ def test_bench_pin_sandboxes_measures_each_k_placed_and_pinned_and_says_it():
     assert code == 0, out + err
     assert [(r["k"], r["pinned"]) for r in json.loads(out)["results"]] == [(2, False), (2, True)]
     code, out, err = boltzlabs("bench", COUNTER, "-n", "2", "--steps", "6", "--pin-sandboxes", "--json")
+    assert code == 0, out + err
+    assert json.loads(out)["results"][0]["failed_steps"] == 0
+
+
+def test_bench_eager_reset_measures_each_k_once_more_with_eager_resets_and_says_it():
+    out, rows = bench_rows(
+        "gym://CartPole-v1",
+        "--envs-per-sandbox",
+        "2",
+        "--steps",
+        "60",
+        "--rounds",
+        "2",
+        "--pin-sandboxes",
+        "--eager-reset",
+    )
+    assert rows == [
+        ["4", "2", "2"],
+        ["4", "2 pinned", "2"],
+        ["4", "2 pinned eager", "2"],
+        ["4", "async", "-"],
+    ]
+    assert "k eager: the same pool made with eager_reset=True" in out
+    code, out, err = boltzlabs(
+        "bench",
+        COUNTER,
+        "-n",
+        "4",
+        "--envs-per-sandbox",
+        "2",
+        "--steps",
+        "6",
+        "--rounds",
+        "1",
+        "--eager-reset",
+        "--json",
+    )
+    assert code == 0, out + err
+    assert [(r["k"], r["pinned"], r["eager"]) for r in json.loads(out)["results"]] == [
+        (2, False, False),
+        (2, False, True),
+    ]
+    code, out, err = boltzlabs("bench", COUNTER, "-n", "2", "--steps", "6", "--eager-reset", "--json")
     assert code == 0, out + err
     assert json.loads(out)["results"][0]["failed_steps"] == 0
 

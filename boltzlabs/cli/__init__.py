@@ -309,6 +309,12 @@ envs/GiB and the ratio to AsyncVectorEnv per k (docs/groups.md).""",
         help="make each pool with RLPool(pin_sandboxes=True): each sandbox on one CPU, in turn; with "
         "--envs-per-sandbox, each k twice, placed by the kernel and pinned, taking turns",
     )
+    parser.add_argument(
+        "--eager-reset",
+        action="store_true",
+        help="make each pool with RLPool(eager_reset=True): an ended episode's env resets while the "
+        "trainer works; with --envs-per-sandbox, each k once more so (pinned too with --pin-sandboxes)",
+    )
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON only, no table")
     parser.add_argument(
         "--plot",
@@ -346,6 +352,7 @@ def _run_bench(args) -> int:
                 params=params,
                 bar=bar,
                 pin_sandboxes=args.pin_sandboxes,
+                eager_reset=args.eager_reset,
             )
         ],
     )
@@ -370,7 +377,9 @@ def _run_bench_groups(args) -> int:
     from boltzlabs.cli.bench import compare, pool_sides, twin
 
     with_async = twin(args.source, params, 1) is not None
-    sides = sum(len(pool_sides(args.envs_per_sandbox, n, args.pin_sandboxes)) + with_async for n in args.ns)
+    sides = sum(
+        len(pool_sides(args.envs_per_sandbox, n, args.pin_sandboxes, args.eager_reset)) + with_async for n in args.ns
+    )
     results = _bench_each_n(
         args,
         sides,
@@ -385,6 +394,7 @@ def _run_bench_groups(args) -> int:
             params=params,
             bar=bar,
             pin_sandboxes=args.pin_sandboxes,
+            eager_reset=args.eager_reset,
         ),
     )
     if results is None:
@@ -463,6 +473,8 @@ def _groups_table(results: list, args, with_async: bool) -> str:
     for row, r in zip(rows[1:], results):
         if r.get("pinned"):
             row[1] += " pinned"
+        if r.get("eager"):
+            row[1] += " eager"
     lines = _markdown(rows)
     sources = sorted({r["memory_source"] for r in results if r["memory_source"]})
     rounds = max(r["rounds"] for r in results)
@@ -475,6 +487,11 @@ def _groups_table(results: list, args, with_async: bool) -> str:
         lines.append(
             "k pinned: the same pool made with pin_sandboxes=True (each sandbox on one CPU, in turn), "
             "beside the pool whose sandboxes the kernel places"
+        )
+    if args.eager_reset:
+        lines.append(
+            "k eager: the same pool made with eager_reset=True (an ended episode's env resets while the "
+            "trainer works, docs/groups.md)"
         )
     if not with_async:
         lines.append(f"AsyncVectorEnv: not run ({args.source} is an env directory; a Gymnasium id has one)")

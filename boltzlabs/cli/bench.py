@@ -76,6 +76,7 @@ def measure(
     params=None,
     bar=None,
     pin_sandboxes: bool = False,
+    eager_reset: bool = False,
 ) -> dict:
     """Start a pool of n envs, step it `steps` times, and return its figures.
 
@@ -86,7 +87,7 @@ def measure(
     from boltzlabs import RLPool
 
     started = time.perf_counter()
-    pool = RLPool(source, n, spawn=spawn, params=params, pin_sandboxes=pin_sandboxes)
+    pool = RLPool(source, n, spawn=spawn, params=params, pin_sandboxes=pin_sandboxes, eager_reset=eager_reset)
     start_s = time.perf_counter() - started
     try:
         batches = action_batches(pool, actions)
@@ -203,9 +204,10 @@ class _Side:
     stepped in chunks; the CPU of its processes (`roots` and everything below them) and of
     this process is read around each chunk."""
 
-    def __init__(self, k, sandboxes, roots: list, start_s: float, pinned: bool = False) -> None:
+    def __init__(self, k, sandboxes, roots: list, start_s: float, pinned: bool = False, eager: bool = False) -> None:
         self.k, self.sandboxes, self.roots, self.start_s = k, sandboxes, roots, start_s
         self.pinned = pinned  # a pool made with pin_sandboxes=True
+        self.eager = eager  # a pool made with eager_reset=True
         self.rounds: list = []  # (seconds, steps, CPU seconds of this process, of the side's processes)
         self.failed, self.first_error = 0, None
 
@@ -253,6 +255,7 @@ class _Side:
             "n": n,
             "k": self.k,
             "pinned": self.pinned,
+            "eager": self.eager,
             "sandboxes": self.sandboxes,
             "steps": sum(steps for _, steps, _, _ in self.rounds),
             "rounds": len(self.rounds),
@@ -270,9 +273,11 @@ class _PoolSide(_Side):
     """RLPool(source, n, envs_per_sandbox=k), stepped with step_full: the envs done at the previous
     step are reset in the same request (next-step autoreset, as AsyncVectorEnv's default)."""
 
-    def __init__(self, pool, roots: list, start_s: float, batches: list, pinned: bool = False) -> None:
+    def __init__(
+        self, pool, roots: list, start_s: float, batches: list, pinned: bool = False, eager: bool = False
+    ) -> None:
         k = getattr(pool, "envs_per_sandbox", 1)
-        super().__init__(k, getattr(pool, "sandboxes", pool.n), roots, start_s, pinned)
+        super().__init__(k, getattr(pool, "sandboxes", pool.n), roots, start_s, pinned, eager)
         self.pool, self.batches, self.t, self.resets = pool, batches, 0, None
 
     def step(self) -> None:
@@ -340,10 +345,12 @@ def group_sizes(ks, n: int) -> list:
     return list(dict.fromkeys(min(int(k), n) for k in ks))
 
 
-def pool_sides(ks, n: int, pin_sandboxes: bool = False) -> list:
-    """The pools compare() makes at n: (k, pinned) for each k of group_sizes, and with
-    pin_sandboxes each k twice, as the kernel places its sandboxes and pinned, in turn."""
-    return [(k, pinned) for k in group_sizes(ks, n) for pinned in ((False, True) if pin_sandboxes else (False,))]
+def pool_sides(ks, n: int, pin_sandboxes: bool = False, eager_reset: bool = False) -> list:
+    """The pools compare() makes at n: (k, pinned, eager) for each k of group_sizes, as the
+    kernel places its sandboxes; with pin_sandboxes, each k pinned too; with eager_reset, each
+    k once more with eager resets (and pinned, with pin_sandboxes), in turn."""
+    variants = [(False, False)] + [(True, False)] * pin_sandboxes + [(pin_sandboxes, True)] * eager_reset
+    return [(k, pinned, eager) for k in group_sizes(ks, n) for pinned, eager in variants]
 
 
 def compare(
@@ -358,13 +365,15 @@ def compare(
     params=None,
     bar=None,
     pin_sandboxes: bool = False,
+    eager_reset: bool = False,
 ) -> list:
     """A pool of n envs for each k of `ks` (RLPool(source, n, envs_per_sandbox=k); k = 1 a sandbox
     per env) and, when the source is a Gymnasium id or env_fns, Gymnasium's AsyncVectorEnv over the
     same envs: all open at once, warmed up, then `steps` timed steps each, cut into `rounds`
     chunks that take turns (the order rotating), so a burst of other work hits every side alike.
     With pin_sandboxes, each k twice: as the kernel places its sandboxes, then with
-    RLPool(pin_sandboxes=True) ("pinned": true in its dict).
+    RLPool(pin_sandboxes=True) ("pinned": true in its dict); with eager_reset, once more with
+    RLPool(eager_reset=True) ("eager": true), pinned too with pin_sandboxes.
 
     One dict per side, the pools in k order then AsyncVectorEnv (k "async"): env-steps/s and CPU
     microseconds per env-step (this process plus the side's processes, from the scheduler's
@@ -389,7 +398,7 @@ def compare(
             envs = AsyncVectorEnv(fns)
             async_fns = (envs, time.perf_counter() - started)
         batches = None
-        for k, pinned in pool_sides(ks, n, pin_sandboxes):
+        for k, pinned, eager in pool_sides(ks, n, pin_sandboxes, eager_reset):
             before = {p.pid for p in me.children()}
             started = time.perf_counter()
             pool = RLPool(
@@ -399,6 +408,7 @@ def compare(
                 envs_per_sandbox=k,
                 progress=False,
                 pin_sandboxes=pinned,
+                eager_reset=eager,
                 **(params or {}),
             )
             start_s = time.perf_counter() - started
@@ -406,7 +416,7 @@ def compare(
             roots = [p for p in me.children() if p.pid not in before]
             if batches is None:
                 batches = action_batches(pool, actions)
-            sides.append(_PoolSide(pool, roots, start_s, batches, pinned))
+            sides.append(_PoolSide(pool, roots, start_s, batches, pinned, eager))
         if async_fns is not None:
             envs, start_s = async_fns
             sides.append(_AsyncSide(envs, _async_batches(envs, batches or [[0] * n]), start_s))
