@@ -8,7 +8,8 @@ What each test pins down:
      without it gives, after one more reset;
   4. an eager reset that raises fails that env's autoreset, with its cause; one that hangs or
      kills its sandbox fails the next request, as a reset there would; the pool goes on;
-  5. the option is checked: a bool, never with serialize_measurement, in OPEN as from the client.
+  5. the option is checked: a bool, never with serialize_measurement, in OPEN as from the client;
+     a pool over several workers gives it to each.
 Timeouts only catch hangs; no assertion is on a duration.
 """
 
@@ -110,6 +111,17 @@ def test_an_ended_env_is_reset_before_the_next_request_and_that_autoreset_takes_
     pool.step(["end", "go", "go", "go"])
     obs = pool.reset(where=[True, False, False, False])
     assert obs[0]["resets"] == 2 and pool.get_attr("resets") == [2, 2, 1, 2]
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_pool_over_several_workers_passes_it_to_every_shard(env_dir, k):
+    with RLPool(str(env_dir(COUNTING_ENV)), 4, workers=2, envs_per_sandbox=k, eager_reset=True) as pool:
+        assert pool.workers == 2
+        pool.reset()
+        pool.step(["go", "end", "go", "end"])
+        assert pool.get_attr("resets") == [1, 2, 1, 2]  # one env in each shard reset on its own
+        result = pool.step_full(["go", None, "go", None], resets=[1, 3])
+        assert [o["resets"] for o in result.obs] == [1, 2, 1, 2]
 
 
 def test_a_seeded_reset_a_step_or_set_attr_first_gets_what_a_pool_without_it_gives(pool_factory, env_dir, k):
