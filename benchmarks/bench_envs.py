@@ -75,6 +75,7 @@ import psutil
 
 from boltzlabs import RLPool
 from boltzlabs.cli import _positive_int  # the CLI's argparse type for a whole number >= 1
+from boltzlabs.cli.bench import pool_sides  # the grouped pools to make: each k, pinned, eager
 from boltzlabs.gym import BoltzLabsVecEnv
 
 RESULTS = ROOT / "benchmarks" / "results" / "envs.json"
@@ -118,7 +119,7 @@ VARIANTS = ("", " pinned", " eager", " pinned eager")  # a grouped pool's name e
 def grouped(k: int, pinned: bool = False, eager: bool = False) -> str:
     """The name of BoltzLabsVecEnv over RLPool(envs_per_sandbox=k), with pin_sandboxes=pinned and
     eager_reset=eager."""
-    return f"boltzlabs k={k}" + (" pinned" if pinned else "") + (" eager" if eager else "")
+    return f"boltzlabs k={k}{VARIANTS[pinned + 2 * eager]}"
 
 
 def names_of(rows: list) -> list:
@@ -130,7 +131,7 @@ def names_of(rows: list) -> list:
             k, _, variant = name.removeprefix("boltzlabs k=").partition(" ")
             ks.append((int(k), VARIANTS.index(f" {variant}" if variant else "")))
     return [name for name in IMPLEMENTATIONS if name in found] + [
-        f"boltzlabs k={k}{VARIANTS[v]}" for k, v in sorted(ks)
+        grouped(k, bool(v & 1), bool(v & 2)) for k, v in sorted(ks)
     ]
 
 
@@ -353,14 +354,14 @@ def bench(
             if ("boltzlabs" if adapter else "rlpool") in only:
                 log(f"[{env} n={n}] starting {'BoltzLabsVecEnv' if adapter else 'RLPool'}")
                 impls.append(Ours(n, bank, source, adapter))
-        for k in dict.fromkeys(min(k, n) for k in ks if k > 1):
-            variants = [(False, False)] + [(True, False)] * pinned + [(pinned, True)] * eager
-            for pin, early in variants:
-                log(
-                    f"[{env} n={n}] starting BoltzLabsVecEnv over "
-                    f"RLPool(envs_per_sandbox={k}, pin_sandboxes={pin}, eager_reset={early})"
-                )
-                impls.append(Ours(n, bank, source, True, k, pin, early))
+        for k, pin, early in pool_sides(ks, n, pinned, eager):
+            if k == 1:  # "boltzlabs" itself, above
+                continue
+            log(
+                f"[{env} n={n}] starting BoltzLabsVecEnv over "
+                f"RLPool(envs_per_sandbox={k}, pin_sandboxes={pin}, eager_reset={early})"
+            )
+            impls.append(Ours(n, bank, source, True, k, pin, early))
         if "envpool" in only and envpool_spec is not None:
             impls.append(EnvPool(n, bank, *envpool_spec))
         for impl in impls:

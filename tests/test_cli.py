@@ -220,6 +220,13 @@ def bench_rows(source, *options, rows: int = 4):
     return out, [row[:3] for row in table]
 
 
+def bench_results(source, n, *options):
+    """`boltzlabs bench source -n n ...options --json`'s results."""
+    code, out, err = boltzlabs("bench", source, "-n", str(n), *options, "--json")
+    assert code == 0, out + err
+    return json.loads(out)["results"]
+
+
 def test_bench_pin_sandboxes_measures_each_k_placed_and_pinned_and_says_it():
     out, rows = bench_rows(COUNTER, "--envs-per-sandbox", "1,2", "--steps", "6", "--rounds", "2", "--pin-sandboxes")
     assert rows == [
@@ -229,25 +236,9 @@ def test_bench_pin_sandboxes_measures_each_k_placed_and_pinned_and_says_it():
         ["4", "2 pinned", "2"],
     ]
     assert "k pinned: the same pool made with pin_sandboxes=True" in out
-    code, out, err = boltzlabs(
-        "bench",
-        COUNTER,
-        "-n",
-        "4",
-        "--envs-per-sandbox",
-        "2",
-        "--steps",
-        "6",
-        "--rounds",
-        "1",
-        "--pin-sandboxes",
-        "--json",
-    )
-    assert code == 0, out + err
-    assert [(r["k"], r["pinned"]) for r in json.loads(out)["results"]] == [(2, False), (2, True)]
-    code, out, err = boltzlabs("bench", COUNTER, "-n", "2", "--steps", "6", "--pin-sandboxes", "--json")
-    assert code == 0, out + err
-    assert json.loads(out)["results"][0]["failed_steps"] == 0
+    results = bench_results(COUNTER, 4, "--envs-per-sandbox", "2", "--steps", "6", "--rounds", "1", "--pin-sandboxes")
+    assert [(r["k"], r["pinned"]) for r in results] == [(2, False), (2, True)]
+    assert bench_results(COUNTER, 2, "--steps", "6", "--pin-sandboxes")[0]["failed_steps"] == 0
 
 
 def test_bench_eager_reset_measures_each_k_once_more_with_eager_resets_and_says_it():
@@ -269,28 +260,9 @@ def test_bench_eager_reset_measures_each_k_once_more_with_eager_resets_and_says_
         ["4", "async", "-"],
     ]
     assert "k eager: the same pool made with eager_reset=True" in out
-    code, out, err = boltzlabs(
-        "bench",
-        COUNTER,
-        "-n",
-        "4",
-        "--envs-per-sandbox",
-        "2",
-        "--steps",
-        "6",
-        "--rounds",
-        "1",
-        "--eager-reset",
-        "--json",
-    )
-    assert code == 0, out + err
-    assert [(r["k"], r["pinned"], r["eager"]) for r in json.loads(out)["results"]] == [
-        (2, False, False),
-        (2, False, True),
-    ]
-    code, out, err = boltzlabs("bench", COUNTER, "-n", "2", "--steps", "6", "--eager-reset", "--json")
-    assert code == 0, out + err
-    assert json.loads(out)["results"][0]["failed_steps"] == 0
+    results = bench_results(COUNTER, 4, "--envs-per-sandbox", "2", "--steps", "6", "--rounds", "1", "--eager-reset")
+    assert [(r["k"], r["pinned"], r["eager"]) for r in results] == [(2, False, False), (2, False, True)]
+    assert bench_results(COUNTER, 2, "--steps", "6", "--eager-reset")[0]["failed_steps"] == 0
 
 
 # -- doctor ------------------------------------------------------------------------------------

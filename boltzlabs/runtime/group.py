@@ -320,8 +320,8 @@ class Group:
             kind = kinds[j] = entry[0]
             try:
                 if kind == STEPPED:
-                    if eager is not None and eager.ready:
-                        eager.ready.pop(j, None)  # stepped instead: what an eager reset returned is stale
+                    if eager is not None:
+                        eager.drop(j)  # stepped instead: what an eager reset returned is stale
                     result = member["step"](entry[1])
                     if type(result) is tuple and len(result) == 5 and type(result[4]) is dict:
                         # Gymnasium's 5-tuple, as _step_reply takes it, without the reply list it builds.
@@ -345,7 +345,7 @@ class Group:
         results = [kinds, rewards, terminated, truncated, infos, errors]
         if eager is not None:
             if scrubbed is not None:
-                eager.ready.clear()
+                eager.drop()
             self.ended = [
                 j for j in range(count) if kinds[j] == STEPPED and errors[j] is None and (terminated[j] or truncated[j])
             ]
@@ -505,7 +505,7 @@ class Group:
                 raise ProtocolError(f"malformed group attr table item {item!r:.80}")
             j, member_args = item
             if op != "get" and self.eager is not None:
-                self.eager.ready.pop(j, None)  # a call or set may change what its next reset makes: made then
+                self.eager.drop(j)  # a call or set may change what its next reset makes: made then
             try:
                 out.append([j, True, self.members[j]["attributes"].run(op, name, member_args, kwargs)])
             except Exception as exc:

@@ -359,6 +359,14 @@ class Eager:
         except Exception as exc:  # the env's bug: raised again to the reset that takes it
             self.ready[member] = (False, exc)
 
+    def drop(self, member: Any = None) -> None:
+        """Forget the eager reset of `member` (None: of every member): it was stepped instead, or a
+        call, set or scrub may change what its next reset makes, which is then made anew."""
+        if member is None:
+            self.ready.clear()
+        else:
+            self.ready.pop(member, None)
+
     def take(self, member: int, reset: Any, seed: Any, options: Any) -> Any:
         """What reset(seed, options) of `member` gives: the eager reset's, when there is one and
         the request is the one it stands for, else a call now."""
@@ -805,7 +813,7 @@ def _serve_loop(channel: _Channel, reset: Any, step: Any, render: Any, info: dic
                 if eager is None:
                     _reply(channel, seq, "step", _step_reply, step, action)
                     continue
-                eager.ready.clear()  # stepped instead: what an eager reset returned is stale
+                eager.drop(0)  # stepped instead: what an eager reset returned is stale
                 reply = _reply(channel, seq, "step", _step_reply, step, action)
                 if type(reply) is list and len(reply) == 7 and (reply[4] is True or reply[5] is True):
                     eager.run(0, reset)  # its episode ended: reset now, while the trainer works
@@ -813,7 +821,7 @@ def _serve_loop(channel: _Channel, reset: Any, step: Any, render: Any, info: dic
                 seq, seed, options = message[1:4]
                 if len(message) > 4 and message[4]:  # reset(scrub=True): the sandbox scrubbed first
                     if channel.eager is not None:
-                        channel.eager.ready.clear()
+                        channel.eager.drop()
                     _reply(channel, seq, "reset", _reset_reply, scrubbed(reset, message[4]), seed, options)
                 elif channel.eager is not None:
                     _reply(channel, seq, "reset", _reset_reply, channel.eager.take, 0, reset, seed, options)
@@ -825,7 +833,7 @@ def _serve_loop(channel: _Channel, reset: Any, step: Any, render: Any, info: dic
             elif code == wire.ATTR:
                 _, seq, op, name, args, kwargs = message
                 if op != "get" and channel.eager is not None:
-                    channel.eager.ready.clear()  # a call or set may change what its next reset makes: made then
+                    channel.eager.drop()  # a call or set may change what its next reset makes: made then
                 _reply(channel, seq, _ATTR_PHASES[op], _attr_reply, _ATTRIBUTES.run, op, name, args, kwargs)
             else:
                 raise ProtocolError(f"unexpected message code {code}")
